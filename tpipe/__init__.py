@@ -1,0 +1,15 @@
+"""tpipe: GPipe pipeline parallelism for JAX and Flax.
+
+A stack of identical Flax blocks is split into stages, one per device along a mesh axis; each
+mini-batch is split into micro-batches that flow through the stages; gradients accumulate over
+micro-batches and are reduced across data-parallel replicas once per step.
+"""
+
+from tpipe import schedules
+from tpipe.mesh import data_sharding
+from tpipe.mesh import make_mesh
+from tpipe.schedules import make_schedule
+from tpipe.schedules import Schedule
+from tpipe.transform import pipeline
+
+__version__ = "0.1.0"

@@ -1,0 +1,153 @@
+"""The SPMD executor: runs a schedule's table on every device at once inside ``jax.shard_map``.
+
+Every device runs the same program. A ``lax.scan`` walks the schedule's ticks; at each tick a
+device looks up in the table which (micro-batch, repeat) it works on, chooses its input (a fresh
+micro-batch or one coming back for another lap on stage 0, otherwise what its left neighbour sent
+last tick), applies its chunk of layers, and sends the result to its right neighbour with one
+``lax.ppermute`` on the ring of stages. The last stage files finished micro-batches into an output
+buffer. Idle (bubble) ticks compute on a placeholder and their results are never selected, so
+they cost time but no correctness.
+
+Autodiff through the scan gives the backward pass (forward ticks replayed in reverse), which
+accumulates parameter gradients over micro-batches in the scan's carry.
+
+Data parallelism: the batch is split over the ``data`` mesh axis and parameters are replicated
+on it. Parameters are marked as varying over ``data`` once, at entry (``lax.pcast``); the
+transpose of that cast is the one all-reduce (a ``psum`` over ``data`` of each replica's share of
+the mean loss's gradient) of the whole step, outside the tick loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from tpipe import partition
+from tpipe import schedules as schedules_lib
+from tpipe import stage as stage_lib
+
+
+def _select(pred, on_true, on_false):
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _read_slot(buffer, index):
+  return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, index, 0, keepdims=False), buffer)
+
+
+def _write_slot(buffer, index, value, pred):
+  """``buffer[index] = value if pred`` without copying the whole buffer."""
+
+  def write(b, v):
+    old = lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(b, jnp.where(pred, v, old), index, 0)
+
+  return jax.tree.map(write, buffer, value)
+
+
+def _tick_inputs(schedule: schedules_lib.Schedule) -> dict[str, np.ndarray]:
+  """The per-tick rows the scan consumes: the table plus what the last stage ran one tick ago."""
+  last_mb = np.concatenate([[schedules_lib.IDLE], schedule.microbatch[:-1, -1]])
+  last_rep = np.concatenate([[schedules_lib.IDLE], schedule.repeat[:-1, -1]])
+  return {
+      "microbatch": schedule.microbatch,
+      "repeat": schedule.repeat,
+      "arriving_microbatch": last_mb.astype(np.int32),
+      "arriving_repeat": last_rep.astype(np.int32),
+  }
+
+
+def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, args: tuple, rngs: dict, *,
+                 length: int, schedule: schedules_lib.Schedule, mesh: Mesh, remat="full",
+                 stage_axis: str = "stage", data_axis: str | None = "data") -> Any:
+  """Applies ``L`` stacked layers to a batch with a pipeline schedule on ``mesh``.
+
+  Callers validate arguments first (:mod:`tpipe.transform` does); this function assumes
+  ``L`` splits into ``S * R`` chunks and the batch into ``M`` micro-batches per data replica.
+
+  Args:
+    layer_fn: ``layer_fn(params_of_one_layer, x, args, rngs) -> y``, ``y`` shaped like ``x``.
+    params: pytree, every leaf ``[L, ...]`` (layer ``l`` at index ``l``).
+    x: pytree of arrays ``[N, ...]``, the global batch.
+    args: tuple of arrays broadcast to every layer and micro-batch.
+    rngs: dict of RNG stream name to key; folded per layer and micro-batch.
+    length: number of layers L.
+    schedule: the schedule to run.
+    mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
+    remat: a remat option (see :func:`tpipe.stage.resolve_remat`).
+    stage_axis: the mesh axis of pipeline stages.
+    data_axis: the mesh axis of data-parallel replicas, or None. Ignored when absent from mesh.
+
+  Returns:
+    The pytree ``y``, shaped like ``x``: every layer applied in order.
+  """
+  num_stages, num_microbatches = schedule.num_stages, schedule.num_microbatches
+  num_repeats = schedule.num_repeats
+  per_chunk = partition.layers_per_chunk(length, num_stages, num_repeats)
+  stage_fn = stage_lib.make_stage_fn(layer_fn, per_chunk, remat)
+  has_data = data_axis is not None and data_axis in mesh.axis_names
+  batch_spec = P(data_axis) if has_data else P()
+  ring = [(s, (s + 1) % num_stages) for s in range(num_stages)]
+  tick_inputs = _tick_inputs(schedule)
+
+  def per_device(staged, x, args, rngs):
+    staged = jax.tree.map(lambda p: p[:, 0], staged)  # [R, layers_per_chunk, ...]
+    if has_data:
+      # Once per step: the transpose of this cast is the data-parallel gradient all-reduce.
+      staged = lax.pcast(staged, (data_axis,), to="varying")
+    # Inputs and broadcast args become stage-varying outside the tick loop, so their gradients
+    # are summed over stages once, not once per tick.
+    x, args = lax.pcast((x, args), (stage_axis,), to="varying")
+    stage = lax.axis_index(stage_axis)
+    data_index = lax.axis_index(data_axis) if has_data else 0
+    local_batch = jax.tree.leaves(x)[0].shape[0]
+    micro = local_batch // num_microbatches
+    microbatches = jax.tree.map(
+        lambda a: a.reshape((num_microbatches, micro) + a.shape[1:]), x)
+    one_microbatch = jax.tree.map(lambda a: jnp.zeros_like(a[0]), microbatches)
+    buffer = jax.tree.map(jnp.zeros_like, microbatches)
+    carry = {"incoming": one_microbatch, "outputs": buffer}
+    if num_repeats > 1:
+      carry["loop_back"] = buffer
+
+    def tick(carry, row):
+      carry = dict(carry)
+      mb, rep = row["microbatch"][stage], row["repeat"][stage]
+      busy = mb >= 0
+      mb, rep = jnp.maximum(mb, 0), jnp.maximum(rep, 0)
+      fresh = _read_slot(microbatches, mb)
+      if num_repeats > 1:
+        # Stage 0 parks what the last stage finished last tick until its next lap starts.
+        arriving_mb, arriving_rep = row["arriving_microbatch"], row["arriving_repeat"]
+        park = (stage == 0) & (arriving_mb >= 0) & (arriving_rep < num_repeats - 1)
+        carry["loop_back"] = _write_slot(carry["loop_back"], jnp.maximum(arriving_mb, 0),
+                                         carry["incoming"], park)
+        fresh = _select(rep == 0, fresh, _read_slot(carry["loop_back"], mb))
+      stage_input = _select(stage == 0, fresh, carry["incoming"])
+      chunk = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, rep, 0, keepdims=False), staged)
+      first_layer = (rep * num_stages + stage) * per_chunk
+      y = stage_fn(chunk, stage_input, args, rngs, first_layer,
+                   data_index * num_microbatches + mb)
+      finished = busy & (stage == num_stages - 1) & (rep == num_repeats - 1)
+      carry["outputs"] = _write_slot(carry["outputs"], mb, y, finished)
+      carry["incoming"] = lax.ppermute(y, stage_axis, ring)
+      return carry, None
+
+    carry, _ = lax.scan(tick, carry, tick_inputs)
+    # Only the last stage wrote outputs (the others hold zeros): the sum hands them to every stage.
+    outputs = lax.psum(carry["outputs"], stage_axis)
+    return jax.tree.map(lambda a: a.reshape((local_batch,) + a.shape[2:]), outputs)
+
+  staged = partition.to_stage_layout(params, num_stages, num_repeats)
+  run = jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=(P(None, stage_axis), batch_spec, P(), P()),
+      out_specs=batch_spec,
+  )
+  return run(staged, x, args, rngs)

@@ -1,0 +1,57 @@
+"""Device meshes for pipelining: a ``data`` axis of replicas and a ``stage`` axis of stages."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+STAGE_AXIS = "stage"
+DATA_AXIS = "data"
+
+
+def make_mesh(stages: int, data: int = 1, *, devices=None, stage_axis: str = STAGE_AXIS,
+              data_axis: str = DATA_AXIS) -> Mesh:
+  """A ``(data, stage)`` mesh over the first ``data * stages`` devices.
+
+  The stage axis is the minor one, so on TPU the stages of one replica are neighbours on the
+  interconnect (``jax.make_mesh`` orders devices by topology) and stage-to-stage sends are short.
+
+  Args:
+    stages: devices per pipeline (size of the ``stage`` axis).
+    data: data-parallel replicas (size of the ``data`` axis).
+    devices: devices to use; default ``jax.devices()``.
+    stage_axis: name of the stage axis.
+    data_axis: name of the data axis.
+
+  Returns:
+    A ``jax.sharding.Mesh`` with Auto axis types.
+  """
+  for name, value in (("stages", stages), ("data", data)):
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise TypeError(f"{name} must be an int, got {value!r}.")
+    if value < 1:
+      raise ValueError(f"{name} must be >= 1, got {value}.")
+  if stage_axis == data_axis:
+    raise ValueError(f"stage_axis and data_axis must differ, both are {stage_axis!r}.")
+  devices = list(jax.devices() if devices is None else devices)
+  needed = stages * data
+  if needed > len(devices):
+    raise ValueError(
+        f"A mesh of data={data} x stages={stages} needs {needed} devices but {len(devices)} are "
+        "available. On CPU, emulate more with JAX_NUM_CPU_DEVICES=8 (or "
+        "jax.config.update('jax_num_cpu_devices', 8) before the first JAX call).")
+  return jax.make_mesh((data, stages), (data_axis, stage_axis),
+                       axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[:needed])
+
+
+def data_sharding(mesh: Mesh, data_axis: str = DATA_AXIS) -> NamedSharding:
+  """Sharding for a batch: axis 0 split over the data axis (replicated if there is none)."""
+  if data_axis in mesh.axis_names:
+    return NamedSharding(mesh, P(data_axis))
+  return NamedSharding(mesh, P())
+
+
+def single_device_mesh(stage_axis: str = STAGE_AXIS) -> Mesh:
+  """A one-device mesh with only a stage axis: what ``mesh=None`` means without an ambient mesh."""
+  return jax.make_mesh((1,), (stage_axis,), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:1])

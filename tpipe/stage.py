@@ -1,0 +1,88 @@
+"""One stage's work on one device: a chunk of consecutive layers applied to one micro-batch.
+
+The chunk's parameters are stacked (``[layers, ...]``) and applied with ``lax.scan``, so compile
+time does not grow with the number of layers. The whole chunk runs under ``jax.checkpoint`` with
+the chosen policy: with ``remat="full"`` only the chunk's input is kept for the backward pass and
+everything inside is recomputed (GPipe's re-materialization, sec. 2.3 of the paper).
+
+Random numbers do not depend on the pipeline layout: every layer gets, for every RNG stream,
+``fold_in(fold_in(key, global_layer_index), global_microbatch_index)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# A layer function: (params of one layer, activation, broadcast args, rngs) -> activation.
+LayerFn = Callable[[Any, Any, tuple, dict], Any]
+
+REMAT_NAMES = ("none", "full", "dots")
+_NOT_REMATERIALIZED = object()
+
+
+def resolve_remat(remat) -> Any:
+  """Maps a ``remat`` option to a ``jax.checkpoint`` policy.
+
+  Args:
+    remat: ``"none"`` (keep every activation), ``"full"`` (keep only the stage input, recompute
+      the rest), ``"dots"`` (keep matmul outputs, recompute the cheap element-wise work), or any
+      ``jax.checkpoint`` policy callable (e.g. from ``jax.checkpoint_policies``).
+
+  Returns:
+    A policy for ``jax.checkpoint`` (``None`` means save nothing), or a private sentinel for
+    ``"none"`` (no checkpointing at all).
+  """
+  if isinstance(remat, str):
+    if remat == "none":
+      return _NOT_REMATERIALIZED
+    if remat == "full":
+      return None
+    if remat == "dots":
+      return jax.checkpoint_policies.dots_saveable
+    raise ValueError(f"Unknown remat {remat!r}; choose one of {REMAT_NAMES} or pass a "
+                     "jax.checkpoint policy such as jax.checkpoint_policies.dots_saveable.")
+  if callable(remat):
+    return remat
+  raise TypeError(f"remat must be one of {REMAT_NAMES} or a jax.checkpoint policy callable, "
+                  f"got {remat!r} of type {type(remat).__name__}.")
+
+
+def fold_rngs(rngs: dict, layer_index, microbatch_index) -> dict:
+  """Per-layer, per-micro-batch keys: independent of stages, repeats, schedule and remat."""
+  return {name: jax.random.fold_in(jax.random.fold_in(key, layer_index), microbatch_index)
+          for name, key in rngs.items()}
+
+
+def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat) -> Callable:
+  """Builds ``stage_fn(chunk_params, x, args, rngs, first_layer, microbatch_index) -> y``.
+
+  Args:
+    layer_fn: applies one layer: ``layer_fn(params, x, args, rngs) -> y`` with ``y`` of the
+      same structure, shapes and dtypes as ``x``.
+    num_layers: layers in the chunk (the leading axis of every ``chunk_params`` leaf).
+    remat: a ``remat`` option, see :func:`resolve_remat`.
+
+  Returns:
+    A function applying a chunk of layers whose params leaves are stacked ``[layers, ...]``.
+    ``first_layer`` is the global index of the chunk's first layer (for RNG folding).
+  """
+  policy = resolve_remat(remat)
+
+  def apply_chunk(chunk_params, x, args, rngs, first_layer, microbatch_index):
+    def one_layer(h, inputs):
+      params, j = inputs
+      layer_rngs = fold_rngs(rngs, first_layer + j, microbatch_index)
+      return layer_fn(params, h, args, layer_rngs), None
+
+    y, _ = lax.scan(one_layer, x, (chunk_params, jnp.arange(num_layers)), length=num_layers)
+    return y
+
+  if policy is _NOT_REMATERIALIZED:
+    return apply_chunk
+  # prevent_cse=False: the chunk runs inside the tick scan, which already stops XLA from
+  # merging the recomputation into the forward pass.
+  return jax.checkpoint(apply_chunk, policy=policy, prevent_cse=False)

@@ -1,0 +1,213 @@
+"""``tpipe.pipeline``: the Flax linen transform that pipelines a stack of identical blocks.
+
+Like ``nn.scan`` it takes a Module class and returns a Module class with the same constructor;
+the new module applies ``length`` copies of the block in sequence (each with its own parameters),
+split into stages over the mesh's ``stage`` axis and run with a pipeline schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from tpipe import executor
+from tpipe import mesh as mesh_lib
+from tpipe import partition
+from tpipe import schedules as schedules_lib
+from tpipe import stage as stage_lib
+
+
+def _check_count(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}.")
+  if value < 1:
+    raise ValueError(f"{name} must be >= 1, got {value}.")
+
+
+def _resolve_mesh(mesh, num_stages: int, stage_axis: str):
+  """The mesh to run on: the given one, else the ambient one (``jax.set_mesh``), else 1 device."""
+  if mesh is None:
+    ambient = jax.sharding.get_abstract_mesh()
+    mesh = mesh_lib.single_device_mesh(stage_axis) if ambient.empty else ambient
+    origin = "the ambient mesh (jax.set_mesh)" if not ambient.empty else "the default 1-device mesh"
+  else:
+    origin = "the mesh passed to tpipe.pipeline"
+  shape = dict(mesh.shape)
+  if stage_axis not in shape:
+    raise ValueError(
+        f"{origin} has axes {tuple(shape)} but no stage axis {stage_axis!r}; build one with "
+        f"tpipe.make_mesh(stages={num_stages}, data=...) or pass stage_axis=<your axis name>.")
+  if shape[stage_axis] != num_stages:
+    raise ValueError(
+        f"num_stages={num_stages} but the {stage_axis!r} axis of {origin} has size "
+        f"{shape[stage_axis]}; make them equal (e.g. tpipe.make_mesh(stages={num_stages}, ...)).")
+  return mesh
+
+
+def _block_fields(module: nn.Module, block_cls) -> dict[str, Any]:
+  return {f.name: getattr(module, f.name) for f in dataclasses.fields(block_cls)
+          if f.init and f.name not in ("parent", "name")}
+
+
+def _batch_size(x) -> int:
+  leaves = jax.tree.leaves(x)
+  if not leaves:
+    raise ValueError("The pipelined block's input x has no arrays; pass an array or a pytree of "
+                     "arrays with a leading batch axis.")
+  sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+  if None in sizes or len(sizes) != 1:
+    raise ValueError(
+        "Every array in the pipelined block's input x needs the same leading batch axis; got "
+        f"shapes {[np.shape(leaf) for leaf in leaves]}.")
+  return sizes.pop()
+
+
+def _check_same_structure(x, y, block_name: str) -> None:
+  x_struct = jax.tree.map(lambda a: (np.shape(a), np.dtype(a.dtype)), x)
+  y_struct = jax.tree.map(lambda a: (np.shape(a), np.dtype(a.dtype)), y)
+  if jax.tree.structure(x) != jax.tree.structure(y) or x_struct != y_struct:
+    raise ValueError(
+        f"{block_name} must return an activation with the same pytree structure, shapes and "
+        f"dtypes as its input x (it crosses stage boundaries), but maps {x_struct} to "
+        f"{y_struct}. Make the block shape- and dtype-preserving, e.g. move a projection that "
+        "changes the width into the model before or after the pipelined stack.")
+
+
+def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_microbatches: int,
+             schedule: str = "gpipe", num_repeats: int = 1, remat="full",
+             mesh: Mesh | None = None, stage_axis: str = mesh_lib.STAGE_AXIS,
+             data_axis: str = mesh_lib.DATA_AXIS) -> type[nn.Module]:
+  """Pipelines ``length`` copies of ``block_cls`` over the ``stage`` axis of a device mesh.
+
+  The returned class takes ``block_cls``'s constructor arguments. Its ``__call__(x, *args)``
+  applies the ``length`` layers in sequence to ``x`` (an array or pytree of arrays with a leading
+  batch axis), passing ``args`` unchanged to every layer (like ``nn.broadcast``; e.g. a mask).
+  The batch is split into ``num_microbatches`` micro-batches per data-parallel replica which flow
+  through the stages as the schedule says. The result equals applying the layers in sequence.
+
+  Parameters use ``nn.scan``'s layout: ``init`` returns ``{"params": P}`` where ``P`` has the
+  tree structure of ``block_cls(...).init(...)["params"]`` with every leaf stacked on a new
+  leading axis of length ``length``, layer ``l`` at index ``l``, each layer initialised from its
+  own key. The same variables work for every stage count, schedule, micro-batch count and remat.
+
+  Random streams passed to ``apply`` (e.g. ``rngs={"dropout": key}``) reach every layer as
+  ``fold_in(fold_in(key, layer), microbatch)``, so for a fixed number of micro-batches per replica
+  the result does not depend on the stage count, schedule or remat policy.
+
+  Args:
+    block_cls: a ``flax.linen.Module`` class whose ``__call__(x, *args)`` returns a value with the
+      same structure, shapes and dtypes as ``x``, and whose only variables are ``params``.
+    length: number of layers L.
+    num_stages: pipeline stages S; must equal the size of the mesh's stage axis.
+    num_microbatches: micro-batches M per data-parallel replica. ``M < S`` works (big bubble).
+    schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (each stage holds ``num_repeats``
+      chunks of layers; bubble ``(S-1) / (R*M + S-1)``).
+    num_repeats: chunks per stage R (``"circular"`` only). L must divide by ``S * R``.
+    remat: ``"none"``, ``"full"`` (recompute each stage's chunk in the backward pass, keeping
+      only its input), ``"dots"`` (keep matmul outputs), or a ``jax.checkpoint`` policy.
+    mesh: the device mesh; ``None`` means the ambient mesh (``jax.set_mesh``), or one device.
+    stage_axis: name of the mesh axis holding the stages.
+    data_axis: name of the mesh axis of data-parallel replicas (the batch is split over it);
+      ignored if the mesh has no such axis.
+
+  Returns:
+    A ``flax.linen.Module`` subclass of ``block_cls``.
+
+  Example::
+
+    Stack = tpipe.pipeline(MLPBlock, length=8, num_stages=4, num_microbatches=8,
+                           mesh=tpipe.make_mesh(stages=4, data=2))
+    model = Stack(width=64)
+    variables = model.init({"params": key}, x)   # x: [batch, 64]
+    y = jax.jit(model.apply)(variables, x)
+  """
+  if not (isinstance(block_cls, type) and issubclass(block_cls, nn.Module)):
+    raise TypeError(f"block_cls must be a flax.linen.Module class, got {block_cls!r}.")
+  for name, value in (("length", length), ("num_stages", num_stages),
+                      ("num_microbatches", num_microbatches), ("num_repeats", num_repeats)):
+    _check_count(name, value)
+  the_schedule = schedules_lib.make_schedule(schedule, num_stages, num_microbatches, num_repeats)
+  partition.layers_per_chunk(length, num_stages, num_repeats)  # Raises unless L splits evenly.
+  stage_lib.resolve_remat(remat)  # Raises for unknown names before anything is traced.
+  if mesh is not None:
+    if not isinstance(mesh, Mesh):
+      raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}.")
+    _resolve_mesh(mesh, num_stages, stage_axis)
+
+  block_name = block_cls.__name__
+
+  class Pipelined(block_cls):
+    """``block_cls`` repeated ``length`` times, pipelined (made by :func:`tpipe.pipeline`)."""
+
+    def setup(self):
+      # The block's own setup (if any) belongs to the per-layer template, not to the stack.
+      pass
+
+    @nn.compact
+    def __call__(self, x, *args):
+      run_mesh = _resolve_mesh(mesh, num_stages, stage_axis)
+      data_size = dict(run_mesh.shape).get(data_axis, 1)
+      batch = _batch_size(x)
+      if batch % (num_microbatches * data_size):
+        raise ValueError(
+            f"Batch size {batch} is not divisible by num_microbatches * data replicas = "
+            f"{num_microbatches} * {data_size} = {num_microbatches * data_size}; use a batch "
+            f"that is a multiple of {num_microbatches * data_size} or change num_microbatches.")
+      micro = batch // (num_microbatches * data_size)
+      template = block_cls(**_block_fields(self, block_cls), parent=None)
+      is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in args]
+      array_args = tuple(a for a, array in zip(args, is_array) if array)
+
+      def full_args(arrays):
+        """Puts the traced array args back between the static (Python) ones."""
+        arrays = iter(arrays)
+        return tuple(next(arrays) if array else a for a, array in zip(args, is_array))
+
+      def layer_fn(layer_params, h, arrays, layer_rngs):
+        return template.apply({"params": layer_params}, h, *full_args(arrays), rngs=layer_rngs)
+
+      streams = sorted(name for name in self.scope.rngs if name != "params")
+      rngs = {name: self.make_rng(name) for name in streams}
+      x_micro = jax.tree.map(lambda a: a[:micro], x)
+
+      if self.is_initializing():
+        keys = jax.random.split(self.make_rng("params"), length)
+
+        def init_layer(key):
+          init_rngs = {"params": key, **stage_lib.fold_rngs(rngs, 0, 0)}
+          return template.init(init_rngs, x_micro, *args)
+
+        layer_vars = jax.vmap(init_layer)(keys)
+        extra = sorted(set(layer_vars) - {"params"})
+        if extra:
+          raise ValueError(
+              f"{block_name} creates variable collections {extra}; tpipe.pipeline supports "
+              "blocks whose only variables are 'params' (no batch statistics or caches).")
+        for name, value in nn.meta.unbox(layer_vars.get("params", {})).items():
+          self.param(name, lambda _key, value=value: value)
+
+      params = nn.meta.unbox(dict(self.variables.get("params", {})))
+      leaves = jax.tree.leaves(params)
+      if leaves and any(np.shape(leaf)[:1] != (length,) for leaf in leaves):
+        raise ValueError(
+            f"Expected every parameter of the pipelined {block_name} stacked on a leading axis "
+            f"of length {length}; got shapes {jax.tree.map(np.shape, params)}. Were these "
+            "variables made for another length?")
+      one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+      out = jax.eval_shape(lambda p, h, arrays: layer_fn(p, h, arrays, rngs),
+                           one_layer, x_micro, array_args)
+      _check_same_structure(x_micro, out, block_name)
+      return executor.run_pipeline(
+          layer_fn, params, x, array_args, rngs, length=length, schedule=the_schedule, mesh=run_mesh,
+          remat=remat, stage_axis=stage_axis, data_axis=data_axis)
+
+  Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{block_name}"
+  Pipelined.__doc__ = (f"{length} x {block_name} in {num_stages} stages, {num_microbatches} "
+                       f"micro-batches, schedule={schedule!r}, num_repeats={num_repeats}, "
+                       f"remat={remat!r} (made by tpipe.pipeline).")
+  return Pipelined
