@@ -10,6 +10,11 @@ from tpipe.mesh import data_sharding
 from tpipe.mesh import make_mesh
 from tpipe.schedules import make_schedule
 from tpipe.schedules import Schedule
+from tpipe.train_step import create_train_state
+from tpipe.train_step import make_train_step
+from tpipe.train_step import param_shardings
+from tpipe.train_step import state_shardings
+from tpipe.train_step import TrainState
 from tpipe.transform import pipeline
 
 __version__ = "0.1.0"

@@ -1,0 +1,118 @@
+"""Synchronous SGD with pipelined models: train state, parameter placement and the jitted step.
+
+The step is an ordinary ``jax.jit`` program over global arrays: the batch is split over the
+``data`` mesh axis, the pipelined stack's parameters over the ``stage`` axis (layer axis 0), the
+rest replicated. Inside the pipeline, gradients accumulate over micro-batches in the tick loop and
+are summed across data replicas once per step (see :mod:`tpipe.executor`): with a loss that is the
+mean over the global batch, that sum is the average of the replicas' gradients, so one step equals
+one step of plain SGD on the whole batch on one device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tpipe import mesh as mesh_lib
+
+# loss_fn(params, batch, rng) -> scalar mean loss over the global batch.
+LossFn = Callable[[Any, Any, jax.Array], jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+  """What a training step reads and writes (and what a checkpoint holds)."""
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def param_shardings(params, mesh: Mesh, stacked: Sequence[str] = (), *,
+                    stage_axis: str = mesh_lib.STAGE_AXIS):
+  """Where each parameter lives: pipelined stacks split over stages, everything else replicated.
+
+  Args:
+    params: the model's params tree (arrays or ``jax.ShapeDtypeStruct``s).
+    mesh: the device mesh.
+    stacked: top-level keys of ``params`` that hold pipelined stacks (the ``name`` of each
+      ``tpipe.pipeline`` module, e.g. ``("blocks",)``). Their leaves are ``[L, ...]`` and are
+      split over ``stage_axis`` on axis 0, so each device stores only its stage's layers.
+    stage_axis: the mesh's stage axis.
+
+  Returns:
+    A tree of ``NamedSharding`` with the structure of ``params``.
+  """
+  if isinstance(stacked, str):
+    raise TypeError(f"stacked must be a sequence of names, got the string {stacked!r}; "
+                    f"write stacked=({stacked!r},).")
+  missing = [name for name in stacked if name not in params]
+  if missing:
+    raise ValueError(f"stacked names {missing} are not top-level keys of params "
+                     f"({sorted(params)}); pass the names of the tpipe.pipeline modules.")
+  num_stages = dict(mesh.shape).get(stage_axis, 1)
+
+  def sharding(path, leaf):
+    if path[0].key in stacked:
+      if leaf.shape[0] % num_stages:
+        raise ValueError(f"{jax.tree_util.keystr(path)} has {leaf.shape[0]} layers, not "
+                         f"divisible by the {num_stages} stages of the mesh.")
+      return NamedSharding(mesh, P(stage_axis))
+    return NamedSharding(mesh, P())
+
+  return jax.tree_util.tree_map_with_path(sharding, params)
+
+
+def create_train_state(params, optimizer: optax.GradientTransformation,
+                       shardings=None) -> TrainState:
+  """Places ``params`` (by ``shardings``, if given) and initialises the optimizer beside them.
+
+  The optimizer state is created under ``jax.jit`` from the placed parameters, so moments of
+  stage-split parameters are stage-split too.
+  """
+  if shardings is not None:
+    params = jax.device_put(params, shardings)
+  opt_state = jax.jit(optimizer.init)(params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def state_shardings(state: TrainState):
+  """The shardings of a placed train state (to keep the step's outputs where its inputs are)."""
+  return jax.tree.map(lambda a: a.sharding, state)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+                    shardings=None, donate: bool = True):
+  """Builds the jitted synchronous-SGD step ``step(state, batch, rng) -> (state, metrics)``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch, rng) -> loss``, the mean over the global batch (a
+      ``(loss, aux)`` pair is not accepted: return aux from a separate eval function).
+    optimizer: an optax gradient transformation.
+    shardings: optional ``TrainState`` of shardings (see :func:`state_shardings`); the new state
+      is constrained to them so parameters stay where they were.
+    donate: donate the input state's buffers to the output (halves the state's peak memory).
+
+  Returns:
+    The jitted step. ``metrics`` holds ``loss`` (before the update) and ``grad_norm``.
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}.")
+
+  def step(state: TrainState, batch, rng):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, rng)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    if shardings is not None:
+      new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+    return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+  return jax.jit(step, donate_argnums=(0,) if donate else ())
