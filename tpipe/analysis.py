@@ -187,7 +187,7 @@ class _FlopCounter:
       window_size = math.prod(int(s) for s in size.group(1).split("x")) if size else 1
       return out_size * window_size * self._reducer_flops(ins), 0.0
     if op in ("all-reduce", "all-reduce-start", "reduce-scatter"):
-      return out_size * self._reducer_flops(ins), 0.0
+      return sum(a.size for a in out) * self._reducer_flops(ins), 0.0
     if op == "scatter":
       updates = comp.operand_shape(ins, len(ins.operands) - 1)
       return (updates[0].size if updates else 0) * self._reducer_flops(ins), 0.0
@@ -223,11 +223,29 @@ def flop_count(compiled) -> FlopCount:
 # Collectives.
 
 
-def _parse_groups(text: str | None) -> list[list[int]]:
-  """Parses ``{{0,1},{2,3}}`` or the iota form ``[2,4]<=[4,2]T(1,0)`` into lists of ids."""
-  if not text:
+def _parse_groups(text: str | None, num_devices: int | None = None) -> list[list[int]]:
+  """Device-id groups from an HLO ``replica_groups`` / ``source_target_pairs`` attribute.
+
+  Accepts the explicit form ``{{0,1},{2,3}}``, the iota form ``[2,4]<=[4,2]T(1,0)``, and the
+  mesh form ``mesh['a'=2,'b'=4] {'a'}`` (groups vary along the named axes, ids in row-major
+  order of the listed axes). An empty ``{}`` means one group of all ``num_devices`` devices.
+  """
+  if text is None:
     return []
   text = text.strip()
+  mesh_form = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
+  if mesh_form:
+    axes = re.findall(r"'([^']*)'\s*=\s*(\d+)", mesh_form.group(1))
+    names = [a for a, _ in axes]
+    sizes = [int(n) for _, n in axes]
+    grouped = [names.index(a) for a in re.findall(r"'([^']*)'", mesh_form.group(2))
+               if a in names]
+    others = [i for i in range(len(names)) if i not in grouped]
+    ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(others + grouped)
+    group_size = math.prod(sizes[i] for i in grouped)
+    return ids.reshape(-1, group_size).tolist()
+  if text in ("{}", "") and num_devices:
+    return [list(range(num_devices))]
   iota = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
   if iota:
     out_shape = [int(d) for d in iota.group(1).split(",")]
@@ -284,6 +302,11 @@ class Collective:
     return self.bytes * self.count
 
 
+def _replica_groups_text(ins: hlo_lib.Instruction) -> str | None:
+  m = re.search(r"replica_groups=(mesh\[[^\]]*\]\s*\{[^}]*\})", ins.attrs)
+  return m.group(1) if m else ins.attr("replica_groups")
+
+
 def collectives(compiled, mesh=None) -> list[Collective]:
   """Every collective in the per-device program, with its bytes and executions per step.
 
@@ -301,6 +324,7 @@ def collectives(compiled, mesh=None) -> list[Collective]:
   inside = module.enclosing_loops()
   mesh_shape = tuple(mesh.devices.shape) if mesh is not None else None
   axis_names = tuple(mesh.axis_names) if mesh is not None else None
+  num_devices = module.num_partitions * module.num_replicas
   found = []
   for comp, ins in module.instructions():
     kind = _COLLECTIVE_OPCODES.get(ins.opcode)
@@ -315,7 +339,7 @@ def collectives(compiled, mesh=None) -> list[Collective]:
     if kind == "collective-permute":
       groups = _parse_groups(ins.attr("source_target_pairs"))
     else:
-      groups = _parse_groups(ins.attr("replica_groups"))
+      groups = _parse_groups(_replica_groups_text(ins), num_devices)
     group_size = max((len(g) for g in groups), default=0)
     axes = None
     if mesh_shape is not None:

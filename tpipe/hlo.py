@@ -178,9 +178,12 @@ class Loop:
 class HloModule:
   """A parsed HLO module: ``computations`` by name and the ``entry`` computation's name."""
 
-  def __init__(self, computations: dict[str, Computation], entry: str):
+  def __init__(self, computations: dict[str, Computation], entry: str,
+               num_partitions: int = 1, num_replicas: int = 1):
     self.computations = computations
     self.entry = entry
+    self.num_partitions = num_partitions
+    self.num_replicas = num_replicas
 
   def instructions(self):
     """Yields ``(computation, instruction)`` for every instruction in the module."""
@@ -360,4 +363,10 @@ def parse_hlo(text: str) -> HloModule:
   if entry is None:
     raise ValueError("No ENTRY computation found: the text is not an HLO module. Pass "
                      "compiled.as_text() of a jax.stages.Compiled.")
-  return HloModule(computations, entry)
+  header = re.search(r"^HloModule\s.*$", text, re.MULTILINE)
+  header = header.group(0) if header else ""
+  partitions = re.search(r"\bnum_partitions=(\d+)", header)
+  replicas = re.search(r"\breplica_count=(\d+)", header)
+  return HloModule(computations, entry,
+                   num_partitions=int(partitions.group(1)) if partitions else 1,
+                   num_replicas=int(replicas.group(1)) if replicas else 1)
