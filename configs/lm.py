@@ -94,7 +94,7 @@ def get_config(arg=None):
 
   # Data.
   config.max_corpus_bytes = 4_000_000  # Cap on stdlib bytes read; keeps start-up fast.
-  config.eval_fraction = 0.05  # Share of files (by path hash) held out for eval.
+  config.eval_fraction = 0.1  # Share of files (by path hash) held out for eval.
   config.eval_batches = 4
 
   # Logging, eval and checkpoints (in steps).

@@ -69,10 +69,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")
   needed = config.num_stages * config.num_data
   available = jax.device_count()
-  if needed != available:
+  if needed > available:
     raise ValueError(
         f"config.num_stages * config.num_data = {config.num_stages} * {config.num_data} = "
-        f"{needed} devices, but JAX sees {available}. Change the mesh, or on CPU set "
+        f"{needed} devices, but JAX sees only {available}. Shrink the mesh, or on CPU set "
         f"JAX_NUM_CPU_DEVICES={needed} (tpipe.train does this by default).")
 
 
@@ -119,21 +119,30 @@ def _is_stacked(path) -> bool:
   return any(getattr(k, "key", None) in STACKED for k in path)
 
 
-def state_shardings(abstract_state, mesh):
+def abstract_state_shardings(abstract_state, mesh):
   """NamedShardings for a TrainState: leaves under ``blocks`` split over 'stage' on axis 0.
 
-  Applies to parameters and to optimizer statistics alike (optax keeps them in trees shaped like
-  the parameters), so Adam's moments live on the same stage as their layers.
+  Parameters are placed by :func:`tpipe.param_shardings`. Optimizer statistics follow the same
+  rule (optax keeps them in trees shaped like the parameters, under the same keys), so Adam's
+  moments live on the same stage as their layers; scalars such as step counts are replicated.
+
+  Args:
+    abstract_state: a ``tpipe.TrainState`` of ``jax.ShapeDtypeStruct`` (from ``jax.eval_shape``).
+    mesh: the device mesh.
+
+  Returns:
+    A ``tpipe.TrainState`` of ``NamedSharding``.
   """
   replicated = NamedSharding(mesh, P())
   stacked = NamedSharding(mesh, P("stage"))
 
   def one(path, leaf):
-    if _is_stacked(path) and len(leaf.shape) >= 1:
-      return stacked
-    return replicated
+    return stacked if _is_stacked(path) and len(leaf.shape) >= 1 else replicated
 
-  return jax.tree_util.tree_map_with_path(one, abstract_state)
+  return abstract_state.replace(
+      step=replicated,
+      params=tpipe.param_shardings(abstract_state.params, mesh, stacked=STACKED),
+      opt_state=jax.tree_util.tree_map_with_path(one, abstract_state.opt_state))
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -171,16 +180,19 @@ class Experiment:
         step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params))
 
   @functools.cached_property
-  def _state_shardings(self):
+  def _abstract_state(self):
     shapes = jax.eval_shape(self._init_fn, jax.random.key(0))
-    return state_shardings(shapes, self.mesh)
+    shardings = abstract_state_shardings(shapes, self.mesh)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+  def state_shardings(self):
+    """The TrainState's ``NamedSharding`` tree (stacked blocks over 'stage', rest replicated)."""
+    return jax.tree.map(lambda s: s.sharding, self._abstract_state)
 
   def abstract_state(self):
     """The TrainState as ``jax.ShapeDtypeStruct`` leaves with shardings; allocates nothing."""
-    shapes = jax.eval_shape(self._init_fn, jax.random.key(0))
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        shapes, self._state_shardings)
+    return self._abstract_state
 
   def abstract_batch(self):
     """The global batch as sharded ``jax.ShapeDtypeStruct`` leaves."""
@@ -200,7 +212,7 @@ class Experiment:
     Returns:
       The sharded ``tpipe.TrainState`` at step 0.
     """
-    init = jax.jit(self._init_fn, out_shardings=self._state_shardings)
+    init = jax.jit(self._init_fn, out_shardings=self.state_shardings())
     return init(rng)
 
   def num_params(self) -> int:
@@ -233,6 +245,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     logits = model.apply({"params": params}, batch["inputs"], train=False)
     return cross_entropy(logits, batch["targets"])
 
-  train_step = tpipe.make_train_step(loss_fn, optimizer)
-  return Experiment(config=config, mesh=mesh, model=model, optimizer=optimizer,
-                    train_step=train_step, eval_step=eval_step, loss_fn=loss_fn)
+  exp = Experiment(config=config, mesh=mesh, model=model, optimizer=optimizer,
+                   train_step=None, eval_step=eval_step, loss_fn=loss_fn)
+  exp.train_step = tpipe.make_train_step(loss_fn, optimizer, shardings=exp.state_shardings())
+  return exp
