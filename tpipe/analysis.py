@@ -303,7 +303,8 @@ class Collective:
 
 
 def _replica_groups_text(ins: hlo_lib.Instruction) -> str | None:
-  m = re.search(r"replica_groups=(mesh\[[^\]]*\]\s*\{[^}]*\})", ins.attrs)
+  m = re.search(r"replica_groups=(mesh\[[^\]]*\]\s*\{[^}]*\}"
+                r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", ins.attrs)
   return m.group(1) if m else ins.attr("replica_groups")
 
 

@@ -1,0 +1,284 @@
+"""Tests for tpipe.analysis and tpipe.hlo on tiny programs whose answers are known by hand."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpipe import analysis
+from tpipe import hlo
+from tpipe import schedules
+
+DOT = 2 * 4 * 16 * 16  # FLOPs of one [4, 16] @ [16, 16] matmul.
+
+
+def _compile(f, *args):
+  return jax.jit(f).lower(*args).compile()
+
+
+def _nested_scans(w, x):
+  """5 outer x 3 inner iterations of one [4,16] @ [16,16] matmul: 15 matmuls in all."""
+
+  def inner(c, _):
+    return c @ w, None
+
+  def outer(c, _):
+    c, _ = lax.scan(inner, c, None, length=3)
+    return c, None
+
+  y, _ = lax.scan(outer, x, None, length=5)
+  return y
+
+
+@pytest.fixture(scope="module")
+def nested():
+  return _compile(_nested_scans, jnp.ones((16, 16)), jnp.ones((4, 16)))
+
+
+def test_cost_analysis_counts_a_loop_body_once(nested):
+  # The fact executed FLOPs correct for: XLA's number holds one matmul, not fifteen.
+  xla = nested.cost_analysis()["flops"]
+  assert DOT <= xla < 2 * DOT
+
+
+def test_executed_flops_multiply_nested_trip_counts(nested):
+  count = analysis.flop_count(nested)
+  # 15 matmuls, plus a few integer ops per iteration for the loop counters and conditions.
+  assert 15 * DOT <= count.executed <= 15 * DOT + 100
+  assert sorted((trips, outer) for _, trips, outer in count.loops) == [(3, 5), (5, 1)]
+  assert count.loop_factor > 14
+
+
+def test_multipliers_of_nested_loop_bodies(nested):
+  module = hlo.parse_hlo(nested.as_text())
+  mult = module.multipliers()
+  loops = {l.trip_count: l for l in module.loops()}
+  assert mult[module.entry] == 1
+  assert mult[loops[5].body] == 5
+  assert mult[loops[3].body] == 15
+
+
+def _mlp_loss(w, x):
+  def layer(h, wi):
+    h = jax.nn.gelu(h @ wi)
+    h = (h - h.mean(-1, keepdims=True)) * lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+    return h, None
+
+  y, _ = lax.scan(layer, x, w)
+  return jax.nn.log_softmax(y).mean()
+
+
+def _attention(x):
+  q = x.reshape(2, 4, 4, 8)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, q)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), q).sum()
+
+
+def _adam_step(w, opt_state, x):
+  opt = optax.adamw(1e-3)
+  loss, g = jax.value_and_grad(_mlp_loss)(w, x)
+  updates, opt_state = opt.update(g, opt_state, w)
+  return optax.apply_updates(w, updates), opt_state, loss
+
+
+@pytest.mark.parametrize("name", ["mlp", "grad", "attention", "adam", "argmax", "cond"])
+def test_our_static_count_reproduces_xla(name):
+  w, x = jnp.ones((3, 32, 32)), jnp.ones((8, 32))
+  programs = {
+      "mlp": (_mlp_loss, (w, x)),
+      "grad": (jax.grad(_mlp_loss), (w, x)),
+      "attention": (_attention, (x,)),
+      "adam": (_adam_step, (w, optax.adamw(1e-3).init(w), x)),
+      "argmax": (lambda a: jnp.argmax(a, axis=1), (x,)),
+      "cond": (lambda a: lax.cond(a.sum() > 0, lambda y: y @ w[0], lambda y: y + 1, a), (x,)),
+  }
+  f, args = programs[name]
+  count = analysis.flop_count(_compile(f, *args))
+  assert count.static == pytest.approx(count.xla, rel=1e-3)
+
+
+def test_loop_free_program_executed_equals_xla():
+  c = _compile(lambda a, b: jnp.tanh(a @ b), jnp.ones((8, 32)), jnp.ones((32, 16)))
+  count = analysis.flop_count(c)
+  assert count.executed == count.xla == 2 * 8 * 32 * 16
+  assert count.transcendentals == 8 * 16
+  assert count.loops == ()
+
+
+def test_flops_from_text_alone(nested):
+  count = analysis.flop_count(nested.as_text())
+  assert count.xla is None
+  assert 15 * DOT <= count.executed <= 15 * DOT + 100
+
+
+_HAND_WRITTEN = """HloModule m, num_partitions=4
+
+%body (p: (s32[], f32[2,8])) -> (s32[], f32[2,8]) {
+  %p = (s32[], f32[2,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[2,8]{1,0} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %y = f32[2,8]{1,0} multiply(%x, %x)
+  %z = f32[2,8]{1,0} collective-permute(%y), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  ROOT %t = (s32[], f32[2,8]{1,0}) tuple(%next, /*index=1*/%z)
+}
+
+%cond (q: (s32[], f32[2,8])) -> pred[] {
+  %q = (s32[], f32[2,8]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(%a, %b)
+}
+
+ENTRY %main (x0: f32[2,8]) -> f32[2,8] {
+  %x0 = f32[2,8]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[2,8]{1,0}) tuple(%zero, %x0)
+  %w = (s32[], f32[2,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  %out = f32[2,8]{1,0} get-tuple-element(%w), index=1
+  ROOT %r = f32[2,8]{1,0} all-reduce(%out), channel_id=2, replica_groups=[2,2]<=[4], to_apply=%sum
+}
+"""
+
+
+def test_hand_written_hlo():
+  module = hlo.parse_hlo(_HAND_WRITTEN)
+  assert module.num_partitions == 4
+  assert module.multipliers()["body"] == 6
+  count = analysis.flop_count(_HAND_WRITTEN)
+  # Per trip: add (1) + multiply (16) in the body, compare (1) in the condition; then the
+  # all-reduce adds 16 elements once.
+  assert count.static == 1 + 16 + 1 + 16
+  assert count.executed == 6 * (1 + 16 + 1) + 16
+  found = analysis.collectives(_HAND_WRITTEN)
+  permute, reduce = found
+  assert (permute.kind, permute.count, permute.bytes, permute.in_loop) == (
+      "collective-permute", 6, 64, True)
+  assert (reduce.kind, reduce.count, reduce.bytes, reduce.in_loop, reduce.group_size) == (
+      "all-reduce", 1, 64, False, 2)
+
+
+def test_replica_group_forms():
+  assert analysis._parse_groups("{{0,4},{1,5}}") == [[0, 4], [1, 5]]
+  assert analysis._parse_groups("[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert analysis._parse_groups("[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  mesh_form = "mesh['a'=2,'b'=1,'c'=4] {'a'}"
+  assert analysis._parse_groups(mesh_form) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert analysis._parse_groups("mesh['a'=2,'c'=4] {'c'}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert analysis._parse_groups("{}", num_devices=3) == [[0, 1, 2]]
+
+
+def _mesh():
+  return jax.make_mesh((2, 4), ("data", "stage"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _ring_program(mesh, ticks=7):
+  ring = [(i, (i + 1) % 4) for i in range(4)]
+
+  def per_device(x, w):
+    def tick(c, _):
+      return lax.ppermute(jnp.tanh(c @ w[0]), "stage", ring), None
+
+    c, _ = lax.scan(tick, lax.pcast(x, ("stage",), to="varying"), None, length=ticks)
+    total = lax.psum(c, "data")
+    gathered = lax.all_gather(c, "stage")
+    return total + gathered.mean(0)
+
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P("stage")),
+                       out_specs=P("data"), check_vma=False)
+
+
+def test_collectives_counts_bytes_and_axes():
+  mesh = _mesh()
+  c = _compile(_ring_program(mesh), jnp.ones((16, 32)), jnp.ones((4, 32, 32)))
+  found = {x.kind: x for x in analysis.collectives(c, mesh)}
+  assert set(found) == {"collective-permute", "all-reduce", "all-gather"}
+  permute = found["collective-permute"]
+  # One [8, 32] float32 block (8 rows of the 16 on each data shard) per tick, 7 ticks.
+  assert (permute.bytes, permute.count, permute.in_loop, permute.axes) == (
+      8 * 32 * 4, 7, True, ("stage",))
+  reduce = found["all-reduce"]
+  assert (reduce.bytes, reduce.count, reduce.in_loop, reduce.axes) == (
+      8 * 32 * 4, 1, False, ("data",))
+  gather = found["all-gather"]
+  assert (gather.bytes, gather.axes, gather.group_size) == (4 * 8 * 32 * 4, ("stage",), 4)
+  summary = analysis.summarize_collectives(list(found.values()))
+  assert summary[("collective-permute", ("stage",))]["bytes"] == 7 * 8 * 32 * 4
+
+
+def test_memory_breakdown_splits_arguments_per_device():
+  mesh = _mesh()
+  x = jax.ShapeDtypeStruct((16, 32), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+  w = jax.ShapeDtypeStruct((4, 32, 32), jnp.float32, sharding=NamedSharding(mesh, P("stage")))
+  c = _compile(_ring_program(mesh), x, w)
+  mem = analysis.memory_breakdown(c, {"batch": x, "params": w})
+  stats = c.memory_analysis()
+  assert mem.arguments == stats.argument_size_in_bytes == (8 * 32 + 32 * 32) * 4
+  assert mem.inputs == {"batch": 8 * 32 * 4, "params": 32 * 32 * 4, "other": 0}
+  assert mem.temporaries == stats.temp_size_in_bytes
+  assert mem.total == (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                       - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+                       + stats.generated_code_size_in_bytes)
+
+
+def test_input_bytes_per_device():
+  mesh = _mesh()
+  split = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P("stage")))
+  replicated = jax.ShapeDtypeStruct((8,), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  first, largest = analysis.input_bytes({"a": split, "b": replicated})
+  assert first == largest == 2 * 8 * 4 + 8 * 2
+  no_sharding = jax.ShapeDtypeStruct((5,), jnp.float32)
+  assert analysis.input_bytes([no_sharding]) == (20, 20)
+
+
+def test_pipeline_flops_subtract_the_bubble_share():
+  schedule = schedules.gpipe(num_stages=2, num_microbatches=3)  # 4 ticks, bubble 1/4.
+  w = jnp.ones((16, 16))
+
+  def f(x):
+    def tick(c, _):
+      return c @ w, None
+
+    y, _ = lax.scan(tick, x, None, length=schedule.num_ticks)
+    return y @ w  # one matmul outside the tick loop.
+
+  c = _compile(f, jnp.ones((4, 16)))
+  result = analysis.pipeline_flops(c, schedule)
+  assert len(result.tick_loops) == 1
+  assert 4 * DOT <= result.in_tick_loops <= 4 * DOT + 20
+  assert result.bubble_fraction == pytest.approx(0.25)
+  assert result.useful == pytest.approx(result.executed - 0.25 * result.in_tick_loops)
+  assert result.useful_fraction < 1.0
+
+
+def test_bad_inputs_raise_clear_errors():
+  with pytest.raises(ValueError, match="ENTRY"):
+    analysis.flop_count("not an hlo module")
+  with pytest.raises(TypeError, match="compile"):
+    analysis.flop_count(object())
+  with pytest.raises(TypeError, match="jax.stages.Compiled"):
+    analysis.memory_breakdown("text")
+  c = _compile(lambda a: a + 1, jnp.ones(3))
+  with pytest.raises(TypeError, match="make_schedule"):
+    analysis.pipeline_flops(c, schedule="gpipe")
+  with pytest.raises(TypeError, match="mapping"):
+    analysis.memory_breakdown(c, inputs=[1, 2])
+
+
+def test_format_bytes():
+  assert analysis.format_bytes(512) == "512 B"
+  assert analysis.format_bytes(1536) == "1.50 KiB"
+  assert analysis.format_bytes(3 * 2**30) == "3.00 GiB"
+  np.testing.assert_equal(analysis.format_bytes(0), "0 B")

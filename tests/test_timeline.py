@@ -1,0 +1,54 @@
+"""Tests for tpipe.timeline: the schedule picture has one box per busy slot and a bubble title."""
+
+import matplotlib.pyplot as plt
+import pytest
+from matplotlib.patches import Rectangle
+
+from tpipe import schedules
+from tpipe import timeline
+
+
+def _boxes(fig):
+  return [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+
+
+def test_one_box_per_busy_slot_coloured_by_microbatch():
+  schedule = schedules.gpipe(num_stages=3, num_microbatches=4)
+  fig = timeline.draw_timeline(schedule)
+  boxes = _boxes(fig)
+  assert len(boxes) == int(schedule.busy.sum()) == 12
+  # Box at (tick t, stage s) has micro-batch m's colour; micro-batch 0 starts stage 2 at tick 2.
+  by_position = {(int(b.get_x()), int(b.get_y())): b.get_facecolor() for b in boxes}
+  assert (0, 1) not in by_position and (0, 2) not in by_position  # bubbles stay blank.
+  assert by_position[(2, 2)] == by_position[(0, 0)]
+  assert by_position[(1, 0)] != by_position[(0, 0)]
+  assert "bubble 33.3%" in fig.axes[0].get_title()
+  plt.close(fig)
+
+
+def test_backward_doubles_the_boxes_and_circular_hatches_repeats():
+  schedule = schedules.circular(num_stages=2, num_microbatches=2, num_repeats=2)
+  fig = timeline.draw_timeline(schedule, backward=True)
+  boxes = _boxes(fig)
+  assert len(boxes) == 2 * int(schedule.busy.sum())
+  hatches = {b.get_hatch() for b in boxes}
+  assert len(hatches) == 2  # one per repeat.
+  assert "R=2" in fig.axes[0].get_title()
+  plt.close(fig)
+
+
+def test_save_timeline_writes_a_png(tmp_path):
+  path = timeline.save_timeline(schedules.gpipe(4, 8), tmp_path / "sub" / "t.png",
+                                backward=True)
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  small = timeline.save_timeline(schedules.gpipe(2, 1), tmp_path / "small.png")
+  assert (tmp_path / "sub" / "t.png").stat().st_size > (tmp_path / "small.png").stat().st_size
+  assert small.endswith("small.png")
+
+
+def test_bad_arguments():
+  with pytest.raises(TypeError, match="make_schedule"):
+    timeline.save_timeline("gpipe", "/tmp/x.png")
+  with pytest.raises(ValueError, match="extension"):
+    timeline.save_timeline(schedules.gpipe(2, 2), "/tmp/no_extension")

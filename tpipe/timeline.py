@@ -1,0 +1,160 @@
+"""Pictures of a pipeline schedule: stages as rows, clock ticks as columns.
+
+Each busy (tick, stage) slot is a box coloured by its micro-batch and labelled with it (``m`` for
+GPipe, ``m/r`` with repeat ``r`` for the circular schedule, whose repeats are also hatched);
+bubbles are left blank. The title gives the analytic bubble fraction. With ``backward=True`` the
+backward ticks autodiff runs (the forward table in reverse) follow the forward ones, in lighter
+boxes, as in Figure 2(c) of the GPipe paper.
+
+matplotlib is imported only when a picture is drawn (Agg backend, no display needed)::
+
+  from tpipe import schedules, timeline
+  timeline.save_timeline(schedules.gpipe(4, 8), "/tmp/gpipe.png", backward=True)
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from tpipe import schedules as schedules_lib
+
+_HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "---", "+++")
+
+
+def _pyplot():
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("tpipe.timeline draws with matplotlib, which is not installed; "
+                      "`pip install matplotlib` (or `pip install tpipe[train]`).") from e
+  matplotlib.use("Agg", force=False)
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def _check_schedule(schedule) -> None:
+  if not isinstance(schedule, schedules_lib.Schedule):
+    raise TypeError(f"Expected a tpipe.schedules.Schedule, got {type(schedule).__name__}; build "
+                    "one with tpipe.schedules.make_schedule(name, num_stages, num_microbatches).")
+
+
+def _colours(num_microbatches: int):
+  plt = _pyplot()
+  if num_microbatches <= 10:
+    cmap = plt.get_cmap("tab10")
+    return [cmap(i) for i in range(num_microbatches)]
+  if num_microbatches <= 20:
+    cmap = plt.get_cmap("tab20")
+    return [cmap(i) for i in range(num_microbatches)]
+  cmap = plt.get_cmap("turbo")
+  return [cmap(0.08 + 0.84 * i / (num_microbatches - 1)) for i in range(num_microbatches)]
+
+
+def title(schedule: schedules_lib.Schedule) -> str:
+  """The picture's title: schedule, sizes, ticks and bubble fraction."""
+  repeats = f", R={schedule.num_repeats}" if schedule.num_repeats > 1 else ""
+  return (f"{schedule.name}: S={schedule.num_stages}, M={schedule.num_microbatches}{repeats}, "
+          f"{schedule.num_ticks} ticks, bubble {schedule.bubble_fraction:.1%}")
+
+
+def draw_timeline(schedule: schedules_lib.Schedule, *, backward: bool = False, ax=None):
+  """Draws ``schedule`` on a matplotlib axes.
+
+  Args:
+    schedule: the :class:`tpipe.schedules.Schedule` to draw.
+    backward: also draw the backward ticks (the forward table reversed) after the forward ones.
+    ax: axes to draw on; a new figure sized to the table is made when None.
+
+  Returns:
+    The matplotlib ``Figure``.
+  """
+  _check_schedule(schedule)
+  plt = _pyplot()
+  from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
+  from matplotlib.patches import Rectangle  # pylint: disable=g-import-not-at-top
+
+  phases = [("F", schedule.microbatch, schedule.repeat)]
+  if backward:
+    phases.append(("B", *schedule.backward_tables()))
+  ticks = sum(p[1].shape[0] for p in phases)
+  stages = schedule.num_stages
+  cell_w = float(np.clip(18.0 / ticks, 0.12, 0.45))
+  if ax is None:
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 + cell_w * ticks), 1.3 + 0.42 * stages))
+  else:
+    fig = ax.figure
+  colours = _colours(schedule.num_microbatches)
+  label_ok = cell_w >= 0.22
+  circular = schedule.num_repeats > 1
+  offset = 0
+  for phase, mb, rep in phases:
+    light = phase == "B"
+    for t in range(mb.shape[0]):
+      for s in range(stages):
+        m, r = int(mb[t, s]), int(rep[t, s])
+        if m == schedules_lib.IDLE:
+          continue
+        face = colours[m]
+        rect = Rectangle((offset + t, s), 1, 1, facecolor=face, alpha=0.45 if light else 0.95,
+                         edgecolor="white", linewidth=0.8,
+                         hatch=_HATCHES[r % len(_HATCHES)] if circular else None)
+        ax.add_patch(rect)
+        if label_ok:
+          text = f"{m}/{r}" if circular else f"{m}"
+          ax.text(offset + t + 0.5, s + 0.5, text, ha="center", va="center",
+                  fontsize=7 if circular else 8, color="black")
+    offset += mb.shape[0]
+  if backward:
+    ax.axvline(schedule.num_ticks, color="black", linewidth=1.2)
+    ax.text(schedule.num_ticks / 2, -0.15, "forward", ha="center", va="bottom", fontsize=9)
+    ax.text(schedule.num_ticks * 1.5, -0.15, "backward (autodiff, reversed)", ha="center",
+            va="bottom", fontsize=9)
+  ax.set_xlim(0, ticks)
+  ax.set_ylim(stages, -0.6 if backward else 0)
+  ax.set_yticks(np.arange(stages) + 0.5)
+  ax.set_yticklabels([f"stage {s}" for s in range(stages)])
+  step = max(1, int(np.ceil(ticks / 40)))
+  ax.set_xticks(np.arange(0, ticks, step) + 0.5)
+  ax.set_xticklabels([str(t) for t in range(0, ticks, step)], fontsize=7)
+  ax.set_xlabel("clock tick (blank = bubble)")
+  ax.set_title(title(schedule), fontsize=10)
+  for spine in ("top", "right"):
+    ax.spines[spine].set_visible(False)
+  if circular:
+    handles = [Patch(facecolor="white", edgecolor="grey", hatch=_HATCHES[r % len(_HATCHES)],
+                     label=f"repeat {r}") for r in range(schedule.num_repeats)]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+              frameon=False, title="label m/r", title_fontsize=7)
+  fig.tight_layout()
+  return fig
+
+
+def save_timeline(schedule: schedules_lib.Schedule, path: str | os.PathLike, *,
+                  backward: bool = False, dpi: int = 110) -> str:
+  """Draws ``schedule`` and saves it as an image (PNG unless ``path`` names another format).
+
+  Args:
+    schedule: the :class:`tpipe.schedules.Schedule` to draw.
+    path: output file, e.g. ``"timeline.png"``; its directory is created if missing.
+    backward: also draw the backward ticks after the forward ones.
+    dpi: resolution.
+
+  Returns:
+    The path written, as a string.
+  """
+  _check_schedule(schedule)
+  path = os.fspath(path)
+  if not os.path.splitext(path)[1]:
+    raise ValueError(f"path {path!r} has no file extension; use e.g. {path + '.png'!r}.")
+  directory = os.path.dirname(path)
+  if directory:
+    os.makedirs(directory, exist_ok=True)
+  plt = _pyplot()
+  fig = draw_timeline(schedule, backward=backward)
+  try:
+    fig.savefig(path, dpi=dpi)
+  finally:
+    plt.close(fig)
+  return path
