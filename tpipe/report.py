@@ -1,0 +1,305 @@
+r"""What a configuration costs per device, from an ahead-of-time compile of its training step.
+
+Usage::
+
+  python -m tpipe.report --config=configs/lm.py --config.num_stages=8 --config.num_data=1 \
+      --config.num_microbatches=32
+  python -m tpipe.report --config=configs/lm.py:size=tiny --out_dir=/tmp/report
+
+The training step of the experiment (:func:`tpipe.experiment.build`) is lowered and compiled for
+the configured mesh (emulated CPU devices on a CPU-only machine, the real devices on a TPU VM)
+and never run. The printed table gives, per device:
+
+* memory: parameters, optimizer state and batch (the step's arguments, split by their
+  shardings), gradients (the size of the parameters, part of XLA's temporaries), activations and
+  other temporaries (the rest of the temporaries), the peak total and the largest device;
+* FLOPs: executed per step (every loop body counted as many times as it runs), useful (minus the
+  bubble slots' share of the tick loops) and the schedule's analytic bubble fraction;
+* collectives per step by kind and mesh axes: stage-to-stage transfers (collective-permute over
+  ``stage``) and data-parallel reductions (all-reduce over ``data``).
+
+The report (``report.md``, ``report.json``) and the schedule's timeline (``timeline.png``) are
+saved in ``--out_dir`` (a new temporary directory by default, printed at the end). Python users
+call :func:`analyze_config` and :func:`format_report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=False)
+_OUT_DIR = flags.DEFINE_string(
+    "out_dir", None, "Directory for report.md, report.json and timeline.png (default: a new "
+    "temporary directory).")
+
+DEFAULT_CPU_DEVICES = 8
+
+
+def setup_cpu_devices(config=None) -> int:
+  """Emulates CPU devices before JAX starts, as the trainer does; returns the count asked for.
+
+  The count is ``num_stages * num_data`` of ``config`` (at least :data:`DEFAULT_CPU_DEVICES`).
+  Nothing changes when ``JAX_NUM_CPU_DEVICES`` is set, and it only matters on the CPU platform.
+  Must be called before the first JAX computation.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  needed = DEFAULT_CPU_DEVICES
+  if config is not None and "num_stages" in config and "num_data" in config:
+    needed = max(needed, int(config.num_stages) * int(config.num_data))
+  if "JAX_NUM_CPU_DEVICES" in os.environ:
+    return int(os.environ["JAX_NUM_CPU_DEVICES"])
+  jax.config.update("jax_num_cpu_devices", needed)
+  return needed
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """The measurements of one configuration's training step.
+
+  Attributes:
+    config: the experiment config.
+    num_params: trainable parameters of the model.
+    num_devices: devices in the mesh.
+    schedule: the :class:`tpipe.schedules.Schedule` the step runs.
+    analysis: the :class:`tpipe.analysis.Analysis` of the compiled step.
+    lower_seconds: time to trace and lower the step.
+    compile_seconds: time for XLA to compile it.
+    compiled: the :class:`jax.stages.Compiled` step (not run).
+  """
+
+  config: Any
+  num_params: int
+  num_devices: int
+  schedule: Any
+  analysis: Any
+  lower_seconds: float
+  compile_seconds: float
+  compiled: Any = dataclasses.field(repr=False, default=None)
+
+  # Memory rows, bytes per device.
+  @property
+  def params_bytes(self) -> int:
+    return self.analysis.memory.inputs.get("params", 0)
+
+  @property
+  def opt_state_bytes(self) -> int:
+    return self.analysis.memory.inputs.get("opt_state", 0)
+
+  @property
+  def batch_bytes(self) -> int:
+    return self.analysis.memory.inputs.get("batch", 0)
+
+  @property
+  def gradient_bytes(self) -> int:
+    """Gradients match the parameters leaf for leaf; they live in XLA's temporaries."""
+    return min(self.params_bytes, self.analysis.memory.temporaries)
+
+  @property
+  def activation_bytes(self) -> int:
+    """Temporaries other than the gradients: stashed activations and workspace."""
+    return self.analysis.memory.temporaries - self.gradient_bytes
+
+  @property
+  def total_bytes(self) -> int:
+    return self.analysis.memory.total
+
+  @property
+  def largest_device_bytes(self) -> int:
+    return self.analysis.memory.largest_device_total
+
+  def collective_rows(self) -> list[dict[str, Any]]:
+    """One row per (kind, axes): role, instructions, executions and bytes per step."""
+    rows = []
+    for (kind, axes), row in self.analysis.collective_summary().items():
+      axes = tuple(axes or ())
+      if kind == "collective-permute" and axes == ("stage",):
+        role = "stage-to-stage transfer"
+      elif "data" in axes and "stage" not in axes and kind in ("all-reduce", "reduce-scatter"):
+        role = "data-parallel reduction"
+      elif axes == ("stage",):
+        role = "across stages"
+      else:
+        role = "other"
+      rows.append({"kind": kind, "axes": ",".join(axes) or "-", "role": role, **row})
+    return rows
+
+  def to_json(self) -> dict[str, Any]:
+    """The report's numbers as a JSON-serialisable dict."""
+    mem, flops, pipe = self.analysis.memory, self.analysis.flops, self.analysis.pipeline
+    return {
+        "config": {k: self.config[k] for k in (
+            "num_layers", "width", "num_stages", "num_data", "num_microbatches", "schedule",
+            "num_repeats", "remat", "batch_size", "seq_len") if k in self.config},
+        "num_params": self.num_params,
+        "num_devices": self.num_devices,
+        "memory_bytes_per_device": {
+            "params": self.params_bytes, "opt_state": self.opt_state_bytes,
+            "batch": self.batch_bytes, "gradients": self.gradient_bytes,
+            "activations_and_temporaries": self.activation_bytes,
+            "arguments": mem.arguments, "outputs": mem.outputs, "aliased": mem.aliased,
+            "temporaries": mem.temporaries, "generated_code": mem.generated_code,
+            "total": self.total_bytes, "largest_device": self.largest_device_bytes,
+        },
+        "flops_per_device": {
+            "xla_cost_analysis": flops.xla, "executed": flops.executed,
+            "useful": pipe.useful if pipe else flops.executed,
+            "in_tick_loops": pipe.in_tick_loops if pipe else 0.0,
+            "transcendentals": flops.transcendentals,
+        },
+        "schedule": {
+            "name": self.schedule.name, "num_ticks": self.schedule.num_ticks,
+            "bubble_fraction": self.schedule.bubble_fraction,
+            "in_flight_max": int(self.schedule.in_flight().max()),
+        },
+        "collectives_per_step": self.collective_rows(),
+        "lower_seconds": self.lower_seconds,
+        "compile_seconds": self.compile_seconds,
+    }
+
+
+def compile_train_step(exp):
+  """AOT-compiles an experiment's train step for its abstract state and batch (never runs it).
+
+  Returns:
+    ``(compiled, abstract_state, abstract_batch, lower_seconds, compile_seconds)``.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  state, batch = exp.abstract_state(), exp.abstract_batch()
+  start = time.perf_counter()
+  lowered = exp.train_step.lower(state, batch, jax.random.key(0))
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  done = time.perf_counter()
+  return compiled, state, batch, lowered_at - start, done - lowered_at
+
+
+def analyze_config(config) -> Report:
+  """Builds the experiment for ``config``, compiles its train step and measures it.
+
+  Args:
+    config: an experiment config (``configs/lm.py``); validated by the experiment builder.
+
+  Returns:
+    A :class:`Report`.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from tpipe import analysis  # pylint: disable=g-import-not-at-top
+  from tpipe import experiment  # pylint: disable=g-import-not-at-top
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  exp = experiment.build(config)
+  compiled, state, batch, lower_s, compile_s = compile_train_step(exp)
+  schedule = schedules.make_schedule(config.schedule, config.num_stages,
+                                     config.num_microbatches, config.num_repeats)
+  result = analysis.analyze(
+      compiled, mesh=exp.mesh, schedule=schedule,
+      inputs={"params": state.params, "opt_state": state.opt_state, "batch": batch})
+  num_params = sum(int(x.size) for x in jax.tree.leaves(state.params))
+  return Report(config=config, num_params=num_params, num_devices=int(exp.mesh.devices.size),
+                schedule=schedule, analysis=result, lower_seconds=lower_s,
+                compile_seconds=compile_s, compiled=compiled)
+
+
+def _flops(x: float) -> str:
+  for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6),
+                      ("kFLOP", 1e3)):
+    if abs(x) >= scale:
+      return f"{x / scale:.2f} {unit}"
+  return f"{x:.0f} FLOP"
+
+
+def format_report(report: Report) -> str:
+  """The report as a short markdown text (tables of memory, FLOPs and collectives)."""
+  from tpipe import analysis  # pylint: disable=g-import-not-at-top
+
+  fb = analysis.format_bytes
+  c, mem, flops, pipe = report.config, report.analysis.memory, report.analysis.flops, \
+      report.analysis.pipeline
+  lines = [
+      f"## tpipe report: {c.get('size', '')} L={c.num_layers} width={c.width} "
+      f"params={report.num_params:,}",
+      "",
+      f"mesh data={c.num_data} x stage={c.num_stages} ({report.num_devices} devices), "
+      f"schedule={c.schedule} M={c.num_microbatches} R={c.num_repeats} remat={c.remat}, "
+      f"batch={c.batch_size} x seq {c.seq_len}; lowered in {report.lower_seconds:.1f} s, "
+      f"compiled in {report.compile_seconds:.1f} s (not run).",
+      "",
+      "| memory per device | bytes |",
+      "|---|---:|",
+      f"| parameters | {fb(report.params_bytes)} |",
+      f"| optimizer state | {fb(report.opt_state_bytes)} |",
+      f"| batch | {fb(report.batch_bytes)} |",
+      f"| gradients (= parameters, inside temporaries) | {fb(report.gradient_bytes)} |",
+      f"| activations and other temporaries | {fb(report.activation_bytes)} |",
+      f"| outputs not aliased to donated inputs | {fb(mem.outputs - mem.aliased)} |",
+      f"| **peak total** (arguments + outputs - aliased + temporaries + code) | "
+      f"**{fb(report.total_bytes)}** |",
+      f"| largest device | {fb(report.largest_device_bytes)} |",
+      "",
+      "| FLOPs per device per step | |",
+      "|---|---:|",
+      f"| XLA cost_analysis (each loop body once) | {_flops(flops.xla or 0)} |",
+      f"| executed (loop bodies x trip counts) | {_flops(flops.executed)} |",
+  ]
+  if pipe is not None:
+    lines += [
+        f"| useful (executed - bubble share of the tick loops) | {_flops(pipe.useful)} |",
+        f"| useful / executed | {pipe.useful_fraction:.1%} |",
+        f"| analytic bubble fraction ({report.schedule.num_ticks} ticks) | "
+        f"{pipe.bubble_fraction:.1%} |",
+    ]
+  lines += ["", "| collectives per step | axes | role | instructions | executions | bytes "
+            "per device | in a loop |", "|---|---|---|---:|---:|---:|---:|"]
+  for row in report.collective_rows():
+    lines.append(f"| {row['kind']} | {row['axes']} | {row['role']} | {row['instructions']} | "
+                 f"{row['count']} | {fb(row['bytes'])} | {row['in_loop']} |")
+  return "\n".join(lines)
+
+
+def write_report(report: Report, out_dir: str) -> dict[str, str]:
+  """Writes ``report.md``, ``report.json`` and ``timeline.png`` to ``out_dir``; returns paths."""
+  from tpipe import timeline  # pylint: disable=g-import-not-at-top
+
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {"markdown": os.path.join(out_dir, "report.md"),
+           "json": os.path.join(out_dir, "report.json"),
+           "timeline": os.path.join(out_dir, "timeline.png")}
+  command = " ".join(["python -m tpipe.report"] + sys.argv[1:]) if sys.argv else ""
+  with open(paths["markdown"], "w") as f:
+    f.write(format_report(report) + f"\n\n![timeline](timeline.png)\n\nCommand: `{command}`\n")
+  with open(paths["json"], "w") as f:
+    json.dump(report.to_json(), f, indent=1, default=str)
+  timeline.save_timeline(report.schedule, paths["timeline"], backward=True)
+  return paths
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/lm.py:size=tiny.")
+  setup_cpu_devices(config)
+  report = analyze_config(config)
+  out_dir = _OUT_DIR.value or tempfile.mkdtemp(prefix="tpipe_report_")
+  paths = write_report(report, out_dir)
+  print(format_report(report))
+  print(f"\nSaved {paths['markdown']}, {paths['json']} and {paths['timeline']}")
+
+
+if __name__ == "__main__":
+  app.run(main)
