@@ -37,26 +37,22 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=False)
-_OUT_DIR = flags.DEFINE_string(
-    "out_dir", None, "Directory for report.md, report.json and timeline.png (default: a new "
-    "temporary directory).")
-
 DEFAULT_CPU_DEVICES = 8
 
 
-def setup_cpu_devices(config=None) -> int:
+def setup_cpu_devices(config=None, num_devices: int | None = None) -> int:
   """Emulates CPU devices before JAX starts, as the trainer does; returns the count asked for.
 
-  The count is ``num_stages * num_data`` of ``config`` (at least :data:`DEFAULT_CPU_DEVICES`).
-  Nothing changes when ``JAX_NUM_CPU_DEVICES`` is set, and it only matters on the CPU platform.
-  Must be called before the first JAX computation.
+  The count is ``num_devices``, else ``num_stages * num_data`` of ``config``, and at least
+  :data:`DEFAULT_CPU_DEVICES`. Nothing changes when ``JAX_NUM_CPU_DEVICES`` is set, and the
+  setting only matters on the CPU platform. Must be called before the first JAX computation.
   """
   import jax  # pylint: disable=g-import-not-at-top
 
   needed = DEFAULT_CPU_DEVICES
-  if config is not None and "num_stages" in config and "num_data" in config:
+  if num_devices is not None:
+    needed = max(needed, int(num_devices))
+  elif config is not None and "num_stages" in config and "num_data" in config:
     needed = max(needed, int(config.num_stages) * int(config.num_data))
   if "JAX_NUM_CPU_DEVICES" in os.environ:
     return int(os.environ["JAX_NUM_CPU_DEVICES"])
@@ -287,19 +283,30 @@ def write_report(report: Report, out_dir: str) -> dict[str, str]:
   return paths
 
 
+def define_flags() -> None:
+  """Defines the command-line flags (only when run as a program, so imports never clash)."""
+  config_flags.DEFINE_config_file(
+      "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.",
+      lock_config=False)
+  flags.DEFINE_string(
+      "out_dir", None, "Directory for report.md, report.json and timeline.png (default: a new "
+      "temporary directory).")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  config = _CONFIG.value
+  config = flags.FLAGS.config
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/lm.py:size=tiny.")
   setup_cpu_devices(config)
   report = analyze_config(config)
-  out_dir = _OUT_DIR.value or tempfile.mkdtemp(prefix="tpipe_report_")
+  out_dir = flags.FLAGS.out_dir or tempfile.mkdtemp(prefix="tpipe_report_")
   paths = write_report(report, out_dir)
   print(format_report(report))
   print(f"\nSaved {paths['markdown']}, {paths['json']} and {paths['timeline']}")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -1,0 +1,57 @@
+"""Tests for tpipe.autotune: a tight budget forces more stages or remat; the choice fits."""
+
+import pytest
+
+from configs import lm
+from tpipe import autotune
+from tpipe import report as report_lib
+
+
+def _config():
+  config = lm.get_config("size=tiny")
+  config.num_layers, config.batch_size, config.num_microbatches = 2, 8, 2
+  config.num_stages, config.num_data = 1, 2
+  return config
+
+
+def test_search_space_and_invalid_points():
+  config = _config()
+  valid, invalid = autotune.candidates(config, 8, microbatches=[2, 3], remats=["full", "none"])
+  # 2 layers: 1 or 2 stages; 8 devices -> data 8 or 4; batch 8 -> per replica 1 or 2.
+  assert {(c.num_stages, c.num_data) for c in valid} == {(2, 4)}
+  assert [c.remat for c in valid] == ["none", "full"] * 1  # cheapest FLOPs first.
+  reasons = " | ".join(r for _, r in invalid)
+  assert "num_layers=2 is not divisible by stages*repeats=4" in reasons
+  assert "per-replica batch 1 is not divisible by 2 micro-batches" in reasons
+  assert "not divisible by 3 micro-batches" in reasons
+  with pytest.raises(ValueError, match="remat"):
+    autotune.candidates(config, 8, remats=["everything"])
+
+
+def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
+  config = _config()
+  baseline = autotune.measure(config, autotune.Candidate(1, 2, 2, "none"), budget_bytes=2**40)
+  budget = baseline.memory_bytes - 1  # the one-stage, no-remat layout no longer fits.
+  result = autotune.autotune(config, budget, num_devices=2, microbatches=[2],
+                             remats=["none", "full"])
+  assert result.best is not None
+  choice = result.best.candidate
+  assert (choice.num_stages, choice.remat) != (1, "none")
+  assert result.best.memory_bytes <= budget
+  over = [c for c, reason in result.rejected if reason.startswith("over budget")]
+  assert autotune.Candidate(1, 2, 2, "none") in over
+  # The chosen configuration compiles and fits when built from the returned config.
+  check = report_lib.analyze_config(result.config)
+  assert check.largest_device_bytes == result.best.memory_bytes <= budget
+  assert (result.config.num_stages, result.config.remat) == (choice.num_stages, choice.remat)
+  assert "Best: --config.num_stages=" in autotune.format_result(result)
+
+
+def test_nothing_fits_a_one_byte_budget():
+  result = autotune.autotune(_config(), 1, num_devices=2, stages=[1], microbatches=[2],
+                             remats=["full"])
+  assert result.best is None and result.config is None
+  assert len(result.trials) == 1 and not result.trials[0].fits
+  assert "Nothing fits" in autotune.format_result(result)
+  with pytest.raises(ValueError, match="budget_bytes"):
+    autotune.autotune(_config(), 0)
