@@ -1,0 +1,233 @@
+"""The transform's contract beyond transparency: validation, RNG, composition, ambient mesh."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import tpipe
+from tests import blocks
+
+WIDTH = 8
+
+
+def _x(batch=16):
+  return jax.random.normal(jax.random.key(3), (batch, WIDTH))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(length=6, num_stages=4, num_microbatches=4), ValueError,
+     r"length=6 layers cannot be split evenly into num_stages \* num_repeats = 4 \* 1 = 4"),
+    (dict(length=8, num_stages=2, num_microbatches=2, schedule="circular", num_repeats=3),
+     ValueError, "2 \\* 3 = 6 chunks"),
+    (dict(length=8, num_stages=0, num_microbatches=2), ValueError, "num_stages must be >= 1"),
+    (dict(length=8, num_stages=2, num_microbatches=0), ValueError,
+     "num_microbatches must be >= 1"),
+    (dict(length=-8, num_stages=2, num_microbatches=2), ValueError, "length must be >= 1"),
+    (dict(length=8, num_stages=2, num_microbatches=2.5), TypeError,
+     "num_microbatches must be an int"),
+    (dict(length=8, num_stages=2, num_microbatches=2, schedule="zigzag"), ValueError,
+     "Unknown schedule 'zigzag'"),
+    (dict(length=8, num_stages=2, num_microbatches=2, num_repeats=2), ValueError,
+     "use schedule='circular'"),
+    (dict(length=8, num_stages=2, num_microbatches=2, remat="everything"), ValueError,
+     "Unknown remat 'everything'"),
+    (dict(length=8, num_stages=2, num_microbatches=2, remat=3), TypeError, "remat must be one of"),
+    (dict(length=8, num_stages=2, num_microbatches=2, mesh="mesh"), TypeError,
+     "mesh must be a jax.sharding.Mesh"),
+])
+def test_bad_configuration_is_rejected_at_construction(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    tpipe.pipeline(blocks.MLPBlock, **kwargs)
+
+
+def test_block_must_be_a_linen_module_class():
+  with pytest.raises(TypeError, match="block_cls must be a flax.linen.Module class"):
+    tpipe.pipeline(blocks.MLPBlock(), length=2, num_stages=1, num_microbatches=1)
+
+
+def test_stage_count_must_match_the_mesh():
+  with pytest.raises(ValueError, match="num_stages=2 but the 'stage' axis .* has size 4"):
+    tpipe.pipeline(blocks.MLPBlock, length=8, num_stages=2, num_microbatches=2,
+                   mesh=tpipe.make_mesh(stages=4))
+
+
+def test_mesh_needs_a_stage_axis():
+  mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+  with pytest.raises(ValueError, match="no stage axis 'stage'"):
+    tpipe.pipeline(blocks.MLPBlock, length=8, num_stages=2, num_microbatches=2, mesh=mesh)
+
+
+def test_many_stages_without_a_mesh_is_rejected_at_call():
+  stack = tpipe.pipeline(blocks.MLPBlock, length=8, num_stages=2, num_microbatches=2)(WIDTH)
+  with pytest.raises(ValueError, match="num_stages=2 but the 'stage' axis of the default 1-device"):
+    stack.init({"params": jax.random.key(0)}, _x())
+
+
+def test_batch_must_divide_into_microbatches_times_replicas():
+  stack = tpipe.pipeline(blocks.MLPBlock, length=8, num_stages=2, num_microbatches=3,
+                         mesh=tpipe.make_mesh(stages=2, data=2))(WIDTH)
+  with pytest.raises(ValueError, match=r"Batch size 16 is not divisible by .* 3 \* 2 = 6"):
+    stack.init({"params": jax.random.key(0)}, _x(16))
+
+
+def test_block_that_changes_its_activation_shape_is_rejected():
+
+  class Widen(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(x.shape[-1] + 1)(x)
+
+  stack = tpipe.pipeline(Widen, length=2, num_stages=1, num_microbatches=1)()
+  with pytest.raises(ValueError, match="same pytree structure, shapes and dtypes"):
+    stack.init({"params": jax.random.key(0)}, _x())
+
+
+def test_block_that_changes_its_activation_dtype_is_rejected():
+
+  class ToHalf(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(x.shape[-1], dtype=jnp.bfloat16)(x)
+
+  stack = tpipe.pipeline(ToHalf, length=2, num_stages=1, num_microbatches=1)()
+  with pytest.raises(ValueError, match="bfloat16"):
+    stack.init({"params": jax.random.key(0)}, _x())
+
+
+def test_block_with_batch_stats_is_rejected():
+
+  class WithBatchNorm(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.BatchNorm(use_running_average=False)(x)
+
+  stack = tpipe.pipeline(WithBatchNorm, length=2, num_stages=1, num_microbatches=1)()
+  with pytest.raises(ValueError, match=r"creates variable collections \['batch_stats'\]"):
+    stack.init({"params": jax.random.key(0)}, _x())
+
+
+def test_variables_for_another_length_are_rejected():
+  short = tpipe.pipeline(blocks.MLPBlock, length=4, num_stages=1, num_microbatches=1)(WIDTH)
+  long = tpipe.pipeline(blocks.MLPBlock, length=8, num_stages=1, num_microbatches=1)(WIDTH)
+  variables = short.init({"params": jax.random.key(0)}, _x())
+  with pytest.raises(ValueError, match="leading axis of length 8"):
+    long.apply(variables, _x())
+
+
+def test_make_mesh_rejects_too_many_devices():
+  with pytest.raises(ValueError, match="needs 16 devices but 8 are available"):
+    tpipe.make_mesh(stages=8, data=2)
+
+
+# ----------------------------------------------------------------------------- behaviour
+
+
+def test_fewer_microbatches_than_stages_terminates_with_the_right_answer():
+  x = _x(4)
+  reference = tpipe.pipeline(blocks.MLPBlock, length=8, num_stages=1, num_microbatches=1)(WIDTH)
+  variables = reference.init({"params": jax.random.key(0)}, x)
+  stack = tpipe.pipeline(blocks.MLPBlock, length=8, num_stages=8, num_microbatches=1,
+                         mesh=tpipe.make_mesh(stages=8))(WIDTH)
+  np.testing.assert_allclose(jax.jit(stack.apply)(variables, x), reference.apply(variables, x),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_does_not_depend_on_stages_schedule_or_remat():
+  x = _x(16)
+  outputs = []
+  for stages, schedule, repeats, remat in ((1, "gpipe", 1, "none"), (4, "gpipe", 1, "full"),
+                                           (2, "circular", 2, "dots"), (8, "gpipe", 1, "full")):
+    stack = tpipe.pipeline(blocks.DropoutBlock, length=8, num_stages=stages, num_microbatches=4,
+                           schedule=schedule, num_repeats=repeats, remat=remat,
+                           mesh=tpipe.make_mesh(stages=stages))(WIDTH)
+    variables = stack.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    outputs.append(jax.jit(stack.apply)(variables, x, rngs={"dropout": jax.random.key(7)}))
+  for y in outputs[1:]:
+    np.testing.assert_allclose(y, outputs[0], rtol=1e-5, atol=1e-6)
+  # Dropout is really on, and the key matters.
+  other_key = jax.jit(stack.apply)(variables, x, rngs={"dropout": jax.random.key(8)})
+  assert not np.allclose(other_key, outputs[0], atol=1e-3)
+  # Different micro-batches get different masks: identical rows do not give identical outputs.
+  same_rows = jnp.broadcast_to(x[:1], x.shape)
+  y = jax.jit(stack.apply)(variables, same_rows, rngs={"dropout": jax.random.key(7)})
+  assert not np.allclose(y[0], y[-1], atol=1e-3)
+
+
+class _LanguageModelish(nn.Module):
+  """Embedding -> pipelined stack -> head: the way a model uses tpipe.pipeline."""
+
+  mesh: object
+  stages: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(32, WIDTH)(tokens)
+    stack = tpipe.pipeline(blocks.AttentionBlock, length=8, num_stages=self.stages,
+                           num_microbatches=4, mesh=self.mesh)
+    mask = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))
+    x = stack(WIDTH, name="blocks")(x, mask)
+    return nn.Dense(32)(nn.LayerNorm()(x))
+
+
+def test_composes_inside_a_bigger_model_under_jit_and_grad():
+  tokens = jax.random.randint(jax.random.key(0), (16, 6), 0, 32)
+  mesh = tpipe.make_mesh(stages=4, data=2)
+  model = _LanguageModelish(mesh, 4)
+  plain = _LanguageModelish(tpipe.make_mesh(stages=1), 1)
+  params = plain.init(jax.random.key(1), tokens)["params"]
+  assert params["blocks"]["LayerNorm_0"]["scale"].shape == (8, WIDTH)
+
+  def loss(model, params, tokens):
+    logits = model.apply({"params": params}, tokens)
+    return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  sharded_tokens = jax.device_put(tokens, tpipe.data_sharding(mesh))
+  sharded_params = jax.device_put(params, tpipe.param_shardings(params, mesh, ("blocks",)))
+  value, grads = jax.jit(jax.value_and_grad(lambda p, t: loss(model, p, t)))(
+      sharded_params, sharded_tokens)
+  expected_value, expected_grads = jax.value_and_grad(lambda p, t: loss(plain, p, t))(
+      params, tokens)
+  np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               grads, expected_grads)
+  # The stack's parameters stay split over stages: each device holds 8 / 4 = 2 layers.
+  kernel = sharded_params["blocks"]["MultiHeadDotProductAttention_0"]["query"]["kernel"]
+  assert {shard.data.shape[0] for shard in kernel.addressable_shards} == {2}
+
+
+def test_mesh_none_uses_the_ambient_mesh():
+  mesh = tpipe.make_mesh(stages=2, data=2)
+  x = _x(16)
+  reference = tpipe.pipeline(blocks.MLPBlock, length=4, num_stages=1, num_microbatches=1)(WIDTH)
+  variables = reference.init({"params": jax.random.key(0)}, x)
+  stack = tpipe.pipeline(blocks.MLPBlock, length=4, num_stages=2, num_microbatches=2)(WIDTH)
+  with jax.set_mesh(mesh):
+    y = jax.jit(stack.apply)(variables, x)
+  np.testing.assert_allclose(y, reference.apply(variables, x), rtol=1e-5, atol=1e-6)
+
+
+def test_static_python_arguments_are_passed_through():
+
+  class Scaled(nn.Module):
+
+    @nn.compact
+    def __call__(self, x, scale, mask):
+      return x + scale * jnp.where(mask, nn.Dense(x.shape[-1])(x), 0.0)
+
+  x = _x(8)
+  mask = jnp.arange(WIDTH) % 2 == 0
+  one = tpipe.pipeline(Scaled, length=4, num_stages=1, num_microbatches=1)()
+  variables = one.init({"params": jax.random.key(0)}, x, 0.5, mask)
+  two = tpipe.pipeline(Scaled, length=4, num_stages=2, num_microbatches=2,
+                       mesh=tpipe.make_mesh(stages=2))()
+  np.testing.assert_allclose(jax.jit(two.apply, static_argnums=2)(variables, x, 0.5, mask),
+                             one.apply(variables, x, 0.5, mask), rtol=1e-5, atol=1e-6)
