@@ -73,12 +73,26 @@ def create_train_state(params, optimizer: optax.GradientTransformation,
   """Places ``params`` (by ``shardings``, if given) and initialises the optimizer beside them.
 
   The optimizer state is created under ``jax.jit`` from the placed parameters, so moments of
-  stage-split parameters are stage-split too.
+  stage-split parameters are stage-split too; state that does not follow a parameter (the step,
+  Adam's count) is replicated over the same mesh.
   """
-  if shardings is not None:
-    params = jax.device_put(params, shardings)
+  step = jnp.zeros((), jnp.int32)
+  if shardings is None:
+    return TrainState(step=step, params=params, opt_state=jax.jit(optimizer.init)(params))
+  # A jitted copy, not device_put: the step donates the state's buffers, and device_put may hand
+  # back the caller's own buffer as a shard (seen with jax 0.10.2 even with may_alias=False).
+  params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
   opt_state = jax.jit(optimizer.init)(params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+  mesh = jax.tree.leaves(shardings)[0].mesh
+  replicated = NamedSharding(mesh, P())
+
+  def onto_mesh(leaf):
+    if isinstance(leaf, jax.Array) and leaf.sharding.device_set != replicated.device_set:
+      return jax.device_put(leaf, replicated)
+    return leaf
+
+  return TrainState(step=onto_mesh(step), params=params, opt_state=jax.tree.map(onto_mesh,
+                                                                                opt_state))
 
 
 def state_shardings(state: TrainState):
@@ -113,6 +127,6 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     if shardings is not None:
       new_state = jax.lax.with_sharding_constraint(new_state, shardings)
-    return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
   return jax.jit(step, donate_argnums=(0,) if donate else ())

@@ -1,0 +1,121 @@
+"""The synchronous-SGD step: pipelined + data-parallel equals plain single-device SGD."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import tpipe
+from tests import blocks
+
+WIDTH = 8
+LENGTH = 8
+
+
+class Regressor(nn.Module):
+  """Dense -> pipelined MLP stack -> Dense: a model with params outside and inside the stack."""
+
+  stages: int
+  microbatches: int
+  data: int
+  schedule: str = "gpipe"
+  repeats: int = 1
+
+  @nn.compact
+  def __call__(self, x):
+    mesh = tpipe.make_mesh(stages=self.stages, data=self.data)
+    stack = tpipe.pipeline(blocks.MLPBlock, length=LENGTH, num_stages=self.stages,
+                           num_microbatches=self.microbatches, schedule=self.schedule,
+                           num_repeats=self.repeats, mesh=mesh)
+    h = stack(WIDTH, name="blocks")(nn.Dense(WIDTH)(x))
+    return nn.Dense(1)(h)[:, 0]
+
+
+def _loss_fn(model):
+
+  def loss(params, batch, rng):
+    del rng
+    prediction = model.apply({"params": params}, batch["x"])
+    return jnp.mean((prediction - batch["y"]) ** 2)
+
+  return loss
+
+
+def _batch(size=32):
+  kx, ky = jax.random.split(jax.random.key(5))
+  return {"x": jax.random.normal(kx, (size, 4)), "y": jax.random.normal(ky, (size,))}
+
+
+@pytest.mark.parametrize("schedule,repeats", [("gpipe", 1), ("circular", 2)])
+def test_one_step_on_data2_stage4_equals_plain_sgd(schedule, repeats):
+  batch = _batch()
+  plain_model = Regressor(stages=1, microbatches=1, data=1)
+  params = plain_model.init(jax.random.key(0), batch["x"])["params"]
+  optimizer = optax.sgd(0.1)
+
+  # Plain single-device SGD on the whole batch.
+  loss, grads = jax.value_and_grad(_loss_fn(plain_model))(params, batch, None)
+  expected = optax.apply_updates(params, optimizer.update(grads, optimizer.init(params))[0])
+
+  model = Regressor(stages=4, microbatches=4, data=2, schedule=schedule, repeats=repeats)
+  mesh = tpipe.make_mesh(stages=4, data=2)
+  state = tpipe.create_train_state(params, optimizer,
+                                   tpipe.param_shardings(params, mesh, stacked=("blocks",)))
+  step = tpipe.make_train_step(_loss_fn(model), optimizer,
+                               shardings=tpipe.state_shardings(state))
+  batch = jax.device_put(batch, tpipe.data_sharding(mesh))
+  new_state, metrics = step(state, batch, jax.random.key(0))
+
+  assert int(new_state.step) == 1
+  np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+  np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               new_state.params, expected)
+  # The parameters really moved, and the stack stayed split over the 4 stages.
+  assert not np.allclose(new_state.params["Dense_0"]["kernel"], params["Dense_0"]["kernel"])
+  kernel = new_state.params["blocks"]["Dense_0"]["kernel"]
+  assert {shard.data.shape[0] for shard in kernel.addressable_shards} == {LENGTH // 4}
+
+
+def test_several_steps_track_plain_adam():
+  batch = _batch()
+  plain_model = Regressor(stages=1, microbatches=1, data=1)
+  params = plain_model.init(jax.random.key(0), batch["x"])["params"]
+  optimizer = optax.adam(1e-2)
+  plain_state = tpipe.create_train_state(params, optimizer)
+  plain_step = tpipe.make_train_step(_loss_fn(plain_model), optimizer, donate=False)
+
+  model = Regressor(stages=2, microbatches=8, data=2)
+  mesh = tpipe.make_mesh(stages=2, data=2)
+  state = tpipe.create_train_state(params, optimizer,
+                                   tpipe.param_shardings(params, mesh, stacked=("blocks",)))
+  step = tpipe.make_train_step(_loss_fn(model), optimizer, shardings=tpipe.state_shardings(state))
+  sharded_batch = jax.device_put(batch, tpipe.data_sharding(mesh))
+  losses, plain_losses = [], []
+  for _ in range(5):
+    state, metrics = step(state, sharded_batch, jax.random.key(0))
+    plain_state, plain_metrics = plain_step(plain_state, batch, jax.random.key(0))
+    losses.append(float(metrics["loss"]))
+    plain_losses.append(float(plain_metrics["loss"]))
+  np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+  assert losses[-1] < losses[0]
+
+
+def test_param_shardings_validation():
+  params = {"blocks": {"w": jnp.zeros((6, 2))}, "head": {"w": jnp.zeros((2,))}}
+  mesh = tpipe.make_mesh(stages=4)
+  with pytest.raises(TypeError, match=r"write stacked=\('blocks',\)"):
+    tpipe.param_shardings(params, mesh, stacked="blocks")
+  with pytest.raises(ValueError, match=r"\['stack'\] are not top-level keys"):
+    tpipe.param_shardings(params, mesh, stacked=("stack",))
+  with pytest.raises(ValueError, match="has 6 layers, not divisible by the 4 stages"):
+    tpipe.param_shardings(params, mesh, stacked=("blocks",))
+
+
+def test_make_train_step_validation():
+  with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
+    tpipe.make_train_step(lambda p, b, r: 0.0, "sgd")
+  with pytest.raises(TypeError, match="loss_fn must be callable"):
+    tpipe.make_train_step(None, optax.sgd(0.1))
