@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import tpipe
+from tpipe import analysis
 from tests import blocks
 
 WIDTH = 8
@@ -119,3 +120,34 @@ def test_make_train_step_validation():
     tpipe.make_train_step(lambda p, b, r: 0.0, "sgd")
   with pytest.raises(TypeError, match="loss_fn must be callable"):
     tpipe.make_train_step(None, optax.sgd(0.1))
+
+
+def _step_collectives(microbatches):
+  batch = _batch(64)
+  mesh = tpipe.make_mesh(stages=4, data=2)
+  model = Regressor(stages=4, microbatches=microbatches, data=2)
+  params = jax.eval_shape(lambda: Regressor(stages=1, microbatches=1, data=1).init(
+      jax.random.key(0), batch["x"])["params"])
+  shardings = tpipe.param_shardings(params, mesh, stacked=("blocks",))
+  params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        params, shardings)
+  optimizer = optax.sgd(0.1)
+  state = jax.eval_shape(lambda p: tpipe.TrainState(jnp.zeros((), jnp.int32), p,
+                                                    optimizer.init(p)), params)
+  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                      sharding=tpipe.data_sharding(mesh)), batch)
+  step = tpipe.make_train_step(_loss_fn(model), optimizer)
+  compiled = step.lower(state, batch, jax.random.key(0)).compile()
+  return analysis.collectives(compiled, mesh)
+
+
+def test_data_parallel_reduction_happens_once_per_step_not_per_microbatch():
+  for microbatches in (4, 16):
+    found = _step_collectives(microbatches)
+    over_data = [c for c in found if c.axes and "data" in c.axes]
+    assert over_data, "gradients must be reduced across data replicas"
+    # Outside the tick loop, executed once per step, whatever the number of micro-batches.
+    assert all(not c.in_loop and c.count == 1 for c in over_data), over_data
+    # Stage-to-stage sends run every tick: M + S - 1 forward ticks, and as many backward.
+    sends = [c for c in found if c.kind == "collective-permute" and c.axes == ("stage",)]
+    assert sum(c.count for c in sends) >= 2 * (microbatches + 4 - 1)
