@@ -1,0 +1,123 @@
+"""Scaling of cost with work: compile time and per-device memory as L, M and S grow.
+
+Run from the repository root::
+
+  python -m experiments.scaling
+
+Three sweeps of the AOT-compiled training step (width 128, 4 heads, MLP 512, sequence 128):
+
+* depth L in {4, 8, 16, 32, 64} at S=4, M=8, batch 32: the layers are a ``lax.scan``, so
+  compile time should stay flat while parameter memory grows linearly;
+* micro-batches M in {2, 8, 32}, both at a fixed micro-batch of 4 sequences (batch 4M: the
+  GPipe stash of one stage input per tick grows with M) and at a fixed global batch of 32
+  (the stash, (M+S-1)/M batches, shrinks toward one batch); compile time should stay flat
+  because the ticks are a ``lax.scan``;
+* stages S in {1, 2, 4, 8} at L=16, M=8, batch 32: parameters and activations per device shrink.
+
+Compile times are wall-clock on a shared 2-core machine (other processes were running), so
+compare their order of magnitude, not single seconds.
+
+Writes ``experiments/results/scaling.md`` and ``scaling.png``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from experiments import _common
+
+MODEL = dict(width=128, num_heads=4, mlp_dim=512, seq_len=128)
+
+
+def _run(cache, **kw):
+  key = tuple(sorted(kw.items()))
+  if key not in cache:
+    cfg = _common.config(**MODEL, remat="none", **kw)
+    r = _common.measure(cfg)
+    cache[key] = r
+    print(f"  {kw}: {_common.mib(r.total_bytes)} MiB, compile {r.compile_seconds:.1f} s",
+          flush=True)
+  return cache[key]
+
+
+def main():
+  started = time.time()
+  cache = {}
+  sweeps = {
+      "depth L (S=4, M=8, batch 32)": [
+          (L, _run(cache, num_layers=L, num_stages=4, num_microbatches=8, batch_size=32))
+          for L in (4, 8, 16, 32, 64)],
+      "micro-batches M (S=4, L=16, micro-batch 4)": [
+          (m, _run(cache, num_layers=16, num_stages=4, num_microbatches=m, batch_size=4 * m))
+          for m in (2, 8, 32)],
+      "micro-batches M (S=4, L=16, batch 32)": [
+          (m, _run(cache, num_layers=16, num_stages=4, num_microbatches=m, batch_size=32))
+          for m in (2, 8, 32)],
+      "stages S (L=16, M=8, batch 32)": [
+          (s, _run(cache, num_layers=16, num_stages=s, num_microbatches=8, batch_size=32))
+          for s in (1, 2, 4, 8)],
+  }
+  lines = _common.header("Scaling: compile time and per-device memory as L, M and S grow",
+                         "python -m experiments.scaling", started)
+  lines += ["Model: `configs/lm.py` with width 128, 4 heads, MLP 512, sequence 128, remat none, "
+            "GPipe, no data parallelism. Compile time = lowering + XLA compile, wall clock on a "
+            "shared 2-core machine.", ""]
+  for title, points in sweeps.items():
+    lines += [f"## {title}", "",
+              "| value | lower + compile s | peak memory / device | parameters / device | "
+              "activations + temporaries | HLO while loops |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for value, r in points:
+      lines.append(f"| {value} | {r.lower_seconds + r.compile_seconds:.1f} | "
+                   f"{_common.mib(r.total_bytes)} MiB | {_common.mib(r.params_bytes)} MiB | "
+                   f"{_common.mib(r.activation_bytes)} MiB | {len(r.analysis.flops.loops)} |")
+    lines.append("")
+  plt = _common.pyplot()
+  fig, axes = plt.subplots(1, len(sweeps), figsize=(15, 3.4))
+  for ax, (title, points) in zip(axes, sweeps.items()):
+    xs = [p[0] for p in points]
+    ax.plot(xs, [p[1].lower_seconds + p[1].compile_seconds for p in points], "o-",
+            color="tab:blue", label="compile s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("lower + compile (s)", color="tab:blue", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    twin = ax.twinx()
+    twin.plot(xs, [p[1].total_bytes / 2**20 for p in points], "s--", color="tab:red")
+    twin.set_ylim(bottom=0)
+    twin.set_ylabel("peak MiB / device", color="tab:red", fontsize=8)
+  fig.tight_layout()
+  fig.savefig(f"{_common.RESULTS}/scaling.png", dpi=110)
+  def compile_range(points):
+    times = [p[1].lower_seconds + p[1].compile_seconds for p in points]
+    return f"{min(times):.1f}-{max(times):.1f} s"
+
+  def mem_ratio(points):
+    return points[-1][1].total_bytes / points[0][1].total_bytes
+
+  (depth, m_fixed_micro, m_fixed_batch, stages) = sweeps.values()
+  lines += [
+      "![scaling](scaling.png)", "",
+      f"- Depth 4 -> 64 (16x): compile {compile_range(depth)}, peak memory "
+      f"x{mem_ratio(depth):.1f} (no remat: every layer's activations are kept).",
+      f"- M 2 -> 32 at a fixed micro-batch: compile {compile_range(m_fixed_micro)}, peak memory "
+      f"x{mem_ratio(m_fixed_micro):.1f}: GPipe stashes one stage input per tick, and the batch "
+      "grows with M.",
+      f"- M 2 -> 32 at a fixed global batch: compile {compile_range(m_fixed_batch)}, peak "
+      f"memory x{mem_ratio(m_fixed_batch):.2f}: the stash holds (M+S-1)/M batches, and smaller "
+      "micro-batches shrink each layer's working set.",
+      f"- S 1 -> 8: compile {compile_range(stages)}, peak memory x{mem_ratio(stages):.2f} "
+      "per device.",
+      "",
+      "Compile time does not grow with L or M: layers are a `lax.scan` inside a stage and ticks "
+      "a `lax.scan` inside the step (the HLO keeps the same number of while loops; the "
+      "variation is noise from the shared machine).",
+  ]
+  _common.write("scaling.md", lines)
+
+
+if __name__ == "__main__":
+  _common.setup()
+  main()

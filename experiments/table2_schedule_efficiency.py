@@ -1,0 +1,101 @@
+"""GPipe Table 2 in kind: how much of the executed work is useful, per schedule, S and M.
+
+Run from the repository root::
+
+  python -m experiments.table2_schedule_efficiency
+
+For S in {2, 4, 8} stages and M in {1, 4, 32} micro-batches, with the GPipe schedule and the
+circular schedule at R = 2 and 4 repeats, compiles the training step of a 32-layer Transformer
+(width 64, so compiles are quick; the ratios do not depend on width) and reports per device:
+executed FLOPs (loop bodies times trip counts), useful FLOPs (minus the bubble slots' share of
+the tick loops), the schedule's analytic bubble, and a measured pipeline efficiency that does
+not use the analytic bubble: the tick-loop FLOPs of the same model on one stage divided by S
+times the tick-loop FLOPs per device with S stages. The ideal speed-up over one device is S
+times that efficiency (communication ignored), beside the paper's measured speed-ups.
+
+Writes ``experiments/results/table2_schedule_efficiency.md`` and a timeline PNG per schedule at
+S=4, M=4.
+"""
+
+from __future__ import annotations
+
+import time
+
+from experiments import _common
+
+STAGES = (2, 4, 8)
+MICROBATCHES = (1, 4, 32)
+SCHEDULES = (("gpipe", 1), ("circular", 2), ("circular", 4))
+MODEL = dict(num_layers=32, width=64, num_heads=2, mlp_dim=128, seq_len=32, batch_size=32)
+
+
+def main():
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+  from tpipe import timeline  # pylint: disable=g-import-not-at-top
+
+  started = time.time()
+  # One stage, M=4: the pipelined layers' FLOPs without any bubble (S=1 has none; with M=1 XLA
+  # removes the one-trip tick loop, so M=4 is the reference for every M).
+  ref = _common.measure(_common.config(**MODEL, num_stages=1, num_microbatches=4))
+  ref_loops = ref.analysis.pipeline.in_tick_loops
+  rows = []
+  for name, repeats in SCHEDULES:
+    for s in STAGES:
+      for m in MICROBATCHES:
+        rep = _common.measure(_common.config(**MODEL, num_stages=s, num_microbatches=m,
+                                             schedule=name, num_repeats=repeats))
+        p = rep.analysis.pipeline
+        measured = ref_loops / (s * p.in_tick_loops) if p.in_tick_loops else float("nan")
+        rows.append((name, repeats, s, m, rep.schedule.num_ticks, p.bubble_fraction,
+                     p.executed, p.useful, p.useful_fraction, measured,
+                     rep.compile_seconds + rep.lower_seconds))
+        print(f"  {name} R={repeats} S={s} M={m}: useful {p.useful_fraction:.1%}, "
+              f"bubble {p.bubble_fraction:.1%}, measured efficiency {measured:.1%}", flush=True)
+  lines = _common.header("GPipe Table 2 in kind: schedule efficiency",
+                         "python -m experiments.table2_schedule_efficiency", started)
+  lines += [
+      "Model: `configs/lm.py` with 32 layers, width 64, 2 heads, MLP 128, sequence 32, global "
+      "batch 32, no data parallelism, remat none. FLOPs are per device per training step.", "",
+      "- **useful / executed**: executed FLOPs minus the analytic bubble's share of the tick "
+      "loops, over executed FLOPs (the embedding, head, loss and optimizer outside the loops "
+      "count as useful).",
+      "- **measured pipeline efficiency**: tick-loop FLOPs of the one-stage step / (S x tick-loop "
+      "FLOPs per device of the S-stage step). It does not use the analytic bubble; it should "
+      "equal 1 - bubble up to the executor's per-tick bookkeeping.",
+      "- **ideal speed-up** = S x measured efficiency: what the pipelined layers would gain over "
+      "one device if compute were the only cost.", "",
+      f"Reference: one stage, M=4: {ref_loops:.4g} FLOPs in its tick loops, "
+      f"{ref.analysis.flops.executed:.4g} executed in all.", "",
+      "| schedule | S | M | ticks | analytic bubble | executed FLOPs | useful / executed | "
+      "measured pipeline efficiency | 1 - bubble | ideal speed-up |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for (name, r, s, m, ticks, bubble, executed, useful, frac, measured, _) in rows:
+    label = name if r == 1 else f"{name} R={r}"
+    lines.append(f"| {label} | {s} | {m} | {ticks} | {bubble:.1%} | {executed:.3g} | "
+                 f"{frac:.1%} | {measured:.1%} | {1 - bubble:.1%} | {s * measured:.2f}x |")
+  lines += [
+      "",
+      "Paper (GPipe, Table 2, measured throughput on TPUs, normalised to K=2, M=1): the speed-up "
+      "grows with M and is close to linear in K once M >> K (e.g. the Transformer at K=8, M=32); "
+      "with M=1 there is no pipelining gain because only one stage works at a time. Our bubble "
+      "column is the same (K-1)/(M+K-1) that explains their numbers, and the circular schedule "
+      "divides it by about R: (S-1)/(R*M+S-1) when M >= S.",
+      "",
+      "Things the measured column shows that the analytic bubble does not: the per-tick "
+      "bookkeeping of the executor (selects, dynamic slices, the buffer writes), and any work "
+      "outside the tick loops that every stage repeats.",
+      "",
+      "![gpipe S=4 M=4](table2_timeline_gpipe.png)",
+      "![circular S=4 M=4 R=2](table2_timeline_circular_r2.png)",
+  ]
+  timeline.save_timeline(schedules.gpipe(4, 4),
+                         f"{_common.RESULTS}/table2_timeline_gpipe.png", backward=True)
+  timeline.save_timeline(schedules.circular(4, 4, 2),
+                         f"{_common.RESULTS}/table2_timeline_circular_r2.png", backward=True)
+  _common.write("table2_schedule_efficiency.md", lines)
+
+
+if __name__ == "__main__":
+  _common.setup()
+  main()
