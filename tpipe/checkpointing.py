@@ -1,0 +1,109 @@
+"""Orbax checkpoints of the training state and the data iterator position.
+
+A checkpoint at step ``n`` holds two items:
+
+* ``state``: the ``tpipe.TrainState`` after ``n`` updates (params, optimizer state, step), saved
+  sharded as it lives on the devices and restored into the layout of an abstract state;
+* ``data``: the grain iterator state (JSON) after ``n`` batches, so a resumed run reads the same
+  batches an uninterrupted run would.
+
+Saves are asynchronous; Orbax writes to a temporary directory and renames it when complete, so a
+crash during a save leaves the previous checkpoint usable. ``reached_preemption`` reports a
+preemption notice (TPU maintenance events through ``jax.distributed``, or SIGTERM here).
+
+Example::
+
+  ckpt = Checkpointer("/tmp/lm/checkpoints", max_to_keep=3)
+  ckpt.save(100, state, iterator.get_state())
+  state, data_state = ckpt.restore(ckpt.latest_step(), exp.abstract_state())
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  """A thin wrapper over ``orbax.checkpoint.CheckpointManager`` for state + iterator.
+
+  Args:
+    directory: where step directories go (created if missing).
+    max_to_keep: how many recent checkpoints to keep.
+    async_save: save in a background thread (default True).
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
+               async_save: bool = True):
+    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
+      raise ValueError(f"max_to_keep must be an int >= 1, got {max_to_keep!r}.")
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
+    self._manager = ocp.CheckpointManager(
+        os.fspath(os.path.abspath(directory)) if "://" not in os.fspath(directory)
+        else os.fspath(directory),
+        options=options, item_names=("state", "data"))
+    self._sigterm = False
+    if jax.process_count() == 1:
+      try:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+      except ValueError:  # Not the main thread: rely on jax.distributed's notice only.
+        pass
+
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    self._sigterm = True
+
+  @property
+  def directory(self):
+    return self._manager.directory
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def save(self, step: int, state: Any, data_state: Any) -> None:
+    """Starts saving ``state`` and the iterator state ``data_state`` as step ``step``."""
+    self._manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state)),
+        force=True)
+
+  def restore(self, step: int, abstract_state: Any) -> tuple[Any, Any]:
+    """Restores step ``step`` into the shapes, dtypes and shardings of ``abstract_state``.
+
+    Args:
+      step: a step from :meth:`all_steps`.
+      abstract_state: a pytree of ``jax.ShapeDtypeStruct`` with shardings (e.g.
+        ``Experiment.abstract_state()``).
+
+    Returns:
+      ``(state, data_state)``.
+    """
+    restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=ocp.args.JsonRestore()))
+    return restored.state, restored.data
+
+  def reached_preemption(self, step: int) -> bool:
+    """True when the run should save and stop: a preemption notice or SIGTERM arrived."""
+    return self._sigterm or self._manager.reached_preemption(step)
+
+  def wait_until_finished(self) -> None:
+    """Blocks until pending asynchronous saves are complete."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()

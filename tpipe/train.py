@@ -1,0 +1,269 @@
+r"""Trains a pipelined model from an ml_collections config file.
+
+Usage::
+
+  python -m tpipe.train --config=configs/lm.py --workdir=/tmp/lm
+  python -m tpipe.train --config=configs/lm.py:size=tiny --workdir=/tmp/t --config.num_steps=50
+
+  # Several processes (CPU/GPU cluster, or locally, see scripts/launch_local.sh):
+  python -m tpipe.train --config=configs/lm.py --workdir=/tmp/mh \
+      --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=0   # and =1
+
+On a CPU-only machine the trainer emulates ``num_stages * num_data`` CPU devices (8 by default)
+unless ``JAX_NUM_CPU_DEVICES`` is set. On a Cloud TPU VM, ``jax.distributed`` is initialised
+automatically, so the same command runs on every worker of a pod slice.
+
+Re-running the same command with the same workdir resumes from the latest checkpoint, including
+the data iterator's position. A non-finite loss stops the run (exit status 1) with a message that
+names the step; the poisoned state is never checkpointed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "host:port of process 0, for multi-process runs on CPU/GPU clusters (TPU VMs auto-detect).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (with "
+                                      "--coordinator_address).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id in [0, num_processes).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+class NonFiniteLossError(RuntimeError):
+  """The training loss (or gradient norm) became NaN or infinite."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Start-up: devices and processes. Must run before the first JAX computation.
+
+
+def _setup_jax(config) -> None:
+  """Emulates CPU devices if needed and joins the multi-process group."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  distributed = _COORDINATOR.value is not None
+  if distributed and (_NUM_PROCESSES.value is None or _PROCESS_ID.value is None):
+    raise app.UsageError(
+        "--coordinator_address needs --num_processes and --process_id as well.")
+  if not distributed and (_NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None):
+    raise app.UsageError("--num_processes/--process_id need --coordinator_address=HOST:PORT.")
+  # The CPU backend's device count only matters when CPU is the platform; on TPU/GPU hosts it is
+  # harmless. Each process emulates its share of the mesh.
+  if "JAX_NUM_CPU_DEVICES" not in os.environ:
+    num_processes = _NUM_PROCESSES.value or 1
+    needed = config.num_stages * config.num_data
+    if needed % num_processes:
+      raise app.UsageError(
+          f"num_stages * num_data = {needed} devices do not split evenly over "
+          f"--num_processes={num_processes}.")
+    jax.config.update("jax_num_cpu_devices", needed // num_processes)
+  if distributed:
+    jax.distributed.initialize(
+        coordinator_address=_COORDINATOR.value,
+        num_processes=_NUM_PROCESSES.value,
+        process_id=_PROCESS_ID.value)
+  elif importlib.util.find_spec("libtpu") is not None:
+    # A Cloud TPU VM: a no-op on one host, joins all workers on a pod slice.
+    try:
+      jax.distributed.initialize()
+    except (RuntimeError, ValueError) as e:  # libtpu installed but no TPU cluster here.
+      logging.warning("jax.distributed.initialize() failed (%s); running single-process.", e)
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers.
+
+
+class _QuietLibraries:
+  """absl log filter: drops INFO records from Orbax and Grain (one line per file they touch)."""
+
+  def filter(self, record) -> bool:
+    noisy = any(f"/{lib}/" in record.pathname for lib in ("orbax", "grain", "etils"))
+    return record.levelno >= 30 or not noisy  # 30 = WARNING.
+
+
+def _format_eta(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(seconds)
+  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _check_finite(step: int, metrics: dict, last_checkpoint: int | None, ckpt_dir) -> None:
+  for name in ("loss", "grad_norm"):
+    value = float(metrics[name])
+    if not math.isfinite(value):
+      where = (f"the last good checkpoint is step {last_checkpoint} in {ckpt_dir}"
+               if last_checkpoint is not None else "no checkpoint was written")
+      raise NonFiniteLossError(
+          f"Non-finite {name} ({value}) at step {step}; stopping without checkpointing this "
+          f"state ({where}). Lower the learning rate or check the data.")
+
+
+# ------------------------------------------------------------------------------------------------
+# The training loop.
+
+
+def train(config, workdir: str) -> dict:
+  """Trains (or resumes) the experiment ``config`` in ``workdir``.
+
+  Args:
+    config: an experiment config (``configs/lm.py``).
+    workdir: directory for checkpoints, ``metrics.jsonl`` and TensorBoard events.
+
+  Returns:
+    The last logged metrics record.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  import tpipe  # pylint: disable=g-import-not-at-top
+  from tpipe import checkpointing  # pylint: disable=g-import-not-at-top
+  from tpipe import data  # pylint: disable=g-import-not-at-top
+  from tpipe import experiment  # pylint: disable=g-import-not-at-top
+  from tpipe import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+
+  for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):
+    value = config[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"config.{name} must be an int >= 1, got {value!r}.")
+  is_chief = jax.process_index() == 0
+  workdir = pathlib.Path(workdir)
+  exp = experiment.build(config)
+  sharding = tpipe.data_sharding(exp.mesh)
+  if is_chief:
+    logging.info("%d processes, %d devices (%s); mesh %s; %s parameters.", jax.process_count(),
+                 jax.device_count(), jax.devices()[0].platform, dict(exp.mesh.shape),
+                 f"{exp.num_params():,}")
+
+  # Data: every process builds the whole global batch; devices take their slices.
+  train_data, eval_data = data.TextData.load(
+      seq_len=config.seq_len, max_bytes=config.max_corpus_bytes,
+      eval_fraction=config.eval_fraction)
+  train_iter = data.train_iterator(train_data, batch_size=config.batch_size, seed=config.seed)
+  eval_set = [data.to_global(b, sharding) for b in data.eval_batches(
+      eval_data, batch_size=config.batch_size, num_batches=config.eval_batches)]
+
+  # State: resume from the latest checkpoint, else initialise.
+  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
+  start = ckpt.latest_step()
+  if start is not None:
+    state, data_state = ckpt.restore(start, exp.abstract_state())
+    train_iter.set_state(data_state)
+    if int(state.step) != start:
+      raise RuntimeError(f"checkpoint {start} holds state.step={int(state.step)}.")
+    if is_chief:
+      logging.info("Resumed from step %d (%s).", start, ckpt.directory)
+  else:
+    start = 0
+    state = exp.init_state(jax.random.key(config.seed))
+  last_checkpoint = start or None
+
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_chief)
+  writer.truncate_after(start)
+  if is_chief:
+    (workdir / "config.json").write_text(config.to_json(indent=2))
+
+  all_finite = jax.jit(
+      lambda tree: jax.tree.reduce(
+          lambda a, b: a & b, jax.tree.map(lambda x: jax.numpy.isfinite(x).all(), tree)))
+  step_key = jax.random.key(config.seed + 1)
+  pending = []  # (step, device metrics) not yet checked on the host.
+  record = {}
+  t_last, step_last = None, start
+
+  try:
+    for step in range(start + 1, config.num_steps + 1):
+      batch = data.to_global(next(train_iter), sharding)
+      state, step_metrics = exp.train_step(state, batch, jax.random.fold_in(step_key, step))
+      pending.append((step, step_metrics))
+
+      is_last = step == config.num_steps
+      do_eval = step % config.eval_every == 0 or is_last
+      do_ckpt = step % config.checkpoint_every == 0 or is_last
+      preempted = ckpt.reached_preemption(step)
+      do_ckpt = do_ckpt or preempted
+      do_log = step % config.log_every == 0 or do_eval or do_ckpt
+      if not do_log:
+        continue
+
+      # Host sync point: check every pending step, in order, before anything is saved.
+      host = jax.device_get([m for _, m in pending])
+      for (s, _), m in zip(pending, host):
+        _check_finite(s, m, last_checkpoint, ckpt.directory)
+      pending.clear()
+      record = {"loss": float(host[-1]["loss"]), "grad_norm": float(host[-1]["grad_norm"])}
+      if do_eval:
+        losses = [exp.eval_step(state.params, b) for b in eval_set]
+        record["eval_loss"] = float(np.mean(jax.device_get(losses)))
+
+      now = time.perf_counter()
+      if t_last is not None:
+        rate = (step - step_last) / (now - t_last)
+        record["steps_per_sec"] = rate
+        eta = (config.num_steps - step) / rate
+      else:
+        eta = float("nan")  # The first interval includes compilation.
+      t_last, step_last = now, step
+      writer.write(step, record)
+      if is_chief:
+        logging.info(
+            "step %d/%d | loss %.4f%s | %s steps/s | ETA %s", step, config.num_steps,
+            record["loss"],
+            f" | eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "",
+            f"{record['steps_per_sec']:.2f}" if "steps_per_sec" in record else "-",
+            _format_eta(eta))
+
+      if do_ckpt:
+        if not bool(all_finite(state.params)):
+          raise NonFiniteLossError(
+              f"Non-finite parameters after step {step}; stopping without checkpointing them "
+              f"(last good checkpoint: step {last_checkpoint}). Lower the learning rate.")
+        ckpt.save(step, state, train_iter.get_state())
+        last_checkpoint = step
+      if preempted:
+        ckpt.wait_until_finished()
+        if is_chief:
+          logging.warning("Preempted at step %d; checkpoint saved. Re-run the same command to "
+                          "resume.", step)
+        break
+  finally:
+    ckpt.close()  # Waits for pending saves, so the last good checkpoint is complete.
+    writer.close()
+  record["step"] = step_last
+  return record
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  logging.get_absl_handler().addFilter(_QuietLibraries())
+  _setup_jax(config)
+  try:
+    final = train(config, _WORKDIR.value)
+  except NonFiniteLossError as e:
+    logging.error("%s", e)
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  logging.info("Done: %s", json.dumps(final))
+
+
+if __name__ == "__main__":
+  app.run(main)
