@@ -129,9 +129,8 @@ def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, args: tuple, 
                                          carry["incoming"], park)
         fresh = _select(rep == 0, fresh, _read_slot(carry["loop_back"], mb))
       stage_input = _select(stage == 0, fresh, carry["incoming"])
-      chunk = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, rep, 0, keepdims=False), staged)
       first_layer = (rep * num_stages + stage) * per_chunk
-      y = stage_fn(chunk, stage_input, args, rngs, first_layer,
+      y = stage_fn(staged, rep, stage_input, args, rngs, first_layer,
                    data_index * num_microbatches + mb)
       finished = busy & (stage == num_stages - 1) & (rep == num_repeats - 1)
       carry["outputs"] = _write_slot(carry["outputs"], mb, y, finished)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 # A layer function: (params of one layer, activation, broadcast args, rngs) -> activation.
 LayerFn = Callable[[Any, Any, tuple, dict], Any]
@@ -57,32 +58,44 @@ def fold_rngs(rngs: dict, layer_index, microbatch_index) -> dict:
           for name, key in rngs.items()}
 
 
+CHUNK_PARAMS_NAME = "tpipe_chunk_params"
+
+
 def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat) -> Callable:
-  """Builds ``stage_fn(chunk_params, x, args, rngs, first_layer, microbatch_index) -> y``.
+  """Builds ``stage_fn(stage_params, repeat, x, args, rngs, first_layer, microbatch) -> y``.
 
   Args:
     layer_fn: applies one layer: ``layer_fn(params, x, args, rngs) -> y`` with ``y`` of the
       same structure, shapes and dtypes as ``x``.
-    num_layers: layers in the chunk (the leading axis of every ``chunk_params`` leaf).
+    num_layers: layers per chunk.
     remat: a ``remat`` option, see :func:`resolve_remat`.
 
   Returns:
-    A function applying a chunk of layers whose params leaves are stacked ``[layers, ...]``.
+    A function applying chunk ``repeat`` of this stage's params (leaves ``[R, layers, ...]``).
     ``first_layer`` is the global index of the chunk's first layer (for RNG folding).
+
+  The chunk is sliced out of the stage's params inside the checkpointed function and the slice
+  is never saved for the backward pass: the tick loop's autodiff would otherwise stash a copy of
+  the stage's parameters at every tick. So even ``remat="none"`` runs under ``jax.checkpoint``,
+  with a policy that saves everything except that slice.
   """
   policy = resolve_remat(remat)
+  if policy is _NOT_REMATERIALIZED:
+    policy = jax.checkpoint_policies.save_anything_except_these_names(CHUNK_PARAMS_NAME)
 
-  def apply_chunk(chunk_params, x, args, rngs, first_layer, microbatch_index):
+  def apply_chunk(stage_params, repeat, x, args, rngs, first_layer, microbatch_index):
+    chunk = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, repeat, 0, keepdims=False),
+                         stage_params)
+    chunk = checkpoint_name(chunk, CHUNK_PARAMS_NAME)
+
     def one_layer(h, inputs):
       params, j = inputs
       layer_rngs = fold_rngs(rngs, first_layer + j, microbatch_index)
       return layer_fn(params, h, args, layer_rngs), None
 
-    y, _ = lax.scan(one_layer, x, (chunk_params, jnp.arange(num_layers)), length=num_layers)
+    y, _ = lax.scan(one_layer, x, (chunk, jnp.arange(num_layers)), length=num_layers)
     return y
 
-  if policy is _NOT_REMATERIALIZED:
-    return apply_chunk
   # prevent_cse=False: the chunk runs inside the tick scan, which already stops XLA from
   # merging the recomputation into the forward pass.
   return jax.checkpoint(apply_chunk, policy=policy, prevent_cse=False)
