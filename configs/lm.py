@@ -16,7 +16,7 @@ Commands::
       --config.num_stages=2 --config.num_data=4 --config.schedule=circular --config.num_repeats=2
 
   # On a TPU VM (v4-8: 4 chips): a bigger model, stages over the chips.
-  python -m tpipe.train --config=configs/lm.py:size=base --workdir=gs://BUCKET/lm \\
+  python -m tpipe.train --config=configs/lm.py:size=base --workdir=$HOME/lm \\
       --config.num_stages=4 --config.num_data=1
 
 Sizes: ``tiny`` (tests), ``small`` (default, CPU), ``base`` and ``large`` (TPU).

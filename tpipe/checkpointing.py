@@ -35,20 +35,23 @@ class Checkpointer:
     directory: where step directories go (created if missing).
     max_to_keep: how many recent checkpoints to keep.
     async_save: save in a background thread (default True).
+    handle_sigterm: in a single-process run, turn SIGTERM into a preemption notice (the trainer
+      saves and stops at the next step) instead of dying at once.
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
-               async_save: bool = True):
+               async_save: bool = True, handle_sigterm: bool = False):
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"max_to_keep must be an int >= 1, got {max_to_keep!r}.")
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
+    directory = os.fspath(directory)
+    if "://" not in directory:  # Local paths must be absolute; gs://... stays as it is.
+      directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(
-        os.fspath(os.path.abspath(directory)) if "://" not in os.fspath(directory)
-        else os.fspath(directory),
-        options=options, item_names=("state", "data"))
+        directory, options=options, item_names=("state", "data"))
     self._sigterm = False
-    if jax.process_count() == 1:
+    if handle_sigterm and jax.process_count() == 1:
       try:
         signal.signal(signal.SIGTERM, self._on_sigterm)
       except ValueError:  # Not the main thread: rely on jax.distributed's notice only.

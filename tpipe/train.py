@@ -161,7 +161,8 @@ def train(config, workdir: str) -> dict:
       eval_data, batch_size=config.batch_size, num_batches=config.eval_batches)]
 
   # State: resume from the latest checkpoint, else initialise.
-  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=config.keep_checkpoints)
+  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=config.keep_checkpoints,
+                                    handle_sigterm=True)
   start = ckpt.latest_step()
   if start is not None:
     state, data_state = ckpt.restore(start, exp.abstract_state())

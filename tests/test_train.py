@@ -1,0 +1,236 @@
+"""End-to-end tests of ``python -m tpipe.train`` (subprocesses, the tiny LM config).
+
+One uninterrupted reference run (data=2 x stage=4, M=8, 20 steps) is shared by the equivalence,
+resume and multi-host tests; under pytest-xdist the workers share it through a file lock.
+"""
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tpipe import checkpointing
+from tpipe import experiment
+from tpipe import metrics
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "lm.py"
+NUM_STEPS = 20
+TINY = [
+    f"--config={CONFIG}:size=tiny",
+    f"--config.num_steps={NUM_STEPS}",
+    "--config.num_stages=4",
+    "--config.num_data=2",
+    "--config.num_microbatches=8",
+    "--config.log_every=1",
+    "--config.eval_every=10",
+    "--config.checkpoint_every=10",
+]
+TIMEOUT = 300
+
+
+def _env(num_cpu_devices=None):
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  env.pop("JAX_NUM_CPU_DEVICES", None)  # Let the trainer emulate num_stages * num_data devices.
+  if num_cpu_devices is not None:
+    env["JAX_NUM_CPU_DEVICES"] = str(num_cpu_devices)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+  return env
+
+
+def _command(workdir, *overrides):
+  return [sys.executable, "-m", "tpipe.train", f"--workdir={workdir}", *TINY, *overrides]
+
+
+def _train(workdir, *overrides, num_cpu_devices=None):
+  """Runs the trainer to completion; returns the CompletedProcess (check=False)."""
+  return subprocess.run(_command(workdir, *overrides), env=_env(num_cpu_devices), cwd=REPO,
+                        capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
+def _check_ok(proc):
+  assert proc.returncode == 0, f"trainer failed:\n{proc.stderr[-4000:]}"
+
+
+def _losses(workdir):
+  return {r["step"]: r["loss"] for r in metrics.read_metrics(workdir) if "loss" in r}
+
+
+def _tiny_config():
+  from configs import lm  # pylint: disable=g-import-not-at-top
+  config = lm.get_config("size=tiny")
+  config.num_steps = NUM_STEPS
+  config.num_stages, config.num_data, config.num_microbatches = 4, 2, 8
+  return config
+
+
+def _restore(workdir, step):
+  """Restores a checkpoint in this process (conftest's 8 CPU devices)."""
+  exp = experiment.build(_tiny_config())
+  ckpt = checkpointing.Checkpointer(pathlib.Path(workdir) / "checkpoints")
+  try:
+    state, data_state = ckpt.restore(step, exp.abstract_state())
+  finally:
+    ckpt.close()
+  return jax.device_get(state), data_state
+
+
+def _latest_checkpoint(workdir):
+  ckpt_dir = pathlib.Path(workdir) / "checkpoints"
+  steps = [int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit()] if ckpt_dir.exists() else []
+  return max(steps, default=None)
+
+
+@contextlib.contextmanager
+def _locked(path):
+  with open(path, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+  """Workdir of the uninterrupted tiny run, made once per session (shared across xdist workers)."""
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent  # The session's directory, shared by the workers.
+  workdir = base / "train_reference"
+  with _locked(base / "train_reference.lock"):
+    done = workdir / "DONE"
+    if not done.exists():
+      proc = _train(workdir)
+      _check_ok(proc)
+      done.write_text("ok")
+  return workdir
+
+
+@pytest.mark.slow
+def test_reference_run_logs_every_step_and_learns(reference):
+  records = metrics.read_metrics(reference)
+  assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))
+  losses = [r["loss"] for r in records]
+  assert all(math.isfinite(x) for x in losses)
+  assert losses[-1] < losses[0] - 1.0, losses
+  evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+  assert len(evals) == 2 and evals[-1] < 5.0, evals
+  assert list((reference / "checkpoints").iterdir()), "no checkpoint written"
+  assert list(reference.glob("events.out.tfevents.*")), "no TensorBoard event file"
+  assert json.loads((reference / "config.json").read_text())["num_steps"] == NUM_STEPS
+
+
+@pytest.mark.slow
+def test_pipelined_equals_single_device(reference, tmp_path):
+  proc = _train(tmp_path, "--config.num_stages=1", "--config.num_data=1")
+  _check_ok(proc)
+  assert "1 processes, 1 devices" in proc.stderr
+  pipelined, single = _losses(reference), _losses(tmp_path)
+  assert sorted(single) == list(range(1, NUM_STEPS + 1))
+  for step in single:
+    np.testing.assert_allclose(pipelined[step], single[step], rtol=1e-4, err_msg=f"step {step}")
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_uninterrupted(reference, tmp_path):
+  # Checkpoint every 5 steps; kill hard once step 5's checkpoint is complete and training has
+  # moved past it.
+  command = _command(tmp_path, "--config.checkpoint_every=5")
+  proc = subprocess.Popen(command, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + TIMEOUT
+  try:
+    while time.monotonic() < deadline and proc.poll() is None:
+      latest = _latest_checkpoint(tmp_path)
+      if latest is not None and max(_losses(tmp_path), default=0) > latest:
+        break
+      time.sleep(0.02)
+    assert proc.poll() is None, f"run ended before it could be killed:\n{proc.stderr.read()}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    proc.stderr.close()
+  killed_at = _latest_checkpoint(tmp_path)
+  assert killed_at is not None and killed_at < NUM_STEPS
+
+  resumed = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True,
+                           timeout=TIMEOUT, check=False)
+  _check_ok(resumed)
+  assert f"Resumed from step {killed_at}" in resumed.stderr
+
+  # The same losses at every step (the re-run steps replace the killed run's records).
+  assert [r["step"] for r in metrics.read_metrics(tmp_path)] == list(range(1, NUM_STEPS + 1))
+  ref_losses, losses = _losses(reference), _losses(tmp_path)
+  for step in range(1, NUM_STEPS + 1):
+    np.testing.assert_allclose(losses[step], ref_losses[step], rtol=1e-6, err_msg=f"step {step}")
+  # The same final parameters, optimizer state and data position.
+  ref_state, ref_data = _restore(reference, NUM_STEPS)
+  state, data_state = _restore(tmp_path, NUM_STEPS)
+  assert int(state.step) == NUM_STEPS
+  assert data_state == ref_data
+  for a, b in zip(jax.tree.leaves(ref_state), jax.tree.leaves(state)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_log_the_same_losses_as_one(reference, tmp_path):
+  port = _free_port()
+  procs = [
+      subprocess.Popen(
+          _command(tmp_path, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                   f"--process_id={i}"),
+          env=_env(num_cpu_devices=4), cwd=REPO, stdout=subprocess.DEVNULL,
+          stderr=subprocess.PIPE, text=True)
+      for i in range(2)
+  ]
+  try:
+    errors = [p.communicate(timeout=TIMEOUT)[1] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, err in zip(procs, errors):
+    assert p.returncode == 0, err[-4000:]
+  assert "2 processes, 8 devices" in errors[0]
+  # Only process 0 writes: one record per step.
+  assert [r["step"] for r in metrics.read_metrics(tmp_path)] == list(range(1, NUM_STEPS + 1))
+  ref_losses, losses = _losses(reference), _losses(tmp_path)
+  for step in losses:
+    np.testing.assert_allclose(losses[step], ref_losses[step], rtol=1e-5, err_msg=f"step {step}")
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+  proc = _train(tmp_path, "--config.learning_rate=1e12", "--config.checkpoint_every=1")
+  assert proc.returncode != 0
+  line = next((l for l in proc.stderr.splitlines() if l.startswith("ERROR: Non-finite")), None)
+  assert line is not None, proc.stderr[-4000:]
+  bad_step = int(line.split(" at step ")[1].split(";")[0])
+  assert 1 < bad_step <= NUM_STEPS
+  last_good = _latest_checkpoint(tmp_path)
+  assert last_good == bad_step - 1, (last_good, bad_step)
+  assert f"last good checkpoint is step {last_good}" in line
+  state, _ = _restore(tmp_path, last_good)
+  assert int(state.step) == last_good
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
