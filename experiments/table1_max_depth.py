@@ -136,6 +136,7 @@ def main():
   ax.barh([r[0] for r in rows][::-1], [r[2] / 1e6 for r in rows][::-1], color="tab:blue")
   for i, r in enumerate(rows[::-1]):
     ax.text(r[2] / 1e6, i, f" L={r[1]}", va="center", fontsize=8)
+  ax.set_xlim(0, max(r[2] for r in rows) / 1e6 * 1.15)
   ax.set_xlabel("parameters (millions) fitting 2 GiB per device")
   ax.set_title("Largest trainable Transformer (AOT compiles, width 256)", fontsize=10)
   fig.tight_layout()

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import re
 from typing import Any, Mapping
@@ -124,16 +123,19 @@ class _FlopCounter:
   def __init__(self, module: hlo_lib.HloModule, executed: bool):
     self.module = module
     self.executed = executed
+    self._cache: dict[str, tuple[float, float]] = {}
 
-  @functools.lru_cache(maxsize=None)
   def computation(self, name: str) -> tuple[float, float]:
-    comp = self.module.computations[name]
-    flops = trans = 0.0
-    for ins in comp.instructions:
-      f, t = self.instruction(comp, ins)
-      flops += f
-      trans += t
-    return flops, trans
+    """``(flops, transcendentals)`` of one run of computation ``name``."""
+    if name not in self._cache:
+      comp = self.module.computations[name]
+      flops = trans = 0.0
+      for ins in comp.instructions:
+        f, t = self.instruction(comp, ins)
+        flops += f
+        trans += t
+      self._cache[name] = (flops, trans)
+    return self._cache[name]
 
   def _called(self, name: str | None) -> tuple[float, float]:
     if name is None or name not in self.module.computations:
