@@ -1,0 +1,106 @@
+"""Tests for tpipe.models: the Transformer block and the pipelined byte-level decoder LM."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tpipe
+from tpipe import models
+
+WIDTH, HEADS, MLP, LAYERS, SEQ = 32, 2, 64, 4, 16
+
+
+def _lm(num_stages=1, num_data=1, num_microbatches=1, dropout_rate=0.0, **kwargs):
+  mesh = tpipe.make_mesh(stages=num_stages, data=num_data)
+  return models.DecoderLM(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP,
+                          max_len=SEQ, dropout_rate=dropout_rate, num_stages=num_stages,
+                          num_microbatches=num_microbatches, mesh=mesh, **kwargs)
+
+
+def _tokens(batch=8, seq=SEQ, seed=0):
+  return jax.random.randint(jax.random.key(seed), (batch, seq), 0, 256, dtype=jnp.int32)
+
+
+def test_block_preserves_shape_and_dtype():
+  block = models.TransformerBlock(width=WIDTH, num_heads=HEADS, mlp_dim=MLP)
+  x = jax.random.normal(jax.random.key(0), (3, SEQ, WIDTH), jnp.float32)
+  mask = models.causal_mask(SEQ)
+  variables = block.init(jax.random.key(1), x, mask)
+  y = block.apply(variables, x, mask)
+  assert y.shape == x.shape and y.dtype == jnp.float32
+  assert not np.allclose(y, x)
+  with pytest.raises(ValueError, match="expects"):
+    block.apply(variables, x[..., :WIDTH // 2], mask)
+
+
+def test_causal_mask():
+  mask = np.asarray(models.causal_mask(4))
+  assert mask.shape == (1, 1, 4, 4)
+  np.testing.assert_array_equal(mask[0, 0], np.tril(np.ones((4, 4), bool)))
+
+
+@pytest.fixture(scope="module")
+def lm_and_params():
+  model = _lm()
+  params = model.init(jax.random.key(0), _tokens())["params"]
+  return model, params
+
+
+def test_params_layout_stacks_the_blocks(lm_and_params):
+  _, params = lm_and_params
+  assert set(params) == {"embed", "pos_embed", "blocks", "final_norm", "head"}
+  for leaf in jax.tree.leaves(params["blocks"]):
+    assert leaf.shape[0] == LAYERS
+  assert params["head"]["kernel"].shape == (WIDTH, models.VOCAB_SIZE)
+
+
+def test_logits_are_causal(lm_and_params):
+  model, params = lm_and_params
+  tokens = _tokens(batch=1)
+  changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 256)
+  a = model.apply({"params": params}, tokens)
+  b = model.apply({"params": params}, changed)
+  assert a.shape == (1, SEQ, 256) and a.dtype == jnp.float32
+  np.testing.assert_allclose(a[0, :10], b[0, :10], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(a[0, 10:], b[0, 10:])
+
+
+def test_pipelined_lm_matches_single_stage(lm_and_params):
+  model, params = lm_and_params
+  tokens = _tokens()
+  want = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, tokens)
+  piped = _lm(num_stages=4, num_data=2, num_microbatches=2)
+  got = jax.jit(lambda p, t: piped.apply({"params": p}, t))(params, tokens)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_only_in_training():
+  model = _lm(dropout_rate=0.5)
+  tokens = _tokens(batch=2)
+  params = model.init(jax.random.key(0), tokens)["params"]
+  apply = lambda train, key: model.apply({"params": params}, tokens, train=train,
+                                         rngs={"dropout": jax.random.key(key)})
+  np.testing.assert_array_equal(apply(False, 1), apply(False, 2))
+  np.testing.assert_array_equal(apply(True, 1), apply(True, 1))
+  assert not np.allclose(apply(True, 1), apply(True, 2))
+  assert not np.allclose(apply(True, 1), apply(False, 1))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_heads=3), ValueError, "must divide width"),
+    (dict(dropout_rate=1.5), ValueError, "dropout_rate"),
+    (dict(num_layers=0), ValueError, "num_layers"),
+    (dict(width=32.0), TypeError, "width"),
+])
+def test_bad_model_arguments_raise(kwargs, error, match):
+  args = dict(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP, max_len=SEQ)
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    models.DecoderLM(**args)
+
+
+def test_too_long_sequence_raises(lm_and_params):
+  model, params = lm_and_params
+  with pytest.raises(ValueError, match="max_len"):
+    model.apply({"params": params}, _tokens(seq=SEQ + 1))
