@@ -143,16 +143,26 @@ def test_fewer_microbatches_than_stages_terminates_with_the_right_answer():
 
 def test_dropout_does_not_depend_on_stages_schedule_or_remat():
   x = _x(16)
-  outputs = []
+  outputs, gradients = [], []
   for stages, schedule, repeats, remat in ((1, "gpipe", 1, "none"), (4, "gpipe", 1, "full"),
                                            (2, "circular", 2, "dots"), (8, "gpipe", 1, "full")):
     stack = tpipe.pipeline(blocks.DropoutBlock, length=8, num_stages=stages, num_microbatches=4,
                            schedule=schedule, num_repeats=repeats, remat=remat,
                            mesh=tpipe.make_mesh(stages=stages))(WIDTH)
     variables = stack.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
-    outputs.append(jax.jit(stack.apply)(variables, x, rngs={"dropout": jax.random.key(7)}))
-  for y in outputs[1:]:
+
+    def loss(params, stack=stack):
+      y = stack.apply({"params": params}, x, rngs={"dropout": jax.random.key(7)})
+      return jnp.sum(jnp.sin(y)), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
+    outputs.append(y)
+    gradients.append(grads)
+  for y, grads in zip(outputs[1:], gradients[1:]):
     np.testing.assert_allclose(y, outputs[0], rtol=1e-5, atol=1e-6)
+    # Rematerialization replays the same dropout masks in the backward pass.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 grads, gradients[0])
   # Dropout is really on, and the key matters.
   other_key = jax.jit(stack.apply)(variables, x, rngs={"dropout": jax.random.key(8)})
   assert not np.allclose(other_key, outputs[0], atol=1e-3)
