@@ -81,3 +81,25 @@ def test_config_sizes_and_bad_argument():
   assert lm.get_config("size=base").num_layers > lm.get_config("size=small").num_layers
   with pytest.raises(ValueError, match="Unknown size"):
     lm.get_config("size=huge")
+
+
+def _gpipe_config(arg):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "transformer_gpipe.py"
+  spec = importlib.util.spec_from_file_location("transformer_gpipe", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def test_transformer_gpipe_config():
+  big = _gpipe_config(None)
+  assert (big.num_layers, big.width, big.mlp_dim, big.num_heads) == (48, 2048, 8192, 32)
+  assert big.num_microbatches == 32 and big.remat == "full"
+  tiny = experiment.build(_gpipe_config("size=tiny"))
+  compiled = tiny.train_step.lower(
+      tiny.abstract_state(), tiny.abstract_batch(), jax.random.key(0)).compile()
+  assert compiled.memory_analysis() is not None
+  with pytest.raises(ValueError, match="Unknown size"):
+    _gpipe_config("size=medium")
