@@ -70,9 +70,11 @@ class Report:
     num_devices: devices in the mesh.
     schedule: the :class:`tpipe.schedules.Schedule` the step runs.
     analysis: the :class:`tpipe.analysis.Analysis` of the compiled step.
-    lower_seconds: time to trace and lower the step.
-    compile_seconds: time for XLA to compile it.
+    lower_seconds: wall-clock time to trace and lower the step.
+    compile_seconds: wall-clock time for XLA to compile it.
     compiled: the :class:`jax.stages.Compiled` step (not run).
+    cpu_seconds: this process's CPU time (all threads) to lower and compile: steadier than
+      wall-clock time on a shared machine.
   """
 
   config: Any
@@ -83,6 +85,7 @@ class Report:
   lower_seconds: float
   compile_seconds: float
   compiled: Any = dataclasses.field(repr=False, default=None)
+  cpu_seconds: float = 0.0
 
   # Memory rows, bytes per device.
   @property
@@ -162,6 +165,7 @@ class Report:
         "collectives_per_step": self.collective_rows(),
         "lower_seconds": self.lower_seconds,
         "compile_seconds": self.compile_seconds,
+        "compile_cpu_seconds": self.cpu_seconds,
     }
 
 
@@ -169,17 +173,20 @@ def compile_train_step(exp):
   """AOT-compiles an experiment's train step for its abstract state and batch (never runs it).
 
   Returns:
-    ``(compiled, abstract_state, abstract_batch, lower_seconds, compile_seconds)``.
+    ``(compiled, abstract_state, abstract_batch, lower_seconds, compile_seconds,
+    cpu_seconds)``: wall-clock times, and the process CPU time of both together.
   """
   import jax  # pylint: disable=g-import-not-at-top
 
   state, batch = exp.abstract_state(), exp.abstract_batch()
+  cpu_start = time.process_time()
   start = time.perf_counter()
   lowered = exp.train_step.lower(state, batch, jax.random.key(0))
   lowered_at = time.perf_counter()
   compiled = lowered.compile()
   done = time.perf_counter()
-  return compiled, state, batch, lowered_at - start, done - lowered_at
+  cpu = time.process_time() - cpu_start
+  return compiled, state, batch, lowered_at - start, done - lowered_at, cpu
 
 
 def analyze_config(config) -> Report:
@@ -198,7 +205,7 @@ def analyze_config(config) -> Report:
   from tpipe import schedules  # pylint: disable=g-import-not-at-top
 
   exp = experiment.build(config)
-  compiled, state, batch, lower_s, compile_s = compile_train_step(exp)
+  compiled, state, batch, lower_s, compile_s, cpu_s = compile_train_step(exp)
   schedule = schedules.make_schedule(config.schedule, config.num_stages,
                                      config.num_microbatches, config.num_repeats)
   result = analysis.analyze(
@@ -207,7 +214,7 @@ def analyze_config(config) -> Report:
   num_params = sum(int(x.size) for x in jax.tree.leaves(state.params))
   return Report(config=config, num_params=num_params, num_devices=int(exp.mesh.devices.size),
                 schedule=schedule, analysis=result, lower_seconds=lower_s,
-                compile_seconds=compile_s, compiled=compiled)
+                compile_seconds=compile_s, compiled=compiled, cpu_seconds=cpu_s)
 
 
 def _flops(x: float) -> str:
