@@ -7,8 +7,8 @@
 # Example (2 processes x 4 devices = the default data=2 x stage=4 mesh):
 #   scripts/launch_local.sh -n 2 -k 4 -- --config=configs/lm.py:size=tiny --workdir=/tmp/mh
 #
-# Process 0 writes logs and metrics; every process's output goes to WORKDIR-less files
-# ./launch_local.<i>.log unless LOG_DIR is set. Exits non-zero if any process fails.
+# Process 0 writes the metrics; process i's terminal output goes to LOG_DIR/launch_local.<i>.log
+# (LOG_DIR defaults to the current directory). Exits non-zero if any process fails.
 set -euo pipefail
 
 num_processes=2
