@@ -31,6 +31,7 @@ appears in the result with its reason.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any, Sequence
 
@@ -325,6 +326,14 @@ def main(argv):
     raise SystemExit(1)
 
 
+def _main_with_clean_errors(argv):
+  try:
+    main(argv)
+  except (ValueError, TypeError) as e:  # bad configuration: the message names the fix.
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(_main_with_clean_errors)

@@ -121,14 +121,16 @@ class Report:
   def collective_rows(self) -> list[dict[str, Any]]:
     """One row per (kind, axes): role, instructions, executions and bytes per step."""
     rows = []
-    for (kind, axes), row in self.analysis.collective_summary().items():
-      axes = tuple(axes or ())
+    for (kind, mesh_axes), row in self.analysis.collective_summary().items():
+      axes = tuple(mesh_axes or ())
       if kind == "collective-permute" and axes == ("stage",):
         role = "stage-to-stage transfer"
       elif "data" in axes and "stage" not in axes and kind in ("all-reduce", "reduce-scatter"):
         role = "data-parallel reduction"
       elif axes == ("stage",):
         role = "across stages"
+      elif mesh_axes == ():  # groups span no mesh axis: every group is one device.
+        role = "no-op (1-device groups)"
       else:
         role = "other"
       rows.append({"kind": kind, "axes": ",".join(axes) or "-", "role": role, **row})
@@ -314,6 +316,14 @@ def main(argv):
   print(f"\nSaved {paths['markdown']}, {paths['json']} and {paths['timeline']}")
 
 
+def _main_with_clean_errors(argv):
+  try:
+    main(argv)
+  except (ValueError, TypeError) as e:  # bad configuration: the message names the fix.
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(_main_with_clean_errors)
