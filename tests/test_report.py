@@ -78,11 +78,22 @@ def test_flops_and_collectives(tiny_report):
   assert "peak total" in text and "stage-to-stage transfer" in text
 
 
+def test_bad_config_is_a_clean_error(tmp_path):
+  env = dict(os.environ, PYTHONPATH=REPO)
+  result = subprocess.run(
+      [sys.executable, "-m", "tpipe.report", "--config=configs/lm.py:size=tiny",
+       "--config.num_microbatches=3", f"--out_dir={tmp_path}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2
+  assert "error: " in result.stderr and "num_microbatches=3" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
 def test_command_line_writes_report_and_timeline(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO)
   env.pop("JAX_NUM_CPU_DEVICES", None)  # the tool sets 8 emulated devices itself.
   result = subprocess.run(
-      [sys.executable, "-m", "tpipe.report", "--config=configs/lm.py:size=tiny",
+      [sys.executable, "-m", "tpipe.report", "--config=configs/transformer_gpipe.py:size=tiny",
        "--config.num_layers=2", "--config.num_stages=2", "--config.num_data=1",
        "--config.num_microbatches=2", f"--out_dir={tmp_path}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -91,6 +102,7 @@ def test_command_line_writes_report_and_timeline(tmp_path):
   with open(tmp_path / "report.json") as f:
     numbers = json.load(f)
   assert numbers["config"]["num_stages"] == 2
+  assert numbers["config"]["remat"] == "full"  # the GPipe config's setting.
   assert numbers["schedule"]["num_ticks"] == 3
   with open(tmp_path / "timeline.png", "rb") as f:
     assert f.read(4) == b"\x89PNG"
