@@ -43,7 +43,7 @@ def test_causal_mask():
 @pytest.fixture(scope="module")
 def lm_and_params():
   model = _lm()
-  params = model.init(jax.random.key(0), _tokens())["params"]
+  params = jax.jit(model.init)(jax.random.key(0), _tokens())["params"]
   return model, params
 
 
@@ -59,8 +59,8 @@ def test_logits_are_causal(lm_and_params):
   model, params = lm_and_params
   tokens = _tokens(batch=1)
   changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 256)
-  a = model.apply({"params": params}, tokens)
-  b = model.apply({"params": params}, changed)
+  apply = jax.jit(lambda t: model.apply({"params": params}, t))
+  a, b = apply(tokens), apply(changed)
   assert a.shape == (1, SEQ, 256) and a.dtype == jnp.float32
   np.testing.assert_allclose(a[0, :10], b[0, :10], rtol=1e-5, atol=1e-6)
   assert not np.allclose(a[0, 10:], b[0, 10:])
@@ -78,9 +78,11 @@ def test_pipelined_lm_matches_single_stage(lm_and_params):
 def test_dropout_only_in_training():
   model = _lm(dropout_rate=0.5)
   tokens = _tokens(batch=2)
-  params = model.init(jax.random.key(0), tokens)["params"]
-  apply = lambda train, key: model.apply({"params": params}, tokens, train=train,
-                                         rngs={"dropout": jax.random.key(key)})
+  params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+  jitted = jax.jit(
+      lambda key, train: model.apply({"params": params}, tokens, train=train,
+                                     rngs={"dropout": key}), static_argnums=1)
+  apply = lambda train, seed: jitted(jax.random.key(seed), train)
   np.testing.assert_array_equal(apply(False, 1), apply(False, 2))
   np.testing.assert_array_equal(apply(True, 1), apply(True, 1))
   assert not np.allclose(apply(True, 1), apply(True, 2))
