@@ -28,7 +28,6 @@ import dataclasses
 import hashlib
 import pathlib
 import sysconfig
-from typing import Iterator
 
 import grain
 import jax
@@ -193,8 +192,3 @@ def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> 
   return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
           for k, v in batch.items()}
 
-
-def iterate(it: Iterator, sharding) -> Iterator[dict]:
-  """Yields ``to_global(batch, sharding)`` for each host batch of ``it``."""
-  for batch in it:
-    yield to_global(batch, sharding)
