@@ -115,6 +115,7 @@ def reference(tmp_path_factory):
     if not done.exists():
       proc = _train(workdir)
       _check_ok(proc)
+      (base / "train_reference.stderr").write_text(proc.stderr)
       done.write_text("ok")
   return workdir
 
@@ -131,6 +132,8 @@ def test_reference_run_logs_every_step_and_learns(reference):
   assert list((reference / "checkpoints").iterdir()), "no checkpoint written"
   assert list(reference.glob("events.out.tfevents.*")), "no TensorBoard event file"
   assert json.loads((reference / "config.json").read_text())["num_steps"] == NUM_STEPS
+  log = (reference.parent / "train_reference.stderr").read_text()
+  assert f"step {NUM_STEPS}/{NUM_STEPS} | loss " in log and " steps/s | ETA " in log
 
 
 @pytest.mark.slow
@@ -234,3 +237,31 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   state, _ = _restore(tmp_path, last_good)
   assert int(state.step) == last_good
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+
+
+@pytest.mark.slow
+def test_interrupted_save_leaves_previous_checkpoint_usable(reference, tmp_path):
+  # What a crash in the middle of an Orbax save leaves behind: a temporary step directory.
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
+  partial = tmp_path / "checkpoints" / f"{NUM_STEPS + 5}.orbax-checkpoint-tmp"
+  (partial / "state.orbax-checkpoint-tmp").mkdir(parents=True)
+  (partial / "state.orbax-checkpoint-tmp" / "d").write_bytes(b"\x00" * 10)
+  ckpt = checkpointing.Checkpointer(tmp_path / "checkpoints")
+  try:
+    assert ckpt.latest_step() == NUM_STEPS
+  finally:
+    ckpt.close()
+  state, data_state = _restore(tmp_path, NUM_STEPS)
+  ref_state, ref_data = _restore(reference, NUM_STEPS)
+  assert data_state == ref_data and int(state.step) == NUM_STEPS
+  np.testing.assert_array_equal(state.params["head"]["kernel"], ref_state.params["head"]["kernel"])
+
+
+@pytest.mark.slow
+def test_bad_config_is_a_clean_error(tmp_path):
+  proc = _train(tmp_path, "--config.batch_size=12")
+  assert proc.returncode == 2
+  assert "ERROR: bad config:" in proc.stderr and "num_microbatches" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "checkpoints").exists()

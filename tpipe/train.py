@@ -65,7 +65,9 @@ def _setup_jax(config) -> None:
     raise app.UsageError("--num_processes/--process_id need --coordinator_address=HOST:PORT.")
   # The CPU backend's device count only matters when CPU is the platform; on TPU/GPU hosts it is
   # harmless. Each process emulates its share of the mesh.
-  if "JAX_NUM_CPU_DEVICES" not in os.environ:
+  user_set = ("JAX_NUM_CPU_DEVICES" in os.environ
+              or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""))
+  if not user_set:
     num_processes = _NUM_PROCESSES.value or 1
     needed = config.num_stages * config.num_data
     if needed % num_processes:
@@ -257,6 +259,12 @@ def main(argv):
   config = _CONFIG.value
   logging.get_absl_handler().addFilter(_QuietLibraries())
   _setup_jax(config)
+  from tpipe import experiment  # pylint: disable=g-import-not-at-top
+  try:
+    experiment.validate_config(config)
+  except (ValueError, TypeError) as e:
+    print(f"ERROR: bad config: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   try:
     final = train(config, _WORKDIR.value)
   except NonFiniteLossError as e:
