@@ -31,7 +31,15 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 from ml_collections import config_flags
+import numpy as np
+
+import tpipe
+from tpipe import checkpointing
+from tpipe import data
+from tpipe import experiment
+from tpipe import metrics as metrics_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=True)
@@ -55,8 +63,6 @@ class NonFiniteLossError(RuntimeError):
 
 def _setup_jax(config) -> None:
   """Emulates CPU devices if needed and joins the multi-process group."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   distributed = _COORDINATOR.value is not None
   if distributed and (_NUM_PROCESSES.value is None or _PROCESS_ID.value is None):
     raise app.UsageError(
@@ -132,14 +138,7 @@ def train(config, workdir: str) -> dict:
   Returns:
     The last logged metrics record.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
-  import tpipe  # pylint: disable=g-import-not-at-top
-  from tpipe import checkpointing  # pylint: disable=g-import-not-at-top
-  from tpipe import data  # pylint: disable=g-import-not-at-top
-  from tpipe import experiment  # pylint: disable=g-import-not-at-top
-  from tpipe import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 
   for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):
     value = config[name]
@@ -259,7 +258,6 @@ def main(argv):
   config = _CONFIG.value
   logging.get_absl_handler().addFilter(_QuietLibraries())
   _setup_jax(config)
-  from tpipe import experiment  # pylint: disable=g-import-not-at-top
   try:
     experiment.validate_config(config)
   except (ValueError, TypeError) as e:
@@ -271,7 +269,8 @@ def main(argv):
     logging.error("%s", e)
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
-  logging.info("Done: %s", json.dumps(final))
+  if jax.process_index() == 0:
+    logging.info("Done: %s", json.dumps(final))
 
 
 if __name__ == "__main__":
