@@ -22,10 +22,9 @@ def setup() -> None:
   if REPO not in sys.path:
     sys.path.insert(0, REPO)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  import jax  # pylint: disable=g-import-not-at-top
+  from tpipe import report  # pylint: disable=g-import-not-at-top
 
-  if "JAX_NUM_CPU_DEVICES" not in os.environ:
-    jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
+  report.setup_cpu_devices(num_devices=NUM_DEVICES)
 
 
 def config(*, num_layers: int, width: int = 256, num_heads: int = 4, mlp_dim: int = 1024,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -41,21 +42,26 @@ DEFAULT_CPU_DEVICES = 8
 
 
 def setup_cpu_devices(config=None, num_devices: int | None = None) -> int:
-  """Emulates CPU devices before JAX starts, as the trainer does; returns the count asked for.
+  """Emulates CPU devices before JAX starts, as the trainer does; returns the count in effect.
 
   The count is ``num_devices``, else ``num_stages * num_data`` of ``config``, and at least
-  :data:`DEFAULT_CPU_DEVICES`. Nothing changes when ``JAX_NUM_CPU_DEVICES`` is set, and the
-  setting only matters on the CPU platform. Must be called before the first JAX computation.
+  :data:`DEFAULT_CPU_DEVICES`. A count the user chose (``JAX_NUM_CPU_DEVICES``, or
+  ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``) is left alone. The setting only
+  matters on the CPU platform. Must be called before the first JAX computation.
   """
   import jax  # pylint: disable=g-import-not-at-top
 
+  if "JAX_NUM_CPU_DEVICES" in os.environ:
+    return int(os.environ["JAX_NUM_CPU_DEVICES"])
+  forced = re.search(r"xla_force_host_platform_device_count=(\d+)",
+                     os.environ.get("XLA_FLAGS", ""))
+  if forced:
+    return int(forced.group(1))
   needed = DEFAULT_CPU_DEVICES
   if num_devices is not None:
     needed = max(needed, int(num_devices))
   elif config is not None and "num_stages" in config and "num_data" in config:
     needed = max(needed, int(config.num_stages) * int(config.num_data))
-  if "JAX_NUM_CPU_DEVICES" in os.environ:
-    return int(os.environ["JAX_NUM_CPU_DEVICES"])
   jax.config.update("jax_num_cpu_devices", needed)
   return needed
 
