@@ -190,6 +190,15 @@ def train(config, workdir: str) -> dict:
   record = {}
   t_last, step_last = None, start
 
+  def evaluate(params):
+    return float(np.mean(jax.device_get([exp.eval_step(params, b) for b in eval_set])))
+
+  if start == 0:
+    # A baseline for the eval curve (in the log only: metrics records are of training steps).
+    initial = evaluate(state.params)
+    if is_chief:
+      logging.info("step 0/%d | eval_loss %.4f at initialisation", config.num_steps, initial)
+
   try:
     for step in range(start + 1, config.num_steps + 1):
       batch = data.to_global(next(train_iter), sharding)
@@ -212,8 +221,7 @@ def train(config, workdir: str) -> dict:
       pending.clear()
       record = {"loss": float(host[-1]["loss"]), "grad_norm": float(host[-1]["grad_norm"])}
       if do_eval:
-        losses = [exp.eval_step(state.params, b) for b in eval_set]
-        record["eval_loss"] = float(np.mean(jax.device_get(losses)))
+        record["eval_loss"] = evaluate(state.params)
 
       now = time.perf_counter()
       if t_last is not None:
