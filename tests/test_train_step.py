@@ -151,3 +151,19 @@ def test_data_parallel_reduction_happens_once_per_step_not_per_microbatch():
     # Stage-to-stage sends run every tick: M + S - 1 forward ticks, and as many backward.
     sends = [c for c in found if c.kind == "collective-permute" and c.axes == ("stage",)]
     assert sum(c.count for c in sends) >= 2 * (microbatches + 4 - 1)
+
+
+def test_no_gradient_all_reduce_without_data_parallelism():
+  batch = _batch(32)
+  mesh = tpipe.make_mesh(stages=4, data=1)
+  model = Regressor(stages=4, microbatches=4, data=1)
+  params = Regressor(stages=1, microbatches=1, data=1).init(jax.random.key(0), batch["x"])
+  state = tpipe.create_train_state(params["params"], optax.sgd(0.1), tpipe.param_shardings(
+      params["params"], mesh, stacked=("blocks",)))
+  step = tpipe.make_train_step(_loss_fn(model), optax.sgd(0.1))
+  compiled = step.lower(state, jax.device_put(batch, tpipe.data_sharding(mesh)),
+                        jax.random.key(0)).compile()
+  # Only the stage-axis sums of outputs and input gradients; not even a no-op over 1-device groups.
+  reductions = [c for c in analysis.collectives(compiled, mesh)
+                if c.kind == "all-reduce" and c.axes != ("stage",)]
+  assert not reductions, reductions

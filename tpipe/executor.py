@@ -81,7 +81,8 @@ def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, args: tuple, 
     mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
     remat: a remat option (see :func:`tpipe.stage.resolve_remat`).
     stage_axis: the mesh axis of pipeline stages.
-    data_axis: the mesh axis of data-parallel replicas, or None. Ignored when absent from mesh.
+    data_axis: the mesh axis of data-parallel replicas, or None. Ignored when absent from the
+      mesh or of size 1.
 
   Returns:
     The pytree ``y``, shaped like ``x``: every layer applied in order.
@@ -90,7 +91,9 @@ def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, args: tuple, 
   num_repeats = schedule.num_repeats
   per_chunk = partition.layers_per_chunk(length, num_stages, num_repeats)
   stage_fn = stage_lib.make_stage_fn(layer_fn, per_chunk, remat)
-  has_data = data_axis is not None and data_axis in mesh.axis_names
+  # A data axis of size 1 is treated as absent: casting over it would leave a no-op all-reduce
+  # of the whole gradient in the program.
+  has_data = data_axis is not None and dict(mesh.shape).get(data_axis, 1) > 1
   batch_spec = P(data_axis) if has_data else P()
   ring = [(s, (s + 1) % num_stages) for s in range(num_stages)]
   tick_inputs = _tick_inputs(schedule)
