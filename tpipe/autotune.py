@@ -31,7 +31,6 @@ appears in the result with its reason.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from typing import Any, Sequence
 
@@ -40,6 +39,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from tpipe import analysis
+from tpipe import cli
 
 REMAT_ORDER = ("none", "dots", "full")
 
@@ -326,14 +326,6 @@ def main(argv):
     raise SystemExit(1)
 
 
-def _main_with_clean_errors(argv):
-  try:
-    main(argv)
-  except (ValueError, TypeError) as e:  # bad configuration: the message names the fix.
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
-
-
 if __name__ == "__main__":
   define_flags()
-  app.run(_main_with_clean_errors)
+  cli.run(main)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -37,6 +36,8 @@ from typing import Any
 from absl import app
 from absl import flags
 from ml_collections import config_flags
+
+from tpipe import cli
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -51,12 +52,9 @@ def setup_cpu_devices(config=None, num_devices: int | None = None) -> int:
   """
   import jax  # pylint: disable=g-import-not-at-top
 
-  if "JAX_NUM_CPU_DEVICES" in os.environ:
-    return int(os.environ["JAX_NUM_CPU_DEVICES"])
-  forced = re.search(r"xla_force_host_platform_device_count=(\d+)",
-                     os.environ.get("XLA_FLAGS", ""))
-  if forced:
-    return int(forced.group(1))
+  chosen = cli.user_cpu_device_count()
+  if chosen is not None:
+    return chosen
   needed = DEFAULT_CPU_DEVICES
   if num_devices is not None:
     needed = max(needed, int(num_devices))
@@ -322,14 +320,6 @@ def main(argv):
   print(f"\nSaved {paths['markdown']}, {paths['json']} and {paths['timeline']}")
 
 
-def _main_with_clean_errors(argv):
-  try:
-    main(argv)
-  except (ValueError, TypeError) as e:  # bad configuration: the message names the fix.
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
-
-
 if __name__ == "__main__":
   define_flags()
-  app.run(_main_with_clean_errors)
+  cli.run(main)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import sys
 import time
@@ -37,6 +36,7 @@ import numpy as np
 
 import tpipe
 from tpipe import checkpointing
+from tpipe import cli
 from tpipe import data
 from tpipe import experiment
 from tpipe import metrics as metrics_lib
@@ -71,9 +71,7 @@ def _setup_jax(config) -> None:
     raise app.UsageError("--num_processes/--process_id need --coordinator_address=HOST:PORT.")
   # The CPU backend's device count only matters when CPU is the platform; on TPU/GPU hosts it is
   # harmless. Each process emulates its share of the mesh.
-  user_set = ("JAX_NUM_CPU_DEVICES" in os.environ
-              or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""))
-  if not user_set:
+  if cli.user_cpu_device_count() is None:
     num_processes = _NUM_PROCESSES.value or 1
     needed = config.num_stages * config.num_data
     if needed % num_processes:
