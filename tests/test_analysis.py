@@ -282,3 +282,29 @@ def test_format_bytes():
   assert analysis.format_bytes(1536) == "1.50 KiB"
   assert analysis.format_bytes(3 * 2**30) == "3.00 GiB"
   np.testing.assert_equal(analysis.format_bytes(0), "0 B")
+
+
+def test_pipeline_flops_refuse_a_program_without_the_tick_loop():
+  w = jnp.ones((16, 16))
+
+  def f(x):
+    y, _ = lax.scan(lambda c, _: (c @ w, None), x, None, length=3)
+    return y
+
+  c = _compile(f, jnp.ones((4, 16)))
+  # gpipe(2, 3) has 4 ticks; the program's only loop runs 3 times.
+  with pytest.raises(ValueError, match="No while loop with the schedule's 4 ticks"):
+    analysis.pipeline_flops(c, schedules.gpipe(num_stages=2, num_microbatches=3))
+
+
+def test_loops_without_a_trip_count_are_listed():
+  w = jnp.ones((16, 16))
+
+  def f(x):
+    return lax.while_loop(lambda c: jnp.sum(c) < 1e6, lambda c: c @ w, x)
+
+  flops = analysis.flop_count(_compile(f, jnp.ones((4, 16))))
+  assert len(flops.loops_without_trip_count) == 1
+  counted = analysis.flop_count(_compile(lambda x: lax.fori_loop(0, 3, lambda i, c: c @ w, x),
+                                         jnp.ones((4, 16))))
+  assert counted.loops_without_trip_count == ()

@@ -116,6 +116,11 @@ class FlopCount:
     """``executed / static``: how much the trip counts multiply the naive count."""
     return self.executed / self.static if self.static else 1.0
 
+  @property
+  def loops_without_trip_count(self) -> tuple[str, ...]:
+    """Loops XLA proved no trip count for: counted once each, so ``executed`` is a lower bound."""
+    return tuple(name for name, trips, _ in self.loops if trips is None)
+
 
 class _FlopCounter:
   """Counts FLOPs per computation, with loop bodies counted once or trip-count times."""
@@ -559,6 +564,12 @@ def pipeline_flops(compiled, schedule, flops: FlopCount | None = None) -> Pipeli
     chosen.append(loop.instruction.name)
     body = counter.computation(loop.body)[0]
     in_ticks += loop.outer * loop.trip_count * body
+  if not chosen and schedule.num_ticks > 1:
+    raise ValueError(
+        f"No while loop with the schedule's {schedule.num_ticks} ticks as its trip count was "
+        f"found (loops and trip counts: {[(l.instruction.name, l.trip_count) for l in loops]}). "
+        "Pass the schedule the program was compiled with; if it is, XLA unrolled or rewrote the "
+        "tick loop and useful FLOPs cannot be separated from the bubble.")
   bubble = float(schedule.bubble_fraction)
   return PipelineFlops(executed=flops.executed, in_tick_loops=in_ticks,
                        tick_loops=tuple(chosen), bubble_fraction=bubble,

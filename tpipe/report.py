@@ -271,6 +271,10 @@ def format_report(report: Report) -> str:
         f"| analytic bubble fraction ({report.schedule.num_ticks} ticks) | "
         f"{pipe.bubble_fraction:.1%} |",
     ]
+  if flops.loops_without_trip_count:
+    lines += ["", f"Warning: XLA proved no trip count for loops "
+              f"{list(flops.loops_without_trip_count)}; each is counted once, so executed FLOPs "
+              "are a lower bound."]
   lines += ["", "| collectives per step | axes | role | instructions | executions | bytes "
             "per device | in a loop |", "|---|---|---|---:|---:|---:|---:|"]
   for row in report.collective_rows():
