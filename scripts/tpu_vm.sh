@@ -18,6 +18,8 @@
 #   scripts/tpu_vm.sh setup
 #   scripts/tpu_vm.sh run --config=configs/transformer_gpipe.py --workdir=/tmp/gpipe
 #   scripts/tpu_vm.sh delete
+# A multi-host pod slice needs a workdir that every host shares, e.g. a bucket:
+#   scripts/tpu_vm.sh run --config=configs/transformer_gpipe.py --workdir=gs://BUCKET/gpipe
 set -euo pipefail
 
 TPU_NAME="${TPU_NAME:-tpipe}"
@@ -61,7 +63,7 @@ case "$cmd" in
     tpu delete "$TPU_NAME" --quiet
     ;;
   *)
-    sed -n '2,21p' "$0"
+    sed -n '2,22p' "$0"
     exit 1
     ;;
 esac

@@ -265,3 +265,20 @@ def test_bad_config_is_a_clean_error(tmp_path):
   assert "ERROR: bad config:" in proc.stderr and "num_microbatches" in proc.stderr
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "checkpoints").exists()
+
+
+def test_remote_workdir_paths_stay_remote(tmp_path, monkeypatch):
+  # pathlib would collapse gs://bucket/run to gs:/bucket/run, a local folder named "gs:".
+  assert checkpointing.checkpoint_directory("gs://bucket/run") == "gs://bucket/run/checkpoints"
+  monkeypatch.chdir(tmp_path)
+  assert checkpointing.checkpoint_directory("run") == str(tmp_path / "run" / "checkpoints")
+  writer = metrics.MetricWriter("gs://bucket/run", enabled=False)
+  assert str(writer._path) == "gs://bucket/run/metrics.jsonl"  # pylint: disable=protected-access
+  # Without google-cloud-storage, TensorBoard events go to a local directory instead.
+  from tensorboardX import record_writer  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(record_writer, "GCS_ENABLED", False)
+  local = metrics.tensorboard_logdir("gs://bucket/run")
+  assert not metrics.is_remote(local) and pathlib.Path(local).is_dir()
+  monkeypatch.setattr(record_writer, "GCS_ENABLED", True)
+  assert metrics.tensorboard_logdir("gs://bucket/run") == "gs://bucket/run"
+  assert metrics.tensorboard_logdir(tmp_path) == str(tmp_path)

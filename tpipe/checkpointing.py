@@ -24,15 +24,41 @@ import os
 import signal
 from typing import Any
 
+from etils import epath
 import jax
 import orbax.checkpoint as ocp
+
+
+def resolve_directory(directory: str | os.PathLike) -> str:
+  """The directory as Orbax wants it: local paths made absolute, ``gs://...`` kept as it is.
+
+  Pass remote paths as strings or ``etils.epath.Path``; ``pathlib.Path("gs://b/run")`` has
+  already collapsed the ``//`` into ``gs:/b/run``, a local path.
+  """
+  directory = os.fspath(directory)
+  if "://" not in directory:
+    directory = os.path.abspath(directory)
+  return directory
+
+
+def checkpoint_directory(workdir: str | os.PathLike) -> str:
+  """A run's checkpoint directory, ``workdir/checkpoints``, resolved as :func:`resolve_directory`.
+
+  Args:
+    workdir: the run's directory, e.g. ``/tmp/lm`` or ``gs://bucket/run``.
+
+  Returns:
+    ``/abs/path/checkpoints`` or ``gs://bucket/run/checkpoints``.
+  """
+  return resolve_directory(epath.Path(workdir) / "checkpoints")
 
 
 class Checkpointer:
   """A thin wrapper over ``orbax.checkpoint.CheckpointManager`` for state + iterator.
 
   Args:
-    directory: where step directories go (created if missing).
+    directory: where step directories go (created if missing): a local path, or a remote one
+      such as ``gs://bucket/run/checkpoints`` (a string or ``etils.epath.Path``).
     max_to_keep: how many recent checkpoints to keep.
     async_save: save in a background thread (default True).
     handle_sigterm: in a single-process run, turn SIGTERM into a preemption notice (the trainer
@@ -45,11 +71,8 @@ class Checkpointer:
       raise ValueError(f"max_to_keep must be an int >= 1, got {max_to_keep!r}.")
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
-    directory = os.fspath(directory)
-    if "://" not in directory:  # Local paths must be absolute; gs://... stays as it is.
-      directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(
-        directory, options=options, item_names=("state", "data"))
+        resolve_directory(directory), options=options, item_names=("state", "data"))
     self._sigterm = False
     if handle_sigterm and jax.process_count() == 1:
       try:

@@ -17,10 +17,47 @@ from __future__ import annotations
 import json
 import math
 import os
-import pathlib
+import tempfile
 from typing import Any, Mapping
 
+from absl import logging
+from etils import epath
+
 METRICS_FILE = "metrics.jsonl"
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+  """True for a path with a scheme such as ``gs://``."""
+  return "://" in os.fspath(path)
+
+
+def tensorboard_logdir(workdir: str | os.PathLike) -> str:
+  """Where the TensorBoard event files of ``workdir`` go.
+
+  tensorboardX writes local paths, and ``gs://`` (``s3://``) only with ``google-cloud-storage``
+  (``boto3``) installed. Without it, a remote workdir's events go to a local temporary directory,
+  and a warning names it.
+
+  Args:
+    workdir: the run's directory, local or remote.
+
+  Returns:
+    A local directory or ``workdir`` itself, as a string.
+  """
+  workdir = os.fspath(workdir)
+  if not is_remote(workdir):
+    return workdir
+  from tensorboardX import record_writer  # pylint: disable=g-import-not-at-top
+  scheme = workdir.split("://", 1)[0]
+  supported = {"gs": record_writer.GCS_ENABLED, "s3": record_writer.S3_ENABLED}
+  if supported.get(scheme, False):
+    return workdir
+  local = tempfile.mkdtemp(prefix="tpipe-tensorboard-")
+  logging.warning(
+      "TensorBoard events go to the local directory %s: tensorboardX cannot write to %s "
+      "without an extra package (pip install google-cloud-storage for gs://, boto3 for s3://). "
+      "metrics.jsonl and checkpoints still go to %s.", local, workdir, workdir)
+  return local
 
 
 def _plain(value: Any) -> Any:
@@ -34,7 +71,7 @@ def _plain(value: Any) -> Any:
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
   """Returns the records of ``workdir/metrics.jsonl`` in file order ([] if absent)."""
-  path = pathlib.Path(workdir) / METRICS_FILE
+  path = epath.Path(workdir) / METRICS_FILE
   if not path.exists():
     return []
   return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -44,18 +81,22 @@ class MetricWriter:
   """Appends step records to ``metrics.jsonl`` and scalars to TensorBoard.
 
   Args:
-    workdir: directory for ``metrics.jsonl`` and the event files.
+    workdir: directory for ``metrics.jsonl`` and the event files; local, or remote such as
+      ``gs://bucket/run`` (see :func:`tensorboard_logdir` for where the event files go then).
     enabled: if False (processes other than 0), every method does nothing.
   """
 
   def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True):
     self._enabled = enabled
-    self._path = pathlib.Path(workdir) / METRICS_FILE
+    self._path = epath.Path(workdir) / METRICS_FILE
+    # Object stores cannot append: a remote file is rewritten whole from ``self._records``.
+    self._append = not is_remote(self._path)
+    self._records = None
     self._tb = None
     if enabled:
-      import tensorboardX  # Imported lazily: only process 0 needs it.
+      import tensorboardX  # pylint: disable=g-import-not-at-top  # Only process 0 needs it.
       self._path.parent.mkdir(parents=True, exist_ok=True)
-      self._tb = tensorboardX.SummaryWriter(logdir=str(self._path.parent))
+      self._tb = tensorboardX.SummaryWriter(logdir=tensorboard_logdir(self._path.parent))
 
   def truncate_after(self, step: int) -> None:
     """Drops records with ``step`` greater than ``step`` (the run resumes from there).
@@ -66,9 +107,11 @@ class MetricWriter:
     if not self._enabled or not self._path.exists():
       return
     kept = [r for r in read_metrics(self._path.parent) if r.get("step", 0) <= step]
-    tmp = self._path.with_suffix(".jsonl.tmp")
+    if not self._append:
+      self._records = kept
+    tmp = self._path.parent / (METRICS_FILE + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, self._path)
+    tmp.replace(self._path)
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
     """Writes one record ``{"step": step, **scalars}``.
@@ -81,8 +124,14 @@ class MetricWriter:
       return
     record = {"step": int(step)}
     record.update({k: _plain(v) for k, v in scalars.items()})
-    with self._path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    if self._append:
+      with self._path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    else:
+      if self._records is None:
+        self._records = read_metrics(self._path.parent)
+      self._records.append(record)
+      self._path.write_text("".join(json.dumps(r) + "\n" for r in self._records))
     for name, value in record.items():
       if name != "step" and isinstance(value, (int, float)):
         self._tb.add_scalar(name, value, global_step=int(step))

@@ -23,13 +23,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import pathlib
 import sys
 import time
 
 from absl import app
 from absl import flags
 from absl import logging
+from etils import epath
 import jax
 from ml_collections import config_flags
 import numpy as np
@@ -43,7 +43,9 @@ from tpipe import metrics as metrics_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for checkpoints and metrics: local, or e.g. gs://bucket/run "
+    "(a multi-host run needs one that every host shares).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
     "host:port of process 0, for multi-process runs on CPU/GPU clusters (TPU VMs auto-detect).")
@@ -131,7 +133,8 @@ def train(config, workdir: str) -> dict:
 
   Args:
     config: an experiment config (``configs/lm.py``).
-    workdir: directory for checkpoints, ``metrics.jsonl`` and TensorBoard events.
+    workdir: directory for checkpoints, ``metrics.jsonl`` and TensorBoard events; local, or
+      remote such as ``gs://bucket/run`` (which every host of a multi-host run can reach).
 
   Returns:
     The last logged metrics record.
@@ -143,7 +146,7 @@ def train(config, workdir: str) -> dict:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"config.{name} must be an int >= 1, got {value!r}.")
   is_chief = jax.process_index() == 0
-  workdir = pathlib.Path(workdir)
+  workdir = epath.Path(workdir)  # Unlike pathlib, keeps gs://bucket/... intact.
   exp = experiment.build(config)
   sharding = tpipe.data_sharding(exp.mesh)
   if is_chief:
@@ -160,8 +163,8 @@ def train(config, workdir: str) -> dict:
       eval_data, batch_size=config.batch_size, num_batches=config.eval_batches)]
 
   # State: resume from the latest checkpoint, else initialise.
-  ckpt = checkpointing.Checkpointer(workdir / "checkpoints", max_to_keep=config.keep_checkpoints,
-                                    handle_sigterm=True)
+  ckpt = checkpointing.Checkpointer(checkpointing.checkpoint_directory(workdir),
+                                    max_to_keep=config.keep_checkpoints, handle_sigterm=True)
   start = ckpt.latest_step()
   if start is not None:
     state, data_state = ckpt.restore(start, exp.abstract_state())
