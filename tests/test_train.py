@@ -189,6 +189,13 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, tmp_path):
   for a, b in zip(jax.tree.leaves(ref_state), jax.tree.leaves(state)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
 
+  # Resuming with another batch size would read other data: a clear error, not a silent change.
+  changed = subprocess.run(command + ["--config.batch_size=32"], env=_env(), cwd=REPO,
+                           capture_output=True, text=True, timeout=TIMEOUT, check=False)
+  assert changed.returncode != 0
+  assert "config.batch_size changed since the checkpoint" in changed.stderr, changed.stderr[-4000:]
+  assert "--config.batch_size=16" in changed.stderr
+
 
 def _free_port():
   with socket.socket() as s:

@@ -4,8 +4,9 @@ A checkpoint at step ``n`` holds two items:
 
 * ``state``: the ``tpipe.TrainState`` after ``n`` updates (params, optimizer state, step), saved
   sharded as it lives on the devices and restored into the layout of an abstract state;
-* ``data``: the grain iterator state (JSON) after ``n`` batches, so a resumed run reads the same
-  batches an uninterrupted run would.
+* ``data``: JSON, the trainer's grain iterator state after ``n`` batches (so a resumed run reads
+  the same batches an uninterrupted run would) and what it depends on (batch size, sequence
+  length, seed, corpus hash, checked on resume).
 
 Saves are asynchronous; Orbax writes to a temporary directory and renames it when complete, so a
 crash during a save leaves the previous checkpoint usable. ``reached_preemption`` reports a

@@ -20,6 +20,7 @@ names the step; the poisoned state is never checkpointed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -124,6 +125,34 @@ def _check_finite(step: int, metrics: dict, last_checkpoint: int | None, ckpt_di
           f"state ({where}). Lower the learning rate or check the data.")
 
 
+# The config fields that decide which batches the training iterator yields.
+_DATA_FIELDS = ("batch_size", "seq_len", "seed", "max_corpus_bytes", "eval_fraction")
+
+
+def _data_spec(config, train_data: data.TextData) -> dict:
+  """What the saved iterator position means: the data fields and a hash of the train corpus."""
+  spec = {name: config[name] for name in _DATA_FIELDS}
+  spec["corpus_sha256"] = hashlib.sha256(train_data.tokens.tobytes()).hexdigest()
+  return spec
+
+
+def _check_same_data(saved: dict, current: dict, ckpt_dir) -> None:
+  """Raises ValueError if a checkpoint's data spec differs from this run's."""
+  for name, was in saved.items():
+    now = current.get(name)
+    if now == was:
+      continue
+    if name == "corpus_sha256":
+      raise ValueError(
+          f"the training corpus differs from the one the checkpoint in {ckpt_dir} was trained "
+          f"on (another Python's standard library?), so resuming would not continue the same "
+          f"data stream. Use a new --workdir, or resume with the original Python.")
+    raise ValueError(
+        f"config.{name} changed since the checkpoint in {ckpt_dir} was saved (was {was!r}, now "
+        f"{now!r}), so resuming would not continue the same data stream. Use a new --workdir, "
+        f"or resume with --config.{name}={was!r}.")
+
+
 # ------------------------------------------------------------------------------------------------
 # The training loop.
 
@@ -159,6 +188,7 @@ def train(config, workdir: str) -> dict:
       seq_len=config.seq_len, max_bytes=config.max_corpus_bytes,
       eval_fraction=config.eval_fraction)
   train_iter = data.train_iterator(train_data, batch_size=config.batch_size, seed=config.seed)
+  data_spec = _data_spec(config, train_data)
   eval_set = [data.to_global(b, sharding) for b in data.eval_batches(
       eval_data, batch_size=config.batch_size, num_batches=config.eval_batches)]
 
@@ -168,6 +198,9 @@ def train(config, workdir: str) -> dict:
   start = ckpt.latest_step()
   if start is not None:
     state, data_state = ckpt.restore(start, exp.abstract_state())
+    if "iterator" in data_state:  # Checkpoints from before the data spec hold the state alone.
+      _check_same_data(data_state["spec"], data_spec, ckpt.directory)
+      data_state = data_state["iterator"]
     train_iter.set_state(data_state)
     if int(state.step) != start:
       raise RuntimeError(f"checkpoint {start} holds state.step={int(state.step)}.")
@@ -181,7 +214,12 @@ def train(config, workdir: str) -> dict:
   writer = metrics_lib.MetricWriter(workdir, enabled=is_chief)
   writer.truncate_after(start)
   if is_chief:
-    (workdir / "config.json").write_text(config.to_json(indent=2))
+    config_file, config_json = workdir / "config.json", config.to_json(indent=2)
+    if start == 0 or not config_file.exists():
+      config_file.write_text(config_json)
+    elif config_file.read_text() != config_json:
+      logging.warning("This run's config differs from %s, the config the run in this workdir "
+                      "started with; keeping that file.", config_file)
 
   all_finite = jax.jit(
       lambda tree: jax.tree.reduce(
@@ -246,7 +284,7 @@ def train(config, workdir: str) -> dict:
           raise NonFiniteLossError(
               f"Non-finite parameters after step {step}; stopping without checkpointing them "
               f"(last good checkpoint: step {last_checkpoint}). Lower the learning rate.")
-        ckpt.save(step, state, train_iter.get_state())
+        ckpt.save(step, state, {"iterator": train_iter.get_state(), "spec": data_spec})
         last_checkpoint = step
       if preempted:
         ckpt.wait_until_finished()
