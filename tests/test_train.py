@@ -192,7 +192,7 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, tmp_path):
   # Resuming with another batch size would read other data: a clear error, not a silent change.
   changed = subprocess.run(command + ["--config.batch_size=32"], env=_env(), cwd=REPO,
                            capture_output=True, text=True, timeout=TIMEOUT, check=False)
-  assert changed.returncode != 0
+  assert changed.returncode == 2
   assert "config.batch_size changed since the checkpoint" in changed.stderr, changed.stderr[-4000:]
   assert "--config.batch_size=16" in changed.stderr
 
@@ -266,10 +266,14 @@ def test_interrupted_save_leaves_previous_checkpoint_usable(reference, tmp_path)
 
 
 @pytest.mark.slow
-def test_bad_config_is_a_clean_error(tmp_path):
-  proc = _train(tmp_path, "--config.batch_size=12")
-  assert proc.returncode == 2
-  assert "ERROR: bad config:" in proc.stderr and "num_microbatches" in proc.stderr
+@pytest.mark.parametrize("override, message", [
+    ("--config.batch_size=12", "num_microbatches"),
+    ("--config.eval_every=0", "config.eval_every must be an int >= 1"),
+])
+def test_bad_config_is_a_clean_error(tmp_path, override, message):
+  proc = _train(tmp_path, override)
+  assert proc.returncode == 2, proc.stderr[-4000:]
+  assert "error: " in proc.stderr and message in proc.stderr, proc.stderr[-4000:]
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "checkpoints").exists()
 

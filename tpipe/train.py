@@ -125,6 +125,29 @@ def _check_finite(step: int, metrics: dict, last_checkpoint: int | None, ckpt_di
           f"state ({where}). Lower the learning rate or check the data.")
 
 
+def validate_train_config(config) -> None:
+  """Checks the fields the training loop and the data read; raises ValueError naming the fix.
+
+  It needs no devices, so ``main`` calls it before anything else. ``experiment.validate_config``
+  checks the model and mesh fields.
+
+  Args:
+    config: an experiment config (``configs/lm.py``).
+  """
+  for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints",
+               "seq_len", "max_corpus_bytes"):
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"config.{name} must be an int >= 1, got {value!r}.")
+  if not 0.0 < config.get("eval_fraction", 0.0) < 1.0:
+    raise ValueError(f"config.eval_fraction must be in (0, 1), got {config.eval_fraction!r}.")
+  smallest = 16 * (config.seq_len + 1)  # What data.TextData.load accepts.
+  if config.max_corpus_bytes < smallest:
+    raise ValueError(
+        f"config.max_corpus_bytes={config.max_corpus_bytes} is too small for "
+        f"config.seq_len={config.seq_len}; use at least {smallest} (a few MB is typical).")
+
+
 # The config fields that decide which batches the training iterator yields.
 _DATA_FIELDS = ("batch_size", "seq_len", "seed", "max_corpus_bytes", "eval_fraction")
 
@@ -168,12 +191,8 @@ def train(config, workdir: str) -> dict:
   Returns:
     The last logged metrics record.
   """
-
-
-  for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints"):
-    value = config[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"config.{name} must be an int >= 1, got {value!r}.")
+  validate_train_config(config)
+  experiment.validate_config(config)
   is_chief = jax.process_index() == 0
   workdir = epath.Path(workdir)  # Unlike pathlib, keeps gs://bucket/... intact.
   exp = experiment.build(config)
@@ -304,12 +323,8 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  validate_train_config(config)  # Before any work; a ValueError exits 2 (cli.run).
   _setup_jax(config)
-  try:
-    experiment.validate_config(config)
-  except (ValueError, TypeError) as e:
-    print(f"ERROR: bad config: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
   try:
     final = train(config, _WORKDIR.value)
   except NonFiniteLossError as e:
@@ -321,4 +336,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
