@@ -12,6 +12,7 @@ import os
 import pathlib
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -293,3 +294,26 @@ def test_remote_workdir_paths_stay_remote(tmp_path, monkeypatch):
   monkeypatch.setattr(record_writer, "GCS_ENABLED", True)
   assert metrics.tensorboard_logdir("gs://bucket/run") == "gs://bucket/run"
   assert metrics.tensorboard_logdir(tmp_path) == str(tmp_path)
+
+
+def _tensorboard_events(workdir):
+  """The events of ``workdir``'s TensorBoard files (TFRecord: length, crc, data, crc)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  events = []
+  for path in sorted(pathlib.Path(workdir).glob("events.out.tfevents.*")):
+    raw, pos = path.read_bytes(), 0
+    while pos + 12 <= len(raw):
+      (length,) = struct.unpack("<Q", raw[pos:pos + 8])
+      events.append(event_pb2.Event.FromString(raw[pos + 12:pos + 12 + length]))
+      pos += 12 + length + 4
+  return events
+
+
+def test_resumed_writer_purges_the_repeated_steps(tmp_path):
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  writer = metrics.MetricWriter(tmp_path, purge_step=11)  # Resuming from step 10.
+  writer.write(11, {"loss": 1.0})
+  writer.close()
+  starts = [e.step for e in _tensorboard_events(tmp_path)
+            if e.session_log.status == event_pb2.SessionLog.START]
+  assert starts == [11]

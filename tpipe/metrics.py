@@ -84,9 +84,13 @@ class MetricWriter:
     workdir: directory for ``metrics.jsonl`` and the event files; local, or remote such as
       ``gs://bucket/run`` (see :func:`tensorboard_logdir` for where the event files go then).
     enabled: if False (processes other than 0), every method does nothing.
+    purge_step: when resuming, the first step this run writes (``start + 1``): TensorBoard then
+      hides the events of that step and later ones that an earlier, killed run wrote, instead of
+      showing those steps twice.
   """
 
-  def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True):
+  def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True,
+               purge_step: int | None = None):
     self._enabled = enabled
     self._path = epath.Path(workdir) / METRICS_FILE
     # Object stores cannot append: a remote file is rewritten whole from ``self._records``.
@@ -96,7 +100,8 @@ class MetricWriter:
     if enabled:
       import tensorboardX  # pylint: disable=g-import-not-at-top  # Only process 0 needs it.
       self._path.parent.mkdir(parents=True, exist_ok=True)
-      self._tb = tensorboardX.SummaryWriter(logdir=tensorboard_logdir(self._path.parent))
+      self._tb = tensorboardX.SummaryWriter(logdir=tensorboard_logdir(self._path.parent),
+                                            purge_step=purge_step)
 
   def truncate_after(self, step: int) -> None:
     """Drops records with ``step`` greater than ``step`` (the run resumes from there).

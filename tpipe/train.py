@@ -230,7 +230,8 @@ def train(config, workdir: str) -> dict:
     state = exp.init_state(jax.random.key(config.seed))
   last_checkpoint = start or None
 
-  writer = metrics_lib.MetricWriter(workdir, enabled=is_chief)
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_chief,
+                                    purge_step=start + 1 if start else None)
   writer.truncate_after(start)
   if is_chief:
     config_file, config_json = workdir / "config.json", config.to_json(indent=2)
