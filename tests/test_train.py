@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import signal
 import socket
 import struct
@@ -237,7 +238,9 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   assert proc.returncode != 0
   line = next((l for l in proc.stderr.splitlines() if l.startswith("ERROR: Non-finite")), None)
   assert line is not None, proc.stderr[-4000:]
-  bad_step = int(line.split(" at step ")[1].split(";")[0])
+  found = re.search(r" at step (\d+);", line)
+  assert found, f"no 'at step N;' in: {line}"
+  bad_step = int(found.group(1))
   assert 1 < bad_step <= NUM_STEPS
   last_good = _latest_checkpoint(tmp_path)
   assert last_good == bad_step - 1, (last_good, bad_step)
@@ -317,3 +320,26 @@ def test_resumed_writer_purges_the_repeated_steps(tmp_path):
   starts = [e.step for e in _tensorboard_events(tmp_path)
             if e.session_log.status == event_pb2.SessionLog.START]
   assert starts == [11]
+
+
+def test_read_metrics_skips_a_torn_last_line(tmp_path):
+  (tmp_path / metrics.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+  assert metrics.read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+  writer = metrics.MetricWriter(tmp_path)
+  try:
+    writer.truncate_after(1)  # What a resumed run does first.
+  finally:
+    writer.close()
+  assert metrics.read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+
+
+def test_checkpointer_close_restores_the_sigterm_handler(tmp_path):
+  def previous(signum, frame):
+    del signum, frame
+  old = signal.signal(signal.SIGTERM, previous)
+  try:
+    ckpt = checkpointing.Checkpointer(tmp_path / "checkpoints", handle_sigterm=True)
+    ckpt.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
+  finally:
+    signal.signal(signal.SIGTERM, old)

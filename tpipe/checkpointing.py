@@ -75,9 +75,10 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         resolve_directory(directory), options=options, item_names=("state", "data"))
     self._sigterm = False
+    self._previous_sigterm_handler = None  # Restored by close().
     if handle_sigterm and jax.process_count() == 1:
       try:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous_sigterm_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
       except ValueError:  # Not the main thread: rely on jax.distributed's notice only.
         pass
 
@@ -132,5 +133,9 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
+    """Waits for pending saves, closes the manager and restores the previous SIGTERM handler."""
     self._manager.wait_until_finished()
     self._manager.close()
+    if self._previous_sigterm_handler is not None:
+      signal.signal(signal.SIGTERM, self._previous_sigterm_handler)
+      self._previous_sigterm_handler = None

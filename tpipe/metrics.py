@@ -70,11 +70,22 @@ def _plain(value: Any) -> Any:
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
-  """Returns the records of ``workdir/metrics.jsonl`` in file order ([] if absent)."""
+  """Returns the records of ``workdir/metrics.jsonl`` in file order ([] if absent).
+
+  A torn last line (a run killed while appending, or a file read while it is written) is
+  skipped; an undecodable line before it raises ``json.JSONDecodeError``.
+  """
   path = epath.Path(workdir) / METRICS_FILE
   if not path.exists():
     return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  lines = [line for line in path.read_text().splitlines() if line.strip()]
+  records = [json.loads(line) for line in lines[:-1]]
+  if lines:
+    try:
+      records.append(json.loads(lines[-1]))
+    except json.JSONDecodeError:
+      logging.warning("Skipping the torn last line of %s: %r", path, lines[-1][:80])
+  return records
 
 
 class MetricWriter:

@@ -114,15 +114,20 @@ def _format_eta(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _non_finite(what: str, step: int, last_checkpoint: int | None,
+                ckpt_dir) -> NonFiniteLossError:
+  where = (f"the last good checkpoint is step {last_checkpoint} in {ckpt_dir}"
+           if last_checkpoint is not None else "no checkpoint was written")
+  return NonFiniteLossError(
+      f"Non-finite {what} at step {step}; stopping without checkpointing this state ({where}). "
+      f"Lower the learning rate or check the data.")
+
+
 def _check_finite(step: int, metrics: dict, last_checkpoint: int | None, ckpt_dir) -> None:
   for name in ("loss", "grad_norm"):
     value = float(metrics[name])
     if not math.isfinite(value):
-      where = (f"the last good checkpoint is step {last_checkpoint} in {ckpt_dir}"
-               if last_checkpoint is not None else "no checkpoint was written")
-      raise NonFiniteLossError(
-          f"Non-finite {name} ({value}) at step {step}; stopping without checkpointing this "
-          f"state ({where}). Lower the learning rate or check the data.")
+      raise _non_finite(f"{name} ({value})", step, last_checkpoint, ckpt_dir)
 
 
 def validate_train_config(config) -> None:
@@ -301,9 +306,7 @@ def train(config, workdir: str) -> dict:
 
       if do_ckpt:
         if not bool(all_finite(state.params)):
-          raise NonFiniteLossError(
-              f"Non-finite parameters after step {step}; stopping without checkpointing them "
-              f"(last good checkpoint: step {last_checkpoint}). Lower the learning rate.")
+          raise _non_finite("parameters", step, last_checkpoint, ckpt.directory)
         ckpt.save(step, state, {"iterator": train_iter.get_state(), "spec": data_spec})
         last_checkpoint = step
       if preempted:
@@ -315,6 +318,8 @@ def train(config, workdir: str) -> dict:
   finally:
     ckpt.close()  # Waits for pending saves, so the last good checkpoint is complete.
     writer.close()
+    if hasattr(train_iter, "close"):  # Releases grain's prefetch threads (grain 0.2.18 has it).
+      train_iter.close()
   record["step"] = step_last
   return record
 
