@@ -22,7 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 LayerFn = Callable[[Any, Any, tuple, dict], Any]
 
 REMAT_NAMES = ("none", "full", "dots")
-_NOT_REMATERIALIZED = object()
+# The name of a chunk's parameter slice inside the stage function (see make_stage_fn).
+CHUNK_PARAMS_NAME = "tpipe_chunk_params"
 
 
 def resolve_remat(remat) -> Any:
@@ -34,12 +35,12 @@ def resolve_remat(remat) -> Any:
       ``jax.checkpoint`` policy callable (e.g. from ``jax.checkpoint_policies``).
 
   Returns:
-    A policy for ``jax.checkpoint`` (``None`` means save nothing), or a private sentinel for
-    ``"none"`` (no checkpointing at all).
+    A policy for ``jax.checkpoint`` (``None`` means save nothing). ``"none"`` saves everything
+    except the chunk's parameter slice, which is cheap to take again (see :func:`make_stage_fn`).
   """
   if isinstance(remat, str):
     if remat == "none":
-      return _NOT_REMATERIALIZED
+      return jax.checkpoint_policies.save_anything_except_these_names(CHUNK_PARAMS_NAME)
     if remat == "full":
       return None
     if remat == "dots":
@@ -56,9 +57,6 @@ def fold_rngs(rngs: dict, layer_index, microbatch_index) -> dict:
   """Per-layer, per-micro-batch keys: independent of stages, repeats, schedule and remat."""
   return {name: jax.random.fold_in(jax.random.fold_in(key, layer_index), microbatch_index)
           for name, key in rngs.items()}
-
-
-CHUNK_PARAMS_NAME = "tpipe_chunk_params"
 
 
 def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat) -> Callable:
@@ -80,8 +78,6 @@ def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat) -> Callable:
   with a policy that saves everything except that slice.
   """
   policy = resolve_remat(remat)
-  if policy is _NOT_REMATERIALIZED:
-    policy = jax.checkpoint_policies.save_anything_except_these_names(CHUNK_PARAMS_NAME)
 
   def apply_chunk(stage_params, repeat, x, args, rngs, first_layer, microbatch_index):
     chunk = jax.tree.map(lambda p: lax.dynamic_index_in_dim(p, repeat, 0, keepdims=False),
