@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import optax
 
 import tpipe
-from tpipe import analysis
-from tpipe import experiment
-from tpipe import hlo
+from tpipe.tools import analysis
+from tpipe.tools import hlo
+from tpipe.train import experiment
 
 WIDTH = 256
 BATCH = 256
@@ -74,7 +74,7 @@ def pipelined_step(length, stages, microbatches, remat="full"):
   """(jitted step, abstract state, abstract batch) for the pipelined model.
 
   The abstract state carries the shardings a real state has, as the trainer's does
-  (:func:`tpipe.experiment.abstract_state_shardings`): the stack under ``blocks`` split over
+  (:func:`tpipe.train.experiment.abstract_state_shardings`): the stack under ``blocks`` split over
   'stage' on its layer axis, the rest replicated. ``jax.eval_shape`` alone returns leaves without
   shardings, and XLA would then choose the step's input layout itself.
   """
@@ -252,7 +252,7 @@ def overhead_lines(length=8, rounds=100):
   lines += ["", f"Largest parameter difference from the plain scanned step after one step: "
             f"{difference:.1e}.", "",
             "What each compiled step runs (executions per step: loop bodies times trip counts; "
-            "conditional branches both counted), its FLOPs (`tpipe.analysis.flop_count`) and "
+            "conditional branches both counted), its FLOPs (`tpipe.tools.analysis.flop_count`) and "
             "temporaries (`memory_analysis()`):", "",
             "| step | while loops (trips) | " + " | ".join(COUNTED_OPCODES) +
             " | FLOPs | temporaries MiB |",
@@ -291,7 +291,7 @@ def main():
             "copy of the stage's parameters: idle ticks skip the stage under a `lax.cond`, and "
             "when the backward pass re-linearizes a busy tick the conditional hands the chunk's "
             "parameters to its backward branch as a residual (made once, not stacked over ticks; "
-            "see `tpipe/stage.py`)."]
+            "see `tpipe/core/stage.py`)."]
 
   lines += [""] + overhead_lines()
   text = "\n".join(lines) + "\n"

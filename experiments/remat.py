@@ -8,7 +8,7 @@ Fixed pipeline (4 stages, M=8, GPipe, no data parallelism) and model (16 layers,
 4 heads, MLP 1024, sequence 256, batch 32). For each remat policy the training step is compiled
 ahead of time and its per-device memory (XLA ``memory_analysis``) and FLOPs are reported, both
 lockstep (loop bodies times trip counts, every tick counted as busy: what the step's duration
-follows) and executed (idle ticks skip the stage; see :class:`tpipe.analysis.PipelineFlops`).
+follows) and executed (idle ticks skip the stage; see :class:`tpipe.tools.analysis.PipelineFlops`).
 The recomputation share is the extra executed FLOPs over the no-remat step, as a fraction of the
 step's executed FLOPs.
 
@@ -38,7 +38,7 @@ def main():
       "Model: `configs/lm.py` with 16 layers, width 256, 4 heads, MLP 1024, sequence 256, "
       "global batch 32; 4 stages, M=8, GPipe, AdamW, float32. Activations = XLA temporaries "
       "minus the gradients (one parameter-sized buffer); they include one transient copy of "
-      "the stage's parameters, the busy/idle `lax.cond`'s residual (see `tpipe/stage.py`). "
+      "the stage's parameters, the busy/idle `lax.cond`'s residual (see `tpipe/core/stage.py`). "
       "Lockstep FLOPs count every tick as "
       "busy (the step's duration follows them); executed FLOPs are what runs (idle ticks skip "
       "the stage). Recomputation runs in busy ticks only, so it adds to both.", "",

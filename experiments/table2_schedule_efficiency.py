@@ -7,7 +7,7 @@ Run from the repository root::
 For S in {2, 4, 8} stages and M in {1, 4, 32} micro-batches, with the GPipe schedule and the
 circular schedule at R = 2 and 4 repeats, compiles the training step of a 32-layer Transformer
 (width 64, so compiles are quick; the ratios do not depend on width) and reports per device
-(see :class:`tpipe.analysis.PipelineFlops`): lockstep FLOPs (loop bodies times trip counts,
+(see :class:`tpipe.tools.analysis.PipelineFlops`): lockstep FLOPs (loop bodies times trip counts,
 every tick counted as busy: what the step's duration follows in lockstep SPMD), executed FLOPs
 (idle ticks skip the stage, so lockstep minus the bubble's share of the stage's work), useful
 FLOPs (lockstep minus the bubble's share of the tick loops), the schedule's analytic bubble, and
@@ -34,7 +34,7 @@ MODEL = dict(num_layers=32, width=64, num_heads=2, mlp_dim=128, seq_len=32, batc
 
 def main():
   from tpipe import schedules  # pylint: disable=g-import-not-at-top
-  from tpipe import timeline  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import timeline  # pylint: disable=g-import-not-at-top
 
   started = time.time()
   # One stage, M=4: the pipelined layers' FLOPs without any bubble (S=1 has none; with M=1 XLA

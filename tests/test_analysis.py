@@ -1,4 +1,4 @@
-"""Tests for tpipe.analysis and tpipe.hlo on tiny programs whose answers are known by hand."""
+"""Tests for tpipe.tools.analysis and tpipe.tools.hlo on tiny programs whose answers are known by hand."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +9,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpipe import analysis
-from tpipe import hlo
 from tpipe import schedules
+from tpipe.tools import analysis
+from tpipe.tools import hlo
 
 DOT = 2 * 4 * 16 * 16  # FLOPs of one [4, 16] @ [16, 16] matmul.
 

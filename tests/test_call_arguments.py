@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tpipe
-from tpipe import arguments
+from tpipe.core import arguments
 from tests import blocks
 
 WIDTH = 8

@@ -1,4 +1,4 @@
-"""Tests for tpipe.data: the stdlib byte corpus, its split, windows and checkpointable iterator."""
+"""Tests for tpipe.train.data: the stdlib byte corpus, its split, windows and checkpointable iterator."""
 
 import json
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tpipe
-from tpipe import data
+from tpipe.train import data
 
 MAX_BYTES = 300_000
 SEQ_LEN = 32

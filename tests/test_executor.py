@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import tpipe
-from tpipe import analysis
-from tpipe import executor
-from tpipe import hlo as hlo_lib
+from tpipe.core import executor
+from tpipe.tools import analysis
+from tpipe.tools import hlo as hlo_lib
 from tests import blocks
 
 WIDTH = 8

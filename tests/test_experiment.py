@@ -1,4 +1,4 @@
-"""Tests for tpipe.experiment: building the mesh, model and steps from a config; AOT compile."""
+"""Tests for tpipe.train.experiment: building the mesh, model and steps from a config; AOT compile."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import lm
-from tpipe import experiment
+from tpipe.train import experiment
 
 
 def _config(**overrides):

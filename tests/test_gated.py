@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpipe import gated
+from tpipe.core import gated
 
 POLICIES = {"full": None, "none": jax.checkpoint_policies.everything_saveable,
             "dots": jax.checkpoint_policies.dots_saveable}

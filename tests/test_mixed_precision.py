@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tpipe
-from tpipe import models
+from tpipe.train import models
 
 LENGTH = 8  # Divisible by S * R = 4 * 2.
 BATCH = 32

@@ -1,4 +1,4 @@
-"""Tests for tpipe.models: the Transformer block and the pipelined byte-level decoder LM."""
+"""Tests for tpipe.train.models: the Transformer block and the pipelined byte-level decoder LM."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tpipe
-from tpipe import models
+from tpipe.train import models
 
 WIDTH, HEADS, MLP, LAYERS, SEQ = 32, 2, 64, 4, 16
 

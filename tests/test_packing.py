@@ -1,4 +1,4 @@
-"""Tests for tpipe.packing: exact round trips, padding, gradients, transforms and validation."""
+"""Tests for tpipe.core.packing: exact round trips, padding, gradients, transforms and validation."""
 
 import doctest
 import re
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpipe import packing
-from tpipe.packing import buffer_sizes, empty, layout_of, pack, unpack
+from tpipe.core import packing
+from tpipe.core.packing import buffer_sizes, empty, layout_of, pack, unpack
 
 DTYPES = ["float32", "bfloat16", "float16", "int32", "int8", "uint8", "bool"]
 

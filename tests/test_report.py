@@ -9,8 +9,8 @@ import jax
 import pytest
 
 from configs import lm
-from tpipe import experiment
 from tpipe import report as report_lib
+from tpipe.train import experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

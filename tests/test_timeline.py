@@ -1,11 +1,11 @@
-"""Tests for tpipe.timeline: the schedule picture has one box per busy slot and a bubble title."""
+"""Tests for tpipe.tools.timeline: the schedule picture has one box per busy slot and a bubble title."""
 
 import matplotlib.pyplot as plt
 import pytest
 from matplotlib.patches import Rectangle
 
 from tpipe import schedules
-from tpipe import timeline
+from tpipe.tools import timeline
 
 
 def _boxes(fig):

@@ -22,9 +22,9 @@ import jax
 import numpy as np
 import pytest
 
-from tpipe import checkpointing
-from tpipe import experiment
-from tpipe import metrics
+from tpipe.train import checkpointing
+from tpipe.train import experiment
+from tpipe.train import metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "lm.py"

@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import tpipe
-from tpipe import analysis
-from tpipe import experiment
+from tpipe.tools import analysis
+from tpipe.train import experiment
 from tests import blocks
 from tests import numerics
 
@@ -171,7 +171,7 @@ def _abstract_state(mesh, optimizer, batch):
 
   ``jax.eval_shape`` returns leaves without shardings; compiled from those, XLA would choose the
   layout itself (replicated stacks for the circular schedule). The shardings come from
-  :func:`tpipe.experiment.abstract_state_shardings`: ``blocks`` leaves of the parameters and
+  :func:`tpipe.train.experiment.abstract_state_shardings`: ``blocks`` leaves of the parameters and
   of the optimizer state split over 'stage' on axis 0, the rest replicated.
   """
   shapes = jax.eval_shape(lambda: tpipe.create_train_state(

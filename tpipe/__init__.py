@@ -6,17 +6,17 @@ micro-batches and are reduced across data-parallel replicas once per step.
 """
 
 from tpipe import schedules
-from tpipe.mesh import data_sharding
-from tpipe.mesh import make_mesh
-from tpipe.schedules import make_schedule
+from tpipe.linen.sequential import Repeat
+from tpipe.linen.sequential import Sequential
+from tpipe.linen.transform import pipeline
+from tpipe.parallel.mesh import data_sharding
+from tpipe.parallel.mesh import make_mesh
+from tpipe.parallel.train_step import TrainState
+from tpipe.parallel.train_step import create_train_state
+from tpipe.parallel.train_step import make_train_step
+from tpipe.parallel.train_step import param_shardings
+from tpipe.parallel.train_step import state_shardings
 from tpipe.schedules import Schedule
-from tpipe.sequential import Repeat
-from tpipe.sequential import Sequential
-from tpipe.train_step import create_train_state
-from tpipe.train_step import make_train_step
-from tpipe.train_step import param_shardings
-from tpipe.train_step import state_shardings
-from tpipe.train_step import TrainState
-from tpipe.transform import pipeline
+from tpipe.schedules import make_schedule
 
 __version__ = "0.1.0"

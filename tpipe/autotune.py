@@ -9,7 +9,7 @@ Usage::
 For every candidate (``num_stages`` dividing the device count and the layer count, ``num_data``
 the remaining devices, ``num_microbatches`` dividing the per-replica batch, ``remat`` in
 none/dots/full) the real training step is compiled ahead of time (never run) and measured with
-:mod:`tpipe.analysis`. A candidate fits when its peak per-device memory (largest device) is at
+:mod:`tpipe.tools.analysis`. A candidate fits when its peak per-device memory (largest device) is at
 most the budget. Among those that fit, the one with the least predicted step time wins.
 
 Cost model (:class:`CostModel`), per device and per step::
@@ -38,8 +38,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from tpipe import analysis
-from tpipe import cli
+from tpipe.tools import analysis
+from tpipe.train import cli
 
 REMAT_ORDER = ("none", "dots", "full")
 

@@ -6,7 +6,7 @@ Usage::
       --config.num_microbatches=32
   python -m tpipe.report --config=configs/lm.py:size=tiny --out_dir=/tmp/report
 
-The training step of the experiment (:func:`tpipe.experiment.build`) is lowered and compiled for
+The training step of the experiment (:func:`tpipe.train.experiment.build`) is lowered and compiled for
 the configured mesh (emulated CPU devices on a CPU-only machine, the real devices on a TPU VM)
 and never run. The printed table gives, per device:
 
@@ -37,7 +37,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from tpipe import cli
+from tpipe.train import cli
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -73,7 +73,7 @@ class Report:
     num_params: trainable parameters of the model.
     num_devices: devices in the mesh.
     schedule: the :class:`tpipe.schedules.Schedule` the step runs.
-    analysis: the :class:`tpipe.analysis.Analysis` of the compiled step.
+    analysis: the :class:`tpipe.tools.analysis.Analysis` of the compiled step.
     lower_seconds: wall-clock time to trace and lower the step.
     compile_seconds: wall-clock time for XLA to compile it.
     compiled: the :class:`jax.stages.Compiled` step (not run).
@@ -211,8 +211,8 @@ def analyze_config(config) -> Report:
   """
   import jax  # pylint: disable=g-import-not-at-top
 
-  from tpipe import analysis  # pylint: disable=g-import-not-at-top
-  from tpipe import experiment  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
+  from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
   from tpipe import schedules  # pylint: disable=g-import-not-at-top
 
   exp = experiment.build(config)
@@ -238,7 +238,7 @@ def _flops(x: float) -> str:
 
 def format_report(report: Report) -> str:
   """The report as a short markdown text (tables of memory, FLOPs and collectives)."""
-  from tpipe import analysis  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
 
   fb = analysis.format_bytes
   c, mem, flops, pipe = report.config, report.analysis.memory, report.analysis.flops, \
@@ -297,7 +297,7 @@ def format_report(report: Report) -> str:
 
 def write_report(report: Report, out_dir: str) -> dict[str, str]:
   """Writes ``report.md``, ``report.json`` and ``timeline.png`` to ``out_dir``; returns paths."""
-  from tpipe import timeline  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import timeline  # pylint: disable=g-import-not-at-top
 
   os.makedirs(out_dir, exist_ok=True)
   paths = {"markdown": os.path.join(out_dir, "report.md"),

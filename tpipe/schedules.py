@@ -7,7 +7,7 @@ A schedule is a pair of integer tables indexed ``[tick, stage]``:
 * ``repeat[t, s]``: which of the stage's ``num_repeats`` layer chunks it applies (always 0 for
   GPipe; ``0..R-1`` for the circular schedule), ``-1`` when idle.
 
-Nothing here imports JAX. The executor (:mod:`tpipe.executor`) interprets the tables inside one
+Nothing here imports JAX. The executor (:mod:`tpipe.core.executor`) interprets the tables inside one
 SPMD program; the analytics below (bubble fraction, the tick count, the stash of activations kept
 for the backward pass) read the same tables, so what is measured is what runs.
 

@@ -3,7 +3,7 @@
 The step is an ordinary ``jax.jit`` program over global arrays: the batch is split over the
 ``data`` mesh axis, the pipelined stack's parameters over the ``stage`` axis (layer axis 0), the
 rest replicated. Inside the pipeline, gradients accumulate over micro-batches in the tick loop and
-are summed across data replicas once per step (see :mod:`tpipe.executor`): with a loss that is the
+are summed across data replicas once per step (see :mod:`tpipe.core.executor`): with a loss that is the
 mean over the global batch, that sum is the average of the replicas' gradients, so one step equals
 one step of plain SGD on the whole batch on one device.
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tpipe import mesh as mesh_lib
+from tpipe.parallel import mesh as mesh_lib
 
 # loss_fn(params, batch, rng) -> scalar mean loss over the global batch.
 LossFn = Callable[[Any, Any, jax.Array], jax.Array]

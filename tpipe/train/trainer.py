@@ -36,11 +36,11 @@ from ml_collections import config_flags
 import numpy as np
 
 import tpipe
-from tpipe import checkpointing
-from tpipe import cli
-from tpipe import data
-from tpipe import experiment
-from tpipe import metrics as metrics_lib
+from tpipe.train import checkpointing
+from tpipe.train import cli
+from tpipe.train import data
+from tpipe.train import experiment
+from tpipe.train import metrics as metrics_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=True)
@@ -340,6 +340,3 @@ def main(argv):
   if jax.process_index() == 0:
     logging.info("Done: %s", json.dumps(final))
 
-
-if __name__ == "__main__":
-  cli.run(main)

@@ -8,7 +8,8 @@ boxes, as in Figure 2(c) of the GPipe paper.
 
 matplotlib is imported only when a picture is drawn (Agg backend, no display needed)::
 
-  from tpipe import schedules, timeline
+  from tpipe import schedules
+  from tpipe.tools import timeline
   timeline.save_timeline(schedules.gpipe(4, 8), "/tmp/gpipe.png", backward=True)
 """
 
@@ -27,7 +28,7 @@ def _pyplot():
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ImportError("tpipe.timeline draws with matplotlib, which is not installed; "
+    raise ImportError("tpipe.tools.timeline draws with matplotlib, which is not installed; "
                       "`pip install matplotlib` (or `pip install tpipe[train]`).") from e
   matplotlib.use("Agg", force=False)
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

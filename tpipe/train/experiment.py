@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpipe
-from tpipe import models
+from tpipe.train import models
 
 # The top-level parameter collections that hold pipelined (stacked) layers.
 STACKED = ("blocks",)

@@ -6,7 +6,7 @@ micro-batch or one coming back for another lap on stage 0, otherwise what its le
 last tick), applies its chunk of layers, and sends the result to its right neighbour with one
 ``lax.ppermute`` on the ring of stages. The last stage files finished micro-batches into an output
 buffer. Idle (bubble) ticks compute nothing: the stage runs only when the table's busy flag says
-so (:mod:`tpipe.gated`, a conditional with its own VJP), and outside that conditional every
+so (:mod:`tpipe.core.gated`, a conditional with its own VJP), and outside that conditional every
 device issues the same ``ppermute``.
 
 Autodiff through the scan gives the backward pass (forward ticks replayed in reverse), which
@@ -35,7 +35,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from tpipe import partition
 from tpipe import schedules as schedules_lib
-from tpipe import stage as stage_lib
+from tpipe.core import stage as stage_lib
 
 
 def _select(pred, on_true, on_false):
@@ -97,7 +97,7 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
 
   Args:
     apply_chunk: a device's work at one tick (see :data:`ChunkFn`); it must compute nothing
-      when ``busy`` is False (:mod:`tpipe.gated`).
+      when ``busy`` is False (:mod:`tpipe.core.gated`).
     staged: parameters in stage layout, every leaf ``[R, S, ...]``; split over ``stage_axis``.
     x: pytree of arrays ``[N, ...]``, the global batch, in the format every stage boundary
       shares (the same pytree structure, shapes and dtypes in and out of every chunk).
@@ -189,7 +189,7 @@ def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, broadcast: tu
                  data_axis: str | None = "data") -> Any:
   """Applies ``L`` stacked, identical, shape-preserving layers to a batch with a schedule.
 
-  Callers validate arguments first (:mod:`tpipe.transform` does); this function assumes
+  Callers validate arguments first (:mod:`tpipe.linen.transform` does); this function assumes
   ``L`` splits into ``S * R`` chunks and the batch into ``M`` micro-batches per data replica.
 
   Args:
@@ -203,8 +203,8 @@ def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, broadcast: tu
     length: number of layers L.
     schedule: the schedule to run.
     mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
-    remat: a remat option (see :func:`tpipe.stage.resolve_remat`).
-    unroll: layers per iteration of each chunk's layer loop (see :func:`tpipe.stage.make_stage_fn`).
+    remat: a remat option (see :func:`tpipe.core.stage.resolve_remat`).
+    unroll: layers per iteration of each chunk's layer loop (see :func:`tpipe.core.stage.make_stage_fn`).
     stage_axis: the mesh axis of pipeline stages.
     data_axis: the mesh axis of data-parallel replicas, or None.
 

@@ -16,12 +16,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from tpipe import arguments as arguments_lib
-from tpipe import executor
-from tpipe import mesh as mesh_lib
 from tpipe import partition
 from tpipe import schedules as schedules_lib
-from tpipe import stage as stage_lib
+from tpipe.core import arguments as arguments_lib
+from tpipe.core import executor
+from tpipe.core import stage as stage_lib
+from tpipe.parallel import mesh as mesh_lib
 
 
 def check_count(name: str, value) -> None:
@@ -125,7 +125,7 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
   the schedule says. The result equals applying the layers in sequence.
 
   Arguments after ``x`` are bound to ``block_cls.__call__``'s signature, so they are found by name
-  whether passed by position or keyword (see :mod:`tpipe.arguments`):
+  whether passed by position or keyword (see :mod:`tpipe.core.arguments`):
 
   * parameters named in ``per_example`` hold arrays whose leading axis is the batch (a padding
     mask ``[batch, 1, 1, seq]``); they are split into micro-batches with ``x``, and each layer

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tpipe import packing
+from tpipe.core import packing
 
 
 def _differentiable(leaf) -> bool:
@@ -85,7 +85,7 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
   Every branch must return the same pytree structure, shapes and dtypes. Residuals that branches
   compute (activations their remat policies save) differ per branch; with more than one branch
   they are packed into one buffer per dtype, as large as the largest branch needs
-  (:mod:`tpipe.packing`), so the conditional holds one branch's worth, not the sum.
+  (:mod:`tpipe.core.packing`), so the conditional holds one branch's worth, not the sum.
 
   Args:
     index: a traced integer scalar: the branch to run, or negative for none.

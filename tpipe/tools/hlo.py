@@ -1,7 +1,7 @@
 """A small reader for XLA's HLO text: computations, instructions, shapes and loop trip counts.
 
 ``compiled.as_text()`` (a :class:`jax.stages.Compiled`) prints the optimised, per-device HLO
-module that runs. This module parses just enough of that text for :mod:`tpipe.analysis`:
+module that runs. This module parses just enough of that text for :mod:`tpipe.tools.analysis`:
 
 * computations and their instructions (name, result shape, opcode, operands, attributes);
 * which computations each instruction calls (fusions, loop bodies, reducers, branches);

@@ -43,7 +43,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from tpipe import hlo as hlo_lib
+from tpipe.tools import hlo as hlo_lib
 
 # Elementwise ops XLA counts as one FLOP per output element.
 _ELEMENTWISE = frozenset({

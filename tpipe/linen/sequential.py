@@ -10,9 +10,9 @@ How it runs, in one SPMD program:
   ``S * R`` contiguous **chunks** balanced by cost (:func:`tpipe.partition.balanced_split`);
   chunk ``c = r * S + s`` runs on stage ``s`` as its ``r``-th chunk, so the layers are met in order.
 * What crosses a chunk boundary, and each chunk's parameters, differ per chunk; they travel
-  **packed** into one buffer per dtype, padded to the largest (:mod:`tpipe.packing`). Every chunk
+  **packed** into one buffer per dtype, padded to the largest (:mod:`tpipe.core.packing`). Every chunk
   is then a function of the same types, and each tick a device runs its chunk as one branch of a
-  ``lax.switch`` (:func:`tpipe.gated.switch_call`; idle ticks run none).
+  ``lax.switch`` (:func:`tpipe.core.gated.switch_call`; idle ticks run none).
 * The packed parameters are stacked ``[R, S, n]`` and split over the ``stage`` axis, so each
   device holds its own chunks' parameters only. At the API boundary parameters keep the logical
   layout ``{"layers_0": ..., "layers_1": ...}`` (``nn.Sequential``'s names; a ``Repeat``'s
@@ -43,15 +43,15 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from tpipe import arguments as arguments_lib
-from tpipe import executor
-from tpipe import gated
-from tpipe import mesh as mesh_lib
-from tpipe import packing
 from tpipe import partition
 from tpipe import schedules as schedules_lib
-from tpipe import stage as stage_lib
-from tpipe import transform
+from tpipe.core import arguments as arguments_lib
+from tpipe.core import executor
+from tpipe.core import gated
+from tpipe.core import packing
+from tpipe.core import stage as stage_lib
+from tpipe.linen import transform
+from tpipe.parallel import mesh as mesh_lib
 
 BALANCE_NAMES = ("params", "flops")
 _OWNER = "tpipe.Sequential"
@@ -471,7 +471,7 @@ class Sequential(nn.Module):
 
       def chunk(staged, x, broadcast, per_example, rngs, microbatch):
         trees = packing.unpack({k: v[r] for k, v in staged.items()}, param_layout)
-        # Cheap to take again: never saved for the backward pass (see tpipe.stage).
+        # Cheap to take again: never saved for the backward pass (see tpipe.core.stage).
         trees = checkpoint_name(trees, stage_lib.CHUNK_PARAMS_NAME)
         h = packing.unpack(x, in_layout)
         for g, p in zip(groups, trees):

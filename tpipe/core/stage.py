@@ -6,7 +6,7 @@ the chosen policy: with ``remat="full"`` only the chunk's input is kept for the 
 everything inside is recomputed (GPipe's re-materialization, sec. 2.3 of the paper).
 
 Idle (bubble) ticks compute nothing, forward or backward: the chunk runs through
-:func:`tpipe.gated.gated_call` on the tick's busy flag, whose idle branches return zeros. A block
+:func:`tpipe.core.gated.gated_call` on the tick's busy flag, whose idle branches return zeros. A block
 that is undefined at a zero input (an RMS norm without epsilon) therefore never sees one, and the
 bubble costs no FLOPs.
 
@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from tpipe import gated
+from tpipe.core import gated
 
 # A layer function: (params of one layer, activation, broadcast arrays, this micro-batch's
 # per-example arrays, rngs) -> activation.
@@ -98,7 +98,7 @@ def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat, unroll: int | bool 
   is never saved for the backward pass: the tick loop's autodiff would otherwise stash a copy of
   the stage's parameters at every tick. So even ``remat="none"`` runs under ``jax.checkpoint``,
   with a policy that saves everything except that slice. The gate around it saves per tick what
-  the policy saves and nothing else (the parameters are never copied; see :mod:`tpipe.gated`).
+  the policy saves and nothing else (the parameters are never copied; see :mod:`tpipe.core.gated`).
   """
   policy = resolve_remat(remat)
 

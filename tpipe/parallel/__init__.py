@@ -1,0 +1,1 @@
+"""Meshes, shardings, the train state and the jitted synchronous-SGD step."""

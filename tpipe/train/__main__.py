@@ -1,0 +1,7 @@
+"""``python -m tpipe.train --config=configs/lm.py --workdir=DIR``: see :mod:`tpipe.train.trainer`."""
+
+from tpipe.train import cli
+from tpipe.train import trainer
+
+if __name__ == "__main__":
+  cli.run(trainer.main)
