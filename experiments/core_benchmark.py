@@ -41,7 +41,6 @@ import optax
 import tpipe
 from tpipe.tools import analysis
 from tpipe.tools import hlo
-from tpipe.train import experiment
 
 WIDTH = 256
 BATCH = 256
@@ -74,7 +73,7 @@ def pipelined_step(length, stages, microbatches, remat="full"):
   """(jitted step, abstract state, abstract batch) for the pipelined model.
 
   The abstract state carries the shardings a real state has, as the trainer's does
-  (:func:`tpipe.train.experiment.abstract_state_shardings`): the stack under ``blocks`` split over
+  (:func:`tpipe.train_state_shardings`): the stack under ``blocks`` split over
   'stage' on its layer axis, the rest replicated. ``jax.eval_shape`` alone returns leaves without
   shardings, and XLA would then choose the step's input layout itself.
   """
@@ -89,7 +88,7 @@ def pipelined_step(length, stages, microbatches, remat="full"):
     return tpipe.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
   shapes = jax.eval_shape(init_state)
-  shardings = experiment.abstract_state_shardings(shapes, mesh)
+  shardings = tpipe.train_state_shardings(shapes, mesh, ("blocks",))
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
                        shardings)
   abstract_batch = jax.tree.map(

@@ -22,19 +22,60 @@ def exp():
   return experiment.build(_config())
 
 
-def test_abstract_state_is_sharded_and_allocates_nothing(exp):
+def test_abstract_state_is_staged_sharded_and_allocates_nothing(exp):
   state = exp.abstract_state()
   leaves = jax.tree.leaves(state)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-  assert state.params["blocks"]["mlp_in"]["kernel"].sharding.spec == P("stage")
-  assert state.params["embed"]["embedding"].sharding.spec == P()
-  adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw's (ScaleByAdamState, ...).
-  assert adam.mu["blocks"]["mlp_in"]["kernel"].sharding.spec == P("stage")
-  assert adam.nu["head"]["kernel"].sharding.spec == P()
+  staged = state.params["staged"]["float32"]
+  assert staged.shape[:2] == (1, exp.config.num_stages)
+  assert staged.sharding.spec == P(None, "stage")
+  adam = state.opt_state[1]  # chain(clip, adam, decay, lr) -> ScaleByAdamState.
+  assert adam.mu["staged"]["float32"].sharding.spec == P(None, "stage")
+  assert adam.count.sharding.spec == P()
+  mask = state.opt_state[2].mask["staged"]["float32"]
+  assert mask.dtype == jnp.bool_ and mask.sharding.spec == P(None, "stage")
   batch = exp.abstract_batch()
   assert batch["inputs"].shape == (exp.config.batch_size, exp.config.seq_len)
   assert batch["inputs"].sharding.spec == P("data")
-  assert exp.num_params() == sum(x.size for x in jax.tree.leaves(state.params))
+  # Without the padding of the stage layout: the logical parameters' count.
+  assert exp.num_params() == sum(x.size for x in jax.tree.leaves(exp.layout.logical))
+  assert exp.num_params() <= staged.size
+
+
+def test_embedding_first_and_head_last(exp):
+  groups = exp.layout.groups
+  assert groups[0][0].layer == 0 and groups[-1][-1].layer == 2
+  assert all(g.layer == 1 for chunk in groups[1:-1] for g in chunk)
+
+
+def test_checkpoint_layout_is_logical_and_exact(exp):
+  state = exp.init_state(jax.random.key(0))
+  logical = exp.to_checkpoint(state)
+  assert set(logical.params) == {"layers_0", "layers_1", "layers_2"}
+  kernel = logical.params["layers_1"]["mlp_in"]["kernel"]
+  assert kernel.shape[0] == exp.config.num_layers and kernel.sharding.spec == P("stage")
+  # The decay mask is kept per logical leaf: kernels and embeddings decay, norms do not.
+  mask = logical.opt_state[2].mask
+  assert bool(mask["layers_1"]["mlp_in"]["kernel"].all())
+  assert not bool(mask["layers_1"]["mlp_norm"]["scale"].any())
+  assert bool(mask["layers_0"]["embed"]["embedding"].all())
+  for leaf, want in zip(jax.tree.leaves(logical), jax.tree.leaves(exp.abstract_checkpoint())):
+    assert leaf.shape == want.shape and leaf.dtype == want.dtype
+  back = exp.from_checkpoint(logical)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.sharding == b.sharding
+
+
+def test_checkpoint_moves_between_meshes_and_splits(exp):
+  state = exp.init_state(jax.random.key(0))
+  other = experiment.build(_config(num_stages=2, num_data=4, num_microbatches=2,
+                                   balance="1,5"))
+  moved = other.from_checkpoint(jax.device_get(exp.to_checkpoint(state)))
+  assert moved.params["staged"]["float32"].shape[1] == 2
+  for a, b in zip(jax.tree.leaves(other.to_checkpoint(moved).params),
+                  jax.tree.leaves(exp.to_checkpoint(state).params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_train_step_compiles_ahead_of_time(exp):
@@ -61,7 +102,7 @@ def test_init_state_and_steps(exp):
   new_state, metrics = exp.train_step(state, batch, jax.random.key(1))
   np.testing.assert_allclose(metrics["loss"], eval_loss, rtol=1e-5)
   assert int(new_state.step) == 1
-  assert new_state.params["blocks"]["mlp_in"]["kernel"].sharding.spec == P("stage")
+  assert new_state.params["staged"]["float32"].sharding.spec == P(None, "stage")
 
 
 @pytest.mark.parametrize("overrides, error, match", [
@@ -71,6 +112,8 @@ def test_init_state_and_steps(exp):
     (dict(num_layers=0), ValueError, "num_layers"),
     (dict(learning_rate=0.0), ValueError, "learning_rate"),
     (dict(dtype="float16"), ValueError, "config.dtype must be one of"),
+    (dict(balance="flop"), ValueError, "config.balance='flop'"),
+    (dict(balance="1,2"), ValueError, "has 2 entries"),
 ])
 def test_bad_config_raises_before_tracing(overrides, error, match):
   with pytest.raises(error, match=match):
@@ -79,10 +122,12 @@ def test_bad_config_raises_before_tracing(overrides, error, match):
 
 def test_bfloat16_config_computes_in_bfloat16_with_float32_state():
   exp = experiment.build(_config(dtype="bfloat16"))
-  assert exp.model.dtype == jnp.bfloat16 and exp.model.param_dtype == jnp.float32
-  # Parameters and both Adam moments stay float32 (the step counters are int32).
+  block = exp.model.layers[1].layer.module
+  assert block.dtype == jnp.bfloat16 and block.param_dtype == jnp.float32
+  # Parameters and both Adam moments stay float32 (the step counters are int32, the weight
+  # decay mask bool).
   dtypes = {leaf.dtype for leaf in jax.tree.leaves(exp.abstract_state())}
-  assert dtypes == {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
+  assert dtypes == {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32), jnp.dtype(jnp.bool_)}
 
 
 def test_config_sizes_and_bad_argument():
@@ -107,7 +152,7 @@ def test_transformer_gpipe_config():
   assert (big.num_layers, big.width, big.mlp_dim, big.num_heads) == (48, 2048, 8192, 32)
   assert big.num_microbatches == 32 and big.remat == "full" and big.dtype == "bfloat16"
   tiny = experiment.build(_gpipe_config("size=tiny"))
-  assert tiny.model.dtype == jnp.bfloat16
+  assert tiny.model.layers[1].layer.module.dtype == jnp.bfloat16
   compiled = tiny.train_step.lower(
       tiny.abstract_state(), tiny.abstract_batch(), jax.random.key(0)).compile()
   assert compiled.memory_analysis() is not None

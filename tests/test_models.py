@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import optax
+
 import tpipe
+from tests import numerics
 from tpipe.train import models
 
 WIDTH, HEADS, MLP, LAYERS, SEQ = 32, 2, 64, 4, 16
@@ -13,9 +16,9 @@ WIDTH, HEADS, MLP, LAYERS, SEQ = 32, 2, 64, 4, 16
 
 def _lm(num_stages=1, num_data=1, num_microbatches=1, dropout_rate=0.0, **kwargs):
   mesh = tpipe.make_mesh(stages=num_stages, data=num_data)
-  return models.DecoderLM(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP,
-                          max_len=SEQ, dropout_rate=dropout_rate, num_stages=num_stages,
-                          num_microbatches=num_microbatches, mesh=mesh, **kwargs)
+  return models.decoder_lm(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP,
+                           max_len=SEQ, dropout_rate=dropout_rate, num_stages=num_stages,
+                           num_microbatches=num_microbatches, mesh=mesh, **kwargs)
 
 
 def _tokens(batch=8, seq=SEQ, seed=0):
@@ -69,10 +72,11 @@ def lm_and_params():
 
 def test_params_layout_stacks_the_blocks(lm_and_params):
   _, params = lm_and_params
-  assert set(params) == {"embed", "pos_embed", "blocks", "final_norm", "head"}
-  for leaf in jax.tree.leaves(params["blocks"]):
+  assert set(params) == {"layers_0", "layers_1", "layers_2"}
+  assert set(params["layers_0"]) == {"embed", "pos_embed"}
+  for leaf in jax.tree.leaves(params["layers_1"]):
     assert leaf.shape[0] == LAYERS
-  assert params["head"]["kernel"].shape == (WIDTH, models.VOCAB_SIZE)
+  assert params["layers_2"]["head"]["kernel"].shape == (WIDTH, models.VOCAB_SIZE)
 
 
 def test_logits_are_causal(lm_and_params):
@@ -86,13 +90,47 @@ def test_logits_are_causal(lm_and_params):
   assert not np.allclose(a[0, 10:], b[0, 10:])
 
 
-def test_pipelined_lm_matches_single_stage(lm_and_params):
+def test_losses_are_the_cross_entropy_of_the_logits(lm_and_params):
   model, params = lm_and_params
-  tokens = _tokens()
-  want = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, tokens)
+  tokens, targets = _tokens(), _tokens(seed=1)
+  logits = jax.jit(lambda t: model.apply({"params": params}, t))(tokens)
+  losses = jax.jit(lambda t, y: model.apply({"params": params}, t, targets=y))(tokens, targets)
+  want = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(axis=-1)
+  assert losses.shape == (8,) and losses.dtype == jnp.float32
+  np.testing.assert_allclose(losses, want, rtol=1e-6)
+
+
+def test_pipelined_lm_matches_the_layers_in_sequence(lm_and_params):
+  model, params = lm_and_params
+  tokens, targets = _tokens(), _tokens(seed=1)
   piped = _lm(num_stages=4, num_data=2, num_microbatches=2)
-  got = jax.jit(lambda p, t: piped.apply({"params": p}, t))(params, tokens)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  def loss_and_grads(m):
+    return jax.jit(jax.value_and_grad(
+        lambda p: m.apply({"params": p}, tokens, targets=targets).mean()))
+
+  got = loss_and_grads(piped)(params)
+  plain = loss_and_grads(model)(params)
+  exact = lambda p: loss_and_grads(_lm(dtype=jnp.float64, param_dtype=jnp.float64))(p)
+  reference = numerics.float64_reference(exact, params)
+  numerics.assert_as_close_as_plain(got[0], plain[0], reference[0], what="loss")
+  numerics.assert_as_close_as_plain(got[1], plain[1], reference[1], what="gradients")
+
+
+def test_staged_params_give_the_same_losses(lm_and_params):
+  _, params = lm_and_params
+  tokens, targets = _tokens(), _tokens(seed=1)
+  piped = _lm(num_stages=4, num_data=2, num_microbatches=2)
+  layout = piped.stage_layout(tokens, targets=targets)
+  staged = {"staged": layout.to_staged(params)}
+  assert {k: v.shape[:2] for k, v in staged["staged"].items()} == {"float32": (1, 4)}
+  fixed = piped.with_split(layout)
+  apply = lambda m, p: jax.jit(lambda p: m.apply({"params": p}, tokens, targets=targets))(p)
+  np.testing.assert_array_equal(apply(fixed, staged), apply(piped, params))
+  # The head (and its logits) live on the last stage only: its kernel is in no other chunk.
+  head = sum(g.layer == 2 for chunk in layout.groups[:-1] for g in chunk)
+  assert head == 0 and layout.groups[-1][-1].layer == 2
+  assert layout.groups[0][0].layer == 0
 
 
 def test_dropout_only_in_training():
@@ -100,7 +138,7 @@ def test_dropout_only_in_training():
   tokens = _tokens(batch=2)
   params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
   jitted = jax.jit(
-      lambda key, train: model.apply({"params": params}, tokens, train=train,
+      lambda key, train: model.apply({"params": params}, tokens, deterministic=not train,
                                      rngs={"dropout": key}), static_argnums=1)
   apply = lambda train, seed: jitted(jax.random.key(seed), train)
   np.testing.assert_array_equal(apply(False, 1), apply(False, 2))
@@ -134,15 +172,16 @@ def test_bfloat16_lm_keeps_float32_params_and_logits(lm_and_params):
     (dict(dropout_rate=1.5), ValueError, "dropout_rate"),
     (dict(num_layers=0), ValueError, "num_layers"),
     (dict(width=32.0), TypeError, "width"),
-    (dict(dtype="floaty"), TypeError, "DecoderLM.dtype must be a floating dtype"),
-    (dict(dtype=jnp.int32), ValueError, "DecoderLM.dtype must be a floating dtype"),
-    (dict(param_dtype="int8"), ValueError, "DecoderLM.param_dtype"),
+    (dict(dtype="floaty"), TypeError, "decoder_lm dtype must be a floating dtype"),
+    (dict(dtype=jnp.int32), ValueError, "decoder_lm dtype must be a floating dtype"),
+    (dict(param_dtype="int8"), ValueError, "decoder_lm param_dtype"),
+    (dict(vocab_size=0), ValueError, "vocab_size"),
 ])
 def test_bad_model_arguments_raise(kwargs, error, match):
   args = dict(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP, max_len=SEQ)
   args.update(kwargs)
   with pytest.raises(error, match=match):
-    models.DecoderLM(**args)
+    models.decoder_lm(**args)
 
 
 def test_bad_block_dtype_raises_before_tracing():

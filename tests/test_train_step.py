@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 import tpipe
 from tpipe.tools import analysis
-from tpipe.train import experiment
 from tests import blocks
 from tests import numerics
 
@@ -171,13 +170,13 @@ def _abstract_state(mesh, optimizer, batch):
 
   ``jax.eval_shape`` returns leaves without shardings; compiled from those, XLA would choose the
   layout itself (replicated stacks for the circular schedule). The shardings come from
-  :func:`tpipe.train.experiment.abstract_state_shardings`: ``blocks`` leaves of the parameters and
+  :func:`tpipe.train_state_shardings`: ``blocks`` leaves of the parameters and
   of the optimizer state split over 'stage' on axis 0, the rest replicated.
   """
   shapes = jax.eval_shape(lambda: tpipe.create_train_state(
       Regressor(stages=1, microbatches=1, data=1).init(jax.random.key(0), batch["x"])["params"],
       optimizer))
-  shardings = experiment.abstract_state_shardings(shapes, mesh)
+  shardings = tpipe.train_state_shardings(shapes, mesh, ("blocks",))
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       shapes, shardings)
 

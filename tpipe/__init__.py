@@ -16,6 +16,7 @@ from tpipe.parallel.train_step import create_train_state
 from tpipe.parallel.train_step import make_train_step
 from tpipe.parallel.train_step import param_shardings
 from tpipe.parallel.train_step import state_shardings
+from tpipe.parallel.train_step import train_state_shardings
 from tpipe.schedules import Schedule
 from tpipe.schedules import make_schedule
 

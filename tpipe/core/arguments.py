@@ -40,7 +40,7 @@ _STATIC, _BROADCAST, _PER_EXAMPLE = "static", "broadcast", "per_example"
 
 
 def _is_array(value) -> bool:
-  return isinstance(value, (jax.Array, np.ndarray))
+  return isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
 
 
 def call_signature(call: Callable) -> inspect.Signature:

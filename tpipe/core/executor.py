@@ -81,29 +81,47 @@ def stage_ring(num_stages: int, num_repeats: int) -> list[tuple[int, int]]:
   return [(s, (s + 1) % num_stages) for s in range(last)]
 
 
-# apply_chunk(busy, stage, repeat, stage_params, x, broadcast, per_example, rngs, microbatch)
-# -> y: one device's work at one tick. ``stage_params`` is the device's slice of the staged
-# parameters (leading axis: repeats); ``x`` and ``y`` share one structure (the boundary format).
+# apply_chunk(busy, stage, repeat, stage_params, fresh, incoming, broadcast, per_example, rngs,
+#             microbatch) -> (to_next, output): one device's work at one tick. ``stage_params`` is
+# the device's slice of the staged parameters (leading axis: repeats); ``fresh`` is the tick's
+# micro-batch of the pipeline's input (what the first chunk reads) and ``incoming`` what arrived
+# from the previous chunk (``to_next``'s format); ``output`` is the last chunk's result (zeros
+# from the other chunks).
 ChunkFn = Callable[..., Any]
 
 
+def _with_rows(example_shapes, rows: int):
+  """Zeros ``[rows, ...]`` for each per-example ``jax.ShapeDtypeStruct``."""
+  return jax.tree.map(lambda s: jnp.zeros((rows,) + tuple(s.shape), s.dtype), example_shapes)
+
+
 def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
-                 per_example: tuple, rngs: dict, *, schedule: schedules_lib.Schedule,
-                 mesh: Mesh, stage_axis: str = "stage", data_axis: str | None = "data") -> Any:
+                 per_example: tuple, rngs: dict, *, ring_example: Any, output_example: Any,
+                 schedule: schedules_lib.Schedule, mesh: Mesh, stage_axis: str = "stage",
+                 data_axis: str | None = "data") -> Any:
   """Runs a schedule's ticks on every device of ``mesh`` at once.
 
   Callers validate arguments first; this function assumes the batch splits into ``M``
   micro-batches per data replica.
 
+  Three formats meet here, so that no buffer is larger than what it holds: the input ``x`` (read
+  by the first chunk only), the **ring** format that crosses stage boundaries (a packed buffer for
+  heterogeneous stages) and the **output** format of the last chunk (per-example losses for a
+  stack that ends in its loss). The carry holds one micro-batch in the ring format, the finished
+  outputs (``[M, ...]`` of the output format) and, for circular schedules, the micro-batches
+  waiting on stage 0 for their next lap (``[M, ...]`` of the ring format).
+
   Args:
     apply_chunk: a device's work at one tick (see :data:`ChunkFn`); it must compute nothing
       when ``busy`` is False (:mod:`tpipe.core.gated`).
     staged: parameters in stage layout, every leaf ``[R, S, ...]``; split over ``stage_axis``.
-    x: pytree of arrays ``[N, ...]``, the global batch, in the format every stage boundary
-      shares (the same pytree structure, shapes and dtypes in and out of every chunk).
+    x: pytree of arrays ``[N, ...]``, the global batch.
     broadcast: tuple of arrays every layer sees whole.
     per_example: tuple of arrays ``[N, ...]`` split into micro-batches like ``x``.
     rngs: dict of RNG stream name to key.
+    ring_example: pytree of ``jax.ShapeDtypeStruct``, one example of what crosses a stage
+      boundary (without the batch axis).
+    output_example: the same for the last chunk's output.
     schedule: the schedule to run.
     mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
     stage_axis: the mesh axis of pipeline stages.
@@ -111,7 +129,7 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
       mesh or of size 1.
 
   Returns:
-    The last chunk's outputs for the whole batch, in ``x``'s format.
+    The last chunk's outputs for the whole batch, in the output format with a batch axis.
   """
   num_stages, num_microbatches = schedule.num_stages, schedule.num_microbatches
   num_repeats = schedule.num_repeats
@@ -136,33 +154,39 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
     stage = lax.axis_index(stage_axis)
     data_index = lax.axis_index(data_axis) if has_data else 0
     local_batch = jax.tree.leaves(x)[0].shape[0]
+    rows = local_batch // num_microbatches
     microbatches = _split_microbatches(x, num_microbatches)
     per_example = _split_microbatches(per_example, num_microbatches)
-    one_microbatch = jax.tree.map(lambda a: jnp.zeros_like(a[0]), microbatches)
-    buffer = jax.tree.map(jnp.zeros_like, microbatches)
-    carry = {"incoming": one_microbatch, "outputs": buffer}
+    vary = lambda tree: lax.pcast(tree, manual_axes, to="varying")
+    carry = {"incoming": vary(_with_rows(ring_example, rows)),
+             "outputs": vary(jax.tree.map(lambda a: jnp.zeros((num_microbatches,) + a.shape,
+                                                                a.dtype),
+                                          _with_rows(output_example, rows)))}
     if num_repeats > 1:
-      carry["loop_back"] = buffer
+      carry["loop_back"] = vary(jax.tree.map(
+          lambda a: jnp.zeros((num_microbatches,) + a.shape, a.dtype),
+          _with_rows(ring_example, rows)))
 
     def tick(carry, row):
       carry = dict(carry)
       mb, rep = row["microbatch"][stage], row["repeat"][stage]
       busy = mb >= 0
       mb, rep = jnp.maximum(mb, 0), jnp.maximum(rep, 0)
-      fresh = _read_slot(microbatches, mb)
+      incoming = carry["incoming"]
       if num_repeats > 1:
         # Stage 0 parks what the last stage finished last tick until its next lap starts.
         arriving_mb, arriving_rep = row["arriving_microbatch"], row["arriving_repeat"]
         park = (stage == 0) & (arriving_mb >= 0) & (arriving_rep < num_repeats - 1)
         carry["loop_back"] = _write_slot(carry["loop_back"], jnp.maximum(arriving_mb, 0),
-                                         carry["incoming"], park)
-        fresh = _select(rep == 0, fresh, _read_slot(carry["loop_back"], mb))
-      stage_input = _select(stage == 0, fresh, carry["incoming"])
-      y = apply_chunk(busy, stage, rep, staged, stage_input, broadcast,
-                      _read_slot(per_example, mb), rngs, data_index * num_microbatches + mb)
+                                         incoming, park)
+        incoming = _select((stage == 0) & (rep > 0), _read_slot(carry["loop_back"], mb),
+                           incoming)
+      to_next, output = apply_chunk(busy, stage, rep, staged, _read_slot(microbatches, mb),
+                                    incoming, broadcast, _read_slot(per_example, mb), rngs,
+                                    data_index * num_microbatches + mb)
       finished = busy & (stage == num_stages - 1) & (rep == num_repeats - 1)
-      carry["outputs"] = _write_slot(carry["outputs"], mb, y, finished)
-      carry["incoming"] = lax.ppermute(y, stage_axis, ring) if ring else y
+      carry["outputs"] = _write_slot(carry["outputs"], mb, output, finished)
+      carry["incoming"] = lax.ppermute(to_next, stage_axis, ring) if ring else to_next
       return carry, None
 
     carry, _ = lax.scan(tick, carry, tick_inputs)
@@ -215,11 +239,15 @@ def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, broadcast: tu
   per_chunk = partition.layers_per_chunk(length, num_stages, num_repeats)
   stage_fn = stage_lib.make_stage_fn(layer_fn, per_chunk, remat, unroll)
 
-  def apply_chunk(busy, stage, repeat, staged, x, broadcast, per_example, rngs, microbatch):
+  def apply_chunk(busy, stage, repeat, staged, fresh, incoming, broadcast, per_example, rngs,
+                  microbatch):
     first_layer = (repeat * num_stages + stage) * per_chunk
-    return stage_fn(staged, busy, repeat, x, broadcast, per_example, rngs, first_layer,
-                    microbatch)
+    h = _select((stage == 0) & (repeat == 0), fresh, incoming)
+    y = stage_fn(staged, busy, repeat, h, broadcast, per_example, rngs, first_layer, microbatch)
+    return y, y
 
   staged = partition.to_stage_layout(params, num_stages, num_repeats)
-  return run_schedule(apply_chunk, staged, x, broadcast, per_example, rngs, schedule=schedule,
+  example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), x)
+  return run_schedule(apply_chunk, staged, x, broadcast, per_example, rngs,
+                      ring_example=example, output_example=example, schedule=schedule,
                       mesh=mesh, stage_axis=stage_axis, data_axis=data_axis)

@@ -107,8 +107,18 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
     merged = [next(diff_leaves) if d else next(other_leaves) for d in is_diff]
     return fn(*jax.tree.unflatten(treedef, merged))
 
-  def busy_forward(k, diff_leaves, other_leaves):
-    out, vjp_fn = jax.vjp(lambda *d: call(branches[k], d, other_leaves), *diff_leaves)
+  def busy_forward(k, diff_leaves, other_leaves, out_axes=None):
+    def fn(*d):
+      out = call(branches[k], d, other_leaves)
+      if out_axes is None:
+        return out
+      # Inside the differentiated function, so the VJP takes cotangents of the cast type. Only
+      # outputs that do not depend on the inputs (zeros) vary over fewer axes than the union,
+      # and a constant has no linear part, so no reduction over mesh axes enters the branch.
+      out_leaves, tree = jax.tree.flatten(out)
+      return jax.tree.unflatten(tree, [_cast_to(o, a) for o, a in zip(out_leaves, out_axes)])
+
+    out, vjp_fn = jax.vjp(fn, *diff_leaves)
     residuals, vjp_tree = jax.tree.flatten(vjp_fn)
     inputs = {id(leaf): i for i, leaf in enumerate(list(diff_leaves) + list(other_leaves))}
     source = [inputs.get(id(r)) for r in residuals]  # an input's index, or None if computed.
@@ -126,11 +136,14 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
     shapes = [jax.eval_shape(lambda d, o, k=k: busy_forward(k, d, o), diff_leaves, other_leaves)
               for k in range(len(branches))]
     out_tree, out_shapes = plans[0]["out_tree"], shapes[0][0]
+    types = lambda leaves: [(tuple(s.shape), s.dtype) for s in leaves]
     for k, plan in enumerate(plans):
-      if plan["out_tree"] != out_tree or shapes[k][0] != out_shapes:
+      # Varying mesh axes may differ between branches (a zero-filled output varies over none);
+      # every output is cast to the union below.
+      if plan["out_tree"] != out_tree or types(shapes[k][0]) != types(out_shapes):
         raise ValueError(f"switch_call: branch {k} returns {plan['out_tree']} with "
-                         f"{shapes[k][0]}, branch 0 {out_tree} with {out_shapes}; every branch "
-                         "must return the same structure, shapes and dtypes.")
+                         f"{types(shapes[k][0])}, branch 0 {out_tree} with {types(out_shapes)}; "
+                         "every branch must return the same structure, shapes and dtypes.")
     out_axes = [frozenset().union(*axes) for axes in zip(*[p["out_axes"] for p in plans])]
     if packed_residuals:
       sizes = packing.buffer_sizes([p["layout"] for p in plans])
@@ -143,7 +156,7 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
     def branch(k):
 
       def run_branch(diff_leaves, other_leaves):
-        out_leaves, computed = busy_forward(k, diff_leaves, other_leaves)
+        out_leaves, computed = busy_forward(k, diff_leaves, other_leaves, out_axes)
         if packed_residuals:
           computed = list(packing.pack(computed, plans[k]["layout"], sizes).values())
         return ([_cast_to(o, a) for o, a in zip(out_leaves, out_axes)],

@@ -50,11 +50,14 @@ from tpipe.core import executor
 from tpipe.core import gated
 from tpipe.core import packing
 from tpipe.core import stage as stage_lib
+from tpipe.core import stage_layout as stage_layout_lib
 from tpipe.linen import transform
 from tpipe.parallel import mesh as mesh_lib
 
 BALANCE_NAMES = ("params", "flops")
 _OWNER = "tpipe.Sequential"
+# The params key of staged parameters: {"staged": {dtype: [R, S, n]}} (see stage_layout()).
+STAGED = "staged"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,17 +88,6 @@ class _Held:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Group:
-  """Consecutive units of one layer inside one chunk: a plain layer, or a slice of a Repeat."""
-
-  layer: int            # index in ``layers``
-  first_unit: int       # global unit index of the first unit (for RNG folding)
-  start: int            # first copy (Repeat) or 0
-  stop: int             # one past the last copy (Repeat) or 1
-  repeated: bool
-
-
-@dataclasses.dataclass(frozen=True)
 class Plan:
   """How a :class:`Sequential` is cut into chunks for one input shape.
 
@@ -109,7 +101,7 @@ class Plan:
   unit_names: tuple[str, ...]
   costs: tuple[float, ...]
   counts: tuple[int, ...]
-  groups: tuple[tuple[_Group, ...], ...]
+  groups: tuple[tuple[stage_layout_lib.Group, ...], ...]
 
   def describe(self, num_stages: int) -> str:
     """A table of the chunks: stage, units, cost and share."""
@@ -264,7 +256,7 @@ class Sequential(nn.Module):
   # ------------------------------------------------------------------------------------------
   # Planning: unit costs and the split into chunks.
 
-  def _unit_costs(self, params_shapes, in_shapes, split, side) -> tuple[float, ...]:
+  def _unit_costs(self, params_shapes, in_shapes, split, side, rng_names) -> tuple[float, ...]:
     costs = []
     for i, layer in enumerate(self._layer_list()):
       n = layer.n if isinstance(layer, Repeat) else 1
@@ -274,53 +266,86 @@ class Sequential(nn.Module):
       if self.balance == "params":
         cost = float(sum(np.prod(a.shape) for a in jax.tree.leaves(one)))
       else:
-        cost = _layer_flops(self._layer_apply(i, split), one, in_shapes[i], side)
+        cost = _layer_flops(self._layer_apply(i, split, rng_names), one, in_shapes[i], side)
       costs += [cost] * n
     return tuple(costs)
 
-  def plan(self, params_shapes, in_shapes, split, side) -> Plan:
+  def plan(self, params_shapes, in_shapes, split, side, rng_names=()) -> Plan:
     """Chooses the chunks (see :class:`Plan`); ``in_shapes[i]`` is layer i's abstract input and
     ``side`` the abstract (broadcast, per-example micro-batch) arrays."""
     num_chunks = self.num_stages * self.num_repeats
     if isinstance(self.balance, str):
-      costs = self._unit_costs(params_shapes, in_shapes, split, side)
+      costs = self._unit_costs(params_shapes, in_shapes, split, side, rng_names)
       counts = partition.balanced_split(costs, num_chunks)
     else:
       costs = tuple(1.0 for _ in range(self.num_units()))
       counts = partition.check_balance(self.balance, self.num_units(), num_chunks)
-    # Group each chunk's units by layer.
-    unit_layer = []
-    for i, layer in enumerate(self._layer_list()):
-      unit_layer += [(i, j) for j in range(layer.n if isinstance(layer, Repeat) else 1)]
-    groups, start = [], 0
-    for count in counts:
-      chunk = []
-      for u in range(start, start + count):
-        i, j = unit_layer[u]
-        if chunk and chunk[-1].layer == i:
-          chunk[-1] = dataclasses.replace(chunk[-1], stop=j + 1)
-        else:
-          chunk.append(_Group(layer=i, first_unit=u, start=j, stop=j + 1,
-                              repeated=isinstance(self._layer_list()[i], Repeat)))
-      groups.append(tuple(chunk))
-      start += count
+    copies = [l.n if isinstance(l, Repeat) else None for l in self._layer_list()]
+    groups = stage_layout_lib.group_units(copies, counts)
     return Plan(unit_names=self._unit_names(), costs=costs, counts=tuple(counts),
                 groups=tuple(groups))
 
+  def _abstract_call(self, x, kwargs):
+    """Abstract micro-batch input, keyword split and side inputs for an input like ``x``."""
+    batch = transform.batch_size(x)
+    micro = max(1, batch // self.num_microbatches)
+    row = lambda a: jax.ShapeDtypeStruct((micro,) + tuple(np.shape(a)[1:]), a.dtype)
+    split = arguments_lib.split_keywords(kwargs, per_example=self.per_example, batch_size=batch,
+                                         owner=_OWNER)
+    side = (_shapes(split.broadcast), tuple(row(a) for a in split.per_example))
+    return jax.tree.map(row, x), split, side
+
+  def _logical_shapes(self, x_micro, split, side, rng_names=()) -> dict[str, Any]:
+    """The logical parameters' abstract shapes, from each layer's own ``init`` (no values)."""
+    shapes, h = {}, x_micro
+    for i, layer in enumerate(self._layer_list()):
+      template = _template(layer)
+
+      def init_one(key, h, side, template=template, i=i):
+        kwargs = self._keywords_for(i, split, *side)
+        return nn.meta.unbox(template.init({"params": key}, h, **kwargs).get("params", {}))
+
+      one = jax.eval_shape(init_one, jax.random.key(0), h, side)
+      if isinstance(layer, Repeat):
+        shapes[f"layers_{i}"] = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((layer.n,) + tuple(a.shape), a.dtype), one)
+      else:
+        shapes[f"layers_{i}"] = one
+      h = jax.eval_shape(self._layer_apply(i, split, rng_names), one, h, *side)
+    return shapes
+
+  def _layout(self, plan: Plan, param_shapes) -> stage_layout_lib.StageLayout:
+    return stage_layout_lib.StageLayout.build(plan.groups, param_shapes, self.num_stages,
+                                              self.num_repeats)
+
+  def stage_layout(self, x, **kwargs) -> stage_layout_lib.StageLayout:
+    """The stage layout of this stack's parameters for inputs like ``x`` (arrays or
+    ``jax.ShapeDtypeStruct``s; keyword arguments as for ``apply``).
+
+    A training state kept in it needs no re-layout in the step: pass
+    ``{"params": {"staged": layout.to_staged(params)}}`` as the variables. The layout is tied to
+    the split into chunks; with ``balance="params"``/``"flops"`` the split can depend on the input
+    shapes, so build the model that uses staged params with :meth:`with_split` (the explicit unit
+    counts of this layout).
+    """
+    x_micro, split, side = self._abstract_call(x, kwargs)
+    param_shapes = self._logical_shapes(x_micro, split, side)
+    in_shapes = self._layer_inputs(param_shapes, x_micro, split, *side)
+    return self._layout(self.plan(param_shapes, in_shapes, split, side), param_shapes)
+
+  def with_split(self, layout: stage_layout_lib.StageLayout) -> "Sequential":
+    """This stack with ``balance`` fixed to ``layout``'s unit counts per chunk."""
+    counts = [sum(g.stop - g.start for g in chunk) for chunk in layout.groups]
+    return self.clone(balance=counts)
+
   def partition_summary(self, variables, x, **kwargs) -> str:
     """Which units each chunk holds and its cost, for ``variables`` and an input like ``x``."""
+    x_micro, split, side = self._abstract_call(x, kwargs)
     params = nn.meta.unbox(variables["params"])
-    shapes = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), t)
-    micro = max(1, transform.batch_size(x) // self.num_microbatches)
-    x_micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((micro,) + np.shape(a)[1:], a.dtype), x)
-    split = arguments_lib.split_keywords(kwargs, per_example=self.per_example,
-                                         batch_size=transform.batch_size(x), owner=_OWNER)
-    per_example_micro = tuple(jax.ShapeDtypeStruct((micro,) + np.shape(a)[1:], a.dtype)
-                              for a in split.per_example)
-    abstract_side = (shapes(split.broadcast), per_example_micro)
-    in_shapes = self._layer_inputs(shapes(params), x_micro, split, *abstract_side)
-    plan = self.plan(shapes(params), in_shapes, split, abstract_side)
-    return plan.describe(self.num_stages)
+    param_shapes = (self._logical_shapes(x_micro, split, side) if STAGED in params
+                    else _shapes(params))
+    in_shapes = self._layer_inputs(param_shapes, x_micro, split, *side)
+    return self.plan(param_shapes, in_shapes, split, side).describe(self.num_stages)
 
   # ------------------------------------------------------------------------------------------
   # Applying layers.
@@ -333,7 +358,7 @@ class Sequential(nn.Module):
       return kwargs
     return {k: v for k, v in kwargs.items() if k in accepted}
 
-  def _layer_inputs(self, params_shapes, x_micro, split, broadcast, per_example):
+  def _layer_inputs(self, params_shapes, x_micro, split, broadcast, per_example, rng_names=()):
     """Abstract input of every layer on one micro-batch (and, last, the stack's output)."""
     in_shapes, h = [], x_micro
     for i, layer in enumerate(self._layer_list()):
@@ -341,7 +366,8 @@ class Sequential(nn.Module):
       one = params_shapes[f"layers_{i}"]
       if isinstance(layer, Repeat):
         one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), one)
-      out = jax.eval_shape(self._layer_apply(i, split), one, h, broadcast, per_example)
+      out = jax.eval_shape(self._layer_apply(i, split, rng_names), one, h, broadcast,
+                           per_example)
       if isinstance(layer, Repeat) and not _same_type(h, out):
         raise ValueError(
             f"layers[{i}] is a Repeat of {type(layer.module).__name__}, which maps "
@@ -351,14 +377,17 @@ class Sequential(nn.Module):
     in_shapes.append(h)
     return in_shapes
 
-  def _layer_apply(self, i: int, split):
+  def _layer_apply(self, i: int, split, rng_names=()):
     """``f(params, h, broadcast, per_example, rngs=None)``: layer ``i`` on one micro-batch, with
-    its keyword arguments rebuilt from the arrays (static ones stay Python values)."""
+    its keyword arguments rebuilt from the arrays (static ones stay Python values). Without
+    ``rngs`` (shape and cost passes) the streams ``rng_names`` get a placeholder key."""
     template = _template(self._layer_list()[i])
 
     def apply(params, h, broadcast, per_example, rngs=None):
       kwargs = self._keywords_for(i, split, broadcast, per_example)
-      return template.apply({"params": params}, h, **kwargs, rngs=rngs or {})
+      if rngs is None:
+        rngs = {name: jax.random.key(0) for name in rng_names}
+      return template.apply({"params": params}, h, **kwargs, rngs=rngs)
 
     return apply
 
@@ -382,12 +411,25 @@ class Sequential(nn.Module):
       self._init_layers(x_micro, split, per_example_micro, rngs)
 
     params = nn.meta.unbox(dict(self.variables.get("params", {})))
-    self._check_params(params)
-    shapes = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), t)
-    abstract_side = (shapes(split.broadcast), shapes(per_example_micro))
-    in_shapes = self._layer_inputs(shapes(params), shapes(x_micro), split, *abstract_side)
-    plan = self.plan(shapes(params), in_shapes, split, abstract_side)
-    return self._run(plan, params, x, split, rngs, in_shapes, run_mesh)
+    abstract_side = (_shapes(split.broadcast), _shapes(per_example_micro))
+    staged = params.get(STAGED)
+    if staged is not None:
+      if set(params) != {STAGED}:
+        raise ValueError(f"{_OWNER}: params hold {sorted(params)}; staged params are "
+                         f"{{'{STAGED}': {{dtype: [R, S, n]}}}} alone.")
+      param_shapes = self._logical_shapes(_shapes(x_micro), split, abstract_side, streams)
+    else:
+      self._check_params(params)
+      param_shapes = _shapes(params)
+    in_shapes = self._layer_inputs(param_shapes, _shapes(x_micro), split, *abstract_side,
+                                   rng_names=streams)
+    plan = self.plan(param_shapes, in_shapes, split, abstract_side, streams)
+    layout = self._layout(plan, param_shapes)
+    if staged is None:
+      staged = layout.to_staged(params)
+    else:
+      layout.check_staged(staged, what=f"{_OWNER}'s staged params")
+    return self._run(plan, layout, staged, x, split, rngs, in_shapes, run_mesh)
 
   def _init_layers(self, x_micro, split, per_example_micro, rngs) -> None:
     key = self.make_rng("params")
@@ -440,41 +482,30 @@ class Sequential(nn.Module):
           raise ValueError(f"layers_{i} is a Repeat of {layer.n} but its params have shapes "
                            f"{shapes}; expected a leading axis of {layer.n}.")
 
-  def _run(self, plan: Plan, params, x, split, rngs, in_shapes, run_mesh):
+  def _run(self, plan: Plan, layout, staged, x, split, rngs, in_shapes, run_mesh):
     layers = self._layer_list()
-    num_stages, num_repeats = self.num_stages, self.num_repeats
-    num_chunks = num_stages * num_repeats
+    num_stages, num_chunks = self.num_stages, layout.num_chunks
     policy = stage_lib.resolve_remat(self.remat)
 
-    # Parameters: each chunk's groups, packed per dtype to the largest chunk, stacked [R, S, n].
-    def group_params(g: _Group, params):
-      p = params[f"layers_{g.layer}"]
-      return jax.tree.map(lambda a: a[g.start:g.stop], p) if g.repeated else p
-
-    chunk_trees = [[group_params(g, params) for g in groups] for groups in plan.groups]
-    param_layouts = [packing.layout_of(t) for t in chunk_trees]
-    param_sizes = packing.buffer_sizes(param_layouts)
-    packed = [packing.pack(t, l, param_sizes) for t, l in zip(chunk_trees, param_layouts)]
-    staged = {k: jnp.stack([p[k] for p in packed]).reshape((num_repeats, num_stages, -1))
-              for k in param_sizes}
-
-    # Boundaries: what enters each chunk, in one packed format (batch axis kept).
+    # Three formats: the input x (chunk 0 reads it), the ring that crosses the chunk boundaries
+    # 1..C-1 (packed per dtype to the largest), and the output (the last chunk's, unpacked).
     bounds = np.concatenate([[0], np.cumsum(plan.counts)])
     unit_input = _unit_inputs(layers, in_shapes)  # abstract input of every unit, and the end.
-    boundary_layouts = [packing.layout_of(unit_input[b], batch_dims=1) for b in bounds]
-    boundary_sizes = packing.buffer_sizes(boundary_layouts)
+    ring_layouts = [packing.layout_of(unit_input[b], batch_dims=1) for b in bounds[1:-1]]
+    ring_sizes = packing.buffer_sizes(ring_layouts)
+    ring_example = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in ring_sizes.items()}
+    output_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                  unit_input[-1])
 
     def make_chunk(c):
       r = c // num_stages
-      groups, param_layout = plan.groups[c], param_layouts[c]
-      in_layout, out_layout = boundary_layouts[c], boundary_layouts[c + 1]
 
-      def chunk(staged, x, broadcast, per_example, rngs, microbatch):
-        trees = packing.unpack({k: v[r] for k, v in staged.items()}, param_layout)
+      def chunk(staged, fresh, incoming, broadcast, per_example, rngs, microbatch):
+        trees = layout.chunk_params({k: v[r] for k, v in staged.items()}, c)
         # Cheap to take again: never saved for the backward pass (see tpipe.core.stage).
         trees = checkpoint_name(trees, stage_lib.CHUNK_PARAMS_NAME)
-        h = packing.unpack(x, in_layout)
-        for g, p in zip(groups, trees):
+        h = fresh if c == 0 else packing.unpack(incoming, ring_layouts[c - 1])
+        for g, p in zip(layout.groups[c], trees):
           layer_apply = self._layer_apply(g.layer, split)
 
           def apply(p, h, unit, layer_apply=layer_apply):
@@ -487,23 +518,31 @@ class Sequential(nn.Module):
                             h, (p, units))
           else:
             h = apply(p, h, g.first_unit)
-        return packing.pack(h, out_layout, boundary_sizes)
+        rows = jax.tree.leaves(fresh)[0].shape[0]
+        if c == num_chunks - 1:
+          return packing.empty(ring_sizes, rows), h
+        zeros = jax.tree.map(lambda s: jnp.zeros((rows,) + s.shape, s.dtype), output_example)
+        return packing.pack(h, ring_layouts[c], ring_sizes), zeros
 
       return jax.checkpoint(chunk, policy=policy, prevent_cse=False)
 
     chunks = [make_chunk(c) for c in range(num_chunks)]
 
-    def apply_chunk(busy, stage, repeat, staged, x, broadcast, per_example, rngs, microbatch):
+    def apply_chunk(busy, stage, repeat, staged, fresh, incoming, broadcast, per_example, rngs,
+                    microbatch):
       index = jnp.where(busy, repeat * num_stages + stage, -1)
-      return gated.switch_call(index, chunks, staged, x, broadcast, per_example, rngs,
-                               microbatch)
+      return gated.switch_call(index, chunks, staged, fresh, incoming, broadcast, per_example,
+                               rngs, microbatch)
 
-    x_packed = packing.pack(x, boundary_layouts[0], boundary_sizes)
-    y_packed = executor.run_schedule(
-        apply_chunk, staged, x_packed, split.broadcast, split.per_example, rngs,
+    return executor.run_schedule(
+        apply_chunk, staged, x, split.broadcast, split.per_example, rngs,
+        ring_example=ring_example, output_example=output_example,
         schedule=self.schedule_table(), mesh=run_mesh, stage_axis=self.stage_axis,
         data_axis=self.data_axis)
-    return packing.unpack(y_packed, boundary_layouts[-1])
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
 
 
 def _unit_inputs(layers, in_shapes) -> list:

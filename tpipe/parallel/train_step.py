@@ -68,6 +68,37 @@ def param_shardings(params, mesh: Mesh, stacked: Sequence[str] = (), *,
   return jax.tree_util.tree_map_with_path(sharding, params)
 
 
+def train_state_shardings(abstract_state: TrainState, mesh: Mesh, stacked: Sequence[str], *,
+                          stage_axis: str = mesh_lib.STAGE_AXIS) -> TrainState:
+  """NamedShardings for a train state whose params hold ``tpipe.pipeline`` stacks.
+
+  Parameters are placed by :func:`param_shardings`. Optimizer leaves under the same top-level
+  names (optax keeps moments in trees shaped like the parameters, under the same keys) follow
+  them, so Adam's moments live on the stage of their layers; the rest (the step, Adam's count)
+  is replicated.
+
+  Args:
+    abstract_state: a ``TrainState`` of arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape``).
+    mesh: the device mesh.
+    stacked: top-level parameter names of the pipelined stacks, e.g. ``("blocks",)``.
+    stage_axis: the mesh's stage axis.
+
+  Returns:
+    A ``TrainState`` of ``NamedSharding``.
+  """
+  replicated = NamedSharding(mesh, P())
+  split = NamedSharding(mesh, P(stage_axis))
+
+  def one(path, leaf):
+    under_stack = any(getattr(k, "key", None) in stacked for k in path)
+    return split if under_stack and len(leaf.shape) >= 1 else replicated
+
+  return abstract_state.replace(
+      step=replicated,
+      params=param_shardings(abstract_state.params, mesh, stacked, stage_axis=stage_axis),
+      opt_state=jax.tree_util.tree_map_with_path(one, abstract_state.opt_state))
+
+
 def create_train_state(params, optimizer: optax.GradientTransformation,
                        shardings=None) -> TrainState:
   """Places ``params`` (by ``shardings``, if given) and initialises the optimizer beside them.

@@ -13,6 +13,14 @@ dtypes and shardings only, which is enough to compile the real step ahead of tim
 A batch is a dict ``{"inputs": int32 [batch, seq], "targets": int32 [batch, seq]}`` of byte
 values, the global batch, sharded over the mesh's ``data`` axis.
 
+The model is a :class:`tpipe.Sequential` (embedding, blocks, head and loss; see
+:func:`tpipe.train.models.decoder_lm`) whose split into stages is fixed when the experiment is
+built (``config.balance``, by default by FLOPs). The train state keeps the parameters and the
+optimizer's moments in the **stage layout** (``{"staged": {dtype: [R, S, n]}}``, split over
+``stage``), so the step re-lays out nothing; checkpoints hold the **logical** layout
+(``layers_i``, blocks stacked), so a run resumes on another mesh or split
+(:meth:`Experiment.to_checkpoint`, :meth:`Experiment.from_checkpoint`).
+
 ``config.dtype`` is the computation dtype (``"float32"`` or ``"bfloat16"``). Parameters, their
 gradients and the optimizer state are float32 either way; with ``"bfloat16"`` the model computes
 in bfloat16 (and the activations cross stage boundaries in it), and the logits and the loss are
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,15 +41,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpipe
+from tpipe.core import packing
+from tpipe.core import stage_layout as stage_layout_lib
+from tpipe.linen import sequential
 from tpipe.train import models
-
-# The top-level parameter collections that hold pipelined (stacked) layers.
-STACKED = ("blocks",)
 
 _REQUIRED_FIELDS = (
     "num_layers", "width", "num_heads", "mlp_dim", "seq_len", "dropout", "num_stages",
     "num_data", "num_microbatches", "schedule", "num_repeats", "remat", "seed", "batch_size",
-    "learning_rate", "num_steps", "warmup_steps", "weight_decay", "grad_clip", "dtype")
+    "learning_rate", "num_steps", "warmup_steps", "weight_decay", "grad_clip", "dtype",
+    "balance")
 
 # config.dtype values: the computation dtype. Parameters and optimizer state stay float32.
 DTYPES = ("float32", "bfloat16")
@@ -77,6 +86,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.dtype must be one of {DTYPES} (the computation dtype; parameters and optimizer "
         f"state stay float32), got {config.dtype!r}.")
+  parse_balance(config.balance)
   if config.learning_rate <= 0:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")
   needed = config.num_stages * config.num_data
@@ -88,29 +98,81 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"JAX_NUM_CPU_DEVICES={needed} (tpipe.train does this by default).")
 
 
-def make_model(config: ml_collections.ConfigDict, mesh) -> models.DecoderLM:
-  """Returns the ``DecoderLM`` described by ``config``, pipelined over ``mesh``."""
-  return models.DecoderLM(
+def parse_balance(balance) -> Any:
+  """``config.balance``: ``"params"``, ``"flops"``, or unit counts per chunk as ``"3,4,4,3"``."""
+  if not isinstance(balance, str):
+    raise TypeError(f"config.balance must be a string, got {balance!r}; write 'flops', 'params' "
+                    "or unit counts per chunk such as '3,4,4,3'.")
+  if balance in sequential.BALANCE_NAMES:
+    return balance
+  try:
+    return [int(part) for part in balance.split(",")]
+  except ValueError:
+    raise ValueError(f"config.balance={balance!r} is neither one of {sequential.BALANCE_NAMES} "
+                     "nor comma-separated unit counts such as '3,4,4,3'.") from None
+
+
+def make_model(config: ml_collections.ConfigDict, mesh) -> tpipe.Sequential:
+  """Returns the decoder LM described by ``config``, pipelined over ``mesh`` (split not fixed)."""
+  return models.decoder_lm(
       num_layers=config.num_layers,
       width=config.width,
       num_heads=config.num_heads,
       mlp_dim=config.mlp_dim,
       max_len=config.seq_len,
+      vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
       dropout_rate=float(config.dropout),
       num_stages=config.num_stages,
       num_microbatches=config.num_microbatches,
       schedule=config.schedule,
       num_repeats=config.num_repeats,
       remat=config.remat,
+      balance=parse_balance(config.balance),
       mesh=mesh,
       dtype=jnp.dtype(config.dtype),
       param_dtype=jnp.float32)
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW with linear warm-up then cosine decay, after global-norm clipping.
+def _decayed(path) -> bool:
+  """Weight decay applies to matrices and embeddings only."""
+  return getattr(path[-1], "key", None) in ("kernel", "embedding")
+
+
+class DecayMaskState(NamedTuple):
+  """Which elements of the staged parameters weight decay applies to."""
+  mask: Any
+
+
+def staged_weight_decay(weight_decay: float,
+                        layout: stage_layout_lib.StageLayout) -> optax.GradientTransformation:
+  """``optax.add_decayed_weights`` for staged parameters, decaying kernels and embeddings only.
+
+  A staged buffer mixes kernels with biases and norm scales, so optax's per-leaf mask cannot
+  say which elements decay; the per-element mask is made from the layout at ``init`` and kept in
+  the state (one bool per parameter, split over stages like them).
+  """
+  flags = jax.tree_util.tree_map_with_path(lambda path, _: _decayed(path), layout.logical)
+
+  def init(params):
+    del params
+    ones = jax.tree.map(lambda s, f: jnp.full(s.shape, f, s.dtype), layout.logical, flags)
+    return DecayMaskState(mask={sequential.STAGED: jax.tree.map(
+        lambda a: a.astype(jnp.bool_), layout.to_staged(ones))})
+
+  def update(updates, state, params):
+    updates = jax.tree.map(lambda u, p, m: u + weight_decay * jnp.where(m, p, 0).astype(u.dtype),
+                           updates, params, state.mask)
+    return updates, state
+
+  return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(config: ml_collections.ConfigDict,
+                   layout: stage_layout_lib.StageLayout) -> optax.GradientTransformation:
+  """AdamW with linear warm-up then cosine decay, after global-norm clipping, on staged params.
 
   Weight decay applies to matrices and embeddings only (leaves named ``kernel``/``embedding``).
+  Padding in the staged buffers has zero gradients, so it stays zero and changes no norm.
   """
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0,
@@ -118,54 +180,18 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
       warmup_steps=min(config.warmup_steps, config.num_steps),
       decay_steps=max(config.num_steps, config.warmup_steps + 1),
       end_value=config.learning_rate * 0.1)
-
-  def decay_mask(params):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
-
   return optax.chain(
       optax.clip_by_global_norm(config.grad_clip),
-      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay,
-                  mask=decay_mask))
+      optax.scale_by_adam(b1=0.9, b2=0.95),
+      staged_weight_decay(config.weight_decay, layout),
+      optax.scale_by_learning_rate(schedule))
 
 
-def _is_stacked(path) -> bool:
-  return any(getattr(k, "key", None) in STACKED for k in path)
-
-
-def abstract_state_shardings(abstract_state, mesh):
-  """NamedShardings for a TrainState: leaves under ``blocks`` split over 'stage' on axis 0.
-
-  Parameters are placed by :func:`tpipe.param_shardings`. Optimizer statistics follow the same
-  rule (optax keeps them in trees shaped like the parameters, under the same keys), so Adam's
-  moments live on the same stage as their layers; scalars such as step counts are replicated.
-
-  Args:
-    abstract_state: a ``tpipe.TrainState`` of ``jax.ShapeDtypeStruct`` (from ``jax.eval_shape``).
-    mesh: the device mesh.
-
-  Returns:
-    A ``tpipe.TrainState`` of ``NamedSharding``.
-  """
-  replicated = NamedSharding(mesh, P())
-  stacked = NamedSharding(mesh, P("stage"))
-
-  def one(path, leaf):
-    return stacked if _is_stacked(path) and len(leaf.shape) >= 1 else replicated
-
-  return abstract_state.replace(
-      step=replicated,
-      params=tpipe.param_shardings(abstract_state.params, mesh, stacked=STACKED),
-      opt_state=jax.tree_util.tree_map_with_path(one, abstract_state.opt_state))
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean next-byte cross-entropy (nats) over every position of the global batch.
-
-  Computed in float32 whatever the logits' dtype (the model's are float32 already).
-  """
-  logits = logits.astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+def _map_param_trees(fn, tree, treedef):
+  """Applies ``fn`` to every subtree of ``tree`` with structure ``treedef`` (the parameters and
+  the optimizer's parameter-shaped moments and masks)."""
+  matches = lambda t: jax.tree.structure(t) == treedef
+  return jax.tree.map(lambda t: fn(t) if matches(t) else t, tree, is_leaf=matches)
 
 
 @dataclasses.dataclass
@@ -175,8 +201,9 @@ class Experiment:
   Attributes:
     config: the config it was built from.
     mesh: the device mesh, axes ``('data', 'stage')``.
-    model: the ``DecoderLM``.
-    optimizer: the optax transformation.
+    model: the pipelined LM, a :class:`tpipe.Sequential` with its split fixed.
+    layout: where its parameters live in the stage layout.
+    optimizer: the optax transformation (on staged parameters).
     train_step: jitted ``step(state, batch, rng) -> (state, {"loss", "grad_norm"})`` from
       :func:`tpipe.make_train_step`; donates ``state``.
     eval_step: jitted ``eval_step(params, batch) -> scalar mean loss`` (dropout off).
@@ -185,27 +212,39 @@ class Experiment:
 
   config: ml_collections.ConfigDict
   mesh: Any
-  model: models.DecoderLM
+  model: tpipe.Sequential
+  layout: stage_layout_lib.StageLayout
   optimizer: optax.GradientTransformation
   train_step: Callable
   eval_step: Callable
   loss_fn: Callable
 
+  # --------------------------------------------------------------------------------------------
+  # The train state, in the stage layout.
+
   def _init_fn(self, rng: jax.Array):
     tokens = jnp.zeros((self.config.batch_size, self.config.seq_len), jnp.int32)
-    params = self.model.init({"params": rng}, tokens)["params"]
+    logical = self.model.init({"params": rng}, tokens, targets=tokens)["params"]
+    params = {sequential.STAGED: self.layout.to_staged(logical)}
     return tpipe.TrainState(
         step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params))
+
+  def _placed(self, shapes, specs):
+    return jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=NamedSharding(self.mesh, spec)), shapes, specs)
 
   @functools.cached_property
   def _abstract_state(self):
     shapes = jax.eval_shape(self._init_fn, jax.random.key(0))
-    shardings = abstract_state_shardings(shapes, self.mesh)
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    staged = {tuple(s.shape) for s in self.layout.staged_shapes().values()}
+    # Parameters, and optimizer leaves shaped like them (moments, the decay mask), split over
+    # stages on their stage axis; scalars (the step, Adam's count) replicated.
+    specs = jax.tree.map(lambda s: P(None, "stage") if tuple(s.shape) in staged else P(),
+                         shapes)
+    return self._placed(shapes, specs)
 
   def state_shardings(self):
-    """The TrainState's ``NamedSharding`` tree (stacked blocks over 'stage', rest replicated)."""
+    """The TrainState's ``NamedSharding`` tree (staged buffers over 'stage', rest replicated)."""
     return jax.tree.map(lambda s: s.sharding, self._abstract_state)
 
   def abstract_state(self):
@@ -222,7 +261,7 @@ class Experiment:
     }
 
   def init_state(self, rng: jax.Array):
-    """Initialises a TrainState directly in its sharded layout (stacked blocks over 'stage').
+    """Initialises a TrainState directly in its sharded stage layout.
 
     Args:
       rng: a JAX PRNG key for parameter initialisation.
@@ -234,9 +273,60 @@ class Experiment:
     return init(rng)
 
   def num_params(self) -> int:
-    """Number of trainable parameters."""
-    params = self.abstract_state().params
-    return sum(int(x.size) for x in jax.tree.leaves(params))
+    """Number of trainable parameters (without the stage layout's padding)."""
+    return sum(int(x.size) for x in jax.tree.leaves(self.layout.logical))
+
+  # --------------------------------------------------------------------------------------------
+  # Checkpoints, in the logical layout.
+
+  def _to_logical(self, tree):
+    staged_def = jax.tree.structure(self._abstract_state.params)
+
+    def convert(staged):
+      buffers = staged[sequential.STAGED]
+      kept = {k: v.dtype for k, v in buffers.items()}
+      # The decay mask is bool: moved as the parameters' dtype, exactly (0 or 1).
+      logical = self.layout.to_logical({k: v.astype(k) for k, v in buffers.items()})
+      return jax.tree.map(lambda a: a.astype(kept[packing.dtype_key(a.dtype)]), logical)
+
+    return _map_param_trees(convert, tree, staged_def)
+
+  def _to_staged(self, tree):
+    logical_def = jax.tree.structure(self.layout.logical)
+
+    def convert(logical):
+      is_bool = all(a.dtype == jnp.bool_ for a in jax.tree.leaves(logical))
+      logical = jax.tree.map(lambda a, s: a.astype(s.dtype), logical, self.layout.logical)
+      staged = self.layout.to_staged(logical)
+      return {sequential.STAGED: jax.tree.map(lambda a: a.astype(jnp.bool_), staged)
+              if is_bool else staged}
+
+    return _map_param_trees(convert, tree, logical_def)
+
+  @functools.cached_property
+  def _abstract_checkpoint(self):
+    shapes = jax.eval_shape(self._to_logical, self._abstract_state)
+    logical_def = jax.tree.structure(self.layout.logical)
+    logical_specs = self.layout.logical_partition_specs("stage")
+    # Parameter-shaped subtrees: a repeated layer's copies over stages where they divide evenly.
+    specs = _map_param_trees(lambda _: logical_specs, shapes, logical_def)
+    specs = jax.tree.map(lambda s: s if isinstance(s, P) else P(), specs,
+                         is_leaf=lambda s: isinstance(s, P))
+    return self._placed(shapes, specs)
+
+  def abstract_checkpoint(self):
+    """What :meth:`to_checkpoint` returns, as sharded ``jax.ShapeDtypeStruct`` leaves."""
+    return self._abstract_checkpoint
+
+  def to_checkpoint(self, state):
+    """The train state in the logical layout (``layers_i``), which does not depend on the
+    stages, split, schedule or repeats; exact."""
+    shardings = jax.tree.map(lambda s: s.sharding, self._abstract_checkpoint)
+    return jax.jit(self._to_logical, out_shardings=shardings)(state)
+
+  def from_checkpoint(self, logical_state):
+    """The inverse of :meth:`to_checkpoint`, for this experiment's layout; exact."""
+    return jax.jit(self._to_staged, out_shardings=self.state_shardings())(logical_state)
 
 
 def build(config: ml_collections.ConfigDict) -> Experiment:
@@ -250,20 +340,22 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   """
   validate_config(config)
   mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data)
+  tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
   model = make_model(config, mesh)
-  optimizer = make_optimizer(config)
+  layout = model.stage_layout(tokens, targets=tokens)
+  model = model.with_split(layout)  # The same split for training, evaluation and analysis.
+  optimizer = make_optimizer(config, layout)
 
   def loss_fn(params, batch, rng):
-    logits = model.apply({"params": params}, batch["inputs"], train=True,
-                         rngs={"dropout": rng})
-    return cross_entropy(logits, batch["targets"])
+    losses = model.apply({"params": params}, batch["inputs"], targets=batch["targets"],
+                         deterministic=False, rngs={"dropout": rng})
+    return losses.mean()
 
   @jax.jit
   def eval_step(params, batch):
-    logits = model.apply({"params": params}, batch["inputs"], train=False)
-    return cross_entropy(logits, batch["targets"])
+    return model.apply({"params": params}, batch["inputs"], targets=batch["targets"]).mean()
 
-  exp = Experiment(config=config, mesh=mesh, model=model, optimizer=optimizer,
+  exp = Experiment(config=config, mesh=mesh, model=model, layout=layout, optimizer=optimizer,
                    train_step=None, eval_step=eval_step, loss_fn=loss_fn)
   exp.train_step = tpipe.make_train_step(loss_fn, optimizer, shardings=exp.state_shardings())
   return exp

@@ -1,24 +1,30 @@
-"""A byte-level decoder-only Transformer language model whose block stack is pipelined.
+"""A byte-level decoder-only Transformer language model, pipelined as a sequence of layers.
 
-``DecoderLM`` is ``embedding + learned positions -> [TransformerBlock x L] -> LayerNorm -> head``
-over the 256 byte values. The L blocks are one :func:`tpipe.pipeline` stack named ``"blocks"``, so
-their parameters are stacked on a leading axis of length L and split over the mesh's ``stage``
-axis; the embedding and the head run under plain ``jax.jit`` on the global batch.
+:func:`decoder_lm` builds a :class:`tpipe.Sequential` of three layers::
+
+  TokenEmbedding (tokens -> vectors, learned positions) -> Repeat(TransformerBlock, L) -> LMHead
+
+over the 256 byte values (or ``vocab_size`` tokens). The embedding runs in the first stage and the
+head, with the cross-entropy, in the last, so what leaves the pipeline is one loss per example,
+not the logits; with ``balance="flops"`` the stages are cut where the forward-and-backward FLOPs
+balance, so the embedding's and head's work counts like the blocks'.
 
 Example::
 
   mesh = tpipe.make_mesh(stages=4, data=2)
-  model = DecoderLM(num_layers=8, width=128, num_heads=4, mlp_dim=512, max_len=128,
-                    num_stages=4, num_microbatches=4, mesh=mesh)
-  variables = model.init(jax.random.key(0), tokens)              # tokens: int32 [batch, seq]
-  logits = model.apply(variables, tokens)                          # float32 [batch, seq, 256]
-  logits = model.apply(variables, tokens, train=True, rngs={"dropout": key})
+  model = decoder_lm(num_layers=8, width=128, num_heads=4, mlp_dim=512, max_len=128,
+                     num_stages=4, num_microbatches=4, mesh=mesh)
+  variables = model.init(jax.random.key(0), tokens, targets=targets)   # int32 [batch, seq]
+  losses = model.apply(variables, tokens, targets=targets)       # float32 [batch]
+  logits = model.apply(variables, tokens)                        # float32 [batch, seq, vocab]
+  losses = model.apply(variables, tokens, targets=targets, deterministic=False,
+                       rngs={"dropout": key})                    # with dropout
 
 Mixed precision: ``dtype`` is the computation dtype (activations, matmul inputs) and
-``param_dtype`` the dtype parameters are stored in. ``DecoderLM(..., dtype=jnp.bfloat16)`` keeps
-float32 parameters (so gradients and optimizer state are float32 too) and runs the embedding, the
-blocks and the head in bfloat16; the logits are cast to float32, so the loss is computed in
-float32. LayerNorm statistics are float32 in any case (Flax computes them in at least float32).
+``param_dtype`` the dtype parameters are stored in. ``dtype=jnp.bfloat16`` keeps float32
+parameters (so gradients and optimizer state are float32 too) and runs the embedding, the blocks
+and the head in bfloat16; the logits, and so the loss, are float32. LayerNorm statistics are
+float32 in any case (Flax computes them in at least float32).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 import tpipe
 
@@ -91,10 +98,12 @@ class TransformerBlock(nn.Module):
     mlp_dim: hidden width of the MLP.
     dropout_rate: dropout on attention weights and on both residual branches.
     deterministic: if True, dropout is off (evaluation); if False a ``"dropout"`` RNG is needed.
+      A ``deterministic=`` call argument overrides it.
     dtype: the computation dtype of the LayerNorms, the attention and the MLP (e.g.
       ``jnp.bfloat16``). The residual stream stays in the dtype of the input ``x``, which is also
       the output's dtype.
     param_dtype: the dtype the parameters are stored in.
+    causal: attend causally (query i to keys j <= i) when no ``mask`` is given.
   """
 
   width: int
@@ -104,6 +113,7 @@ class TransformerBlock(nn.Module):
   deterministic: bool = True
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  causal: bool = False
 
   def __post_init__(self):
     check_float_dtype("TransformerBlock.dtype", self.dtype)
@@ -111,13 +121,15 @@ class TransformerBlock(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, mask: jax.Array | None = None, *,
+               deterministic: bool | None = None) -> jax.Array:
     """Applies the block.
 
     Args:
       x: float activations ``[batch, seq, width]``.
       mask: boolean attention mask broadcastable to ``[batch, heads, seq, seq]`` (True = attend),
-        typically :func:`causal_mask`; None attends everywhere.
+        typically :func:`causal_mask`; None attends everywhere (or causally when ``causal``).
+      deterministic: overrides the ``deterministic`` attribute for this call when not None.
 
     Returns:
       The activations, the same shape and dtype as ``x`` (whatever ``dtype`` computes in: the
@@ -130,6 +142,9 @@ class TransformerBlock(nn.Module):
       raise ValueError(
           f"num_heads={self.num_heads} must divide width={self.width}; pick a divisor.")
     dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
+    deterministic = self.deterministic if deterministic is None else deterministic
+    if mask is None and self.causal:
+      mask = causal_mask(x.shape[1])
     residual_dtype = x.dtype
     h = nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name="attn_norm")(x)
     h = nn.MultiHeadDotProductAttention(
@@ -137,110 +152,139 @@ class TransformerBlock(nn.Module):
         qkv_features=self.width,
         out_features=self.width,
         dropout_rate=self.dropout_rate,
-        deterministic=self.deterministic,
+        deterministic=deterministic,
         dtype=dtype,
         param_dtype=param_dtype,
         name="attn")(h, h, mask=mask)
-    h = nn.Dropout(self.dropout_rate, deterministic=self.deterministic)(h)
+    h = nn.Dropout(self.dropout_rate, deterministic=deterministic)(h)
     y = (x + h).astype(residual_dtype)
     h = nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name="mlp_norm")(y)
     h = nn.Dense(self.mlp_dim, dtype=dtype, param_dtype=param_dtype, name="mlp_in")(h)
     h = nn.gelu(h)
     h = nn.Dense(self.width, dtype=dtype, param_dtype=param_dtype, name="mlp_out")(h)
-    h = nn.Dropout(self.dropout_rate, deterministic=self.deterministic)(h)
+    h = nn.Dropout(self.dropout_rate, deterministic=deterministic)(h)
     return (y + h).astype(residual_dtype)
 
 
-class DecoderLM(nn.Module):
-  """Byte-level decoder-only LM: embedding -> pipelined ``TransformerBlock`` stack -> head.
+class TokenEmbedding(nn.Module):
+  """Token ids to vectors: a learned embedding plus learned positions, then dropout.
 
   Attributes:
-    num_layers: L, the number of Transformer blocks (the pipelined stack's length).
+    vocab_size: number of token values.
     width: model width.
-    num_heads: attention heads per block.
-    mlp_dim: MLP hidden width.
-    max_len: longest sequence (size of the learned position table).
-    dropout_rate: dropout rate in the embedding and the blocks.
-    num_stages: pipeline stages (devices along the mesh's ``stage`` axis).
-    num_microbatches: micro-batches each per-data-shard batch is split into.
-    schedule: pipeline schedule name (``"gpipe"`` or ``"circular"``).
-    num_repeats: layer chunks per stage for the circular schedule (1 for GPipe).
-    remat: rematerialisation policy for the blocks (``"none"``, ``"full"``, ``"dots"``, ...).
-    mesh: the ``jax.sharding.Mesh`` with axes ``('data', 'stage')``.
-    dtype: the computation dtype of the embedding, the blocks (their activations cross the stage
-      boundaries in it) and the head, e.g. ``jnp.bfloat16``. The logits are float32 whatever it
-      is.
-    param_dtype: the dtype the parameters are stored in (float32 for mixed precision).
+    max_len: longest sequence (size of the position table).
+    dropout_rate: dropout on the sum.
+    dtype: the computation dtype of the output.
+    param_dtype: the dtype the parameters are stored in.
   """
 
-  num_layers: int
+  vocab_size: int
   width: int
-  num_heads: int
-  mlp_dim: int
   max_len: int
   dropout_rate: float = 0.0
-  num_stages: int = 1
-  num_microbatches: int = 1
-  schedule: str = "gpipe"
-  num_repeats: int = 1
-  remat: Any = "none"
-  mesh: Any = None
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
-  def __post_init__(self):
-    for name in ("num_layers", "width", "num_heads", "mlp_dim", "max_len", "num_stages",
-                 "num_microbatches", "num_repeats"):
-      _check_int(name, getattr(self, name))
-    _check_rate("dropout_rate", self.dropout_rate)
-    check_float_dtype("DecoderLM.dtype", self.dtype)
-    check_float_dtype("DecoderLM.param_dtype", self.param_dtype)
-    if self.width % self.num_heads:
-      raise ValueError(
-          f"num_heads={self.num_heads} must divide width={self.width}; pick a divisor.")
-    super().__post_init__()
-
   @nn.compact
-  def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
-    """Computes next-byte logits.
-
-    Args:
-      tokens: int ``[batch, seq]`` byte values in ``[0, 256)``, ``seq <= max_len``.
-      train: enables dropout (then pass ``rngs={"dropout": key}``).
-
-    Returns:
-      float32 logits ``[batch, seq, 256]``: the head computes in ``dtype`` and its output is cast
-      to float32, so a softmax cross-entropy on them is computed in float32.
-    """
+  def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    """int ``[batch, seq]`` tokens to ``[batch, seq, width]`` vectors in ``dtype``."""
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}.")
     seq_len = tokens.shape[1]
     if seq_len > self.max_len:
       raise ValueError(f"sequence length {seq_len} exceeds max_len={self.max_len}.")
     dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
-    x = nn.Embed(VOCAB_SIZE, self.width, dtype=dtype, param_dtype=param_dtype, name="embed")(tokens)
+    x = nn.Embed(self.vocab_size, self.width, dtype=dtype, param_dtype=param_dtype,
+                 name="embed")(tokens)
     pos = self.param("pos_embed", nn.initializers.normal(0.02), (self.max_len, self.width),
                      param_dtype)
     x = x + pos[None, :seq_len].astype(dtype)
-    x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
-    stack = tpipe.pipeline(
-        TransformerBlock,
-        length=self.num_layers,
-        num_stages=self.num_stages,
-        num_microbatches=self.num_microbatches,
-        schedule=self.schedule,
-        num_repeats=self.num_repeats,
-        remat=self.remat,
-        mesh=self.mesh)
-    x = stack(
-        width=self.width,
-        num_heads=self.num_heads,
-        mlp_dim=self.mlp_dim,
-        dropout_rate=self.dropout_rate,
-        deterministic=not train,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        name="blocks")(x, causal_mask(seq_len))
+    return nn.Dropout(self.dropout_rate, deterministic=deterministic)(x)
+
+
+class LMHead(nn.Module):
+  """Final LayerNorm and the projection to the vocabulary; with targets, the loss too.
+
+  Attributes:
+    vocab_size: number of token values.
+    dtype: the computation dtype; the logits are cast to float32 whatever it is.
+    param_dtype: the dtype the parameters are stored in.
+  """
+
+  vocab_size: int
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    """Logits, or per-example losses.
+
+    Args:
+      x: ``[batch, seq, width]`` activations.
+      targets: int ``[batch, seq]`` next tokens, or None.
+
+    Returns:
+      float32 logits ``[batch, seq, vocab]`` when ``targets`` is None; otherwise float32
+      ``[batch]``: each example's next-token cross-entropy (nats), averaged over its positions.
+    """
+    dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
     x = nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name="final_norm")(x)
-    logits = nn.Dense(VOCAB_SIZE, dtype=dtype, param_dtype=param_dtype, name="head")(x)
-    return logits.astype(jnp.float32)
+    logits = nn.Dense(self.vocab_size, dtype=dtype, param_dtype=param_dtype, name="head")(x)
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # At least float32.
+    if targets is None:
+      return logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(axis=-1)
+
+
+def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
+               vocab_size: int = VOCAB_SIZE, dropout_rate: float = 0.0, num_stages: int = 1,
+               num_microbatches: int = 1, schedule: str = "gpipe", num_repeats: int = 1,
+               remat: Any = "none", balance: Any = "flops", mesh: Any = None,
+               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32) -> tpipe.Sequential:
+  """A decoder-only LM: ``TokenEmbedding -> Repeat(TransformerBlock, L) -> LMHead``, pipelined.
+
+  Args:
+    num_layers: L, the number of Transformer blocks.
+    width: model width.
+    num_heads: attention heads per block; must divide ``width``.
+    mlp_dim: MLP hidden width.
+    max_len: longest sequence (size of the learned position table).
+    vocab_size: number of token values (256 bytes by default).
+    dropout_rate: dropout in the embedding and the blocks (active with ``deterministic=False``).
+    num_stages: pipeline stages (devices along the mesh's ``stage`` axis).
+    num_microbatches: micro-batches each per-data-replica batch is split into.
+    schedule: ``"gpipe"`` or ``"circular"``.
+    num_repeats: chunks per stage for the circular schedule.
+    remat: rematerialisation policy per chunk (``"none"``, ``"full"``, ``"dots"``, ...).
+    balance: how the layers are cut into stages (see :class:`tpipe.Sequential`).
+    mesh: the mesh with axes ``('data', 'stage')``.
+    dtype: the computation dtype (activations cross the stage boundaries in it).
+    param_dtype: the dtype the parameters are stored in (float32 for mixed precision).
+
+  Returns:
+    The :class:`tpipe.Sequential`. Its params are ``layers_0`` (embedding), ``layers_1`` (the
+    blocks, stacked ``[L, ...]``) and ``layers_2`` (final norm and head); ``targets`` (int
+    ``[batch, seq]``) reach the head only and are split into micro-batches with the tokens.
+  """
+  for name, value in (("num_layers", num_layers), ("width", width), ("num_heads", num_heads),
+                      ("mlp_dim", mlp_dim), ("max_len", max_len), ("vocab_size", vocab_size),
+                      ("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                      ("num_repeats", num_repeats)):
+    _check_int(name, value)
+  _check_rate("dropout_rate", dropout_rate)
+  dtype = check_float_dtype("decoder_lm dtype", dtype)
+  param_dtype = check_float_dtype("decoder_lm param_dtype", param_dtype)
+  if width % num_heads:
+    raise ValueError(f"num_heads={num_heads} must divide width={width}; pick a divisor.")
+  block = TransformerBlock(width=width, num_heads=num_heads, mlp_dim=mlp_dim,
+                           dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
+                           causal=True)
+  layers = [
+      TokenEmbedding(vocab_size, width, max_len, dropout_rate=dropout_rate, dtype=dtype,
+                     param_dtype=param_dtype),
+      tpipe.Repeat(block, num_layers),
+      LMHead(vocab_size, dtype=dtype, param_dtype=param_dtype),
+  ]
+  return tpipe.Sequential(layers, num_stages=num_stages, num_microbatches=num_microbatches,
+                          schedule=schedule, num_repeats=num_repeats, balance=balance,
+                          remat=remat, per_example=("targets",), mesh=mesh)

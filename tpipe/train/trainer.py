@@ -221,7 +221,10 @@ def train(config, workdir: str) -> dict:
                                     max_to_keep=config.keep_checkpoints, handle_sigterm=True)
   start = ckpt.latest_step()
   if start is not None:
-    state, data_state = ckpt.restore(start, exp.abstract_state())
+    # Checkpoints hold the logical layout, so a run resumes on another mesh or split.
+    logical_state, data_state = ckpt.restore(start, exp.abstract_checkpoint())
+    state = exp.from_checkpoint(logical_state)
+    del logical_state
     if "iterator" in data_state:  # Checkpoints from before the data spec hold the state alone.
       _check_same_data(data_state["spec"], data_spec, ckpt.directory)
       data_state = data_state["iterator"]
@@ -307,7 +310,8 @@ def train(config, workdir: str) -> dict:
       if do_ckpt:
         if not bool(all_finite(state.params)):
           raise _non_finite("parameters", step, last_checkpoint, ckpt.directory)
-        ckpt.save(step, state, {"iterator": train_iter.get_state(), "spec": data_spec})
+        ckpt.save(step, exp.to_checkpoint(state),
+                  {"iterator": train_iter.get_state(), "spec": data_spec})
         last_checkpoint = step
       if preempted:
         ckpt.wait_until_finished()
