@@ -52,3 +52,42 @@ def test_bad_arguments():
     timeline.save_timeline("gpipe", "/tmp/x.png")
   with pytest.raises(ValueError, match="extension"):
     timeline.save_timeline(schedules.gpipe(2, 2), "/tmp/no_extension")
+
+
+def test_fused_schedule_boxes_are_coloured_by_action_with_a_legend():
+  schedule = schedules.make_fused_schedule("1f1b", num_stages=2, num_microbatches=3)
+  fig = timeline.draw_timeline(schedule)
+  boxes = _boxes(fig)
+  assert len(boxes) == int(schedule.busy.sum()) == 12
+  by_position = {(int(b.get_x()), int(b.get_y())): b.get_facecolor() for b in boxes}
+  # Stage 0: F0 F1 . B0 F2 B1 . B2 -- forwards share a colour, backwards another.
+  assert (2, 0) not in by_position and (6, 0) not in by_position
+  assert by_position[(0, 0)] == by_position[(1, 0)] == by_position[(4, 0)]
+  assert by_position[(3, 0)] == by_position[(5, 0)] != by_position[(0, 0)]
+  legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+  assert legend == ["F: forward", "B: backward"]
+  assert "1f1b: S=2, M=3, 8 ticks, bubble 25.0%" in fig.axes[0].get_title()
+  plt.close(fig)
+
+
+def test_zbv_draws_three_actions_and_hatches_its_two_chunks():
+  schedule = schedules.make_fused_schedule("zbv", num_stages=2, num_microbatches=2)
+  fig = timeline.draw_timeline(schedule)
+  boxes = _boxes(fig)
+  assert len(boxes) == int(schedule.busy.sum()) == 24
+  assert len({b.get_facecolor() for b in boxes}) == 3  # F, BI, W.
+  assert len({b.get_hatch() for b in boxes}) == 2  # one per chunk.
+  legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+  assert legend == ["F: forward", "BI: backward-input", "W: backward-weight", "chunk 0",
+                    "chunk 1"]
+  assert "2 chunks/stage" in fig.axes[0].get_title()
+  plt.close(fig)
+
+
+def test_fused_schedule_saves_and_rejects_backward(tmp_path):
+  schedule = schedules.make_fused_schedule("zb_h1", 4, 8)
+  path = timeline.save_timeline(schedule, tmp_path / "zb_h1.png")
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(ValueError, match="already has its backward"):
+    timeline.draw_timeline(schedule, backward=True)

@@ -6,11 +6,17 @@ bubbles are left blank. The title gives the analytic bubble fraction. With ``bac
 backward ticks autodiff runs (the forward table in reverse) follow the forward ones, in lighter
 boxes, as in Figure 2(c) of the GPipe paper.
 
+A fused schedule (:class:`tpipe.schedules.FusedSchedule`: 1F1B, ZB-H1, ...) already holds its
+backward: its boxes are coloured by action (forward, full backward, backward-input,
+backward-weight), labelled with the micro-batch (``m/c`` with chunk ``c``, chunks also hatched),
+with a legend.
+
 matplotlib is imported only when a picture is drawn (Agg backend, no display needed)::
 
   from tpipe import schedules
   from tpipe.tools import timeline
   timeline.save_timeline(schedules.gpipe(4, 8), "/tmp/gpipe.png", backward=True)
+  timeline.save_timeline(schedules.make_fused_schedule("zb_h1", 4, 8), "/tmp/zb_h1.png")
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ import numpy as np
 from tpipe import schedules as schedules_lib
 
 _HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "---", "+++")
+
+# Fused schedules: one colour per action, in the order of tpipe.schedules.Action.
+_ACTION_COLOURS = {"F": "#4c72b0", "B": "#c44e52", "BI": "#dd8452", "W": "#55a868"}
+_ACTION_LABELS = {"F": "forward", "B": "backward", "BI": "backward-input", "W": "backward-weight"}
 
 
 def _pyplot():
@@ -36,9 +46,10 @@ def _pyplot():
 
 
 def _check_schedule(schedule) -> None:
-  if not isinstance(schedule, schedules_lib.Schedule):
-    raise TypeError(f"Expected a tpipe.schedules.Schedule, got {type(schedule).__name__}; build "
-                    "one with tpipe.schedules.make_schedule(name, num_stages, num_microbatches).")
+  if not isinstance(schedule, (schedules_lib.Schedule, schedules_lib.FusedSchedule)):
+    raise TypeError(f"Expected a tpipe.schedules.Schedule or FusedSchedule, got "
+                    f"{type(schedule).__name__}; build one with tpipe.schedules.make_schedule"
+                    "(name, num_stages, num_microbatches) or make_fused_schedule(...).")
 
 
 def _colours(num_microbatches: int):
@@ -53,25 +64,90 @@ def _colours(num_microbatches: int):
   return [cmap(0.08 + 0.84 * i / (num_microbatches - 1)) for i in range(num_microbatches)]
 
 
-def title(schedule: schedules_lib.Schedule) -> str:
+def title(schedule) -> str:
   """The picture's title: schedule, sizes, ticks and bubble fraction."""
-  repeats = f", R={schedule.num_repeats}" if schedule.num_repeats > 1 else ""
+  if isinstance(schedule, schedules_lib.FusedSchedule):
+    repeats = f", {schedule.num_chunks} chunks/stage" if schedule.num_chunks > 1 else ""
+  else:
+    repeats = f", R={schedule.num_repeats}" if schedule.num_repeats > 1 else ""
   return (f"{schedule.name}: S={schedule.num_stages}, M={schedule.num_microbatches}{repeats}, "
           f"{schedule.num_ticks} ticks, bubble {schedule.bubble_fraction:.1%}")
 
 
-def draw_timeline(schedule: schedules_lib.Schedule, *, backward: bool = False, ax=None):
+def _new_axes(plt, ticks: int, stages: int, ax):
+  """``(figure, axes, cell width)`` for a table of ``ticks`` columns and ``stages`` rows."""
+  cell_w = float(np.clip(18.0 / ticks, 0.12, 0.45))
+  if ax is None:
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 + cell_w * ticks), 1.3 + 0.42 * stages))
+  else:
+    fig = ax.figure
+  return fig, ax, cell_w
+
+
+def _finish_axes(ax, schedule, ticks: int, top: float) -> None:
+  stages = schedule.num_stages
+  ax.set_xlim(0, ticks)
+  ax.set_ylim(stages, top)
+  ax.set_yticks(np.arange(stages) + 0.5)
+  ax.set_yticklabels([f"stage {s}" for s in range(stages)])
+  step = max(1, int(np.ceil(ticks / 40)))
+  ax.set_xticks(np.arange(0, ticks, step) + 0.5)
+  ax.set_xticklabels([str(t) for t in range(0, ticks, step)], fontsize=7)
+  ax.set_xlabel("clock tick (blank = bubble)")
+  ax.set_title(title(schedule), fontsize=10)
+  for spine in ("top", "right"):
+    ax.spines[spine].set_visible(False)
+
+
+def _draw_fused(schedule: schedules_lib.FusedSchedule, ax):
+  """A fused schedule: boxes coloured by action, hatched by chunk, labelled by micro-batch."""
+  plt = _pyplot()
+  from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
+  from matplotlib.patches import Rectangle  # pylint: disable=g-import-not-at-top
+
+  ticks, stages = schedule.action.shape
+  fig, ax, cell_w = _new_axes(plt, ticks, stages, ax)
+  chunked = schedule.num_chunks > 1
+  for t, s in zip(*np.nonzero(schedule.busy)):
+    action = schedules_lib.Action(schedule.action[t, s]).name
+    m, c = int(schedule.microbatch[t, s]), int(schedule.chunk[t, s])
+    ax.add_patch(Rectangle((t, s), 1, 1, facecolor=_ACTION_COLOURS[action], edgecolor="white",
+                           linewidth=0.8, hatch=_HATCHES[c % len(_HATCHES)] if chunked else None))
+    if cell_w >= 0.22:
+      ax.text(t + 0.5, s + 0.5, f"{m}/{c}" if chunked else f"{m}", ha="center", va="center",
+              fontsize=7 if chunked else 8, color="white")
+  _finish_axes(ax, schedule, ticks, top=0)
+  present = [a.name for a in schedules_lib.Action if np.any(schedule.action == a)]
+  handles = [Patch(facecolor=_ACTION_COLOURS[a], label=f"{a}: {_ACTION_LABELS[a]}")
+             for a in present]
+  if chunked:
+    handles += [Patch(facecolor="white", edgecolor="grey", hatch=_HATCHES[c % len(_HATCHES)],
+                      label=f"chunk {c}") for c in range(schedule.num_chunks)]
+  ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+            frameon=False, title="label m/c" if chunked else "label m", title_fontsize=7)
+  fig.tight_layout()
+  return fig
+
+
+def draw_timeline(schedule, *, backward: bool = False, ax=None):
   """Draws ``schedule`` on a matplotlib axes.
 
   Args:
-    schedule: the :class:`tpipe.schedules.Schedule` to draw.
-    backward: also draw the backward ticks (the forward table reversed) after the forward ones.
+    schedule: the :class:`tpipe.schedules.Schedule` or :class:`tpipe.schedules.FusedSchedule`
+      to draw.
+    backward: also draw the backward ticks (the forward table reversed) after the forward ones;
+      a fused schedule's table has them already, so it takes only ``False``.
     ax: axes to draw on; a new figure sized to the table is made when None.
 
   Returns:
     The matplotlib ``Figure``.
   """
   _check_schedule(schedule)
+  if isinstance(schedule, schedules_lib.FusedSchedule):
+    if backward:
+      raise ValueError(f"The fused schedule {schedule.name!r} already has its backward actions "
+                       "in its table; drop backward=True.")
+    return _draw_fused(schedule, ax)
   plt = _pyplot()
   from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
   from matplotlib.patches import Rectangle  # pylint: disable=g-import-not-at-top
@@ -81,11 +157,7 @@ def draw_timeline(schedule: schedules_lib.Schedule, *, backward: bool = False, a
     phases.append(("B", *schedule.backward_tables()))
   ticks = sum(p[1].shape[0] for p in phases)
   stages = schedule.num_stages
-  cell_w = float(np.clip(18.0 / ticks, 0.12, 0.45))
-  if ax is None:
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 + cell_w * ticks), 1.3 + 0.42 * stages))
-  else:
-    fig = ax.figure
+  fig, ax, cell_w = _new_axes(plt, ticks, stages, ax)
   colours = _colours(schedule.num_microbatches)
   label_ok = cell_w >= 0.22
   circular = schedule.num_repeats > 1
@@ -112,17 +184,7 @@ def draw_timeline(schedule: schedules_lib.Schedule, *, backward: bool = False, a
     ax.text(schedule.num_ticks / 2, -0.15, "forward", ha="center", va="bottom", fontsize=9)
     ax.text(schedule.num_ticks * 1.5, -0.15, "backward (autodiff, reversed)", ha="center",
             va="bottom", fontsize=9)
-  ax.set_xlim(0, ticks)
-  ax.set_ylim(stages, -0.6 if backward else 0)
-  ax.set_yticks(np.arange(stages) + 0.5)
-  ax.set_yticklabels([f"stage {s}" for s in range(stages)])
-  step = max(1, int(np.ceil(ticks / 40)))
-  ax.set_xticks(np.arange(0, ticks, step) + 0.5)
-  ax.set_xticklabels([str(t) for t in range(0, ticks, step)], fontsize=7)
-  ax.set_xlabel("clock tick (blank = bubble)")
-  ax.set_title(title(schedule), fontsize=10)
-  for spine in ("top", "right"):
-    ax.spines[spine].set_visible(False)
+  _finish_axes(ax, schedule, ticks, top=-0.6 if backward else 0)
   if circular:
     handles = [Patch(facecolor="white", edgecolor="grey", hatch=_HATCHES[r % len(_HATCHES)],
                      label=f"repeat {r}") for r in range(schedule.num_repeats)]
@@ -132,12 +194,13 @@ def draw_timeline(schedule: schedules_lib.Schedule, *, backward: bool = False, a
   return fig
 
 
-def save_timeline(schedule: schedules_lib.Schedule, path: str | os.PathLike, *,
-                  backward: bool = False, dpi: int = 110) -> str:
+def save_timeline(schedule, path: str | os.PathLike, *, backward: bool = False,
+                  dpi: int = 110) -> str:
   """Draws ``schedule`` and saves it as an image (PNG unless ``path`` names another format).
 
   Args:
-    schedule: the :class:`tpipe.schedules.Schedule` to draw.
+    schedule: the :class:`tpipe.schedules.Schedule` or :class:`tpipe.schedules.FusedSchedule`
+      to draw.
     path: output file, e.g. ``"timeline.png"``; its directory is created if missing.
     backward: also draw the backward ticks after the forward ones.
     dpi: resolution.
