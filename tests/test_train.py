@@ -83,7 +83,7 @@ def _restore(workdir, step):
   exp = experiment.build(_tiny_config())
   ckpt = checkpointing.Checkpointer(pathlib.Path(workdir) / "checkpoints")
   try:
-    state, data_state = ckpt.restore(step, exp.abstract_state())
+    state, data_state = ckpt.restore(step, exp.abstract_checkpoint())  # The logical layout.
   finally:
     ckpt.close()
   return jax.device_get(state), data_state
@@ -278,7 +278,8 @@ def test_interrupted_save_leaves_previous_checkpoint_usable(reference, tmp_path)
   state, data_state = _restore(tmp_path, NUM_STEPS)
   ref_state, ref_data = _restore(reference, NUM_STEPS)
   assert data_state == ref_data and int(state.step) == NUM_STEPS
-  np.testing.assert_array_equal(state.params["head"]["kernel"], ref_state.params["head"]["kernel"])
+  np.testing.assert_array_equal(state.params["layers_2"]["head"]["kernel"],
+                                ref_state.params["layers_2"]["head"]["kernel"])
 
 
 @pytest.mark.slow
@@ -297,13 +298,14 @@ def test_bfloat16_run_learns_and_saves_float32_state(reference, tmp_path):
     assert abs(losses[step] - ref_losses[step]) < 0.1, (step, losses[step], ref_losses[step])
   assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
   # What was saved (read from the checkpoint's own metadata: restoring into an abstract state
-  # would cast to that state's dtypes): float32 parameters and Adam moments, int32 counters.
+  # would cast to that state's dtypes): float32 parameters and Adam moments, int32 counters,
+  # the bool weight-decay mask.
   saved = ocp.StandardCheckpointer().metadata(
       tmp_path / "checkpoints" / str(NUM_STEPS) / "state").item_metadata
   params = jax.tree.leaves(saved["params"], is_leaf=lambda x: hasattr(x, "dtype"))
   assert params and {str(x.dtype) for x in params} == {"float32"}
   everything = jax.tree.leaves(saved, is_leaf=lambda x: hasattr(x, "dtype"))
-  assert {str(x.dtype) for x in everything} == {"float32", "int32"}
+  assert {str(x.dtype) for x in everything} == {"float32", "int32", "bool"}  # bool: decay mask.
 
 
 @pytest.mark.slow

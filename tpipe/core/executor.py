@@ -98,7 +98,7 @@ def _with_rows(example_shapes, rows: int):
 def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
                  per_example: tuple, rngs: dict, *, ring_example: Any, output_example: Any,
                  schedule: schedules_lib.Schedule, mesh: Mesh, stage_axis: str = "stage",
-                 data_axis: str | None = "data") -> Any:
+                 data_axis: str | None = "data", sum_example: Any = None) -> Any:
   """Runs a schedule's ticks on every device of ``mesh`` at once.
 
   Callers validate arguments first; this function assumes the batch splits into ``M``
@@ -127,9 +127,14 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
     stage_axis: the mesh axis of pipeline stages.
     data_axis: the mesh axis of data-parallel replicas, or None. Ignored when absent from the
       mesh or of size 1.
+    sum_example: None, or a pytree of ``jax.ShapeDtypeStruct`` (no batch axis): then
+      ``apply_chunk`` returns a third value of this format, which is summed per chunk over the
+      busy ticks (all micro-batches) and over data replicas (statistics such as BatchNorm's).
 
   Returns:
-    The last chunk's outputs for the whole batch, in the output format with a batch axis.
+    The last chunk's outputs for the whole batch, in the output format with a batch axis; with
+    ``sum_example``, also the sums, every leaf ``[R, S, ...]`` (chunk ``r * S + s`` at
+    ``[r, s]``), split over ``stage_axis``.
   """
   num_stages, num_microbatches = schedule.num_stages, schedule.num_microbatches
   num_repeats = schedule.num_repeats
@@ -162,6 +167,9 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
              "outputs": vary(jax.tree.map(lambda a: jnp.zeros((num_microbatches,) + a.shape,
                                                                 a.dtype),
                                           _with_rows(output_example, rows)))}
+    if sum_example is not None:
+      carry["sums"] = vary(jax.tree.map(lambda s: jnp.zeros((num_repeats,) + tuple(s.shape),
+                                                            s.dtype), sum_example))
     if num_repeats > 1:
       carry["loop_back"] = vary(jax.tree.map(
           lambda a: jnp.zeros((num_microbatches,) + a.shape, a.dtype),
@@ -181,9 +189,15 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
                                          incoming, park)
         incoming = _select((stage == 0) & (rep > 0), _read_slot(carry["loop_back"], mb),
                            incoming)
-      to_next, output = apply_chunk(busy, stage, rep, staged, _read_slot(microbatches, mb),
-                                    incoming, broadcast, _read_slot(per_example, mb), rngs,
-                                    data_index * num_microbatches + mb)
+      results = apply_chunk(busy, stage, rep, staged, _read_slot(microbatches, mb),
+                            incoming, broadcast, _read_slot(per_example, mb), rngs,
+                            data_index * num_microbatches + mb)
+      to_next, output = results[:2]
+      if sum_example is not None:  # An idle tick's contribution is zeros.
+        carry["sums"] = jax.tree.map(
+            lambda total, c: lax.dynamic_update_index_in_dim(
+                total, lax.dynamic_index_in_dim(total, rep, 0, keepdims=False) + c, rep, 0),
+            carry["sums"], results[2])
       finished = busy & (stage == num_stages - 1) & (rep == num_repeats - 1)
       carry["outputs"] = _write_slot(carry["outputs"], mb, output, finished)
       carry["incoming"] = lax.ppermute(to_next, stage_axis, ring) if ring else to_next
@@ -192,7 +206,11 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
     carry, _ = lax.scan(tick, carry, tick_inputs)
     # Only the last stage wrote outputs (the others hold zeros): the sum hands them to every stage.
     outputs = lax.psum(carry["outputs"], stage_axis)
-    return jax.tree.map(lambda a: a.reshape((local_batch,) + a.shape[2:]), outputs)
+    outputs = jax.tree.map(lambda a: a.reshape((local_batch,) + a.shape[2:]), outputs)
+    if sum_example is None:
+      return outputs
+    sums = lax.psum(carry["sums"], data_axis) if has_data else carry["sums"]
+    return outputs, jax.tree.map(lambda a: a[:, None], sums)
 
   operands = (staged, x, tuple(per_example), tuple(broadcast), rngs)
   in_specs = (P(None, stage_axis), batch_spec, batch_spec, P(), P())
@@ -202,7 +220,8 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
     operands = tuple(
         jax.tree.map(lambda a, spec=spec: jax.reshard(a, NamedSharding(mesh, spec)), operand)
         for operand, spec in zip(operands, in_specs))
-  run = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=batch_spec)
+  out_specs = batch_spec if sum_example is None else (batch_spec, P(None, stage_axis))
+  run = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
   return run(*operands)
 
 

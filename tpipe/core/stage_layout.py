@@ -159,7 +159,9 @@ class StageLayout:
     for chunk, layout in zip(self.groups, self.chunk_layouts):
       trees = []
       for g in chunk:
-        tree = params[f"layers_{g.layer}"]
+        name = f"layers_{g.layer}"
+        # A layer without variables may be left out (Flax omits empty collections).
+        tree = params[name] if name in params or jax.tree.leaves(self.logical[name]) else {}
         trees.append(jax.tree.map(lambda a, g=g: a[g.start:g.stop], tree) if g.repeated
                      else tree)
       packed.append(packing.pack(trees, layout, self.sizes))

@@ -58,6 +58,8 @@ BALANCE_NAMES = ("params", "flops")
 _OWNER = "tpipe.Sequential"
 # The params key of staged parameters: {"staged": {dtype: [R, S, n]}} (see stage_layout()).
 STAGED = "staged"
+# The variable collection of BatchNorm's running statistics.
+STATS = "batch_stats"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -295,22 +297,24 @@ class Sequential(nn.Module):
     side = (_shapes(split.broadcast), tuple(row(a) for a in split.per_example))
     return jax.tree.map(row, x), split, side
 
-  def _logical_shapes(self, x_micro, split, side, rng_names=()) -> dict[str, Any]:
-    """The logical parameters' abstract shapes, from each layer's own ``init`` (no values)."""
+  def _logical_shapes(self, x_micro, split, side, rng_names=(), collection: str = "params"
+                      ) -> dict[str, Any]:
+    """The abstract shapes of ``collection``'s logical variables (``params`` or BatchNorm's
+    statistics), from each layer's own ``init`` (no values); layers without any get ``{}``."""
     shapes, h = {}, x_micro
     for i, layer in enumerate(self._layer_list()):
       template = _template(layer)
 
       def init_one(key, h, side, template=template, i=i):
         kwargs = self._keywords_for(i, split, *side)
-        return nn.meta.unbox(template.init({"params": key}, h, **kwargs).get("params", {}))
+        rngs = {name: key for name in (*rng_names, "params")}
+        return nn.meta.unbox(self._outside_mesh(template.init)(rngs, h, **kwargs))
 
-      one = jax.eval_shape(init_one, jax.random.key(0), h, side)
-      if isinstance(layer, Repeat):
-        shapes[f"layers_{i}"] = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((layer.n,) + tuple(a.shape), a.dtype), one)
-      else:
-        shapes[f"layers_{i}"] = one
+      variables = jax.eval_shape(init_one, jax.random.key(0), h, side)
+      one = variables.get("params", {})
+      stack = ((lambda a: jax.ShapeDtypeStruct((layer.n,) + tuple(a.shape), a.dtype))
+               if isinstance(layer, Repeat) else (lambda a: a))
+      shapes[f"layers_{i}"] = jax.tree.map(stack, variables.get(collection, {}))
       h = jax.eval_shape(self._layer_apply(i, split, rng_names), one, h, *side)
     return shapes
 
@@ -332,6 +336,18 @@ class Sequential(nn.Module):
     param_shapes = self._logical_shapes(x_micro, split, side)
     in_shapes = self._layer_inputs(param_shapes, x_micro, split, *side)
     return self._layout(self.plan(param_shapes, in_shapes, split, side), param_shapes)
+
+  def stats_layout(self, x, **kwargs) -> stage_layout_lib.StageLayout | None:
+    """The stage layout of the layers' BatchNorm statistics (``batch_stats``) for inputs like
+    ``x``, or None when no layer has any; pass ``{"batch_stats": {"staged": ...}}`` with staged
+    params. Like :meth:`stage_layout`, it is tied to the split (use :meth:`with_split`)."""
+    x_micro, split, side = self._abstract_call(x, kwargs)
+    param_shapes = self._logical_shapes(x_micro, split, side)
+    stats_shapes = self._logical_shapes(x_micro, split, side, collection=STATS)
+    if not jax.tree.leaves(stats_shapes):
+      return None
+    in_shapes = self._layer_inputs(param_shapes, x_micro, split, *side)
+    return self._layout(self.plan(param_shapes, in_shapes, split, side), stats_shapes)
 
   def with_split(self, layout: stage_layout_lib.StageLayout) -> "Sequential":
     """This stack with ``balance`` fixed to ``layout``'s unit counts per chunk."""
@@ -387,7 +403,7 @@ class Sequential(nn.Module):
       kwargs = self._keywords_for(i, split, broadcast, per_example)
       if rngs is None:
         rngs = {name: jax.random.key(0) for name in rng_names}
-      return template.apply({"params": params}, h, **kwargs, rngs=rngs)
+      return self._outside_mesh(_apply_layer)(template, {"params": params}, h, kwargs, rngs)
 
     return apply
 
@@ -429,10 +445,80 @@ class Sequential(nn.Module):
       staged = layout.to_staged(params)
     else:
       layout.check_staged(staged, what=f"{_OWNER}'s staged params")
-    return self._run(plan, layout, staged, x, split, rngs, in_shapes, run_mesh)
+
+    # BatchNorm statistics, in the same layout as the params (logical or staged).
+    stats = nn.meta.unbox(dict(self.variables.get(STATS, {})))
+    stats_staged = stats.get(STAGED)
+    stats_shapes = self._logical_shapes(_shapes(x_micro), split, abstract_side, streams,
+                                        collection=STATS)
+    if stats_staged is None:  # Given logical statistics fix the dtypes (float64 references).
+      stats_shapes = {k: _shapes(stats[k]) if k in stats else v for k, v in stats_shapes.items()}
+    with_stats = sorted(k for k, v in stats_shapes.items() if jax.tree.leaves(v))
+    stats_layout = self._layout(plan, stats_shapes) if with_stats else None
+    if stats_layout is not None and stats_staged is None:
+      missing = sorted(set(with_stats) - set(stats))
+      if missing:
+        raise ValueError(f"{_OWNER}: layers {missing} have BatchNorm statistics but the variables "
+                         f"hold no '{STATS}' for them; pass the '{STATS}' that init returned.")
+      stats_staged = stats_layout.to_staged({k: stats.get(k, {}) for k in stats_shapes})
+    elif stats_layout is not None:
+      stats_layout.check_staged(stats_staged, what=f"{_OWNER}'s staged {STATS}")
+
+    y, pooled, momenta = self._run(plan, layout, staged, stats_layout, stats_staged, x, split,
+                                   rngs, in_shapes, run_mesh)
+    if momenta:
+      self._update_statistics(stats, stats_layout, stats_staged, pooled, momenta)
+    return y
+
+  def _update_statistics(self, stats, stats_layout, stats_staged, pooled, momenta) -> None:
+    """One running-average update per BatchNorm layer, from the statistics pooled over every
+    micro-batch and replica of the step: ``E[x]`` and ``E[x^2]``, so the variance is the pooled
+    one, ``E[x^2] - E[x]^2``, not a mean of per-micro-batch variances."""
+    if not self.is_mutable_collection(STATS):
+      raise ValueError(f"{_OWNER}: BatchNorm layers run in training mode update '{STATS}'; call "
+                       f"apply(..., mutable=['{STATS}']) (or put them in evaluation mode, "
+                       "use_running_average=True).")
+    old = stats_layout.to_logical(stats_staged)
+    pooled = stats_layout.to_logical(pooled)
+    new = {}
+    for name, tree in old.items():
+      layer = int(name.split("_")[1])
+
+      def update(path, old_value, pooled_value, layer=layer):
+        keys = tuple(getattr(k, "key", None) for k in path)
+        momentum = momenta.get((layer, keys[:-1]))
+        if momentum is None:
+          return old_value
+        if keys[-1] == "mean":
+          return momentum * old_value + (1 - momentum) * pooled_value
+        mean = _sibling(pooled[name], keys[:-1], "mean")
+        variance = jnp.maximum(pooled_value - mean * mean, 0)
+        return momentum * old_value + (1 - momentum) * variance
+
+      new[name] = jax.tree_util.tree_map_with_path(update, tree, pooled[name])
+    if STAGED in stats:
+      self.put_variable(STATS, STAGED, stats_layout.to_staged(new))
+    else:
+      for name, tree in new.items():
+        if name in stats:
+          self.put_variable(STATS, name, tree)
+
+  def _outside_mesh(self, fn):
+    """``fn`` with the mesh's axis names bound (to a size-1 ``vmap`` axis), for the passes that
+    run outside the pipeline's ``shard_map`` (init, shapes, costs): a layer whose BatchNorm
+    pools statistics over ``data`` (``axis_name``) then sees a group of one."""
+
+    def bound(*args, **kwargs):
+      run = lambda *a: fn(*a, **kwargs)
+      for name in (self.data_axis, self.stage_axis):
+        run = jax.vmap(run, in_axes=None, axis_size=1, axis_name=name)
+      return jax.tree.map(lambda a: a[0, 0], run(*args))
+
+    return bound
 
   def _init_layers(self, x_micro, split, per_example_micro, rngs) -> None:
     key = self.make_rng("params")
+    apply_outside = self._outside_mesh(_apply_layer)
     h = x_micro
     for i, layer in enumerate(self._layer_list()):
       template = _template(layer)
@@ -441,24 +527,26 @@ class Sequential(nn.Module):
       other = stage_lib.fold_rngs(rngs, 0, 0)
 
       def init_one(k, h=h, kwargs=kwargs, template=template):
-        return template.init({"params": k, **other}, h, **kwargs)
+        return self._outside_mesh(template.init)({"params": k, **other}, h, **kwargs)
 
       if isinstance(layer, Repeat):
         variables = jax.vmap(init_one)(jax.random.split(layer_key, layer.n))
       else:
         variables = init_one(layer_key)
-      extra = sorted(set(variables) - {"params"})
+      extra = sorted(set(variables) - {"params", STATS})
       if extra:
         raise ValueError(f"layers[{i}] ({type(template).__name__}) creates variable "
-                         f"collections {extra}; {_OWNER} supports layers whose only variables "
-                         "are 'params'.")
+                         f"collections {extra}; {_OWNER} supports 'params' and BatchNorm's "
+                         f"'{STATS}'.")
       layer_params = nn.meta.unbox(variables.get("params", {}))
       self.param(f"layers_{i}", lambda _key, value=layer_params: value)
+      if variables.get(STATS):
+        self.put_variable(STATS, f"layers_{i}", nn.meta.unbox(variables[STATS]))
       # The next layer's input: this layer applied (every copy of a Repeat) to one micro-batch.
       if isinstance(layer, Repeat):
         one = jax.tree.map(lambda a: a[0], layer_params)
-        out = jax.eval_shape(lambda p, h: template.apply({"params": p}, h, **kwargs, rngs=other),
-                             one, h)
+        out = jax.eval_shape(lambda p, h: apply_outside(template, {"params": p}, h, kwargs,
+                                                        other), one, h)
         if not _same_type(h, out):
           raise ValueError(
               f"layers[{i}] is a Repeat of {type(template).__name__}, which maps {_types(h)} to "
@@ -466,9 +554,9 @@ class Sequential(nn.Module):
               "dtypes.")
         for j in range(layer.n):
           one = jax.tree.map(lambda a, j=j: a[j], layer_params)
-          h = template.apply({"params": one}, h, **kwargs, rngs=other)
+          h = apply_outside(template, {"params": one}, h, kwargs, other)
       else:
-        h = template.apply({"params": layer_params}, h, **kwargs, rngs=other)
+        h = apply_outside(template, {"params": layer_params}, h, kwargs, other)
 
   def _check_params(self, params) -> None:
     expected = {f"layers_{i}" for i in range(len(self.layers))}
@@ -482,8 +570,13 @@ class Sequential(nn.Module):
           raise ValueError(f"layers_{i} is a Repeat of {layer.n} but its params have shapes "
                            f"{shapes}; expected a leading axis of {layer.n}.")
 
-  def _run(self, plan: Plan, layout, staged, x, split, rngs, in_shapes, run_mesh):
+  def _run(self, plan: Plan, layout, staged, stats_layout, stats_staged, x, split, rngs,
+           in_shapes, run_mesh):
+    """Runs the schedule. Returns the output, BatchNorm statistics pooled over the step (staged
+    ``E[x]`` and ``E[x^2]`` in the place of each mean and var; None without statistics) and the
+    momentum of every BatchNorm that ran in training mode, keyed by (layer, module path)."""
     layers = self._layer_list()
+    momenta: dict[tuple[int, tuple[str, ...]], float] = {}  # Filled while tracing the chunks.
     num_stages, num_chunks = self.num_stages, layout.num_chunks
     policy = stage_lib.resolve_remat(self.remat)
 
@@ -501,28 +594,43 @@ class Sequential(nn.Module):
       r = c // num_stages
 
       def chunk(staged, fresh, incoming, broadcast, per_example, rngs, microbatch):
-        trees = layout.chunk_params({k: v[r] for k, v in staged.items()}, c)
+        trees = layout.chunk_params({k: v[r] for k, v in staged["params"].items()}, c)
         # Cheap to take again: never saved for the backward pass (see tpipe.core.stage).
         trees = checkpoint_name(trees, stage_lib.CHUNK_PARAMS_NAME)
+        if stats_layout is None:
+          stats = [{} for _ in trees]
+        else:
+          stats = stats_layout.chunk_params({k: v[r] for k, v in staged["stats"].items()}, c)
         h = fresh if c == 0 else packing.unpack(incoming, ring_layouts[c - 1])
-        for g, p in zip(layout.groups[c], trees):
-          layer_apply = self._layer_apply(g.layer, split)
+        sums = []
+        for g, p, s in zip(layout.groups[c], trees, stats):
+          template = _template(layers[g.layer])
 
-          def apply(p, h, unit, layer_apply=layer_apply):
-            return layer_apply(p, h, broadcast, per_example,
-                               stage_lib.fold_rngs(rngs, unit, microbatch))
+          def apply(p, s, h, unit, g=g, template=template):
+            kwargs = self._keywords_for(g.layer, split, broadcast, per_example)
+            return _apply_recording(template, p, s, h, kwargs,
+                                    stage_lib.fold_rngs(rngs, unit, microbatch), g.layer,
+                                    momenta)
 
           if g.repeated:
             units = g.first_unit + jnp.arange(g.stop - g.start)
-            h, _ = lax.scan(lambda h, pu, apply=apply: (apply(pu[0], h, pu[1]), None),
-                            h, (p, units))
+            h, group_sums = lax.scan(lambda h, psu, apply=apply: apply(psu[0], psu[1], h,
+                                                                       psu[2]),
+                                     h, (p, s, units))
           else:
-            h = apply(p, h, g.first_unit)
+            h, group_sums = apply(p, s, h, g.first_unit)
+          sums.append(group_sums)
         rows = jax.tree.leaves(fresh)[0].shape[0]
         if c == num_chunks - 1:
-          return packing.empty(ring_sizes, rows), h
-        zeros = jax.tree.map(lambda s: jnp.zeros((rows,) + s.shape, s.dtype), output_example)
-        return packing.pack(h, ring_layouts[c], ring_sizes), zeros
+          results = (packing.empty(ring_sizes, rows), h)
+        else:
+          zeros = jax.tree.map(lambda s: jnp.zeros((rows,) + s.shape, s.dtype), output_example)
+          results = (packing.pack(h, ring_layouts[c], ring_sizes), zeros)
+        if stats_layout is None:
+          return results
+        sums = lax.stop_gradient(sums)
+        return results + (packing.pack(sums, stats_layout.chunk_layouts[c],
+                                       stats_layout.sizes),)
 
       return jax.checkpoint(chunk, policy=policy, prevent_cse=False)
 
@@ -534,11 +642,76 @@ class Sequential(nn.Module):
       return gated.switch_call(index, chunks, staged, fresh, incoming, broadcast, per_example,
                                rngs, microbatch)
 
-    return executor.run_schedule(
+    staged = {"params": staged}
+    sum_example = None
+    if stats_layout is not None:
+      staged["stats"] = stats_staged
+      sum_example = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k))
+                     for k, n in stats_layout.sizes.items()}
+    results = executor.run_schedule(
         apply_chunk, staged, x, split.broadcast, split.per_example, rngs,
         ring_example=ring_example, output_example=output_example,
         schedule=self.schedule_table(), mesh=run_mesh, stage_axis=self.stage_axis,
-        data_axis=self.data_axis)
+        data_axis=self.data_axis, sum_example=sum_example)
+    if stats_layout is None:
+      return results, None, {}
+    y, sums = results
+    replicas = dict(run_mesh.shape).get(self.data_axis, 1)
+    count = self.num_microbatches * replicas
+    return y, jax.tree.map(lambda a: a / count, sums), momenta
+
+
+def _apply_recording(template, params, stats, h, kwargs, rngs, layer: int, momenta: dict):
+  """Applies a layer to one micro-batch; returns its output and, shaped like its BatchNorm
+  statistics ``stats``, each training-mode BatchNorm's ``E[x]`` (in the place of ``mean``) and
+  ``E[x^2]`` (of ``var``) over the micro-batch, zeros elsewhere. Records those BatchNorms'
+  momenta in ``momenta`` (at trace time)."""
+  seen = {}
+
+  def interceptor(next_fun, args, call_kwargs, context):
+    module = context.module
+    if isinstance(module, nn.BatchNorm) and context.method_name == "__call__":
+      use_running = args[1] if len(args) > 1 else call_kwargs.get("use_running_average")
+      use_running = nn.merge_param("use_running_average", module.use_running_average,
+                                   use_running)
+      if not use_running:
+        if call_kwargs.get("mask") is not None:
+          raise ValueError(f"{_OWNER}: BatchNorm with a mask is not supported; the statistics "
+                           "pooled over micro-batches would need the mask's counts.")
+        x = args[0]
+        x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        feature = {a % x.ndim for a in ((module.axis,) if isinstance(module.axis, int)
+                                        else module.axis)}
+        reduce = tuple(a for a in range(x.ndim) if a not in feature)
+        path = tuple(module.scope.path)
+        seen[path] = (x.mean(reduce), (x * x).mean(reduce))
+        momenta[(layer, path)] = float(module.momentum)
+    return next_fun(*args, **call_kwargs)
+
+  variables = {"params": params, **({STATS: stats} if jax.tree.leaves(stats) else {})}
+  with nn.intercept_methods(interceptor):
+    out = _apply_layer(template, variables, h, kwargs, rngs)
+
+  def contribution(path, value):
+    keys = tuple(getattr(k, "key", None) for k in path)
+    if keys[:-1] not in seen:
+      return jnp.zeros_like(value)
+    mean, mean_of_squares = seen[keys[:-1]]
+    return (mean if keys[-1] == "mean" else mean_of_squares).astype(value.dtype)
+
+  return out, jax.tree_util.tree_map_with_path(contribution, stats)
+
+
+def _sibling(tree, keys, name):
+  for key in keys:
+    tree = tree[key]
+  return tree[name]
+
+
+def _apply_layer(template, variables, h, kwargs, rngs):
+  """A layer's output; BatchNorm statistics it would update (training mode) are dropped, and
+  missing ones are created (shape and cost passes run without them)."""
+  return template.apply(variables, h, **kwargs, rngs=rngs, mutable=[STATS])[0]
 
 
 def _shapes(tree):

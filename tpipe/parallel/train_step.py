@@ -31,6 +31,8 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+  # Variables the model updates itself (BatchNorm's running statistics), or None.
+  model_state: Any = None
 
 
 def param_shardings(params, mesh: Mesh, stacked: Sequence[str] = (), *,
@@ -100,7 +102,7 @@ def train_state_shardings(abstract_state: TrainState, mesh: Mesh, stacked: Seque
 
 
 def create_train_state(params, optimizer: optax.GradientTransformation,
-                       shardings=None) -> TrainState:
+                       shardings=None, model_state=None) -> TrainState:
   """Places ``params`` (by ``shardings``, if given) and initialises the optimizer beside them.
 
   The optimizer state is created under ``jax.jit`` from the placed parameters, so moments of
@@ -109,7 +111,8 @@ def create_train_state(params, optimizer: optax.GradientTransformation,
   """
   step = jnp.zeros((), jnp.int32)
   if shardings is None:
-    return TrainState(step=step, params=params, opt_state=jax.jit(optimizer.init)(params))
+    return TrainState(step=step, params=params, opt_state=jax.jit(optimizer.init)(params),
+                      model_state=model_state)
   # A jitted copy, not device_put: the step donates the state's buffers, and device_put may hand
   # back the caller's own buffer as a shard (seen with jax 0.10.2 even with may_alias=False).
   params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
@@ -122,8 +125,10 @@ def create_train_state(params, optimizer: optax.GradientTransformation,
       return jax.device_put(leaf, replicated)
     return leaf
 
-  return TrainState(step=onto_mesh(step), params=params, opt_state=jax.tree.map(onto_mesh,
-                                                                                opt_state))
+  if model_state is not None:
+    model_state = jax.tree.map(onto_mesh, jax.tree.map(jnp.copy, model_state))
+  return TrainState(step=onto_mesh(step), params=params,
+                    opt_state=jax.tree.map(onto_mesh, opt_state), model_state=model_state)
 
 
 def state_shardings(state: TrainState):
@@ -137,7 +142,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
   Args:
     loss_fn: ``loss_fn(params, batch, rng) -> loss``, the mean over the global batch (a
-      ``(loss, aux)`` pair is not accepted: return aux from a separate eval function).
+      ``(loss, aux)`` pair is not accepted: return aux from a separate eval function). When the
+      state has a ``model_state`` (BatchNorm statistics), ``loss_fn(params, batch, rng,
+      model_state) -> (loss, new_model_state)``, e.g. ``model.apply({"params": params,
+      "batch_stats": model_state}, x, train=True, mutable=["batch_stats"])``.
     optimizer: an optax gradient transformation.
     shardings: optional ``TrainState`` of shardings (see :func:`state_shardings`); the new state
       is constrained to them so parameters stay where they were.
@@ -152,10 +160,16 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}.")
 
   def step(state: TrainState, batch, rng):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, rng)
+    if state.model_state is None:
+      loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, rng)
+      model_state = None
+    else:
+      (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          state.params, batch, rng, state.model_state)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                           model_state=model_state)
     if shardings is not None:
       new_state = jax.lax.with_sharding_constraint(new_state, shardings)
     return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}

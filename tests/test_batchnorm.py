@@ -1,0 +1,270 @@
+"""BatchNorm in a pipeline, with GPipe's semantics, against Flax's own ``nn.BatchNorm``.
+
+* Training output: each micro-batch is normalized with its own statistics, so the pipeline equals
+  the plain model applied to each micro-batch separately.
+* Running statistics: one update per step and per BatchNorm, with statistics pooled over
+  everything that layer saw in the step (every micro-batch of every replica). The reference is
+  Flax's BatchNorm applied once to the concatenation of the inputs that layer received in the
+  plain per-micro-batch run.
+* Evaluation (``train=False``, nothing mutable) uses the running statistics unchanged.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax
+
+import tpipe
+from tests import numerics
+
+WIDTH, BATCH = 6, 16
+
+
+class DenseBN(nn.Module):
+  """Dense -> BatchNorm -> tanh; ``axis_name`` pools the statistics over data replicas."""
+
+  width: int
+  momentum: float = 0.9
+  axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, x, *, train: bool = False):
+    x = nn.Dense(self.width)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=self.momentum,
+                     axis_name=self.axis_name)(x)
+    return jnp.tanh(x)
+
+
+class Head(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2)(x)
+
+
+def _layers(axis_name=None):
+  return [DenseBN(WIDTH, momentum=0.8, axis_name=axis_name),
+          tpipe.Repeat(DenseBN(WIDTH, axis_name=axis_name), 5), Head()]
+
+
+def _model(layers, stages=1, data=1, microbatches=1, schedule="gpipe", repeats=1, remat="full"):
+  mesh = tpipe.make_mesh(stages=stages, data=data)
+  return tpipe.Sequential(layers, num_stages=stages, num_microbatches=microbatches,
+                          schedule=schedule, num_repeats=repeats, remat=remat, mesh=mesh)
+
+
+def _inputs():
+  return jax.random.normal(jax.random.key(0), (BATCH, 3)) * 2.0 + 0.5
+
+
+@pytest.fixture(scope="module")
+def variables():
+  return jax.device_get(_model(_layers()).init({"params": jax.random.key(1)}, _inputs()))
+
+
+def _groups(num_microbatches, data):
+  """The example indices of each (replica, micro-batch), in that order."""
+  per_replica = BATCH // data
+  size = per_replica // num_microbatches
+  return [np.arange(d * per_replica + j * size, d * per_replica + (j + 1) * size)
+          for d in range(data) for j in range(num_microbatches)]
+
+
+def _plain_training(variables, x, groups, layers):
+  """The plain model (no pipeline, no collectives) on each group of examples separately: the
+  outputs, and every BatchNorm's inputs per group, keyed by (layer, copy, module path)."""
+  outputs, inputs = [None] * BATCH, {}
+  for rows in groups:
+    h = x[rows]
+    for i, layer in enumerate(layers):
+      module = layer.module if isinstance(layer, tpipe.Repeat) else layer
+      copies = layer.n if isinstance(layer, tpipe.Repeat) else None
+      for j in range(copies or 1):
+        pick = (lambda a, j=j: a[j]) if copies else (lambda a: a)
+        layer_vars = {"params": jax.tree.map(pick, variables["params"][f"layers_{i}"])}
+
+        def record(next_fun, args, kwargs, context, label=(i, j)):
+          if isinstance(context.module, nn.BatchNorm) and context.method_name == "__call__":
+            inputs.setdefault(label + tuple(context.module.scope.path), []).append(args[0])
+          return next_fun(*args, **kwargs)
+
+        if isinstance(module, DenseBN):
+          layer_vars["batch_stats"] = jax.tree.map(pick,
+                                                   variables["batch_stats"][f"layers_{i}"])
+          with nn.intercept_methods(record):
+            h, _ = module.clone(axis_name=None).apply(layer_vars, h, train=True,
+                                                      mutable=["batch_stats"])
+        else:
+          h = module.apply(layer_vars, h)
+    for row, value in zip(rows, np.asarray(h)):
+      outputs[row] = value
+  return np.stack(outputs), inputs
+
+
+def _expected_statistics(variables, inputs):
+  """Flax's BatchNorm applied once to the concatenation of each BatchNorm's inputs."""
+  expected = jax.tree.map(np.asarray, variables["batch_stats"])
+  for (i, j, *path), values in inputs.items():
+    stats = expected[f"layers_{i}"]
+    for key in path:
+      stats = stats[key]
+    momentum = 0.8 if i == 0 else 0.9
+    bn = nn.BatchNorm(use_running_average=False, momentum=momentum)
+    old = {k: (v[j] if i == 1 else v) for k, v in stats.items()}
+    dtype = np.asarray(values[0]).dtype
+    params = {"scale": np.ones(WIDTH, dtype), "bias": np.zeros(WIDTH, dtype)}
+    _, new = bn.apply({"params": params, "batch_stats": old}, np.concatenate(values),
+                      mutable=["batch_stats"])
+    for k in ("mean", "var"):
+      if i == 1:
+        stats[k] = stats[k].copy()
+        stats[k][j] = new["batch_stats"][k]
+      else:
+        stats[k] = np.asarray(new["batch_stats"][k])
+  return expected
+
+
+CASES = [
+    # schedule, stages, data, microbatches, remat
+    ("gpipe", 1, 1, 2, "full"),
+    ("gpipe", 2, 1, 4, "none"),
+    ("gpipe", 2, 2, 2, "full"),
+    ("gpipe", 4, 2, 2, "none"),
+    ("gpipe", 4, 1, 1, "full"),
+    ("circular", 2, 1, 4, "full"),
+    ("circular", 2, 2, 2, "none"),
+    ("circular", 1, 2, 2, "full"),
+]
+
+
+@pytest.mark.parametrize("schedule, stages, data, microbatches, remat", CASES)
+def test_training_normalizes_per_microbatch_and_pools_the_running_statistics(
+    variables, schedule, stages, data, microbatches, remat):
+  x = _inputs()
+  layers = _layers()
+  repeats = 2 if schedule == "circular" and stages * 2 <= 7 else 1
+  model = _model(layers, stages, data, microbatches, schedule, repeats, remat)
+  y, updated = jax.jit(lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]))(
+      variables, x)
+  groups = _groups(microbatches, data)
+
+  def plain(v, x):
+    return _plain_training(v, x, groups, layers)
+
+  want, inputs = plain(variables, np.asarray(x))
+  exact, exact_inputs = numerics.float64_reference(lambda v, x: plain(v, np.asarray(x)),
+                                                   variables, x)
+  numerics.assert_as_close_as_plain(np.asarray(y), want, exact, what="outputs")
+  expected = _expected_statistics(variables, inputs)
+  exact_stats = numerics.float64_reference(lambda v: _expected_statistics(v, exact_inputs),
+                                           variables)
+  numerics.assert_as_close_as_plain(jax.device_get(updated["batch_stats"]), expected,
+                                    exact_stats, what="running statistics")
+
+
+def test_averaging_per_microbatch_variances_would_fail_this_test(variables):
+  """The check above can tell the pooled variance from the mean of per-micro-batch ones."""
+  x = _inputs()
+  groups = _groups(4, 1)
+  _, inputs = _plain_training(variables, np.asarray(x), groups, _layers())
+  key = (0, 0, "BatchNorm_0")
+  per_group = [np.asarray(v) for v in inputs[key]]
+  pooled = np.concatenate(per_group).var(0)
+  averaged = np.mean([g.var(0) for g in per_group], 0)
+  assert np.abs(pooled - averaged).max() > 1e-2
+
+
+def test_evaluation_uses_the_running_statistics(variables):
+  x = _inputs()
+  model = _model(_layers(), stages=4, data=2, microbatches=2)
+  _, updated = jax.jit(lambda v: model.apply(v, x, train=True, mutable=["batch_stats"]))(
+      variables)
+  trained = {"params": variables["params"], "batch_stats": jax.device_get(updated["batch_stats"])}
+  y = jax.jit(lambda v: model.apply(v, x))(trained)
+  plain = _model(_layers())
+  want = plain.apply(trained, x)
+  exact = numerics.float64_reference(lambda v, x: plain.apply(v, x), trained, x)
+  numerics.assert_as_close_as_plain(np.asarray(y), np.asarray(want), exact, what="eval outputs")
+  # With other running statistics, the output changes: they are really used.
+  shifted = jax.tree.map(lambda a: a + 1.0, trained["batch_stats"])
+  other = jax.jit(lambda v: model.apply(v, x))({"params": trained["params"],
+                                                "batch_stats": shifted})
+  assert np.abs(np.asarray(other) - np.asarray(y)).max() > 1e-3
+
+
+def test_statistics_across_replicas_with_the_data_axis_name(variables):
+  """BatchNorm(axis_name="data"): statistics over the micro-batch of every replica."""
+  x = _inputs()
+  model = _model(_layers("data"), stages=2, data=2, microbatches=2)
+  y, _ = jax.jit(lambda v: model.apply(v, x, train=True, mutable=["batch_stats"]))(variables)
+  # Micro-batch j of every replica together.
+  per_replica, size = BATCH // 2, BATCH // 4
+  groups = [np.concatenate([np.arange(d * per_replica + j * size, d * per_replica + (j + 1) * size)
+                            for d in range(2)]) for j in range(2)]
+  want, _ = _plain_training(variables, np.asarray(x), groups, _layers())
+  exact, _ = numerics.float64_reference(
+      lambda v, x: _plain_training(v, np.asarray(x), groups, _layers()), variables, x)
+  numerics.assert_as_close_as_plain(np.asarray(y), want, exact, what="outputs")
+
+
+def test_training_mode_without_mutable_statistics_raises(variables):
+  model = _model(_layers(), stages=2, microbatches=2)
+  with pytest.raises(ValueError, match="mutable=\\['batch_stats'\\]"):
+    model.apply(variables, _inputs(), train=True)
+
+
+def test_missing_statistics_raise(variables):
+  model = _model(_layers(), stages=2, microbatches=2)
+  with pytest.raises(ValueError, match="hold no 'batch_stats'"):
+    model.apply({"params": variables["params"]}, _inputs())
+
+
+def test_staged_statistics_round_trip(variables):
+  x = _inputs()
+  model = _model(_layers(), stages=2, data=2, microbatches=2)
+  layout = model.stage_layout(x)
+  fixed = model.with_split(layout)
+  stats_layout = fixed.stats_layout(x)
+  staged = {"params": {"staged": layout.to_staged(variables["params"])},
+            "batch_stats": {"staged": stats_layout.to_staged(variables["batch_stats"])}}
+  y, updated = jax.jit(lambda v: fixed.apply(v, x, train=True, mutable=["batch_stats"]))(staged)
+  y_logical, updated_logical = jax.jit(
+      lambda v: fixed.apply(v, x, train=True, mutable=["batch_stats"]))(variables)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_logical))
+  back = stats_layout.to_logical(updated["batch_stats"]["staged"])
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(updated_logical["batch_stats"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_train_step_carries_the_statistics(variables):
+  x, y = _inputs(), jnp.zeros((BATCH, 2))
+  model = _model(_layers(), stages=2, data=2, microbatches=2)
+  optimizer = optax.sgd(0.1)
+
+  def loss_fn(params, batch, rng, stats):
+    del rng
+    out, updated = model.apply({"params": params, "batch_stats": stats}, batch["x"], train=True,
+                               mutable=["batch_stats"])
+    return jnp.mean((out - batch["y"]) ** 2), updated["batch_stats"]
+
+  state = tpipe.create_train_state(variables["params"], optimizer,
+                                   model_state=variables["batch_stats"])
+  step = tpipe.make_train_step(loss_fn, optimizer, donate=False)
+  new_state, metrics = step(state, {"x": x, "y": y}, jax.random.key(0))
+  (loss, stats), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+      variables["params"], {"x": x, "y": y}, None, variables["batch_stats"])
+  np.testing.assert_array_equal(np.asarray(metrics["loss"]), np.asarray(loss))
+  for a, b in zip(jax.tree.leaves(new_state.model_state), jax.tree.leaves(stats)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  moved = jax.tree.map(lambda p, g: p - 0.1 * g, variables["params"], grads)
+  for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(moved)):
+    # The same update, up to the rounding of one subtraction (a few ulps of the parameters).
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.abs(a - b).max() <= 4 * np.spacing(np.abs(b).max()), np.abs(a - b).max()
+  # The statistics moved: training mode updated them once.
+  before = variables["batch_stats"]["layers_0"]["BatchNorm_0"]["mean"]
+  assert np.abs(np.asarray(new_state.model_state["layers_0"]["BatchNorm_0"]["mean"])
+                - before).max() > 1e-3
