@@ -53,7 +53,7 @@ def test_checkpoint_layout_is_logical_and_exact(exp):
   logical = exp.to_checkpoint(state)
   assert set(logical.params) == {"layers_0", "layers_1", "layers_2"}
   kernel = logical.params["layers_1"]["mlp_in"]["kernel"]
-  assert kernel.shape[0] == exp.config.num_layers and kernel.sharding.spec == P("stage")
+  assert kernel.shape[0] == exp.config.num_layers and kernel.sharding.spec == P()
   # The decay mask is kept per logical leaf: kernels and embeddings decay, norms do not.
   mask = logical.opt_state[2].mask
   assert bool(mask["layers_1"]["mlp_in"]["kernel"].all())

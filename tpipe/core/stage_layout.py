@@ -191,19 +191,6 @@ class StageLayout:
     """Where the staged buffers live: split over ``stage_axis`` on their stage axis."""
     return {k: P(None, stage_axis) for k in self.sizes}
 
-  def logical_partition_specs(self, stage_axis: str = "stage") -> dict[str, Any]:
-    """A placement for logical params (checkpoints): a repeated layer's copies split over
-    ``stage_axis`` when their number divides by S, everything else replicated."""
-    repeated = {g.layer for chunk in self.groups for g in chunk if g.repeated}
-
-    def spec(layer: str, leaf):
-      if int(layer.split("_")[1]) in repeated and leaf.shape[0] % self.num_stages == 0:
-        return P(stage_axis)
-      return P()
-
-    return {name: jax.tree.map(lambda a, name=name: spec(name, a), tree)
-            for name, tree in self.logical.items()}
-
   def chunk_bytes(self) -> list[int]:
     """Per chunk, the bytes of parameters it holds (without padding)."""
     return [sum(n * jnp.dtype(k).itemsize for k, n in layout.sizes().items())

@@ -44,13 +44,13 @@ import tpipe
 from tpipe.core import packing
 from tpipe.core import stage_layout as stage_layout_lib
 from tpipe.linen import sequential
-from tpipe.train import models
+from tpipe.train import tasks as tasks_lib
 
+# The fields every task's config has (each task adds its own: tasks_lib.*.fields).
 _REQUIRED_FIELDS = (
-    "num_layers", "width", "num_heads", "mlp_dim", "seq_len", "dropout", "num_stages",
-    "num_data", "num_microbatches", "schedule", "num_repeats", "remat", "seed", "batch_size",
-    "learning_rate", "num_steps", "warmup_steps", "weight_decay", "grad_clip", "dtype",
-    "balance")
+    "num_stages", "num_data", "num_microbatches", "schedule", "num_repeats", "remat", "seed",
+    "batch_size", "learning_rate", "num_steps", "warmup_steps", "weight_decay", "grad_clip",
+    "dtype", "balance")
 
 # config.dtype values: the computation dtype. Parameters and optimizer state stay float32.
 DTYPES = ("float32", "bfloat16")
@@ -62,11 +62,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   Args:
     config: the experiment config (see ``configs/lm.py``).
   """
-  missing = [k for k in _REQUIRED_FIELDS if k not in config]
+  task = tasks_lib.get_task(config)
+  missing = [k for k in _REQUIRED_FIELDS + task.fields if k not in config]
   if missing:
-    raise ValueError(f"config is missing field(s) {missing}; see configs/lm.py for defaults.")
-  for name in ("num_layers", "width", "num_heads", "mlp_dim", "seq_len", "num_stages",
-               "num_data", "num_microbatches", "num_repeats", "batch_size", "num_steps"):
+    raise ValueError(f"config is missing field(s) {missing}; see configs/lm.py or "
+                     "configs/convnet.py for defaults.")
+  for name in ("num_stages", "num_data", "num_microbatches", "num_repeats", "batch_size",
+               "num_steps"):
     value = config[name]
     if isinstance(value, bool) or not isinstance(value, int):
       raise TypeError(f"config.{name} must be an int, got {value!r}.")
@@ -87,6 +89,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"config.dtype must be one of {DTYPES} (the computation dtype; parameters and optimizer "
         f"state stay float32), got {config.dtype!r}.")
   parse_balance(config.balance)
+  task.validate(config)
   if config.learning_rate <= 0:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")
   needed = config.num_stages * config.num_data
@@ -113,24 +116,8 @@ def parse_balance(balance) -> Any:
 
 
 def make_model(config: ml_collections.ConfigDict, mesh) -> tpipe.Sequential:
-  """Returns the decoder LM described by ``config``, pipelined over ``mesh`` (split not fixed)."""
-  return models.decoder_lm(
-      num_layers=config.num_layers,
-      width=config.width,
-      num_heads=config.num_heads,
-      mlp_dim=config.mlp_dim,
-      max_len=config.seq_len,
-      vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
-      dropout_rate=float(config.dropout),
-      num_stages=config.num_stages,
-      num_microbatches=config.num_microbatches,
-      schedule=config.schedule,
-      num_repeats=config.num_repeats,
-      remat=config.remat,
-      balance=parse_balance(config.balance),
-      mesh=mesh,
-      dtype=jnp.dtype(config.dtype),
-      param_dtype=jnp.float32)
+  """Returns the task's pipelined model for ``config`` over ``mesh`` (split not yet fixed)."""
+  return tasks_lib.get_task(config).make_model(config, mesh, parse_balance(config.balance))
 
 
 def _decayed(path) -> bool:
@@ -200,34 +187,46 @@ class Experiment:
 
   Attributes:
     config: the config it was built from.
+    task: what is trained (:mod:`tpipe.train.tasks`).
     mesh: the device mesh, axes ``('data', 'stage')``.
-    model: the pipelined LM, a :class:`tpipe.Sequential` with its split fixed.
+    model: the pipelined model, a :class:`tpipe.Sequential` with its split fixed.
     layout: where its parameters live in the stage layout.
+    stats_layout: where its BatchNorm statistics live in the stage layout (None without any).
     optimizer: the optax transformation (on staged parameters).
     train_step: jitted ``step(state, batch, rng) -> (state, {"loss", "grad_norm"})`` from
       :func:`tpipe.make_train_step`; donates ``state``.
-    eval_step: jitted ``eval_step(params, batch) -> scalar mean loss`` (dropout off).
-    loss_fn: ``loss_fn(params, batch, rng) -> scalar`` training loss (dropout on).
+    eval_step: jitted ``eval_step(state, batch) -> {"loss", "correct", "count"}``: sums over
+      the batch's real examples (dropout off, BatchNorm's running statistics); ``correct`` is
+      absent for tasks without accuracy.
+    loss_fn: the training loss (dropout on, BatchNorm in training mode), as
+      :func:`tpipe.make_train_step` takes it.
   """
 
   config: ml_collections.ConfigDict
+  task: Any
   mesh: Any
   model: tpipe.Sequential
   layout: stage_layout_lib.StageLayout
+  stats_layout: stage_layout_lib.StageLayout | None
   optimizer: optax.GradientTransformation
-  train_step: Callable
-  eval_step: Callable
-  loss_fn: Callable
+  train_step: Callable = None
+  eval_step: Callable = None
+  loss_fn: Callable = None
 
   # --------------------------------------------------------------------------------------------
   # The train state, in the stage layout.
 
   def _init_fn(self, rng: jax.Array):
-    tokens = jnp.zeros((self.config.batch_size, self.config.seq_len), jnp.int32)
-    logical = self.model.init({"params": rng}, tokens, targets=tokens)["params"]
-    params = {sequential.STAGED: self.layout.to_staged(logical)}
-    return tpipe.TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params))
+    batch = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         self.task.batch_shapes(self.config))
+    x, kwargs = self.task.model_inputs(batch)
+    variables = self.model.init({"params": rng}, x, **kwargs)
+    params = {sequential.STAGED: self.layout.to_staged(variables["params"])}
+    model_state = None
+    if self.stats_layout is not None:
+      model_state = {sequential.STAGED: self.stats_layout.to_staged(variables["batch_stats"])}
+    return tpipe.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                            opt_state=self.optimizer.init(params), model_state=model_state)
 
   def _placed(self, shapes, specs):
     return jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(
@@ -236,9 +235,11 @@ class Experiment:
   @functools.cached_property
   def _abstract_state(self):
     shapes = jax.eval_shape(self._init_fn, jax.random.key(0))
-    staged = {tuple(s.shape) for s in self.layout.staged_shapes().values()}
-    # Parameters, and optimizer leaves shaped like them (moments, the decay mask), split over
-    # stages on their stage axis; scalars (the step, Adam's count) replicated.
+    layouts = [self.layout] + ([self.stats_layout] if self.stats_layout else [])
+    staged = {tuple(s.shape) for layout in layouts for s in layout.staged_shapes().values()}
+    # Parameters, optimizer leaves shaped like them (moments, the decay mask) and BatchNorm
+    # statistics split over stages on their stage axis; scalars (the step, Adam's count)
+    # replicated.
     specs = jax.tree.map(lambda s: P(None, "stage") if tuple(s.shape) in staged else P(),
                          shapes)
     return self._placed(shapes, specs)
@@ -252,13 +253,10 @@ class Experiment:
     return self._abstract_state
 
   def abstract_batch(self):
-    """The global batch as sharded ``jax.ShapeDtypeStruct`` leaves."""
-    shape = (self.config.batch_size, self.config.seq_len)
+    """The global training batch as sharded ``jax.ShapeDtypeStruct`` leaves."""
     sharding = tpipe.data_sharding(self.mesh)
-    return {
-        "inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
-        "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
-    }
+    return {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+            for k, s in self.task.batch_shapes(self.config).items()}
 
   def init_state(self, rng: jax.Array):
     """Initialises a TrainState directly in its sharded stage layout.
@@ -279,7 +277,7 @@ class Experiment:
   # --------------------------------------------------------------------------------------------
   # Checkpoints, in the logical layout.
 
-  def _to_logical(self, tree):
+  def _to_logical(self, state):
     staged_def = jax.tree.structure(self._abstract_state.params)
 
     def convert(staged):
@@ -289,9 +287,13 @@ class Experiment:
       logical = self.layout.to_logical({k: v.astype(k) for k, v in buffers.items()})
       return jax.tree.map(lambda a: a.astype(kept[packing.dtype_key(a.dtype)]), logical)
 
-    return _map_param_trees(convert, tree, staged_def)
+    model_state = state.model_state
+    if model_state is not None:
+      model_state = self.stats_layout.to_logical(model_state[sequential.STAGED])
+    return _map_param_trees(convert, state.replace(model_state=None), staged_def).replace(
+        model_state=model_state)
 
-  def _to_staged(self, tree):
+  def _to_staged(self, state):
     logical_def = jax.tree.structure(self.layout.logical)
 
     def convert(logical):
@@ -301,18 +303,20 @@ class Experiment:
       return {sequential.STAGED: jax.tree.map(lambda a: a.astype(jnp.bool_), staged)
               if is_bool else staged}
 
-    return _map_param_trees(convert, tree, logical_def)
+    model_state = state.model_state
+    if model_state is not None:
+      model_state = {sequential.STAGED: self.stats_layout.to_staged(model_state)}
+    return _map_param_trees(convert, state.replace(model_state=None), logical_def).replace(
+        model_state=model_state)
 
   @functools.cached_property
   def _abstract_checkpoint(self):
+    # Replicated: converting between a stage-split and a layer-split layout makes XLA's
+    # partitioner emit a permute per slice (tens of seconds to compile at 4 stages), while from
+    # replicated buffers every slice is local. The cost is the logical state on every device
+    # while a checkpoint is written or read.
     shapes = jax.eval_shape(self._to_logical, self._abstract_state)
-    logical_def = jax.tree.structure(self.layout.logical)
-    logical_specs = self.layout.logical_partition_specs("stage")
-    # Parameter-shaped subtrees: a repeated layer's copies over stages where they divide evenly.
-    specs = _map_param_trees(lambda _: logical_specs, shapes, logical_def)
-    specs = jax.tree.map(lambda s: s if isinstance(s, P) else P(), specs,
-                         is_leaf=lambda s: isinstance(s, P))
-    return self._placed(shapes, specs)
+    return self._placed(shapes, jax.tree.map(lambda _: P(), shapes))
 
   def abstract_checkpoint(self):
     """What :meth:`to_checkpoint` returns, as sharded ``jax.ShapeDtypeStruct`` leaves."""
@@ -322,40 +326,81 @@ class Experiment:
     """The train state in the logical layout (``layers_i``), which does not depend on the
     stages, split, schedule or repeats; exact."""
     shardings = jax.tree.map(lambda s: s.sharding, self._abstract_checkpoint)
+    replicated = jax.tree.map(lambda a: NamedSharding(self.mesh, P()), state)
+    state = jax.jit(lambda s: s, out_shardings=replicated)(state)  # One all-gather per leaf.
     return jax.jit(self._to_logical, out_shardings=shardings)(state)
 
   def from_checkpoint(self, logical_state):
     """The inverse of :meth:`to_checkpoint`, for this experiment's layout; exact."""
     return jax.jit(self._to_staged, out_shardings=self.state_shardings())(logical_state)
 
+  # --------------------------------------------------------------------------------------------
+  # Evaluation.
+
+  def evaluate(self, state, batches) -> dict[str, float]:
+    """Mean loss (and accuracy, where the task has one) over ``batches`` (global, sharded)."""
+    sums = jax.device_get([self.eval_step(state, b) for b in batches])
+    count = sum(float(s["count"]) for s in sums)
+    metrics = {"eval_loss": sum(float(s["loss"]) for s in sums) / count}
+    if "correct" in sums[0]:
+      metrics["eval_accuracy"] = sum(float(s["correct"]) for s in sums) / count
+    return metrics
+
 
 def build(config: ml_collections.ConfigDict) -> Experiment:
   """Builds the mesh, model, optimizer and jitted steps for ``config``.
 
   Args:
-    config: an experiment config (``configs/lm.py``); validated before any tracing.
+    config: an experiment config (``configs/lm.py``, ``configs/convnet.py``); validated before
+      any tracing.
 
   Returns:
     An :class:`Experiment`.
   """
   validate_config(config)
+  task = tasks_lib.get_task(config)
   mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data)
-  tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
+  x, kwargs = task.model_inputs(task.batch_shapes(config))
   model = make_model(config, mesh)
-  layout = model.stage_layout(tokens, targets=tokens)
+  layout = model.stage_layout(x, **kwargs)
   model = model.with_split(layout)  # The same split for training, evaluation and analysis.
-  optimizer = make_optimizer(config, layout)
+  stats_layout = model.stats_layout(x, **kwargs)
+  exp = Experiment(config=config, task=task, mesh=mesh, model=model, layout=layout,
+                   stats_layout=stats_layout, optimizer=make_optimizer(config, layout))
 
-  def loss_fn(params, batch, rng):
-    losses = model.apply({"params": params}, batch["inputs"], targets=batch["targets"],
-                         deterministic=False, rngs={"dropout": rng})
-    return losses.mean()
+  def variables(params, model_state):
+    if model_state is None:
+      return {"params": params}
+    return {"params": params, "batch_stats": model_state}
+
+  if stats_layout is None:
+
+    def loss_fn(params, batch, rng):
+      x, kwargs = task.model_inputs(batch)
+      losses = model.apply({"params": params}, x, **kwargs, **task.train_keywords,
+                           rngs={"dropout": rng})
+      return losses.mean()
+
+  else:
+
+    def loss_fn(params, batch, rng, model_state):
+      x, kwargs = task.model_inputs(batch)
+      losses, updated = model.apply(variables(params, model_state), x, **kwargs,
+                                    **task.train_keywords, rngs={"dropout": rng},
+                                    mutable=["batch_stats"])
+      return losses.mean(), updated["batch_stats"]
 
   @jax.jit
-  def eval_step(params, batch):
-    return model.apply({"params": params}, batch["inputs"], targets=batch["targets"]).mean()
+  def eval_step(state, batch):
+    x, kwargs = task.model_inputs(batch)
+    mask = batch["mask"].astype(jnp.float32)
+    state_vars = variables(state.params, state.model_state)
+    out = {"loss": (model.apply(state_vars, x, **kwargs) * mask).sum(), "count": mask.sum()}
+    if task.measures_accuracy:  # Logits: the stack without the labels.
+      out["correct"] = (task.correct(model.apply(state_vars, x), batch) * mask).sum()
+    return out
 
-  exp = Experiment(config=config, mesh=mesh, model=model, layout=layout, optimizer=optimizer,
-                   train_step=None, eval_step=eval_step, loss_fn=loss_fn)
-  exp.train_step = tpipe.make_train_step(loss_fn, optimizer, shardings=exp.state_shardings())
+  exp.loss_fn, exp.eval_step = loss_fn, eval_step
+  exp.train_step = tpipe.make_train_step(loss_fn, exp.optimizer,
+                                         shardings=exp.state_shardings())
   return exp

@@ -20,7 +20,6 @@ names the step; the poisoned state is never checkpointed.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import math
@@ -33,7 +32,6 @@ from absl import logging
 from etils import epath
 import jax
 from ml_collections import config_flags
-import numpy as np
 
 import tpipe
 from tpipe.train import checkpointing
@@ -41,6 +39,7 @@ from tpipe.train import cli
 from tpipe.train import data
 from tpipe.train import experiment
 from tpipe.train import metrics as metrics_lib
+from tpipe.train import tasks
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=True)
@@ -123,6 +122,10 @@ def _non_finite(what: str, step: int, last_checkpoint: int | None,
       f"Lower the learning rate or check the data.")
 
 
+def _format_eval(metrics: dict) -> str:
+  return " | ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval_"))
+
+
 def _check_finite(step: int, metrics: dict, last_checkpoint: int | None, ckpt_dir) -> None:
   for name in ("loss", "grad_norm"):
     value = float(metrics[name])
@@ -131,37 +134,19 @@ def _check_finite(step: int, metrics: dict, last_checkpoint: int | None, ckpt_di
 
 
 def validate_train_config(config) -> None:
-  """Checks the fields the training loop and the data read; raises ValueError naming the fix.
+  """Checks the fields the training loop reads; raises ValueError naming the fix.
 
   It needs no devices, so ``main`` calls it before anything else. ``experiment.validate_config``
-  checks the model and mesh fields.
+  checks the model, mesh and task fields.
 
   Args:
-    config: an experiment config (``configs/lm.py``).
+    config: an experiment config (``configs/lm.py``, ``configs/convnet.py``).
   """
-  for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "keep_checkpoints",
-               "seq_len", "max_corpus_bytes"):
+  for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     value = config.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"config.{name} must be an int >= 1, got {value!r}.")
-  if not 0.0 < config.get("eval_fraction", 0.0) < 1.0:
-    raise ValueError(f"config.eval_fraction must be in (0, 1), got {config.eval_fraction!r}.")
-  smallest = 16 * (config.seq_len + 1)  # What data.TextData.load accepts.
-  if config.max_corpus_bytes < smallest:
-    raise ValueError(
-        f"config.max_corpus_bytes={config.max_corpus_bytes} is too small for "
-        f"config.seq_len={config.seq_len}; use at least {smallest} (a few MB is typical).")
-
-
-# The config fields that decide which batches the training iterator yields.
-_DATA_FIELDS = ("batch_size", "seq_len", "seed", "max_corpus_bytes", "eval_fraction")
-
-
-def _data_spec(config, train_data: data.TextData) -> dict:
-  """What the saved iterator position means: the data fields and a hash of the train corpus."""
-  spec = {name: config[name] for name in _DATA_FIELDS}
-  spec["corpus_sha256"] = hashlib.sha256(train_data.tokens.tobytes()).hexdigest()
-  return spec
+  tasks.get_task(config).validate(config)
 
 
 def _check_same_data(saved: dict, current: dict, ckpt_dir) -> None:
@@ -170,7 +155,7 @@ def _check_same_data(saved: dict, current: dict, ckpt_dir) -> None:
     now = current.get(name)
     if now == was:
       continue
-    if name == "corpus_sha256":
+    if name in ("corpus_sha256", "data_sha256"):
       raise ValueError(
           f"the training corpus differs from the one the checkpoint in {ckpt_dir} was trained "
           f"on (another Python's standard library?), so resuming would not continue the same "
@@ -208,13 +193,9 @@ def train(config, workdir: str) -> dict:
                  f"{exp.num_params():,}")
 
   # Data: every process builds the whole global batch; devices take their slices.
-  train_data, eval_data = data.TextData.load(
-      seq_len=config.seq_len, max_bytes=config.max_corpus_bytes,
-      eval_fraction=config.eval_fraction)
-  train_iter = data.train_iterator(train_data, batch_size=config.batch_size, seed=config.seed)
-  data_spec = _data_spec(config, train_data)
-  eval_set = [data.to_global(b, sharding) for b in data.eval_batches(
-      eval_data, batch_size=config.batch_size, num_batches=config.eval_batches)]
+  task_data = exp.task.load_data(config)
+  train_iter, data_spec = task_data.train, task_data.spec
+  eval_set = [data.to_global(b, sharding) for b in task_data.eval_batches]
 
   # State: resume from the latest checkpoint, else initialise.
   ckpt = checkpointing.Checkpointer(checkpointing.checkpoint_directory(workdir),
@@ -257,14 +238,11 @@ def train(config, workdir: str) -> dict:
   record = {}
   t_last, step_last = None, start
 
-  def evaluate(params):
-    return float(np.mean(jax.device_get([exp.eval_step(params, b) for b in eval_set])))
-
   if start == 0:
     # A baseline for the eval curve (in the log only: metrics records are of training steps).
-    initial = evaluate(state.params)
+    initial = exp.evaluate(state, eval_set)
     if is_chief:
-      logging.info("step 0/%d | eval_loss %.4f at initialisation", config.num_steps, initial)
+      logging.info("step 0/%d | %s at initialisation", config.num_steps, _format_eval(initial))
 
   try:
     for step in range(start + 1, config.num_steps + 1):
@@ -288,7 +266,7 @@ def train(config, workdir: str) -> dict:
       pending.clear()
       record = {"loss": float(host[-1]["loss"]), "grad_norm": float(host[-1]["grad_norm"])}
       if do_eval:
-        record["eval_loss"] = evaluate(state.params)
+        record.update(exp.evaluate(state, eval_set))
 
       now = time.perf_counter()
       if t_last is not None:
@@ -303,7 +281,7 @@ def train(config, workdir: str) -> dict:
         logging.info(
             "step %d/%d | loss %.4f%s | %s steps/s | ETA %s", step, config.num_steps,
             record["loss"],
-            f" | eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "",
+            f" | {_format_eval(record)}" if "eval_loss" in record else "",
             f"{record['steps_per_sec']:.2f}" if "steps_per_sec" in record else "-",
             _format_eta(eta))
 

@@ -1,0 +1,171 @@
+"""What the trainer trains: a task pairs a pipelined model with its data and its metrics.
+
+The trainer (:mod:`tpipe.train.trainer`) and the experiment builder
+(:mod:`tpipe.train.experiment`) are the same for every task; ``config.task`` picks one of:
+
+* ``"lm"`` (:class:`LanguageModelling`): the byte-level decoder LM on the Python standard
+  library's source (``configs/lm.py``); batches ``{"inputs", "targets"}``, metric: loss.
+* ``"image_classification"`` (:class:`ImageClassification`): the ResNet-style convnet with
+  BatchNorm on the UCI handwritten digits (``configs/convnet.py``); batches
+  ``{"images", "labels"}`` (evaluation adds ``"mask"``), metrics: loss and accuracy.
+
+In both the model is a :class:`tpipe.Sequential` whose last layer returns one loss per example
+when given the labels, and logits without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+import tpipe
+from tpipe.train import convnet
+from tpipe.train import data as text_data
+from tpipe.train import images
+from tpipe.train import models
+
+
+def _check_int(config, name: str, minimum: int = 1) -> None:
+  value = config.get(name)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"config.{name} must be an int, got {value!r}.")
+  if value < minimum:
+    raise ValueError(f"config.{name} must be >= {minimum}, got {value}.")
+
+
+@dataclasses.dataclass
+class TaskData:
+  """A task's data for one run.
+
+  Attributes:
+    train: a checkpointable iterator of global training batches (``get_state``/``set_state``).
+    eval_batches: the evaluation batches (host arrays), each with the training batch's shapes
+      plus a bool ``mask`` ``[batch]`` (False on padding).
+    spec: what the saved iterator position means (config fields, a hash of the data); a
+      resumed run must see the same.
+  """
+
+  train: Iterator[dict[str, np.ndarray]]
+  eval_batches: list[dict[str, np.ndarray]]
+  spec: dict[str, Any]
+
+
+class LanguageModelling:
+  """Next-byte prediction with :func:`tpipe.train.models.decoder_lm`."""
+
+  name = "lm"
+  fields = ("num_layers", "width", "num_heads", "mlp_dim", "seq_len", "dropout",
+            "max_corpus_bytes", "eval_fraction", "eval_batches")
+  data_fields = ("batch_size", "seq_len", "seed", "max_corpus_bytes", "eval_fraction")
+  train_keywords = {"deterministic": False}
+  measures_accuracy = False
+
+  def validate(self, config) -> None:
+    for name in ("num_layers", "width", "num_heads", "mlp_dim", "seq_len", "max_corpus_bytes",
+                 "eval_batches"):
+      _check_int(config, name)
+    if not 0.0 < config.get("eval_fraction", 0.0) < 1.0:
+      raise ValueError(f"config.eval_fraction must be in (0, 1), got {config.eval_fraction!r}.")
+    smallest = 16 * (config.seq_len + 1)  # What data.TextData.load accepts.
+    if config.max_corpus_bytes < smallest:
+      raise ValueError(
+          f"config.max_corpus_bytes={config.max_corpus_bytes} is too small for "
+          f"config.seq_len={config.seq_len}; use at least {smallest} (a few MB is typical).")
+
+  def make_model(self, config, mesh, balance) -> tpipe.Sequential:
+    return models.decoder_lm(
+        num_layers=config.num_layers, width=config.width, num_heads=config.num_heads,
+        mlp_dim=config.mlp_dim, max_len=config.seq_len,
+        vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
+        dropout_rate=float(config.dropout), num_stages=config.num_stages,
+        num_microbatches=config.num_microbatches, schedule=config.schedule,
+        num_repeats=config.num_repeats, remat=config.remat, balance=balance, mesh=mesh,
+        dtype=jnp.dtype(config.dtype), param_dtype=jnp.float32)
+
+  def batch_shapes(self, config) -> dict[str, jax.ShapeDtypeStruct]:
+    shape = (config.batch_size, config.seq_len)
+    return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
+            "targets": jax.ShapeDtypeStruct(shape, jnp.int32)}
+
+  def model_inputs(self, batch) -> tuple[Any, dict[str, Any]]:
+    return batch["inputs"], {"targets": batch["targets"]}
+
+  def load_data(self, config) -> TaskData:
+    train, held_out = text_data.TextData.load(
+        seq_len=config.seq_len, max_bytes=config.max_corpus_bytes,
+        eval_fraction=config.eval_fraction)
+    spec = {name: config[name] for name in self.data_fields}
+    spec["corpus_sha256"] = hashlib.sha256(train.tokens.tobytes()).hexdigest()
+    batches = text_data.eval_batches(held_out, batch_size=config.batch_size,
+                                     num_batches=config.eval_batches)
+    batches = [dict(b, mask=np.ones(config.batch_size, bool)) for b in batches]
+    return TaskData(train=text_data.train_iterator(train, batch_size=config.batch_size,
+                                                   seed=config.seed),
+                    eval_batches=batches, spec=spec)
+
+
+class ImageClassification:
+  """Digit classification with the ResNet-style :mod:`tpipe.train.convnet` and BatchNorm."""
+
+  name = "image_classification"
+  fields = ("width", "stage_sizes", "num_test", "max_shift", "bn_momentum")
+  data_fields = ("batch_size", "seed", "num_test", "max_shift")
+  train_keywords = {"train": True}
+  measures_accuracy = True
+
+  def validate(self, config) -> None:
+    _check_int(config, "width")
+    _check_int(config, "num_test")
+    _check_int(config, "max_shift", minimum=0)
+    sizes = tuple(config.stage_sizes)
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+      raise ValueError(f"config.stage_sizes must be ints >= 1, got {config.stage_sizes!r}.")
+    if not 0.0 <= config.bn_momentum < 1.0:
+      raise ValueError(f"config.bn_momentum must be in [0, 1), got {config.bn_momentum!r}.")
+
+  def make_model(self, config, mesh, balance) -> tpipe.Sequential:
+    layers = convnet.resnet_layers(width=config.width, stage_sizes=tuple(config.stage_sizes),
+                                   bn_momentum=config.bn_momentum,
+                                   dtype=jnp.dtype(config.dtype), param_dtype=jnp.float32)
+    return tpipe.Sequential(layers, num_stages=config.num_stages,
+                            num_microbatches=config.num_microbatches, schedule=config.schedule,
+                            num_repeats=config.num_repeats, balance=balance, remat=config.remat,
+                            per_example=("labels",), mesh=mesh)
+
+  def batch_shapes(self, config) -> dict[str, jax.ShapeDtypeStruct]:
+    return {"images": jax.ShapeDtypeStruct((config.batch_size,) + images.IMAGE_SHAPE,
+                                           jnp.float32),
+            "labels": jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)}
+
+  def model_inputs(self, batch) -> tuple[Any, dict[str, Any]]:
+    return batch["images"], {"labels": batch["labels"]}
+
+  def correct(self, logits, batch):
+    """1 where the most likely class is the label, else 0."""
+    return (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
+
+  def load_data(self, config) -> TaskData:
+    train, test = images.DigitsData.load(num_test=config.num_test, seed=config.seed)
+    spec = {name: config[name] for name in self.data_fields}
+    spec["data_sha256"] = hashlib.sha256(train.images.tobytes()).hexdigest()
+    return TaskData(train=images.train_iterator(train, batch_size=config.batch_size,
+                                                seed=config.seed, max_shift=config.max_shift),
+                    eval_batches=images.eval_batches(test, batch_size=config.batch_size),
+                    spec=spec)
+
+
+TASKS = {task.name: task for task in (LanguageModelling(), ImageClassification())}
+
+
+def get_task(config: ml_collections.ConfigDict):
+  """The task ``config.task`` names (``"lm"`` when the field is absent)."""
+  name = config.get("task", "lm")
+  if name not in TASKS:
+    raise ValueError(f"config.task={name!r} is not one of {sorted(TASKS)}.")
+  return TASKS[name]
