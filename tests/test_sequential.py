@@ -6,6 +6,10 @@ changes at every layer, a small CNN whose layers change resolution and channels,
 embedding -> repeated blocks -> head-and-loss with per-example targets, and a pytree whose
 structure changes between layers. Every (stages, micro-batches in {1, 2S}, data, schedule)
 combination that fits 8 devices runs; models, remat policies and balances rotate over the cases.
+
+Balances by measured cost ("flops", "time") measure each distinct layer once, and split as
+:func:`tpipe.partition.balanced_split` of what they measured; the tests never depend on how
+precise a timing is.
 """
 
 import functools
@@ -18,6 +22,8 @@ import pytest
 
 import tpipe
 from tests import numerics
+from tpipe import partition
+from tpipe.core import unit_cost
 
 BATCH = 16
 VOCAB = 11
@@ -286,11 +292,87 @@ def test_flops_balance_gives_the_heavy_layer_a_stage_of_its_own():
   assert "layers_1" in rows["0"] and "layers_3" in rows["2"], summary
 
 
+@pytest.fixture
+def measurements(monkeypatch):
+  """Every unit measurement as (kind, cost), in order, starting from an empty cost cache."""
+  calls = []
+  measure = unit_cost.measure
+
+  def recording(kind, *args):
+    calls.append((kind, measure(kind, *args)))
+    return calls[-1][1]
+
+  monkeypatch.setattr(unit_cost, "measure", recording)
+  monkeypatch.setattr(unit_cost, "_CACHE", {})
+  return calls
+
+
+def _counts(layout):
+  return tuple(sum(g.stop - g.start for g in chunk) for chunk in layout.groups)
+
+
+class Heavy(nn.Module):
+  """8 -> 1024 -> 1024 -> 8: hundreds of times the work of an 8 -> 8 Dense on the same input."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(8)(jnp.tanh(nn.Dense(1024)(jnp.tanh(nn.Dense(1024)(x)))))
+
+
+def test_time_balance_gives_the_heavy_layer_a_stage_of_its_own(measurements):
+  layers = [nn.Dense(8)] * 3 + [Heavy()] + [nn.Dense(8)] * 2
+  model = tpipe.Sequential(layers, num_stages=3, num_microbatches=1, balance="time")
+  layout = model.stage_layout(jnp.ones((BATCH, 8)))
+  # The five equal Dense layers share one measurement.
+  assert [kind for kind, _ in measurements] == ["time", "time"], measurements
+  light, heavy = (cost for _, cost in measurements)
+  assert light > 0 and heavy > 0
+  assert _counts(layout) == partition.balanced_split([light] * 3 + [heavy] + [light] * 2, 3)
+  alone = [chunk for chunk in layout.groups if [g.layer for g in chunk] == [3]]
+  assert len(alone) == 1, (layout.groups, measurements)
+
+
+@pytest.mark.parametrize("balance", ["flops", "time"])
+def test_costs_are_measured_once_per_distinct_layer_and_shapes(measurements, balance):
+  layers, x, _, _, _ = _model("mlp")  # DenseAct(16), Repeat(Residual(), 12), DenseAct(32), ...
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=2, balance=balance,
+                           mesh=tpipe.make_mesh(stages=2))
+  variables = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x)
+  # Five layers, five measurements: the Repeat once, for one copy, though it is 12 units.
+  assert len(measurements) == 5 and all(kind == balance for kind, _ in measurements)
+  costs = [cost for _, cost in measurements]
+  assert all(cost > 0 for cost in costs), costs
+  layout = model.stage_layout(x)
+  unit_costs = costs[:1] + costs[1:2] * 12 + costs[2:]
+  assert _counts(layout) == partition.balanced_split(unit_costs, 2)
+  # Tracing again (apply, under jit or not; another layout or summary) measures nothing.
+  jax.eval_shape(model.apply, variables, x)
+  jax.eval_shape(jax.jit(model.apply), variables, x)
+  model.partition_summary(variables, x)
+  assert len(measurements) == 5
+  # Another micro-batch size is another input shape: measured again.
+  model.clone(num_microbatches=4).stage_layout(x)
+  assert len(measurements) == 10
+
+
+def test_explicit_balance_summary_shows_parameter_counts():
+  layers = [nn.Dense(8), nn.Dense(8), Wide(), nn.Dense(8)]
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=1, balance=[3, 1],
+                           mesh=tpipe.make_mesh(stages=2))
+  x = jnp.ones((BATCH, 8))
+  variables = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x)
+  summary = model.partition_summary(variables, x)
+  rows = {line.split()[0]: line.split() for line in summary.splitlines()
+          if line.split()[0].isdigit()}
+  dense, wide = 8 * 8 + 8, 8 * 512 + 512 + 512 * 8 + 8
+  assert rows["0"][-2] == f"{2 * dense + wide:,}" and rows["1"][-2] == f"{dense:,}", summary
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(layers=[]), TypeError, "non-empty list of layers"),
     (dict(layers=[nn.Dense]), TypeError, r"layers\[0\] is .*Module instance or a tpipe.Repeat"),
     (dict(layers=[nn.Dense(2)] * 3, num_stages=4), ValueError, "3 layer units but"),
-    (dict(balance="time"), ValueError, "Unknown balance 'time'"),
+    (dict(balance="speed"), ValueError, "Unknown balance 'speed'"),
     (dict(balance=[3, 3]), ValueError, "sums to 6"),
     (dict(balance=[4, 0]), ValueError, "at least one"),
     (dict(per_example=("mask",)), ValueError, "per_example names 'mask', which no layer"),
