@@ -7,9 +7,10 @@ embedding -> repeated blocks -> head-and-loss with per-example targets, and a py
 structure changes between layers. Every (stages, micro-batches in {1, 2S}, data, schedule)
 combination that fits 8 devices runs; models, remat policies and balances rotate over the cases.
 
-Balances by measured cost ("flops", "time") measure each distinct layer once, and split as
-:func:`tpipe.partition.balanced_split` of what they measured; the tests never depend on how
-precise a timing is.
+Parameters in the executor's stage layout ("staged") give the same outputs and gradients as
+logical ones, bit for bit, and convert back exactly. Balances by measured cost ("flops", "time")
+measure each distinct layer once, and split as :func:`tpipe.partition.balanced_split` of what they
+measured; the tests never depend on how precise a timing is.
 """
 
 import functools
@@ -270,6 +271,93 @@ def test_params_use_the_logical_layout_whatever_the_pipeline():
     jax.tree.map(np.testing.assert_array_equal, tree, trees[0])
   kernels = trees[0]["layers_1"]["Dense_0"]["kernel"]
   assert not np.allclose(kernels[0], kernels[1]), "each copy needs its own initial values"
+
+
+@functools.cache
+def _random_params(name):
+  """Logical params of model ``name``, every element its own random value. Cheap: the shapes come
+  from an abstract init and the values from NumPy (eager jax.random would compile per shape)."""
+  layers, x, kwargs, per_example, _ = _model(name)
+  model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, per_example=per_example)
+  shapes = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x, **kwargs)["params"]
+  rng = np.random.default_rng(7)
+  return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype), shapes)
+
+
+# Each model meets both schedules and each schedule both data sizes (a full product costs twice
+# the compile time and covers nothing the layout depends on).
+@pytest.mark.parametrize("name,schedule,data", [("mlp", "gpipe", 1), ("mlp", "circular", 2),
+                                                ("lm", "gpipe", 2), ("lm", "circular", 1)])
+def test_staged_params_give_the_same_outputs_and_gradients(name, schedule, data):
+  """The staged path runs the program the logical path runs after packing its params, so outputs
+  and gradients (converted back with to_logical) are equal bit for bit."""
+  layers, x, kwargs, per_example, float_input = _model(name)
+  params = _random_params(name)
+  repeats = 2 if schedule == "circular" else 1
+  mesh = tpipe.make_mesh(stages=2, data=data)
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=2, schedule=schedule,
+                           num_repeats=repeats, remat="none", per_example=per_example,
+                           mesh=mesh)
+  layout = model.stage_layout(x, **kwargs)
+  fixed = model.with_split(layout)
+  x, kwargs = jax.device_put((x, kwargs), tpipe.data_sharding(mesh))
+  logical = jax.jit(_loss(lambda p, x, **kw: model.apply({"params": p}, x, **kw), float_input))
+  staged = jax.jit(_loss(lambda s, x, **kw: fixed.apply({"params": {"staged": s}}, x, **kw),
+                         float_input))
+  (loss, y), grads = logical(params, x, kwargs)
+  (staged_loss, staged_y), staged_grads = staged(jax.jit(layout.to_staged)(params), x, kwargs)
+  to_logical = jax.jit(layout.to_logical)
+  staged_grads = ((to_logical(staged_grads[0]), staged_grads[1]) if float_input
+                  else to_logical(staged_grads))
+  np.testing.assert_array_equal(staged_loss, loss)
+  jax.tree.map(np.testing.assert_array_equal, staged_y, y)
+  assert jax.tree.structure(staged_grads) == jax.tree.structure(grads)
+  jax.tree.map(np.testing.assert_array_equal, staged_grads, grads)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_to_logical_inverts_to_staged_exactly(name):
+  layers, x, kwargs, per_example, _ = _model(name)
+  params = _random_params(name)
+  units = sum(l.n if isinstance(l, tpipe.Repeat) else 1 for l in layers)
+  for stages, schedule, repeats, balance in ((1, "gpipe", 1, "params"), (2, "gpipe", 1, "params"),
+                                             (4, "circular", 2, [1] * 7 + [units - 7])):
+    model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=1, schedule=schedule,
+                             num_repeats=repeats, balance=balance, per_example=per_example)
+    layout = model.stage_layout(x, **kwargs)
+    # Jitted one at a time (eager dispatch compiles every small op; XLA sees no pair to cancel).
+    staged = jax.jit(layout.to_staged)(params)
+    assert {k: v.shape for k, v in staged.items()} == {
+        k: a.shape for k, a in layout.staged_shapes().items()}
+    back = jax.jit(layout.to_logical)(staged)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+      assert got.dtype == want.dtype
+      np.testing.assert_array_equal(got, want)
+
+
+def test_staged_params_made_for_another_split_are_rejected():
+  layers, x, _, _, _ = _model("mlp")
+  params = _random_params("mlp")
+  make = lambda stages: tpipe.Sequential(layers, num_stages=stages, num_microbatches=1,
+                                         mesh=tpipe.make_mesh(stages=stages))
+  staged = jax.eval_shape(make(4).stage_layout(x).to_staged, params)
+  with pytest.raises(ValueError, match=r"have buffers \{'float32': \(1, 4, \d+\)\}, but this "
+                                       r"model's stage layout needs \{'float32': \(1, 2, \d+\)\}"
+                                       r".*made for another split"):
+    jax.eval_shape(make(2).apply, {"params": {"staged": staged}}, x)
+
+
+def test_logical_and_staged_params_do_not_mix():
+  layers, x, _, _, _ = _model("mlp")
+  params = _random_params("mlp")
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=1,
+                           mesh=tpipe.make_mesh(stages=2))
+  mixed = {"staged": jax.eval_shape(model.stage_layout(x).to_staged, params),
+           "layers_0": params["layers_0"]}
+  with pytest.raises(ValueError, match=r"params hold \['layers_0', 'staged'\]; staged params "
+                                       r"are .* alone"):
+    jax.eval_shape(model.apply, {"params": mixed}, x)
 
 
 class Wide(nn.Module):
