@@ -86,8 +86,9 @@ def get_config(arg=None):
   config.num_repeats = 1
   config.remat = "none" if size in ("tiny", "small") else "full"
   # How the layers (embedding, blocks, head with the loss) are cut into stages: "flops"
-  # (forward+backward FLOPs per layer), "params", or unit counts per chunk such as "3,2,2,3"
-  # (the embedding and the head count one unit each, every block one).
+  # (forward+backward FLOPs per layer), "params", "time" (measured; for real accelerators, noisy
+  # on CPU), or unit counts per chunk such as "3,2,2,3" (the embedding and the head count one unit
+  # each, every block one).
   config.balance = "flops"
   config.vocab_size = 256  # Byte values.
 

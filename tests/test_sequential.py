@@ -6,6 +6,11 @@ changes at every layer, a small CNN whose layers change resolution and channels,
 embedding -> repeated blocks -> head-and-loss with per-example targets, and a pytree whose
 structure changes between layers. Every (stages, micro-batches in {1, 2S}, data, schedule)
 combination that fits 8 devices runs; models, remat policies and balances rotate over the cases.
+
+Parameters in the executor's stage layout ("staged") give the same outputs and gradients as
+logical ones, bit for bit, and convert back exactly. Balances by measured cost ("flops", "time")
+measure each distinct layer once, and split as :func:`tpipe.partition.balanced_split` of what they
+measured; the tests never depend on how precise a timing is.
 """
 
 import functools
@@ -18,6 +23,8 @@ import pytest
 
 import tpipe
 from tests import numerics
+from tpipe import partition
+from tpipe.core import unit_cost
 
 BATCH = 16
 VOCAB = 11
@@ -266,6 +273,93 @@ def test_params_use_the_logical_layout_whatever_the_pipeline():
   assert not np.allclose(kernels[0], kernels[1]), "each copy needs its own initial values"
 
 
+@functools.cache
+def _random_params(name):
+  """Logical params of model ``name``, every element its own random value. Cheap: the shapes come
+  from an abstract init and the values from NumPy (eager jax.random would compile per shape)."""
+  layers, x, kwargs, per_example, _ = _model(name)
+  model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, per_example=per_example)
+  shapes = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x, **kwargs)["params"]
+  rng = np.random.default_rng(7)
+  return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype), shapes)
+
+
+# Each model meets both schedules and each schedule both data sizes (a full product costs twice
+# the compile time and covers nothing the layout depends on).
+@pytest.mark.parametrize("name,schedule,data", [("mlp", "gpipe", 1), ("mlp", "circular", 2),
+                                                ("lm", "gpipe", 2), ("lm", "circular", 1)])
+def test_staged_params_give_the_same_outputs_and_gradients(name, schedule, data):
+  """The staged path runs the program the logical path runs after packing its params, so outputs
+  and gradients (converted back with to_logical) are equal bit for bit."""
+  layers, x, kwargs, per_example, float_input = _model(name)
+  params = _random_params(name)
+  repeats = 2 if schedule == "circular" else 1
+  mesh = tpipe.make_mesh(stages=2, data=data)
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=2, schedule=schedule,
+                           num_repeats=repeats, remat="none", per_example=per_example,
+                           mesh=mesh)
+  layout = model.stage_layout(x, **kwargs)
+  fixed = model.with_split(layout)
+  x, kwargs = jax.device_put((x, kwargs), tpipe.data_sharding(mesh))
+  logical = jax.jit(_loss(lambda p, x, **kw: model.apply({"params": p}, x, **kw), float_input))
+  staged = jax.jit(_loss(lambda s, x, **kw: fixed.apply({"params": {"staged": s}}, x, **kw),
+                         float_input))
+  (loss, y), grads = logical(params, x, kwargs)
+  (staged_loss, staged_y), staged_grads = staged(jax.jit(layout.to_staged)(params), x, kwargs)
+  to_logical = jax.jit(layout.to_logical)
+  staged_grads = ((to_logical(staged_grads[0]), staged_grads[1]) if float_input
+                  else to_logical(staged_grads))
+  np.testing.assert_array_equal(staged_loss, loss)
+  jax.tree.map(np.testing.assert_array_equal, staged_y, y)
+  assert jax.tree.structure(staged_grads) == jax.tree.structure(grads)
+  jax.tree.map(np.testing.assert_array_equal, staged_grads, grads)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_to_logical_inverts_to_staged_exactly(name):
+  layers, x, kwargs, per_example, _ = _model(name)
+  params = _random_params(name)
+  units = sum(l.n if isinstance(l, tpipe.Repeat) else 1 for l in layers)
+  for stages, schedule, repeats, balance in ((1, "gpipe", 1, "params"), (2, "gpipe", 1, "params"),
+                                             (4, "circular", 2, [1] * 7 + [units - 7])):
+    model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=1, schedule=schedule,
+                             num_repeats=repeats, balance=balance, per_example=per_example)
+    layout = model.stage_layout(x, **kwargs)
+    # Jitted one at a time (eager dispatch compiles every small op; XLA sees no pair to cancel).
+    staged = jax.jit(layout.to_staged)(params)
+    assert {k: v.shape for k, v in staged.items()} == {
+        k: a.shape for k, a in layout.staged_shapes().items()}
+    back = jax.jit(layout.to_logical)(staged)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+      assert got.dtype == want.dtype
+      np.testing.assert_array_equal(got, want)
+
+
+def test_staged_params_made_for_another_split_are_rejected():
+  layers, x, _, _, _ = _model("mlp")
+  params = _random_params("mlp")
+  make = lambda stages: tpipe.Sequential(layers, num_stages=stages, num_microbatches=1,
+                                         mesh=tpipe.make_mesh(stages=stages))
+  staged = jax.eval_shape(make(4).stage_layout(x).to_staged, params)
+  with pytest.raises(ValueError, match=r"have buffers \{'float32': \(1, 4, \d+\)\}, but this "
+                                       r"model's stage layout needs \{'float32': \(1, 2, \d+\)\}"
+                                       r".*made for another split"):
+    jax.eval_shape(make(2).apply, {"params": {"staged": staged}}, x)
+
+
+def test_logical_and_staged_params_do_not_mix():
+  layers, x, _, _, _ = _model("mlp")
+  params = _random_params("mlp")
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=1,
+                           mesh=tpipe.make_mesh(stages=2))
+  mixed = {"staged": jax.eval_shape(model.stage_layout(x).to_staged, params),
+           "layers_0": params["layers_0"]}
+  with pytest.raises(ValueError, match=r"params hold \['layers_0', 'staged'\]; staged params "
+                                       r"are .* alone"):
+    jax.eval_shape(model.apply, {"params": mixed}, x)
+
+
 class Wide(nn.Module):
   """8 -> 512 -> 8: about 64 times the FLOPs of an 8 -> 8 Dense, with the same input and output."""
 
@@ -286,11 +380,87 @@ def test_flops_balance_gives_the_heavy_layer_a_stage_of_its_own():
   assert "layers_1" in rows["0"] and "layers_3" in rows["2"], summary
 
 
+@pytest.fixture
+def measurements(monkeypatch):
+  """Every unit measurement as (kind, cost), in order, starting from an empty cost cache."""
+  calls = []
+  measure = unit_cost.measure
+
+  def recording(kind, *args):
+    calls.append((kind, measure(kind, *args)))
+    return calls[-1][1]
+
+  monkeypatch.setattr(unit_cost, "measure", recording)
+  monkeypatch.setattr(unit_cost, "_CACHE", {})
+  return calls
+
+
+def _counts(layout):
+  return tuple(sum(g.stop - g.start for g in chunk) for chunk in layout.groups)
+
+
+class Heavy(nn.Module):
+  """8 -> 1024 -> 1024 -> 8: hundreds of times the work of an 8 -> 8 Dense on the same input."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(8)(jnp.tanh(nn.Dense(1024)(jnp.tanh(nn.Dense(1024)(x)))))
+
+
+def test_time_balance_gives_the_heavy_layer_a_stage_of_its_own(measurements):
+  layers = [nn.Dense(8)] * 3 + [Heavy()] + [nn.Dense(8)] * 2
+  model = tpipe.Sequential(layers, num_stages=3, num_microbatches=1, balance="time")
+  layout = model.stage_layout(jnp.ones((BATCH, 8)))
+  # The five equal Dense layers share one measurement.
+  assert [kind for kind, _ in measurements] == ["time", "time"], measurements
+  light, heavy = (cost for _, cost in measurements)
+  assert light > 0 and heavy > 0
+  assert _counts(layout) == partition.balanced_split([light] * 3 + [heavy] + [light] * 2, 3)
+  alone = [chunk for chunk in layout.groups if [g.layer for g in chunk] == [3]]
+  assert len(alone) == 1, (layout.groups, measurements)
+
+
+@pytest.mark.parametrize("balance", ["flops", "time"])
+def test_costs_are_measured_once_per_distinct_layer_and_shapes(measurements, balance):
+  layers, x, _, _, _ = _model("mlp")  # DenseAct(16), Repeat(Residual(), 12), DenseAct(32), ...
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=2, balance=balance,
+                           mesh=tpipe.make_mesh(stages=2))
+  variables = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x)
+  # Five layers, five measurements: the Repeat once, for one copy, though it is 12 units.
+  assert len(measurements) == 5 and all(kind == balance for kind, _ in measurements)
+  costs = [cost for _, cost in measurements]
+  assert all(cost > 0 for cost in costs), costs
+  layout = model.stage_layout(x)
+  unit_costs = costs[:1] + costs[1:2] * 12 + costs[2:]
+  assert _counts(layout) == partition.balanced_split(unit_costs, 2)
+  # Tracing again (apply, under jit or not; another layout or summary) measures nothing.
+  jax.eval_shape(model.apply, variables, x)
+  jax.eval_shape(jax.jit(model.apply), variables, x)
+  model.partition_summary(variables, x)
+  assert len(measurements) == 5
+  # Another micro-batch size is another input shape: measured again.
+  model.clone(num_microbatches=4).stage_layout(x)
+  assert len(measurements) == 10
+
+
+def test_explicit_balance_summary_shows_parameter_counts():
+  layers = [nn.Dense(8), nn.Dense(8), Wide(), nn.Dense(8)]
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=1, balance=[3, 1],
+                           mesh=tpipe.make_mesh(stages=2))
+  x = jnp.ones((BATCH, 8))
+  variables = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x)
+  summary = model.partition_summary(variables, x)
+  rows = {line.split()[0]: line.split() for line in summary.splitlines()
+          if line.split()[0].isdigit()}
+  dense, wide = 8 * 8 + 8, 8 * 512 + 512 + 512 * 8 + 8
+  assert rows["0"][-2] == f"{2 * dense + wide:,}" and rows["1"][-2] == f"{dense:,}", summary
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(layers=[]), TypeError, "non-empty list of layers"),
     (dict(layers=[nn.Dense]), TypeError, r"layers\[0\] is .*Module instance or a tpipe.Repeat"),
     (dict(layers=[nn.Dense(2)] * 3, num_stages=4), ValueError, "3 layer units but"),
-    (dict(balance="time"), ValueError, "Unknown balance 'time'"),
+    (dict(balance="speed"), ValueError, "Unknown balance 'speed'"),
     (dict(balance=[3, 3]), ValueError, "sums to 6"),
     (dict(balance=[4, 0]), ValueError, "at least one"),
     (dict(per_example=("mask",)), ValueError, "per_example names 'mask', which no layer"),

@@ -51,10 +51,11 @@ from tpipe.core import gated
 from tpipe.core import packing
 from tpipe.core import stage as stage_lib
 from tpipe.core import stage_layout as stage_layout_lib
+from tpipe.core import unit_cost
 from tpipe.linen import transform
 from tpipe.parallel import mesh as mesh_lib
 
-BALANCE_NAMES = ("params", "flops")
+BALANCE_NAMES = ("params", "flops", "time")
 _OWNER = "tpipe.Sequential"
 # The params key of staged parameters: {"staged": {dtype: [R, S, n]}} (see stage_layout()).
 STAGED = "staged"
@@ -148,9 +149,15 @@ class Sequential(nn.Module):
     num_repeats: chunks per stage R (``"circular"`` only).
     balance: how the ``S * R`` chunks are chosen: ``"params"`` (parameter count per unit),
       ``"flops"`` (XLA's cost analysis of each unit's forward and backward on one micro-batch;
-      it counts a loop body once and a conditional as its costliest branch), or an explicit list
-      of how many units each chunk gets (a ``Repeat`` of n is n units). The split is the optimal
-      contiguous min-max partition of the costs (:func:`tpipe.partition.balanced_split`).
+      it counts a loop body once and a conditional as its costliest branch), ``"time"`` (the
+      measured wall time of that forward and backward: the median of several runs after a
+      warm-up; meant for real accelerators, and noisy where other work shares the device, as on
+      CPUs, so the split may differ between runs), or an explicit list of how many units each
+      chunk gets (a ``Repeat`` of n is n units). A Repeat's FLOPs or time are measured once, for
+      one copy, and count for each of its n units; both are cached per distinct layer and shapes
+      (:mod:`tpipe.core.unit_cost`), so tracing again neither compiles nor measures again. The
+      split is the optimal contiguous min-max partition of the costs
+      (:func:`tpipe.partition.balanced_split`).
     remat: ``"none"``, ``"full"``, ``"dots"`` or a ``jax.checkpoint`` policy, per chunk.
     per_example: names of keyword arguments whose arrays carry the batch as leading axis; they
       are split into micro-batches with ``x``. Other keyword arrays are broadcast; non-array
@@ -258,29 +265,41 @@ class Sequential(nn.Module):
   # ------------------------------------------------------------------------------------------
   # Planning: unit costs and the split into chunks.
 
-  def _unit_costs(self, params_shapes, in_shapes, split, side, rng_names) -> tuple[float, ...]:
+  def _unit_costs(self, kind, params_shapes, in_shapes, split, side,
+                  rng_names) -> tuple[float, ...]:
+    """The cost of every unit under ``kind`` (``"params"``, ``"flops"`` or ``"time"``).
+
+    A Repeat's copies are measured once, as one copy, and count that cost each. FLOPs and times
+    are cached per distinct layer, input and keywords (:func:`tpipe.core.unit_cost.cost`), so
+    tracing again (init, then apply) neither compiles nor measures again.
+    """
     costs = []
     for i, layer in enumerate(self._layer_list()):
       n = layer.n if isinstance(layer, Repeat) else 1
       one = params_shapes[f"layers_{i}"]
       if isinstance(layer, Repeat):
         one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), one)
-      if self.balance == "params":
+      if kind == "params":
         cost = float(sum(np.prod(a.shape) for a in jax.tree.leaves(one)))
       else:
-        cost = _layer_flops(self._layer_apply(i, split, rng_names), one, in_shapes[i], side)
+        # What the layer's program depends on besides the shapes of its params and input.
+        keywords = unit_cost.abstract_key(self._keywords_for(i, split, *side))
+        identity = (_template(layer), keywords, tuple(rng_names))
+        cost = unit_cost.cost(kind, self._layer_apply(i, split, rng_names), one, in_shapes[i],
+                              side, identity=identity)
       costs += [cost] * n
     return tuple(costs)
 
   def plan(self, params_shapes, in_shapes, split, side, rng_names=()) -> Plan:
     """Chooses the chunks (see :class:`Plan`); ``in_shapes[i]`` is layer i's abstract input and
-    ``side`` the abstract (broadcast, per-example micro-batch) arrays."""
+    ``side`` the abstract (broadcast, per-example micro-batch) arrays. With an explicit list
+    balance the costs shown are parameter counts."""
     num_chunks = self.num_stages * self.num_repeats
     if isinstance(self.balance, str):
-      costs = self._unit_costs(params_shapes, in_shapes, split, side, rng_names)
+      costs = self._unit_costs(self.balance, params_shapes, in_shapes, split, side, rng_names)
       counts = partition.balanced_split(costs, num_chunks)
     else:
-      costs = tuple(1.0 for _ in range(self.num_units()))
+      costs = self._unit_costs("params", params_shapes, in_shapes, split, side, rng_names)
       counts = partition.check_balance(self.balance, self.num_units(), num_chunks)
     copies = [l.n if isinstance(l, Repeat) else None for l in self._layer_list()]
     groups = stage_layout_lib.group_units(copies, counts)
@@ -329,8 +348,9 @@ class Sequential(nn.Module):
     A training state kept in it needs no re-layout in the step: pass
     ``{"params": {"staged": layout.to_staged(params)}}`` as the variables. The layout is tied to
     the split into chunks; with ``balance="params"``/``"flops"`` the split can depend on the input
-    shapes, so build the model that uses staged params with :meth:`with_split` (the explicit unit
-    counts of this layout).
+    shapes, and with ``"time"`` on the measurement (the same within a process, where costs are
+    cached, but not between runs), so build the model that uses staged params with
+    :meth:`with_split` (the explicit unit counts of this layout).
     """
     x_micro, split, side = self._abstract_call(x, kwargs)
     param_shapes = self._logical_shapes(x_micro, split, side)
@@ -355,7 +375,9 @@ class Sequential(nn.Module):
     return self.clone(balance=counts)
 
   def partition_summary(self, variables, x, **kwargs) -> str:
-    """Which units each chunk holds and its cost, for ``variables`` and an input like ``x``."""
+    """Which units each chunk holds and its cost, for ``variables`` and an input like ``x``.
+
+    The cost is what ``balance`` names; for an explicit list it is the parameter count."""
     x_micro, split, side = self._abstract_call(x, kwargs)
     params = nn.meta.unbox(variables["params"])
     param_shapes = (self._logical_shapes(x_micro, split, side) if STAGED in params
@@ -734,16 +756,3 @@ def _types(tree):
 def _same_type(a, b) -> bool:
   return jax.tree.structure(a) == jax.tree.structure(b) and _types(a) == _types(b)
 
-
-def _layer_flops(layer_apply, params_shapes, in_shape, side) -> float:
-  """FLOPs of one unit's forward and backward on one micro-batch (XLA's cost analysis)."""
-
-  def forward_backward(params, h, side):
-    out, vjp = jax.vjp(lambda p: layer_apply(p, h, *side), params)
-    return vjp(jax.tree.map(jnp.ones_like, out))
-
-  compiled = jax.jit(forward_backward).lower(params_shapes, in_shape, side).compile()
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else {}
-  return float((cost or {}).get("flops", 0.0))

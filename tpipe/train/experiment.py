@@ -102,10 +102,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 def parse_balance(balance) -> Any:
-  """``config.balance``: ``"params"``, ``"flops"``, or unit counts per chunk as ``"3,4,4,3"``."""
+  """``config.balance``: ``"params"``, ``"flops"``, ``"time"``, or unit counts per chunk as
+  ``"3,4,4,3"``."""
   if not isinstance(balance, str):
-    raise TypeError(f"config.balance must be a string, got {balance!r}; write 'flops', 'params' "
-                    "or unit counts per chunk such as '3,4,4,3'.")
+    raise TypeError(f"config.balance must be a string, got {balance!r}; write 'flops', 'params', "
+                    "'time' or unit counts per chunk such as '3,4,4,3'.")
   if balance in sequential.BALANCE_NAMES:
     return balance
   try:

@@ -1,0 +1,143 @@
+"""What one layer unit costs, measured on one micro-batch: FLOPs or wall time, cached.
+
+Balancing a layer sequence by ``"flops"`` or ``"time"`` needs one number per distinct layer: the
+cost of its forward and backward on one micro-batch. Both come from one ahead-of-time compile of
+that computation:
+
+* ``"flops"``: XLA's ``cost_analysis()`` of the compiled program. It counts a loop body once and
+  a conditional as its costliest branch.
+* ``"time"``: the program's wall time, run on example inputs of the right shapes: a few warm-up
+  runs, then the median of several timed runs, each waited for with ``block_until_ready``. Meant
+  for real accelerators. On shared CPUs (and anywhere other work competes) the timings are noisy,
+  so the split they give may differ from run to run.
+
+Costs are cached for the life of the process by :func:`cost`'s key: the cost kind, the backend,
+a description of the layer (its class and fields, keyword arguments, RNG streams) and the abstract
+shapes of its parameters and input. Tracing a model again (``init`` then ``apply``, every
+``apply`` under a new ``jit``) therefore neither compiles nor measures a layer again, and a
+measured split stays the same within the process. :func:`clear_cache` forgets everything.
+
+Example::
+
+  f = lambda params, h, broadcast, per_example: h @ params["w"]
+  params = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+  h = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  flops = cost("flops", f, params, h, ((), ()), identity=("matmul",))
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KINDS = ("flops", "time")
+# "time": untimed runs first (caches, clocks, lazy allocations), then the median of timed runs.
+WARMUP_RUNS = 2
+TIMED_RUNS = 7
+
+_CACHE: dict[Hashable, float] = {}
+
+
+def clear_cache() -> None:
+  """Forgets every cached cost (the next balance by ``"flops"``/``"time"`` measures again)."""
+  _CACHE.clear()
+
+
+def abstract_key(tree) -> Hashable:
+  """A hashable description of a pytree: its structure, each array leaf's shape, dtype and weak
+  type, and every other leaf (a static value) as itself."""
+  leaves, treedef = jax.tree.flatten(tree)
+  described = []
+  for leaf in leaves:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      described.append(("array", tuple(np.shape(leaf)), str(leaf.dtype),
+                        bool(getattr(leaf, "weak_type", False))))
+    else:
+      described.append(("static", leaf))
+  return treedef, tuple(described)
+
+
+def cost(kind: str, layer_apply: Callable, params, h, side, *, identity: Hashable) -> float:
+  """The cost of one unit's forward and backward on one micro-batch, cached.
+
+  Args:
+    kind: ``"flops"`` or ``"time"`` (see the module docstring).
+    layer_apply: ``f(params, h, broadcast, per_example) -> output``.
+    params: the unit's parameters, abstract (``jax.ShapeDtypeStruct``) or arrays.
+    h: its input on one micro-batch, abstract or arrays.
+    side: ``(broadcast, per_example)``, the side inputs ``layer_apply`` takes, abstract.
+    identity: everything ``layer_apply`` depends on besides the shapes of ``params`` and ``h``:
+      for a Flax layer its module (class and fields), the abstract keyword arguments it is given
+      and its RNG stream names. Two calls with equal identities and shapes share one measurement.
+      If it (or a static leaf) cannot be hashed, the cost is measured and not cached.
+
+  Returns:
+    FLOPs, or seconds (the median wall time): a finite float >= 0.
+  """
+  if kind not in KINDS:
+    raise ValueError(f"Unknown cost kind {kind!r}; choose one of {KINDS}.")
+  key = (kind, jax.default_backend(), identity, abstract_key(params), abstract_key(h))
+  try:
+    found = _CACHE.get(key)
+  except TypeError:  # Something in the key cannot be hashed: measure every time.
+    return measure(kind, layer_apply, params, h, side)
+  if found is None:
+    found = _CACHE[key] = measure(kind, layer_apply, params, h, side)
+  return found
+
+
+def measure(kind: str, layer_apply: Callable, params, h, side) -> float:
+  """Compiles one unit's forward and backward once and returns its FLOPs or median seconds.
+
+  Safe to call while tracing (e.g. inside ``jax.jit``): the compile and the timed runs happen
+  eagerly, on concrete example inputs.
+  """
+  abstract = _abstract((params, h, side))
+  compiled = jax.jit(_forward_backward(layer_apply)).lower(*abstract).compile()
+  if kind == "flops":
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+      analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))
+  with jax.ensure_compile_time_eval():
+    args = jax.device_put(_example_arrays(abstract))
+    for _ in range(WARMUP_RUNS):
+      jax.block_until_ready(compiled(*args))
+    seconds = []
+    for _ in range(TIMED_RUNS):
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      seconds.append(time.perf_counter() - start)
+  return float(statistics.median(seconds))
+
+
+def _forward_backward(layer_apply: Callable) -> Callable:
+  """The unit's forward, then its backward with respect to the parameters (cotangent ones)."""
+
+  def forward_backward(params, h, side):
+    out, vjp = jax.vjp(lambda p: layer_apply(p, h, *side), params)
+    return vjp(jax.tree.map(jnp.ones_like, out))
+
+  return forward_backward
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def _example_arrays(abstract) -> Any:
+  """NumPy inputs of the given shapes for timing: standard normal floats (fixed seed), zeros for
+  integers and booleans (valid token ids and indices for any table)."""
+  rng = np.random.default_rng(0)
+
+  def example(a):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+      return rng.standard_normal(a.shape).astype(a.dtype)
+    return np.zeros(a.shape, a.dtype)
+
+  return jax.tree.map(example, abstract)
