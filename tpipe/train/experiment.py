@@ -290,7 +290,8 @@ class Experiment:
 
     model_state = state.model_state
     if model_state is not None:
-      model_state = self.stats_layout.to_logical(model_state[sequential.STAGED])
+      model_state = {k: v for k, v in self.stats_layout.to_logical(
+          model_state[sequential.STAGED]).items() if jax.tree.leaves(v)}  # As Flax names them.
     return _map_param_trees(convert, state.replace(model_state=None), staged_def).replace(
         model_state=model_state)
 
