@@ -1,4 +1,4 @@
-"""Tests for tpipe.tools.analysis and tpipe.tools.hlo on tiny programs whose answers are known by hand."""
+"""Tests for tpipe.tools.analysis and tpipe.tools.hlo on tiny programs with answers known by hand."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Tests for tpipe.train.data: the stdlib byte corpus, its split, windows and checkpointable iterator."""
+"""Tests for tpipe.train.data: the stdlib byte corpus, its split, windows and iterator state."""
 
 import json
 

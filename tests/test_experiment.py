@@ -1,4 +1,4 @@
-"""Tests for tpipe.train.experiment: building the mesh, model and steps from a config; AOT compile."""
+"""Tests for tpipe.train.experiment: the mesh, model and steps from a config; AOT compile."""
 
 import jax
 import jax.numpy as jnp

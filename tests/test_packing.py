@@ -1,4 +1,4 @@
-"""Tests for tpipe.core.packing: exact round trips, padding, gradients, transforms and validation."""
+"""Tests for tpipe.core.packing: exact round trips, padding, gradients, transforms, validation."""
 
 import doctest
 import re

@@ -1,4 +1,4 @@
-"""Tests for tpipe.tools.timeline: the schedule picture has one box per busy slot and a bubble title."""
+"""Tests for tpipe.tools.timeline: one box per busy slot, and a title with the bubble."""
 
 import matplotlib.pyplot as plt
 import pytest

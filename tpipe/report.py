@@ -6,9 +6,9 @@ Usage::
       --config.num_microbatches=32
   python -m tpipe.report --config=configs/lm.py:size=tiny --out_dir=/tmp/report
 
-The training step of the experiment (:func:`tpipe.train.experiment.build`) is lowered and compiled for
-the configured mesh (emulated CPU devices on a CPU-only machine, the real devices on a TPU VM)
-and never run. The printed table gives, per device:
+The training step of the experiment (:func:`tpipe.train.experiment.build`) is lowered and
+compiled for the configured mesh (emulated CPU devices on a CPU-only machine, the real devices on
+a TPU VM) and never run. The printed table gives, per device:
 
 * memory: parameters, optimizer state and batch (the step's arguments, split by their
   shardings), gradients (the size of the parameters, part of XLA's temporaries), activations and

@@ -247,7 +247,8 @@ def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, broadcast: tu
     schedule: the schedule to run.
     mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
     remat: a remat option (see :func:`tpipe.core.stage.resolve_remat`).
-    unroll: layers per iteration of each chunk's layer loop (see :func:`tpipe.core.stage.make_stage_fn`).
+    unroll: layers per iteration of each chunk's layer loop (see
+      :func:`tpipe.core.stage.make_stage_fn`).
     stage_axis: the mesh axis of pipeline stages.
     data_axis: the mesh axis of data-parallel replicas, or None.
 

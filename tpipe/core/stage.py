@@ -6,9 +6,9 @@ the chosen policy: with ``remat="full"`` only the chunk's input is kept for the 
 everything inside is recomputed (GPipe's re-materialization, sec. 2.3 of the paper).
 
 Idle (bubble) ticks compute nothing, forward or backward: the chunk runs through
-:func:`tpipe.core.gated.gated_call` on the tick's busy flag, whose idle branches return zeros. A block
-that is undefined at a zero input (an RMS norm without epsilon) therefore never sees one, and the
-bubble costs no FLOPs.
+:func:`tpipe.core.gated.gated_call` on the tick's busy flag, whose idle branches return zeros.
+A block that is undefined at a zero input (an RMS norm without epsilon) therefore never sees one,
+and the bubble costs no FLOPs.
 
 Random numbers do not depend on the pipeline layout: every layer gets, for every RNG stream,
 ``fold_in(fold_in(key, global_layer_index), global_microbatch_index)``.

@@ -51,7 +51,8 @@ class Group:
   repeated: bool
 
 
-def group_units(copies: Sequence[int | None], counts: Sequence[int]) -> tuple[tuple[Group, ...], ...]:
+def group_units(copies: Sequence[int | None],
+                counts: Sequence[int]) -> tuple[tuple[Group, ...], ...]:
   """Cuts a layer sequence into chunks of ``counts`` units, grouped by layer.
 
   Args:

@@ -10,14 +10,22 @@ How it runs, in one SPMD program:
   ``S * R`` contiguous **chunks** balanced by cost (:func:`tpipe.partition.balanced_split`);
   chunk ``c = r * S + s`` runs on stage ``s`` as its ``r``-th chunk, so the layers are met in order.
 * What crosses a chunk boundary, and each chunk's parameters, differ per chunk; they travel
-  **packed** into one buffer per dtype, padded to the largest (:mod:`tpipe.core.packing`). Every chunk
-  is then a function of the same types, and each tick a device runs its chunk as one branch of a
-  ``lax.switch`` (:func:`tpipe.core.gated.switch_call`; idle ticks run none).
+  **packed** into one buffer per dtype, padded to the largest (:mod:`tpipe.core.packing`).
+  Every chunk is then a function of the same types, and each tick a device runs its chunk as one
+  branch of a ``lax.switch`` (:func:`tpipe.core.gated.switch_call`; idle ticks run none).
 * The packed parameters are stacked ``[R, S, n]`` and split over the ``stage`` axis, so each
   device holds its own chunks' parameters only. At the API boundary parameters keep the logical
   layout ``{"layers_0": ..., "layers_1": ...}`` (``nn.Sequential``'s names; a ``Repeat``'s
   parameters stacked on a leading axis of length ``n``, ``nn.scan``'s layout), which does not
-  depend on the stage count, balance, schedule or repeats.
+  depend on the stage count, balance, schedule or repeats. A training state can live in the
+  executor's own layout instead (:meth:`Sequential.stage_layout`, ``{"staged": ...}``), so the
+  step moves no parameter between stages.
+* Three formats meet in the executor: the input (read by the first chunk only), the packed ring
+  between chunks (one micro-batch) and the last layer's own output format. With the loss in the
+  last layer, what leaves the pipeline is one number per example.
+* BatchNorm (``batch_stats``): each micro-batch is normalized with its own statistics; the
+  running averages are updated once per step from ``E[x]`` and ``E[x^2]`` pooled over every
+  micro-batch and data replica (GPipe's rule), summed by the executor over busy ticks only.
 
 Example::
 
@@ -171,6 +179,10 @@ class Sequential(nn.Module):
   over all units) on global micro-batch ``m = replica * M + j`` as ``fold_in(fold_in(k, u), m)``;
   layer ``i`` (a Repeat: each copy from its own key) is initialised from
   ``fold_in(self.make_rng("params"), i)``. Neither depends on the stage count, balance or schedule.
+
+  BatchNorm: call with ``train=True`` (or however the layers take it) and
+  ``mutable=["batch_stats"]`` to train; the returned statistics are in the layout the variables
+  came in (logical ``layers_i``, or ``{"staged": ...}`` from :meth:`stats_layout`).
   """
 
   layers: Sequence[Any]

@@ -3,9 +3,9 @@
 The step is an ordinary ``jax.jit`` program over global arrays: the batch is split over the
 ``data`` mesh axis, the pipelined stack's parameters over the ``stage`` axis (layer axis 0), the
 rest replicated. Inside the pipeline, gradients accumulate over micro-batches in the tick loop and
-are summed across data replicas once per step (see :mod:`tpipe.core.executor`): with a loss that is the
-mean over the global batch, that sum is the average of the replicas' gradients, so one step equals
-one step of plain SGD on the whole batch on one device.
+are summed across data replicas once per step (see :mod:`tpipe.core.executor`): with a loss
+that is the mean over the global batch, that sum is the average of the replicas' gradients, so
+one step equals one step of plain SGD on the whole batch on one device.
 """
 
 from __future__ import annotations

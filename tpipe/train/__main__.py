@@ -1,4 +1,4 @@
-"""``python -m tpipe.train --config=configs/lm.py --workdir=DIR``: see :mod:`tpipe.train.trainer`."""
+"""``python -m tpipe.train --config=CONFIG --workdir=DIR``: see :mod:`tpipe.train.trainer`."""
 
 from tpipe.train import cli
 from tpipe.train import trainer
