@@ -345,7 +345,18 @@ def test_staged_params_made_for_another_split_are_rejected():
   with pytest.raises(ValueError, match=r"have buffers \{'float32': \(1, 4, \d+\)\}, but this "
                                        r"model's stage layout needs \{'float32': \(1, 2, \d+\)\}"
                                        r".*made for another split"):
-    jax.eval_shape(make(2).apply, {"params": {"staged": staged}}, x)
+    two = make(2)
+    jax.eval_shape(two.with_split(two.stage_layout(x)).apply, {"params": {"staged": staged}}, x)
+
+
+def test_staged_params_need_an_explicit_split():
+  layers, x, _, _, _ = _model("mlp")
+  params = _random_params("mlp")
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=1, balance="flops",
+                           mesh=tpipe.make_mesh(stages=2))
+  staged = jax.eval_shape(model.stage_layout(x).to_staged, params)
+  with pytest.raises(ValueError, match=r"with_split\(layout\) \(balance='flops'"):
+    jax.eval_shape(model.apply, {"params": {"staged": staged}}, x)
 
 
 def test_logical_and_staged_params_do_not_mix():

@@ -467,6 +467,12 @@ class Sequential(nn.Module):
       if set(params) != {STAGED}:
         raise ValueError(f"{_OWNER}: params hold {sorted(params)}; staged params are "
                          f"{{'{STAGED}': {{dtype: [R, S, n]}}}} alone.")
+      if isinstance(self.balance, str):
+        # The split decides what each buffer element means; a balance computed from costs may
+        # cut differently for other input shapes, and equal buffer sizes would hide it.
+        raise ValueError(f"{_OWNER}: staged params need the split they were made with; build "
+                         f"the model with model.with_split(layout) (balance={self.balance!r} "
+                         "is computed from costs and could cut the layers differently).")
       param_shapes = self._logical_shapes(_shapes(x_micro), split, abstract_side, streams)
     else:
       self._check_params(params)
