@@ -158,3 +158,24 @@ def test_transformer_gpipe_config():
   assert compiled.memory_analysis() is not None
   with pytest.raises(ValueError, match="Unknown size"):
     _gpipe_config("size=medium")
+
+
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("circular", 2)])
+def test_train_step_moves_no_parameters_between_stages(schedule, repeats):
+  """The state lives in the stage layout: over 'stage' the step only passes activations (and
+  their gradients) to neighbours; no all-gather or all-to-all re-lays the parameters out."""
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
+  exp = experiment.build(_config(schedule=schedule, num_repeats=repeats, num_layers=6))
+  compiled = exp.train_step.lower(exp.abstract_state(), exp.abstract_batch(),
+                                  jax.random.key(0)).compile()
+  found = analysis.collectives(compiled, mesh=exp.mesh)
+  over_stage = {c.kind for c in found if c.axes and "stage" in c.axes}
+  assert "collective-permute" in over_stage  # The pipeline's neighbour sends.
+  assert not over_stage & {"all-gather", "all-to-all"}, sorted(over_stage)
+  # What is all-reduced over 'stage' is small: the per-example losses (and the loss's scalars),
+  # never a parameter-sized buffer.
+  staged_bytes = sum(s.size * s.dtype.itemsize
+                     for s in jax.tree.leaves(exp.abstract_state().params)) // exp.config.num_stages
+  big = [c for c in found if c.axes and "stage" in c.axes and c.kind == "all-reduce"
+         and c.bytes >= staged_bytes // 4]
+  assert not big, big
