@@ -248,7 +248,9 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
         if extra:
           raise ValueError(
               f"{block_name} creates variable collections {extra}; tpipe.pipeline supports "
-              "blocks whose only variables are 'params' (no batch statistics or caches).")
+              "blocks whose only variables are 'params'. For BatchNorm statistics use "
+              f"tpipe.Sequential([tpipe.Repeat({block_name}(...), {length})], ...), which "
+              "updates them with GPipe's semantics.")
         # The new leading axis is the layer axis, split over stages: say so in the metadata.
         stacked = nn.meta.add_axis(layer_vars.get("params", {}), 0,
                                    {nn.PARTITION_NAME: stage_axis})
