@@ -268,3 +268,13 @@ def test_train_step_carries_the_statistics(variables):
   before = variables["batch_stats"]["layers_0"]["BatchNorm_0"]["mean"]
   assert np.abs(np.asarray(new_state.model_state["layers_0"]["BatchNorm_0"]["mean"])
                 - before).max() > 1e-3
+
+
+def test_init_in_training_mode_leaves_the_statistics_at_their_initial_values():
+  model = _model(_layers(), stages=2, microbatches=2)
+  variables = model.init({"params": jax.random.key(1)}, _inputs(), train=True)
+  plain = _model(_layers()).init({"params": jax.random.key(1)}, _inputs())
+  for a, b in zip(jax.tree.leaves(variables["batch_stats"]), jax.tree.leaves(plain["batch_stats"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  means = [np.asarray(a) for a in jax.tree.leaves(variables["batch_stats"])]
+  assert all(np.all(m == 0) or np.all(m == 1) for m in means)  # Flax's zeros and ones.

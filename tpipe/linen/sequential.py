@@ -506,7 +506,7 @@ class Sequential(nn.Module):
 
     y, pooled, momenta = self._run(plan, layout, staged, stats_layout, stats_staged, x, split,
                                    rngs, in_shapes, run_mesh)
-    if momenta:
+    if momenta and not self.is_initializing():  # Like Flax: init does not update them.
       self._update_statistics(stats, stats_layout, stats_staged, pooled, momenta)
     return y
 
