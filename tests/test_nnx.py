@@ -5,7 +5,8 @@ float64 run of the plain model (the same NNX layers called one after another), f
 width changes and an LM (embedding -> Repeat(block) -> head with per-example targets and loss),
 over a handful of (schedule, stages, micro-batches, data) combinations. Also: the Param state's
 names do not depend on the pipeline, an ``nnx.Optimizer`` step runs under ``nnx.jit`` and equals
-the plain model's step, and bad arguments raise clear errors.
+the plain model's step, bad arguments raise clear errors, and dropout masks come from the stack's
+rngs, not from the layout.
 """
 
 import functools
@@ -284,3 +285,42 @@ def test_bad_arguments_raise_clear_errors():
   x, kwargs, _ = _inputs("lm")
   with pytest.raises(TypeError, match="no layer's __call__ takes"):
     model(x, labels=kwargs["targets"])
+
+
+class DropoutResidual(nnx.Module):
+
+  def __init__(self, width, *, rngs):
+    self.linear = nnx.Linear(width, width, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.dropout(self.linear(x))
+
+
+def _dropout_model(stages, schedule="gpipe", **kwargs):
+  rngs = nnx.Rngs(0)
+  layers = [nnx.Linear(5, 8, rngs=rngs),
+            tnnx.Repeat(lambda r: DropoutResidual(8, rngs=r), 4, rngs=rngs),
+            nnx.Linear(8, 3, rngs=rngs)]
+  return tnnx.Sequential(layers, num_stages=stages, num_microbatches=4, schedule=schedule,
+                         num_repeats=2 if schedule == "circular" else 1,
+                         mesh=tpipe.make_mesh(stages=stages), **kwargs)
+
+
+def test_dropout_keys_come_from_the_stacks_rngs_and_not_from_the_layout():
+  x = jax.random.normal(jax.random.key(1), (BATCH, 5))
+  apply = nnx.jit(lambda model, x: model(x))
+  models = [_dropout_model(1, rngs=nnx.Rngs(dropout=7)),
+            _dropout_model(2, rngs=nnx.Rngs(dropout=7)),
+            _dropout_model(2, "circular", rngs=nnx.Rngs(dropout=7))]
+  first = [np.asarray(apply(model, x)) for model in models]
+  for y in first[1:]:
+    np.testing.assert_array_equal(y, first[0])
+  second = np.asarray(apply(models[0], x))
+  assert not np.allclose(second, first[0]), "each call draws a new key"
+  models[0].eval()
+  evaluated = [np.asarray(apply(models[0], x)) for _ in range(2)]
+  np.testing.assert_array_equal(evaluated[0], evaluated[1])
+  assert not np.allclose(evaluated[0], first[0])
+  with pytest.raises(ValueError, match="no rngs"):
+    _dropout_model(1)

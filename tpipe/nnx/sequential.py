@@ -43,6 +43,8 @@ from tpipe.parallel import mesh as mesh_lib
 _OWNER = "tpipe.nnx.Sequential"
 # The name of the one linen parameter of a layer's adapter: the layer's Param state.
 _STATE = "state"
+# The linen RNG stream that carries the Sequential's per-call key to the layers' RNG streams.
+RNG_STREAM = "nnx"
 
 
 class Repeat(nnx.Module):
@@ -82,23 +84,48 @@ class Repeat(nnx.Module):
     self.n = n
 
   def __call__(self, x, **kwargs):
-    graphdef, params = _split_params(self.layer, "tpipe.nnx.Repeat")
+    graphdef, params, rng_state = _split_params(self.layer, "tpipe.nnx.Repeat")
+    if jax.tree.leaves(rng_state):
+      raise ValueError("tpipe.nnx.Repeat: the repeated layer has RNG streams (e.g. nnx.Dropout); "
+                       "a Repeat applies them only inside tpipe.nnx.Sequential, which draws "
+                       "their keys from its own rngs.")
     step = lambda h, p: (nnx.merge(graphdef, p)(h, **kwargs), None)
     return lax.scan(step, x, params)[0]
 
 
 def _split_params(layer: nnx.Module, where: str):
-  """``layer``'s graph definition and ``Param`` state as a pure dict; raises for other state."""
-  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  """``layer``'s graph definition, ``Param`` state and RNG state (``nnx.RngKey``/``RngCount``,
+  e.g. an ``nnx.Dropout``'s stream) as pure dicts; raises for any other state."""
+  graphdef, params, rng_state, rest = nnx.split(layer, nnx.Param, nnx.RngState, ...)
   if jax.tree.leaves(rest):
     kinds = sorted({type(v).__name__ for v in
                     jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
     raise ValueError(
-        f"{where}: {type(layer).__name__} holds NNX state other than nnx.Param ({', '.join(kinds)}:"
-        f" {list(dict(nnx.to_flat_state(rest)).keys())[:4]}). tpipe.nnx pipelines layers whose "
-        "only state is nnx.Param for now; BatchNorm statistics and layers that keep their own "
-        "nnx.Rngs are not supported yet.")
-  return graphdef, nnx.to_pure_dict(params)
+        f"{where}: {type(layer).__name__} holds NNX state other than nnx.Param and RNG streams "
+        f"({', '.join(kinds)}: {[p for p, _ in nnx.to_flat_state(rest)][:4]}). tpipe.nnx "
+        "pipelines layers whose state is parameters (and dropout streams) for now; BatchNorm "
+        "statistics and other mutable nnx.Variables are not supported yet.")
+  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rng_state)
+
+
+def _rng_slots(rng_state) -> tuple[tuple[tuple[Any, ...], str], ...]:
+  """The path and kind (``"key"`` or ``"count"``) of every RNG variable in a pure RNG state."""
+  slots = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(rng_state):
+    keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+    is_key = jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    slots.append((keys, "key" if is_key else "count"))
+  return tuple(slots)
+
+
+def _nested(items) -> dict:
+  out = {}
+  for path, value in items:
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return out
 
 
 class _LayerAsLinen(nn.Module):
@@ -112,12 +139,27 @@ class _LayerAsLinen(nn.Module):
 
   graphdef: Any
   shapes: Any
+  rng_slots: tuple = ()
 
   def _apply(self, x, kwargs):
     treedef, leaves = self.shapes
     state = self.param(_STATE, lambda _key: jax.tree.unflatten(
         treedef, [jnp.zeros(s.shape, s.dtype) for s in leaves]))
-    return nnx.merge(self.graphdef, state)(x, **kwargs)
+    if not self.rng_slots:
+      return nnx.merge(self.graphdef, state)(x, **kwargs)
+    # The layer's RNG streams restart, for this unit and micro-batch, from the key the linen
+    # engine folded by (unit, micro-batch): the j-th RngKey gets fold_in(key, j), counts 0.
+    base = self.make_rng(RNG_STREAM)
+    if not jnp.issubdtype(base.dtype, jax.dtypes.prng_key):
+      base = jax.random.wrap_key_data(base)
+    items, j = [], 0
+    for path, kind in self.rng_slots:
+      if kind == "key":
+        items.append((path, jax.random.fold_in(base, j)))
+        j += 1
+      else:
+        items.append((path, jnp.zeros((), jnp.uint32)))
+    return nnx.merge(self.graphdef, state, _nested(items))(x, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,11 +178,12 @@ def _linen_class(layer_class: type) -> type:
 def _as_linen(layer: nnx.Module, where: str):
   """The linen layer (a ``tpipe.Repeat`` for a :class:`Repeat`) and its logical linen params."""
   target = layer.layer if isinstance(layer, Repeat) else layer
-  graphdef, params = _split_params(target, where)
+  graphdef, params, rng_state = _split_params(target, where)
   leaves, treedef = jax.tree.flatten(params)
   drop = 1 if isinstance(layer, Repeat) else 0
   shapes = (treedef, tuple(jax.ShapeDtypeStruct(jnp.shape(a)[drop:], a.dtype) for a in leaves))
-  module = _linen_class(type(target))(graphdef=graphdef, shapes=shapes)
+  module = _linen_class(type(target))(graphdef=graphdef, shapes=shapes,
+                                      rng_slots=_rng_slots(rng_state))
   if isinstance(layer, Repeat):
     module = linen_sequential.Repeat(module, layer.n)
   return module, {_STATE: params}
@@ -167,6 +210,15 @@ class Sequential(nnx.Module):
     mesh: the device mesh; ``None`` means the ambient mesh, or one device.
     stage_axis: the mesh axis of stages.
     data_axis: the mesh axis of data-parallel replicas.
+    rngs: where the layers' random keys come from (needed when a layer has RNG streams, e.g. an
+      ``nnx.Dropout(rate, rngs=rngs)``): its ``dropout`` stream, else its default one.
+
+  Randomness: layers' own RNG streams are not advanced inside the pipeline. Each call draws one
+  key ``k`` from ``rngs`` (so successive calls differ); unit ``u`` (0-based over all units, a
+  Repeat of n counting n) on global micro-batch ``m = replica * M + j`` runs with its ``i``-th
+  ``nnx.RngKey`` (in the layer's state order) set to ``fold_in(fold_in(fold_in(k, u), m), i)`` and
+  its counts to 0. Masks therefore do not depend on the stage count, balance, schedule or repeats
+  (they do depend on M and the data size, which decide the micro-batches).
 
   Raises:
     TypeError, ValueError: at construction, for a bad layer or configuration value.
@@ -175,7 +227,8 @@ class Sequential(nnx.Module):
   def __init__(self, layers: Sequence[nnx.Module], *, num_stages: int, num_microbatches: int,
                schedule: str = "gpipe", num_repeats: int = 1, balance: Any = "params",
                remat: Any = "full", per_example: Sequence[str] = (), mesh: Mesh | None = None,
-               stage_axis: str = mesh_lib.STAGE_AXIS, data_axis: str = mesh_lib.DATA_AXIS):
+               stage_axis: str = mesh_lib.STAGE_AXIS, data_axis: str = mesh_lib.DATA_AXIS,
+               rngs: nnx.Rngs | None = None):
     if not isinstance(layers, (list, tuple)) or not layers:
       raise TypeError(f"{_OWNER} takes a non-empty list of nnx.Module layers, got {layers!r}.")
     for i, layer in enumerate(layers):
@@ -197,7 +250,18 @@ class Sequential(nnx.Module):
     self.mesh = mesh
     self.stage_axis = stage_axis
     self.data_axis = data_axis
-    self._engine()  # Validates every setting now, before any tracing.
+    if rngs is not None and not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"{_OWNER}: rngs must be an nnx.Rngs or None, got {rngs!r}.")
+    self.rngs = rngs
+    engine, _ = self._engine()  # Validates every setting now, before any tracing.
+    if rngs is None and self._has_rng_streams(engine):
+      raise ValueError(f"{_OWNER}: a layer has RNG streams (e.g. nnx.Dropout) but the stack has "
+                       "no rngs; pass rngs=nnx.Rngs(dropout=...) to tpipe.nnx.Sequential.")
+
+  @staticmethod
+  def _has_rng_streams(engine) -> bool:
+    modules = [getattr(layer, "module", layer) for layer in engine._layer_list()]
+    return any(module.rng_slots for module in modules)
 
   def _engine(self) -> tuple[linen_sequential.Sequential, dict]:
     """The linen ``tpipe.Sequential`` over this stack's layers, and its logical params (the
@@ -216,4 +280,8 @@ class Sequential(nnx.Module):
 
   def __call__(self, x, **kwargs):
     engine, params = self._engine()
-    return engine.apply({"params": params}, x, **kwargs)
+    rngs = {}
+    if self._has_rng_streams(engine):
+      stream = "dropout" if "dropout" in self.rngs else "default"
+      rngs[RNG_STREAM] = self.rngs[stream]()
+    return engine.apply({"params": params}, x, **kwargs, rngs=rngs)
