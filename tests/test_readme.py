@@ -55,3 +55,30 @@ def test_readme_sequential_example_runs_and_equals_the_layers_in_order():
   plain = jax.jit(functools.partial(in_order, microbatches=8 * 2))(params, tokens, targets)
   exact = numerics.float64_reference(jax.jit(in_order), params, tokens, targets)
   numerics.assert_as_close_as_plain(losses, plain, exact, what="the README's losses")
+
+
+def test_readme_nnx_example_trains_and_equals_the_layers_in_order():
+  code = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+              if "tpipe.nnx.Sequential(" in b)
+  namespace = {}
+  exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  losses = [float(loss) for loss in namespace["nnx_losses"]]
+  assert losses[-1] < losses[0]
+  model, tokens, targets = namespace["nnx_model"], namespace["nnx_tokens"], namespace["nnx_targets"]
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  graphdef, params = nnx.split(model.layers, nnx.Param)
+
+  def in_order(params, tokens, targets, microbatches=1):
+    def run(chunk):
+      embed, repeat, head = nnx.merge(graphdef, params)
+      # The table lookup nnx.Embed does, in the table's dtype (nnx.Embed computes in float32).
+      return head(repeat(embed.embedding[...][chunk[0]]), targets=chunk[1])
+
+    split = lambda a: a.reshape(microbatches, -1, *a.shape[1:])
+    return jax.lax.map(run, (split(tokens), split(targets))).reshape(-1)
+
+  pipelined = nnx.jit(lambda m: m(tokens, targets=targets))(model)
+  pure = nnx.to_pure_dict(params)
+  plain = jax.jit(functools.partial(in_order, microbatches=4 * 2))(pure, tokens, targets)
+  exact = numerics.float64_reference(jax.jit(in_order), pure, tokens, targets)
+  numerics.assert_as_close_as_plain(pipelined, plain, exact, what="the README's NNX losses")

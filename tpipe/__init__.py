@@ -5,6 +5,7 @@ mini-batch is split into micro-batches that flow through the stages; gradients a
 micro-batches and are reduced across data-parallel replicas once per step.
 """
 
+from tpipe import nnx
 from tpipe import schedules
 from tpipe.linen.sequential import Repeat
 from tpipe.linen.sequential import Sequential
