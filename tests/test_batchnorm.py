@@ -278,3 +278,34 @@ def test_init_in_training_mode_leaves_the_statistics_at_their_initial_values():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   means = [np.asarray(a) for a in jax.tree.leaves(variables["batch_stats"])]
   assert all(np.all(m == 0) or np.all(m == 1) for m in means)  # Flax's zeros and ones.
+
+
+def test_pipeline_transform_runs_batchnorm_blocks_like_sequential():
+  """tpipe.pipeline(Block) with BatchNorm: the same stack as Sequential([Repeat(Block, L)])."""
+  mesh = tpipe.make_mesh(stages=2, data=2)
+  stack = tpipe.pipeline(DenseBN, length=4, num_stages=2, num_microbatches=2, mesh=mesh)(WIDTH)
+  x = jax.random.normal(jax.random.key(3), (BATCH, WIDTH))
+  v = jax.device_get(stack.init({"params": jax.random.key(4)}, x))
+  assert v["batch_stats"]["BatchNorm_0"]["mean"].shape == (4, WIDTH)
+  assert v["params"]["Dense_0"]["kernel"].shape == (4, WIDTH, WIDTH)
+  y, updated = jax.jit(lambda v: stack.apply(v, x, train=True, mutable=["batch_stats"]))(v)
+  seq = _model([tpipe.Repeat(DenseBN(WIDTH), 4)], stages=2, data=2, microbatches=2)
+  as_seq = {"params": {"layers_0": v["params"]}, "batch_stats": {"layers_0": v["batch_stats"]}}
+  want, want_updated = jax.jit(
+      lambda v: seq.apply(v, x, train=True, mutable=["batch_stats"]))(as_seq)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+  for a, b in zip(jax.tree.leaves(updated["batch_stats"]),
+                  jax.tree.leaves(want_updated["batch_stats"]["layers_0"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # And the semantics: each micro-batch normalized with its own statistics.
+  groups = _groups(2, 2)
+  plain, _ = _plain_training(as_seq, np.asarray(x), groups, [tpipe.Repeat(DenseBN(WIDTH), 4)])
+  exact, _ = numerics.float64_reference(
+      lambda v, x: _plain_training(v, np.asarray(x), groups, [tpipe.Repeat(DenseBN(WIDTH), 4)]),
+      as_seq, x)
+  numerics.assert_as_close_as_plain(np.asarray(y), plain, exact, what="outputs")
+  # Evaluation uses the running averages and needs nothing mutable.
+  evaluated = stack.apply({"params": v["params"], "batch_stats": updated["batch_stats"]}, x)
+  assert evaluated.shape == x.shape
+  with pytest.raises(ValueError, match="mutable=\\['batch_stats'\\]"):
+    stack.apply(v, x, train=True)

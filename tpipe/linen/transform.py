@@ -24,6 +24,10 @@ from tpipe.core import stage as stage_lib
 from tpipe.parallel import mesh as mesh_lib
 
 
+# The variable collection of BatchNorm's running statistics.
+STATS = "batch_stats"
+
+
 def check_count(name: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}.")
@@ -153,9 +157,13 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
   data-parallel replica ``replica``. So for a fixed number of micro-batches per replica and of
   replicas, the result does not depend on the stage count, schedule or remat policy.
 
-  Variables other than ``params`` are not supported: a block that creates them at ``init``
-  (``batch_stats``) is rejected, and a block that writes a collection the caller made mutable
-  (``sow`` into ``intermediates``) raises instead of silently returning nothing.
+  BatchNorm: a block with ``batch_stats`` (stacked like the parameters) runs as
+  ``tpipe.Sequential([tpipe.Repeat(block, L)])`` with the same uniform split, so each micro-batch
+  is normalized with its own statistics and the running averages are updated once per step from
+  statistics pooled over the whole mini-batch (pass ``mutable=["batch_stats"]`` in training).
+  Other variable collections are not supported: a block that creates them at ``init`` is
+  rejected, and a block that writes a collection the caller made mutable (``sow`` into
+  ``intermediates``) raises instead of silently returning nothing.
 
   Args:
     block_cls: a ``flax.linen.Module`` class whose ``__call__(x, ...)`` returns a value with the
@@ -244,20 +252,22 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
 
         with _hint_per_example(split, batch, block_name):
           layer_vars = jax.vmap(init_layer)(keys)
-        extra = sorted(set(layer_vars) - {"params"})
+        extra = sorted(set(layer_vars) - {"params", STATS})
         if extra:
           raise ValueError(
               f"{block_name} creates variable collections {extra}; tpipe.pipeline supports "
-              "blocks whose only variables are 'params'. For BatchNorm statistics use "
-              f"tpipe.Sequential([tpipe.Repeat({block_name}(...), {length})], ...), which "
-              "updates them with GPipe's semantics.")
+              f"blocks whose variables are 'params' and BatchNorm's '{STATS}'.")
         # The new leading axis is the layer axis, split over stages: say so in the metadata.
         stacked = nn.meta.add_axis(layer_vars.get("params", {}), 0,
                                    {nn.PARTITION_NAME: stage_axis})
         for name, value in stacked.items():
           self.param(name, lambda _key, value=value: value, unbox=False)
+        for name, value in nn.meta.unbox(layer_vars.get(STATS, {})).items():
+          self.put_variable(STATS, name, value)
 
       params = nn.meta.unbox(dict(self.variables.get("params", {})))
+      if self.variables.get(STATS):
+        return self._run_with_statistics(template, params, x, split, rngs)
       leaves = jax.tree.leaves(params)
       if leaves and any(np.shape(leaf)[:1] != (length,) for leaf in leaves):
         raise ValueError(
@@ -281,6 +291,36 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
           layer_fn, params, x, split.broadcast, split.per_example, rngs, length=length,
           schedule=the_schedule, mesh=run_mesh, remat=remat, unroll=unroll,
           stage_axis=stage_axis, data_axis=data_axis)
+
+    def _run_with_statistics(self, template, params, x, split, rngs):
+      """A block with BatchNorm statistics: the stack as ``tpipe.Sequential([Repeat(block, L)])``
+      with the same uniform split, whose pooled once-per-step update GPipe's semantics need."""
+      # Imported here: tpipe.linen.sequential builds on this module's helpers.
+      from tpipe.linen import sequential  # pylint: disable=g-import-not-at-top
+      args, kwargs = split.rebuild(split.broadcast, split.per_example)
+      names = arguments_lib.extra_parameter_names(block_cls.__call__)
+      if len(args) > len(names):
+        raise TypeError(f"{block_name}: {len(args)} positional arguments after x, but its "
+                        f"__call__ names only {names}.")
+      kwargs = {**dict(zip(names, args)), **kwargs}
+      num_chunks = num_stages * num_repeats
+      stack = sequential.Sequential(
+          [sequential.Repeat(template, length)], num_stages=num_stages,
+          num_microbatches=num_microbatches, schedule=schedule, num_repeats=num_repeats,
+          balance=[length // num_chunks] * num_chunks, remat=remat, per_example=per_example,
+          mesh=mesh, stage_axis=stage_axis, data_axis=data_axis)
+      stats = nn.meta.unbox(dict(self.variables[STATS]))
+      variables = {"params": {"layers_0": params}, STATS: {"layers_0": stats}}
+      if self.is_initializing() or not self.is_mutable_collection(STATS):
+        # Evaluation; or init, which (like Flax) leaves the statistics as created. In training
+        # mode without mutable statistics the stack raises and names the fix.
+        mutable = [STATS] if self.is_initializing() else False
+        out = stack.apply(variables, x, **kwargs, rngs=rngs, mutable=mutable)
+        return out[0] if self.is_initializing() else out
+      y, updated = stack.apply(variables, x, **kwargs, rngs=rngs, mutable=[STATS])
+      for name, value in updated[STATS]["layers_0"].items():
+        self.put_variable(STATS, name, value)
+      return y
 
   Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{block_name}"
   Pipelined.__doc__ = (f"{length} x {block_name} in {num_stages} stages, {num_microbatches} "
