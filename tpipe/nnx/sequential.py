@@ -233,7 +233,9 @@ class _LayerAsLinen(nn.Module):
     else:
       # The layer's RNG streams restart, for this unit and micro-batch, from the key the linen
       # engine folded by (unit, micro-batch): the j-th RngKey gets fold_in(key, j), counts 0.
-      base = self.make_rng(RNG_STREAM)
+      # Without the stream (the engine's shape and cost passes; deterministic evaluation) a fixed
+      # placeholder key, as the linen engine uses for those passes.
+      base = (self.make_rng(RNG_STREAM) if self.has_rng(RNG_STREAM) else jax.random.key(0))
       if not jnp.issubdtype(base.dtype, jax.dtypes.prng_key):
         base = jax.random.wrap_key_data(base)
       items, j = [], 0
