@@ -8,6 +8,9 @@ Commands::
   # Default (size=small): 8 emulated CPU devices, data=2 x stage=4.
   python -m tpipe.train --config=configs/lm.py --workdir=/tmp/lm
 
+  # The same LM written in Flax NNX.
+  python -m tpipe.train --config=configs/lm.py --workdir=/tmp/lm_nnx --config.frontend=nnx
+
   # A tiny smoke run.
   python -m tpipe.train --config=configs/lm.py:size=tiny --workdir=/tmp/t --config.num_steps=50
 
@@ -91,6 +94,9 @@ def get_config(arg=None):
   # each, every block one).
   config.balance = "flops"
   config.vocab_size = 256  # Byte values.
+  # How the model is written: "linen" (tpipe.train.models) or "nnx" (tpipe.train.models_nnx,
+  # the same LM in Flax NNX; same parameter names, so the same checkpoints).
+  config.frontend = "linen"
 
   # Optimisation.
   config.seed = 0

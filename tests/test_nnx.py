@@ -252,15 +252,6 @@ def test_an_optimizer_step_under_nnx_jit_equals_the_plain_models():
   assert moment[...].shape == (6, WIDTH, 2 * WIDTH)
 
 
-class _WithBatchNorm(nnx.Module):
-
-  def __init__(self, *, rngs):
-    self.norm = nnx.BatchNorm(4, rngs=rngs)
-
-  def __call__(self, x):
-    return self.norm(x)
-
-
 def test_bad_arguments_raise_clear_errors():
   rngs = nnx.Rngs(0)
   block = Residual(4, rngs=rngs)
@@ -278,8 +269,6 @@ def test_bad_arguments_raise_clear_errors():
     tnnx.Sequential(_layers("lm"), num_stages=1, num_microbatches=1, per_example=("labels",))
   with pytest.raises(ValueError, match="chunks need at least one"):
     tnnx.Sequential([block, Residual(4, rngs=rngs)], num_stages=4, num_microbatches=4)
-  with pytest.raises(ValueError, match="BatchNorm"):
-    tnnx.Sequential([block, _WithBatchNorm(rngs=rngs)], num_stages=1, num_microbatches=1)
   model = tnnx.Sequential(_layers("lm"), num_stages=1, num_microbatches=1,
                           per_example=("targets",))
   x, kwargs, _ = _inputs("lm")

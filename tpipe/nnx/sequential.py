@@ -2,8 +2,9 @@
 
 The NNX front end owns no executor. At every call each layer is split into its graph definition
 and its ``nnx.Param`` state (``nnx.split``); a small linen module per layer (:class:`_LayerAsLinen`)
-holds that state as its one linen parameter and, when applied, rebuilds the layer with
-``nnx.merge`` and calls it. The linen :class:`tpipe.Sequential` then plans, packs and runs the
+holds that state as its linen parameters (one per top-level attribute, so the linen logical
+layout ``layers_i`` has the NNX names) and, when applied, rebuilds the layer with ``nnx.merge``
+and calls it. The linen :class:`tpipe.Sequential` then plans, packs and runs the
 schedule on those linen layers exactly as it runs any other. Everything is a pure function of the
 ``Param`` values, so ``nnx.grad``/``nnx.value_and_grad`` of a function of ``model(x)`` give the
 gradients of the layers' parameters, and ``nnx.Optimizer`` updates them in place.
@@ -41,10 +42,11 @@ from tpipe.linen import transform
 from tpipe.parallel import mesh as mesh_lib
 
 _OWNER = "tpipe.nnx.Sequential"
-# The name of the one linen parameter of a layer's adapter: the layer's Param state.
-_STATE = "state"
-# The linen RNG stream that carries the Sequential's per-call key to the layers' RNG streams.
-RNG_STREAM = "nnx"
+# The linen RNG stream that carries the Sequential's per-call key to the layers' RNG streams
+# (the stream the trainer passes to linen models too).
+RNG_STREAM = "dropout"
+# The linen collection the adapters expose nnx.BatchNorm's running averages (nnx.BatchStat) in.
+STATS = linen_sequential.STATS
 
 
 class Repeat(nnx.Module):
@@ -84,28 +86,67 @@ class Repeat(nnx.Module):
     self.n = n
 
   def __call__(self, x, **kwargs):
-    graphdef, params, rng_state = _split_params(self.layer, "tpipe.nnx.Repeat")
+    graphdef, params, stats, rng_state = _split(self.layer, "tpipe.nnx.Repeat")
     if jax.tree.leaves(rng_state):
       raise ValueError("tpipe.nnx.Repeat: the repeated layer has RNG streams (e.g. nnx.Dropout); "
                        "a Repeat applies them only inside tpipe.nnx.Sequential, which draws "
                        "their keys from its own rngs.")
-    step = lambda h, p: (nnx.merge(graphdef, p)(h, **kwargs), None)
-    return lax.scan(step, x, params)[0]
+
+    def step(h, copy):
+      layer = nnx.merge(graphdef, *copy)
+      return layer(h, **kwargs), nnx.state(layer, nnx.BatchStat)
+
+    y, new_stats = lax.scan(step, x, (params, stats))
+    nnx.update(self.layer, new_stats)  # Each copy's BatchNorm updated once, as in plain NNX.
+    return y
 
 
-def _split_params(layer: nnx.Module, where: str):
-  """``layer``'s graph definition, ``Param`` state and RNG state (``nnx.RngKey``/``RngCount``,
-  e.g. an ``nnx.Dropout``'s stream) as pure dicts; raises for any other state."""
-  graphdef, params, rng_state, rest = nnx.split(layer, nnx.Param, nnx.RngState, ...)
+def _batch_norm_paths(layer: nnx.Module) -> tuple[tuple[Any, ...], ...]:
+  """The graph paths of the ``nnx.BatchNorm`` modules in ``layer``, in graph order."""
+  return tuple(tuple(path) for path, node in nnx.iter_graph(layer)
+               if isinstance(node, nnx.BatchNorm))
+
+
+def _split(layer: nnx.Module, where: str):
+  """``layer``'s graph definition and its ``Param``, ``BatchStat`` (``nnx.BatchNorm``'s running
+  averages) and RNG states (``nnx.RngKey``/``RngCount``, e.g. an ``nnx.Dropout``'s stream);
+  raises for any other state, and for a ``BatchStat`` outside an ``nnx.BatchNorm``."""
+  graphdef, params, stats, rng_state, rest = nnx.split(layer, nnx.Param, nnx.BatchStat,
+                                                       nnx.RngState, ...)
   if jax.tree.leaves(rest):
     kinds = sorted({type(v).__name__ for v in
                     jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
     raise ValueError(
-        f"{where}: {type(layer).__name__} holds NNX state other than nnx.Param and RNG streams "
-        f"({', '.join(kinds)}: {[p for p, _ in nnx.to_flat_state(rest)][:4]}). tpipe.nnx "
-        "pipelines layers whose state is parameters (and dropout streams) for now; BatchNorm "
-        "statistics and other mutable nnx.Variables are not supported yet.")
+        f"{where}: {type(layer).__name__} holds NNX state other than nnx.Param, nnx.BatchNorm "
+        f"statistics and RNG streams ({', '.join(kinds)}: "
+        f"{[p for p, _ in nnx.to_flat_state(rest)][:4]}). tpipe.nnx cannot give other mutable "
+        "nnx.Variables pipeline semantics; keep such state outside the pipelined layers.")
+  expected = {path + (name,) for path in _batch_norm_paths(layer) for name in ("mean", "var")}
+  stray = sorted(set(tuple(p) for p, _ in nnx.to_flat_state(stats)) - expected, key=str)
+  if stray:
+    raise ValueError(
+        f"{where}: {type(layer).__name__} has nnx.BatchStat variables outside an nnx.BatchNorm "
+        f"({stray[:4]}); tpipe.nnx pools the statistics of nnx.BatchNorm layers only.")
+  return graphdef, params, stats, rng_state
+
+
+def _split_params(layer: nnx.Module, where: str):
+  """``layer``'s graph definition, ``Param`` state and RNG state as pure dicts (BatchNorm
+  statistics are read and written through :func:`_batch_norms`)."""
+  graphdef, params, _, rng_state = _split(layer, where)
   return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rng_state)
+
+
+def _stats_name(path: tuple[Any, ...]) -> str:
+  """The linen name of the running averages of the BatchNorm at graph ``path``: ``"norm.stats"``,
+  ``"blocks.0.norm.stats"``. The dot keeps it apart from the parameters' names (attributes)."""
+  return ".".join(str(key) for key in path + ("stats",))
+
+
+def _batch_norms(layer: nnx.Module) -> dict[str, nnx.BatchNorm]:
+  """The ``nnx.BatchNorm`` modules of ``layer`` by linen name (:func:`_stats_name`)."""
+  return {_stats_name(tuple(path)): node for path, node in nnx.iter_graph(layer)
+          if isinstance(node, nnx.BatchNorm)}
 
 
 def _rng_slots(rng_state) -> tuple[tuple[tuple[Any, ...], str], ...]:
@@ -128,12 +169,51 @@ def _nested(items) -> dict:
   return out
 
 
-class _LayerAsLinen(nn.Module):
-  """A linen view of one NNX layer: its ``Param`` state is the linen parameter ``state``.
+class _RunningAverages(nn.BatchNorm):
+  """The linen face of one ``nnx.BatchNorm``: its running averages as the ``batch_stats``
+  variables ``mean`` and ``var`` of this scope.
 
-  ``graphdef`` is the layer's ``nnx.split`` graph definition and ``shapes`` its ``Param`` state's
-  tree definition and leaf shapes (one copy's, for a Repeat), so ``init`` (which the linen engine
-  runs abstractly, for shapes) returns zeros of those shapes. Subclassed per NNX layer class
+  It is an ``nn.BatchNorm`` so that the linen engine's BatchNorm hook records its input (``E[x]``
+  and ``E[x^2]`` per micro-batch) and momentum in training mode and applies the pooled update once
+  per step (see :class:`tpipe.Sequential`); the normalisation itself is the NNX layer's own,
+  which ``run(x, mean, var, use_running_average, mask)`` computes with these running averages.
+  """
+
+  shape: tuple[int, ...] = ()
+
+  @nn.compact
+  def __call__(self, x, use_running_average, *, mask=None, run=None):
+    mean = self.variable(STATS, "mean", lambda: jnp.zeros(self.shape, self.param_dtype))
+    var = self.variable(STATS, "var", lambda: jnp.ones(self.shape, self.param_dtype))
+    return run(x, mean.value, var.value, use_running_average, mask)
+
+
+class _RecordedBatchNorm(nnx.BatchNorm):
+  """An ``nnx.BatchNorm`` (in a layer rebuilt inside an adapter) that takes its running averages
+  from, and reports its input to, its :class:`_RunningAverages`; the arithmetic is unchanged."""
+
+  def __call__(self, x, use_running_average=None, *, mask=None):
+    mode = use_running_average if use_running_average is not None else self.use_running_average
+    if mode is None:  # NNX's own error names the fixes.
+      return nnx.BatchNorm.__call__(self, x, use_running_average, mask=mask)
+
+    def run(x, mean, var, mode, mask):
+      self.mean[...] = mean
+      self.var[...] = var
+      return nnx.BatchNorm.__call__(self, x, mode, mask=mask)
+
+    return self.__dict__["_tpipe_running_averages"](x, bool(mode), mask=mask, run=run)
+
+
+class _LayerAsLinen(nn.Module):
+  """A linen view of one NNX layer: its ``Param`` state as linen parameters, one per top-level
+  attribute (so the linen names are the NNX ones), and each ``nnx.BatchNorm``'s running averages
+  as ``batch_stats`` (``{name: {"mean", "var"}}``, names from :func:`_stats_name`).
+
+  ``graphdef`` is the layer's ``nnx.split`` graph definition (Param, BatchStat, RNG state) and
+  ``shapes`` its ``Param`` and ``BatchStat`` states' tree definitions and leaf shapes (one
+  copy's, for a Repeat), so ``init`` (which the linen engine runs abstractly, for shapes) returns
+  zeros (BatchNorm: zeros and ones) of those shapes. Subclassed per NNX layer class
   (:func:`_linen_class`) so that the keyword arguments its ``__call__`` takes are the layer's.
   """
 
@@ -142,24 +222,39 @@ class _LayerAsLinen(nn.Module):
   rng_slots: tuple = ()
 
   def _apply(self, x, kwargs):
-    treedef, leaves = self.shapes
-    state = self.param(_STATE, lambda _key: jax.tree.unflatten(
-        treedef, [jnp.zeros(s.shape, s.dtype) for s in leaves]))
+    (param_def, param_leaves), (stats_def, stats_leaves) = self.shapes
+    zeros = lambda leaves: [jnp.zeros(a.shape, a.dtype) for a in leaves]
+    template = jax.tree.unflatten(param_def, zeros(param_leaves))
+    params = {key: self.param(str(key), lambda _key, value=value: value)
+              for key, value in template.items()}
+    placeholder_stats = jax.tree.unflatten(stats_def, zeros(stats_leaves))
     if not self.rng_slots:
-      return nnx.merge(self.graphdef, state)(x, **kwargs)
-    # The layer's RNG streams restart, for this unit and micro-batch, from the key the linen
-    # engine folded by (unit, micro-batch): the j-th RngKey gets fold_in(key, j), counts 0.
-    base = self.make_rng(RNG_STREAM)
-    if not jnp.issubdtype(base.dtype, jax.dtypes.prng_key):
-      base = jax.random.wrap_key_data(base)
-    items, j = [], 0
-    for path, kind in self.rng_slots:
-      if kind == "key":
-        items.append((path, jax.random.fold_in(base, j)))
-        j += 1
-      else:
-        items.append((path, jnp.zeros((), jnp.uint32)))
-    return nnx.merge(self.graphdef, state, _nested(items))(x, **kwargs)
+      rng_state = {}
+    else:
+      # The layer's RNG streams restart, for this unit and micro-batch, from the key the linen
+      # engine folded by (unit, micro-batch): the j-th RngKey gets fold_in(key, j), counts 0.
+      # Without the stream (the engine's shape and cost passes; deterministic evaluation) a fixed
+      # placeholder key, as the linen engine uses for those passes.
+      base = (self.make_rng(RNG_STREAM) if self.has_rng(RNG_STREAM) else jax.random.key(0))
+      if not jnp.issubdtype(base.dtype, jax.dtypes.prng_key):
+        base = jax.random.wrap_key_data(base)
+      items, j = [], 0
+      for path, kind in self.rng_slots:
+        if kind == "key":
+          items.append((path, jax.random.fold_in(base, j)))
+          j += 1
+        else:
+          items.append((path, jnp.zeros((), jnp.uint32)))
+      rng_state = _nested(items)
+    layer = nnx.merge(self.graphdef, params, placeholder_stats, rng_state)
+    for name, norm in _batch_norms(layer).items():
+      probe = _RunningAverages(momentum=norm.momentum, axis=norm.axis,
+                               shape=tuple(norm.mean[...].shape),
+                               param_dtype=norm.mean[...].dtype, name=name)
+      # The rebuilt layer is this call's own copy: its BatchNorms route through the probes.
+      object.__setattr__(norm, "__class__", _RecordedBatchNorm)
+      norm.__dict__["_tpipe_running_averages"] = probe
+    return layer(x, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,19 +271,26 @@ def _linen_class(layer_class: type) -> type:
 
 
 def _as_linen(layer: nnx.Module, where: str):
-  """The linen layer (a ``tpipe.Repeat`` for a :class:`Repeat`) and its logical linen params."""
+  """The linen layer (a ``tpipe.Repeat`` for a :class:`Repeat`), its logical linen params and
+  its logical ``batch_stats`` (``{}`` without BatchNorm)."""
   target = layer.layer if isinstance(layer, Repeat) else layer
-  graphdef, params, rng_state = _split_params(target, where)
-  leaves, treedef = jax.tree.flatten(params)
+  graphdef, params, stats, rng_state = _split(target, where)
+  params, rng_state = nnx.to_pure_dict(params), nnx.to_pure_dict(rng_state)
   drop = 1 if isinstance(layer, Repeat) else 0
-  shapes = (treedef, tuple(jax.ShapeDtypeStruct(jnp.shape(a)[drop:], a.dtype) for a in leaves))
-  module = _linen_class(type(target))(graphdef=graphdef, shapes=shapes,
-                                      rng_slots=_rng_slots(rng_state))
+
+  def shapes_of(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(jax.ShapeDtypeStruct(jnp.shape(a)[drop:], a.dtype) for a in leaves)
+
+  module = _linen_class(type(target))(
+      graphdef=graphdef, shapes=(shapes_of(params), shapes_of(nnx.to_pure_dict(stats))),
+      rng_slots=_rng_slots(rng_state))
   if isinstance(layer, Repeat):
     module = linen_sequential.Repeat(module, layer.n)
-  return module, {_STATE: params}
-
-
+  linen_params = {str(key): value for key, value in params.items()}
+  linen_stats = {name: {"mean": norm.mean[...], "var": norm.var[...]}
+                 for name, norm in _batch_norms(target).items()}
+  return module, linen_params, linen_stats
 class Sequential(nnx.Module):
   """Applies ``layers`` (NNX modules) in order, pipelined over the ``stage`` axis of a mesh.
 
@@ -199,7 +301,8 @@ class Sequential(nnx.Module):
   Args:
     layers: ``nnx.Module`` instances and :class:`Repeat` entries, in order. Each maps the
       previous layer's output (any pytree of arrays, batch first) to its own. Their only state
-      must be ``nnx.Param`` for now.
+      may be ``nnx.Param``, ``nnx.BatchNorm`` statistics and RNG streams
+      (``nnx.Dropout``).
     num_stages: pipeline stages S; must equal the size of the mesh's stage axis.
     num_microbatches: micro-batches M per data-parallel replica.
     schedule: ``"gpipe"`` or ``"circular"`` (``num_repeats`` chunks per stage).
@@ -264,11 +367,25 @@ class Sequential(nnx.Module):
     return any(module.rng_slots for module in modules)
 
   def _engine(self) -> tuple[linen_sequential.Sequential, dict]:
-    """The linen ``tpipe.Sequential`` over this stack's layers, and its logical params (the
-    layers' current ``Param`` values)."""
-    modules, params = [], {}
+    engine, variables = self.as_linen()
+    return engine, variables["params"]
+
+  def as_linen(self) -> tuple[linen_sequential.Sequential, dict]:
+    """The linen :class:`tpipe.Sequential` that runs this stack, and the stack's current state
+    as its variables, in the linen logical layout.
+
+    ``variables["params"]["layers_i"]`` is layer ``i``'s ``Param`` state as a pure dict with the
+    NNX attribute names (a Repeat's stacked on a leading axis), so an NNX model whose attributes
+    are named like a linen model's has that model's parameter tree. With BatchNorm layers,
+    ``variables["batch_stats"]["layers_i"]`` holds ``{name: {"mean", "var"}}`` per
+    ``nnx.BatchNorm`` (``name``: its graph path and ``stats`` joined with dots, ``norm.stats``). Use it to train with tpipe's
+    linen tooling (staged layouts, :func:`tpipe.make_train_step`); :meth:`load_linen_variables`
+    writes such variables back into the layers.
+    """
+    modules, params, stats = [], {}, {}
     for i, layer in enumerate(self.layers):
-      module, params[f"layers_{i}"] = _as_linen(layer, f"{_OWNER} layers[{i}]")
+      module, params[f"layers_{i}"], stats[f"layers_{i}"] = _as_linen(
+          layer, f"{_OWNER} layers[{i}]")
       modules.append(module)
     engine = linen_sequential.Sequential(
         modules, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
@@ -276,12 +393,35 @@ class Sequential(nnx.Module):
         balance=self.balance if isinstance(self.balance, str) else list(self.balance),
         remat=self.remat, per_example=self.per_example, mesh=self.mesh,
         stage_axis=self.stage_axis, data_axis=self.data_axis)
-    return engine, params
+    variables = {"params": params}
+    if jax.tree.leaves(stats):
+      variables[STATS] = stats
+    return engine, variables
+
+  def load_linen_variables(self, variables) -> None:
+    """Writes ``params`` and ``batch_stats`` in :meth:`as_linen`'s layout into the layers."""
+    for i, layer in enumerate(self.layers):
+      target = layer.layer if isinstance(layer, Repeat) else layer
+      if "params" in variables:
+        given = variables["params"][f"layers_{i}"]
+        current = nnx.to_pure_dict(nnx.state(target, nnx.Param))
+        nnx.update(target, nnx.State({key: given[str(key)] for key in current}))
+      for name, norm in _batch_norms(target).items():
+        new = variables.get(STATS, {}).get(f"layers_{i}", {}).get(name)
+        if new is not None:
+          norm.mean[...] = new["mean"]
+          norm.var[...] = new["var"]
 
   def __call__(self, x, **kwargs):
-    engine, params = self._engine()
+    engine, variables = self.as_linen()
     rngs = {}
     if self._has_rng_streams(engine):
       stream = "dropout" if "dropout" in self.rngs else "default"
       rngs[RNG_STREAM] = self.rngs[stream]()
-    return engine.apply({"params": params}, x, **kwargs, rngs=rngs)
+    if STATS not in variables:
+      return engine.apply(variables, x, **kwargs, rngs=rngs)
+    # BatchNorm in training mode: one update per call from statistics pooled over every
+    # micro-batch and replica (the linen engine's rule), written back into the nnx.BatchNorms.
+    y, updated = engine.apply(variables, x, **kwargs, rngs=rngs, mutable=[STATS])
+    self.load_linen_variables({STATS: updated[STATS]})
+    return y

@@ -221,7 +221,7 @@ class Experiment:
     batch = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          self.task.batch_shapes(self.config))
     x, kwargs = self.task.model_inputs(batch)
-    variables = self.model.init({"params": rng}, x, **kwargs)
+    variables = self.task.init_variables(self.config, self.model, rng, x, kwargs)
     params = {sequential.STAGED: self.layout.to_staged(variables["params"])}
     model_state = None
     if self.stats_layout is not None:
@@ -392,14 +392,19 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
                                     mutable=["batch_stats"])
       return losses.mean(), updated["batch_stats"]
 
+  # NNX layers' dropout streams are rebuilt from a key even where dropout is off; it is unused.
+  eval_rngs = {"dropout": jax.random.key(0)} if tasks_lib.frontend(config) == "nnx" else {}
+
   @jax.jit
   def eval_step(state, batch):
     x, kwargs = task.model_inputs(batch)
     mask = batch["mask"].astype(jnp.float32)
     state_vars = variables(state.params, state.model_state)
-    out = {"loss": (model.apply(state_vars, x, **kwargs) * mask).sum(), "count": mask.sum()}
+    out = {"loss": (model.apply(state_vars, x, **kwargs, rngs=eval_rngs) * mask).sum(),
+           "count": mask.sum()}
     if task.measures_accuracy:  # Logits: the stack without the labels.
-      out["correct"] = (task.correct(model.apply(state_vars, x), batch) * mask).sum()
+      out["correct"] = (task.correct(model.apply(state_vars, x, rngs=eval_rngs), batch)
+                        * mask).sum()
     return out
 
   exp.loss_fn, exp.eval_step = loss_fn, eval_step

@@ -11,6 +11,12 @@ The trainer (:mod:`tpipe.train.trainer`) and the experiment builder
 
 In both the model is a :class:`tpipe.Sequential` whose last layer returns one loss per example
 when given the labels, and logits without them.
+
+``config.frontend`` (``"linen"``, the default, or ``"nnx"``; the LM only) picks how the model is
+written. With ``"nnx"`` the LM is the Flax NNX one (:mod:`tpipe.train.models_nnx`); the trainer
+runs the linen engine of its :class:`tpipe.nnx.Sequential` (``as_linen()``), whose logical
+parameters have the linen LM's names and shapes, so both front ends write and resume the same
+checkpoints (the NNX names are the linen ones).
 """
 
 from __future__ import annotations
@@ -29,6 +35,21 @@ from tpipe.train import convnet
 from tpipe.train import data as text_data
 from tpipe.train import images
 from tpipe.train import models
+from tpipe.train import models_nnx
+
+FRONTENDS = ("linen", "nnx")
+
+
+def frontend(config) -> str:
+  """``config.frontend``, ``"linen"`` when absent; raises for another value."""
+  name = config.get("frontend", "linen")
+  if name not in FRONTENDS:
+    raise ValueError(f"config.frontend must be one of {FRONTENDS}, got {name!r}.")
+  return name
+
+
+def _linen_init(model, rng, x, kwargs) -> dict:
+  return model.init({"params": rng}, x, **kwargs)
 
 
 def _check_int(config, name: str, minimum: int = 1) -> None:
@@ -73,13 +94,14 @@ class LanguageModelling:
     if not 0.0 < config.get("eval_fraction", 0.0) < 1.0:
       raise ValueError(f"config.eval_fraction must be in (0, 1), got {config.eval_fraction!r}.")
     smallest = 16 * (config.seq_len + 1)  # What data.TextData.load accepts.
+    frontend(config)
     if config.max_corpus_bytes < smallest:
       raise ValueError(
           f"config.max_corpus_bytes={config.max_corpus_bytes} is too small for "
           f"config.seq_len={config.seq_len}; use at least {smallest} (a few MB is typical).")
 
-  def make_model(self, config, mesh, balance) -> tpipe.Sequential:
-    return models.decoder_lm(
+  def _arguments(self, config, mesh, balance) -> dict:
+    return dict(
         num_layers=config.num_layers, width=config.width, num_heads=config.num_heads,
         mlp_dim=config.mlp_dim, max_len=config.seq_len,
         vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
@@ -87,6 +109,26 @@ class LanguageModelling:
         num_microbatches=config.num_microbatches, schedule=config.schedule,
         num_repeats=config.num_repeats, remat=config.remat, balance=balance, mesh=mesh,
         dtype=jnp.dtype(config.dtype), param_dtype=jnp.float32)
+
+  def _nnx_model(self, config, mesh, balance, key):
+    from flax import nnx  # Only the NNX front end needs it.
+    return models_nnx.decoder_lm(**self._arguments(config, mesh, balance),
+                                 rngs=nnx.Rngs(params=key, dropout=0))
+
+  def make_model(self, config, mesh, balance) -> tpipe.Sequential:
+    if frontend(config) == "nnx":
+      from flax import nnx
+      # The layer structure only: abstract parameters, nothing allocated.
+      abstract = nnx.eval_shape(lambda: self._nnx_model(config, mesh, balance,
+                                                        jax.random.key(0)))
+      return abstract.as_linen()[0]
+    return models.decoder_lm(**self._arguments(config, mesh, balance))
+
+  def init_variables(self, config, model, rng, x, kwargs) -> dict:
+    """The initial variables, in ``model``'s logical layout (NNX: the NNX LM's own init)."""
+    if frontend(config) == "nnx":
+      return self._nnx_model(config, None, "params", rng).as_linen()[1]
+    return _linen_init(model, rng, x, kwargs)
 
   def batch_shapes(self, config) -> dict[str, jax.ShapeDtypeStruct]:
     shape = (config.batch_size, config.seq_len)
@@ -128,6 +170,13 @@ class ImageClassification:
       raise ValueError(f"config.stage_sizes must be ints >= 1, got {config.stage_sizes!r}.")
     if not 0.0 <= config.bn_momentum < 1.0:
       raise ValueError(f"config.bn_momentum must be in [0, 1), got {config.bn_momentum!r}.")
+    if frontend(config) != "linen":
+      raise ValueError("config.frontend='nnx' is available for the LM task only; the convnet "
+                       "is written in linen.")
+
+  def init_variables(self, config, model, rng, x, kwargs) -> dict:
+    del config
+    return _linen_init(model, rng, x, kwargs)
 
   def make_model(self, config, mesh, balance) -> tpipe.Sequential:
     layers = convnet.resnet_layers(width=config.width, stage_sizes=tuple(config.stage_sizes),

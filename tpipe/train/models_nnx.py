@@ -1,0 +1,133 @@
+"""The byte-level decoder LM of :mod:`tpipe.train.models`, written in Flax NNX.
+
+:func:`decoder_lm` builds a :class:`tpipe.nnx.Sequential` of ``TokenEmbedding ->
+Repeat(TransformerBlock, L) -> LMHead``: the same layer math as the linen LM, with the same
+attribute names and parameter shapes, so ``model.as_linen()[1]["params"]`` has exactly the linen
+LM's logical parameter tree (``layers_0/embed/embedding``, ``layers_1/attn/query/kernel``
+``[L, width, heads, head_dim]``, ...) and equal parameters give equal losses. The trainer uses
+that to train either front end with the same checkpoints (``--config.frontend=nnx``).
+
+Calls take the linen LM's keywords: ``targets`` (the head returns per-example losses) and
+``deterministic`` (dropout off when True; by default each module's ``deterministic`` attribute,
+which ``model.train()``/``model.eval()`` set).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from tpipe import nnx as tnnx
+from tpipe.train import models
+
+
+def _deterministic(module, deterministic: bool | None) -> bool:
+  return module.deterministic if deterministic is None else deterministic
+
+
+class TransformerBlock(nnx.Module):
+  """A pre-LayerNorm causal Transformer block, as :class:`tpipe.train.models.TransformerBlock`
+  (``causal=True``): attention and an MLP, each residual; the residual stream keeps ``x``'s
+  dtype."""
+
+  def __init__(self, width: int, num_heads: int, mlp_dim: int, *, dropout_rate: float = 0.0,
+               deterministic: bool = True, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    if width % num_heads:
+      raise ValueError(f"num_heads={num_heads} must divide width={width}; pick a divisor.")
+    self.width = width
+    self.deterministic = deterministic
+    self.attn_norm = nnx.LayerNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(
+        num_heads=num_heads, in_features=width, qkv_features=width, out_features=width,
+        dropout_rate=dropout_rate, deterministic=deterministic, decode=False, dtype=dtype,
+        param_dtype=param_dtype, rngs=rngs)
+    self.attn_dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
+    self.mlp_norm = nnx.LayerNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.mlp_in = nnx.Linear(width, mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.mlp_out = nnx.Linear(mlp_dim, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.mlp_dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
+
+  def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
+    if x.ndim != 3 or x.shape[-1] != self.width:
+      raise ValueError(
+          f"TransformerBlock expects [batch, seq, {self.width}] activations, got {x.shape}.")
+    deterministic = _deterministic(self, deterministic)
+    residual_dtype = x.dtype
+    h = self.attn_norm(x)
+    h = self.attn(h, h, mask=models.causal_mask(x.shape[1]), deterministic=deterministic)
+    h = self.attn_dropout(h, deterministic=deterministic)
+    y = (x + h).astype(residual_dtype)
+    h = self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(y))))
+    h = self.mlp_dropout(h, deterministic=deterministic)
+    return (y + h).astype(residual_dtype)
+
+
+class TokenEmbedding(nnx.Module):
+  """Token ids to vectors plus learned positions, then dropout (as the linen ``TokenEmbedding``;
+  the position table is initialised from ``normal(0.02)`` like it)."""
+
+  def __init__(self, vocab_size: int, width: int, max_len: int, *, dropout_rate: float = 0.0,
+               deterministic: bool = True, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    self.max_len = max_len
+    self.dtype = dtype
+    self.deterministic = deterministic
+    self.embed = nnx.Embed(vocab_size, width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.pos_embed = nnx.Param(
+        jax.nn.initializers.normal(0.02)(rngs.params(), (max_len, width), param_dtype))
+    self.dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}.")
+    seq_len = tokens.shape[1]
+    if seq_len > self.max_len:
+      raise ValueError(f"sequence length {seq_len} exceeds max_len={self.max_len}.")
+    x = self.embed(tokens) + self.pos_embed[...][None, :seq_len].astype(self.dtype)
+    return self.dropout(x, deterministic=_deterministic(self, deterministic))
+
+
+class LMHead(nnx.Module):
+  """Final LayerNorm and the projection to the vocabulary; float32 logits, or with ``targets``
+  each example's mean next-token cross-entropy ``[batch]``."""
+
+  def __init__(self, vocab_size: int, width: int, *, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    self.final_norm = nnx.LayerNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.head = nnx.Linear(width, vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    logits = self.head(self.final_norm(x))
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    if targets is None:
+      return logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(axis=-1)
+
+
+def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
+               vocab_size: int = models.VOCAB_SIZE, dropout_rate: float = 0.0,
+               num_stages: int = 1, num_microbatches: int = 1, schedule: str = "gpipe",
+               num_repeats: int = 1, remat: Any = "none", balance: Any = "flops",
+               mesh: Any = None, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+               rngs: nnx.Rngs) -> tnnx.Sequential:
+  """The NNX decoder LM, pipelined; arguments as :func:`tpipe.train.models.decoder_lm`, plus
+  ``rngs`` (parameters from its ``params`` stream; dropout keys from its ``dropout`` stream, or
+  its default one, when called in training mode)."""
+  dtype = models.check_float_dtype("decoder_lm dtype", dtype)
+  param_dtype = models.check_float_dtype("decoder_lm param_dtype", param_dtype)
+  kw = dict(dtype=dtype, param_dtype=param_dtype)
+  layers = [
+      TokenEmbedding(vocab_size, width, max_len, dropout_rate=dropout_rate, rngs=rngs, **kw),
+      tnnx.Repeat(lambda r: TransformerBlock(width, num_heads, mlp_dim,
+                                             dropout_rate=dropout_rate, rngs=r, **kw),
+                  num_layers, rngs=rngs),
+      LMHead(vocab_size, width, rngs=rngs, **kw),
+  ]
+  return tnnx.Sequential(layers, num_stages=num_stages, num_microbatches=num_microbatches,
+                         schedule=schedule, num_repeats=num_repeats, balance=balance,
+                         remat=remat, per_example=("targets",), mesh=mesh, rngs=rngs)
