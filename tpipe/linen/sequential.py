@@ -397,6 +397,56 @@ class Sequential(nn.Module):
     in_shapes = self._layer_inputs(param_shapes, x_micro, split, *side)
     return self.plan(param_shapes, in_shapes, split, side).describe(self.num_stages)
 
+  def plan_for(self, x, **kwargs) -> Plan:
+    """The :class:`Plan` for inputs like ``x`` (keyword arguments as for ``apply``): unit names,
+    each unit's cost under ``balance`` (1 per unit for an explicit list) and the split.
+
+    ``model.clone(balance="flops").plan_for(x)`` gives every unit's forward-and-backward FLOPs on
+    one micro-batch whatever split ``model`` uses. A micro-batch is ``batch / M`` rows of ``x``:
+    pass one data replica's batch to get a device's micro-batch.
+    """
+    x_micro, split, side = self._abstract_call(x, kwargs)
+    param_shapes = self._logical_shapes(x_micro, split, side)
+    in_shapes = self._layer_inputs(param_shapes, x_micro, split, *side)
+    return self.plan(param_shapes, in_shapes, split, side)
+
+  def chunk_program(self, layout: stage_layout_lib.StageLayout, chunk: int, x,
+                    rng_names: Sequence[str] = (), **kwargs):
+    """Chunk ``chunk`` of ``layout`` alone, on one micro-batch of inputs like ``x``, to analyse it.
+
+    Args:
+      layout: this stack's stage layout (:meth:`stage_layout`).
+      chunk: the chunk index ``c = r * S + s``.
+      x: an input like ``apply``'s (arrays or ``jax.ShapeDtypeStruct``); a micro-batch is
+        ``batch / M`` of its rows.
+      rng_names: random streams the layers draw (e.g. ``("dropout",)``); they get a fixed key.
+      **kwargs: keyword arguments as for ``apply``.
+
+    Returns:
+      ``(fn, args)``: ``fn(*args)`` applies the chunk's layers in order, as a pipeline tick does
+      but without its remat policy; ``args`` are abstract: the chunk's parameter trees (one per
+      layer group), its input on one micro-batch, and the side inputs.
+    """
+    rng_names = tuple(rng_names)
+    x_micro, split, side = self._abstract_call(x, kwargs)
+    param_shapes = self._logical_shapes(x_micro, split, side, rng_names)
+    in_shapes = self._layer_inputs(param_shapes, x_micro, split, *side, rng_names=rng_names)
+    groups = layout.groups[chunk]
+    h = _unit_inputs(self._layer_list(), in_shapes)[groups[0].first_unit]
+    buffers = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in layout.sizes.items()}
+    trees = jax.eval_shape(lambda b: layout.chunk_params(b, chunk), buffers)
+    applies = [self._layer_apply(g.layer, split, rng_names) for g in groups]
+
+    def fn(trees, h, side):
+      for g, p, apply in zip(groups, trees, applies):
+        if g.repeated:
+          h, _ = lax.scan(lambda h, p, apply=apply: (apply(p, h, *side), None), h, p)
+        else:
+          h = apply(p, h, *side)
+      return h
+
+    return fn, (trees, h, side)
+
   # ------------------------------------------------------------------------------------------
   # Applying layers.
 
