@@ -5,12 +5,19 @@ import os
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import tpipe
 from configs import lm
+from configs import transformer_gpipe
 from tpipe import report as report_lib
+from tpipe.tools import stage_costs
 from tpipe.train import experiment
+from tests import blocks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,9 +28,25 @@ def _tiny_config():
   return config
 
 
+def _circular_config():
+  """The GPipe config's tiny size on the circular schedule: 2 stages x 2 chunks, bfloat16, with
+  dropout (as its full size trains)."""
+  config = transformer_gpipe.get_config("size=tiny")
+  config.dropout = 0.1
+  config.num_layers, config.num_stages, config.num_data = 4, 2, 1
+  config.num_microbatches, config.batch_size = 2, 4
+  config.schedule, config.num_repeats = "circular", 2
+  return config
+
+
 @pytest.fixture(scope="module")
 def tiny_report():
   return report_lib.analyze_config(_tiny_config())
+
+
+@pytest.fixture(scope="module")
+def circular_report():
+  return report_lib.analyze_config(_circular_config())
 
 
 def test_memory_agrees_with_memory_analysis_of_the_real_train_step(tiny_report):
@@ -113,6 +136,143 @@ def test_command_line_writes_report_and_timeline(tmp_path):
   assert numbers["config"]["num_stages"] == 2
   assert numbers["config"]["remat"] == "full"  # the GPipe config's setting.
   assert numbers["schedule"]["num_ticks"] == 3
+  assert "peak / floor" in result.stdout
+  assert [len(s["layers"]) for s in numbers["stages"]] == [2, 2]  # embedding|block, block|head.
+  floor = numbers["memory_floor"]
+  assert floor["total"] == floor["state"] + floor["stash"] + floor["working_set"]
+  assert floor["peak_over_floor"] >= 1
   with open(tmp_path / "timeline.png", "rb") as f:
     assert f.read(4) == b"\x89PNG"
   assert "python -m tpipe.report" in (tmp_path / "report.md").read_text()
+
+
+# --------------------------------------------------------------------------------------------
+# Per stage and the memory floor.
+
+
+@pytest.mark.parametrize("which", ["tiny_report", "circular_report"])
+def test_stage_bytes_add_up_to_the_model_and_padding_follows_the_layout(which, request):
+  report = request.getfixturevalue(which)
+  layout, stages = report.layout, report.stages
+  assert len(stages) == report.config.num_stages
+  # Parameter bytes: each stage's own, summing to the model's (float32 parameters).
+  logical = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layout.logical))
+  assert sum(s.param_bytes for s in stages) == logical == 4 * report.num_params
+  # Each stage holds R chunk slots of the padded buffer: what the compiled step's parameter
+  # arguments occupy on a device.
+  for s in stages:
+    assert s.chunks == tuple(range(s.stage, layout.num_chunks, layout.num_stages))
+    assert s.buffer_bytes == layout.num_repeats * layout.buffer_bytes() == report.params_bytes
+    assert s.padding_bytes == s.buffer_bytes - sum(layout.chunk_bytes()[c] for c in s.chunks)
+    assert s.padding_bytes >= 0
+  # Slots are padded to the largest chunk, which itself needs none.
+  assert sum(s.padding_bytes for s in stages) == (
+      layout.num_chunks * layout.buffer_bytes() - sum(layout.chunk_bytes()))
+  assert max(layout.chunk_bytes()) == layout.buffer_bytes()
+  # Adam's two float32 moments and the one-byte weight-decay mask per own parameter.
+  assert [s.optimizer_bytes for s in stages] == [9 * s.param_bytes // 4 for s in stages]
+
+
+@pytest.mark.parametrize("which", ["tiny_report", "circular_report"])
+def test_embedding_on_the_first_stage_and_head_on_the_last_only(which, request):
+  stages = request.getfixturevalue(which).stages
+  head = [s.stage for s in stages if any("LMHead" in name for name in s.layers)]
+  embedding = [s.stage for s in stages if any("TokenEmbedding" in name for name in s.layers)]
+  assert head == [len(stages) - 1]
+  assert embedding == [0]
+  assert stages[0].layers[0] == "layers_0 TokenEmbedding"
+  assert stages[-1].layers[-1] == "layers_2 LMHead"
+  # Every block appears exactly once, named by its copies (both ends included).
+  blocks = []
+  for s in stages:
+    for name in s.layers:
+      if name.startswith("layers_1["):
+        assert name.endswith(" TransformerBlock")
+        first, _, last = name[len("layers_1["):name.index("]")].partition("..")
+        blocks += list(range(int(first), int(last or first) + 1))
+  assert sorted(blocks) == list(range(request.getfixturevalue(which).config.num_layers))
+
+
+@pytest.mark.parametrize("which", ["tiny_report", "circular_report"])
+def test_memory_floor_parts_add_up_and_stay_below_the_peak(which, request):
+  report = request.getfixturevalue(which)
+  config, floor = report.config, report.floor
+  assert floor.stage == max(report.stages, key=lambda s: s.floor.total).stage
+  stage = report.stages[floor.stage]
+  assert floor.state_bytes == 2 * stage.param_bytes + stage.optimizer_bytes
+  assert floor.stash_bytes == stage.stash_slots * stage.input_bytes
+  assert floor.working_set_bytes == stage.working_set_bytes > 0
+  assert floor.total == floor.state_bytes + floor.stash_bytes + floor.working_set_bytes > 0
+  assert floor.total < report.largest_device_bytes
+  assert report.floor_ratio == pytest.approx(report.largest_device_bytes / floor.total)
+  assert report.floor_ratio >= 1
+  # A stash slot per forward tick; past the first stage, a slot holds one device's micro-batch
+  # of activations [B / (data * M), seq, width] in the computation dtype.
+  rows = config.batch_size // (config.num_data * config.num_microbatches)
+  activation = rows * config.seq_len * config.width * jnp.dtype(config.dtype).itemsize
+  for s in report.stages:
+    assert s.stash_slots == report.schedule.num_ticks
+    if s.stage > 0 or config.num_repeats > 1:
+      assert s.input_bytes == activation
+  assert report.ring_bytes == activation
+  out = report.to_json()
+  assert out["memory_floor"]["total"] == floor.total
+  assert out["memory_floor"]["peak_over_floor"] == pytest.approx(report.floor_ratio)
+  assert [s["param_bytes"] for s in out["stages"]] == [s.param_bytes for s in report.stages]
+  text = report_lib.format_report(report)
+  assert "peak / floor" in text and "layers_2 LMHead" in text
+
+
+def test_stage_flops_are_what_the_step_runs_per_tick(tiny_report):
+  # Every tick, a device runs its stage's chunk on one micro-batch; XLA counts the costliest
+  # branch, so the tick loops' conditionals cost about ticks x the largest stage's FLOPs.
+  gated = tiny_report.to_json()["flops_per_device"]["gated_in_tick_loops"]
+  largest = max(s.flops for s in tiny_report.stages)
+  assert 0.9 < gated / (tiny_report.schedule.num_ticks * largest) < 1.3
+  # The head (a 256-way projection and the loss) makes the last stage the dearest.
+  flops = [s.flops for s in tiny_report.stages]
+  assert flops.index(max(flops)) == len(flops) - 1
+
+
+def test_compile_forward_backward_keeps_the_backward_pass():
+  def fn(params, x, ids):
+    return jnp.tanh(x @ params["w"]).sum(axis=-1) + ids.sum()
+
+  args = ({"w": jax.ShapeDtypeStruct((64, 128), jnp.float32)},
+          jax.ShapeDtypeStruct((32, 64), jnp.float32), jax.ShapeDtypeStruct((32,), jnp.int32))
+  compiled = stage_costs.compile_forward_backward(fn, *args)
+  # Outputs: the value [32] and the gradients of the floating arguments only (plus a few bytes
+  # of tuple index tables).
+  outputs = compiled.memory_analysis().output_size_in_bytes
+  assert 0 <= outputs - 4 * (32 + 64 * 128 + 32 * 64) <= 64
+  # The backward pass needs tanh's output [32, 128] beyond the inputs and outputs.
+  assert stage_costs.working_set_bytes(compiled) >= 4 * 32 * 128
+  floor = stage_costs.memory_floor(state_bytes=3, stash_bytes=4, working_set_bytes=5, stage=1)
+  assert floor.total == 12 and floor.ratio(24) == 2.0
+  with pytest.raises(ValueError, match="stash_bytes"):
+    stage_costs.memory_floor(state_bytes=3, stash_bytes=-1, working_set_bytes=5)
+
+
+def test_chunk_programs_in_order_are_the_model():
+  # Widths change at every layer and a Repeat is cut between chunks; running each chunk's
+  # program on one micro-batch, in chunk order, gives what the pipelined model gives for it.
+  layers = [nn.Dense(8), tpipe.Repeat(blocks.MLPBlock(width=8), 3), nn.Dense(4)]
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=2, schedule="circular",
+                           num_repeats=2, balance=[1, 2, 1, 1], mesh=tpipe.make_mesh(stages=2))
+  x = jax.random.normal(jax.random.key(1), (4, 6))
+  variables = model.init({"params": jax.random.key(0)}, x)
+  layout = model.stage_layout(x)
+  staged = layout.to_staged(variables["params"])
+  plan = model.plan_for(x)
+  assert plan.counts == (1, 2, 1, 1)
+  assert stage_costs.group_names(layout, plan.unit_names) == [
+      ("layers_0 Dense",), ("layers_1[0..1] MLPBlock",), ("layers_1[2] MLPBlock",),
+      ("layers_2 Dense",)]
+  h = x[:2]
+  for c in range(layout.num_chunks):
+    fn, (trees, h_shape, side) = model.chunk_program(layout, c, x)
+    assert (h_shape.shape, h_shape.dtype) == (h.shape, h.dtype)
+    r, s = divmod(c, layout.num_stages)
+    h = fn(layout.chunk_params({k: v[r, s] for k, v in staged.items()}, c), h, side)
+  expected = model.apply(variables, x)[:2]
+  np.testing.assert_allclose(h, expected, rtol=1e-5, atol=1e-6)

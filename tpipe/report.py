@@ -16,7 +16,14 @@ a TPU VM) and never run. The printed table gives, per device:
 * FLOPs: executed per step (every loop body counted as many times as it runs), useful (minus the
   bubble slots' share of the tick loops) and the schedule's analytic bubble fraction;
 * collectives per step by kind and mesh axes: stage-to-stage transfers (collective-permute over
-  ``stage``) and data-parallel reductions (all-reduce over ``data``).
+  ``stage``) and data-parallel reductions (all-reduce over ``data``);
+* per stage: the layers it holds (``layers_1[0..5] TransformerBlock``), its parameter bytes and
+  the padding of its packed parameter buffers, its optimizer state, its forward-and-backward
+  FLOPs on one micro-batch (the per-unit costs of ``balance="flops"``), its input on one
+  micro-batch and the working set of its chunks compiled alone;
+* the **memory floor**: (parameters + optimizer state + gradients) of the largest stage + the
+  schedule's in-flight stage inputs + the working set of one chunk on one micro-batch, and the
+  real peak over it (:mod:`tpipe.tools.stage_costs`).
 
 The report (``report.md``, ``report.json``) and the schedule's timeline (``timeline.png``) are
 saved in ``--out_dir`` (a new temporary directory by default, printed at the end). Python users
@@ -79,6 +86,12 @@ class Report:
     compiled: the :class:`jax.stages.Compiled` step (not run).
     cpu_seconds: this process's CPU time (all threads) to lower and compile: steadier than
       wall-clock time on a shared machine.
+    stages: a :class:`tpipe.tools.stage_costs.StageCost` per stage: its layers, parameter
+      bytes and padding, optimizer bytes, FLOPs and memory-floor parts.
+    layout: the model's :class:`tpipe.core.stage_layout.StageLayout` (its split into chunks).
+    ring_bytes: one micro-batch in the packed format that crosses stage boundaries.
+    floor_seconds: wall-clock time to measure the stages (per-unit FLOPs and each distinct
+      chunk's forward and backward compiled alone).
   """
 
   config: Any
@@ -90,6 +103,22 @@ class Report:
   compile_seconds: float
   compiled: Any = dataclasses.field(repr=False, default=None)
   cpu_seconds: float = 0.0
+  stages: tuple = ()
+  layout: Any = None
+  ring_bytes: int = 0
+  floor_seconds: float = 0.0
+
+  @property
+  def floor(self):
+    """The step's :class:`tpipe.tools.stage_costs.MemoryFloor`: its largest stage's."""
+    from tpipe.tools import stage_costs  # pylint: disable=g-import-not-at-top
+
+    return stage_costs.largest_floor(self.stages)
+
+  @property
+  def floor_ratio(self) -> float:
+    """The real peak (the largest device's) over the memory floor."""
+    return self.floor.ratio(self.largest_device_bytes)
 
   # Memory rows, bytes per device.
   @property
@@ -174,6 +203,9 @@ class Report:
             "stashed_microbatches_per_stage": int(self.schedule.stashed_microbatches().max()),
         },
         "collectives_per_step": self.collective_rows(),
+        "stages": [stage.to_json() for stage in self.stages],
+        "ring_bytes_per_microbatch": self.ring_bytes,
+        "memory_floor": self.floor.to_json(self.largest_device_bytes) if self.stages else None,
         "lower_seconds": self.lower_seconds,
         "compile_seconds": self.compile_seconds,
         "compile_cpu_seconds": self.cpu_seconds,
@@ -200,17 +232,63 @@ def compile_train_step(exp):
   return compiled, state, batch, lowered_at - start, done - lowered_at, cpu
 
 
-def analyze_config(config) -> Report:
+def measure_stages(exp, schedule, unit_flops=None):
+  """Per stage of ``exp``'s model: layers, bytes, FLOPs and memory-floor parts.
+
+  FLOPs come from the per-unit costs a ``balance="flops"`` plan computes (each layer's forward and
+  backward on one device's micro-batch), summed over the stage's split, whatever balance the
+  experiment uses. The working set of each distinct chunk is its forward and backward compiled
+  alone on one micro-batch, with dropout as in training.
+
+  Args:
+    exp: a :class:`tpipe.train.experiment.Experiment`.
+    schedule: the schedule its step runs.
+    unit_flops: the per-unit FLOPs if already measured (``Plan.costs`` of a ``balance="flops"``
+      plan for one device's micro-batch); measured here when None.
+
+  Returns:
+    ``(stages, ring_bytes)``: a :class:`tpipe.tools.stage_costs.StageCost` per stage, and the
+    bytes of one micro-batch in the packed boundary format.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from tpipe.tools import stage_costs  # pylint: disable=g-import-not-at-top
+
+  config, layout = exp.config, exp.layout
+  # One data replica's batch: its micro-batches are what one device runs.
+  tokens = jax.ShapeDtypeStruct((config.batch_size // config.num_data, config.seq_len),
+                                jnp.int32)
+  plan = exp.model.plan_for(tokens, targets=tokens)  # Names only: the split is fixed.
+  if unit_flops is None:
+    unit_flops = exp.model.clone(balance="flops").plan_for(tokens, targets=tokens).costs
+  inputs, working_sets, compiled = [], [], {}
+  for c, groups in enumerate(layout.groups):
+    fn, args = exp.model.chunk_program(layout, c, tokens, rng_names=("dropout",),
+                                       targets=tokens, deterministic=False)
+    inputs.append(args[1])
+    # Chunks with the same layers (e.g. the middle ones) have the same working set.
+    key = tuple((g.layer, g.stop - g.start) for g in groups)
+    if key not in compiled:
+      compiled[key] = stage_costs.working_set_bytes(
+          stage_costs.compile_forward_backward(fn, *args))
+    working_sets.append(compiled[key])
+  stages = stage_costs.stage_costs(
+      layout, schedule, unit_names=plan.unit_names, unit_flops=unit_flops, chunk_inputs=inputs,
+      chunk_working_sets=working_sets, opt_state=exp.abstract_state().opt_state)
+  return tuple(stages), stage_costs.ring_bytes(inputs)
+
+
+def analyze_config(config, unit_flops=None) -> Report:
   """Builds the experiment for ``config``, compiles its train step and measures it.
 
   Args:
     config: an experiment config (``configs/lm.py``); validated by the experiment builder.
+    unit_flops: per-unit FLOPs already measured (see :func:`measure_stages`), or None.
 
   Returns:
     A :class:`Report`.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
   from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
   from tpipe import schedules  # pylint: disable=g-import-not-at-top
@@ -222,10 +300,14 @@ def analyze_config(config) -> Report:
   result = analysis.analyze(
       compiled, mesh=exp.mesh, schedule=schedule,
       inputs={"params": state.params, "opt_state": state.opt_state, "batch": batch})
-  num_params = sum(int(x.size) for x in jax.tree.leaves(state.params))
-  return Report(config=config, num_params=num_params, num_devices=int(exp.mesh.devices.size),
-                schedule=schedule, analysis=result, lower_seconds=lower_s,
-                compile_seconds=compile_s, compiled=compiled, cpu_seconds=cpu_s)
+  start = time.perf_counter()
+  stages, ring = measure_stages(exp, schedule, unit_flops)
+  floor_s = time.perf_counter() - start
+  return Report(config=config, num_params=exp.num_params(),
+                num_devices=int(exp.mesh.devices.size), schedule=schedule, analysis=result,
+                lower_seconds=lower_s, compile_seconds=compile_s, compiled=compiled,
+                cpu_seconds=cpu_s, stages=stages, layout=exp.layout, ring_bytes=ring,
+                floor_seconds=floor_s)
 
 
 def _flops(x: float) -> str:
@@ -292,7 +374,47 @@ def format_report(report: Report) -> str:
   for row in report.collective_rows():
     lines.append(f"| {row['kind']} | {row['axes']} | {row['role']} | {row['instructions']} | "
                  f"{row['count']} | {fb(row['bytes'])} | {row['in_loop']} |")
+  if report.stages:
+    lines += [""] + format_stages(report)
   return "\n".join(lines)
+
+
+def format_stages(report: Report) -> list[str]:
+  """The per-stage table and the memory floor, as markdown lines."""
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
+
+  fb = analysis.format_bytes
+  lines = [
+      "| stage | layers | parameters | packed buffers (padding) | optimizer state | FLOPs "
+      "fwd+bwd per micro-batch | input per micro-batch | stash slots | chunk working set | "
+      "floor |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for st in report.stages:
+    lines.append(
+        f"| {st.stage} | {', '.join(st.layers)} | {fb(st.param_bytes)} | {fb(st.buffer_bytes)} "
+        f"(+{st.padding_fraction:.1%}) | {fb(st.optimizer_bytes)} | {_flops(st.flops)} | "
+        f"{fb(st.input_bytes)} | {st.stash_slots} | {fb(st.working_set_bytes)} | "
+        f"{fb(st.floor.total)} |")
+  floor = report.floor
+  lines += [
+      "",
+      f"Packed parameter buffers: every chunk slot is padded to the largest chunk; the boundary "
+      f"format (what crosses stages) is {fb(report.ring_bytes)} per micro-batch.",
+      "",
+      f"| memory floor (stage {floor.stage}, the largest) | bytes |", "|---|---:|",
+      f"| parameters + optimizer state + gradients (own, no padding) | {fb(floor.state_bytes)} |",
+      f"| in-flight stage inputs (stash slots x one micro-batch's input) | "
+      f"{fb(floor.stash_bytes)} |",
+      f"| working set of one chunk's forward and backward on one micro-batch | "
+      f"{fb(floor.working_set_bytes)} |",
+      f"| **floor** | **{fb(floor.total)}** |",
+      f"| real peak (largest device) | {fb(report.largest_device_bytes)} |",
+      f"| **peak / floor** | **{report.floor_ratio:.2f}x** |",
+  ]
+  if report.config.get("remat") != "full":
+    lines += ["", f"remat={report.config.get('remat')!r}: the floor counts the stage inputs a "
+              "stash slot keeps under remat='full'; with this policy each slot also keeps the "
+              "chunk's saved activations, which the ratio then includes."]
+  return lines
 
 
 def write_report(report: Report, out_dir: str) -> dict[str, str]:
