@@ -251,21 +251,23 @@ def measure_stages(exp, schedule, unit_flops=None):
     bytes of one micro-batch in the packed boundary format.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   from tpipe.tools import stage_costs  # pylint: disable=g-import-not-at-top
 
-  config, layout = exp.config, exp.layout
+  config, layout, task = exp.config, exp.layout, exp.task
   # One data replica's batch: its micro-batches are what one device runs.
-  tokens = jax.ShapeDtypeStruct((config.batch_size // config.num_data, config.seq_len),
-                                jnp.int32)
-  plan = exp.model.plan_for(tokens, targets=tokens)  # Names only: the split is fixed.
+  replica = config.batch_size // config.num_data
+  x, kwargs = task.model_inputs(jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct((replica,) + s.shape[1:], s.dtype),
+      task.batch_shapes(config)))
+  plan = exp.model.plan_for(x, **kwargs)  # Names only: the split is fixed.
   if unit_flops is None:
-    unit_flops = exp.model.clone(balance="flops").plan_for(tokens, targets=tokens).costs
+    unit_flops = exp.model.clone(balance="flops").plan_for(x, **kwargs).costs
   inputs, working_sets, compiled = [], [], {}
   for c, groups in enumerate(layout.groups):
-    fn, args = exp.model.chunk_program(layout, c, tokens, rng_names=("dropout",),
-                                       targets=tokens, deterministic=False)
+    # As the train step runs it: dropout on, BatchNorm in training mode.
+    fn, args = exp.model.chunk_program(layout, c, x, rng_names=("dropout",), **kwargs,
+                                       **task.train_keywords)
     inputs.append(args[1])
     # Chunks with the same layers (e.g. the middle ones) have the same working set.
     key = tuple((g.layer, g.stop - g.start) for g in groups)
@@ -385,12 +387,12 @@ def format_stages(report: Report) -> list[str]:
 
   fb = analysis.format_bytes
   lines = [
-      "| stage | layers | parameters | packed buffers (padding) | optimizer state | FLOPs "
+      "| stage | layers (chunks separated by /) | parameters | packed buffers (padding) | optimizer state | FLOPs "
       "fwd+bwd per micro-batch | input per micro-batch | stash slots | chunk working set | "
       "floor |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for st in report.stages:
     lines.append(
-        f"| {st.stage} | {', '.join(st.layers)} | {fb(st.param_bytes)} | {fb(st.buffer_bytes)} "
+        f"| {st.stage} | {' / '.join(', '.join(chunk) for chunk in st.chunk_layers)} | {fb(st.param_bytes)} | {fb(st.buffer_bytes)} "
         f"(+{st.padding_fraction:.1%}) | {fb(st.optimizer_bytes)} | {_flops(st.flops)} | "
         f"{fb(st.input_bytes)} | {st.stash_slots} | {fb(st.working_set_bytes)} | "
         f"{fb(st.floor.total)} |")

@@ -399,7 +399,7 @@ class Sequential(nn.Module):
 
   def plan_for(self, x, **kwargs) -> Plan:
     """The :class:`Plan` for inputs like ``x`` (keyword arguments as for ``apply``): unit names,
-    each unit's cost under ``balance`` (1 per unit for an explicit list) and the split.
+    each unit's cost under ``balance`` (its parameter count for an explicit list) and the split.
 
     ``model.clone(balance="flops").plan_for(x)`` gives every unit's forward-and-backward FLOPs on
     one micro-batch whatever split ``model`` uses. A micro-batch is ``batch / M`` rows of ``x``:

@@ -190,7 +190,7 @@ class StageCost:
   Attributes:
     stage: the stage index s.
     chunks: its chunk indices ``r * S + s``.
-    layers: the layer groups it holds, in order (see :func:`group_names`).
+    chunk_layers: per chunk, the layer groups it holds, in order (see :func:`group_names`).
     param_bytes: its own parameters' bytes.
     buffer_bytes: what its packed parameter buffers occupy: ``R`` chunk slots, each padded to the
       largest chunk.
@@ -205,7 +205,7 @@ class StageCost:
 
   stage: int
   chunks: tuple[int, ...]
-  layers: tuple[str, ...]
+  chunk_layers: tuple[tuple[str, ...], ...]
   param_bytes: int
   buffer_bytes: int
   optimizer_bytes: int
@@ -213,6 +213,11 @@ class StageCost:
   input_bytes: int
   stash_slots: int
   working_set_bytes: int
+
+  @property
+  def layers(self) -> tuple[str, ...]:
+    """The layer groups of all its chunks, in chunk order."""
+    return tuple(name for chunk in self.chunk_layers for name in chunk)
 
   @property
   def padding_bytes(self) -> int:
@@ -236,7 +241,7 @@ class StageCost:
         working_set_bytes=self.working_set_bytes)
 
   def to_json(self) -> dict[str, Any]:
-    return {"stage": self.stage, "chunks": list(self.chunks), "layers": list(self.layers),
+    return {"stage": self.stage, "chunks": list(self.chunks), "layers": [list(chunk) for chunk in self.chunk_layers],
             "param_bytes": self.param_bytes, "buffer_bytes": self.buffer_bytes,
             "padding_bytes": self.padding_bytes, "padding_fraction": self.padding_fraction,
             "optimizer_bytes": self.optimizer_bytes, "gradient_bytes": self.gradient_bytes,
@@ -286,7 +291,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
   for s in range(num_stages):
     chunks = tuple(range(s, num_chunks, num_stages))
     rows.append(StageCost(
-        stage=s, chunks=chunks, layers=tuple(n for c in chunks for n in names[c]),
+        stage=s, chunks=chunks, chunk_layers=tuple(names[c] for c in chunks),
         param_bytes=sum(own[c] for c in chunks),
         buffer_bytes=len(chunks) * layout.buffer_bytes(),
         optimizer_bytes=sum(optimizer[c] for c in chunks),
