@@ -327,14 +327,17 @@ def format_report(report: Report) -> str:
   fb = analysis.format_bytes
   c, mem, flops, pipe = report.config, report.analysis.memory, report.analysis.flops, \
       report.analysis.pipeline
+  # The task's own sizes (an LM's depth and sequence, a convnet's width), where present.
+  sizes = " ".join(f"{label}={c[key]}" for key, label in (("num_layers", "L"), ("width", "width"))
+                   if key in c)
+  seq = f" x seq {c.seq_len}" if "seq_len" in c else ""
   lines = [
-      f"## tpipe report: {c.get('size', '')} L={c.num_layers} width={c.width} "
-      f"params={report.num_params:,}",
+      f"## tpipe report: {c.get('size', '')} {sizes} params={report.num_params:,}",
       "",
       f"mesh data={c.num_data} x stage={c.num_stages} ({report.num_devices} devices), "
       f"schedule={c.schedule} M={c.num_microbatches} R={c.num_repeats} remat={c.remat}, "
       f"dtype={c.get('dtype', 'float32')}, "
-      f"batch={c.batch_size} x seq {c.seq_len}; lowered in {report.lower_seconds:.1f} s, "
+      f"batch={c.batch_size}{seq}; lowered in {report.lower_seconds:.1f} s, "
       f"compiled in {report.compile_seconds:.1f} s (not run).",
       "",
       "| memory per device | bytes |",
