@@ -183,6 +183,25 @@ def test_loss_and_gradients_equal_sequential(name, stages, microbatches, data, r
   numerics.assert_as_close_as_plain(grads, plain_grads, ref_grads, what="gradients")
 
 
+def test_a_call_without_gradients_runs_the_forward_ticks_only():
+  """Evaluation takes the custom_vjp's primal path: GPipe's forward ticks, one conditional per
+  tick (no backward branches), and the same loss."""
+  layers, x, targets, _ = _model("mlp")
+  mesh = tpipe.make_mesh(stages=2, data=2)
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=3, schedule="1f1b",
+                           per_example=("targets",), mesh=mesh)
+  loss_fn = lambda p, x, t: model.apply({"params": p}, x, targets=t)
+  x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
+  params = _params("mlp")
+  evaluate = jax.jit(loss_fn).lower(params, x, targets).compile()
+  module = hlo_lib.parse_hlo(evaluate.as_text())
+  ticks = {loop.trip_count for loop in module.loops()}
+  assert tpipe.schedules.gpipe(2, 3).num_ticks in ticks, ticks
+  assert model.schedule_table().num_ticks not in ticks, ticks
+  value, _ = jax.jit(jax.value_and_grad(loss_fn))(params, x, targets)
+  np.testing.assert_allclose(evaluate(params, x, targets), value, rtol=1e-6)
+
+
 def test_the_check_fails_for_a_dropped_microbatch():
   """The comparison is sharp: the mean over all but the last micro-batch is far outside it."""
   layers, x, targets, float_input = _model("mlp")

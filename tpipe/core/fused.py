@@ -33,8 +33,10 @@ as one SPMD program:
 The whole run is wrapped in a ``jax.custom_vjp`` (:func:`fused_loss`): its forward runs the
 schedule with a unit cotangent, so one pass yields the loss and every gradient, and its backward
 multiplies the stored gradients by the incoming cotangent of the loss. ``jax.grad`` of any
-function of the loss therefore works, and costs one fused run. Without differentiation the run
-still computes the gradients (the loss alone is the forward executor's job).
+function of the loss therefore works, and costs one fused run. A call that is not differentiated
+(evaluation, ``init``) takes the custom_vjp's primal path: the caller's forward-only loss when it
+gives one (``loss_only``; :class:`tpipe.Sequential` runs GPipe's forward ticks there), else the
+fused run with its gradients dropped.
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ def check_runnable(schedule: schedules_lib.FusedSchedule) -> None:
 def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
                per_example: tuple, rngs: dict, *, ring_example: Any,
                schedule: schedules_lib.FusedSchedule, mesh: Mesh, stage_axis: str = "stage",
-               data_axis: str | None = "data") -> jax.Array:
+               data_axis: str | None = "data",
+               loss_only: Callable[..., jax.Array] | None = None) -> jax.Array:
   """The mean over the global batch of the last chunk's per-example losses, run with a fused
   schedule; differentiable (``jax.custom_vjp``) in ``params`` and in the float leaves of ``x``,
   ``broadcast`` and ``per_example``.
@@ -172,6 +175,9 @@ def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
     mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
     stage_axis: the mesh axis of pipeline stages.
     data_axis: the mesh axis of data-parallel replicas, or None.
+    loss_only: None, or ``loss_only(params, x, broadcast, per_example, rngs)``, the same mean
+      loss computed without gradients (the forward executor): it then serves calls that are not
+      differentiated, which otherwise run the whole fused schedule and drop the gradients.
 
   Returns:
     The scalar mean loss.
@@ -191,6 +197,8 @@ def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
 
   @jax.custom_vjp
   def loss_of(floats, others, rngs):
+    if loss_only is not None:
+      return loss_only(*merge(floats, others), rngs)
     return run(*merge(floats, others), rngs)[0]
 
   def loss_fwd(floats, others, rngs):

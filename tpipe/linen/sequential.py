@@ -704,22 +704,33 @@ class Sequential(nn.Module):
       return jax.checkpoint(chunk, policy=policy, prevent_cse=False)
 
     chunks = [make_chunk(c) for c in range(num_chunks)]
-    if self.is_fused():
-      if stats_layout is not None:
-        raise ValueError(f"{_OWNER}: schedule={self.schedule!r} does not support BatchNorm "
-                         f"statistics ('{STATS}'); use schedule='gpipe' or 'circular'.")
-      _check_per_example_losses(self.schedule, unit_input[-1])
-      loss = fused.fused_loss(
-          chunks, {"params": staged}, x, split.broadcast, split.per_example, rngs,
-          ring_example=ring_example, schedule=self.schedule_table(), mesh=run_mesh,
-          stage_axis=self.stage_axis, data_axis=self.data_axis)
-      return loss, None, {}
 
     def apply_chunk(busy, stage, repeat, staged, fresh, incoming, broadcast, per_example, rngs,
                     microbatch):
       index = jnp.where(busy, repeat * num_stages + stage, -1)
       return gated.switch_call(index, chunks, staged, fresh, incoming, broadcast, per_example,
                                rngs, microbatch)
+
+    if self.is_fused():
+      if stats_layout is not None:
+        raise ValueError(f"{_OWNER}: schedule={self.schedule!r} does not support BatchNorm "
+                         f"statistics ('{STATS}'); use schedule='gpipe' or 'circular'.")
+      _check_per_example_losses(self.schedule, unit_input[-1])
+      forward = schedules_lib.gpipe(self.num_stages, self.num_microbatches)
+
+      def loss_only(staged, x, broadcast, per_example, rngs):
+        """Without gradients: GPipe's forward ticks, no stash, the same mean."""
+        losses = executor.run_schedule(
+            apply_chunk, staged, x, broadcast, per_example, rngs, ring_example=ring_example,
+            output_example=output_example, schedule=forward, mesh=run_mesh,
+            stage_axis=self.stage_axis, data_axis=self.data_axis)
+        return jnp.mean(losses)
+
+      loss = fused.fused_loss(
+          chunks, {"params": staged}, x, split.broadcast, split.per_example, rngs,
+          ring_example=ring_example, schedule=self.schedule_table(), mesh=run_mesh,
+          stage_axis=self.stage_axis, data_axis=self.data_axis, loss_only=loss_only)
+      return loss, None, {}
 
     staged = {"params": staged}
     sum_example = None
