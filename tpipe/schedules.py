@@ -13,6 +13,7 @@ indexed ``[tick, stage]``:
 Their backward pass comes from automatic differentiation through the tick loop, which replays the
 forward ticks in reverse order (:meth:`Schedule.backward_tables`). The executor
 (:mod:`tpipe.core.executor`) interprets these tables; :data:`SCHEDULE_NAMES` is what it runs.
+The fused executor (:mod:`tpipe.core.fused`) runs fused tables with a full backward ``B``.
 
 **Fused schedules** (:class:`FusedSchedule`: :data:`FUSED_SCHEDULE_NAMES`, built by
 :func:`make_fused_schedule`) interleave forward and backward work, so each tick a stage does one
@@ -287,8 +288,9 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
     return circular(num_stages, num_microbatches, num_repeats)
   if name in FUSED_SCHEDULE_NAMES:
     raise ValueError(f"schedule={name!r} is a fused schedule: make_fused_schedule() builds and "
-                     "analyses its table, but the executor does not run fused schedules yet; "
-                     f"choose one of {SCHEDULE_NAMES}.")
+                     "analyses its table, and the fused executor (tpipe.core.fused) runs it in "
+                     "tpipe.Sequential ('1f1b'); the forward executor runs only "
+                     f"{SCHEDULE_NAMES}.")
   raise ValueError(f"Unknown schedule {name!r}; choose one of {SCHEDULE_NAMES}.")
 
 

@@ -23,6 +23,9 @@ How it runs, in one SPMD program:
 * Three formats meet in the executor: the input (read by the first chunk only), the packed ring
   between chunks (one micro-batch) and the last layer's own output format. With the loss in the
   last layer, what leaves the pipeline is one number per example.
+* Fused schedules (``schedule="1f1b"``): the executor interleaves each chunk's forward and
+  backward (:mod:`tpipe.core.fused`), keeps at most ``min(S, M)`` chunk inputs per stage instead
+  of one per tick, and the stack returns the mean of the last layer's per-example losses.
 * BatchNorm (``batch_stats``): each micro-batch is normalized with its own statistics; the
   running averages are updated once per step from ``E[x]`` and ``E[x^2]`` pooled over every
   micro-batch and data replica (GPipe's rule), summed by the executor over busy ticks only.
@@ -34,6 +37,9 @@ Example::
                            per_example=("targets",), mesh=tpipe.make_mesh(stages=4, data=2))
   variables = model.init({"params": key}, tokens, targets=targets)
   losses = model.apply(variables, tokens, targets=targets)      # [batch]
+  # With schedule="1f1b": the mean loss, a scalar, and memory bounded in S instead of M.
+  loss, grads = jax.value_and_grad(lambda p: model.clone(schedule="1f1b").apply(
+      {"params": p}, tokens, targets=targets))(variables["params"])
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from tpipe import partition
 from tpipe import schedules as schedules_lib
 from tpipe.core import arguments as arguments_lib
 from tpipe.core import executor
+from tpipe.core import fused
 from tpipe.core import gated
 from tpipe.core import packing
 from tpipe.core import stage as stage_lib
@@ -64,6 +71,8 @@ from tpipe.linen import transform
 from tpipe.parallel import mesh as mesh_lib
 
 BALANCE_NAMES = ("params", "flops", "time")
+# Fused schedules (forward and backward interleaved) the stack runs; its output is then the loss.
+FUSED_SCHEDULES = ("1f1b",)
 _OWNER = "tpipe.Sequential"
 # The params key of staged parameters: {"staged": {dtype: [R, S, n]}} (see stage_layout()).
 STAGED = "staged"
@@ -153,7 +162,16 @@ class Sequential(nn.Module):
       its own; the first gets ``x``.
     num_stages: pipeline stages S; must equal the size of the mesh's stage axis.
     num_microbatches: micro-batches M per data-parallel replica.
-    schedule: ``"gpipe"`` or ``"circular"`` (``num_repeats`` chunks per stage).
+    schedule: ``"gpipe"`` or ``"circular"`` (``num_repeats`` chunks per stage), or the fused
+      ``"1f1b"`` (one forward, one backward in turn; at most ``min(S - s, M)`` micro-batches in
+      flight on stage ``s``). With ``"1f1b"`` the last layer must return per-example losses
+      ``[batch]`` and the stack returns their **mean over the global batch** (all micro-batches
+      and data replicas), a scalar; ``jax.grad`` of any function of it gives the sequential
+      model's gradients (params and float inputs). One call runs forward and backward together
+      (:mod:`tpipe.core.fused`), so the scalar costs a training step even when not
+      differentiated. A chunk's backward recomputes its forward from the stashed chunk input
+      (``remat="full"`` across ticks; ``remat`` decides what the recomputation keeps within the
+      tick). BatchNorm statistics are not supported with it.
     num_repeats: chunks per stage R (``"circular"`` only).
     balance: how the ``S * R`` chunks are chosen: ``"params"`` (parameter count per unit),
       ``"flops"`` (XLA's cost analysis of each unit's forward and backward on one micro-batch;
@@ -255,8 +273,19 @@ class Sequential(nn.Module):
     accepted = [_accepted_keywords(layer) for layer in self._layer_list()]
     return set().union(*[a for a in accepted if a is not None]), None in accepted
 
-  def schedule_table(self) -> schedules_lib.Schedule:
-    """The schedule this stack runs."""
+  def is_fused(self) -> bool:
+    """Whether the schedule interleaves forward and backward (then the output is the loss)."""
+    return self.schedule in FUSED_SCHEDULES
+
+  def schedule_table(self) -> schedules_lib.Schedule | schedules_lib.FusedSchedule:
+    """The schedule this stack runs: a forward :class:`~tpipe.schedules.Schedule`, or a
+    :class:`~tpipe.schedules.FusedSchedule` for ``"1f1b"``."""
+    if self.schedule in schedules_lib.FUSED_SCHEDULE_NAMES:
+      if self.schedule not in FUSED_SCHEDULES:
+        raise ValueError(f"{_OWNER} does not run schedule={self.schedule!r} yet; choose one of "
+                         f"{schedules_lib.SCHEDULE_NAMES + FUSED_SCHEDULES}.")
+      return schedules_lib.make_fused_schedule(self.schedule, self.num_stages,
+                                               self.num_microbatches, self.num_repeats)
     return schedules_lib.make_schedule(self.schedule, self.num_stages, self.num_microbatches,
                                        self.num_repeats)
 
@@ -732,6 +761,27 @@ class Sequential(nn.Module):
       return gated.switch_call(index, chunks, staged, fresh, incoming, broadcast, per_example,
                                rngs, microbatch)
 
+    if self.is_fused():
+      if stats_layout is not None:
+        raise ValueError(f"{_OWNER}: schedule={self.schedule!r} does not support BatchNorm "
+                         f"statistics ('{STATS}'); use schedule='gpipe' or 'circular'.")
+      _check_per_example_losses(self.schedule, unit_input[-1])
+      forward = schedules_lib.gpipe(self.num_stages, self.num_microbatches)
+
+      def loss_only(staged, x, broadcast, per_example, rngs):
+        """Without gradients: GPipe's forward ticks, no stash, the same mean."""
+        losses = executor.run_schedule(
+            apply_chunk, staged, x, broadcast, per_example, rngs, ring_example=ring_example,
+            output_example=output_example, schedule=forward, mesh=run_mesh,
+            stage_axis=self.stage_axis, data_axis=self.data_axis)
+        return jnp.mean(losses)
+
+      loss = fused.fused_loss(
+          chunks, {"params": staged}, x, split.broadcast, split.per_example, rngs,
+          ring_example=ring_example, schedule=self.schedule_table(), mesh=run_mesh,
+          stage_axis=self.stage_axis, data_axis=self.data_axis, loss_only=loss_only)
+      return loss, None, {}
+
     staged = {"params": staged}
     sum_example = None
     if stats_layout is not None:
@@ -790,6 +840,18 @@ def _apply_recording(template, params, stats, h, kwargs, rngs, layer: int, momen
     return (mean if keys[-1] == "mean" else mean_of_squares).astype(value.dtype)
 
   return out, jax.tree_util.tree_map_with_path(contribution, stats)
+
+
+def _check_per_example_losses(schedule: str, output) -> None:
+  """A fused schedule needs the last layer to return one float loss per example."""
+  leaves = jax.tree.leaves(output)
+  if (len(leaves) != 1 or len(leaves[0].shape) != 1
+      or not jnp.issubdtype(leaves[0].dtype, jnp.floating)):
+    raise ValueError(
+        f"{_OWNER} with schedule={schedule!r} returns the mean loss, so its last layer must "
+        f"return per-example losses, one float array [batch]; it returns {_types(output)} per "
+        "micro-batch. End the stack with a layer that computes each example's loss (targets "
+        "passed with per_example=('targets',)), or use schedule='gpipe' for other outputs.")
 
 
 def _sibling(tree, keys, name):

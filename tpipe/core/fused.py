@@ -1,0 +1,370 @@
+"""The fused executor: forward and backward interleaved in one tick loop, memory bounded in S.
+
+The forward executor (:mod:`tpipe.core.executor`) gets its backward pass from autodiff through
+its tick scan, so every stage keeps one stage input per forward tick until the backward begins:
+activation memory grows with the number of micro-batches M. A fused schedule
+(:class:`tpipe.schedules.FusedSchedule`, e.g. 1F1B) instead says per ``[tick, stage]`` whether a
+stage runs a forward ``F`` or a backward ``B`` of one micro-batch, and this module runs that table
+as one SPMD program:
+
+* One ``lax.scan`` over the table's ticks inside ``jax.shard_map``. Each tick every device looks
+  up its action and runs it as one branch of a ``lax.switch`` (idle, ``F`` of model chunk ``v``,
+  ``B`` of model chunk ``v``); the branches hold no collective.
+* ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
+  activation from the stage's mailbox) and keeps that input in a **stash slot** of the table
+  (``stash_slot``). A stage allocates as many slots as the table's peak of micro-batches in
+  flight (``min(S, M)`` for 1F1B), never M.
+* ``B`` takes the stashed input and the output gradient (from the mailbox; for the last chunk the
+  seed ``1 / N`` per example of the mean loss), recomputes the chunk's forward under ``jax.vjp``
+  and applies its VJP. That is ``remat="full"`` at the granularity of a chunk whatever the
+  stack's remat policy: the policy only decides what the chunk keeps *within* the ``B`` tick
+  between its recomputed forward and its backward, so it changes the tick's peak, not what is
+  kept across ticks.
+* Messages: a forward's output goes to the next model chunk, a backward's input gradient to the
+  previous one. After the branch, every device issues the same two ``lax.ppermute`` every tick
+  (one to the right neighbour, one to the left; zeros when the table sends nothing that way).
+  A message arrives the next tick and waits in the receiver's **mailbox** at the slot the table
+  routes it to (``arrival_slots``, ``recv_slot``) until the action that reads it.
+* Parameter gradients accumulate in one running sum per stage (the scan's carry); gradients of
+  per-example inputs (a float ``x``) are filed per micro-batch into a buffer shaped like the
+  input. Once, after the loop: the sum over data replicas of the parameter gradients (the
+  step's one all-reduce), and sums over stages of the input gradients and the loss.
+
+The whole run is wrapped in a ``jax.custom_vjp`` (:func:`fused_loss`): its forward runs the
+schedule with a unit cotangent, so one pass yields the loss and every gradient, and its backward
+multiplies the stored gradients by the incoming cotangent of the loss. ``jax.grad`` of any
+function of the loss therefore works, and costs one fused run. A call that is not differentiated
+(evaluation, ``init``) takes the custom_vjp's primal path: the caller's forward-only loss when it
+gives one (``loss_only``; :class:`tpipe.Sequential` runs GPipe's forward ticks there), else the
+fused run with its gradients dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from tpipe import schedules as schedules_lib
+from tpipe.core import gated
+
+# chunk(params, fresh, incoming, broadcast, per_example, rngs, microbatch) -> (to_next, losses):
+# one model chunk on one micro-batch. ``params`` is the device's parameter tree (leading axis:
+# its local chunks), ``fresh`` the micro-batch of the pipeline's input (read by the first chunk),
+# ``incoming`` the ring-format value from the previous chunk; ``to_next`` is the ring value for
+# the next chunk and ``losses`` the per-example losses ``[rows]`` (zeros except from the last).
+ChunkFn = Callable[..., Any]
+
+_A = schedules_lib.Action
+
+
+def _is_float(leaf) -> bool:
+  return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+
+
+def _floats(tree) -> list:
+  return [leaf for leaf in jax.tree.leaves(tree) if _is_float(leaf)]
+
+
+def _with_floats(tree, floats):
+  """``tree`` with its float leaves replaced, in order, by ``floats``."""
+  floats = iter(floats)
+  return jax.tree.map(lambda leaf: next(floats) if _is_float(leaf) else leaf, tree)
+
+
+def _read(buffer, index):
+  return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, index, 0, keepdims=False), buffer)
+
+
+def _write(buffer, index, value, pred):
+  """``buffer[index] = value if pred``."""
+
+  def write(b, v):
+    old = lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(b, jnp.where(pred, v, old), index, 0)
+
+  return jax.tree.map(write, buffer, value)
+
+
+def _add(buffer, index, value):
+  """``buffer[index] += value``."""
+
+  def add(b, v):
+    old = lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(b, old + v, index, 0)
+
+  return jax.tree.map(add, buffer, value)
+
+
+def _zeros_as(like):
+  """Zeros of ``like``'s shape, dtype and varying mesh axes."""
+  return gated._cast_to(jnp.zeros(like.shape, like.dtype), gated._varying_axes(like))
+
+
+def _as(value, like):
+  """``value`` made to vary over the mesh axes ``like`` varies over (at least its own)."""
+  return gated._cast_to(value, gated._varying_axes(like))
+
+
+def _stacked(tree, count: int):
+  """Zeros ``[count, ...]`` shaped like every leaf of ``tree``."""
+  return jax.tree.map(lambda a: jnp.zeros((count,) + a.shape, a.dtype), tree)
+
+
+def _tick_tables(schedule: schedules_lib.FusedSchedule) -> dict[str, np.ndarray]:
+  """The per-tick rows the scan consumes, each ``[T, S, ...]``.
+
+  ``branch`` numbers the ``lax.switch`` branches: 0 idle, ``1 + v`` the forward of model chunk
+  ``v``, ``1 + V + v`` its backward.
+  """
+  num_virtual = schedule.num_stages * schedule.num_chunks
+  vstage = schedule.virtual_stage
+  stage = np.arange(schedule.num_stages)[None, :]
+  v = vstage[stage, np.maximum(schedule.chunk, 0)]
+  branch = np.where(schedule.action == _A.F, 1 + v,
+                    np.where(schedule.action == _A.B, 1 + num_virtual + v, 0))
+  return {
+      "branch": branch.astype(np.int32),
+      "microbatch": np.maximum(schedule.microbatch, 0),
+      "stash": np.maximum(schedule.stash_slot, 0),
+      "forward": (schedule.action == _A.F),
+      "send_dir": schedule.send_dir,
+      "sends": schedule.send_slot != schedules_lib.IDLE,
+      "send_slot": np.maximum(schedule.send_slot, 0),
+      "recv_slot": np.maximum(schedule.recv_slot, 0),
+      "arrival": schedule.arrival_slots(),
+  }
+
+
+def check_runnable(schedule: schedules_lib.FusedSchedule) -> None:
+  """Raises ValueError for a table this executor cannot run (split backward: ``BI``/``W``)."""
+  split = np.isin(schedule.action, [_A.BI, _A.W])
+  if np.any(split):
+    raise ValueError(f"schedule {schedule.name!r} splits the backward into BI and W, which the "
+                     "fused executor does not run yet; use schedule='1f1b'.")
+
+
+def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
+               per_example: tuple, rngs: dict, *, ring_example: Any,
+               schedule: schedules_lib.FusedSchedule, mesh: Mesh, stage_axis: str = "stage",
+               data_axis: str | None = "data",
+               loss_only: Callable[..., jax.Array] | None = None) -> jax.Array:
+  """The mean over the global batch of the last chunk's per-example losses, run with a fused
+  schedule; differentiable (``jax.custom_vjp``) in ``params`` and in the float leaves of ``x``,
+  ``broadcast`` and ``per_example``.
+
+  Callers validate arguments first; this function assumes the batch splits into ``M``
+  micro-batches per data replica and that the last chunk returns one float loss per example.
+
+  Args:
+    chunks: one function per model chunk ``v = 0..V-1`` (see :data:`ChunkFn`), each pure and
+      free of collectives; model chunk ``v`` runs on the stage and local chunk the schedule's
+      placement gives it.
+    params: parameters in stage layout, every leaf ``[C, S, ...]``; split over ``stage_axis``.
+    x: pytree of arrays ``[N, ...]``, the global batch.
+    broadcast: tuple of arrays every chunk sees whole.
+    per_example: tuple of arrays ``[N, ...]`` split into micro-batches like ``x``.
+    rngs: dict of RNG stream name to key.
+    ring_example: pytree of ``jax.ShapeDtypeStruct`` (no batch axis): what crosses a chunk
+      boundary, in both directions (an activation, or its gradient).
+    schedule: the fused schedule to run (full backward ``B`` only; see :func:`check_runnable`).
+    mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
+    stage_axis: the mesh axis of pipeline stages.
+    data_axis: the mesh axis of data-parallel replicas, or None.
+    loss_only: None, or ``loss_only(params, x, broadcast, per_example, rngs)``, the same mean
+      loss computed without gradients (the forward executor): it then serves calls that are not
+      differentiated, which otherwise run the whole fused schedule and drop the gradients.
+
+  Returns:
+    The scalar mean loss.
+  """
+  check_runnable(schedule)
+  run = _make_run(chunks, ring_example=ring_example, schedule=schedule, mesh=mesh,
+                  stage_axis=stage_axis, data_axis=data_axis)
+  inputs = (params, x, tuple(broadcast), tuple(per_example))
+  leaves, treedef = jax.tree.flatten(inputs)
+  is_float = [_is_float(leaf) for leaf in leaves]
+  split = lambda leaves: (tuple(l for l, f in zip(leaves, is_float) if f),
+                          tuple(l for l, f in zip(leaves, is_float) if not f))
+
+  def merge(floats, others):
+    floats, others = iter(floats), iter(others)
+    return jax.tree.unflatten(treedef, [next(floats) if f else next(others) for f in is_float])
+
+  @jax.custom_vjp
+  def loss_of(floats, others, rngs):
+    if loss_only is not None:
+      return loss_only(*merge(floats, others), rngs)
+    return run(*merge(floats, others), rngs)[0]
+
+  def loss_fwd(floats, others, rngs):
+    loss, grads = run(*merge(floats, others), rngs)
+    return loss, tuple(grads)
+
+  def loss_bwd(grads, cotangent):
+    return tuple(g * cotangent.astype(g.dtype) for g in grads), None, None
+
+  loss_of.defvjp(loss_fwd, loss_bwd)
+  floats, others = split(leaves)
+  return loss_of(floats, others, rngs)
+
+
+def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
+  """``run(params, x, broadcast, per_example, rngs) -> (loss, grads)``: the fused schedule in
+  ``shard_map``; ``grads`` lists the gradient of each float leaf of ``(params, x, broadcast,
+  per_example)``, in leaf order."""
+  num_stages, num_microbatches = schedule.num_stages, schedule.num_microbatches
+  num_virtual = num_stages * schedule.num_chunks
+  if len(chunks) != num_virtual:
+    raise ValueError(f"{len(chunks)} chunk functions for {num_virtual} model chunks.")
+  has_data = data_axis is not None and dict(mesh.shape).get(data_axis, 1) > 1
+  manual_axes = (data_axis, stage_axis) if has_data else (stage_axis,)
+  batch_spec = P(data_axis) if has_data else P()
+  num_slots = max(1, int(schedule.stash_slots().max()))
+  num_mailbox = max(1, int(schedule.mailbox_slots().max()))
+  wrap = schedule.num_chunks > 1
+  right = [(s, (s + 1) % num_stages) for s in range(num_stages if wrap else num_stages - 1)]
+  left = [(s, (s - 1) % num_stages) for s in range(0 if wrap else 1, num_stages)]
+  tables = _tick_tables(schedule)
+  replicas = dict(mesh.shape).get(data_axis, 1) if has_data else 1
+
+  def per_device(params, x, broadcast, per_example, rngs):
+    params = jax.tree.map(lambda p: p[:, 0], params)  # [C, ...]
+    # Everything varies over every manual axis from here on, so no vjp below needs a reduction
+    # over a mesh axis (that would put a collective inside a branch); the sums are explicit,
+    # after the loop.
+    all_axes = frozenset(manual_axes)
+    vary = lambda tree: jax.tree.map(lambda a: gated._cast_to(a, all_axes), tree)
+    params, x, broadcast, per_example = vary((params, x, broadcast, per_example))
+    stage = lax.axis_index(stage_axis)
+    data_index = lax.axis_index(data_axis) if has_data else 0
+    local_batch = jax.tree.leaves(x)[0].shape[0]
+    rows = local_batch // num_microbatches
+    split = lambda tree: jax.tree.map(
+        lambda a: a.reshape((num_microbatches, rows) + a.shape[1:]), tree)
+    x_mb, pex_mb = split(x), split(per_example)
+    seed = jnp.full((rows,), 1.0 / (local_batch * replicas))
+    ring_zero = jax.tree.map(lambda s: jnp.zeros((rows,) + tuple(s.shape), s.dtype),
+                             ring_example)
+
+    def forward_branch(v):
+
+      def branch(state, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch):
+        del stashed
+        to_next, losses = chunks[v](params, fresh, msg, broadcast, pex, rngs, microbatch)
+        state = dict(state, loss=state["loss"] + jnp.sum(losses).astype(jnp.float32))
+        send = to_next if v < num_virtual - 1 else ring_zero
+        return state, vary(send)
+
+      return branch
+
+    def backward_branch(v):
+
+      def branch(state, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch):
+        diff = (params, fresh, stashed, broadcast, pex)
+
+        def fn(*floats):
+          p, f, s, b, e = _with_floats(diff, floats)
+          to_next, losses = chunks[v](p, f, s, b, e, rngs, microbatch)
+          return _floats(to_next), losses
+
+        (ring_out, losses), vjp = jax.vjp(fn, *_floats(diff))
+        # Cotangents of the types of the outputs: a chunk's constant outputs (the losses of all
+        # but the last chunk, the last chunk's empty ring) vary over no mesh axis.
+        if v == num_virtual - 1:
+          cotangent = ([_zeros_as(a) for a in ring_out], _as(seed.astype(losses.dtype), losses))
+        else:
+          cotangent = ([_as(g, a) for g, a in zip(_floats(msg), ring_out)], _zeros_as(losses))
+        grads, parts = list(vjp(cotangent)), []
+        for tree in diff:  # The float leaves' gradients, in the order of diff's trees.
+          count = len(_floats(tree))
+          parts.append(grads[:count])
+          grads = grads[count:]
+        g_params, g_fresh, g_in, g_broadcast, g_pex = parts
+        mb = microbatch - data_index * num_microbatches
+        add = lambda total, g: [u + w for u, w in zip(total, g)]
+        state = dict(state, params=add(state["params"], g_params),
+                     broadcast=add(state["broadcast"], g_broadcast),
+                     x=_add(state["x"], mb, g_fresh),
+                     per_example=_add(state["per_example"], mb, g_pex))
+        g_in = _with_floats(stashed, g_in)
+        send = jax.tree.map(lambda g, z: g if _is_float(z) else z, g_in, ring_zero)
+        return state, vary(send)
+
+      return branch
+
+    def idle(state, *args):
+      del args
+      return state, vary(ring_zero)
+
+    branches = ([idle] + [forward_branch(v) for v in range(num_virtual)]
+                + [backward_branch(v) for v in range(num_virtual)])
+    # Running sums of the float leaves' gradients: params and broadcast arrays whole, per-example
+    # inputs per micro-batch.
+    zeros = lambda tree: [jnp.zeros_like(a) for a in _floats(tree)]
+    state = vary({"loss": jnp.zeros((), jnp.float32), "params": zeros(params),
+                  "broadcast": zeros(broadcast), "x": zeros(x_mb),
+                  "per_example": zeros(pex_mb)})
+    carry = {"state": state,
+             "stash": vary(_stacked(ring_zero, num_slots)),
+             "mailbox": vary(_stacked(ring_zero, num_mailbox)),
+             "arrived": vary((ring_zero, ring_zero, ring_zero))}
+
+    def tick(carry, row):
+      row = jax.tree.map(lambda a: a[stage], row)
+      mailbox = carry["mailbox"]
+      for k, message in enumerate(carry["arrived"]):  # from the left, from the right, own
+        slot = row["arrival"][k]
+        mailbox = _write(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
+      mb = row["microbatch"]
+      msg = _read(mailbox, row["recv_slot"])
+      stash = _write(carry["stash"], row["stash"], msg, row["forward"])
+      state, send = lax.switch(
+          row["branch"], branches, carry["state"], params, _read(x_mb, mb), msg,
+          _read(stash, row["stash"]), broadcast, _read(pex_mb, mb), rngs,
+          data_index * num_microbatches + mb)
+      direction, sends = row["send_dir"], row["sends"]
+      pick = lambda cond: jax.tree.map(lambda a: jnp.where(cond, a, jnp.zeros_like(a)), send)
+      to_right = pick(sends & (direction == 1))
+      to_left = pick(sends & (direction == -1))
+      own = pick(sends & (direction == 0))
+      arrived = (lax.ppermute(to_right, stage_axis, right) if right else to_right,
+                 lax.ppermute(to_left, stage_axis, left) if left else to_left,
+                 own)
+      return {"state": state, "stash": stash, "mailbox": mailbox, "arrived": arrived}, None
+
+    carry, _ = lax.scan(tick, carry, tables)
+    state = carry["state"]
+    # Once per step, outside the loop.
+    loss = lax.psum(state["loss"], manual_axes) / (local_batch * replicas)
+    g_params = state["params"]
+    g_broadcast = lax.psum(state["broadcast"], manual_axes)
+    if has_data:
+      g_params = lax.psum(g_params, data_axis)
+    g_x, g_pex = lax.psum((state["x"], state["per_example"]), stage_axis)
+    unsplit = lambda leaves: [a.reshape((local_batch,) + a.shape[2:]) for a in leaves]
+    g_params = [a[:, None] for a in g_params]
+    return loss, g_params + unsplit(g_x) + g_broadcast + unsplit(g_pex)
+
+  in_specs = (P(None, stage_axis), batch_spec, P(), batch_spec, P())
+
+  def run(params, x, broadcast, per_example, rngs):
+    operands = (params, x, broadcast, per_example, rngs)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+      operands = tuple(
+          jax.tree.map(lambda a, spec=spec: jax.reshard(a, NamedSharding(mesh, spec)), operand)
+          for operand, spec in zip(operands, in_specs))
+    # One gradient per float leaf, in the order of the leaves of (params, x, broadcast,
+    # per_example), each split as its input is.
+    grad_specs = [spec for tree, spec in zip(operands[:4], in_specs)
+                  for _ in _floats(tree)]
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs,
+                           out_specs=(P(), grad_specs))
+    return mapped(*operands)
+
+  return run
+
