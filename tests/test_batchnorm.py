@@ -133,10 +133,8 @@ CASES = [
     ("gpipe", 2, 1, 4, "none"),
     ("gpipe", 2, 2, 2, "full"),
     ("gpipe", 4, 2, 2, "none"),
-    ("gpipe", 4, 1, 1, "full"),
     ("circular", 2, 1, 4, "full"),
     ("circular", 2, 2, 2, "none"),
-    ("circular", 1, 2, 2, "full"),
 ]
 
 

@@ -94,7 +94,9 @@ def test_init_state_and_steps(exp):
   shape = (exp.config.batch_size, exp.config.seq_len)
   batch = {k: jnp.asarray(rng.integers(0, 256, shape), jnp.int32) for k in ("inputs", "targets")}
   batch = jax.device_put(batch, exp.abstract_batch()["inputs"].sharding)
-  eval_loss = exp.eval_step(state.params, batch)
+  sums = exp.eval_step(state, batch)  # Sums over the batch's real examples (all, unmasked).
+  assert float(sums["count"]) == exp.config.batch_size and "correct" not in sums
+  eval_loss = sums["loss"] / sums["count"]
   # Dropout is 0 in the tiny config, so the training loss equals the eval loss.
   np.testing.assert_allclose(exp.loss_fn(state.params, batch, jax.random.key(1)), eval_loss,
                              rtol=1e-5)

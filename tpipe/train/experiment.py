@@ -398,7 +398,9 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   @jax.jit
   def eval_step(state, batch):
     x, kwargs = task.model_inputs(batch)
-    mask = batch["mask"].astype(jnp.float32)
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    # Padded evaluation batches mark their real examples; a batch without a mask is all real.
+    mask = batch["mask"].astype(jnp.float32) if "mask" in batch else jnp.ones(rows, jnp.float32)
     state_vars = variables(state.params, state.model_state)
     out = {"loss": (model.apply(state_vars, x, **kwargs, rngs=eval_rngs) * mask).sum(),
            "count": mask.sum()}
