@@ -23,11 +23,11 @@ import pytest
 
 import tpipe
 from tests import numerics
+from tests.test_sequential import VOCAB, Block, Embed, HeadLoss
 from tpipe.tools import analysis
 from tpipe.tools import hlo as hlo_lib
 
 BATCH = 24
-VOCAB = 11
 SEQ = 4
 
 
@@ -52,33 +52,6 @@ class SquaredError(nn.Module):
   @nn.compact
   def __call__(self, x, targets):
     return jnp.mean((nn.Dense(targets.shape[-1])(x) - targets) ** 2, axis=-1)
-
-
-class Embed(nn.Module):
-  width: int = 8
-
-  @nn.compact
-  def __call__(self, tokens):
-    return nn.Embed(VOCAB, self.width)(tokens)
-
-
-class Block(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    h = nn.LayerNorm()(x)
-    return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(h)))
-
-
-class HeadLoss(nn.Module):
-  """Per-example mean cross-entropy over the sequence: ``[batch]``."""
-
-  @nn.compact
-  def __call__(self, x, targets):
-    logits = nn.Dense(VOCAB)(nn.LayerNorm()(x))
-    logp = jax.nn.log_softmax(logits)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return -jnp.mean(picked, axis=-1)
 
 
 def _model(name, batch=BATCH, seq=SEQ, width=8):

@@ -42,11 +42,12 @@ def _select(pred, on_true, on_false):
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _read_slot(buffer, index):
+def read_slot(buffer, index):
+  """``buffer[index]`` along the leading axis of every leaf."""
   return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, index, 0, keepdims=False), buffer)
 
 
-def _write_slot(buffer, index, value, pred):
+def write_slot(buffer, index, value, pred):
   """``buffer[index] = value if pred`` without copying the whole buffer."""
 
   def write(b, v):
@@ -185,12 +186,12 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
         # Stage 0 parks what the last stage finished last tick until its next lap starts.
         arriving_mb, arriving_rep = row["arriving_microbatch"], row["arriving_repeat"]
         park = (stage == 0) & (arriving_mb >= 0) & (arriving_rep < num_repeats - 1)
-        carry["loop_back"] = _write_slot(carry["loop_back"], jnp.maximum(arriving_mb, 0),
+        carry["loop_back"] = write_slot(carry["loop_back"], jnp.maximum(arriving_mb, 0),
                                          incoming, park)
-        incoming = _select((stage == 0) & (rep > 0), _read_slot(carry["loop_back"], mb),
+        incoming = _select((stage == 0) & (rep > 0), read_slot(carry["loop_back"], mb),
                            incoming)
-      results = apply_chunk(busy, stage, rep, staged, _read_slot(microbatches, mb),
-                            incoming, broadcast, _read_slot(per_example, mb), rngs,
+      results = apply_chunk(busy, stage, rep, staged, read_slot(microbatches, mb),
+                            incoming, broadcast, read_slot(per_example, mb), rngs,
                             data_index * num_microbatches + mb)
       to_next, output = results[:2]
       if sum_example is not None:  # An idle tick's contribution is zeros.
@@ -199,7 +200,7 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
                 total, lax.dynamic_index_in_dim(total, rep, 0, keepdims=False) + c, rep, 0),
             carry["sums"], results[2])
       finished = busy & (stage == num_stages - 1) & (rep == num_repeats - 1)
-      carry["outputs"] = _write_slot(carry["outputs"], mb, output, finished)
+      carry["outputs"] = write_slot(carry["outputs"], mb, output, finished)
       carry["incoming"] = lax.ppermute(to_next, stage_axis, ring) if ring else to_next
       return carry, None
 

@@ -50,6 +50,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from tpipe import schedules as schedules_lib
+from tpipe.core import executor
 from tpipe.core import gated
 
 # chunk(params, fresh, incoming, broadcast, per_example, rngs, microbatch) -> (to_next, losses):
@@ -74,20 +75,6 @@ def _with_floats(tree, floats):
   """``tree`` with its float leaves replaced, in order, by ``floats``."""
   floats = iter(floats)
   return jax.tree.map(lambda leaf: next(floats) if _is_float(leaf) else leaf, tree)
-
-
-def _read(buffer, index):
-  return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, index, 0, keepdims=False), buffer)
-
-
-def _write(buffer, index, value, pred):
-  """``buffer[index] = value if pred``."""
-
-  def write(b, v):
-    old = lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
-    return lax.dynamic_update_index_in_dim(b, jnp.where(pred, v, old), index, 0)
-
-  return jax.tree.map(write, buffer, value)
 
 
 def _add(buffer, index, value):
@@ -319,13 +306,13 @@ def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
       mailbox = carry["mailbox"]
       for k, message in enumerate(carry["arrived"]):  # from the left, from the right, own
         slot = row["arrival"][k]
-        mailbox = _write(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
+        mailbox = executor.write_slot(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
       mb = row["microbatch"]
-      msg = _read(mailbox, row["recv_slot"])
-      stash = _write(carry["stash"], row["stash"], msg, row["forward"])
+      msg = executor.read_slot(mailbox, row["recv_slot"])
+      stash = executor.write_slot(carry["stash"], row["stash"], msg, row["forward"])
       state, send = lax.switch(
-          row["branch"], branches, carry["state"], params, _read(x_mb, mb), msg,
-          _read(stash, row["stash"]), broadcast, _read(pex_mb, mb), rngs,
+          row["branch"], branches, carry["state"], params, executor.read_slot(x_mb, mb), msg,
+          executor.read_slot(stash, row["stash"]), broadcast, executor.read_slot(pex_mb, mb), rngs,
           data_index * num_microbatches + mb)
       direction, sends = row["send_dir"], row["sends"]
       pick = lambda cond: jax.tree.map(lambda a: jnp.where(cond, a, jnp.zeros_like(a)), send)
