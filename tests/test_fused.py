@@ -1,11 +1,13 @@
-"""Fused schedules (1F1B) in tpipe.Sequential: the loss and its gradients equal the layers in order.
+"""Fused schedules in tpipe.Sequential: the loss and its gradients equal the layers in order.
 
-With ``schedule="1f1b"`` the stack returns the mean over the global batch of its last layer's
-per-example losses, and ``jax.grad`` of any function of that scalar must give the sequential
-model's gradients, for parameters and float inputs (numerics rule: :mod:`tests.numerics`). Cases
-cover S in {1, 2, 4}, M below S, equal to it, above it and not a multiple of it, data in {1, 2},
-and two models: an MLP whose width changes, ending in a per-example regression loss, and an LM
-(embedding, blocks, head with per-example targets).
+With a fused schedule (1F1B, interleaved 1F1B, ZB-H1, ZB-V) the stack returns the mean over the
+global batch of its last layer's per-example losses, and ``jax.grad`` of any function of that
+scalar must give the sequential model's gradients, for parameters and float inputs (numerics
+rule: :mod:`tests.numerics`). Cases cover every fused schedule with S in {1, 2, 4, 8}, M in
+{1, 2, S, 4S} (below S, equal to it, above it, not a multiple of it), data in {1, 2}, every remat
+policy, and three models: an MLP whose width changes, ending in a per-example regression loss; an
+LM (embedding, blocks, head with per-example targets); and a homogeneous stack of residual
+blocks with a loss at the end.
 
 Memory is checked with compile-time quantities: the compiled step's temporaries grow with M under
 GPipe (one stashed stage input per tick) and stay bounded under 1F1B (``min(S, M)`` stash slots).
@@ -57,6 +59,9 @@ class SquaredError(nn.Module):
 def _model(name, batch=BATCH, seq=SEQ, width=8):
   """(layers, x, targets, float input?)"""
   k1, k2 = jax.random.split(jax.random.key(42))
+  if name == "blocks":  # 16 units: ZB-V's 2 chunks on each of 8 stages; M up to 4S = 32.
+    return ([tpipe.Repeat(Residual(), 15), SquaredError()],
+            jax.random.normal(k1, (32, 6)), jax.random.normal(k2, (32, 2)), True)
   if name == "mlp":
     layers = [DenseAct(16), tpipe.Repeat(Residual(), 3), DenseAct(12), DenseAct(6),
               SquaredError()]
@@ -127,25 +132,41 @@ def _plain(name, microbatches):
   return jax.jit(_value_and_grad(loss, float_input))(_params(name), x, targets)
 
 
-# (model, stages, micro-batches per replica, data, remat): M < S, M = S, M > S, M not a multiple
-# of S; the remat policy decides what a backward tick keeps between its recomputed forward and
-# its backward, never what is kept across ticks.
+# (model, schedule, stages, micro-batches per replica, data, remat): every fused schedule with
+# S in {1, 2, 4, 8} and M < S, M = S, M > S (4S), M not a multiple of S; interleaved 1F1B and ZB-V
+# hold 2 chunks per stage. The remat policy decides what a backward tick keeps between its
+# recomputed forward and its backward, never what is kept across ticks.
 CASES = [
-    ("mlp", 1, 3, 2, "full"),
-    ("mlp", 2, 3, 2, "none"),
-    ("mlp", 4, 2, 1, "dots"),
-    ("mlp", 4, 6, 1, "full"),
-    ("lm", 2, 3, 2, "dots"),
-    ("lm", 4, 3, 1, "none"),
+    ("mlp", "1f1b", 1, 3, 2, "full"),
+    ("mlp", "1f1b", 4, 2, 1, "dots"),
+    ("lm", "1f1b", 4, 3, 1, "none"),
+    ("blocks", "1f1b", 8, 32, 1, "full"),
+    ("mlp", "interleaved_1f1b", 2, 4, 2, "full"),
+    ("lm", "interleaved_1f1b", 2, 1, 1, "dots"),
+    ("blocks", "interleaved_1f1b", 4, 8, 1, "none"),
+    ("mlp", "zb_h1", 1, 2, 2, "none"),
+    ("mlp", "zb_h1", 4, 1, 1, "full"),
+    ("lm", "zb_h1", 4, 4, 2, "dots"),
+    ("blocks", "zb_h1", 8, 8, 1, "full"),
+    ("mlp", "zbv", 1, 3, 1, "dots"),
+    ("mlp", "zbv", 2, 2, 2, "full"),
+    ("lm", "zbv", 2, 3, 2, "none"),
+    ("blocks", "zbv", 8, 16, 1, "full"),
 ]
+CHUNKS_PER_STAGE = {"1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2}
 
 
-@pytest.mark.parametrize("name,stages,microbatches,data,remat", CASES)
-def test_loss_and_gradients_equal_sequential(name, stages, microbatches, data, remat):
+def test_the_cases_cover_every_fused_schedule():
+  assert {case[1] for case in CASES} == set(tpipe.schedules.FUSED_SCHEDULE_NAMES)
+
+
+@pytest.mark.parametrize("name,schedule,stages,microbatches,data,remat", CASES)
+def test_loss_and_gradients_equal_sequential(name, schedule, stages, microbatches, data, remat):
   layers, x, targets, float_input = _model(name)
   mesh = tpipe.make_mesh(stages=stages, data=data)
   model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=microbatches,
-                           schedule="1f1b", remat=remat, per_example=("targets",), mesh=mesh)
+                           schedule=schedule, num_repeats=CHUNKS_PER_STAGE[schedule],
+                           remat=remat, per_example=("targets",), mesh=mesh)
   loss_fn = lambda p, x, t: model.apply({"params": p}, x, targets=t)
   x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
   value, grads = jax.jit(_value_and_grad(loss_fn, float_input))(_params(name), x, targets)
@@ -266,10 +287,12 @@ def test_a_stack_without_per_example_losses_is_rejected():
     jax.eval_shape(model.init, {"params": jax.random.key(0)}, x)
 
 
-def test_schedules_the_stack_cannot_run_yet_are_rejected_at_construction():
-  with pytest.raises(ValueError, match=r"does not run schedule='zbv' yet; choose one of "
-                                       r"\('gpipe', 'circular', '1f1b'\)"):
+def test_a_chunk_count_the_schedule_does_not_use_is_rejected_at_construction():
+  with pytest.raises(ValueError, match=r"schedule='zbv' runs 2 chunk.*pass num_repeats=2"):
     tpipe.Sequential([nn.Dense(4)] * 4, num_stages=2, num_microbatches=2, schedule="zbv")
   with pytest.raises(ValueError, match="runs 1 chunk"):
     tpipe.Sequential([nn.Dense(4)] * 4, num_stages=2, num_microbatches=2, schedule="1f1b",
                      num_repeats=2)
+  with pytest.raises(ValueError, match="interleaved_1f1b' needs num_repeats >= 2"):
+    tpipe.Sequential([nn.Dense(4)] * 4, num_stages=2, num_microbatches=2,
+                     schedule="interleaved_1f1b")

@@ -929,7 +929,8 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
     if num_repeats not in (None, natural[name]):
       raise ValueError(f"schedule={name!r} runs {natural[name]} chunk(s) per stage, got "
                        f"num_repeats={num_repeats}"
-                       + ("; use schedule='interleaved_1f1b' for more." if name != "zbv" else "."))
+                       + ("; use schedule='interleaved_1f1b' for more." if name != "zbv"
+                          else "; pass num_repeats=2."))
     builder = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}[name]
     return builder(num_stages, num_microbatches)
   if name == "interleaved_1f1b":

@@ -30,6 +30,14 @@ as one SPMD program:
   input. Once, after the loop: the sum over data replicas of the parameter gradients (the
   step's one all-reduce), and sums over stages of the input gradients and the loss.
 
+Zero-bubble schedules (ZB-H1, ZB-V) split the backward into ``BI`` and ``W``
+(:mod:`tpipe.core.taps`): ``BI`` runs the chunk's VJP with zero "taps" added to the outputs of
+the modules linear in their weights, which yields the input gradient and those modules' output
+gradients but not their weight gradients; it files the output gradients and the modules' inputs
+in a **weight slot** (a packed buffer per stage, as many slots as the table's most micro-batches
+awaiting ``W``). ``W`` forms the weight gradients from the slot, by the VJP of each module with
+respect to its weights alone. Nothing is computed twice.
+
 The whole run is wrapped in a ``jax.custom_vjp`` (:func:`fused_loss`): its forward runs the
 schedule with a unit cotangent, so one pass yields the loss and every gradient, and its backward
 multiplies the stored gradients by the incoming cotangent of the loss. ``jax.grad`` of any
@@ -41,6 +49,7 @@ fused run with its gradients dropped.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -52,6 +61,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from tpipe import schedules as schedules_lib
 from tpipe.core import executor
 from tpipe.core import gated
+from tpipe.core import packing
 
 # chunk(params, fresh, incoming, broadcast, per_example, rngs, microbatch) -> (to_next, losses):
 # one model chunk on one micro-batch. ``params`` is the device's parameter tree (leading axis:
@@ -59,6 +69,23 @@ from tpipe.core import gated
 # ``incoming`` the ring-format value from the previous chunk; ``to_next`` is the ring value for
 # the next chunk and ``losses`` the per-example losses ``[rows]`` (zeros except from the last).
 ChunkFn = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitChunk:
+  """A model chunk whose backward splits into ``BI`` and ``W`` (see :mod:`tpipe.core.taps`).
+
+  Attributes:
+    forward: ``forward(params, fresh, incoming, broadcast, per_example, rngs, microbatch, taps)
+      -> ((to_next, losses), (inputs, outputs))``: the chunk as :data:`ChunkFn`, with ``taps``
+      (None, or a pytree shaped like ``outputs``) added to the outputs of its tapped module
+      calls, whose weights it does not differentiate; ``inputs`` are those calls' array inputs.
+    weight_grads: ``weight_grads(params, inputs, output_grads) -> grads`` shaped like
+      ``params``: the tapped calls' weight gradients at their output gradients.
+  """
+
+  forward: Callable[..., Any]
+  weight_grads: Callable[..., Any]
 
 _A = schedules_lib.Action
 
@@ -105,15 +132,15 @@ def _stacked(tree, count: int):
 def _tick_tables(schedule: schedules_lib.FusedSchedule) -> dict[str, np.ndarray]:
   """The per-tick rows the scan consumes, each ``[T, S, ...]``.
 
-  ``branch`` numbers the ``lax.switch`` branches: 0 idle, ``1 + v`` the forward of model chunk
-  ``v``, ``1 + V + v`` its backward.
+  ``branch`` numbers the ``lax.switch`` branches: 0 idle, ``1 + k * V + v`` action ``k``
+  (``F``, ``B``, ``BI``, ``W``) of model chunk ``v``.
   """
   num_virtual = schedule.num_stages * schedule.num_chunks
   vstage = schedule.virtual_stage
   stage = np.arange(schedule.num_stages)[None, :]
   v = vstage[stage, np.maximum(schedule.chunk, 0)]
-  branch = np.where(schedule.action == _A.F, 1 + v,
-                    np.where(schedule.action == _A.B, 1 + num_virtual + v, 0))
+  branch = np.where(schedule.action >= 0, 1 + schedule.action.astype(np.int64) * num_virtual + v,
+                    0)
   return {
       "branch": branch.astype(np.int32),
       "microbatch": np.maximum(schedule.microbatch, 0),
@@ -124,22 +151,41 @@ def _tick_tables(schedule: schedules_lib.FusedSchedule) -> dict[str, np.ndarray]
       "send_slot": np.maximum(schedule.send_slot, 0),
       "recv_slot": np.maximum(schedule.recv_slot, 0),
       "arrival": schedule.arrival_slots(),
+      "weight_slot": weight_slots(schedule),
   }
 
 
-def check_runnable(schedule: schedules_lib.FusedSchedule) -> None:
-  """Raises ValueError for a table this executor cannot run (split backward: ``BI``/``W``)."""
-  split = np.isin(schedule.action, [_A.BI, _A.W])
-  if np.any(split):
-    raise ValueError(f"schedule {schedule.name!r} splits the backward into BI and W, which the "
-                     "fused executor does not run yet; use schedule='1f1b'.")
+def weight_slots(schedule: schedules_lib.FusedSchedule) -> np.ndarray:
+  """``[T, S]``: the weight slot each ``BI`` fills and its ``W`` empties (0 elsewhere).
+
+  A slot is taken from ``BI`` to ``W``, both ticks included, and reused from the next tick; each
+  stage uses as many slots as its most micro-batches awaiting ``W``
+  (:meth:`~tpipe.schedules.FusedSchedule.awaiting_weight`).
+  """
+  slots = np.zeros(schedule.action.shape, np.int32)
+  for s in range(schedule.num_stages):
+    held: dict[tuple[int, int], int] = {}
+    for t in range(schedule.num_ticks):
+      key = (int(schedule.microbatch[t, s]), int(schedule.chunk[t, s]))
+      if schedule.action[t, s] == _A.BI:
+        busy = set(held.values())
+        slots[t, s] = held[key] = min(k for k in range(len(busy) + 1) if k not in busy)
+      elif schedule.action[t, s] == _A.W:
+        slots[t, s] = held.pop(key)
+  return slots
+
+
+def is_split(schedule: schedules_lib.FusedSchedule) -> bool:
+  """Whether the table splits backwards into ``BI`` and ``W``."""
+  return bool(np.any(np.isin(schedule.action, [_A.BI, _A.W])))
 
 
 def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
                per_example: tuple, rngs: dict, *, ring_example: Any,
                schedule: schedules_lib.FusedSchedule, mesh: Mesh, stage_axis: str = "stage",
                data_axis: str | None = "data",
-               loss_only: Callable[..., jax.Array] | None = None) -> jax.Array:
+               loss_only: Callable[..., jax.Array] | None = None,
+               split_chunks: Sequence[SplitChunk] | None = None) -> jax.Array:
   """The mean over the global batch of the last chunk's per-example losses, run with a fused
   schedule; differentiable (``jax.custom_vjp``) in ``params`` and in the float leaves of ``x``,
   ``broadcast`` and ``per_example``.
@@ -158,19 +204,24 @@ def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
     rngs: dict of RNG stream name to key.
     ring_example: pytree of ``jax.ShapeDtypeStruct`` (no batch axis): what crosses a chunk
       boundary, in both directions (an activation, or its gradient).
-    schedule: the fused schedule to run (full backward ``B`` only; see :func:`check_runnable`).
+    schedule: the fused schedule to run.
     mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
     stage_axis: the mesh axis of pipeline stages.
     data_axis: the mesh axis of data-parallel replicas, or None.
     loss_only: None, or ``loss_only(params, x, broadcast, per_example, rngs)``, the same mean
       loss computed without gradients (the forward executor): it then serves calls that are not
       differentiated, which otherwise run the whole fused schedule and drop the gradients.
+    split_chunks: per model chunk, its :class:`SplitChunk`; required when the schedule splits
+      the backward into ``BI`` and ``W``.
 
   Returns:
     The scalar mean loss.
   """
-  check_runnable(schedule)
-  run = _make_run(chunks, ring_example=ring_example, schedule=schedule, mesh=mesh,
+  if is_split(schedule) and (split_chunks is None or len(split_chunks) != len(chunks)):
+    raise ValueError(f"schedule {schedule.name!r} splits the backward into BI and W; pass one "
+                     "SplitChunk per model chunk as split_chunks.")
+  run = _make_run(chunks, split_chunks if is_split(schedule) else None,
+                  ring_example=ring_example, schedule=schedule, mesh=mesh,
                   stage_axis=stage_axis, data_axis=data_axis)
   inputs = (params, x, tuple(broadcast), tuple(per_example))
   leaves, treedef = jax.tree.flatten(inputs)
@@ -200,7 +251,17 @@ def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
   return loss_of(floats, others, rngs)
 
 
-def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
+def _split_grads(grads: list, trees: Sequence[Any]) -> list[list]:
+  """Cuts the flat list of float-leaf gradients of ``trees`` (in order) into one list per tree."""
+  parts = []
+  for tree in trees:
+    count = len(_floats(tree))
+    parts.append(grads[:count])
+    grads = grads[count:]
+  return parts
+
+
+def _make_run(chunks, split_chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
   """``run(params, x, broadcast, per_example, rngs) -> (loss, grads)``: the fused schedule in
   ``shard_map``; ``grads`` lists the gradient of each float leaf of ``(params, x, broadcast,
   per_example)``, in leaf order."""
@@ -213,6 +274,7 @@ def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
   batch_spec = P(data_axis) if has_data else P()
   num_slots = max(1, int(schedule.stash_slots().max()))
   num_mailbox = max(1, int(schedule.mailbox_slots().max()))
+  num_weight_slots = max(1, int(schedule.awaiting_weight().max()))
   wrap = schedule.num_chunks > 1
   right = [(s, (s + 1) % num_stages) for s in range(num_stages if wrap else num_stages - 1)]
   left = [(s, (s - 1) % num_stages) for s in range(0 if wrap else 1, num_stages)]
@@ -238,20 +300,62 @@ def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
     ring_zero = jax.tree.map(lambda s: jnp.zeros((rows,) + tuple(s.shape), s.dtype),
                              ring_example)
 
+    # The split backward's weight slots: per model chunk, the layout of what BI hands to W
+    # (the tapped calls' inputs and output gradients), packed into buffers shared by all chunks.
+    weight_layouts, tap_shapes = [], []
+    if split_chunks is not None:
+      one = (params, executor.read_slot(x_mb, 0), vary(ring_zero), broadcast,
+             executor.read_slot(pex_mb, 0), rngs, 0)
+      for v in range(num_virtual):
+        _, (inputs, outputs) = jax.eval_shape(
+            lambda *a, v=v: split_chunks[v].forward(*a, None), *one)
+        weight_layouts.append(packing.layout_of((inputs, outputs)))
+        tap_shapes.append(outputs)
+      weight_sizes = packing.buffer_sizes(weight_layouts)
+    weight_zero = {} if split_chunks is None else packing.empty(weight_sizes)
+
+    def cotangent_of(v, msg, ring_out, losses):
+      """The output cotangent of model chunk ``v``: the loss seed for the last chunk (whose ring
+      output is empty), the gradient from the next chunk for the others. Constant outputs vary
+      over no mesh axis, so their zeros are cast to match."""
+      if v == num_virtual - 1:
+        return [_zeros_as(a) for a in ring_out], _as(seed.astype(losses.dtype), losses)
+      return [_as(g, a) for g, a in zip(_floats(msg), ring_out)], _zeros_as(losses)
+
+    def file_input_grads(state, parts, microbatch):
+      """Adds the gradients of the broadcast and per-example inputs (and of the micro-batch's
+      data, for the first chunk) to the running sums."""
+      g_fresh, g_broadcast, g_pex = parts
+      mb = microbatch - data_index * num_microbatches
+      add = lambda total, g: [u + w for u, w in zip(total, g)]
+      return dict(state, broadcast=add(state["broadcast"], g_broadcast),
+                  x=_add(state["x"], mb, g_fresh),
+                  per_example=_add(state["per_example"], mb, g_pex))
+
+    def send_of(stashed, g_in):
+      g_in = _with_floats(stashed, g_in)
+      return vary(jax.tree.map(lambda g, z: g if _is_float(z) else z, g_in, ring_zero))
+
+    def add_params(state, g_params):
+      return dict(state, params=[u + w for u, w in zip(state["params"], g_params)])
+
     def forward_branch(v):
 
-      def branch(state, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch):
-        del stashed
+      def branch(state, weights, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch,
+                 weight_slot):
+        del stashed, weight_slot
         to_next, losses = chunks[v](params, fresh, msg, broadcast, pex, rngs, microbatch)
         state = dict(state, loss=state["loss"] + jnp.sum(losses).astype(jnp.float32))
         send = to_next if v < num_virtual - 1 else ring_zero
-        return state, vary(send)
+        return state, weights, vary(send)
 
       return branch
 
     def backward_branch(v):
 
-      def branch(state, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch):
+      def branch(state, weights, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch,
+                 weight_slot):
+        del weight_slot
         diff = (params, fresh, stashed, broadcast, pex)
 
         def fn(*floats):
@@ -260,36 +364,60 @@ def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
           return _floats(to_next), losses
 
         (ring_out, losses), vjp = jax.vjp(fn, *_floats(diff))
-        # Cotangents of the types of the outputs: a chunk's constant outputs (the losses of all
-        # but the last chunk, the last chunk's empty ring) vary over no mesh axis.
-        if v == num_virtual - 1:
-          cotangent = ([_zeros_as(a) for a in ring_out], _as(seed.astype(losses.dtype), losses))
-        else:
-          cotangent = ([_as(g, a) for g, a in zip(_floats(msg), ring_out)], _zeros_as(losses))
-        grads, parts = list(vjp(cotangent)), []
-        for tree in diff:  # The float leaves' gradients, in the order of diff's trees.
-          count = len(_floats(tree))
-          parts.append(grads[:count])
-          grads = grads[count:]
-        g_params, g_fresh, g_in, g_broadcast, g_pex = parts
-        mb = microbatch - data_index * num_microbatches
-        add = lambda total, g: [u + w for u, w in zip(total, g)]
-        state = dict(state, params=add(state["params"], g_params),
-                     broadcast=add(state["broadcast"], g_broadcast),
-                     x=_add(state["x"], mb, g_fresh),
-                     per_example=_add(state["per_example"], mb, g_pex))
-        g_in = _with_floats(stashed, g_in)
-        send = jax.tree.map(lambda g, z: g if _is_float(z) else z, g_in, ring_zero)
-        return state, vary(send)
+        grads = list(vjp(cotangent_of(v, msg, ring_out, losses)))
+        g_params, g_fresh, g_in, g_broadcast, g_pex = _split_grads(grads, diff)
+        state = file_input_grads(add_params(state, g_params), (g_fresh, g_broadcast, g_pex),
+                                 microbatch)
+        return state, weights, send_of(stashed, g_in)
 
       return branch
 
-    def idle(state, *args):
-      del args
-      return state, vary(ring_zero)
+    def backward_input_branch(v):
 
-    branches = ([idle] + [forward_branch(v) for v in range(num_virtual)]
-                + [backward_branch(v) for v in range(num_virtual)])
+      def branch(state, weights, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch,
+                 weight_slot):
+        taps = vary(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tap_shapes[v]))
+        diff = (params, fresh, stashed, broadcast, pex, taps)
+
+        def fn(*floats):
+          p, f, s, b, e, t = _with_floats(diff, floats)
+          (to_next, losses), (inputs, _) = split_chunks[v].forward(p, f, s, b, e, rngs,
+                                                                   microbatch, t)
+          return (_floats(to_next), losses), inputs
+
+        (ring_out, losses), vjp, inputs = jax.vjp(fn, *_floats(diff), has_aux=True)
+        grads = list(vjp(cotangent_of(v, msg, ring_out, losses)))
+        g_params, g_fresh, g_in, g_broadcast, g_pex, g_taps = _split_grads(grads, diff)
+        state = file_input_grads(add_params(state, g_params), (g_fresh, g_broadcast, g_pex),
+                                 microbatch)
+        filed = packing.pack((inputs, _with_floats(taps, g_taps)), weight_layouts[v],
+                             weight_sizes)
+        weights = executor.write_slot(weights, weight_slot, vary(filed), True)
+        return state, weights, send_of(stashed, g_in)
+
+      return branch
+
+    def weight_branch(v):
+
+      def branch(state, weights, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch,
+                 weight_slot):
+        del fresh, msg, stashed, broadcast, pex, rngs, microbatch
+        inputs, output_grads = packing.unpack(executor.read_slot(weights, weight_slot),
+                                              weight_layouts[v])
+        grads = split_chunks[v].weight_grads(params, inputs, output_grads)
+        return add_params(state, _floats(grads)), weights, vary(ring_zero)
+
+      return branch
+
+    def idle(state, weights, *args):
+      del args
+      return state, weights, vary(ring_zero)
+
+    branches = [idle] + [make(v) for make in (forward_branch, backward_branch,
+                                              backward_input_branch, weight_branch)
+                         for v in range(num_virtual)]
+    if split_chunks is None:  # Only F and B occur; BI and W could not be traced.
+      branches = branches[:1 + 2 * num_virtual]
     # Running sums of the float leaves' gradients: params and broadcast arrays whole, per-example
     # inputs per micro-batch.
     zeros = lambda tree: [jnp.zeros_like(a) for a in _floats(tree)]
@@ -298,6 +426,7 @@ def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
                   "per_example": zeros(pex_mb)})
     carry = {"state": state,
              "stash": vary(_stacked(ring_zero, num_slots)),
+             "weights": vary(_stacked(weight_zero, num_weight_slots)),
              "mailbox": vary(_stacked(ring_zero, num_mailbox)),
              "arrived": vary((ring_zero, ring_zero, ring_zero))}
 
@@ -310,10 +439,11 @@ def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
       mb = row["microbatch"]
       msg = executor.read_slot(mailbox, row["recv_slot"])
       stash = executor.write_slot(carry["stash"], row["stash"], msg, row["forward"])
-      state, send = lax.switch(
-          row["branch"], branches, carry["state"], params, executor.read_slot(x_mb, mb), msg,
-          executor.read_slot(stash, row["stash"]), broadcast, executor.read_slot(pex_mb, mb), rngs,
-          data_index * num_microbatches + mb)
+      state, weights, send = lax.switch(
+          row["branch"], branches, carry["state"], carry["weights"], params,
+          executor.read_slot(x_mb, mb), msg, executor.read_slot(stash, row["stash"]), broadcast,
+          executor.read_slot(pex_mb, mb), rngs, data_index * num_microbatches + mb,
+          row["weight_slot"])
       direction, sends = row["send_dir"], row["sends"]
       pick = lambda cond: jax.tree.map(lambda a: jnp.where(cond, a, jnp.zeros_like(a)), send)
       to_right = pick(sends & (direction == 1))
@@ -322,7 +452,8 @@ def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
       arrived = (lax.ppermute(to_right, stage_axis, right) if right else to_right,
                  lax.ppermute(to_left, stage_axis, left) if left else to_left,
                  own)
-      return {"state": state, "stash": stash, "mailbox": mailbox, "arrived": arrived}, None
+      return {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,
+              "arrived": arrived}, None
 
     carry, _ = lax.scan(tick, carry, tables)
     state = carry["state"]
@@ -354,4 +485,3 @@ def _make_run(chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
     return mapped(*operands)
 
   return run
-

@@ -101,6 +101,9 @@ class StageLayout:
     groups: per chunk (``c = r * S + s``), the layer groups it holds.
     num_stages: S.
     num_repeats: R, chunks per stage.
+    placement: where chunk ``c`` lives (see :func:`tpipe.schedules.virtual_stages`): ``"loop"``
+      puts it at ``[c // S, c % S]``; ``"v"`` (ZB-V, ``R = 2``) puts the first S chunks down
+      the stages and the next S back up, chunk ``c >= S`` at ``[1, 2S - 1 - c]``.
     chunk_layouts: per chunk, the packing of its groups' parameter trees (a list, one per group).
     sizes: per dtype, the buffer length n (the largest chunk's need).
     logical: the logical parameters' abstract shapes ``{"layers_i": tree}``.
@@ -112,13 +115,17 @@ class StageLayout:
   chunk_layouts: tuple[packing.Layout, ...]
   sizes: dict[str, int]
   logical: Any
+  placement: str = "loop"
 
   @classmethod
   def build(cls, groups, param_shapes: Mapping[str, Any], num_stages: int,
-            num_repeats: int) -> "StageLayout":
+            num_repeats: int, placement: str = "loop") -> "StageLayout":
     """The layout of ``param_shapes`` (logical, arrays or ShapeDtypeStructs) cut by ``groups``."""
     if len(groups) != num_stages * num_repeats:
       raise ValueError(f"{len(groups)} chunks for {num_stages} stages x {num_repeats} repeats.")
+    if placement not in ("loop", "v") or (placement == "v" and num_repeats != 2):
+      raise ValueError(f"placement must be 'loop', or 'v' with 2 repeats; got {placement!r} with "
+                       f"{num_repeats} repeats.")
     logical = _abstract(dict(param_shapes))
     layouts = []
     for chunk in groups:
@@ -127,11 +134,18 @@ class StageLayout:
       layouts.append(packing.layout_of(trees))
     return cls(groups=tuple(groups), num_stages=num_stages, num_repeats=num_repeats,
                chunk_layouts=tuple(layouts), sizes=packing.buffer_sizes(layouts),
-               logical=logical)
+               logical=logical, placement=placement)
 
   @property
   def num_chunks(self) -> int:
     return len(self.groups)
+
+  def position(self, chunk: int) -> tuple[int, int]:
+    """``(r, s)``: chunk ``chunk``'s local chunk index and stage in the staged buffers."""
+    r, s = divmod(chunk, self.num_stages)
+    if self.placement == "v" and r == 1:
+      s = self.num_stages - 1 - s
+    return r, s
 
   def staged_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
     """The staged buffers' abstract shapes ``{dtype: [R, S, n]}``."""
@@ -166,7 +180,10 @@ class StageLayout:
         trees.append(jax.tree.map(lambda a, g=g: a[g.start:g.stop], tree) if g.repeated
                      else tree)
       packed.append(packing.pack(trees, layout, self.sizes))
-    return {k: jnp.stack([p[k] for p in packed]).reshape(
+    # Buffer position r * S + s holds the chunk placed at (r, s).
+    order = np.argsort([r * self.num_stages + s for r, s in map(self.position,
+                                                                range(self.num_chunks))])
+    return {k: jnp.stack([packed[c][k] for c in order]).reshape(
         (self.num_repeats, self.num_stages, self.sizes[k])) for k in self.sizes}
 
   def to_logical(self, staged: Mapping[str, jax.Array]) -> dict[str, Any]:
@@ -174,7 +191,7 @@ class StageLayout:
     self.check_staged(staged)
     pieces: dict[int, list] = {}
     for c, chunk in enumerate(self.groups):
-      r, s = divmod(c, self.num_stages)
+      r, s = self.position(c)
       trees = self.chunk_params({k: v[r, s] for k, v in staged.items()}, c)
       for g, tree in zip(chunk, trees):
         pieces.setdefault(g.layer, []).append((g.start, g.repeated, tree))

@@ -23,9 +23,11 @@ How it runs, in one SPMD program:
 * Three formats meet in the executor: the input (read by the first chunk only), the packed ring
   between chunks (one micro-batch) and the last layer's own output format. With the loss in the
   last layer, what leaves the pipeline is one number per example.
-* Fused schedules (``schedule="1f1b"``): the executor interleaves each chunk's forward and
-  backward (:mod:`tpipe.core.fused`), keeps at most ``min(S, M)`` chunk inputs per stage instead
-  of one per tick, and the stack returns the mean of the last layer's per-example losses.
+* Fused schedules (``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``, ``"zbv"``): the executor
+  interleaves each chunk's forward and backward (:mod:`tpipe.core.fused`), keeps a number of
+  chunk inputs per stage bounded by the stages instead of one per tick, and the stack returns the
+  mean of the last layer's per-example losses. The zero-bubble schedules split each backward
+  into input and weight gradients without computing anything twice (:mod:`tpipe.core.taps`).
 * BatchNorm (``batch_stats``): each micro-batch is normalized with its own statistics; the
   running averages are updated once per step from ``E[x]`` and ``E[x^2]`` pooled over every
   micro-batch and data replica (GPipe's rule), summed by the executor over busy ticks only.
@@ -66,13 +68,14 @@ from tpipe.core import gated
 from tpipe.core import packing
 from tpipe.core import stage as stage_lib
 from tpipe.core import stage_layout as stage_layout_lib
+from tpipe.core import taps as taps_lib
 from tpipe.core import unit_cost
 from tpipe.linen import transform
 from tpipe.parallel import mesh as mesh_lib
 
 BALANCE_NAMES = ("params", "flops", "time")
 # Fused schedules (forward and backward interleaved) the stack runs; its output is then the loss.
-FUSED_SCHEDULES = ("1f1b",)
+FUSED_SCHEDULES = schedules_lib.FUSED_SCHEDULE_NAMES
 _OWNER = "tpipe.Sequential"
 # The params key of staged parameters: {"staged": {dtype: [R, S, n]}} (see stage_layout()).
 STAGED = "staged"
@@ -162,17 +165,26 @@ class Sequential(nn.Module):
       its own; the first gets ``x``.
     num_stages: pipeline stages S; must equal the size of the mesh's stage axis.
     num_microbatches: micro-batches M per data-parallel replica.
-    schedule: ``"gpipe"`` or ``"circular"`` (``num_repeats`` chunks per stage), or the fused
-      ``"1f1b"`` (one forward, one backward in turn; at most ``min(S - s, M)`` micro-batches in
-      flight on stage ``s``). With ``"1f1b"`` the last layer must return per-example losses
-      ``[batch]`` and the stack returns their **mean over the global batch** (all micro-batches
-      and data replicas), a scalar; ``jax.grad`` of any function of it gives the sequential
-      model's gradients (params and float inputs). One call runs forward and backward together
-      (:mod:`tpipe.core.fused`), so the scalar costs a training step even when not
-      differentiated. A chunk's backward recomputes its forward from the stashed chunk input
-      (``remat="full"`` across ticks; ``remat`` decides what the recomputation keeps within the
-      tick). BatchNorm statistics are not supported with it.
-    num_repeats: chunks per stage R (``"circular"`` only).
+    schedule: ``"gpipe"`` or ``"circular"`` (``num_repeats`` chunks per stage), or a fused
+      schedule (:data:`FUSED_SCHEDULES`): ``"1f1b"`` (one forward, one backward in turn; at most
+      ``min(S - s, M)`` micro-batches in flight on stage ``s``), ``"interleaved_1f1b"``
+      (``num_repeats >= 2`` chunks per stage, placed as the circular schedule places them),
+      ``"zb_h1"`` (zero-bubble H1: 1F1B's memory, the backward split into input gradients
+      ``BI`` and weight gradients ``W`` that fill the bubble) or ``"zbv"`` (zero-bubble V: two
+      chunks per stage, ``num_repeats=2``, the second running back up the stages).
+      With a fused schedule the last layer must return per-example losses ``[batch]`` and the
+      stack returns their **mean over the global batch** (all micro-batches and data replicas),
+      a scalar; ``jax.grad`` of any function of it gives the sequential model's gradients
+      (params and float inputs). One differentiated call runs forward and backward together
+      (:mod:`tpipe.core.fused`); a call that is not differentiated runs the forward ticks of
+      GPipe (or of the circular schedule, for two or more chunks per stage) only. A chunk's
+      backward recomputes its forward from the stashed chunk input (``remat="full"`` across
+      ticks; ``remat`` decides what the recomputation keeps within the tick). The zero-bubble
+      split moves the weight gradients of ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv``,
+      ``nn.Einsum`` and ``nn.Embed`` calls to ``W`` without computing anything twice; other
+      weights get their gradients in ``BI`` (:mod:`tpipe.core.taps`). BatchNorm statistics are
+      not supported with fused schedules.
+    num_repeats: chunks per stage R (``"circular"``, ``"interleaved_1f1b"``; 2 for ``"zbv"``).
     balance: how the ``S * R`` chunks are chosen: ``"params"`` (parameter count per unit),
       ``"flops"`` (XLA's cost analysis of each unit's forward and backward on one micro-batch;
       it counts a loop body once and a conditional as its costliest branch), ``"time"`` (the
@@ -279,11 +291,8 @@ class Sequential(nn.Module):
 
   def schedule_table(self) -> schedules_lib.Schedule | schedules_lib.FusedSchedule:
     """The schedule this stack runs: a forward :class:`~tpipe.schedules.Schedule`, or a
-    :class:`~tpipe.schedules.FusedSchedule` for ``"1f1b"``."""
-    if self.schedule in schedules_lib.FUSED_SCHEDULE_NAMES:
-      if self.schedule not in FUSED_SCHEDULES:
-        raise ValueError(f"{_OWNER} does not run schedule={self.schedule!r} yet; choose one of "
-                         f"{schedules_lib.SCHEDULE_NAMES + FUSED_SCHEDULES}.")
+    :class:`~tpipe.schedules.FusedSchedule` for a fused schedule."""
+    if self.schedule in FUSED_SCHEDULES:
       return schedules_lib.make_fused_schedule(self.schedule, self.num_stages,
                                                self.num_microbatches, self.num_repeats)
     return schedules_lib.make_schedule(self.schedule, self.num_stages, self.num_microbatches,
@@ -379,8 +388,9 @@ class Sequential(nn.Module):
     return shapes
 
   def _layout(self, plan: Plan, param_shapes) -> stage_layout_lib.StageLayout:
+    placement = "v" if self.schedule == "zbv" else "loop"
     return stage_layout_lib.StageLayout.build(plan.groups, param_shapes, self.num_stages,
-                                              self.num_repeats)
+                                              self.num_repeats, placement=placement)
 
   def stage_layout(self, x, **kwargs) -> stage_layout_lib.StageLayout:
     """The stage layout of this stack's parameters for inputs like ``x`` (arrays or
@@ -709,10 +719,17 @@ class Sequential(nn.Module):
     output_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                                   unit_input[-1])
 
-    def make_chunk(c):
+    # The tapped module calls of each (chunk, group), recorded while tracing the split chunks
+    # (see tpipe.core.taps); the weight-gradient pass W re-applies them.
+    tap_calls: dict[tuple[int, int], tuple[taps_lib.TapCall, ...]] = {}
+
+    def make_chunk(c, tapping=False):
+      """Chunk ``c`` as the executors call it; with ``tapping``, the split-backward form
+      ``(..., taps) -> (results, records)``, ``records`` per group the tapped calls' inputs and
+      outputs (see :class:`tpipe.core.fused.SplitChunk`)."""
       r = c // num_stages
 
-      def chunk(staged, fresh, incoming, broadcast, per_example, rngs, microbatch):
+      def chunk(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, taps=None):
         trees = layout.chunk_params({k: v[r] for k, v in staged["params"].items()}, c)
         # Cheap to take again: never saved for the backward pass (see tpipe.core.stage).
         trees = checkpoint_name(trees, stage_lib.CHUNK_PARAMS_NAME)
@@ -721,30 +738,43 @@ class Sequential(nn.Module):
         else:
           stats = stats_layout.chunk_params({k: v[r] for k, v in staged["stats"].items()}, c)
         h = fresh if c == 0 else packing.unpack(incoming, ring_layouts[c - 1])
-        sums = []
-        for g, p, s in zip(layout.groups[c], trees, stats):
+        sums, records = [], []
+        for gi, (g, p, s) in enumerate(zip(layout.groups[c], trees, stats)):
           template = _template(layers[g.layer])
 
-          def apply(p, s, h, unit, g=g, template=template):
+          def apply(p, s, h, unit, t, g=g, gi=gi, template=template):
             kwargs = self._keywords_for(g.layer, split, broadcast, per_example)
-            return _apply_recording(template, p, s, h, kwargs,
-                                    stage_lib.fold_rngs(rngs, unit, microbatch), g.layer,
-                                    momenta)
+            unit_rngs = stage_lib.fold_rngs(rngs, unit, microbatch)
+            if not tapping:
+              return _apply_recording(template, p, s, h, kwargs, unit_rngs, g.layer, momenta), ()
+            with taps_lib.Tapper(t) as tapper:
+              out = _apply_recording(template, p, s, h, kwargs, unit_rngs, g.layer, momenta)
+            tap_calls[(c, gi)] = tuple(tapper.calls)
+            return out, (tapper.inputs, tapper.outputs)
 
+          group_taps = None if taps is None else taps[gi]
           if g.repeated:
             units = g.first_unit + jnp.arange(g.stop - g.start)
-            h, group_sums = lax.scan(lambda h, psu, apply=apply: apply(psu[0], psu[1], h,
-                                                                       psu[2]),
-                                     h, (p, s, units))
+
+            def body(h, xs, apply=apply):
+              (h, unit_sums), unit_records = apply(xs[0], xs[1], h, xs[2], xs[3])
+              return h, (unit_sums, unit_records)
+
+            h, (group_sums, group_records) = lax.scan(body, h, (p, s, units, group_taps))
           else:
-            h, group_sums = apply(p, s, h, g.first_unit)
+            (h, group_sums), group_records = apply(p, s, h, g.first_unit, group_taps)
           sums.append(group_sums)
+          records.append(group_records)
         rows = jax.tree.leaves(fresh)[0].shape[0]
         if c == num_chunks - 1:
           results = (packing.empty(ring_sizes, rows), h)
         else:
           zeros = jax.tree.map(lambda s: jnp.zeros((rows,) + s.shape, s.dtype), output_example)
           results = (packing.pack(h, ring_layouts[c], ring_sizes), zeros)
+        if tapping:
+          inputs = [rec[0] if rec else [] for rec in records]
+          outputs = [rec[1] if rec else [] for rec in records]
+          return results, (inputs, outputs)
         if stats_layout is None:
           return results
         sums = lax.stop_gradient(sums)
@@ -752,6 +782,23 @@ class Sequential(nn.Module):
                                        stats_layout.sizes),)
 
       return jax.checkpoint(chunk, policy=policy, prevent_cse=False)
+
+    def make_weight_grads(c):
+      """``W`` of chunk ``c``: the tapped calls' weight gradients, as staged buffers."""
+      r = c // num_stages
+
+      def weight_grads(staged, inputs, output_grads):
+
+        def outputs(staged):
+          trees = layout.chunk_params({k: v[r] for k, v in staged["params"].items()}, c)
+          return [taps_lib.weight_outputs(tap_calls.get((c, gi), ()), tree, inputs[gi],
+                                          stacked=g.repeated)
+                  for gi, (g, tree) in enumerate(zip(layout.groups[c], trees))]
+
+        _, vjp = jax.vjp(outputs, staged)
+        return vjp(output_grads)[0]
+
+      return weight_grads
 
     chunks = [make_chunk(c) for c in range(num_chunks)]
 
@@ -766,20 +813,38 @@ class Sequential(nn.Module):
         raise ValueError(f"{_OWNER}: schedule={self.schedule!r} does not support BatchNorm "
                          f"statistics ('{STATS}'); use schedule='gpipe' or 'circular'.")
       _check_per_example_losses(self.schedule, unit_input[-1])
-      forward = schedules_lib.gpipe(self.num_stages, self.num_microbatches)
+      schedule = self.schedule_table()
+      if self.schedule == "zbv":
+        # ZB-V's second chunks run back up the stages; the forward executor's ring wants them in
+        # loop order (chunk S + s on stage s), one permutation of the second repeat away.
+        to_loop = lambda staged: {"params": {k: jnp.concatenate([a[:1], a[1:, ::-1]], axis=0)
+                                             for k, a in staged["params"].items()}}
+      else:
+        to_loop = lambda staged: staged
+      forward = (schedules_lib.gpipe(self.num_stages, self.num_microbatches)
+                 if schedule.num_chunks == 1 else
+                 schedules_lib.circular(self.num_stages, self.num_microbatches,
+                                        schedule.num_chunks))
 
       def loss_only(staged, x, broadcast, per_example, rngs):
-        """Without gradients: GPipe's forward ticks, no stash, the same mean."""
+        """Without gradients: the forward ticks of GPipe (or the circular schedule), no stash,
+        the same mean."""
         losses = executor.run_schedule(
-            apply_chunk, staged, x, broadcast, per_example, rngs, ring_example=ring_example,
-            output_example=output_example, schedule=forward, mesh=run_mesh,
-            stage_axis=self.stage_axis, data_axis=self.data_axis)
+            apply_chunk, to_loop(staged), x, broadcast, per_example, rngs,
+            ring_example=ring_example, output_example=output_example, schedule=forward,
+            mesh=run_mesh, stage_axis=self.stage_axis, data_axis=self.data_axis)
         return jnp.mean(losses)
 
+      split_chunks = None
+      if fused.is_split(schedule):
+        split_chunks = [fused.SplitChunk(forward=make_chunk(c, tapping=True),
+                                         weight_grads=make_weight_grads(c))
+                        for c in range(num_chunks)]
       loss = fused.fused_loss(
           chunks, {"params": staged}, x, split.broadcast, split.per_example, rngs,
-          ring_example=ring_example, schedule=self.schedule_table(), mesh=run_mesh,
-          stage_axis=self.stage_axis, data_axis=self.data_axis, loss_only=loss_only)
+          ring_example=ring_example, schedule=schedule, mesh=run_mesh,
+          stage_axis=self.stage_axis, data_axis=self.data_axis, loss_only=loss_only,
+          split_chunks=split_chunks)
       return loss, None, {}
 
     staged = {"params": staged}
