@@ -723,10 +723,11 @@ class Sequential(nn.Module):
     # (see tpipe.core.taps); the weight-gradient pass W re-applies them.
     tap_calls: dict[tuple[int, int], tuple[taps_lib.TapCall, ...]] = {}
 
-    def make_chunk(c, tapping=False):
-      """Chunk ``c`` as the executors call it; with ``tapping``, the split-backward form
-      ``(..., taps) -> (results, records)``, ``records`` per group the tapped calls' inputs and
-      outputs (see :class:`tpipe.core.fused.SplitChunk`)."""
+    def make_chunk(c, tapping=False, policy=policy):
+      """Chunk ``c`` as the executors call it, under ``jax.checkpoint`` with ``policy`` (none
+      when ``policy`` is None); with ``tapping``, the split-backward form ``(..., taps) ->
+      (results, records)``, ``records`` per group the tapped calls' inputs and outputs (see
+      :class:`tpipe.core.fused.SplitChunk`)."""
       r = c // num_stages
 
       def chunk(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, taps=None):
@@ -781,7 +782,9 @@ class Sequential(nn.Module):
         return results + (packing.pack(sums, stats_layout.chunk_layouts[c],
                                        stats_layout.sizes),)
 
-      return jax.checkpoint(chunk, policy=policy, prevent_cse=False)
+      if policy is None:
+        return chunk
+      return jax.checkpoint(chunk, policy=None if policy is _FULL else policy, prevent_cse=False)
 
     def make_weight_grads(c):
       """``W`` of chunk ``c``: the tapped calls' weight gradients, as staged buffers."""
@@ -800,7 +803,9 @@ class Sequential(nn.Module):
 
       return weight_grads
 
-    chunks = [make_chunk(c) for c in range(num_chunks)]
+    # remat="full" (policy None) checkpoints each chunk, saving only its input.
+    chunks = [make_chunk(c, policy=_FULL if policy is None else policy)
+              for c in range(num_chunks)]
 
     def apply_chunk(busy, stage, repeat, staged, fresh, incoming, broadcast, per_example, rngs,
                     microbatch):
@@ -835,13 +840,17 @@ class Sequential(nn.Module):
             mesh=run_mesh, stage_axis=self.stage_axis, data_axis=self.data_axis)
         return jnp.mean(losses)
 
+      # A backward tick recomputes its chunk's forward from the stashed input under jax.vjp:
+      # that is remat="full" already, and checkpointing the chunk again inside the tick would
+      # run the forward twice for the same peak. Other policies decide what the tick keeps.
+      tick_chunks = [make_chunk(c, policy=policy) for c in range(num_chunks)]
       split_chunks = None
       if fused.is_split(schedule):
-        split_chunks = [fused.SplitChunk(forward=make_chunk(c, tapping=True),
+        split_chunks = [fused.SplitChunk(forward=make_chunk(c, tapping=True, policy=policy),
                                          weight_grads=make_weight_grads(c))
                         for c in range(num_chunks)]
       loss = fused.fused_loss(
-          chunks, {"params": staged}, x, split.broadcast, split.per_example, rngs,
+          tick_chunks, {"params": staged}, x, split.broadcast, split.per_example, rngs,
           ring_example=ring_example, schedule=schedule, mesh=run_mesh,
           stage_axis=self.stage_axis, data_axis=self.data_axis, loss_only=loss_only,
           split_chunks=split_chunks)
@@ -864,6 +873,11 @@ class Sequential(nn.Module):
     replicas = dict(run_mesh.shape).get(self.data_axis, 1)
     count = self.num_microbatches * replicas
     return y, jax.tree.map(lambda a: a / count, sums), momenta
+
+
+# jax.checkpoint's policy for remat="full" is None; this sentinel asks make_chunk for that
+# checkpoint, where None means no checkpoint at all.
+_FULL = object()
 
 
 def _apply_recording(template, params, stats, h, kwargs, rngs, layer: int, momenta: dict):

@@ -577,6 +577,107 @@ def pipeline_flops(compiled, schedule, flops: FlopCount | None = None) -> Pipeli
                        gated=gated, tick_loops=tuple(chosen), bubble_fraction=bubble)
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedFlops:
+  """FLOPs of a step run with a fused schedule (:class:`tpipe.schedules.FusedSchedule`), read
+  from the branches of its compiled tick loop, per device.
+
+  Each tick a device runs one branch of a conditional: idle, or action ``F``, ``B``, ``BI`` or
+  ``W`` of one model chunk (see :mod:`tpipe.core.fused`). Counting each branch's FLOPs once and
+  weighting it by the ticks the table runs it gives exact per-stage totals.
+
+  Attributes:
+    actions: per action name, ``[V]`` FLOPs of one such action on model chunk ``v`` (NaN for
+      actions the program does not contain).
+    per_stage: ``[S]`` FLOPs each stage's actions execute over the step.
+    lockstep: the sum over ticks of the costliest action of the tick (in SPMD every device
+      waits for it): what the step's duration follows, in FLOPs.
+    overhead: FLOPs per device outside the actions (the ticks' message routing, the sums after
+      the loop).
+    num_stages: S.
+  """
+
+  actions: dict[str, np.ndarray]
+  per_stage: np.ndarray
+  lockstep: float
+  overhead: float
+  num_stages: int
+
+  @property
+  def useful(self) -> float:
+    """The actions' FLOPs per device, averaged over the stages."""
+    return float(self.per_stage.mean())
+
+  @property
+  def executed(self) -> float:
+    """The FLOPs the busiest device runs: its actions plus the overhead."""
+    return float(self.per_stage.max()) + self.overhead
+
+  @property
+  def lockstep_efficiency(self) -> float:
+    """``useful / lockstep``: 1 minus the bubble measured in FLOPs."""
+    return self.useful / self.lockstep if self.lockstep else 1.0
+
+  def costs(self) -> dict[str, float]:
+    """Mean FLOPs per action kind over the model chunks: costs for ``FusedSchedule.simulate``."""
+    return {name: float(np.mean(f)) for name, f in self.actions.items() if np.all(np.isfinite(f))}
+
+
+def fused_flops(compiled, schedule) -> FusedFlops:
+  """Per-action and per-stage FLOPs of a step compiled with a fused schedule.
+
+  The tick loop is the ``while`` loop whose trip count is ``schedule.num_ticks``; its
+  conditional has ``1 + k * V`` branches (idle, then ``F``, ``B``, ``BI``, ``W`` for each model
+  chunk, as :mod:`tpipe.core.fused` numbers them; the last two only for a split backward).
+
+  Args:
+    compiled: a :class:`jax.stages.Compiled` (or its HLO text) of a step that differentiates a
+      stack run with ``schedule``.
+    schedule: the :class:`tpipe.schedules.FusedSchedule` it runs.
+
+  Returns:
+    A :class:`FusedFlops`.
+  """
+  from tpipe import schedules as schedules_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.core import fused  # pylint: disable=g-import-not-at-top
+
+  if not isinstance(schedule, schedules_lib.FusedSchedule):
+    raise TypeError(f"schedule must be a tpipe.schedules.FusedSchedule, got "
+                    f"{type(schedule).__name__}; use pipeline_flops for forward schedules.")
+  module = _module(compiled)
+  counter = _FlopCounter(module, executed=True)
+  loops = [l for l in module.loops() if l.trip_count == schedule.num_ticks]
+  num_virtual = schedule.num_stages * schedule.num_chunks
+  found = None
+  for loop in loops:
+    for ins in module.computations[loop.body].instructions:
+      if ins.opcode == "conditional":
+        names = [n.strip().lstrip("%") for n in
+                 (ins.attr("branch_computations") or "").strip("{}").split(",") if n.strip()]
+        if len(names) in (1 + 2 * num_virtual, 1 + 4 * num_virtual):
+          found = (loop, ins, names)
+  if found is None:
+    raise ValueError(f"No tick loop of {schedule.num_ticks} trips with a conditional of "
+                     f"{1 + 2 * num_virtual} or {1 + 4 * num_virtual} branches was found; pass "
+                     "the schedule the step was compiled with.")
+  loop, _, names = found
+  branch = np.array([counter.computation(n)[0] for n in names])
+  kinds = ("F", "B", "BI", "W")
+  actions = {}
+  for k, kind in enumerate(kinds):
+    part = branch[1 + k * num_virtual:1 + (k + 1) * num_virtual]
+    actions[kind] = part - branch[0] if part.size else np.full(num_virtual, np.nan)
+  table = fused._tick_tables(schedule)["branch"]  # pylint: disable=protected-access
+  action_flops = np.where(table > 0, branch[table] - branch[0], 0.0)
+  total = flop_count(compiled).executed
+  # The whole-program count takes the conditional's costliest branch on every trip; what is not
+  # an action is the rest (the idle branch's own FLOPs count as routing, like every tick's).
+  overhead = total - loop.outer * schedule.num_ticks * float(np.max(branch) - branch[0])
+  return FusedFlops(actions=actions, per_stage=loop.outer * action_flops.sum(axis=0),
+                    lockstep=loop.outer * float(action_flops.max(axis=1).sum()) + overhead,
+                    overhead=overhead, num_stages=schedule.num_stages)
+
+
 # --------------------------------------------------------------------------------------------
 # Everything at once.
 
