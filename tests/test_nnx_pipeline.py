@@ -5,7 +5,8 @@ The made class takes the block's constructor arguments and holds a ``tpipe.nnx.R
 ``nnx.value_and_grad`` under ``nnx.jit``) are compared with the plain Repeat (its copies in order
 under ``lax.scan``) against a float64 reference (numerics rule: :mod:`tests.numerics`), for a
 block with a per-example argument given by position and a broadcast one given by keyword, over a
-few (schedule, stages, micro-batches, data) cases. Bad arguments raise clear errors.
+few (schedule, stages, micro-batches, data) cases, two with the copies placed over the
+stages by ``tpipe.nnx.shard``. Bad arguments raise clear errors.
 """
 
 import functools
@@ -88,11 +89,14 @@ def _value_and_grad(model, x, mask, scale):
   return nnx.value_and_grad(objective, has_aux=True)(model)
 
 
-CASES = [("gpipe", 1, 1, 1), ("gpipe", 2, 4, 2), ("gpipe", 4, 2, 1), ("circular", 2, 2, 2)]
+# (schedule, stages, micro-batches, data, tpipe.nnx.shard?)
+CASES = [("gpipe", 1, 1, 1, False), ("gpipe", 2, 4, 2, True), ("gpipe", 4, 2, 1, True),
+         ("circular", 2, 2, 2, False)]
 
 
-@pytest.mark.parametrize("schedule,stages,microbatches,data", CASES)
-def test_outputs_and_gradients_equal_the_copies_in_order(schedule, stages, microbatches, data):
+@pytest.mark.parametrize("schedule,stages,microbatches,data,placed", CASES)
+def test_outputs_and_gradients_equal_the_copies_in_order(schedule, stages, microbatches, data,
+                                                         placed):
   mesh = tpipe.make_mesh(stages=stages, data=data)
   stack = tnnx.pipeline(MaskedBlock, length=LENGTH, num_stages=stages,
                         num_microbatches=microbatches, schedule=schedule,
@@ -104,6 +108,10 @@ def test_outputs_and_gradients_equal_the_copies_in_order(schedule, stages, micro
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   jax.tree.map(np.testing.assert_array_equal, params, _params())
   assert params["layer"]["up"]["kernel"].shape == (LENGTH, WIDTH, 2 * WIDTH)
+  if placed:  # The copies split evenly over the stages, so all of them can be stage-resident.
+    tnnx.shard(model)
+    spec = nnx.get_partition_spec(nnx.state(model, nnx.Param))["layer"]["up"]["kernel"]
+    assert spec.get_value() == jax.sharding.PartitionSpec("stage", None, None)
 
   x, mask, scale = _inputs()
   x, mask = jax.device_put((x, mask), tpipe.data_sharding(mesh))
@@ -113,6 +121,8 @@ def test_outputs_and_gradients_equal_the_copies_in_order(schedule, stages, micro
   numerics.assert_as_close_as_plain(y, plain_y, y64, what="outputs")
   numerics.assert_as_close_as_plain(nnx.to_pure_dict(grads), plain_grads, grads64,
                                     what="gradients")
+  if placed:
+    assert grads["layer"]["up"]["kernel"][...].sharding.spec[0] == "stage"
 
 
 def test_the_check_fails_for_copies_out_of_order():

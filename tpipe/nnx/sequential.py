@@ -39,6 +39,7 @@ from jax.sharding import Mesh
 
 from tpipe.linen import sequential as linen_sequential
 from tpipe.linen import transform
+from tpipe.nnx import placement
 from tpipe.parallel import mesh as mesh_lib
 
 _OWNER = "tpipe.nnx.Sequential"
@@ -374,6 +375,10 @@ class _Stack:
 
   def _run(self, x, kwargs):
     engine, variables = self.as_linen()
+    resident = placement.resident_layers(self)
+    if resident:  # Stage-resident Repeats (tpipe.nnx.shard): each stage packs its own buffer.
+      staged = placement.staged_params(self, engine, variables["params"], resident, x, kwargs)
+      variables = {**variables, "params": {linen_sequential.STAGED: staged}}
     rngs = {}
     if self._has_rng_streams(engine):
       stream = "dropout" if "dropout" in self.rngs else "default"
