@@ -51,8 +51,9 @@ The same holds with ``schedule="1f1b"`` and Adam (gradients all-reduced: 8,024 b
 812 after; the Repeat's Adam moments are created and stay split over ``stage``). Placing the
 Repeat's Params with ``jax.device_put`` alone, without the stage-local build, is worse than
 replicated (measured with ``balance="params"``): 12 all-gathers (9,472 bytes) and 24 more
-collective-permutes over ``stage`` per step, on top of the same 8,024-byte all-reduce. The trainer (``--config.frontend=nnx``) is not
-affected: it trains the linen engine's staged state (:meth:`tpipe.nnx.Sequential.as_linen`).
+collective-permutes over ``stage`` per step, on top of the same 8,024-byte all-reduce. The
+trainer (``--config.frontend=nnx``) is not affected: it trains the linen engine's staged state
+(:meth:`tpipe.nnx.Sequential.as_linen`).
 """
 
 from __future__ import annotations
