@@ -3,7 +3,10 @@
 Outputs and parameter gradients (through ``nnx.value_and_grad`` inside ``nnx.jit``) against a
 float64 run of the plain model (the same NNX layers called one after another), for an MLP whose
 width changes and an LM (embedding -> Repeat(block) -> head with per-example targets and loss),
-over a handful of (schedule, stages, micro-batches, data) combinations. Also: the Param state's
+over a handful of (schedule, stages, micro-batches, data) combinations. With every fused schedule
+the linen stack runs (``FUSED_SCHEDULES``, e.g. ``"1f1b"``) the LM returns its mean loss, whose
+value and gradients equal the plain model's for S in {1, 2, 4} and data in {1, 2}; a fused stack
+whose last layer returns no per-example losses is rejected. Also: the Param state's
 names do not depend on the pipeline, an ``nnx.Optimizer`` step runs under ``nnx.jit`` and equals
 the plain model's step, bad arguments raise clear errors, and dropout masks come from the stack's
 rngs, not from the layout.
@@ -21,6 +24,7 @@ from flax import nnx
 import tpipe
 from tests import numerics
 from tpipe import nnx as tnnx
+from tpipe.linen import sequential as linen_sequential
 
 BATCH = 16
 VOCAB = 11
@@ -177,6 +181,69 @@ def test_outputs_and_gradients_equal_the_layers_in_order(name, schedule, stages,
   grads = nnx.to_pure_dict(grads)["layers"]
   numerics.assert_as_close_as_plain(y, plain_y, y64, what="outputs")
   numerics.assert_as_close_as_plain(grads, plain_grads, grads64, what="gradients")
+
+
+def _fused_repeats(schedule):
+  """Chunks per stage a fused schedule runs (interleaved and V schedules hold two or more)."""
+  return 2 if schedule in ("interleaved_1f1b", "zbv") else 1
+
+
+def _objective(loss):
+  """A nonlinear function of the loss, so the cotangent reaching the fused run is not 1."""
+  return loss + 0.5 * loss ** 2
+
+
+@functools.cache
+def _plain_loss(microbatches, precision="float32"):
+  """The plain LM's ``(objective(mean loss), grads)`` on ``microbatches`` micro-batches; with
+  ``precision="float64"`` the float64 reference."""
+  graphdef, _ = nnx.split(nnx.List(_layers("lm")), nnx.Param)
+
+  def objective(params, x, kwargs):
+    return _objective(_in_order(nnx.merge(graphdef, params), x, kwargs, microbatches).mean())
+
+  fn = jax.jit(jax.value_and_grad(objective))
+  params = nnx.to_pure_dict(nnx.state(nnx.List(_layers("lm")), nnx.Param))
+  x, kwargs, _ = _inputs("lm")
+  if precision == "float64":
+    return numerics.float64_reference(fn, params, x, kwargs)
+  return fn(params, x, kwargs)
+
+
+# (stages, micro-batches per replica, data): M < S, M = S, M > S.
+FUSED_CASES = [(1, 2, 2), (2, 4, 2), (4, 2, 1)]
+
+
+@pytest.mark.parametrize("schedule", linen_sequential.FUSED_SCHEDULES)
+@pytest.mark.parametrize("stages,microbatches,data", FUSED_CASES)
+def test_fused_schedules_give_the_mean_loss_and_its_gradients(schedule, stages, microbatches,
+                                                              data):
+  mesh = tpipe.make_mesh(stages=stages, data=data)
+  model, x, kwargs = _pipelined("lm", num_stages=stages, num_microbatches=microbatches,
+                                schedule=schedule, num_repeats=_fused_repeats(schedule),
+                                mesh=mesh)
+  x, kwargs = jax.device_put((x, kwargs), tpipe.data_sharding(mesh))
+
+  @nnx.jit
+  def value_and_grad(model, x, kwargs):
+    return nnx.value_and_grad(lambda m: _objective(m(x, **kwargs)))(model)
+
+  value, grads = value_and_grad(model, x, kwargs)
+  assert value.shape == ()
+  plain_value, plain_grads = _plain_loss(microbatches * data)
+  ref_value, ref_grads = _plain_loss(1, "float64")
+  numerics.assert_as_close_as_plain(value, plain_value, ref_value, what="loss")
+  numerics.assert_as_close_as_plain(nnx.to_pure_dict(grads)["layers"], plain_grads, ref_grads,
+                                    what="gradients")
+
+
+@pytest.mark.parametrize("schedule", linen_sequential.FUSED_SCHEDULES)
+def test_a_fused_stack_whose_last_layer_is_no_loss_is_rejected(schedule):
+  model, x, _ = _pipelined("mlp", num_stages=2, num_microbatches=2, schedule=schedule,
+                           num_repeats=_fused_repeats(schedule), mesh=tpipe.make_mesh(stages=2))
+  with pytest.raises(ValueError, match=rf"schedule='{schedule}' returns the mean loss.*"
+                                       r"per-example losses.*End the stack with a layer"):
+    nnx.eval_shape(lambda m: nnx.grad(lambda m: m(x))(m), model)
 
 
 def test_the_check_fails_for_layers_out_of_order():

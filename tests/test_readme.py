@@ -82,3 +82,49 @@ def test_readme_nnx_example_trains_and_equals_the_layers_in_order():
   plain = jax.jit(functools.partial(in_order, microbatches=4 * 2))(pure, tokens, targets)
   exact = numerics.float64_reference(jax.jit(in_order), pure, tokens, targets)
   numerics.assert_as_close_as_plain(pipelined, plain, exact, what="the README's NNX losses")
+
+
+def test_readme_nnx_pipeline_and_1f1b_examples_equal_the_layers_in_order():
+  code_blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+  first_nnx = next(b for b in code_blocks if "tpipe.nnx.Sequential(" in b)
+  example = next(b for b in code_blocks if "tpipe.nnx.pipeline(" in b)
+  namespace = {}
+  exec(compile(first_nnx, "README.md", "exec"), namespace)  # The NNX layers and tokens.
+  exec(compile(example, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  # The pipelined stack: its copies resident on their stages, its output the copies in order.
+  stack, h, y = namespace["nnx_stack"], namespace["nnx_h"], namespace["nnx_stack_y"]
+  spec = nnx.get_partition_spec(nnx.state(stack, nnx.Param))["layer"]["mlp"]["kernel"]
+  assert spec.get_value() == jax.sharding.PartitionSpec("stage", None, None)
+  graphdef, params = nnx.split(stack.layer, nnx.Param)
+
+  def copies_in_order(params, h, microbatches=1):
+    step = lambda h, p: (nnx.merge(graphdef, p)(h), None)
+    split = lambda a: a.reshape(microbatches, -1, *a.shape[1:])
+    run = lambda chunk: jax.lax.scan(step, chunk, params)[0]
+    return jax.lax.map(run, split(h)).reshape(h.shape)
+
+  pure = nnx.to_pure_dict(params)
+  plain = jax.jit(functools.partial(copies_in_order, microbatches=4 * 2))(pure, h)
+  exact = numerics.float64_reference(jax.jit(copies_in_order), pure, h)
+  numerics.assert_as_close_as_plain(y, plain, exact, what="the README's nnx.pipeline output")
+
+  # 1F1B: the mean loss and its gradients.
+  model, tokens, targets = namespace["nnx_fused"], namespace["nnx_tokens"], namespace["nnx_targets"]
+  graphdef, params = nnx.split(model.layers, nnx.Param)
+
+  def mean_loss(params, tokens, targets, microbatches=1):
+    def run(chunk):
+      embed, repeat, head = nnx.merge(graphdef, params)
+      return head(repeat(embed.embedding[...][chunk[0]]), targets=chunk[1])
+
+    split = lambda a: a.reshape(microbatches, -1, *a.shape[1:])
+    return jax.lax.map(run, (split(tokens), split(targets))).mean()
+
+  pure = nnx.to_pure_dict(params)
+  grad_fn = jax.value_and_grad(mean_loss)
+  plain = jax.jit(functools.partial(grad_fn, microbatches=4 * 2))(pure, tokens, targets)
+  exact = numerics.float64_reference(jax.jit(grad_fn), pure, tokens, targets)
+  got = (namespace["nnx_fused_loss"], nnx.to_pure_dict(namespace["nnx_fused_grads"])["layers"])
+  numerics.assert_as_close_as_plain(got, plain, exact, what="the README's 1F1B loss and grads")

@@ -39,6 +39,7 @@ from jax.sharding import Mesh
 
 from tpipe.linen import sequential as linen_sequential
 from tpipe.linen import transform
+from tpipe.nnx import placement
 from tpipe.parallel import mesh as mesh_lib
 
 _OWNER = "tpipe.nnx.Sequential"
@@ -291,7 +292,107 @@ def _as_linen(layer: nnx.Module, where: str):
   linen_stats = {name: {"mean": norm.mean[...], "var": norm.var[...]}
                  for name, norm in _batch_norms(target).items()}
   return module, linen_params, linen_stats
-class Sequential(nnx.Module):
+class _Stack:
+  """What :class:`Sequential` and the class :func:`tpipe.nnx.pipeline` makes share: the
+  pipeline settings, the linen engine built from the layers (:meth:`_pipeline_layers`) and the
+  call. Holds no state of its own."""
+
+  _owner = _OWNER
+
+  def _pipeline_layers(self) -> list[nnx.Module]:
+    raise NotImplementedError
+
+  def _configure(self, *, num_stages, num_microbatches, schedule, num_repeats, balance, remat,
+                 per_example, mesh, stage_axis, data_axis, rngs) -> None:
+    """Stores and validates the settings (every one, before any tracing)."""
+    if isinstance(per_example, str):
+      raise TypeError(f"per_example must be a sequence of keyword names, got the string "
+                      f"{per_example!r}; write per_example=({per_example!r},).")
+    self.num_stages = num_stages
+    self.num_microbatches = num_microbatches
+    self.schedule = schedule
+    self.num_repeats = num_repeats
+    self.balance = balance if isinstance(balance, str) else tuple(balance)
+    self.remat = remat
+    self.per_example = tuple(per_example)
+    self.mesh = mesh
+    self.stage_axis = stage_axis
+    self.data_axis = data_axis
+    if rngs is not None and not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"{self._owner}: rngs must be an nnx.Rngs or None, got {rngs!r}.")
+    self.rngs = rngs
+    engine, _ = self.as_linen()  # Validates every setting now, before any tracing.
+    if rngs is None and self._has_rng_streams(engine):
+      raise ValueError(f"{self._owner}: a layer has RNG streams (e.g. nnx.Dropout) but the stack "
+                       "has no rngs; pass rngs=nnx.Rngs(dropout=...).")
+
+  @staticmethod
+  def _has_rng_streams(engine) -> bool:
+    modules = [getattr(layer, "module", layer) for layer in engine._layer_list()]
+    return any(module.rng_slots for module in modules)
+
+  def as_linen(self) -> tuple[linen_sequential.Sequential, dict]:
+    """The linen :class:`tpipe.Sequential` that runs this stack, and the stack's current state
+    as its variables, in the linen logical layout.
+
+    ``variables["params"]["layers_i"]`` is layer ``i``'s ``Param`` state as a pure dict with the
+    NNX attribute names (a Repeat's stacked on a leading axis), so an NNX model whose attributes
+    are named like a linen model's has that model's parameter tree. With BatchNorm layers,
+    ``variables["batch_stats"]["layers_i"]`` holds ``{name: {"mean", "var"}}`` per
+    ``nnx.BatchNorm`` (``name``: its graph path and ``stats`` joined with dots, ``norm.stats``).
+    Use it to train with tpipe's linen tooling (staged layouts, :func:`tpipe.make_train_step`);
+    :meth:`load_linen_variables` writes such variables back into the layers.
+    """
+    modules, params, stats = [], {}, {}
+    for i, layer in enumerate(self._pipeline_layers()):
+      module, params[f"layers_{i}"], stats[f"layers_{i}"] = _as_linen(
+          layer, f"{self._owner} layers[{i}]")
+      modules.append(module)
+    engine = linen_sequential.Sequential(
+        modules, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
+        schedule=self.schedule, num_repeats=self.num_repeats,
+        balance=self.balance if isinstance(self.balance, str) else list(self.balance),
+        remat=self.remat, per_example=self.per_example, mesh=self.mesh,
+        stage_axis=self.stage_axis, data_axis=self.data_axis)
+    variables = {"params": params}
+    if jax.tree.leaves(stats):
+      variables[STATS] = stats
+    return engine, variables
+
+  def load_linen_variables(self, variables) -> None:
+    """Writes ``params`` and ``batch_stats`` in :meth:`as_linen`'s layout into the layers."""
+    for i, layer in enumerate(self._pipeline_layers()):
+      target = layer.layer if isinstance(layer, Repeat) else layer
+      if "params" in variables:
+        given = variables["params"][f"layers_{i}"]
+        current = nnx.to_pure_dict(nnx.state(target, nnx.Param))
+        nnx.update(target, nnx.State({key: given[str(key)] for key in current}))
+      for name, norm in _batch_norms(target).items():
+        new = variables.get(STATS, {}).get(f"layers_{i}", {}).get(name)
+        if new is not None:
+          norm.mean[...] = new["mean"]
+          norm.var[...] = new["var"]
+
+  def _run(self, x, kwargs):
+    engine, variables = self.as_linen()
+    resident = placement.resident_layers(self)
+    if resident:  # Stage-resident Repeats (tpipe.nnx.shard): each stage packs its own buffer.
+      staged = placement.staged_params(self, engine, variables["params"], resident, x, kwargs)
+      variables = {**variables, "params": {linen_sequential.STAGED: staged}}
+    rngs = {}
+    if self._has_rng_streams(engine):
+      stream = "dropout" if "dropout" in self.rngs else "default"
+      rngs[RNG_STREAM] = self.rngs[stream]()
+    if STATS not in variables:
+      return engine.apply(variables, x, **kwargs, rngs=rngs)
+    # BatchNorm in training mode: one update per call from statistics pooled over every
+    # micro-batch and replica (the linen engine's rule), written back into the nnx.BatchNorms.
+    y, updated = engine.apply(variables, x, **kwargs, rngs=rngs, mutable=[STATS])
+    self.load_linen_variables({STATS: updated[STATS]})
+    return y
+
+
+class Sequential(_Stack, nnx.Module):
   """Applies ``layers`` (NNX modules) in order, pipelined over the ``stage`` axis of a mesh.
 
   ``model(x, **kwargs)`` equals ``x`` passed through the layers in order, each getting the
@@ -305,7 +406,10 @@ class Sequential(nnx.Module):
       (``nnx.Dropout``).
     num_stages: pipeline stages S; must equal the size of the mesh's stage axis.
     num_microbatches: micro-batches M per data-parallel replica.
-    schedule: ``"gpipe"`` or ``"circular"`` (``num_repeats`` chunks per stage).
+    schedule: ``"gpipe"``, ``"circular"`` (``num_repeats`` chunks per stage), or a fused
+      schedule (``tpipe.linen.sequential.FUSED_SCHEDULES``, e.g. ``"1f1b"``): the last layer
+      then returns per-example losses ``[batch]`` and the stack returns their mean over the
+      global batch, a scalar; differentiate it with ``nnx.grad``/``nnx.value_and_grad``.
     num_repeats: chunks per stage R (``"circular"`` only).
     balance: ``"params"``, ``"flops"``, ``"time"`` or a list of unit counts per chunk.
     remat: ``"none"``, ``"full"``, ``"dots"`` or a ``jax.checkpoint`` policy, per chunk.
@@ -335,93 +439,18 @@ class Sequential(nnx.Module):
     if not isinstance(layers, (list, tuple)) or not layers:
       raise TypeError(f"{_OWNER} takes a non-empty list of nnx.Module layers, got {layers!r}.")
     for i, layer in enumerate(layers):
-      if not isinstance(layer, nnx.Module) or isinstance(layer, Sequential):
+      if not isinstance(layer, nnx.Module) or isinstance(layer, _Stack):
         raise TypeError(f"{_OWNER}: layers[{i}] is {layer!r}; each layer must be an nnx.Module "
                         "instance or a tpipe.nnx.Repeat (for a flax.linen module use "
                         "tpipe.Sequential).")
-    if isinstance(per_example, str):
-      raise TypeError(f"per_example must be a sequence of keyword names, got the string "
-                      f"{per_example!r}; write per_example=({per_example!r},).")
     self.layers = nnx.List(layers)
-    self.num_stages = num_stages
-    self.num_microbatches = num_microbatches
-    self.schedule = schedule
-    self.num_repeats = num_repeats
-    self.balance = balance if isinstance(balance, str) else tuple(balance)
-    self.remat = remat
-    self.per_example = tuple(per_example)
-    self.mesh = mesh
-    self.stage_axis = stage_axis
-    self.data_axis = data_axis
-    if rngs is not None and not isinstance(rngs, nnx.Rngs):
-      raise TypeError(f"{_OWNER}: rngs must be an nnx.Rngs or None, got {rngs!r}.")
-    self.rngs = rngs
-    engine, _ = self._engine()  # Validates every setting now, before any tracing.
-    if rngs is None and self._has_rng_streams(engine):
-      raise ValueError(f"{_OWNER}: a layer has RNG streams (e.g. nnx.Dropout) but the stack has "
-                       "no rngs; pass rngs=nnx.Rngs(dropout=...) to tpipe.nnx.Sequential.")
+    self._configure(num_stages=num_stages, num_microbatches=num_microbatches,
+                    schedule=schedule, num_repeats=num_repeats, balance=balance, remat=remat,
+                    per_example=per_example, mesh=mesh, stage_axis=stage_axis,
+                    data_axis=data_axis, rngs=rngs)
 
-  @staticmethod
-  def _has_rng_streams(engine) -> bool:
-    modules = [getattr(layer, "module", layer) for layer in engine._layer_list()]
-    return any(module.rng_slots for module in modules)
-
-  def _engine(self) -> tuple[linen_sequential.Sequential, dict]:
-    engine, variables = self.as_linen()
-    return engine, variables["params"]
-
-  def as_linen(self) -> tuple[linen_sequential.Sequential, dict]:
-    """The linen :class:`tpipe.Sequential` that runs this stack, and the stack's current state
-    as its variables, in the linen logical layout.
-
-    ``variables["params"]["layers_i"]`` is layer ``i``'s ``Param`` state as a pure dict with the
-    NNX attribute names (a Repeat's stacked on a leading axis), so an NNX model whose attributes
-    are named like a linen model's has that model's parameter tree. With BatchNorm layers,
-    ``variables["batch_stats"]["layers_i"]`` holds ``{name: {"mean", "var"}}`` per
-    ``nnx.BatchNorm`` (``name``: its graph path and ``stats`` joined with dots, ``norm.stats``). Use it to train with tpipe's
-    linen tooling (staged layouts, :func:`tpipe.make_train_step`); :meth:`load_linen_variables`
-    writes such variables back into the layers.
-    """
-    modules, params, stats = [], {}, {}
-    for i, layer in enumerate(self.layers):
-      module, params[f"layers_{i}"], stats[f"layers_{i}"] = _as_linen(
-          layer, f"{_OWNER} layers[{i}]")
-      modules.append(module)
-    engine = linen_sequential.Sequential(
-        modules, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
-        schedule=self.schedule, num_repeats=self.num_repeats,
-        balance=self.balance if isinstance(self.balance, str) else list(self.balance),
-        remat=self.remat, per_example=self.per_example, mesh=self.mesh,
-        stage_axis=self.stage_axis, data_axis=self.data_axis)
-    variables = {"params": params}
-    if jax.tree.leaves(stats):
-      variables[STATS] = stats
-    return engine, variables
-
-  def load_linen_variables(self, variables) -> None:
-    """Writes ``params`` and ``batch_stats`` in :meth:`as_linen`'s layout into the layers."""
-    for i, layer in enumerate(self.layers):
-      target = layer.layer if isinstance(layer, Repeat) else layer
-      if "params" in variables:
-        given = variables["params"][f"layers_{i}"]
-        current = nnx.to_pure_dict(nnx.state(target, nnx.Param))
-        nnx.update(target, nnx.State({key: given[str(key)] for key in current}))
-      for name, norm in _batch_norms(target).items():
-        new = variables.get(STATS, {}).get(f"layers_{i}", {}).get(name)
-        if new is not None:
-          norm.mean[...] = new["mean"]
-          norm.var[...] = new["var"]
+  def _pipeline_layers(self) -> list[nnx.Module]:
+    return list(self.layers)
 
   def __call__(self, x, **kwargs):
-    engine, variables = self.as_linen()
-    rngs = {}
-    if self._has_rng_streams(engine):
-      stream = "dropout" if "dropout" in self.rngs else "default"
-      rngs[RNG_STREAM] = self.rngs[stream]()
-    if STATS not in variables:
-      return engine.apply(variables, x, **kwargs, rngs=rngs)
-    # BatchNorm in training mode: one update per call from statistics pooled over every
-    # micro-batch and replica (the linen engine's rule), written back into the nnx.BatchNorms.
-    y, updated = engine.apply(variables, x, **kwargs, rngs=rngs, mutable=[STATS])
-    self.load_linen_variables({STATS: updated[STATS]})
-    return y
+    return self._run(x, kwargs)
