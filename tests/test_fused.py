@@ -177,20 +177,23 @@ def test_loss_and_gradients_equal_sequential(name, schedule, stages, microbatche
   numerics.assert_as_close_as_plain(grads, plain_grads, ref_grads, what="gradients")
 
 
-def test_a_call_without_gradients_runs_the_forward_ticks_only():
-  """Evaluation takes the custom_vjp's primal path: GPipe's forward ticks, one conditional per
+@pytest.mark.parametrize("schedule,repeats", [("1f1b", 1), ("zbv", 2)])
+def test_a_call_without_gradients_runs_the_forward_ticks_only(schedule, repeats):
+  """Evaluation takes the custom_vjp's primal path: the forward ticks of GPipe (of the circular
+  schedule for two chunks per stage; ZB-V's chunks permuted into its order), one conditional per
   tick (no backward branches), and the same loss."""
   layers, x, targets, _ = _model("mlp")
   mesh = tpipe.make_mesh(stages=2, data=2)
-  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=3, schedule="1f1b",
-                           per_example=("targets",), mesh=mesh)
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=3, schedule=schedule,
+                           num_repeats=repeats, per_example=("targets",), mesh=mesh)
   loss_fn = lambda p, x, t: model.apply({"params": p}, x, targets=t)
   x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
   params = _params("mlp")
   evaluate = jax.jit(loss_fn).lower(params, x, targets).compile()
   module = hlo_lib.parse_hlo(evaluate.as_text())
   ticks = {loop.trip_count for loop in module.loops()}
-  assert tpipe.schedules.gpipe(2, 3).num_ticks in ticks, ticks
+  forward = tpipe.schedules.make_schedule("gpipe" if repeats == 1 else "circular", 2, 3, repeats)
+  assert forward.num_ticks in ticks, ticks
   assert model.schedule_table().num_ticks not in ticks, ticks
   value, _ = jax.jit(jax.value_and_grad(loss_fn))(params, x, targets)
   np.testing.assert_allclose(evaluate(params, x, targets), value, rtol=1e-6)
@@ -227,14 +230,33 @@ def _temporaries(schedule, microbatches, stages=2):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_1f1b_temporaries_stay_bounded_in_the_number_of_microbatches():
+def test_fused_temporaries_stay_bounded_in_the_number_of_microbatches():
   gpipe = {m: _temporaries("gpipe", m) for m in (4, 16)}
-  fused = {m: _temporaries("1f1b", m) for m in (4, 16)}
+  one_f_one_b = {m: _temporaries("1f1b", m) for m in (4, 16)}
+  zb_h1 = {m: _temporaries("zb_h1", m) for m in (4, 16)}
   # GPipe stashes a stage input per tick: 12 more micro-batches, at least 12 more activations.
   assert gpipe[16] - gpipe[4] >= 12 * ACTIVATION, gpipe
-  # 1F1B holds min(S, M) = 2 micro-batches on stage 0 whatever M.
-  assert fused[16] <= 1.05 * fused[4], fused
-  assert fused[16] < gpipe[16], (fused, gpipe)
+  # 1F1B holds min(S, M) = 2 micro-batches on stage 0 whatever M; ZB-H1 as many, plus the
+  # weight slots of the micro-batches awaiting W (at most 2 at S = 2).
+  assert one_f_one_b[16] <= 1.05 * one_f_one_b[4], one_f_one_b
+  assert zb_h1[16] <= 1.05 * zb_h1[4], zb_h1
+  assert one_f_one_b[16] < gpipe[16], (one_f_one_b, gpipe)
+
+
+def test_the_split_backward_does_the_work_of_one_backward():
+  """ZB-H1's BI and W together execute the FLOPs of one fused backward B (the program holds B's
+  branches too, unused), and BI alone saves the weight-gradient products W then forms."""
+  layers, x, targets, _ = _model("blocks")
+  mesh = tpipe.make_mesh(stages=2)
+  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=2, schedule="zb_h1",
+                           per_example=("targets",), mesh=mesh)
+  step = jax.jit(jax.grad(lambda p, x, t: model.apply({"params": p}, x, targets=t)))
+  compiled = step.lower(_params("blocks"), x, targets).compile()
+  found = analysis.fused_flops(compiled, model.schedule_table())
+  split, fused_backward = found.actions["BI"] + found.actions["W"], found.actions["B"]
+  np.testing.assert_allclose(split, fused_backward, rtol=0.05)
+  assert np.all(found.actions["W"] > 0.2 * fused_backward), found.actions
+  assert found.lockstep >= found.executed >= found.useful > 0, found
 
 
 def test_collectives_are_neighbour_sends_every_tick_and_one_reduction_after_the_loop():

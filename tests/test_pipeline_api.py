@@ -51,6 +51,8 @@ def _assert_equals_sequential(y, block, params, x, *args, microbatches):
      "Unknown schedule 'zigzag'"),
     (dict(length=8, num_stages=2, num_microbatches=2, num_repeats=2), ValueError,
      "use schedule='circular'"),
+    (dict(length=8, num_stages=2, num_microbatches=2, schedule="zb_h1"), ValueError,
+     r"returns the loss.*tpipe.Sequential\(\[tpipe.Repeat\(block, length\), YourLoss\(\)\]"),
     (dict(length=8, num_stages=2, num_microbatches=2, remat="everything"), ValueError,
      "Unknown remat 'everything'"),
     (dict(length=8, num_stages=2, num_microbatches=2, remat=3), TypeError, "remat must be one of"),

@@ -55,6 +55,14 @@ def test_readme_sequential_example_runs_and_equals_the_layers_in_order():
   plain = jax.jit(functools.partial(in_order, microbatches=8 * 2))(params, tokens, targets)
   exact = numerics.float64_reference(jax.jit(in_order), params, tokens, targets)
   numerics.assert_as_close_as_plain(losses, plain, exact, what="the README's losses")
+  # The zero-bubble schedule's mean loss and gradients.
+  mean_loss = lambda p, t, y, microbatches=1: in_order(p, t, y, microbatches).mean()
+  plain = jax.jit(jax.value_and_grad(functools.partial(mean_loss, microbatches=8 * 2)))(
+      params, tokens, targets)
+  exact = numerics.float64_reference(jax.jit(jax.value_and_grad(mean_loss)), params, tokens,
+                                     targets)
+  numerics.assert_as_close_as_plain((namespace["loss"], namespace["grads"]), plain, exact,
+                                    what="the README's zb_h1 loss and gradients")
 
 
 def test_readme_nnx_example_trains_and_equals_the_layers_in_order():

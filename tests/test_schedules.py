@@ -549,3 +549,25 @@ def test_make_fused_schedule_defaults_and_explicit_chunks_agree():
 def test_simulate_bad_costs(costs, match):
   with pytest.raises(ValueError, match=match):
     schedules.zb_h1(2, 2).simulate(costs)
+
+
+@pytest.mark.parametrize("name,stages,microbatches", [("zb_h1", 4, 8), ("zbv", 4, 6),
+                                                      ("zb_h1", 3, 2)])
+def test_weight_slots_are_never_shared_and_fit_the_peak_awaiting_w(name, stages, microbatches):
+  from tpipe.core import fused  # pylint: disable=g-import-not-at-top
+
+  table = schedules.make_fused_schedule(name, stages, microbatches)
+  slots = fused.weight_slots(table)
+  awaiting = table.awaiting_weight()
+  for s in range(stages):
+    held = {}
+    for t in range(table.num_ticks):
+      key = (table.microbatch[t, s], table.chunk[t, s])
+      if table.action[t, s] == schedules.Action.BI:
+        assert slots[t, s] not in held.values(), (t, s)
+        held[key] = slots[t, s]
+      elif table.action[t, s] == schedules.Action.W:
+        assert held.pop(key) == slots[t, s], (t, s)
+      assert len(held) <= awaiting[t, s]
+    assert not held
+    assert slots[:, s].max() + 1 == awaiting[:, s].max()

@@ -321,7 +321,8 @@ def test_to_logical_inverts_to_staged_exactly(name):
   params = _random_params(name)
   units = sum(l.n if isinstance(l, tpipe.Repeat) else 1 for l in layers)
   for stages, schedule, repeats, balance in ((1, "gpipe", 1, "params"), (2, "gpipe", 1, "params"),
-                                             (4, "circular", 2, [1] * 7 + [units - 7])):
+                                             (4, "circular", 2, [1] * 7 + [units - 7]),
+                                             (2, "zbv", 2, "params")):
     model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=1, schedule=schedule,
                              num_repeats=repeats, balance=balance, per_example=per_example)
     layout = model.stage_layout(x, **kwargs)
@@ -334,6 +335,11 @@ def test_to_logical_inverts_to_staged_exactly(name):
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
       assert got.dtype == want.dtype
       np.testing.assert_array_equal(got, want)
+    if schedule == "zbv":  # The second chunks run back up: stage s holds chunk 2S - 1 - s.
+      loop = model.clone(schedule="circular").stage_layout(x, **kwargs)
+      assert loop.groups == layout.groups
+      for k, buffer in jax.jit(loop.to_staged)(params).items():
+        np.testing.assert_array_equal(staged[k][1], buffer[1, ::-1])
 
 
 def test_staged_params_made_for_another_split_are_rejected():

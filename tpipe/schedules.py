@@ -13,7 +13,8 @@ indexed ``[tick, stage]``:
 Their backward pass comes from automatic differentiation through the tick loop, which replays the
 forward ticks in reverse order (:meth:`Schedule.backward_tables`). The executor
 (:mod:`tpipe.core.executor`) interprets these tables; :data:`SCHEDULE_NAMES` is what it runs.
-The fused executor (:mod:`tpipe.core.fused`) runs fused tables with a full backward ``B``.
+The fused executor (:mod:`tpipe.core.fused`) runs every fused table, with a full backward ``B``
+or one split into ``BI`` and ``W`` (:mod:`tpipe.core.taps`).
 
 **Fused schedules** (:class:`FusedSchedule`: :data:`FUSED_SCHEDULE_NAMES`, built by
 :func:`make_fused_schedule`) interleave forward and backward work, so each tick a stage does one

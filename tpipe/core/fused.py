@@ -3,13 +3,14 @@
 The forward executor (:mod:`tpipe.core.executor`) gets its backward pass from autodiff through
 its tick scan, so every stage keeps one stage input per forward tick until the backward begins:
 activation memory grows with the number of micro-batches M. A fused schedule
-(:class:`tpipe.schedules.FusedSchedule`, e.g. 1F1B) instead says per ``[tick, stage]`` whether a
-stage runs a forward ``F`` or a backward ``B`` of one micro-batch, and this module runs that table
-as one SPMD program:
+(:class:`tpipe.schedules.FusedSchedule`: 1F1B, interleaved 1F1B, ZB-H1, ZB-V) instead says per
+``[tick, stage]`` whether a stage runs a forward ``F``, a backward ``B`` or the two halves of a
+split backward (``BI``, ``W``) of one micro-batch on one of its chunks, and this module runs that
+table as one SPMD program:
 
 * One ``lax.scan`` over the table's ticks inside ``jax.shard_map``. Each tick every device looks
-  up its action and runs it as one branch of a ``lax.switch`` (idle, ``F`` of model chunk ``v``,
-  ``B`` of model chunk ``v``); the branches hold no collective.
+  up its action and runs it as one branch of a ``lax.switch`` (idle, or ``F``, ``B``, ``BI``,
+  ``W`` of model chunk ``v``); the branches hold no collective.
 * ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
   activation from the stage's mailbox) and keeps that input in a **stash slot** of the table
   (``stash_slot``). A stage allocates as many slots as the table's peak of micro-batches in
@@ -17,7 +18,8 @@ as one SPMD program:
 * ``B`` takes the stashed input and the output gradient (from the mailbox; for the last chunk the
   seed ``1 / N`` per example of the mean loss), recomputes the chunk's forward under ``jax.vjp``
   and applies its VJP. That is ``remat="full"`` at the granularity of a chunk whatever the
-  stack's remat policy: the policy only decides what the chunk keeps *within* the ``B`` tick
+  stack's remat policy (the caller does not checkpoint the chunk again for ``"full"``, which would
+  run its forward twice): the policy only decides what the chunk keeps *within* the ``B`` tick
   between its recomputed forward and its backward, so it changes the tick's peak, not what is
   kept across ticks.
 * Messages: a forward's output goes to the next model chunk, a backward's input gradient to the

@@ -172,7 +172,9 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
     num_stages: pipeline stages S; must equal the size of the mesh's stage axis.
     num_microbatches: micro-batches M per data-parallel replica. ``M < S`` works (big bubble).
     schedule: ``"gpipe"`` (fill-drain) or ``"circular"`` (each stage holds ``num_repeats``
-      chunks of layers; bubble ``(S-1) / (R*M + S-1)``).
+      chunks of layers; bubble ``(S-1) / (R*M + S-1)``). The fused schedules (``"1f1b"``,
+      ``"zb_h1"``, ...) return the loss, not activations, so they need a loss layer at the end:
+      use :class:`tpipe.Sequential` for them (a ValueError here says so).
     num_repeats: chunks per stage R (``"circular"`` only). L must divide by ``S * R``.
     remat: ``"none"``, ``"full"`` (recompute each stage's chunk in the backward pass, keeping
       only its input), ``"dots"`` (keep matmul outputs), or a ``jax.checkpoint`` policy.
@@ -202,6 +204,13 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
   for name, value in (("length", length), ("num_stages", num_stages),
                       ("num_microbatches", num_microbatches), ("num_repeats", num_repeats)):
     check_count(name, value)
+  if schedule in schedules_lib.FUSED_SCHEDULE_NAMES:
+    raise ValueError(
+        f"tpipe.pipeline returns the blocks' activations, but schedule={schedule!r} runs the "
+        "backward inside the pipeline and returns the loss, which needs a last layer that "
+        "computes each example's loss. Use tpipe.Sequential([tpipe.Repeat(block, length), "
+        f"YourLoss()], schedule={schedule!r}, per_example=('targets',), ...), or "
+        "schedule='gpipe'/'circular' here.")
   the_schedule = schedules_lib.make_schedule(schedule, num_stages, num_microbatches, num_repeats)
   partition.layers_per_chunk(length, num_stages, num_repeats)  # Raises unless L splits evenly.
   stage_lib.resolve_remat(remat)  # Raises for unknown names before anything is traced.
