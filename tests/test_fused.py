@@ -259,12 +259,15 @@ def test_the_split_backward_does_the_work_of_one_backward():
   assert found.lockstep >= found.executed >= found.useful > 0, found
 
 
-def test_collectives_are_neighbour_sends_every_tick_and_one_reduction_after_the_loop():
-  stages, microbatches = 4, 4
+@pytest.mark.parametrize("schedule,repeats", [("1f1b", 1), ("zbv", 2)])
+def test_collectives_are_neighbour_sends_every_tick_and_one_reduction_after_the_loop(
+    schedule, repeats):
+  stages, microbatches = (4, 4) if repeats == 1 else (2, 4)
   layers, x, targets, _ = _model("mlp")
   mesh = tpipe.make_mesh(stages=stages, data=2)
   model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=microbatches,
-                           schedule="1f1b", per_example=("targets",), mesh=mesh)
+                           schedule=schedule, num_repeats=repeats, per_example=("targets",),
+                           mesh=mesh)
   x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
   step = jax.jit(jax.grad(lambda p, x, t: model.apply({"params": p}, x, targets=t)))
   compiled = step.lower(_params("mlp"), x, targets).compile()
