@@ -32,6 +32,7 @@ def test_search_space_and_invalid_points():
                                  granularities=[2, "chunk"])
   assert [c.remat_granularity for c in valid] == [2, "chunk"]
   assert "--config.remat_granularity=2" in valid[0].overrides()
+  assert autotune._apply(config, valid[0]).remat_granularity == "2"  # the field is a string.
   with pytest.raises(ValueError, match="Unknown remat_granularity 'stage'"):
     autotune.candidates(config, 8, granularities=["chunk", "stage"])
   with pytest.raises(ValueError, match="remat_granularity must be >= 1"):

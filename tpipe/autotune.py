@@ -205,7 +205,8 @@ def _apply(config, candidate: Candidate):
     new.num_data = candidate.num_data
     new.num_microbatches = candidate.num_microbatches
     new.remat = candidate.remat
-    new.remat_granularity = candidate.remat_granularity
+    # A string, as the flag gives it (the config field is a string; "2" is read as 2).
+    new.remat_granularity = str(candidate.remat_granularity)
   return new
 
 
