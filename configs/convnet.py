@@ -62,6 +62,7 @@ def get_config(arg=None):
   config.schedule = "gpipe"
   config.num_repeats = 1
   config.remat = "none"
+  config.remat_granularity = "chunk"  # "chunk", "layer" or an int k (see configs/lm.py).
   config.balance = "flops"
 
   # Optimisation.

@@ -88,6 +88,10 @@ def get_config(arg=None):
   config.schedule = "gpipe"
   config.num_repeats = 1
   config.remat = "none" if size in ("tiny", "small") else "full"
+  # What remat checkpoints: "chunk" (a stage's whole chunk), "layer" (each block: the backward
+  # holds one block's intermediates, and each micro-batch in flight keeps one input per block),
+  # or an int k (every k blocks).
+  config.remat_granularity = "chunk"
   # How the layers (embedding, blocks, head with the loss) are cut into stages: "flops"
   # (forward+backward FLOPs per layer), "params", "time" (measured; for real accelerators, noisy
   # on CPU), or unit counts per chunk such as "3,2,2,3" (the embedding and the head count one unit

@@ -70,6 +70,7 @@ def get_config(arg=None):
     config.num_microbatches = 32
     config.batch_size = 128  # 32 micro-batches of 4 sequences.
     config.remat = "full"
+    config.remat_granularity = "chunk"
     config.learning_rate = 1e-4
     config.num_steps = 10_000
     config.max_corpus_bytes = 100_000_000  # The whole stdlib (~30 MB).
@@ -87,5 +88,6 @@ def get_config(arg=None):
     config.num_microbatches = 8
     config.batch_size = 32  # 2 replicas x 8 micro-batches x 2 sequences.
     config.remat = "full"
+    config.remat_granularity = "chunk"
     config.num_steps = 20
   return config

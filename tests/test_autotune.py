@@ -19,13 +19,47 @@ def test_search_space_and_invalid_points():
   valid, invalid = autotune.candidates(config, 8, microbatches=[2, 3], remats=["full", "none"])
   # 2 layers: 1 or 2 stages; 8 devices -> data 8 or 4; batch 8 -> per replica 1 or 2.
   assert {(c.num_stages, c.num_data) for c in valid} == {(2, 4)}
-  assert [c.remat for c in valid] == ["none", "full"] * 1  # cheapest FLOPs first.
+  # Cheapest FLOPs first; granularities (same FLOPs) only where something is recomputed.
+  assert [(c.remat, c.remat_granularity) for c in valid] == [
+      ("none", "chunk"), ("full", "chunk"), ("full", "layer")]
   reasons = " | ".join(r for _, r in invalid)
   assert "num_layers=2 is not divisible by stages*repeats=4" in reasons
   assert "per-replica batch 1 is not divisible by 2 micro-batches" in reasons
   assert "not divisible by 3 micro-batches" in reasons
   with pytest.raises(ValueError, match="remat"):
     autotune.candidates(config, 8, remats=["everything"])
+  valid, _ = autotune.candidates(config, 8, microbatches=[2], remats=["dots"],
+                                 granularities=[2, "chunk"])
+  assert [c.remat_granularity for c in valid] == [2, "chunk"]
+  assert "--config.remat_granularity=2" in valid[0].overrides()
+  assert autotune._apply(config, valid[0]).remat_granularity == "2"  # the field is a string.
+  with pytest.raises(ValueError, match="Unknown remat_granularity 'stage'"):
+    autotune.candidates(config, 8, granularities=["chunk", "stage"])
+  with pytest.raises(ValueError, match="remat_granularity must be >= 1"):
+    autotune.candidates(config, 8, granularities=[0])
+
+
+def test_a_granularity_that_fits_ends_its_group(monkeypatch):
+  """Within (stages, micro-batches): the first (remat, granularity) that fits wins the group;
+  the rest are dominated and not compiled. Memory here is made up, to test the search alone."""
+  peaks = {("none", "chunk"): 9, ("full", "chunk"): 6, ("full", "layer"): 4, ("full", 2): 3}
+  compiled = []
+
+  def fake_measure(config, cand, budget_bytes, cost_model):
+    compiled.append((cand.remat, cand.remat_granularity))
+    memory = peaks[compiled[-1]]
+    return autotune.Trial(cand, memory, 1.0, 1.0, 0, 1.0, 0.0, memory <= budget_bytes)
+
+  monkeypatch.setattr(autotune, "measure", fake_measure)
+  result = autotune.autotune(_config(), 5, num_devices=2, stages=[1], microbatches=[2],
+                             remats=["none", "full"], granularities=["chunk", "layer", 2])
+  assert compiled == [("none", "chunk"), ("full", "chunk"), ("full", "layer")]
+  assert (result.best.candidate.remat, result.best.candidate.remat_granularity) == (
+      "full", "layer")
+  assert result.config.remat_granularity == "layer"
+  dominated = [c.remat_granularity for c, r in result.rejected if r.startswith("dominated")]
+  assert dominated == [2]
+  assert "| full | layer **(chosen)** |" in autotune.format_result(result)
 
 
 def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
@@ -33,7 +67,7 @@ def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
   baseline = autotune.measure(config, autotune.Candidate(1, 2, 2, "none"), budget_bytes=2**40)
   budget = baseline.memory_bytes - 1  # the one-stage, no-remat layout no longer fits.
   result = autotune.autotune(config, budget, num_devices=2, microbatches=[2],
-                             remats=["none", "full"])
+                             remats=["none", "full"], granularities=["chunk"])
   assert result.best is not None
   choice = result.best.candidate
   assert (choice.num_stages, choice.remat) != (1, "none")
@@ -49,7 +83,7 @@ def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
 
 def test_nothing_fits_a_one_byte_budget():
   result = autotune.autotune(_config(), 1, num_devices=2, stages=[1], microbatches=[2],
-                             remats=["full"])
+                             remats=["full"], granularities=["chunk"])
   assert result.best is None and result.config is None
   assert len(result.trials) == 1 and not result.trials[0].fits
   assert "Nothing fits" in autotune.format_result(result)

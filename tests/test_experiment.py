@@ -116,6 +116,8 @@ def test_init_state_and_steps(exp):
     (dict(dtype="float16"), ValueError, "config.dtype must be one of"),
     (dict(balance="flop"), ValueError, "config.balance='flop'"),
     (dict(balance="1,2"), ValueError, "has 2 entries"),
+    (dict(remat_granularity="block"), ValueError, "config.remat_granularity: Unknown"),
+    (dict(remat_granularity="0"), ValueError, "config.remat_granularity: .* must be >= 1"),
 ])
 def test_bad_config_raises_before_tracing(overrides, error, match):
   with pytest.raises(error, match=match):

@@ -135,6 +135,8 @@ def test_command_line_writes_report_and_timeline(tmp_path):
     numbers = json.load(f)
   assert numbers["config"]["num_stages"] == 2
   assert numbers["config"]["remat"] == "full"  # the GPipe config's setting.
+  assert numbers["config"]["remat_granularity"] == "chunk"
+  assert "remat=full remat_granularity=chunk," in result.stdout
   assert numbers["schedule"]["num_ticks"] == 3
   assert "peak / floor" in result.stdout
   # One chunk per stage: [embedding, blocks] and [blocks, head].

@@ -1,14 +1,16 @@
-r"""Searches stages, micro-batches and remat for the fastest configuration that fits in memory.
+r"""Searches stages, micro-batches, remat and its granularity for the fastest configuration that
+fits in memory.
 
 Usage::
 
   python -m tpipe.autotune --config=configs/lm.py --budget_gib=2
   python -m tpipe.autotune --config=configs/lm.py:size=tiny --budget_gib=0.002 \
-      --microbatches=2,4,8 --remats=none,full
+      --microbatches=2,4,8 --remats=none,full --remat_granularities=chunk,layer
 
 For every candidate (``num_stages`` dividing the device count and the layer count, ``num_data``
 the remaining devices, ``num_microbatches`` dividing the per-replica batch, ``remat`` in
-none/dots/full) the real training step is compiled ahead of time (never run) and measured with
+none/dots/full, ``remat_granularity`` in chunk/layer or ints for ``remat`` dots and full; with
+``"none"`` nothing is recomputed, so only ``"chunk"`` is tried) the real training step is compiled ahead of time (never run) and measured with
 :mod:`tpipe.tools.analysis`. A candidate fits when its peak per-device memory (largest device) is at
 most the budget. Among those that fit, the one with the least predicted step time wins.
 
@@ -23,8 +25,10 @@ defaults describe one TPU v4 chip (about 275 TFLOP/s bf16 peak, taken at 40% uti
 45 GB/s per ICI link); only the ratios matter for the ranking.
 
 Pruning, so the search compiles few programs: for a fixed (stages, micro-batches) the remat
-policies are tried from cheapest in FLOPs to most memory-saving (none, dots, full) and the first
-that fits ends that group; the others are reported as dominated. Every skipped or failed candidate
+policies are tried from cheapest in FLOPs to most memory-saving (none, dots, full), each with
+its granularities in the order given (``chunk`` then ``layer`` by default: the same recompute
+FLOPs, usually a lower backward peak), and the first that fits ends that group; the others are
+reported as dominated. Every skipped or failed candidate
 appears in the result with its reason.
 """
 
@@ -38,10 +42,12 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from tpipe.core import stage as stage_lib
 from tpipe.tools import analysis
 from tpipe.train import cli
 
 REMAT_ORDER = ("none", "dots", "full")
+GRANULARITY_ORDER = ("chunk", "layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +79,13 @@ class Candidate:
   num_data: int
   num_microbatches: int
   remat: str
+  remat_granularity: str | int = "chunk"
 
   def overrides(self) -> str:
     """The ``--config.*`` flags that select this candidate."""
     return (f"--config.num_stages={self.num_stages} --config.num_data={self.num_data} "
-            f"--config.num_microbatches={self.num_microbatches} --config.remat={self.remat}")
+            f"--config.num_microbatches={self.num_microbatches} --config.remat={self.remat} "
+            f"--config.remat_granularity={self.remat_granularity}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +139,9 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
                microbatches: Sequence[int] | None = None,
-               remats: Sequence[str] = REMAT_ORDER) -> tuple[list[Candidate],
-                                                            list[tuple[Candidate, str]]]:
+               remats: Sequence[str] = REMAT_ORDER,
+               granularities: Sequence[str | int] = GRANULARITY_ORDER
+               ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
   """The search space for ``config`` on ``num_devices`` devices, and the invalid points.
 
   Args:
@@ -142,6 +151,8 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
     microbatches: micro-batch counts to try (default: divisors of the per-replica batch up to
       ``4 * num_stages``).
     remats: remat policies to try, cheapest in FLOPs first.
+    granularities: ``remat_granularity`` values to try with ``"dots"`` and ``"full"``, in this
+      order (``"none"`` recomputes nothing and is tried with ``"chunk"`` only).
 
   Returns:
     ``(valid candidates, [(invalid candidate, reason)])``.
@@ -150,6 +161,12 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
     if r not in REMAT_ORDER:
       raise ValueError(f"Unknown remat {r!r} in remats; choose from {REMAT_ORDER}.")
   remats = sorted(set(remats), key=REMAT_ORDER.index)
+  if isinstance(granularities, (str, int)) or not granularities:
+    raise ValueError(f"granularities must be a non-empty list of remat_granularity values, got "
+                     f"{granularities!r}.")
+  for g in granularities:
+    stage_lib.check_remat_granularity(g)  # Raises, naming the choices.
+  granularities = list(dict.fromkeys(granularities))
   stage_options = list(stages) if stages is not None else _divisors(num_devices)
   valid, invalid = [], []
   repeats = int(config.num_repeats)
@@ -176,7 +193,8 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
                         f"divisible by {m} micro-batches"))
         continue
       for r in remats:
-        valid.append(Candidate(s, data, m, r))
+        for g in (["chunk"] if r == "none" else granularities):
+          valid.append(Candidate(s, data, m, r, g))
   return valid, invalid
 
 
@@ -187,6 +205,8 @@ def _apply(config, candidate: Candidate):
     new.num_data = candidate.num_data
     new.num_microbatches = candidate.num_microbatches
     new.remat = candidate.remat
+    # A string, as the flag gives it (the config field is a string; "2" is read as 2).
+    new.remat_granularity = str(candidate.remat_granularity)
   return new
 
 
@@ -209,16 +229,20 @@ def measure(config, candidate: Candidate, budget_bytes: int,
 
 def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
              stages: Sequence[int] | None = None, microbatches: Sequence[int] | None = None,
-             remats: Sequence[str] = REMAT_ORDER, cost_model: CostModel = CostModel(),
+             remats: Sequence[str] = REMAT_ORDER,
+             granularities: Sequence[str | int] = GRANULARITY_ORDER,
+             cost_model: CostModel = CostModel(),
              verbose: bool = False) -> TuneResult:
   """Finds the configuration with the least predicted step time that fits ``budget_bytes``.
 
   Args:
     config: the base experiment config (``configs/lm.py``); its schedule, repeats, model and
-      batch are kept, stages, data replicas, micro-batches and remat are searched.
+      batch are kept, stages, data replicas, micro-batches, remat and its granularity are
+      searched.
     budget_bytes: per-device memory budget in bytes (peak of the fullest device).
     num_devices: devices to use (default ``config.num_stages * config.num_data``).
-    stages, microbatches, remats: restrict the search (see :func:`candidates`).
+    stages, microbatches, remats, granularities: restrict the search (see
+      :func:`candidates`).
     cost_model: the step-time model.
     verbose: print each trial as it is measured.
 
@@ -231,14 +255,16 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
     raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}.")
   num_devices = num_devices or int(config.num_stages) * int(config.num_data)
   valid, rejected = candidates(config, num_devices, stages=stages, microbatches=microbatches,
-                               remats=remats)
+                               remats=remats, granularities=granularities)
   trials: list[Trial] = []
-  fitted_groups: dict[tuple[int, int], str] = {}
+  fitted_groups: dict[tuple[int, int], Candidate] = {}
   for cand in valid:
     group = (cand.num_stages, cand.num_microbatches)
     if group in fitted_groups:
-      rejected.append((cand, f"dominated: remat={fitted_groups[group]} already fits with fewer "
-                       "FLOPs (not compiled)"))
+      fitted = fitted_groups[group]
+      rejected.append((cand, f"dominated: remat={fitted.remat} remat_granularity="
+                       f"{fitted.remat_granularity} already fits with no more FLOPs (not "
+                       "compiled)"))
       continue
     start = time.perf_counter()
     try:
@@ -252,7 +278,7 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
             f"{trial.predicted_seconds * 1e3:.3f} ms predicted "
             f"({time.perf_counter() - start:.1f} s)", flush=True)
     if trial.fits:
-      fitted_groups[group] = cand.remat
+      fitted_groups[group] = cand
     else:
       rejected.append((cand, f"over budget: {analysis.format_bytes(trial.memory_bytes)} > "
                        f"{analysis.format_bytes(budget_bytes)}"))
@@ -271,25 +297,26 @@ def format_result(result: TuneResult) -> str:
   """The trials and the choice as markdown."""
   fb = analysis.format_bytes
   lines = [f"budget per device: {fb(result.budget_bytes)}", "",
-           "| stages | data | micro-batches | remat | peak memory | fits | lockstep FLOPs | "
-           "useful | collective bytes | predicted step | compile s |",
-           "|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+           "| stages | data | micro-batches | remat | granularity | peak memory | fits | "
+           "lockstep FLOPs | useful | collective bytes | predicted step | compile s |",
+           "|---:|---:|---:|---|---|---:|---|---:|---:|---:|---:|---:|"]
   for t in result.trials:
     c = t.candidate
     mark = " **(chosen)**" if t is result.best else ""
     lines.append(
-        f"| {c.num_stages} | {c.num_data} | {c.num_microbatches} | {c.remat}{mark} | "
-        f"{fb(t.memory_bytes)} | {'yes' if t.fits else 'no'} | {t.executed_flops:.3g} | "
+        f"| {c.num_stages} | {c.num_data} | {c.num_microbatches} | {c.remat} | "
+        f"{c.remat_granularity}{mark} | {fb(t.memory_bytes)} | {'yes' if t.fits else 'no'} | {t.executed_flops:.3g} | "
         f"{t.useful_fraction:.1%} | {fb(t.collective_bytes)} | "
         f"{t.predicted_seconds * 1e3:.3f} ms | {t.compile_seconds:.1f} |")
   lines += ["", "Rejected:"]
   for cand, reason in result.rejected:
     lines.append(f"- stages={cand.num_stages} data={cand.num_data} "
-                 f"M={cand.num_microbatches} remat={cand.remat}: {reason}")
+                 f"M={cand.num_microbatches} remat={cand.remat} "
+                 f"remat_granularity={cand.remat_granularity}: {reason}")
   lines.append("")
   if result.best is None:
     lines.append("Nothing fits the budget: raise it, shrink the model or the batch, or allow "
-                 "more stages / remat=full.")
+                 "more stages / remat=full / remat_granularity=layer.")
   else:
     lines.append(f"Best: {result.best.candidate.overrides()}")
   return "\n".join(lines)
@@ -304,6 +331,9 @@ def define_flags() -> None:
   flags.DEFINE_list("stages", None, "Stage counts to try (default: divisors).")
   flags.DEFINE_list("microbatches", None, "Micro-batch counts to try.")
   flags.DEFINE_list("remats", list(REMAT_ORDER), "Remat policies to try.")
+  flags.DEFINE_list("remat_granularities", list(GRANULARITY_ORDER),
+                    "remat_granularity values to try with remat dots/full: chunk, layer, or an "
+                    "int k (layers per checkpoint).")
 
 
 def main(argv):
@@ -321,7 +351,9 @@ def main(argv):
       config, int(f.budget_gib * 2**30), num_devices=num_devices,
       stages=[int(s) for s in f.stages] if f.stages else None,
       microbatches=[int(m) for m in f.microbatches] if f.microbatches else None,
-      remats=f.remats, verbose=True)
+      remats=f.remats,
+      granularities=[int(g) if g.isdigit() else g for g in f.remat_granularities],
+      verbose=True)
   print(format_result(result))
   if result.best is None:
     raise SystemExit(1)

@@ -175,7 +175,8 @@ class Report:
     return {
         "config": {k: self.config[k] for k in (
             "num_layers", "width", "num_stages", "num_data", "num_microbatches", "schedule",
-            "num_repeats", "remat", "batch_size", "seq_len", "dtype") if k in self.config},
+            "num_repeats", "remat", "remat_granularity", "batch_size", "seq_len", "dtype")
+            if k in self.config},
         "num_params": self.num_params,
         "num_devices": self.num_devices,
         "memory_bytes_per_device": {
@@ -335,7 +336,8 @@ def format_report(report: Report) -> str:
       f"## tpipe report: {c.get('size', '')} {sizes} params={report.num_params:,}",
       "",
       f"mesh data={c.num_data} x stage={c.num_stages} ({report.num_devices} devices), "
-      f"schedule={c.schedule} M={c.num_microbatches} R={c.num_repeats} remat={c.remat}, "
+      f"schedule={c.schedule} M={c.num_microbatches} R={c.num_repeats} remat={c.remat} "
+      f"remat_granularity={c.get('remat_granularity', 'chunk')}, "
       f"dtype={c.get('dtype', 'float32')}, "
       f"batch={c.batch_size}{seq}; lowered in {report.lower_seconds:.1f} s, "
       f"compiled in {report.compile_seconds:.1f} s (not run).",
@@ -419,6 +421,13 @@ def format_stages(report: Report) -> list[str]:
     lines += ["", f"remat={report.config.get('remat')!r}: the floor counts the stage inputs a "
               "stash slot keeps under remat='full'; with this policy each slot also keeps the "
               "chunk's saved activations, which the ratio then includes."]
+  granularity = report.config.get("remat_granularity", "chunk")
+  if granularity != "chunk":
+    lines += ["", f"remat_granularity={granularity!r}: the floor's working set is a whole "
+              "chunk's forward and backward; here the backward holds one checkpointed piece's "
+              "at a time (plus each piece's input), so the peak may fall below this floor "
+              "(ratio < 1), while under gpipe/circular each stash slot also keeps the inputs of "
+              "the chunk's pieces."]
   return lines
 
 

@@ -229,7 +229,7 @@ def run_schedule(apply_chunk: ChunkFn, staged: Any, x: Any, broadcast: tuple,
 def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, broadcast: tuple,
                  per_example: tuple, rngs: dict, *, length: int,
                  schedule: schedules_lib.Schedule, mesh: Mesh, remat="full",
-                 unroll: int | bool = 1, stage_axis: str = "stage",
+                 remat_granularity="chunk", unroll: int | bool = 1, stage_axis: str = "stage",
                  data_axis: str | None = "data") -> Any:
   """Applies ``L`` stacked, identical, shape-preserving layers to a batch with a schedule.
 
@@ -248,6 +248,8 @@ def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, broadcast: tu
     schedule: the schedule to run.
     mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
     remat: a remat option (see :func:`tpipe.core.stage.resolve_remat`).
+    remat_granularity: ``"chunk"``, ``"layer"`` or an int ``k`` (see
+      :func:`tpipe.core.stage.apply_units`).
     unroll: layers per iteration of each chunk's layer loop (see
       :func:`tpipe.core.stage.make_stage_fn`).
     stage_axis: the mesh axis of pipeline stages.
@@ -258,7 +260,7 @@ def run_pipeline(layer_fn: stage_lib.LayerFn, params: Any, x: Any, broadcast: tu
   """
   num_stages, num_repeats = schedule.num_stages, schedule.num_repeats
   per_chunk = partition.layers_per_chunk(length, num_stages, num_repeats)
-  stage_fn = stage_lib.make_stage_fn(layer_fn, per_chunk, remat, unroll)
+  stage_fn = stage_lib.make_stage_fn(layer_fn, per_chunk, remat, unroll, remat_granularity)
 
   def apply_chunk(busy, stage, repeat, staged, fresh, incoming, broadcast, per_example, rngs,
                   microbatch):

@@ -77,7 +77,8 @@ def check_unroll(unroll) -> None:
                      f"loop) or True (unroll the whole chunk), got {unroll!r}.")
 
 
-def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat, unroll: int | bool = 1) -> Callable:
+def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat, unroll: int | bool = 1,
+                  granularity="chunk") -> Callable:
   """Builds ``stage_fn(stage_params, busy, repeat, x, broadcast, per_example, rngs, first_layer,
   microbatch) -> y``.
 
@@ -88,6 +89,8 @@ def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat, unroll: int | bool 
     remat: a ``remat`` option, see :func:`resolve_remat`.
     unroll: layers per iteration of the chunk's ``lax.scan`` (``True``: all of them), as in
       ``nn.scan``. Unrolling lets XLA fuse across layers at the cost of compile time.
+    granularity: what is checkpointed within the chunk: ``"chunk"``, ``"layer"`` or every ``k``
+      layers (see :func:`apply_units`).
 
   Returns:
     A function applying chunk ``repeat`` of this stage's params (leaves ``[R, layers, ...]``) when
@@ -100,7 +103,7 @@ def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat, unroll: int | bool 
   with a policy that saves everything except that slice. The gate around it saves per tick what
   the policy saves and nothing else (the parameters are never copied; see :mod:`tpipe.core.gated`).
   """
-  policy = resolve_remat(remat)
+  policy = chunk_policy(remat, granularity)
 
   def apply_chunk(stage_params, repeat, x, broadcast, per_example, rngs, first_layer,
                   microbatch_index):
@@ -113,8 +116,8 @@ def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat, unroll: int | bool 
       layer_rngs = fold_rngs(rngs, first_layer + j, microbatch_index)
       return layer_fn(params, h, broadcast, per_example, layer_rngs), None
 
-    y, _ = lax.scan(one_layer, x, (chunk, jnp.arange(num_layers)), length=num_layers,
-                    unroll=unroll)
+    y, _ = apply_units(x, [(one_layer, (chunk, jnp.arange(num_layers)), num_layers)], remat,
+                       granularity, unroll)
     return y
 
   # prevent_cse=False: the chunk runs inside the tick scan, which already stops XLA from
@@ -125,3 +128,140 @@ def make_stage_fn(layer_fn: LayerFn, num_layers: int, remat, unroll: int | bool 
     return gated.gated_call(busy, chunk_fn, stage_params, *operands)
 
   return stage_fn
+
+
+# ----------------------------------------------------------------------------------------------
+# Remat granularity: which pieces of a chunk are checkpointed on their own.
+
+GRANULARITY_NAMES = ("chunk", "layer")
+# The name of a checkpointed piece's input inside a chunk (see chunk_policy).
+PIECE_INPUT_NAME = "tpipe_piece_input"
+
+
+def check_remat_granularity(granularity) -> int | None:
+  """Validates a ``remat_granularity`` option; returns units per checkpointed piece, or ``None``
+  for ``"chunk"`` (the whole chunk is the one piece).
+
+  Args:
+    granularity: ``"chunk"`` (one checkpoint around the chunk), ``"layer"`` (one per layer unit;
+      the same as ``1``) or a positive int ``k`` (one per ``k`` consecutive units).
+  """
+  if isinstance(granularity, str):
+    if granularity == "chunk":
+      return None
+    if granularity == "layer":
+      return 1
+    raise ValueError(f"Unknown remat_granularity {granularity!r}; choose one of "
+                     f"{GRANULARITY_NAMES} or a positive int k (k layer units per checkpoint).")
+  if isinstance(granularity, (int, np.integer)) and not isinstance(granularity, bool):
+    if granularity >= 1:
+      return int(granularity)
+    raise ValueError(f"remat_granularity must be >= 1 layer units per checkpoint, got "
+                     f"{granularity!r}; or choose one of {GRANULARITY_NAMES}.")
+  raise TypeError(f"remat_granularity must be one of {GRANULARITY_NAMES} or a positive int, got "
+                  f"{granularity!r} of type {type(granularity).__name__}.")
+
+
+def chunk_policy(remat, granularity) -> Any:
+  """The ``jax.checkpoint`` policy of the checkpoint around a whole chunk.
+
+  With ``"chunk"`` granularity it is the remat policy (:func:`resolve_remat`). Finer, the chunk
+  keeps what its pieces' checkpoints need for their backward passes: each piece's input plus
+  what the remat policy saves inside it. So across ticks a chunk keeps one input per piece
+  instead of one, and its backward recomputes one piece at a time (the same recompute FLOPs as
+  ``"chunk"``) instead of holding every layer's intermediates at once.
+  """
+  policy = resolve_remat(remat)
+  if check_remat_granularity(granularity) is None:
+    return policy
+  inputs = jax.checkpoint_policies.save_only_these_names(PIECE_INPUT_NAME)
+  if policy is None:
+    return inputs
+  return jax.checkpoint_policies.save_from_both_policies(inputs, policy)
+
+
+def apply_units(h, runs, remat, granularity, unroll: int | bool = 1):
+  """Applies a chunk's units in order, checkpointing pieces of them as ``granularity`` says.
+
+  Args:
+    h: the chunk's input.
+    runs: in order, ``(fn, xs, n)`` for each group of the chunk: ``fn(h, xs) -> (h, out)``
+      applies one unit. ``n=None`` is a single unit with inputs ``xs``; an int ``n`` is a run of
+      ``n`` units scanned over the leading axis of ``xs``' leaves.
+    remat: a remat option (see :func:`resolve_remat`); its policy applies within each piece.
+    granularity: see :func:`check_remat_granularity`.
+    unroll: units per iteration of a run's ``lax.scan``.
+
+  Returns:
+    ``(h, outs)``: the last unit's output and, per entry of ``runs``, ``fn``'s ``out`` (stacked on
+    a leading axis ``n`` for runs).
+
+  ``"chunk"`` applies the units plainly (the caller checkpoints the whole chunk). A granularity
+  of ``k`` units checkpoints every ``k`` consecutive units with the remat policy, marking each
+  piece's input for the chunk's checkpoint (:func:`chunk_policy`) to keep. Consecutive single
+  units are taken ``k`` at a time; a run of ``n`` is scanned over ``n // k`` pieces of ``k``
+  units (``lax.scan`` over groups, so compile time stays flat), its ``n % k`` remaining units
+  are one shorter piece, and no piece spans the boundary of a run.
+  """
+  k = check_remat_granularity(granularity)
+  if k is None:
+    outs = []
+    for fn, xs, n in runs:
+      if n is None:
+        h, out = fn(h, xs)
+      else:
+        h, out = lax.scan(fn, h, xs, length=n, unroll=unroll)
+      outs.append(out)
+    return h, outs
+
+  policy = resolve_remat(remat)
+
+  def piece(body, in_scan):
+    # Outside a scan, the default prevent_cse=True keeps XLA from hoisting every piece's
+    # recomputation to the start of the backward pass (which would hold them all at once).
+    checkpointed = jax.checkpoint(body, policy=policy, prevent_cse=not in_scan)
+    return lambda h, xs: checkpointed(checkpoint_name(h, PIECE_INPUT_NAME), xs)
+
+  def scanned(fn, length):
+    return lambda h, xs: lax.scan(fn, h, xs, length=length, unroll=unroll)
+
+  outs: list[Any] = [None] * len(runs)
+  pending: list[int] = []  # Indices of single units not yet applied.
+
+  def flush(h):
+    if pending:
+      fns = [(runs[i][0], i) for i in pending]
+
+      def body(h, xss):
+        results = []
+        for (fn, _), xs in zip(fns, xss):
+          h, out = fn(h, xs)
+          results.append(out)
+        return h, results
+
+      h, results = piece(body, in_scan=False)(h, [runs[i][1] for i in pending])
+      for i, out in zip(pending, results):
+        outs[i] = out
+      pending.clear()
+    return h
+
+  for i, (fn, xs, n) in enumerate(runs):
+    if n is None:
+      pending.append(i)
+      if len(pending) == k:
+        h = flush(h)
+      continue
+    h = flush(h)
+    whole, rest = divmod(n, k)
+    parts = []
+    if whole:
+      grouped = jax.tree.map(lambda a: a[:whole * k].reshape((whole, k) + a.shape[1:]), xs)
+      h, out = lax.scan(piece(scanned(fn, k), in_scan=True), h, grouped, length=whole)
+      parts.append(jax.tree.map(lambda a: a.reshape((whole * k,) + a.shape[2:]), out))
+    if rest:
+      h, out = piece(scanned(fn, rest), in_scan=False)(h, jax.tree.map(lambda a: a[whole * k:], xs))
+      parts.append(out)
+    outs[i] = parts[0] if len(parts) == 1 else jax.tree.map(
+        lambda *a: jnp.concatenate(a), *parts)
+  h = flush(h)
+  return h, outs

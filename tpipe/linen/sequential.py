@@ -197,6 +197,17 @@ class Sequential(nn.Module):
       split is the optimal contiguous min-max partition of the costs
       (:func:`tpipe.partition.balanced_split`).
     remat: ``"none"``, ``"full"``, ``"dots"`` or a ``jax.checkpoint`` policy, per chunk.
+    remat_granularity: what is checkpointed with ``remat``'s policy: ``"chunk"`` (the whole
+      chunk; its backward holds every layer's intermediates of one micro-batch at once),
+      ``"layer"`` (each layer unit: the chunk keeps each unit's input and its backward
+      recomputes one unit at a time, with the same recompute FLOPs), or an int ``k`` (every
+      ``k`` consecutive units; ``"layer"`` is 1). A ``Repeat`` is scanned over pieces of ``k``
+      units (its ``n % k`` remaining units are one shorter piece); no piece spans a Repeat's
+      boundary. Finer pieces lower a chunk's backward peak; under ``"gpipe"``/``"circular"``
+      each micro-batch in flight then keeps one input per piece instead of one per chunk (the
+      fused ``"1f1b"`` still stashes one chunk input and recomputes the chunk in its ``B`` tick,
+      where the granularity decides what that tick holds at once; see
+      :func:`tpipe.core.stage.apply_units`).
     per_example: names of keyword arguments whose arrays carry the batch as leading axis; they
       are split into micro-batches with ``x``. Other keyword arrays are broadcast; non-array
       keywords are passed untraced. A keyword reaches every layer whose ``__call__`` has a
@@ -222,6 +233,7 @@ class Sequential(nn.Module):
   num_repeats: int = 1
   balance: Any = "params"
   remat: Any = "full"
+  remat_granularity: Any = "chunk"
   per_example: Sequence[str] = ()
   mesh: Mesh | None = None
   stage_axis: str = mesh_lib.STAGE_AXIS
@@ -255,6 +267,7 @@ class Sequential(nn.Module):
       transform.check_count(name, getattr(self, name))
     self.schedule_table()  # Raises for unknown names or bad repeats.
     stage_lib.resolve_remat(self.remat)
+    stage_lib.check_remat_granularity(self.remat_granularity)
     num_chunks, num_units = self.num_stages * self.num_repeats, self.num_units()
     if num_units < num_chunks:
       raise ValueError(
@@ -707,7 +720,7 @@ class Sequential(nn.Module):
     layers = self._layer_list()
     momenta: dict[tuple[int, tuple[str, ...]], float] = {}  # Filled while tracing the chunks.
     num_stages, num_chunks = self.num_stages, layout.num_chunks
-    policy = stage_lib.resolve_remat(self.remat)
+    policy = stage_lib.chunk_policy(self.remat, self.remat_granularity)
 
     # Three formats: the input x (chunk 0 reads it), the ring that crosses the chunk boundaries
     # 1..C-1 (packed per dtype to the largest), and the output (the last chunk's, unpacked).
@@ -739,7 +752,7 @@ class Sequential(nn.Module):
         else:
           stats = stats_layout.chunk_params({k: v[r] for k, v in staged["stats"].items()}, c)
         h = fresh if c == 0 else packing.unpack(incoming, ring_layouts[c - 1])
-        sums, records = [], []
+        runs = []
         for gi, (g, p, s) in enumerate(zip(layout.groups[c], trees, stats)):
           template = _template(layers[g.layer])
 
@@ -754,18 +767,20 @@ class Sequential(nn.Module):
             return out, (tapper.inputs, tapper.outputs)
 
           group_taps = None if taps is None else taps[gi]
+
+          def step(h, xs, apply=apply):
+            (h, unit_sums), unit_records = apply(xs[0], xs[1], h, xs[2], xs[3])
+            return h, (unit_sums, unit_records)
+
           if g.repeated:
             units = g.first_unit + jnp.arange(g.stop - g.start)
-
-            def body(h, xs, apply=apply):
-              (h, unit_sums), unit_records = apply(xs[0], xs[1], h, xs[2], xs[3])
-              return h, (unit_sums, unit_records)
-
-            h, (group_sums, group_records) = lax.scan(body, h, (p, s, units, group_taps))
+            runs.append((step, (p, s, units, group_taps), g.stop - g.start))
           else:
-            (h, group_sums), group_records = apply(p, s, h, g.first_unit, group_taps)
-          sums.append(group_sums)
-          records.append(group_records)
+            runs.append((step, (p, s, g.first_unit, group_taps), None))
+        # Checkpoints pieces of the chunk as remat_granularity says (none for "chunk").
+        h, outs = stage_lib.apply_units(h, runs, self.remat, self.remat_granularity)
+        sums = [out[0] for out in outs]
+        records = [out[1] for out in outs]
         rows = jax.tree.leaves(fresh)[0].shape[0]
         if c == num_chunks - 1:
           results = (packing.empty(ring_sizes, rows), h)

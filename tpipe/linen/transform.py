@@ -117,7 +117,7 @@ def _hint_per_example(split, batch: int, block_name: str):
 
 def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_microbatches: int,
              schedule: str = "gpipe", num_repeats: int = 1, remat="full",
-             per_example: Sequence[str] = (), unroll: int | bool = 1,
+             remat_granularity="chunk", per_example: Sequence[str] = (), unroll: int | bool = 1,
              mesh: Mesh | None = None, stage_axis: str = mesh_lib.STAGE_AXIS,
              data_axis: str = mesh_lib.DATA_AXIS) -> type[nn.Module]:
   """Pipelines ``length`` copies of ``block_cls`` over the ``stage`` axis of a device mesh.
@@ -178,6 +178,10 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
     num_repeats: chunks per stage R (``"circular"`` only). L must divide by ``S * R``.
     remat: ``"none"``, ``"full"`` (recompute each stage's chunk in the backward pass, keeping
       only its input), ``"dots"`` (keep matmul outputs), or a ``jax.checkpoint`` policy.
+    remat_granularity: what is checkpointed with the remat policy: ``"chunk"`` (each stage's
+      whole chunk), ``"layer"`` (each layer: the chunk keeps every layer's input and its
+      backward recomputes one layer at a time), or an int ``k`` (every ``k`` layers of the
+      chunk; a chunk's ``n % k`` last layers are one shorter piece).
     per_example: names of ``block_cls.__call__`` parameters whose arrays carry a leading batch
       axis and are split into micro-batches (see above).
     unroll: layers per iteration of each stage's layer loop, as in ``nn.scan`` (``True``:
@@ -214,6 +218,7 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
   the_schedule = schedules_lib.make_schedule(schedule, num_stages, num_microbatches, num_repeats)
   partition.layers_per_chunk(length, num_stages, num_repeats)  # Raises unless L splits evenly.
   stage_lib.resolve_remat(remat)  # Raises for unknown names before anything is traced.
+  stage_lib.check_remat_granularity(remat_granularity)
   stage_lib.check_unroll(unroll)
   block_name = block_cls.__name__
   per_example = arguments_lib.check_per_example(block_cls.__call__, per_example, block_name)
@@ -298,7 +303,8 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
             f"mutable={dropped}.")
       return executor.run_pipeline(
           layer_fn, params, x, split.broadcast, split.per_example, rngs, length=length,
-          schedule=the_schedule, mesh=run_mesh, remat=remat, unroll=unroll,
+          schedule=the_schedule, mesh=run_mesh, remat=remat,
+          remat_granularity=remat_granularity, unroll=unroll,
           stage_axis=stage_axis, data_axis=data_axis)
 
     def _run_with_statistics(self, template, params, x, split, rngs):
@@ -316,7 +322,8 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
       stack = sequential.Sequential(
           [sequential.Repeat(template, length)], num_stages=num_stages,
           num_microbatches=num_microbatches, schedule=schedule, num_repeats=num_repeats,
-          balance=[length // num_chunks] * num_chunks, remat=remat, per_example=per_example,
+          balance=[length // num_chunks] * num_chunks, remat=remat,
+          remat_granularity=remat_granularity, per_example=per_example,
           mesh=mesh, stage_axis=stage_axis, data_axis=data_axis)
       stats = nn.meta.unbox(dict(self.variables[STATS]))
       variables = {"params": {"layers_0": params}, STATS: {"layers_0": stats}}
@@ -334,5 +341,6 @@ def pipeline(block_cls: type[nn.Module], *, length: int, num_stages: int, num_mi
   Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{block_name}"
   Pipelined.__doc__ = (f"{length} x {block_name} in {num_stages} stages, {num_microbatches} "
                        f"micro-batches, schedule={schedule!r}, num_repeats={num_repeats}, "
-                       f"remat={remat!r} (made by tpipe.pipeline).")
+                       f"remat={remat!r}, remat_granularity={remat_granularity!r} (made by "
+                       "tpipe.pipeline).")
   return Pipelined

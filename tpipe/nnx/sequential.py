@@ -303,6 +303,7 @@ class _Stack:
     raise NotImplementedError
 
   def _configure(self, *, num_stages, num_microbatches, schedule, num_repeats, balance, remat,
+                 remat_granularity="chunk",
                  per_example, mesh, stage_axis, data_axis, rngs) -> None:
     """Stores and validates the settings (every one, before any tracing)."""
     if isinstance(per_example, str):
@@ -314,6 +315,7 @@ class _Stack:
     self.num_repeats = num_repeats
     self.balance = balance if isinstance(balance, str) else tuple(balance)
     self.remat = remat
+    self.remat_granularity = remat_granularity
     self.per_example = tuple(per_example)
     self.mesh = mesh
     self.stage_axis = stage_axis
@@ -352,7 +354,8 @@ class _Stack:
         modules, num_stages=self.num_stages, num_microbatches=self.num_microbatches,
         schedule=self.schedule, num_repeats=self.num_repeats,
         balance=self.balance if isinstance(self.balance, str) else list(self.balance),
-        remat=self.remat, per_example=self.per_example, mesh=self.mesh,
+        remat=self.remat, remat_granularity=self.remat_granularity,
+        per_example=self.per_example, mesh=self.mesh,
         stage_axis=self.stage_axis, data_axis=self.data_axis)
     variables = {"params": params}
     if jax.tree.leaves(stats):
@@ -413,6 +416,8 @@ class Sequential(_Stack, nnx.Module):
     num_repeats: chunks per stage R (``"circular"`` only).
     balance: ``"params"``, ``"flops"``, ``"time"`` or a list of unit counts per chunk.
     remat: ``"none"``, ``"full"``, ``"dots"`` or a ``jax.checkpoint`` policy, per chunk.
+    remat_granularity: ``"chunk"``, ``"layer"`` or an int ``k``: what is checkpointed with the
+      remat policy (see ``tpipe.Sequential``).
     per_example: names of keyword arguments split into micro-batches with ``x``.
     mesh: the device mesh; ``None`` means the ambient mesh, or one device.
     stage_axis: the mesh axis of stages.
@@ -433,7 +438,8 @@ class Sequential(_Stack, nnx.Module):
 
   def __init__(self, layers: Sequence[nnx.Module], *, num_stages: int, num_microbatches: int,
                schedule: str = "gpipe", num_repeats: int = 1, balance: Any = "params",
-               remat: Any = "full", per_example: Sequence[str] = (), mesh: Mesh | None = None,
+               remat: Any = "full", remat_granularity: Any = "chunk",
+               per_example: Sequence[str] = (), mesh: Mesh | None = None,
                stage_axis: str = mesh_lib.STAGE_AXIS, data_axis: str = mesh_lib.DATA_AXIS,
                rngs: nnx.Rngs | None = None):
     if not isinstance(layers, (list, tuple)) or not layers:
@@ -446,6 +452,7 @@ class Sequential(_Stack, nnx.Module):
     self.layers = nnx.List(layers)
     self._configure(num_stages=num_stages, num_microbatches=num_microbatches,
                     schedule=schedule, num_repeats=num_repeats, balance=balance, remat=remat,
+                    remat_granularity=remat_granularity,
                     per_example=per_example, mesh=mesh, stage_axis=stage_axis,
                     data_axis=data_axis, rngs=rngs)
 

@@ -37,7 +37,8 @@ _OWNER = "tpipe.nnx.pipeline"
 
 def pipeline(block_cls: type[nnx.Module], *, length: int, num_stages: int,
              num_microbatches: int, schedule: str = "gpipe", num_repeats: int = 1,
-             remat: Any = "full", per_example: Sequence[str] = (), mesh: Mesh | None = None,
+             remat: Any = "full", remat_granularity: Any = "chunk",
+             per_example: Sequence[str] = (), mesh: Mesh | None = None,
              stage_axis: str = mesh_lib.STAGE_AXIS,
              data_axis: str = mesh_lib.DATA_AXIS) -> type[nnx.Module]:
   """Pipelines ``length`` copies of the NNX block ``block_cls`` over the ``stage`` axis of a mesh.
@@ -61,6 +62,8 @@ def pipeline(block_cls: type[nnx.Module], *, length: int, num_stages: int,
       they need a last layer that computes it: use :class:`tpipe.nnx.Sequential`.
     num_repeats: chunks per stage R (``"circular"`` only).
     remat: ``"none"``, ``"full"``, ``"dots"`` or a ``jax.checkpoint`` policy, per chunk.
+    remat_granularity: ``"chunk"``, ``"layer"`` or an int ``k``: what is checkpointed with the
+      remat policy (see ``tpipe.Sequential``).
     per_example: names of ``block_cls.__call__`` parameters whose arrays have a leading batch
       axis and are split into micro-batches.
     mesh: the device mesh; ``None`` means the ambient mesh (``jax.set_mesh``), or one device.
@@ -109,7 +112,8 @@ def pipeline(block_cls: type[nnx.Module], *, length: int, num_stages: int,
       self._configure(num_stages=num_stages, num_microbatches=num_microbatches,
                       schedule=schedule, num_repeats=num_repeats,
                       balance=[per_chunk] * (num_stages * num_repeats), remat=remat,
-                      per_example=per_example, mesh=mesh, stage_axis=stage_axis,
+                      remat_granularity=remat_granularity, per_example=per_example,
+                      mesh=mesh, stage_axis=stage_axis,
                       data_axis=data_axis, rngs=rngs if nnx.to_flat_state(probe) else None)
 
     def _pipeline_layers(self):

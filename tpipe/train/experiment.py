@@ -89,6 +89,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"config.dtype must be one of {DTYPES} (the computation dtype; parameters and optimizer "
         f"state stay float32), got {config.dtype!r}.")
   parse_balance(config.balance)
+  tasks_lib.remat_granularity(config)  # Optional field ("chunk" when absent); raises if bad.
   task.validate(config)
   if config.learning_rate <= 0:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")

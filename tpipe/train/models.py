@@ -239,8 +239,9 @@ class LMHead(nn.Module):
 def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
                vocab_size: int = VOCAB_SIZE, dropout_rate: float = 0.0, num_stages: int = 1,
                num_microbatches: int = 1, schedule: str = "gpipe", num_repeats: int = 1,
-               remat: Any = "none", balance: Any = "flops", mesh: Any = None,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32) -> tpipe.Sequential:
+               remat: Any = "none", remat_granularity: Any = "chunk", balance: Any = "flops",
+               mesh: Any = None, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32) -> tpipe.Sequential:
   """A decoder-only LM: ``TokenEmbedding -> Repeat(TransformerBlock, L) -> LMHead``, pipelined.
 
   Args:
@@ -256,6 +257,8 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
     schedule: ``"gpipe"`` or ``"circular"``.
     num_repeats: chunks per stage for the circular schedule.
     remat: rematerialisation policy per chunk (``"none"``, ``"full"``, ``"dots"``, ...).
+    remat_granularity: what the policy checkpoints: ``"chunk"``, ``"layer"`` or every ``k``
+      blocks (see :class:`tpipe.Sequential`).
     balance: how the layers are cut into stages (see :class:`tpipe.Sequential`).
     mesh: the mesh with axes ``('data', 'stage')``.
     dtype: the computation dtype (activations cross the stage boundaries in it).
@@ -287,4 +290,5 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
   ]
   return tpipe.Sequential(layers, num_stages=num_stages, num_microbatches=num_microbatches,
                           schedule=schedule, num_repeats=num_repeats, balance=balance,
-                          remat=remat, per_example=("targets",), mesh=mesh)
+                          remat=remat, remat_granularity=remat_granularity,
+                          per_example=("targets",), mesh=mesh)

@@ -112,7 +112,8 @@ class LMHead(nnx.Module):
 def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
                vocab_size: int = models.VOCAB_SIZE, dropout_rate: float = 0.0,
                num_stages: int = 1, num_microbatches: int = 1, schedule: str = "gpipe",
-               num_repeats: int = 1, remat: Any = "none", balance: Any = "flops",
+               num_repeats: int = 1, remat: Any = "none", remat_granularity: Any = "chunk",
+               balance: Any = "flops",
                mesh: Any = None, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                rngs: nnx.Rngs) -> tnnx.Sequential:
   """The NNX decoder LM, pipelined; arguments as :func:`tpipe.train.models.decoder_lm`, plus
@@ -130,4 +131,5 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
   ]
   return tnnx.Sequential(layers, num_stages=num_stages, num_microbatches=num_microbatches,
                          schedule=schedule, num_repeats=num_repeats, balance=balance,
-                         remat=remat, per_example=("targets",), mesh=mesh, rngs=rngs)
+                         remat=remat, remat_granularity=remat_granularity,
+                         per_example=("targets",), mesh=mesh, rngs=rngs)

@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 
 import tpipe
+from tpipe.core import stage as stage_lib
 from tpipe.train import convnet
 from tpipe.train import data as text_data
 from tpipe.train import images
@@ -46,6 +47,19 @@ def frontend(config) -> str:
   if name not in FRONTENDS:
     raise ValueError(f"config.frontend must be one of {FRONTENDS}, got {name!r}.")
   return name
+
+
+def remat_granularity(config) -> str | int:
+  """``config.remat_granularity``: ``"chunk"`` when absent; a string of digits (as
+  ``--config.remat_granularity=2`` gives it) is the int k. Raises for a bad value."""
+  value = config.get("remat_granularity", "chunk")
+  if isinstance(value, str) and value.isdigit():
+    value = int(value)
+  try:
+    stage_lib.check_remat_granularity(value)
+  except (ValueError, TypeError) as error:
+    raise type(error)(f"config.remat_granularity: {error}") from None
+  return value
 
 
 def _linen_init(model, rng, x, kwargs) -> dict:
@@ -107,7 +121,8 @@ class LanguageModelling:
         vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
         dropout_rate=float(config.dropout), num_stages=config.num_stages,
         num_microbatches=config.num_microbatches, schedule=config.schedule,
-        num_repeats=config.num_repeats, remat=config.remat, balance=balance, mesh=mesh,
+        num_repeats=config.num_repeats, remat=config.remat,
+        remat_granularity=remat_granularity(config), balance=balance, mesh=mesh,
         dtype=jnp.dtype(config.dtype), param_dtype=jnp.float32)
 
   def _nnx_model(self, config, mesh, balance, key):
@@ -185,6 +200,7 @@ class ImageClassification:
     return tpipe.Sequential(layers, num_stages=config.num_stages,
                             num_microbatches=config.num_microbatches, schedule=config.schedule,
                             num_repeats=config.num_repeats, balance=balance, remat=config.remat,
+                            remat_granularity=remat_granularity(config),
                             per_example=("labels",), mesh=mesh)
 
   def batch_shapes(self, config) -> dict[str, jax.ShapeDtypeStruct]:
