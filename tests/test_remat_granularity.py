@@ -36,6 +36,7 @@ CASES = [
     ("mlp", "1f1b", "layer", "dots", [2, 5]),
     ("mlp", "1f1b", 2, "full", [2, 5]),
     ("lm", "1f1b", "layer", "full", "params"),
+    ("mlp", "zb_h1", 2, "full", [2, 5]),  # the split backward's taps inside the pieces
 ]
 STAGES, MICROBATCHES = 2, 3
 
@@ -48,7 +49,8 @@ def test_loss_and_gradients_equal_sequential(name, schedule, granularity, remat,
                            schedule=schedule, remat=remat, remat_granularity=granularity,
                            balance=balance, per_example=("targets",), mesh=mesh)
   apply = lambda p, x, t: model.apply({"params": p}, x, targets=t)
-  loss_fn = apply if schedule == "1f1b" else (lambda p, x, t: jnp.mean(apply(p, x, t)))
+  loss_fn = (apply if schedule in tpipe.schedules.FUSED_SCHEDULE_NAMES
+             else (lambda p, x, t: jnp.mean(apply(p, x, t))))
   x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
   value, grads = jax.jit(fused_cases._value_and_grad(loss_fn, float_input))(
       fused_cases._params(name), x, targets)
