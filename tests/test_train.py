@@ -6,6 +6,7 @@ resume and multi-host tests; under pytest-xdist the workers share it through a f
 
 import contextlib
 import fcntl
+import functools
 import json
 import math
 import os
@@ -78,9 +79,15 @@ def _tiny_config():
   return config
 
 
+@functools.cache
+def _tiny_experiment():
+  """The tiny run's experiment in this process (conftest's 8 CPU devices), built once."""
+  return experiment.build(_tiny_config())
+
+
 def _restore(workdir, step):
   """Restores a checkpoint in this process (conftest's 8 CPU devices)."""
-  exp = experiment.build(_tiny_config())
+  exp = _tiny_experiment()
   ckpt = checkpointing.Checkpointer(pathlib.Path(workdir) / "checkpoints")
   try:
     state, data_state = ckpt.restore(step, exp.abstract_checkpoint())  # The logical layout.
@@ -332,7 +339,7 @@ def test_fused_schedule_trains_as_gpipe_does():
   from tpipe.train import models  # pylint: disable=g-import-not-at-top
 
   config = _tiny_config()
-  gpipe = experiment.build(config)
+  gpipe = _tiny_experiment()
   config.schedule = "1f1b"
   fused = experiment.build(config)
   assert fused.model.is_fused() and not experiment.forward_equivalent(fused.model).is_fused()
