@@ -1,8 +1,21 @@
-"""Test session set-up: 8 emulated CPU devices, set before JAX creates its backends."""
+"""Test session set-up: 8 emulated CPU devices, set before JAX creates its backends.
 
+One persistent compilation cache per test session (a new temporary directory, removed at exit):
+tests that compile the same program (a fixture's train step and a test's own build of it, the
+trainer subprocesses of one config, which inherit the directory through the environment) compile
+it once. XLA still compiles every distinct program; a cached one is the same executable.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix="tpipe-test-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 import jax  # noqa: E402
 

@@ -5,6 +5,7 @@ import pytest
 from configs import lm
 from tpipe import autotune
 from tpipe import report as report_lib
+from tpipe.linen import sequential
 
 
 def _config():
@@ -16,7 +17,8 @@ def _config():
 
 def test_search_space_and_invalid_points():
   config = _config()
-  valid, invalid = autotune.candidates(config, 8, microbatches=[2, 3], remats=["full", "none"])
+  valid, invalid = autotune.candidates(config, 8, microbatches=[2, 3], remats=["full", "none"],
+                                       schedules=["gpipe"])
   # 2 layers: 1 or 2 stages; 8 devices -> data 8 or 4; batch 8 -> per replica 1 or 2.
   assert {(c.num_stages, c.num_data) for c in valid} == {(2, 4)}
   # Cheapest FLOPs first; granularities (same FLOPs) only where something is recomputed.
@@ -29,7 +31,7 @@ def test_search_space_and_invalid_points():
   with pytest.raises(ValueError, match="remat"):
     autotune.candidates(config, 8, remats=["everything"])
   valid, _ = autotune.candidates(config, 8, microbatches=[2], remats=["dots"],
-                                 granularities=[2, "chunk"])
+                                 granularities=[2, "chunk"], schedules=["gpipe"])
   assert [c.remat_granularity for c in valid] == [2, "chunk"]
   assert "--config.remat_granularity=2" in valid[0].overrides()
   assert autotune._apply(config, valid[0]).remat_granularity == "2"  # the field is a string.
@@ -52,14 +54,36 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
 
   monkeypatch.setattr(autotune, "measure", fake_measure)
   result = autotune.autotune(_config(), 5, num_devices=2, stages=[1], microbatches=[2],
-                             remats=["none", "full"], granularities=["chunk", "layer", 2])
+                             remats=["none", "full"], granularities=["chunk", "layer", 2],
+                             schedules=["gpipe"])
   assert compiled == [("none", "chunk"), ("full", "chunk"), ("full", "layer")]
   assert (result.best.candidate.remat, result.best.candidate.remat_granularity) == (
       "full", "layer")
   assert result.config.remat_granularity == "layer"
   dominated = [c.remat_granularity for c, r in result.rejected if r.startswith("dominated")]
   assert dominated == [2]
-  assert "| full | layer **(chosen)** |" in autotune.format_result(result)
+  assert "| gpipe | full | layer **(chosen)** |" in autotune.format_result(result)
+
+
+def test_schedule_is_a_search_dimension_with_the_fused_schedules():
+  config = _config()  # num_repeats = 1.
+  valid, invalid = autotune.candidates(config, 2, stages=[2], microbatches=[2], remats=["full"])
+  names = [c.schedule for c in valid]
+  # Every schedule the Sequential runs whose table exists for R = 1, fused ones included.
+  assert "gpipe" in names and "1f1b" in names
+  assert set(names) | {c.schedule for c, _ in invalid} == set(autotune.schedule_names())
+  assert set(sequential.FUSED_SCHEDULES) <= set(autotune.schedule_names())
+  reasons = {c.schedule: r for c, r in invalid}
+  assert "num_repeats=1 is gpipe" in reasons["circular"]
+  for name in names:  # Each valid one has a table, whose bubble the trials carry.
+    table = autotune.schedule_table(name, 2, 2, 1)
+    assert 0 < autotune.simulated_bubble(table) < 1
+  # 1F1B's lockstep (a tick lasts as long as its slowest stage) loses more than GPipe's.
+  assert (autotune.simulated_bubble(autotune.schedule_table("1f1b", 4, 8, 1))
+          > autotune.simulated_bubble(autotune.schedule_table("gpipe", 4, 8, 1)))
+  with pytest.raises(ValueError, match="Unknown schedule 'pipedream'"):
+    autotune.candidates(config, 2, schedules=["pipedream"])
+  assert "--config.schedule=1f1b" in autotune.Candidate(2, 1, 2, "full", "1f1b").overrides()
 
 
 def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
@@ -68,6 +92,7 @@ def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
   budget = baseline.memory_bytes - 1  # the one-stage, no-remat layout no longer fits.
   result = autotune.autotune(config, budget, num_devices=2, microbatches=[2],
                              remats=["none", "full"], granularities=["chunk"])
+                             remats=["none", "full"], schedules=["gpipe"])
   assert result.best is not None
   choice = result.best.candidate
   assert (choice.num_stages, choice.remat) != (1, "none")
@@ -75,17 +100,25 @@ def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
   over = [c for c, reason in result.rejected if reason.startswith("over budget")]
   assert autotune.Candidate(1, 2, 2, "none") in over
   # The chosen configuration compiles and fits when built from the returned config.
-  check = report_lib.analyze_config(result.config)
+  check = report_lib.analyze_config(result.config, per_stage=False)
   assert check.largest_device_bytes == result.best.memory_bytes <= budget
-  assert (result.config.num_stages, result.config.remat) == (choice.num_stages, choice.remat)
+  assert ((result.config.num_stages, result.config.remat, result.config.schedule)
+          == (choice.num_stages, choice.remat, "gpipe"))
   assert "Best: --config.num_stages=" in autotune.format_result(result)
 
 
 def test_nothing_fits_a_one_byte_budget():
+  # A fused schedule, compiled and measured as the others are.
   result = autotune.autotune(_config(), 1, num_devices=2, stages=[1], microbatches=[2],
                              remats=["full"], granularities=["chunk"])
+                             remats=["full"], schedules=["1f1b"])
   assert result.best is None and result.config is None
   assert len(result.trials) == 1 and not result.trials[0].fits
+  trial = result.trials[0]
+  assert trial.candidate.schedule == "1f1b" and trial.executed_flops > 0
+  assert trial.simulated_bubble == autotune.simulated_bubble(
+      autotune.schedule_table("1f1b", 1, 2, 1))
+  assert "| 1f1b | full |" in autotune.format_result(result)
   assert "Nothing fits" in autotune.format_result(result)
   with pytest.raises(ValueError, match="budget_bytes"):
     autotune.autotune(_config(), 0)

@@ -183,3 +183,13 @@ def test_train_step_moves_no_parameters_between_stages(schedule, repeats):
   big = [c for c in found if c.axes and "stage" in c.axes and c.kind == "all-reduce"
          and c.bytes >= staged_bytes // 4]
   assert not big, big
+
+
+def test_a_fused_schedule_with_batchnorm_is_rejected_before_tracing():
+  from configs import convnet  # pylint: disable=g-import-not-at-top
+  config = convnet.get_config("size=tiny")
+  config.schedule = "1f1b"
+  with pytest.raises(ValueError, match=r"config.schedule='1f1b' is a fused schedule, which "
+                     r"cannot train config.task='image_classification': its convnet has "
+                     r"BatchNorm.*Use config.schedule='gpipe'"):
+    experiment.validate_config(config)

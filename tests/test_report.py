@@ -49,6 +49,13 @@ def circular_report():
   return report_lib.analyze_config(_circular_config())
 
 
+@pytest.fixture(scope="module")
+def fused_report():
+  config = _tiny_config()
+  config.schedule = "1f1b"
+  return report_lib.analyze_config(config)
+
+
 def test_memory_agrees_with_memory_analysis_of_the_real_train_step(tiny_report):
   # An independent compile of the same training step.
   exp = experiment.build(_tiny_config())
@@ -153,7 +160,7 @@ def test_command_line_writes_report_and_timeline(tmp_path):
 # Per stage and the memory floor.
 
 
-@pytest.mark.parametrize("which", ["tiny_report", "circular_report"])
+@pytest.mark.parametrize("which", ["tiny_report", "circular_report", "fused_report"])
 def test_stage_bytes_add_up_to_the_model_and_padding_follows_the_layout(which, request):
   report = request.getfixturevalue(which)
   layout, stages = report.layout, report.stages
@@ -176,7 +183,7 @@ def test_stage_bytes_add_up_to_the_model_and_padding_follows_the_layout(which, r
   assert [s.optimizer_bytes for s in stages] == [9 * s.param_bytes // 4 for s in stages]
 
 
-@pytest.mark.parametrize("which", ["tiny_report", "circular_report"])
+@pytest.mark.parametrize("which", ["tiny_report", "circular_report", "fused_report"])
 def test_embedding_on_the_first_stage_and_head_on_the_last_only(which, request):
   stages = request.getfixturevalue(which).stages
   head = [s.stage for s in stages if any("LMHead" in name for name in s.layers)]
@@ -224,6 +231,42 @@ def test_memory_floor_parts_add_up_and_stay_below_the_peak(which, request):
   assert [s["param_bytes"] for s in out["stages"]] == [s.param_bytes for s in report.stages]
   text = report_lib.format_report(report)
   assert "peak / floor" in text and "layers_2 LMHead" in text
+
+
+def test_fused_schedule_reports_its_table_in_flight_and_simulated_step(fused_report, tmp_path):
+  """1F1B at S = 4, M = 4: stage s keeps min(S - s, M) stage inputs, not a slot per tick."""
+  report, config = fused_report, fused_report.config
+  table = report.schedule
+  assert table.name == "1f1b" and table.num_ticks == 2 * (4 + 4 - 1)
+  out = report.to_json()["schedule"]
+  assert out["fused"] and out["num_ticks"] == 14
+  assert out["in_flight_per_stage"] == [4, 3, 2, 1]
+  assert out["stash_slots_per_stage"] == out["stashed_microbatches_per_stage"] == 4
+  timing = table.simulate()
+  assert out["simulated_step"]["lockstep"] == timing.lockstep > timing.natural
+  assert out["simulated_step"]["lockstep_bubble"] == pytest.approx(timing.lockstep_bubble)
+  # The floor counts each stage's own in-flight inputs; the tiny GPipe report's 7 slots per stage
+  # (M + S - 1) shrink to 4, 3, 2, 1.
+  assert [s.stash_slots for s in report.stages] == [4, 3, 2, 1]
+  stage = report.stages[report.floor.stage]
+  assert report.floor.stash_bytes == stage.stash_slots * stage.input_bytes
+  assert report.floor.total < report.largest_device_bytes
+  # The train step is the fused table's one tick loop: two transfers (right, left) per tick.
+  flops = report.analysis.pipeline
+  assert len(flops.tick_loops) == 1 and flops.bubble_fraction == table.bubble_fraction
+  roles = {(r["kind"], r["role"]): r for r in report.collective_rows()}
+  assert roles[("collective-permute", "stage-to-stage transfer")]["count"] >= 2 * table.num_ticks
+  assert roles[("all-reduce", "data-parallel reduction")]["in_loop"] == 0
+  text = report_lib.format_report(report)
+  assert "in flight per stage at most [4, 3, 2, 1]" in text
+  assert f"lockstep (SPMD, each tick as long as its slowest stage) {timing.lockstep:g}" in text
+  assert "one per forward tick" not in text
+  assert "each slot also keeps the chunk's saved activations" not in text  # remat='none' here.
+  # The timeline draws the fused table as it is (forward and backward already in it).
+  paths = report_lib.write_report(report, str(tmp_path))
+  with open(paths["timeline"], "rb") as f:
+    assert f.read(4) == b"\x89PNG"
+  assert config.schedule in (tmp_path / "report.md").read_text()
 
 
 def test_stage_flops_are_what_the_step_runs_per_tick(tiny_report):

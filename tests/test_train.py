@@ -6,6 +6,7 @@ resume and multi-host tests; under pytest-xdist the workers share it through a f
 
 import contextlib
 import fcntl
+import functools
 import json
 import math
 import os
@@ -78,9 +79,15 @@ def _tiny_config():
   return config
 
 
+@functools.cache
+def _tiny_experiment():
+  """The tiny run's experiment in this process (conftest's 8 CPU devices), built once."""
+  return experiment.build(_tiny_config())
+
+
 def _restore(workdir, step):
   """Restores a checkpoint in this process (conftest's 8 CPU devices)."""
-  exp = experiment.build(_tiny_config())
+  exp = _tiny_experiment()
   ckpt = checkpointing.Checkpointer(pathlib.Path(workdir) / "checkpoints")
   try:
     state, data_state = ckpt.restore(step, exp.abstract_checkpoint())  # The logical layout.
@@ -320,6 +327,53 @@ def test_bad_config_is_a_clean_error(tmp_path, override, message):
   assert "error: " in proc.stderr and message in proc.stderr, proc.stderr[-4000:]
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "checkpoints").exists()
+
+
+def test_fused_schedule_trains_as_gpipe_does():
+  """``config.schedule="1f1b"``: from the same states, the train step's loss and gradient norm
+  are GPipe's (float64 reference: the plain LM on the logical parameters), and evaluation (the
+  forward equivalent on the same staged parameters) is GPipe's, bit for bit."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from tests import numerics  # pylint: disable=g-import-not-at-top
+  from tpipe.train import models  # pylint: disable=g-import-not-at-top
+
+  config = _tiny_config()
+  gpipe = _tiny_experiment()
+  config.schedule = "1f1b"
+  fused = experiment.build(config)
+  assert fused.model.is_fused() and not experiment.forward_equivalent(fused.model).is_fused()
+  assert fused.layout.staged_shapes() == gpipe.layout.staged_shapes()
+  plain64 = models.decoder_lm(
+      num_layers=config.num_layers, width=config.width, num_heads=config.num_heads,
+      mlp_dim=config.mlp_dim, max_len=config.seq_len, dtype=jnp.float64,
+      param_dtype=jnp.float64)
+
+  @jax.jit
+  def exact(logical, batch):
+    loss, grads = jax.value_and_grad(lambda p: plain64.apply(
+        {"params": p}, batch["inputs"], targets=batch["targets"]).mean())(logical)
+    return {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  copy = lambda state: jax.tree.map(jnp.copy, state)  # The steps donate their state.
+  state = gpipe.init_state(jax.random.key(0))
+  for step in range(3):
+    batch = jax.device_put(
+        {k: jnp.asarray(rng.integers(0, 256, shape), jnp.int32) for k in ("inputs", "targets")},
+        gpipe.abstract_batch()["inputs"].sharding)
+    logical = jax.device_get(gpipe.to_checkpoint(state).params)
+    reference = numerics.float64_reference(exact, logical, jax.device_get(batch))
+    _, got = fused.train_step(copy(state), batch, jax.random.key(step))
+    evaluated = jax.device_get((fused.eval_step(state, batch), gpipe.eval_step(state, batch)))
+    assert evaluated[0].keys() == evaluated[1].keys()
+    for key in evaluated[1]:
+      np.testing.assert_array_equal(evaluated[0][key], evaluated[1][key], err_msg=key)
+    state, want = gpipe.train_step(state, batch, jax.random.key(step))
+    for name in ("loss", "grad_norm"):
+      numerics.assert_as_close_as_plain(float(got[name]), float(want[name]), reference[name],
+                                        what=f"step {step + 1} {name}")
 
 
 def test_remote_workdir_paths_stay_remote(tmp_path, monkeypatch):

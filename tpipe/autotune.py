@@ -1,16 +1,19 @@
-r"""Searches stages, micro-batches, remat and its granularity for the fastest configuration that
-fits in memory.
+r"""Searches stages, micro-batches, schedule, remat and its granularity for the fastest
+configuration that fits in memory.
 
 Usage::
 
   python -m tpipe.autotune --config=configs/lm.py --budget_gib=2
   python -m tpipe.autotune --config=configs/lm.py:size=tiny --budget_gib=0.002 \
-      --microbatches=2,4,8 --remats=none,full --remat_granularities=chunk,layer
+      --microbatches=2,4,8 --remats=none,full --remat_granularities=chunk,layer \
+      --schedules=gpipe,1f1b
 
 For every candidate (``num_stages`` dividing the device count and the layer count, ``num_data``
-the remaining devices, ``num_microbatches`` dividing the per-replica batch, ``remat`` in
-none/dots/full, ``remat_granularity`` in chunk/layer or ints for ``remat`` dots and full; with
-``"none"`` nothing is recomputed, so only ``"chunk"`` is tried) the real training step is compiled ahead of time (never run) and measured with
+the remaining devices, ``num_microbatches`` dividing the per-replica batch, ``schedule`` among
+the forward schedules and the fused ones :class:`tpipe.Sequential` runs whose table exists for
+the config's ``num_repeats``, ``remat`` in none/dots/full, ``remat_granularity`` in chunk/layer
+or ints for ``remat`` dots and full; with ``"none"`` nothing is recomputed, so only ``"chunk"``
+is tried) the real training step is compiled ahead of time (never run) and measured with
 :mod:`tpipe.tools.analysis`. A candidate fits when its peak per-device memory (largest device) is at
 most the budget. Among those that fit, the one with the least predicted step time wins.
 
@@ -21,14 +24,20 @@ Cost model (:class:`CostModel`), per device and per step::
 
 Executed FLOPs count every tick the device runs, bubbles and rematerialisation included, so the
 model charges a bubble (fewer useful ticks per executed tick) and recomputation directly. The
+schedule enters both sides through the compiled program: a fused schedule (1F1B, ...) stashes at
+most its table's peak in flight (``min(S, M)`` stage inputs for 1F1B) instead of GPipe's one per
+forward tick, which the measured memory shows, and runs its table's ticks, each counted at its
+costliest action (the SPMD lockstep), which the FLOPs show. Each trial also carries its table's
+lockstep-simulated bubble (:meth:`tpipe.schedules.FusedSchedule.simulate`, forward schedules via
+``with_backward()``) for comparison. The
 defaults describe one TPU v4 chip (about 275 TFLOP/s bf16 peak, taken at 40% utilisation, and
 45 GB/s per ICI link); only the ratios matter for the ranking.
 
-Pruning, so the search compiles few programs: for a fixed (stages, micro-batches) the remat
-policies are tried from cheapest in FLOPs to most memory-saving (none, dots, full), each with
-its granularities in the order given (``chunk`` then ``layer`` by default: the same recompute
-FLOPs, usually a lower backward peak), and the first that fits ends that group; the others are
-reported as dominated. Every skipped or failed candidate
+Pruning, so the search compiles few programs: for a fixed (stages, micro-batches, schedule) the
+remat policies are tried from cheapest in FLOPs to most memory-saving (none, dots, full), each
+with its granularities in the order given (``chunk`` then ``layer`` by default: the same
+recompute FLOPs, usually a lower backward peak), and the first that fits ends that group; the
+others are reported as dominated. Every skipped or failed candidate
 appears in the result with its reason.
 """
 
@@ -48,6 +57,32 @@ from tpipe.train import cli
 
 REMAT_ORDER = ("none", "dots", "full")
 GRANULARITY_ORDER = ("chunk", "layer")
+
+
+def schedule_names() -> tuple[str, ...]:
+  """Every schedule the search may try: the forward ones and the fused ones the Sequential runs."""
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+  from tpipe.linen import sequential  # pylint: disable=g-import-not-at-top
+
+  return tuple(schedules.SCHEDULE_NAMES) + tuple(sequential.FUSED_SCHEDULES)
+
+
+def schedule_table(name: str, num_stages: int, num_microbatches: int, num_repeats: int):
+  """The table of schedule ``name`` (forward or fused); ValueError when it does not exist for
+  these sizes (e.g. ``"1f1b"`` with ``num_repeats=2``)."""
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  if name in schedules.FUSED_SCHEDULE_NAMES:
+    return schedules.make_fused_schedule(name, num_stages, num_microbatches, num_repeats)
+  if name == "circular" and num_repeats == 1:
+    raise ValueError("circular with num_repeats=1 is gpipe")
+  return schedules.make_schedule(name, num_stages, num_microbatches, num_repeats)
+
+
+def simulated_bubble(table) -> float:
+  """The lockstep bubble of the whole step (forward and backward) under the default costs."""
+  fused = table.with_backward() if hasattr(table, "with_backward") else table
+  return fused.simulate().lockstep_bubble
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +114,14 @@ class Candidate:
   num_data: int
   num_microbatches: int
   remat: str
+  schedule: str = "gpipe"
   remat_granularity: str | int = "chunk"
 
   def overrides(self) -> str:
     """The ``--config.*`` flags that select this candidate."""
     return (f"--config.num_stages={self.num_stages} --config.num_data={self.num_data} "
             f"--config.num_microbatches={self.num_microbatches} --config.remat={self.remat} "
+            f"--config.schedule={self.schedule} "
             f"--config.remat_granularity={self.remat_granularity}")
 
 
@@ -98,6 +135,7 @@ class Trial:
     executed_flops: lockstep FLOPs per device per step (every tick counted as busy: what
       the step's duration follows).
     useful_fraction: useful / lockstep FLOPs, the share of the step's time doing useful work.
+    simulated_bubble: the schedule table's lockstep bubble (see :func:`simulated_bubble`).
     collective_bytes: bytes moved by collectives per device per step.
     predicted_seconds: the cost model's step time.
     compile_seconds: lowering plus compile time.
@@ -112,6 +150,7 @@ class Trial:
   predicted_seconds: float
   compile_seconds: float
   fits: bool
+  simulated_bubble: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +179,8 @@ def _divisors(n: int) -> list[int]:
 def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
                microbatches: Sequence[int] | None = None,
                remats: Sequence[str] = REMAT_ORDER,
-               granularities: Sequence[str | int] = GRANULARITY_ORDER
+               granularities: Sequence[str | int] = GRANULARITY_ORDER,
+               schedules: Sequence[str] | None = None
                ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
   """The search space for ``config`` on ``num_devices`` devices, and the invalid points.
 
@@ -153,6 +193,8 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
     remats: remat policies to try, cheapest in FLOPs first.
     granularities: ``remat_granularity`` values to try with ``"dots"`` and ``"full"``, in this
       order (``"none"`` recomputes nothing and is tried with ``"chunk"`` only).
+    schedules: schedules to try (default :func:`schedule_names`: forward and fused); a schedule
+      without a table for the config's ``num_repeats`` and a candidate's sizes is invalid.
 
   Returns:
     ``(valid candidates, [(invalid candidate, reason)])``.
@@ -167,21 +209,26 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
   for g in granularities:
     stage_lib.check_remat_granularity(g)  # Raises, naming the choices.
   granularities = list(dict.fromkeys(granularities))
+  known = schedule_names()
+  schedules = list(dict.fromkeys(schedules if schedules is not None else known))
+  for name in schedules:
+    if name not in known:
+      raise ValueError(f"Unknown schedule {name!r} in schedules; choose from {known}.")
   stage_options = list(stages) if stages is not None else _divisors(num_devices)
   valid, invalid = [], []
   repeats = int(config.num_repeats)
   for s in stage_options:
     if s < 1 or num_devices % s:
-      invalid.append((Candidate(s, 0, 0, "-"), f"{s} stages do not divide {num_devices} "
+      invalid.append((Candidate(s, 0, 0, "-", "-"), f"{s} stages do not divide {num_devices} "
                       "devices"))
       continue
     data = num_devices // s
     if config.num_layers % (s * repeats):
-      invalid.append((Candidate(s, data, 0, "-"), f"num_layers={config.num_layers} is not "
+      invalid.append((Candidate(s, data, 0, "-", "-"), f"num_layers={config.num_layers} is not "
                       f"divisible by stages*repeats={s * repeats}"))
       continue
     if config.batch_size % data:
-      invalid.append((Candidate(s, data, 0, "-"), f"batch_size={config.batch_size} is not "
+      invalid.append((Candidate(s, data, 0, "-", "-"), f"batch_size={config.batch_size} is not "
                       f"divisible by num_data={data}"))
       continue
     per_replica = config.batch_size // data
@@ -189,12 +236,18 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
                  else [m for m in _divisors(per_replica) if m <= 4 * s])
     for m in m_options:
       if m < 1 or per_replica % m:
-        invalid.append((Candidate(s, data, m, "-"), f"per-replica batch {per_replica} is not "
+        invalid.append((Candidate(s, data, m, "-", "-"), f"per-replica batch {per_replica} is not "
                         f"divisible by {m} micro-batches"))
         continue
-      for r in remats:
-        for g in (["chunk"] if r == "none" else granularities):
-          valid.append(Candidate(s, data, m, r, g))
+      for name in schedules:
+        try:
+          schedule_table(name, s, m, repeats)
+        except ValueError as e:
+          invalid.append((Candidate(s, data, m, "-", name), f"schedule={name!r}: {e}"))
+          continue
+        for r in remats:
+          for g in (["chunk"] if r == "none" else granularities):
+            valid.append(Candidate(s, data, m, r, name, g))
   return valid, invalid
 
 
@@ -207,6 +260,7 @@ def _apply(config, candidate: Candidate):
     new.remat = candidate.remat
     # A string, as the flag gives it (the config field is a string; "2" is read as 2).
     new.remat_granularity = str(candidate.remat_granularity)
+    new.schedule = candidate.schedule
   return new
 
 
@@ -215,7 +269,8 @@ def measure(config, candidate: Candidate, budget_bytes: int,
   """Compiles ``config`` with ``candidate`` applied and measures it against the budget."""
   from tpipe import report as report_lib  # pylint: disable=g-import-not-at-top
 
-  rep = report_lib.analyze_config(_apply(config, candidate))
+  # The step's memory, FLOPs and collectives; the per-stage floor is not needed here.
+  rep = report_lib.analyze_config(_apply(config, candidate), per_stage=False)
   a = rep.analysis
   memory = rep.largest_device_bytes
   return Trial(
@@ -224,24 +279,25 @@ def measure(config, candidate: Candidate, budget_bytes: int,
       collective_bytes=sum(c.total_bytes for c in a.collectives),
       predicted_seconds=cost_model.step_time(a.flops.executed, a.collectives),
       compile_seconds=rep.lower_seconds + rep.compile_seconds,
-      fits=memory <= budget_bytes)
+      fits=memory <= budget_bytes, simulated_bubble=simulated_bubble(rep.schedule))
 
 
 def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
              stages: Sequence[int] | None = None, microbatches: Sequence[int] | None = None,
              remats: Sequence[str] = REMAT_ORDER,
              granularities: Sequence[str | int] = GRANULARITY_ORDER,
+             schedules: Sequence[str] | None = None,
              cost_model: CostModel = CostModel(),
              verbose: bool = False) -> TuneResult:
   """Finds the configuration with the least predicted step time that fits ``budget_bytes``.
 
   Args:
-    config: the base experiment config (``configs/lm.py``); its schedule, repeats, model and
-      batch are kept, stages, data replicas, micro-batches, remat and its granularity are
+    config: the base experiment config (``configs/lm.py``); its repeats, model and batch are
+      kept; stages, data replicas, micro-batches, schedule, remat and its granularity are
       searched.
     budget_bytes: per-device memory budget in bytes (peak of the fullest device).
     num_devices: devices to use (default ``config.num_stages * config.num_data``).
-    stages, microbatches, remats, granularities: restrict the search (see
+    stages, microbatches, remats, granularities, schedules: restrict the search (see
       :func:`candidates`).
     cost_model: the step-time model.
     verbose: print each trial as it is measured.
@@ -255,11 +311,12 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
     raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}.")
   num_devices = num_devices or int(config.num_stages) * int(config.num_data)
   valid, rejected = candidates(config, num_devices, stages=stages, microbatches=microbatches,
-                               remats=remats, granularities=granularities)
+                               remats=remats, granularities=granularities,
+                               schedules=schedules)
   trials: list[Trial] = []
-  fitted_groups: dict[tuple[int, int], Candidate] = {}
+  fitted_groups: dict[tuple[int, int, str], Candidate] = {}
   for cand in valid:
-    group = (cand.num_stages, cand.num_microbatches)
+    group = (cand.num_stages, cand.num_microbatches, cand.schedule)
     if group in fitted_groups:
       fitted = fitted_groups[group]
       rejected.append((cand, f"dominated: remat={fitted.remat} remat_granularity="
@@ -297,21 +354,24 @@ def format_result(result: TuneResult) -> str:
   """The trials and the choice as markdown."""
   fb = analysis.format_bytes
   lines = [f"budget per device: {fb(result.budget_bytes)}", "",
-           "| stages | data | micro-batches | remat | granularity | peak memory | fits | "
-           "lockstep FLOPs | useful | collective bytes | predicted step | compile s |",
-           "|---:|---:|---:|---|---|---:|---|---:|---:|---:|---:|---:|"]
+           "| stages | data | micro-batches | schedule | remat | granularity | peak memory | fits | "
+           "lockstep FLOPs | useful | simulated bubble | collective bytes | predicted step | "
+           "compile s |",
+           "|---:|---:|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
   for t in result.trials:
     c = t.candidate
     mark = " **(chosen)**" if t is result.best else ""
     lines.append(
-        f"| {c.num_stages} | {c.num_data} | {c.num_microbatches} | {c.remat} | "
-        f"{c.remat_granularity}{mark} | {fb(t.memory_bytes)} | {'yes' if t.fits else 'no'} | {t.executed_flops:.3g} | "
-        f"{t.useful_fraction:.1%} | {fb(t.collective_bytes)} | "
+        f"| {c.num_stages} | {c.num_data} | {c.num_microbatches} | {c.schedule} | "
+        f"{c.remat} | {c.remat_granularity}{mark} | {fb(t.memory_bytes)} | "
+        f"{'yes' if t.fits else 'no'} | "
+        f"{t.executed_flops:.3g} | {t.useful_fraction:.1%} | {t.simulated_bubble:.1%} | "
+        f"{fb(t.collective_bytes)} | "
         f"{t.predicted_seconds * 1e3:.3f} ms | {t.compile_seconds:.1f} |")
   lines += ["", "Rejected:"]
   for cand, reason in result.rejected:
     lines.append(f"- stages={cand.num_stages} data={cand.num_data} "
-                 f"M={cand.num_microbatches} remat={cand.remat} "
+                 f"M={cand.num_microbatches} schedule={cand.schedule} remat={cand.remat} "
                  f"remat_granularity={cand.remat_granularity}: {reason}")
   lines.append("")
   if result.best is None:
@@ -334,6 +394,8 @@ def define_flags() -> None:
   flags.DEFINE_list("remat_granularities", list(GRANULARITY_ORDER),
                     "remat_granularity values to try with remat dots/full: chunk, layer, or an "
                     "int k (layers per checkpoint).")
+  flags.DEFINE_list("schedules", None, "Schedules to try (default: the forward ones and every "
+                    "fused one tpipe.Sequential runs).")
 
 
 def main(argv):
@@ -353,7 +415,7 @@ def main(argv):
       microbatches=[int(m) for m in f.microbatches] if f.microbatches else None,
       remats=f.remats,
       granularities=[int(g) if g.isdigit() else g for g in f.remat_granularities],
-      verbose=True)
+      schedules=f.schedules, verbose=True)
   print(format_result(result))
   if result.best is None:
     raise SystemExit(1)

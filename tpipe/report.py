@@ -79,7 +79,9 @@ class Report:
     config: the experiment config.
     num_params: trainable parameters of the model.
     num_devices: devices in the mesh.
-    schedule: the :class:`tpipe.schedules.Schedule` the step runs.
+    schedule: the table the step runs: a forward :class:`tpipe.schedules.Schedule` (GPipe,
+      circular; autodiff through its tick loop gives the backward) or a
+      :class:`tpipe.schedules.FusedSchedule` (1F1B, ...; forward and backward in one table).
     analysis: the :class:`tpipe.tools.analysis.Analysis` of the compiled step.
     lower_seconds: wall-clock time to trace and lower the step.
     compile_seconds: wall-clock time for XLA to compile it.
@@ -195,14 +197,7 @@ class Report:
             "gated_in_tick_loops": pipe.gated if pipe else 0.0,
             "transcendentals": flops.transcendentals,
         },
-        "schedule": {
-            "name": self.schedule.name, "num_ticks": self.schedule.num_ticks,
-            "bubble_fraction": self.schedule.bubble_fraction,
-            # Per stage: slots the tick loop stashes for the backward pass (one per tick), and
-            # how many of them hold a real micro-batch (R * M; the rest are bubble ticks).
-            "stash_slots_per_stage": int(self.schedule.stash_slots().max()),
-            "stashed_microbatches_per_stage": int(self.schedule.stashed_microbatches().max()),
-        },
+        "schedule": schedule_json(self.schedule),
         "collectives_per_step": self.collective_rows(),
         "stages": [stage.to_json() for stage in self.stages],
         "ring_bytes_per_microbatch": self.ring_bytes,
@@ -211,6 +206,62 @@ class Report:
         "compile_seconds": self.compile_seconds,
         "compile_cpu_seconds": self.cpu_seconds,
     }
+
+
+def _is_fused(schedule) -> bool:
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  return isinstance(schedule, schedules.FusedSchedule)
+
+
+def _simulated(schedule):
+  """The whole step (forward and backward) as a fused table, and its :class:`Timing` under the
+  default costs (F = 1, B = 2, BI = W = 1)."""
+  fused = schedule if _is_fused(schedule) else schedule.with_backward()
+  return fused, fused.simulate()
+
+
+def schedule_json(schedule) -> dict[str, Any]:
+  """The schedule's part of ``report.json``: ticks, bubble, stash, simulated step time.
+
+  ``stash_slots_per_stage`` is what the executor allocates per stage for the backward pass
+  (forward schedules: one slot per forward tick, bubble ticks included; fused: the table's peak
+  of micro-batches in flight); ``stashed_microbatches_per_stage`` how many hold micro-batches
+  at the peak. ``simulated_step`` is the lockstep (SPMD) and dependency-driven step time of the
+  whole step in units of one chunk forward (F = 1, B = 2, BI = W = 1).
+  """
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  fused, timing = _simulated(schedule)
+  out = {"name": schedule.name, "fused": _is_fused(schedule), "num_ticks": schedule.num_ticks,
+         "bubble_fraction": schedule.bubble_fraction,
+         "stash_slots_per_stage": int(schedule.stash_slots().max()),
+         "in_flight_per_stage": [int(n) for n in fused.peak_in_flight()],
+         "simulated_step": {"lockstep": timing.lockstep, "natural": timing.natural,
+                            "lockstep_bubble": timing.lockstep_bubble,
+                            "costs": dict(schedules.DEFAULT_COSTS)}}
+  out["stashed_microbatches_per_stage"] = (int(fused.peak_in_flight().max()) if out["fused"]
+                                           else int(schedule.stashed_microbatches().max()))
+  return out
+
+
+def format_schedule(schedule) -> list[str]:
+  """What the schedule keeps in flight and its simulated step time, as markdown lines."""
+  fused, timing = _simulated(schedule)
+  peaks = ", ".join(str(int(n)) for n in fused.peak_in_flight())
+  if _is_fused(schedule):
+    stash = (f"Fused schedule {schedule.name!r} ({schedule.num_ticks} ticks of forward and "
+             f"backward): micro-batch chunks in flight per stage at most [{peaks}] (stage 0 "
+             f"first), so {int(schedule.stash_slots().max())} stash slots per stage hold stage "
+             f"inputs, bounded by S and not by M={schedule.num_microbatches}.")
+  else:
+    stash = (f"Backward-pass stash per stage: {schedule.stash_slots().max()} slots (one per "
+             f"forward tick), {schedule.stashed_microbatches().max()} of them holding "
+             f"micro-batches (in flight per stage: [{peaks}]).")
+  return [stash, "", f"Simulated step time (F = 1, B = 2, BI = W = 1 per chunk and micro-batch): "
+          f"lockstep (SPMD, each tick as long as its slowest stage) {timing.lockstep:g}, "
+          f"dependency-driven {timing.natural:g}; lockstep bubble "
+          f"{timing.lockstep_bubble:.1%}."]
 
 
 def compile_train_step(exp):
@@ -282,29 +333,30 @@ def measure_stages(exp, schedule, unit_flops=None):
   return tuple(stages), stage_costs.ring_bytes(inputs)
 
 
-def analyze_config(config, unit_flops=None) -> Report:
+def analyze_config(config, unit_flops=None, per_stage: bool = True) -> Report:
   """Builds the experiment for ``config``, compiles its train step and measures it.
 
   Args:
     config: an experiment config (``configs/lm.py``); validated by the experiment builder.
     unit_flops: per-unit FLOPs already measured (see :func:`measure_stages`), or None.
+    per_stage: also measure every stage and the memory floor (:func:`measure_stages`: per-unit
+      FLOPs and each distinct chunk compiled alone); without it ``stages`` is empty, as the
+      auto-tuner, which needs only the step's own figures, asks.
 
   Returns:
     A :class:`Report`.
   """
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
   from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
-  from tpipe import schedules  # pylint: disable=g-import-not-at-top
 
   exp = experiment.build(config)
   compiled, state, batch, lower_s, compile_s, cpu_s = compile_train_step(exp)
-  schedule = schedules.make_schedule(config.schedule, config.num_stages,
-                                     config.num_microbatches, config.num_repeats)
+  schedule = exp.model.schedule_table()  # Forward or fused: what the step runs.
   result = analysis.analyze(
       compiled, mesh=exp.mesh, schedule=schedule,
       inputs={"params": state.params, "opt_state": state.opt_state, "batch": batch})
   start = time.perf_counter()
-  stages, ring = measure_stages(exp, schedule, unit_flops)
+  stages, ring = measure_stages(exp, schedule, unit_flops) if per_stage else ((), 0)
   floor_s = time.perf_counter() - start
   return Report(config=config, num_params=exp.num_params(),
                 num_devices=int(exp.mesh.devices.size), schedule=schedule, analysis=result,
@@ -369,9 +421,7 @@ def format_report(report: Report) -> str:
         f"| analytic bubble fraction ({report.schedule.num_ticks} ticks) | "
         f"{pipe.bubble_fraction:.1%} |",
     ]
-  lines += ["", f"Backward-pass stash per stage: {report.schedule.stash_slots().max()} slots (one "
-            f"per forward tick), {report.schedule.stashed_microbatches().max()} of them holding "
-            "micro-batches."]
+  lines += [""] + format_schedule(report.schedule)
   if flops.loops_without_trip_count:
     lines += ["", f"Warning: XLA proved no trip count for loops "
               f"{list(flops.loops_without_trip_count)}; each is counted once, so executed FLOPs "
@@ -417,7 +467,9 @@ def format_stages(report: Report) -> list[str]:
       f"| real peak (largest device) | {fb(report.largest_device_bytes)} |",
       f"| **peak / floor** | **{report.floor_ratio:.2f}x** |",
   ]
-  if report.config.get("remat") != "full":
+  # A fused schedule stashes only chunk inputs whatever the policy (its backward recomputes the
+  # chunk's forward from them), so the note is about the forward schedules.
+  if report.config.get("remat") != "full" and not _is_fused(report.schedule):
     lines += ["", f"remat={report.config.get('remat')!r}: the floor counts the stage inputs a "
               "stash slot keeps under remat='full'; with this policy each slot also keeps the "
               "chunk's saved activations, which the ratio then includes."]
@@ -444,7 +496,9 @@ def write_report(report: Report, out_dir: str) -> dict[str, str]:
     f.write(format_report(report) + f"\n\n![timeline](timeline.png)\n\nCommand: `{command}`\n")
   with open(paths["json"], "w") as f:
     json.dump(report.to_json(), f, indent=1, default=str)
-  timeline.save_timeline(report.schedule, paths["timeline"], backward=True)
+  # A fused table holds its backward already; a forward one gets autodiff's, reversed.
+  timeline.save_timeline(report.schedule, paths["timeline"],
+                         backward=not _is_fused(report.schedule))
   return paths
 
 

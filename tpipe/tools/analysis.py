@@ -532,14 +532,17 @@ def pipeline_flops(compiled, schedule, flops: FlopCount | None = None) -> Pipeli
   """Lockstep, executed and useful FLOPs of a pipelined step.
 
   The tick loops are found as the outermost ``while`` loops whose trip count equals
-  ``schedule.num_ticks`` (the forward loop and the backward loop autodiff makes of it). Every
-  stage of the schedules here is idle on the same number of ticks, a ``bubble_fraction`` share:
-  that share of the tick loops' conditionals (the stage's layers) is skipped, and that share of
-  everything in the tick loops is not useful.
+  ``schedule.num_ticks`` (the forward loop and the backward loop autodiff makes of it; a fused
+  schedule's one loop over its table). Every stage of the schedules here is idle on the same
+  number of ticks, a ``bubble_fraction`` share: that share of the tick loops' conditionals (the
+  stage's layers) is skipped, and that share of everything in the tick loops is not useful. For a
+  fused schedule the conditional counts as its costliest action (a backward) on every busy tick,
+  so ``executed`` and ``useful`` are upper bounds there (a forward tick costs less).
 
   Args:
     compiled: a :class:`jax.stages.Compiled` or its HLO text.
-    schedule: the :class:`tpipe.schedules.Schedule` the step runs.
+    schedule: the :class:`tpipe.schedules.Schedule` or :class:`tpipe.schedules.FusedSchedule`
+      the step runs.
     flops: a :class:`FlopCount` already computed for ``compiled`` (recomputed if None).
 
   Returns:

@@ -276,10 +276,10 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
   if len(unit_flops) != sum(counts) or len(unit_names) != sum(counts):
     raise ValueError(f"unit_flops ({len(unit_flops)}) and unit_names ({len(unit_names)}) need "
                      f"one entry per layer unit ({sum(counts)}).")
-  if schedule.num_stages != num_stages or schedule.num_repeats != layout.num_repeats:
+  repeats = chunks_per_stage(schedule)
+  if schedule.num_stages != num_stages or repeats != layout.num_repeats:
     raise ValueError(f"schedule {schedule.name!r} has S={schedule.num_stages}, "
-                     f"R={schedule.num_repeats}; the layout has S={num_stages}, "
-                     f"R={layout.num_repeats}.")
+                     f"R={repeats}; the layout has S={num_stages}, R={layout.num_repeats}.")
   bounds = np.concatenate([[0], np.cumsum(counts)])
   chunk_flops = [float(sum(unit_flops[bounds[c]:bounds[c + 1]])) for c in range(num_chunks)]
   names = group_names(layout, unit_names)
@@ -289,7 +289,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
   slots = schedule.stash_slots()
   rows = []
   for s in range(num_stages):
-    chunks = tuple(range(s, num_chunks, num_stages))
+    chunks = stage_chunks(schedule, s)
     rows.append(StageCost(
         stage=s, chunks=chunks, chunk_layers=tuple(names[c] for c in chunks),
         param_bytes=sum(own[c] for c in chunks),
@@ -300,6 +300,21 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
         stash_slots=int(slots[s]),
         working_set_bytes=max(int(chunk_working_sets[c]) for c in chunks)))
   return rows
+
+
+def chunks_per_stage(schedule) -> int:
+  """R: layer chunks each stage holds (``num_repeats`` of a forward schedule, ``num_chunks`` of
+  a :class:`tpipe.schedules.FusedSchedule`)."""
+  return int(getattr(schedule, "num_repeats", None) or schedule.num_chunks)
+
+
+def stage_chunks(schedule, stage: int) -> tuple[int, ...]:
+  """The model chunks (layout chunk indices, in layer order) ``stage`` holds under ``schedule``:
+  ``stage, stage + S, ...`` for the forward schedules and the fused ones placed the same way
+  (``"loop"``), the table's own placement otherwise (ZB-V's V)."""
+  if hasattr(schedule, "virtual_stage"):
+    return tuple(int(v) for v in schedule.virtual_stage[stage])
+  return tuple(range(stage, schedule.num_stages * schedule.num_repeats, schedule.num_stages))
 
 
 def largest_floor(stages: Sequence[StageCost]) -> MemoryFloor:

@@ -36,11 +36,13 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpipe
+from tpipe import schedules as schedules_lib
 from tpipe.core import packing
 from tpipe.core import stage_layout as stage_layout_lib
 from tpipe.linen import sequential
@@ -91,6 +93,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   parse_balance(config.balance)
   tasks_lib.remat_granularity(config)  # Optional field ("chunk" when absent); raises if bad.
   task.validate(config)
+  if config.schedule in schedules_lib.FUSED_SCHEDULE_NAMES and task.no_fused_schedules:
+    raise ValueError(
+        f"config.schedule={config.schedule!r} is a fused schedule, which cannot train "
+        f"config.task={task.name!r}: {task.no_fused_schedules}. Use config.schedule='gpipe' "
+        "(or 'circular' with config.num_repeats > 1).")
   if config.learning_rate <= 0:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")
   needed = config.num_stages * config.num_data
@@ -120,6 +127,28 @@ def parse_balance(balance) -> Any:
 def make_model(config: ml_collections.ConfigDict, mesh) -> tpipe.Sequential:
   """Returns the task's pipelined model for ``config`` over ``mesh`` (split not yet fixed)."""
   return tasks_lib.get_task(config).make_model(config, mesh, parse_balance(config.balance))
+
+
+def forward_equivalent(model: tpipe.Sequential) -> tpipe.Sequential | None:
+  """For a fused schedule, the same stack under a forward schedule that reads the same staged
+  parameters (None when there is none); ``model`` itself otherwise.
+
+  Both executors read chunk ``c``'s parameters from ``staged[c // S][c % S]`` of one
+  :class:`~tpipe.core.stage_layout.StageLayout`, which depends on the split (fixed by
+  :meth:`~tpipe.Sequential.with_split`), S and R, not on the schedule. So a fused schedule whose
+  table places chunks as the forward executor does (``"loop"``: model chunk ``c * S + s`` on stage
+  ``s``, as in 1F1B, ZB-H1 and interleaved 1F1B) runs the same model as ``"gpipe"`` (R = 1) or
+  ``"circular"`` (R > 1) on the same staged parameters; the forward schedule returns per-example
+  outputs, which evaluation needs (sums over real examples, logits). A table placed otherwise
+  (ZB-V's ``"v"``) gets None.
+  """
+  if not model.is_fused():
+    return model
+  table = model.schedule_table()
+  loop = schedules_lib.virtual_stages("loop", model.num_stages, table.num_chunks)
+  if table.num_chunks != model.num_repeats or not np.array_equal(table.virtual_stage, loop):
+    return None
+  return model.clone(schedule="gpipe" if model.num_repeats == 1 else "circular")
 
 
 def _decayed(path) -> bool:
@@ -382,7 +411,9 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
       x, kwargs = task.model_inputs(batch)
       losses = model.apply({"params": params}, x, **kwargs, **task.train_keywords,
                            rngs={"dropout": rng})
-      return losses.mean()
+      # A fused schedule's stack returns the mean over the global batch already (a scalar whose
+      # gradient the fused executor computes); the others return per-example losses.
+      return losses if model.is_fused() else losses.mean()
 
   else:
 
@@ -396,6 +427,10 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   # NNX layers' dropout streams are rebuilt from a key even where dropout is off; it is unused.
   eval_rngs = {"dropout": jax.random.key(0)} if tasks_lib.frontend(config) == "nnx" else {}
 
+  # Evaluation needs per-example losses: with a fused schedule, the same stack under the forward
+  # schedule that reads the same staged parameters (see forward_equivalent).
+  eval_model = forward_equivalent(model)
+
   @jax.jit
   def eval_step(state, batch):
     x, kwargs = task.model_inputs(batch)
@@ -403,10 +438,16 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     # Padded evaluation batches mark their real examples; a batch without a mask is all real.
     mask = batch["mask"].astype(jnp.float32) if "mask" in batch else jnp.ones(rows, jnp.float32)
     state_vars = variables(state.params, state.model_state)
-    out = {"loss": (model.apply(state_vars, x, **kwargs, rngs=eval_rngs) * mask).sum(),
-           "count": mask.sum()}
+    if eval_model is None:
+      # A fused schedule without a forward equivalent: its own forward-only mean over the batch,
+      # which is the mean over real examples only when every example is real (NaN otherwise).
+      mean = model.apply(state_vars, x, **kwargs, rngs=eval_rngs)
+      loss = jnp.where(jnp.all(mask == 1), mean * rows, jnp.nan)
+    else:
+      loss = (eval_model.apply(state_vars, x, **kwargs, rngs=eval_rngs) * mask).sum()
+    out = {"loss": loss, "count": mask.sum()}
     if task.measures_accuracy:  # Logits: the stack without the labels.
-      out["correct"] = (task.correct(model.apply(state_vars, x, rngs=eval_rngs), batch)
+      out["correct"] = (task.correct(eval_model.apply(state_vars, x, rngs=eval_rngs), batch)
                         * mask).sum()
     return out
 

@@ -100,6 +100,9 @@ class LanguageModelling:
   data_fields = ("batch_size", "seq_len", "seed", "max_corpus_bytes", "eval_fraction")
   train_keywords = {"deterministic": False}
   measures_accuracy = False
+  # Why fused schedules ("1f1b", ...) cannot train this task, or None when they can (the LMHead
+  # returns per-example losses, which a fused stack reduces to the mean loss).
+  no_fused_schedules = None
 
   def validate(self, config) -> None:
     for name in ("num_layers", "width", "num_heads", "mlp_dim", "seq_len", "max_corpus_bytes",
@@ -175,6 +178,8 @@ class ImageClassification:
   data_fields = ("batch_size", "seed", "num_test", "max_shift")
   train_keywords = {"train": True}
   measures_accuracy = True
+  no_fused_schedules = ("its convnet has BatchNorm, whose batch statistics the fused executor "
+                        "does not support")
 
   def validate(self, config) -> None:
     _check_int(config, "width")
