@@ -91,8 +91,8 @@ def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
   baseline = autotune.measure(config, autotune.Candidate(1, 2, 2, "none"), budget_bytes=2**40)
   budget = baseline.memory_bytes - 1  # the one-stage, no-remat layout no longer fits.
   result = autotune.autotune(config, budget, num_devices=2, microbatches=[2],
-                             remats=["none", "full"], granularities=["chunk"])
-                             remats=["none", "full"], schedules=["gpipe"])
+                             remats=["none", "full"], granularities=["chunk"],
+                             schedules=["gpipe"])
   assert result.best is not None
   choice = result.best.candidate
   assert (choice.num_stages, choice.remat) != (1, "none")
@@ -110,15 +110,14 @@ def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
 def test_nothing_fits_a_one_byte_budget():
   # A fused schedule, compiled and measured as the others are.
   result = autotune.autotune(_config(), 1, num_devices=2, stages=[1], microbatches=[2],
-                             remats=["full"], granularities=["chunk"])
-                             remats=["full"], schedules=["1f1b"])
+                             remats=["full"], granularities=["chunk"], schedules=["1f1b"])
   assert result.best is None and result.config is None
   assert len(result.trials) == 1 and not result.trials[0].fits
   trial = result.trials[0]
   assert trial.candidate.schedule == "1f1b" and trial.executed_flops > 0
   assert trial.simulated_bubble == autotune.simulated_bubble(
       autotune.schedule_table("1f1b", 1, 2, 1))
-  assert "| 1f1b | full |" in autotune.format_result(result)
+  assert "| 1f1b | full | chunk |" in autotune.format_result(result)
   assert "Nothing fits" in autotune.format_result(result)
   with pytest.raises(ValueError, match="budget_bytes"):
     autotune.autotune(_config(), 0)
