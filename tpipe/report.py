@@ -475,11 +475,12 @@ def format_stages(report: Report) -> list[str]:
               "chunk's saved activations, which the ratio then includes."]
   granularity = report.config.get("remat_granularity", "chunk")
   if granularity != "chunk":
-    lines += ["", f"remat_granularity={granularity!r}: the floor's working set is a whole "
-              "chunk's forward and backward; here the backward holds one checkpointed piece's "
-              "at a time (plus each piece's input), so the peak may fall below this floor "
-              "(ratio < 1), while under gpipe/circular each stash slot also keeps the inputs of "
-              "the chunk's pieces."]
+    lines += ["", f"remat_granularity={granularity!r}: the floor's working set is the chunk's "
+              "forward and backward with its pieces checkpointed, as a tick runs it (each "
+              "piece's input, and one piece's intermediates at a time)"
+              + ("." if _is_fused(report.schedule) else
+                 "; under gpipe/circular each stash slot also keeps the inputs of the chunk's "
+                 "pieces, which the floor does not count.")]
   return lines
 
 

@@ -476,8 +476,10 @@ class Sequential(nn.Module):
 
     Returns:
       ``(fn, args)``: ``fn(*args)`` applies the chunk's layers in order, as a pipeline tick does
-      but without its remat policy; ``args`` are abstract: the chunk's parameter trees (one per
-      layer group), its input on one micro-batch, and the side inputs.
+      but without the checkpoint around the whole chunk (with a finer ``remat_granularity``, its
+      pieces are checkpointed with the remat policy, as in a tick); ``args`` are abstract: the
+      chunk's parameter trees (one per layer group), its input on one micro-batch, and the side
+      inputs.
     """
     rng_names = tuple(rng_names)
     x_micro, split, side = self._abstract_call(x, kwargs)
@@ -490,12 +492,10 @@ class Sequential(nn.Module):
     applies = [self._layer_apply(g.layer, split, rng_names) for g in groups]
 
     def fn(trees, h, side):
-      for g, p, apply in zip(groups, trees, applies):
-        if g.repeated:
-          h, _ = lax.scan(lambda h, p, apply=apply: (apply(p, h, *side), None), h, p)
-        else:
-          h = apply(p, h, *side)
-      return h
+      runs = [((lambda h, p, apply=apply: (apply(p, h, *side), None)), p,
+               g.stop - g.start if g.repeated else None)
+              for g, p, apply in zip(groups, trees, applies)]
+      return stage_lib.apply_units(h, runs, self.remat, self.remat_granularity)[0]
 
     return fn, (trees, h, side)
 
