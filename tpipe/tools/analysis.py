@@ -533,11 +533,12 @@ def pipeline_flops(compiled, schedule, flops: FlopCount | None = None) -> Pipeli
 
   The tick loops are found as the outermost ``while`` loops whose trip count equals
   ``schedule.num_ticks`` (the forward loop and the backward loop autodiff makes of it; a fused
-  schedule's one loop over its table). Every stage of the schedules here is idle on the same
+  schedule's one loop over its table). Every stage of the forward schedules is idle on the same
   number of ticks, a ``bubble_fraction`` share: that share of the tick loops' conditionals (the
   stage's layers) is skipped, and that share of everything in the tick loops is not useful. For a
-  fused schedule the conditional counts as its costliest action (a backward) on every busy tick,
-  so ``executed`` and ``useful`` are upper bounds there (a forward tick costs less).
+  fused schedule the counts are exact, from each action's own branch (:func:`fused_flops`):
+  ``lockstep`` sums each tick's costliest action, ``executed`` is the busiest device's actions
+  plus the overhead, ``useful`` the mean device's actions.
 
   Args:
     compiled: a :class:`jax.stages.Compiled` or its HLO text.
@@ -552,8 +553,16 @@ def pipeline_flops(compiled, schedule, flops: FlopCount | None = None) -> Pipeli
     raise TypeError(f"schedule must be a tpipe.schedules.Schedule, got "
                     f"{type(schedule).__name__}; build one with "
                     "tpipe.schedules.make_schedule(name, S, M, R).")
-  module = _module(compiled)
   flops = flops if flops is not None else flop_count(compiled)
+  from tpipe import schedules as schedules_lib  # pylint: disable=g-import-not-at-top
+
+  if isinstance(schedule, schedules_lib.FusedSchedule):
+    found = fused_flops(compiled, schedule, flops)
+    return PipelineFlops(lockstep=found.lockstep, executed=found.executed, useful=found.useful,
+                         in_tick_loops=found.lockstep - found.overhead,
+                         gated=float(found.per_stage.max()), tick_loops=(found.tick_loop,),
+                         bubble_fraction=float(schedule.bubble_fraction))
+  module = _module(compiled)
   counter = _FlopCounter(module, executed=True)
   inside = module.enclosing_loops()
   loops = module.loops()
@@ -598,6 +607,7 @@ class FusedFlops:
     overhead: FLOPs per device outside the actions (the ticks' message routing, the sums after
       the loop).
     num_stages: S.
+    tick_loop: the name of the tick loop's ``while`` instruction.
   """
 
   actions: dict[str, np.ndarray]
@@ -605,6 +615,7 @@ class FusedFlops:
   lockstep: float
   overhead: float
   num_stages: int
+  tick_loop: str = ""
 
   @property
   def useful(self) -> float:
@@ -626,7 +637,7 @@ class FusedFlops:
     return {name: float(np.mean(f)) for name, f in self.actions.items() if np.all(np.isfinite(f))}
 
 
-def fused_flops(compiled, schedule) -> FusedFlops:
+def fused_flops(compiled, schedule, flops: FlopCount | None = None) -> FusedFlops:
   """Per-action and per-stage FLOPs of a step compiled with a fused schedule.
 
   The tick loop is the ``while`` loop whose trip count is ``schedule.num_ticks``; its
@@ -637,6 +648,7 @@ def fused_flops(compiled, schedule) -> FusedFlops:
     compiled: a :class:`jax.stages.Compiled` (or its HLO text) of a step that differentiates a
       stack run with ``schedule``.
     schedule: the :class:`tpipe.schedules.FusedSchedule` it runs.
+    flops: a :class:`FlopCount` already computed for ``compiled`` (recomputed if None).
 
   Returns:
     A :class:`FusedFlops`.
@@ -672,13 +684,14 @@ def fused_flops(compiled, schedule) -> FusedFlops:
     actions[kind] = part - branch[0] if part.size else np.full(num_virtual, np.nan)
   table = fused._tick_tables(schedule)["branch"]  # pylint: disable=protected-access
   action_flops = np.where(table > 0, branch[table] - branch[0], 0.0)
-  total = flop_count(compiled).executed
+  total = (flops if flops is not None else flop_count(compiled)).executed
   # The whole-program count takes the conditional's costliest branch on every trip; what is not
   # an action is the rest (the idle branch's own FLOPs count as routing, like every tick's).
   overhead = total - loop.outer * schedule.num_ticks * float(np.max(branch) - branch[0])
   return FusedFlops(actions=actions, per_stage=loop.outer * action_flops.sum(axis=0),
                     lockstep=loop.outer * float(action_flops.max(axis=1).sum()) + overhead,
-                    overhead=overhead, num_stages=schedule.num_stages)
+                    overhead=overhead, num_stages=schedule.num_stages,
+                    tick_loop=loop.instruction.name)
 
 
 # --------------------------------------------------------------------------------------------
