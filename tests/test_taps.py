@@ -5,7 +5,8 @@ module (LayerNorm), a parameter used both through a tapped call and directly (a 
 ``attend``) and a tapped module inside the layer's own ``nn.scan`` (another trace level, so not
 tapped) is differentiated three ways: plainly; as BI (gradients of the input, the taps and the
 parameters through untapped uses); and as W (the weight gradients from the recorded inputs and
-the taps' gradients). Inputs are float64, so the sums must agree to rounding.
+the taps' gradients). Everything runs in float64 (inside ``jax.enable_x64``, which is switched
+off again afterwards), so the sums must agree to rounding.
 """
 
 import flax.linen as nn
@@ -16,7 +17,6 @@ import pytest
 
 from tpipe.core import taps
 
-jax.config.update("jax_enable_x64", True)
 
 
 class ScannedDense(nn.Module):
@@ -51,6 +51,11 @@ def _setup():
 
 
 def test_input_and_weight_gradients_add_up_to_the_plain_backward():
+  with jax.enable_x64(True):
+    _check_input_and_weight_gradients_add_up()
+
+
+def _check_input_and_weight_gradients_add_up():
   model, params, tokens, cotangent = _setup()
   plain = jax.vjp(lambda p: model.apply({"params": p}, tokens), params)[1](cotangent)[0]
 
@@ -103,6 +108,11 @@ def _outputs(model, params, tokens):
 
 def test_the_comparison_is_sharp_without_w():
   """Dropping W's share leaves the tapped kernels without gradients: far from the plain ones."""
+  with jax.enable_x64(True):
+    _check_sharp_without_w()
+
+
+def _check_sharp_without_w():
   model, params, tokens, cotangent = _setup()
   plain = jax.vjp(lambda p: model.apply({"params": p}, tokens), params)[1](cotangent)[0]
   zero_taps = [jnp.zeros(o.shape, o.dtype) for o in _outputs(model, params, tokens)]
@@ -114,3 +124,7 @@ def test_the_comparison_is_sharp_without_w():
   input_grads = jax.vjp(differentiable, params, zero_taps)[1](cotangent)[0]
   with pytest.raises(AssertionError):
     np.testing.assert_allclose(input_grads["Dense_0"]["kernel"], plain["Dense_0"]["kernel"])
+
+
+def test_x64_is_off_again():
+  assert not jax.config.jax_enable_x64
