@@ -25,27 +25,12 @@ import pytest
 
 import tpipe
 from tests import numerics
-from tests.test_sequential import VOCAB, Block, Embed, HeadLoss
+from tests.test_sequential import VOCAB, Block, DenseAct, Embed, HeadLoss, Residual
 from tpipe.tools import analysis
 from tpipe.tools import hlo as hlo_lib
 
 BATCH = 24
 SEQ = 4
-
-
-class DenseAct(nn.Module):
-  features: int
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.gelu(nn.Dense(self.features)(x))
-
-
-class Residual(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
 
 
 class SquaredError(nn.Module):
