@@ -34,7 +34,6 @@ from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax.core import tracers
 from jax import lax
 
@@ -153,8 +152,3 @@ def weight_outputs(calls: Sequence[TapCall], layer_params, inputs, stacked: bool
     apply = jax.vmap(call.apply) if stacked else call.apply
     outputs.append(apply(params, arrays))
   return outputs
-
-
-def zeros_like_shapes(shapes):
-  """Zero taps for the outputs ``shapes`` (a pytree of ``jax.ShapeDtypeStruct``)."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
