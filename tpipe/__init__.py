@@ -1,8 +1,17 @@
 """tpipe: GPipe pipeline parallelism for JAX and Flax.
 
-A stack of identical Flax blocks is split into stages, one per device along a mesh axis; each
-mini-batch is split into micro-batches that flow through the stages; gradients accumulate over
-micro-batches and are reduced across data-parallel replicas once per step.
+A sequence of layers is split into stages, one per device along a mesh axis; each mini-batch is
+split into micro-batches that flow through the stages; gradients accumulate over micro-batches
+and are reduced across data-parallel replicas once per step.
+
+The public surface, one name per line below; the layers of the package (each imports only from
+the ones below it):
+
+* front ends: :func:`pipeline` and :class:`Sequential` (linen), :mod:`tpipe.nnx` (NNX);
+* :mod:`tpipe.training`: train state, shardings and the jitted step;
+* :mod:`tpipe.core`: the engine (planning, stage layout, chunk programs, the two tick loops);
+* :class:`PipelineSpec`, :mod:`tpipe.mesh`, :mod:`tpipe.schedules`, :mod:`tpipe.partition`:
+  settings, meshes, schedule tables and balancing, pure where they can be.
 """
 
 from tpipe import nnx
@@ -10,15 +19,35 @@ from tpipe import schedules
 from tpipe.linen.sequential import Repeat
 from tpipe.linen.sequential import Sequential
 from tpipe.linen.transform import pipeline
-from tpipe.parallel.mesh import data_sharding
-from tpipe.parallel.mesh import make_mesh
-from tpipe.parallel.train_step import TrainState
-from tpipe.parallel.train_step import create_train_state
-from tpipe.parallel.train_step import make_train_step
-from tpipe.parallel.train_step import param_shardings
-from tpipe.parallel.train_step import state_shardings
-from tpipe.parallel.train_step import train_state_shardings
+from tpipe.mesh import data_sharding
+from tpipe.mesh import make_mesh
+from tpipe.schedules import FusedSchedule
 from tpipe.schedules import Schedule
+from tpipe.schedules import make_fused_schedule
 from tpipe.schedules import make_schedule
+from tpipe.spec import PipelineSpec
+from tpipe.training import TrainState
+from tpipe.training import create_train_state
+from tpipe.training import make_train_step
+from tpipe.training import shardings
+
+__all__ = [
+    "FusedSchedule",
+    "PipelineSpec",
+    "Repeat",
+    "Schedule",
+    "Sequential",
+    "TrainState",
+    "create_train_state",
+    "data_sharding",
+    "make_fused_schedule",
+    "make_mesh",
+    "make_schedule",
+    "make_train_step",
+    "nnx",
+    "pipeline",
+    "schedules",
+    "shardings",
+]
 
 __version__ = "0.1.0"

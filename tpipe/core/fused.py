@@ -1,8 +1,8 @@
-"""The fused executor: forward and backward interleaved in one tick loop, memory bounded in S.
+"""The fused tick loop: forward and backward interleaved in one table, memory bounded in S.
 
-The forward executor (:mod:`tpipe.core.executor`) gets its backward pass from autodiff through
-its tick scan, so every stage keeps one stage input per forward tick until the backward begins:
-activation memory grows with the number of micro-batches M. A fused schedule
+The forward loop (:mod:`tpipe.core.forward`) gets its backward pass from autodiff through its tick
+scan, so every stage keeps one stage input per forward tick until the backward begins: activation
+memory grows with the number of micro-batches M. A fused schedule
 (:class:`tpipe.schedules.FusedSchedule`: 1F1B, interleaved 1F1B, ZB-H1, ZB-V) instead says per
 ``[tick, stage]`` whether a stage runs a forward ``F``, a backward ``B`` or the two halves of a
 split backward (``BI``, ``W``) of one micro-batch on one of its chunks, and this module runs that
@@ -10,86 +10,52 @@ table as one SPMD program:
 
 * One ``lax.scan`` over the table's ticks inside ``jax.shard_map``. Each tick every device looks
   up its action and runs it as one branch of a ``lax.switch`` (idle, or ``F``, ``B``, ``BI``,
-  ``W`` of model chunk ``v``); the branches hold no collective.
+  ``W`` of one chunk program, :class:`tpipe.core.chunks.ChunkSet`); the branches hold no
+  collective.
 * ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
-  activation from the stage's mailbox) and keeps that input in a **stash slot** of the table
-  (``stash_slot``). A stage allocates as many slots as the table's peak of micro-batches in
-  flight (``min(S, M)`` for 1F1B), never M.
+  activation from the stage's mailbox) and keeps that input in a **stash slot** of the table. A
+  stage allocates as many slots as the table's peak of micro-batches in flight (``min(S, M)``
+  for 1F1B), never M.
 * ``B`` takes the stashed input and the output gradient (from the mailbox; for the last chunk the
   seed ``1 / N`` per example of the mean loss), recomputes the chunk's forward under ``jax.vjp``
-  and applies its VJP. That is ``remat="full"`` at the granularity of a chunk whatever the
-  stack's remat policy (the caller does not checkpoint the chunk again for ``"full"``, which would
-  run its forward twice): the policy only decides what the chunk keeps *within* the ``B`` tick
-  between its recomputed forward and its backward, so it changes the tick's peak, not what is
-  kept across ticks.
+  and applies its VJP. That is ``remat="full"`` at the granularity of a chunk whatever the remat
+  policy, which decides only what the chunk keeps *within* the ``B`` tick.
+* ``BI`` is ``B`` with the chunk's operations linear in a weight tapped (:mod:`tpipe.core.taps`):
+  it yields the input gradient and those operations' output gradients, filed with their other
+  operands in a **weight slot** (packed per stage, as many slots as the table's most
+  micro-batches awaiting ``W``); ``W`` forms the weight gradients from the slot. Nothing is
+  computed twice.
 * Messages: a forward's output goes to the next model chunk, a backward's input gradient to the
   previous one. After the branch, every device issues the same two ``lax.ppermute`` every tick
-  (one to the right neighbour, one to the left; zeros when the table sends nothing that way).
-  A message arrives the next tick and waits in the receiver's **mailbox** at the slot the table
-  routes it to (``arrival_slots``, ``recv_slot``) until the action that reads it.
+  (one to each neighbour; zeros when the table sends nothing that way). A message arrives the
+  next tick and waits in the receiver's **mailbox** at the slot the table routes it to.
 * Parameter gradients accumulate in one running sum per stage (the scan's carry); gradients of
-  per-example inputs (a float ``x``) are filed per micro-batch into a buffer shaped like the
-  input. Once, after the loop: the sum over data replicas of the parameter gradients (the
-  step's one all-reduce), and sums over stages of the input gradients and the loss.
+  per-example inputs are filed per micro-batch. Once, after the loop: the sum over data replicas
+  of the parameter gradients (the step's one all-reduce), and sums over stages of the input
+  gradients and the loss.
 
-Zero-bubble schedules (ZB-H1, ZB-V) split the backward into ``BI`` and ``W``
-(:mod:`tpipe.core.taps`): ``BI`` runs the chunk's VJP with zero "taps" added to the outputs of
-the modules linear in their weights, which yields the input gradient and those modules' output
-gradients but not their weight gradients; it files the output gradients and the modules' inputs
-in a **weight slot** (a packed buffer per stage, as many slots as the table's most micro-batches
-awaiting ``W``). ``W`` forms the weight gradients from the slot, by the VJP of each module with
-respect to its weights alone. Nothing is computed twice.
-
-The whole run is wrapped in a ``jax.custom_vjp`` (:func:`fused_loss`): its forward runs the
-schedule with a unit cotangent, so one pass yields the loss and every gradient, and its backward
-multiplies the stored gradients by the incoming cotangent of the loss. ``jax.grad`` of any
-function of the loss therefore works, and costs one fused run. A call that is not differentiated
-(evaluation, ``init``) takes the custom_vjp's primal path: the caller's forward-only loss when it
-gives one (``loss_only``; :class:`tpipe.Sequential` runs GPipe's forward ticks there), else the
-fused run with its gradients dropped.
+:func:`mean_loss` wraps the run in a ``jax.custom_vjp`` whose forward runs the schedule with a unit
+cotangent, so one pass yields the loss and every gradient, and whose backward scales them by the
+incoming cotangent. A call that is not differentiated takes the primal path, the table's forward
+pass alone (:func:`forward_outputs`, also what a fused schedule's model returns outputs with).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from tpipe import schedules as schedules_lib
-from tpipe.core import executor
-from tpipe.core import gated
+from tpipe import schedules
+from tpipe.core import chunks as chunks_lib
 from tpipe.core import packing
+from tpipe.core import spmd
 
-# chunk(params, fresh, incoming, broadcast, per_example, rngs, microbatch) -> (to_next, losses):
-# one model chunk on one micro-batch. ``params`` is the device's parameter tree (leading axis:
-# its local chunks), ``fresh`` the micro-batch of the pipeline's input (read by the first chunk),
-# ``incoming`` the ring-format value from the previous chunk; ``to_next`` is the ring value for
-# the next chunk and ``losses`` the per-example losses ``[rows]`` (zeros except from the last).
-ChunkFn = Callable[..., Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitChunk:
-  """A model chunk whose backward splits into ``BI`` and ``W`` (see :mod:`tpipe.core.taps`).
-
-  Attributes:
-    forward: ``forward(params, fresh, incoming, broadcast, per_example, rngs, microbatch, taps)
-      -> ((to_next, losses), (inputs, outputs))``: the chunk as :data:`ChunkFn`, with ``taps``
-      (None, or a pytree shaped like ``outputs``) added to the outputs of its tapped module
-      calls, whose weights it does not differentiate; ``inputs`` are those calls' array inputs.
-    weight_grads: ``weight_grads(params, inputs, output_grads) -> grads`` shaped like
-      ``params``: the tapped calls' weight gradients at their output gradients.
-  """
-
-  forward: Callable[..., Any]
-  weight_grads: Callable[..., Any]
-
-_A = schedules_lib.Action
+Action = schedules.Action
 
 
 def _is_float(leaf) -> bool:
@@ -106,58 +72,17 @@ def _with_floats(tree, floats):
   return jax.tree.map(lambda leaf: next(floats) if _is_float(leaf) else leaf, tree)
 
 
-def _add(buffer, index, value):
-  """``buffer[index] += value``."""
-
-  def add(b, v):
-    old = lax.dynamic_index_in_dim(b, index, 0, keepdims=False)
-    return lax.dynamic_update_index_in_dim(b, old + v, index, 0)
-
-  return jax.tree.map(add, buffer, value)
-
-
-def _zeros_as(like):
-  """Zeros of ``like``'s shape, dtype and varying mesh axes."""
-  return gated._cast_to(jnp.zeros(like.shape, like.dtype), gated._varying_axes(like))
+def _split_grads(grads: list, trees) -> list[list]:
+  """Cuts the flat list of float-leaf gradients of ``trees`` (in order) into one list per tree."""
+  parts = []
+  for tree in trees:
+    count = len(_floats(tree))
+    parts.append(grads[:count])
+    grads = grads[count:]
+  return parts
 
 
-def _as(value, like):
-  """``value`` made to vary over the mesh axes ``like`` varies over (at least its own)."""
-  return gated._cast_to(value, gated._varying_axes(like))
-
-
-def _stacked(tree, count: int):
-  """Zeros ``[count, ...]`` shaped like every leaf of ``tree``."""
-  return jax.tree.map(lambda a: jnp.zeros((count,) + a.shape, a.dtype), tree)
-
-
-def _tick_tables(schedule: schedules_lib.FusedSchedule) -> dict[str, np.ndarray]:
-  """The per-tick rows the scan consumes, each ``[T, S, ...]``.
-
-  ``branch`` numbers the ``lax.switch`` branches: 0 idle, ``1 + k * V + v`` action ``k``
-  (``F``, ``B``, ``BI``, ``W``) of model chunk ``v``.
-  """
-  num_virtual = schedule.num_stages * schedule.num_chunks
-  vstage = schedule.virtual_stage
-  stage = np.arange(schedule.num_stages)[None, :]
-  v = vstage[stage, np.maximum(schedule.chunk, 0)]
-  branch = np.where(schedule.action >= 0, 1 + schedule.action.astype(np.int64) * num_virtual + v,
-                    0)
-  return {
-      "branch": branch.astype(np.int32),
-      "microbatch": np.maximum(schedule.microbatch, 0),
-      "stash": np.maximum(schedule.stash_slot, 0),
-      "forward": (schedule.action == _A.F),
-      "send_dir": schedule.send_dir,
-      "sends": schedule.send_slot != schedules_lib.IDLE,
-      "send_slot": np.maximum(schedule.send_slot, 0),
-      "recv_slot": np.maximum(schedule.recv_slot, 0),
-      "arrival": schedule.arrival_slots(),
-      "weight_slot": weight_slots(schedule),
-  }
-
-
-def weight_slots(schedule: schedules_lib.FusedSchedule) -> np.ndarray:
+def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
   """``[T, S]``: the weight slot each ``BI`` fills and its ``W`` empties (0 elsewhere).
 
   A slot is taken from ``BI`` to ``W``, both ticks included, and reused from the next tick; each
@@ -169,67 +94,350 @@ def weight_slots(schedule: schedules_lib.FusedSchedule) -> np.ndarray:
     held: dict[tuple[int, int], int] = {}
     for t in range(schedule.num_ticks):
       key = (int(schedule.microbatch[t, s]), int(schedule.chunk[t, s]))
-      if schedule.action[t, s] == _A.BI:
+      if schedule.action[t, s] == Action.BI:
         busy = set(held.values())
         slots[t, s] = held[key] = min(k for k in range(len(busy) + 1) if k not in busy)
-      elif schedule.action[t, s] == _A.W:
+      elif schedule.action[t, s] == Action.W:
         slots[t, s] = held.pop(key)
   return slots
 
 
-def is_split(schedule: schedules_lib.FusedSchedule) -> bool:
+def is_split(schedule: schedules.FusedSchedule) -> bool:
   """Whether the table splits backwards into ``BI`` and ``W``."""
-  return bool(np.any(np.isin(schedule.action, [_A.BI, _A.W])))
+  return bool(np.any(np.isin(schedule.action, [Action.BI, Action.W])))
 
 
-def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
-               per_example: tuple, rngs: dict, *, ring_example: Any,
-               schedule: schedules_lib.FusedSchedule, mesh: Mesh, stage_axis: str = "stage",
-               data_axis: str | None = "data",
-               loss_only: Callable[..., jax.Array] | None = None,
-               split_chunks: Sequence[SplitChunk] | None = None) -> jax.Array:
+def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarray, np.ndarray]:
+  """``([T, S] branch, [T, S] model chunk)``: the ``lax.switch`` branch of every table entry
+  (0 idle, ``1 + a * B + b`` for action ``a`` (``F``, ``B``, ``BI``, ``W``) of chunk program
+  ``b``, ``programs[v]`` being model chunk ``v``'s and ``B`` their number) and its model chunk."""
+  vstage = schedule.virtual_stage
+  v = vstage[np.arange(schedule.num_stages)[None, :], np.maximum(schedule.chunk, 0)]
+  program = np.asarray(programs, np.int64)[v]
+  count = int(max(programs)) + 1
+  branch = np.where(schedule.action >= 0,
+                    1 + schedule.action.astype(np.int64) * count + program, 0)
+  return branch.astype(np.int32), v.astype(np.int32)
+
+
+def _tick_rows(schedule: schedules.FusedSchedule, chunkset: chunks_lib.ChunkSet) -> dict:
+  """The per-tick rows the scan consumes, each ``[T, S, ...]`` (see :func:`tick_branches`)."""
+  branch, v = tick_branches(schedule, chunkset.branch_of_chunk)
+  return {
+      "branch": branch,
+      "chunk": v,
+      "microbatch": np.maximum(schedule.microbatch, 0),
+      "stash": np.maximum(schedule.stash_slot, 0),
+      "forward": (schedule.action == Action.F),
+      "send_dir": schedule.send_dir,
+      "sends": schedule.send_slot != schedules.IDLE,
+      "send_slot": np.maximum(schedule.send_slot, 0),
+      "recv_slot": np.maximum(schedule.recv_slot, 0),
+      "arrival": schedule.arrival_slots(),
+      "weight_slot": weight_slots(schedule),
+  }
+
+
+class _Device:
+  """One device's view of a fused run: its inputs, seeds, zeros and the action branches."""
+
+  def __init__(self, run: "_Run", staged, x, broadcast, per_example, rngs):
+    self.run, axes, schedule = run, run.axes, run.schedule
+    self.num_virtual = schedule.num_stages * schedule.num_chunks
+    staged = jax.tree.map(lambda p: p[:, 0], staged)  # [C, ...]
+    # Everything varies over every manual axis from here on, so no vjp below needs a reduction
+    # over a mesh axis (that would put a collective inside a branch); the sums are explicit,
+    # after the loop.
+    self.staged, self.x, self.broadcast, self.per_example = axes.vary(
+        (staged, x, broadcast, per_example))
+    self.rngs = rngs
+    self.stage, self.data_index = axes.stage_index(), axes.data_index()
+    self.local_batch = jax.tree.leaves(x)[0].shape[0]
+    m = schedule.num_microbatches
+    self.rows = self.local_batch // m
+    self.x_mb = spmd.split_microbatches(self.x, m)
+    self.pex_mb = spmd.split_microbatches(self.per_example, m)
+    self.seed = jnp.full((self.rows,), 1.0 / (self.local_batch * axes.replicas))
+    self.ring_zero = chunks_lib.zeros_with_rows(run.chunkset.ring.example, self.rows)
+    self.output_zero = chunks_lib.zeros_with_rows(run.chunkset.output_example, self.rows)
+
+  def inputs(self, mb, msg):
+    """A chunk program's arguments after the parameters, for micro-batch ``mb`` and the input
+    message ``msg``: ``(fresh, incoming, broadcast, per_example, rngs, global micro-batch)``."""
+    return (spmd.read_slot(self.x_mb, mb), msg, self.broadcast, spmd.read_slot(self.pex_mb, mb),
+            self.rngs, self.data_index * self.run.schedule.num_microbatches + mb)
+
+  def is_last(self, chunk):
+    return chunk == self.num_virtual - 1
+
+  def cotangent(self, chunk, msg, ring_out, losses):
+    """The output cotangent of a chunk: the loss seed for the last model chunk, the gradient
+    from the next chunk for the others (the outputs vary over every manual axis)."""
+    last = self.is_last(chunk)
+    vary = self.run.axes.vary
+    ring = [jnp.where(last, jnp.zeros_like(a), vary(g.astype(a.dtype)))
+            for g, a in zip(_floats(msg), ring_out)]
+    seed = jnp.where(last, vary(self.seed.astype(losses.dtype)), jnp.zeros_like(losses))
+    return ring, seed
+
+  def send_of(self, stashed, g_in):
+    g_in = _with_floats(stashed, g_in)
+    return self.run.axes.vary(jax.tree.map(lambda g, z: g if _is_float(z) else z, g_in,
+                                           self.ring_zero))
+
+
+class _Run:
+  """``run(staged, x, broadcast, per_example, rngs)``: a fused table in ``shard_map``.
+
+  In training mode it returns ``(loss, grads)``: the mean loss and the gradient of each float
+  leaf of ``(staged, x, broadcast, per_example)`` in leaf order. With a forward-only table
+  (:meth:`~tpipe.schedules.FusedSchedule.forward_pass`) it returns the last chunk's outputs.
+  """
+
+  def __init__(self, chunkset: chunks_lib.ChunkSet, schedule: schedules.FusedSchedule,
+               axes: spmd.Axes):
+    self.chunkset, self.schedule, self.axes = chunkset, schedule, axes
+    self.split = is_split(schedule)
+    self.rows_table = _tick_rows(schedule, chunkset)
+    wrap = schedule.num_chunks > 1
+    self.right = spmd.neighbour_pairs(schedule.num_stages, 1, wrap)
+    self.left = spmd.neighbour_pairs(schedule.num_stages, -1, wrap)
+    policy = chunks_lib.tick_policy(chunkset.spec)
+    # A backward tick recomputes its chunk's forward from the stashed input under jax.vjp: that
+    # is remat="full" already, and checkpointing the chunk again inside the tick would run the
+    # forward twice for the same peak. Other policies decide what the tick keeps.
+    inner = None if policy is chunks_lib.FULL else policy
+    count = chunkset.num_branches
+    self.programs = [chunkset.branch(b, inner) for b in range(count)]
+    self.tapped = [chunkset.tapped_branch(b, inner) for b in range(count)] if self.split else []
+    self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
+
+  # ------------------------------------------------------------------------------------------
+  # Branches: fn(device, state, weights, msg, stashed, mb, chunk, weight_slot)
+  #   -> (state, weights, send).
+
+  def forward_branch(self, b: int, device: _Device, collect: bool):
+
+    def branch(state, weights, msg, stashed, mb, chunk, weight_slot):
+      del stashed, weight_slot
+      to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg), chunk)
+      last = device.is_last(chunk)
+      if collect:
+        state = dict(state, outputs=spmd.write_slot(state["outputs"], mb, output, last))
+      else:
+        loss = jnp.where(last, jnp.sum(output).astype(jnp.float32), 0.0)
+        state = dict(state, loss=state["loss"] + loss)
+      # The last chunk sends nothing: the routing tables zero its message.
+      return state, weights, device.run.axes.vary(to_next)
+
+    return branch
+
+  def backward_branch(self, b: int, device: _Device, tapped: bool):
+
+    def branch(state, weights, msg, stashed, mb, chunk, weight_slot):
+      fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg)
+      taps = self._zero_taps(b, device) if tapped else None
+      diff = (device.staged, fresh, stashed, broadcast, pex, taps)
+
+      def fn(*floats):
+        p, f, s, bc, e, t = _with_floats(diff, floats)
+        if tapped:
+          (to_next, losses), (records, _) = self.tapped[b](p, f, s, bc, e, rngs, microbatch,
+                                                           chunk, t)
+        else:
+          (to_next, losses), records = self.programs[b](p, f, s, bc, e, rngs, microbatch,
+                                                        chunk), ()
+        # Every output varies over every manual axis (constant zeros included), inside the
+        # differentiated function, so the cotangents below have the outputs' types.
+        return device.run.axes.vary((_floats(to_next), losses)), records
+
+      (ring_out, losses), vjp, records = jax.vjp(fn, *_floats(diff), has_aux=True)
+      grads = list(vjp(device.cotangent(chunk, msg, ring_out, losses)))
+      g_params, g_fresh, g_in, g_broadcast, g_pex, g_taps = _split_grads(grads, diff)
+      state = self._file_grads(device, state, g_params, (g_fresh, g_broadcast, g_pex), mb)
+      if tapped:
+        filed = packing.pack((records, _with_floats(taps, g_taps)), self.weight_layouts[b],
+                             self.weight_sizes)
+        weights = spmd.write_slot(weights, weight_slot, device.run.axes.vary(filed))
+      return state, weights, device.send_of(stashed, g_in)
+
+    return branch
+
+  def weight_branch(self, b: int, device: _Device):
+
+    def branch(state, weights, msg, stashed, mb, chunk, weight_slot):
+      del msg, stashed, mb
+      records, output_grads = packing.unpack(spmd.read_slot(weights, weight_slot),
+                                             self.weight_layouts[b])
+      grads = self.weights[b](device.staged, chunk, records, output_grads)
+      state = dict(state, params=[u + w for u, w in zip(state["params"], _floats(grads))])
+      return state, weights, device.run.axes.vary(device.ring_zero)
+
+    return branch
+
+  def _file_grads(self, device: _Device, state, g_params, inputs, mb):
+    g_fresh, g_broadcast, g_pex = inputs
+    add = lambda total, g: [u + w for u, w in zip(total, g)]
+    return dict(state, params=add(state["params"], g_params),
+                broadcast=add(state["broadcast"], g_broadcast),
+                x=spmd.add_to_slot(state["x"], mb, g_fresh),
+                per_example=spmd.add_to_slot(state["per_example"], mb, g_pex))
+
+  def _zero_taps(self, b, device):
+    return device.run.axes.vary(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                             self.tap_shapes[b]))
+
+  def _learn_taps(self, device: _Device):
+    """The weight slots' layouts: per chunk program, what BI hands to W (the tapped operations'
+    other operands and output gradients), packed into buffers shared by all programs."""
+    self.weight_layouts, self.tap_shapes = [], []
+    msg = device.run.axes.vary(device.ring_zero)
+    for b in range(self.chunkset.num_branches):
+      chunk = self.chunkset.chunks_of[b][0]
+      _, (records, outputs) = jax.eval_shape(
+          lambda: self.tapped[b](device.staged, *device.inputs(0, msg), chunk, None))
+      self.weight_layouts.append(packing.layout_of((records, outputs)))
+      self.tap_shapes.append(outputs)
+    self.weight_sizes = packing.buffer_sizes(self.weight_layouts)
+
+  # ------------------------------------------------------------------------------------------
+  # The loop.
+
+  def per_device(self, staged, x, broadcast, per_example, rngs):
+    device = _Device(self, staged, x, broadcast, per_example, rngs)
+    schedule, axes, count = self.schedule, self.axes, self.chunkset.num_branches
+    collect = schedule.forward_only
+    if self.split:
+      self._learn_taps(device)
+    branches = [lambda state, weights, *a: (state, weights, axes.vary(device.ring_zero))]
+    branches += [self.forward_branch(b, device, collect) for b in range(count)]
+    if not collect:
+      branches += [self.backward_branch(b, device, False) for b in range(count)]
+    if self.split:
+      branches += [self.backward_branch(b, device, True) for b in range(count)]
+      branches += [self.weight_branch(b, device) for b in range(count)]
+    carry = {"state": axes.vary(self._initial_state(device, collect)),
+             "weights": axes.vary(spmd.stacked_zeros(
+                 packing.empty(self.weight_sizes) if self.split else {},
+                 max(1, int(schedule.awaiting_weight().max())))),
+             "stash": axes.vary(spmd.stacked_zeros(
+                 device.ring_zero, max(1, int(schedule.stash_slots().max())))),
+             "mailbox": axes.vary(spmd.stacked_zeros(
+                 device.ring_zero, max(1, int(schedule.mailbox_slots().max())))),
+             "arrived": axes.vary((device.ring_zero,) * 3)}
+
+    def tick(carry, row):
+      row = jax.tree.map(lambda a: a[device.stage], row)
+      mailbox = carry["mailbox"]
+      for k, message in enumerate(carry["arrived"]):  # from the left, from the right, own
+        slot = row["arrival"][k]
+        mailbox = spmd.write_slot(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
+      msg = spmd.read_slot(mailbox, row["recv_slot"])
+      stash = carry["stash"]
+      if not collect:
+        stash = spmd.write_slot(stash, row["stash"], msg, row["forward"])
+      state, weights, send = lax.switch(
+          row["branch"], branches, carry["state"], carry["weights"], msg,
+          spmd.read_slot(stash, row["stash"]), row["microbatch"], row["chunk"],
+          row["weight_slot"])
+      arrived = self._send(send, row)
+      return {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,
+              "arrived": arrived}, None
+
+    carry, _ = lax.scan(tick, carry, self.rows_table)
+    return self._reduce(device, carry["state"], collect)
+
+  def _initial_state(self, device: _Device, collect: bool):
+    if collect:
+      return {"outputs": spmd.stacked_zeros(device.output_zero,
+                                            self.schedule.num_microbatches)}
+    # Running sums of the float leaves' gradients: parameters and broadcast arrays whole,
+    # per-example inputs per micro-batch.
+    zeros = lambda tree: [jnp.zeros_like(a) for a in _floats(tree)]
+    return {"loss": jnp.zeros((), jnp.float32), "params": zeros(device.staged),
+            "broadcast": zeros(device.broadcast), "x": zeros(device.x_mb),
+            "per_example": zeros(device.pex_mb)}
+
+  def _send(self, send, row):
+    direction, sends = row["send_dir"], row["sends"]
+    pick = lambda cond: jax.tree.map(lambda a: jnp.where(cond, a, jnp.zeros_like(a)), send)
+    to_right, to_left = pick(sends & (direction == 1)), pick(sends & (direction == -1))
+    own = pick(sends & (direction == 0))
+    stage = self.axes.stage
+    return (lax.ppermute(to_right, stage, self.right) if self.right else to_right,
+            lax.ppermute(to_left, stage, self.left) if self.left else to_left,
+            own)
+
+  def _reduce(self, device: _Device, state, collect: bool):
+    """Once per step, outside the loop: sums over stages and replicas."""
+    axes = self.axes
+    if collect:
+      return spmd.join_microbatches(lax.psum(state["outputs"], axes.stage))
+    loss = lax.psum(state["loss"], axes.manual) / (device.local_batch * axes.replicas)
+    g_params = state["params"]
+    g_broadcast = lax.psum(state["broadcast"], axes.manual)
+    if axes.data:
+      g_params = lax.psum(g_params, axes.data)
+    g_x, g_pex = lax.psum((state["x"], state["per_example"]), axes.stage)
+    g_params = [a[:, None] for a in g_params]
+    joined = lambda leaves: [a.reshape((device.local_batch,) + a.shape[2:]) for a in leaves]
+    return loss, g_params + joined(g_x) + g_broadcast + joined(g_pex)
+
+  def __call__(self, staged, x, broadcast, per_example, rngs):
+    axes = self.axes
+    in_specs = (axes.staged_spec, axes.batch_spec, P(), axes.batch_spec, P())
+    operands = (staged, x, tuple(broadcast), tuple(per_example), rngs)
+    if self.schedule.forward_only:
+      out_specs = axes.batch_spec
+    else:
+      # One gradient per float leaf, in the order of the leaves of (staged, x, broadcast,
+      # per_example), each split as its input is.
+      grad_specs = [spec for tree, spec in zip(operands[:4], in_specs) for _ in _floats(tree)]
+      out_specs = (P(), grad_specs)
+    return axes.shard_map(self.per_device, in_specs, out_specs)(*operands)
+
+
+def forward_outputs(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple,
+                    per_example: tuple, rngs: dict, *, schedule: schedules.FusedSchedule,
+                    axes: spmd.Axes):
+  """The last chunk's outputs for the whole batch, by ``schedule``'s forward pass alone
+  (:meth:`~tpipe.schedules.FusedSchedule.forward_pass`); not meant to be differentiated."""
+  table = schedule if schedule.forward_only else schedule.forward_pass()
+  return _Run(chunkset, table, axes)(staged, x, broadcast, per_example, rngs)
+
+
+def mean_loss(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple, per_example: tuple,
+              rngs: dict, *, schedule: schedules.FusedSchedule, axes: spmd.Axes,
+              primal: Callable[..., jax.Array] | None = None) -> jax.Array:
   """The mean over the global batch of the last chunk's per-example losses, run with a fused
-  schedule; differentiable (``jax.custom_vjp``) in ``params`` and in the float leaves of ``x``,
+  schedule; differentiable (``jax.custom_vjp``) in ``staged`` and in the float leaves of ``x``,
   ``broadcast`` and ``per_example``.
 
   Callers validate arguments first; this function assumes the batch splits into ``M``
   micro-batches per data replica and that the last chunk returns one float loss per example.
 
   Args:
-    chunks: one function per model chunk ``v = 0..V-1`` (see :data:`ChunkFn`), each pure and
-      free of collectives; model chunk ``v`` runs on the stage and local chunk the schedule's
-      placement gives it.
-    params: parameters in stage layout, every leaf ``[C, S, ...]``; split over ``stage_axis``.
+    chunkset: the chunk programs.
+    staged: ``{"params": staged tree}``, every leaf ``[C, S, ...]``, split over the stage axis.
     x: pytree of arrays ``[N, ...]``, the global batch.
-    broadcast: tuple of arrays every chunk sees whole.
-    per_example: tuple of arrays ``[N, ...]`` split into micro-batches like ``x``.
-    rngs: dict of RNG stream name to key.
-    ring_example: pytree of ``jax.ShapeDtypeStruct`` (no batch axis): what crosses a chunk
-      boundary, in both directions (an activation, or its gradient).
+    broadcast: arrays every chunk sees whole.
+    per_example: arrays ``[N, ...]`` split into micro-batches like ``x``.
+    rngs: ``{stream: key}``.
     schedule: the fused schedule to run.
-    mesh: a mesh with ``stage_axis`` of size ``schedule.num_stages``.
-    stage_axis: the mesh axis of pipeline stages.
-    data_axis: the mesh axis of data-parallel replicas, or None.
-    loss_only: None, or ``loss_only(params, x, broadcast, per_example, rngs)``, the same mean
-      loss computed without gradients (the forward executor): it then serves calls that are not
-      differentiated, which otherwise run the whole fused schedule and drop the gradients.
-    split_chunks: per model chunk, its :class:`SplitChunk`; required when the schedule splits
-      the backward into ``BI`` and ``W``.
+    axes: the mesh and its manual axes.
+    primal: ``primal(staged, x, broadcast, per_example, rngs)``, the same mean computed without
+      gradients, for calls that are not differentiated; default: the table's forward pass.
 
   Returns:
     The scalar mean loss.
   """
-  if is_split(schedule) and (split_chunks is None or len(split_chunks) != len(chunks)):
-    raise ValueError(f"schedule {schedule.name!r} splits the backward into BI and W; pass one "
-                     "SplitChunk per model chunk as split_chunks.")
-  run = _make_run(chunks, split_chunks if is_split(schedule) else None,
-                  ring_example=ring_example, schedule=schedule, mesh=mesh,
-                  stage_axis=stage_axis, data_axis=data_axis)
-  inputs = (params, x, tuple(broadcast), tuple(per_example))
+  run = _Run(chunkset, schedule, axes)
+  if primal is None:
+    primal = lambda *args: jnp.mean(forward_outputs(chunkset, *args, schedule=schedule,
+                                                    axes=axes))
+  inputs = (staged, x, tuple(broadcast), tuple(per_example))
   leaves, treedef = jax.tree.flatten(inputs)
   is_float = [_is_float(leaf) for leaf in leaves]
-  split = lambda leaves: (tuple(l for l, f in zip(leaves, is_float) if f),
-                          tuple(l for l, f in zip(leaves, is_float) if not f))
 
   def merge(floats, others):
     floats, others = iter(floats), iter(others)
@@ -237,9 +445,7 @@ def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
 
   @jax.custom_vjp
   def loss_of(floats, others, rngs):
-    if loss_only is not None:
-      return loss_only(*merge(floats, others), rngs)
-    return run(*merge(floats, others), rngs)[0]
+    return primal(*merge(floats, others), rngs)
 
   def loss_fwd(floats, others, rngs):
     loss, grads = run(*merge(floats, others), rngs)
@@ -249,241 +455,6 @@ def fused_loss(chunks: Sequence[ChunkFn], params: Any, x: Any, broadcast: tuple,
     return tuple(g * cotangent.astype(g.dtype) for g in grads), None, None
 
   loss_of.defvjp(loss_fwd, loss_bwd)
-  floats, others = split(leaves)
+  floats = tuple(leaf for leaf, f in zip(leaves, is_float) if f)
+  others = tuple(leaf for leaf, f in zip(leaves, is_float) if not f)
   return loss_of(floats, others, rngs)
-
-
-def _split_grads(grads: list, trees: Sequence[Any]) -> list[list]:
-  """Cuts the flat list of float-leaf gradients of ``trees`` (in order) into one list per tree."""
-  parts = []
-  for tree in trees:
-    count = len(_floats(tree))
-    parts.append(grads[:count])
-    grads = grads[count:]
-  return parts
-
-
-def _make_run(chunks, split_chunks, *, ring_example, schedule, mesh, stage_axis, data_axis):
-  """``run(params, x, broadcast, per_example, rngs) -> (loss, grads)``: the fused schedule in
-  ``shard_map``; ``grads`` lists the gradient of each float leaf of ``(params, x, broadcast,
-  per_example)``, in leaf order."""
-  num_stages, num_microbatches = schedule.num_stages, schedule.num_microbatches
-  num_virtual = num_stages * schedule.num_chunks
-  if len(chunks) != num_virtual:
-    raise ValueError(f"{len(chunks)} chunk functions for {num_virtual} model chunks.")
-  has_data = data_axis is not None and dict(mesh.shape).get(data_axis, 1) > 1
-  manual_axes = (data_axis, stage_axis) if has_data else (stage_axis,)
-  batch_spec = P(data_axis) if has_data else P()
-  num_slots = max(1, int(schedule.stash_slots().max()))
-  num_mailbox = max(1, int(schedule.mailbox_slots().max()))
-  num_weight_slots = max(1, int(schedule.awaiting_weight().max()))
-  wrap = schedule.num_chunks > 1
-  right = [(s, (s + 1) % num_stages) for s in range(num_stages if wrap else num_stages - 1)]
-  left = [(s, (s - 1) % num_stages) for s in range(0 if wrap else 1, num_stages)]
-  tables = _tick_tables(schedule)
-  replicas = dict(mesh.shape).get(data_axis, 1) if has_data else 1
-
-  def per_device(params, x, broadcast, per_example, rngs):
-    params = jax.tree.map(lambda p: p[:, 0], params)  # [C, ...]
-    # Everything varies over every manual axis from here on, so no vjp below needs a reduction
-    # over a mesh axis (that would put a collective inside a branch); the sums are explicit,
-    # after the loop.
-    all_axes = frozenset(manual_axes)
-    vary = lambda tree: jax.tree.map(lambda a: gated._cast_to(a, all_axes), tree)
-    params, x, broadcast, per_example = vary((params, x, broadcast, per_example))
-    stage = lax.axis_index(stage_axis)
-    data_index = lax.axis_index(data_axis) if has_data else 0
-    local_batch = jax.tree.leaves(x)[0].shape[0]
-    rows = local_batch // num_microbatches
-    split = lambda tree: jax.tree.map(
-        lambda a: a.reshape((num_microbatches, rows) + a.shape[1:]), tree)
-    x_mb, pex_mb = split(x), split(per_example)
-    seed = jnp.full((rows,), 1.0 / (local_batch * replicas))
-    ring_zero = jax.tree.map(lambda s: jnp.zeros((rows,) + tuple(s.shape), s.dtype),
-                             ring_example)
-
-    # The split backward's weight slots: per model chunk, the layout of what BI hands to W
-    # (the tapped calls' inputs and output gradients), packed into buffers shared by all chunks.
-    weight_layouts, tap_shapes = [], []
-    if split_chunks is not None:
-      one = (params, executor.read_slot(x_mb, 0), vary(ring_zero), broadcast,
-             executor.read_slot(pex_mb, 0), rngs, 0)
-      for v in range(num_virtual):
-        _, (inputs, outputs) = jax.eval_shape(
-            lambda *a, v=v: split_chunks[v].forward(*a, None), *one)
-        weight_layouts.append(packing.layout_of((inputs, outputs)))
-        tap_shapes.append(outputs)
-      weight_sizes = packing.buffer_sizes(weight_layouts)
-    weight_zero = {} if split_chunks is None else packing.empty(weight_sizes)
-
-    def cotangent_of(v, msg, ring_out, losses):
-      """The output cotangent of model chunk ``v``: the loss seed for the last chunk (whose ring
-      output is empty), the gradient from the next chunk for the others. Constant outputs vary
-      over no mesh axis, so their zeros are cast to match."""
-      if v == num_virtual - 1:
-        return [_zeros_as(a) for a in ring_out], _as(seed.astype(losses.dtype), losses)
-      return [_as(g, a) for g, a in zip(_floats(msg), ring_out)], _zeros_as(losses)
-
-    def file_input_grads(state, parts, microbatch):
-      """Adds the gradients of the broadcast and per-example inputs (and of the micro-batch's
-      data, for the first chunk) to the running sums."""
-      g_fresh, g_broadcast, g_pex = parts
-      mb = microbatch - data_index * num_microbatches
-      add = lambda total, g: [u + w for u, w in zip(total, g)]
-      return dict(state, broadcast=add(state["broadcast"], g_broadcast),
-                  x=_add(state["x"], mb, g_fresh),
-                  per_example=_add(state["per_example"], mb, g_pex))
-
-    def send_of(stashed, g_in):
-      g_in = _with_floats(stashed, g_in)
-      return vary(jax.tree.map(lambda g, z: g if _is_float(z) else z, g_in, ring_zero))
-
-    def add_params(state, g_params):
-      return dict(state, params=[u + w for u, w in zip(state["params"], g_params)])
-
-    def forward_branch(v):
-
-      def branch(state, weights, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch,
-                 weight_slot):
-        del stashed, weight_slot
-        to_next, losses = chunks[v](params, fresh, msg, broadcast, pex, rngs, microbatch)
-        state = dict(state, loss=state["loss"] + jnp.sum(losses).astype(jnp.float32))
-        send = to_next if v < num_virtual - 1 else ring_zero
-        return state, weights, vary(send)
-
-      return branch
-
-    def backward_branch(v):
-
-      def branch(state, weights, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch,
-                 weight_slot):
-        del weight_slot
-        diff = (params, fresh, stashed, broadcast, pex)
-
-        def fn(*floats):
-          p, f, s, b, e = _with_floats(diff, floats)
-          to_next, losses = chunks[v](p, f, s, b, e, rngs, microbatch)
-          return _floats(to_next), losses
-
-        (ring_out, losses), vjp = jax.vjp(fn, *_floats(diff))
-        grads = list(vjp(cotangent_of(v, msg, ring_out, losses)))
-        g_params, g_fresh, g_in, g_broadcast, g_pex = _split_grads(grads, diff)
-        state = file_input_grads(add_params(state, g_params), (g_fresh, g_broadcast, g_pex),
-                                 microbatch)
-        return state, weights, send_of(stashed, g_in)
-
-      return branch
-
-    def backward_input_branch(v):
-
-      def branch(state, weights, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch,
-                 weight_slot):
-        taps = vary(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tap_shapes[v]))
-        diff = (params, fresh, stashed, broadcast, pex, taps)
-
-        def fn(*floats):
-          p, f, s, b, e, t = _with_floats(diff, floats)
-          (to_next, losses), (inputs, _) = split_chunks[v].forward(p, f, s, b, e, rngs,
-                                                                   microbatch, t)
-          return (_floats(to_next), losses), inputs
-
-        (ring_out, losses), vjp, inputs = jax.vjp(fn, *_floats(diff), has_aux=True)
-        grads = list(vjp(cotangent_of(v, msg, ring_out, losses)))
-        g_params, g_fresh, g_in, g_broadcast, g_pex, g_taps = _split_grads(grads, diff)
-        state = file_input_grads(add_params(state, g_params), (g_fresh, g_broadcast, g_pex),
-                                 microbatch)
-        filed = packing.pack((inputs, _with_floats(taps, g_taps)), weight_layouts[v],
-                             weight_sizes)
-        weights = executor.write_slot(weights, weight_slot, vary(filed), True)
-        return state, weights, send_of(stashed, g_in)
-
-      return branch
-
-    def weight_branch(v):
-
-      def branch(state, weights, params, fresh, msg, stashed, broadcast, pex, rngs, microbatch,
-                 weight_slot):
-        del fresh, msg, stashed, broadcast, pex, rngs, microbatch
-        inputs, output_grads = packing.unpack(executor.read_slot(weights, weight_slot),
-                                              weight_layouts[v])
-        grads = split_chunks[v].weight_grads(params, inputs, output_grads)
-        return add_params(state, _floats(grads)), weights, vary(ring_zero)
-
-      return branch
-
-    def idle(state, weights, *args):
-      del args
-      return state, weights, vary(ring_zero)
-
-    branches = [idle] + [make(v) for make in (forward_branch, backward_branch,
-                                              backward_input_branch, weight_branch)
-                         for v in range(num_virtual)]
-    if split_chunks is None:  # Only F and B occur; BI and W could not be traced.
-      branches = branches[:1 + 2 * num_virtual]
-    # Running sums of the float leaves' gradients: params and broadcast arrays whole, per-example
-    # inputs per micro-batch.
-    zeros = lambda tree: [jnp.zeros_like(a) for a in _floats(tree)]
-    state = vary({"loss": jnp.zeros((), jnp.float32), "params": zeros(params),
-                  "broadcast": zeros(broadcast), "x": zeros(x_mb),
-                  "per_example": zeros(pex_mb)})
-    carry = {"state": state,
-             "stash": vary(_stacked(ring_zero, num_slots)),
-             "weights": vary(_stacked(weight_zero, num_weight_slots)),
-             "mailbox": vary(_stacked(ring_zero, num_mailbox)),
-             "arrived": vary((ring_zero, ring_zero, ring_zero))}
-
-    def tick(carry, row):
-      row = jax.tree.map(lambda a: a[stage], row)
-      mailbox = carry["mailbox"]
-      for k, message in enumerate(carry["arrived"]):  # from the left, from the right, own
-        slot = row["arrival"][k]
-        mailbox = executor.write_slot(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
-      mb = row["microbatch"]
-      msg = executor.read_slot(mailbox, row["recv_slot"])
-      stash = executor.write_slot(carry["stash"], row["stash"], msg, row["forward"])
-      state, weights, send = lax.switch(
-          row["branch"], branches, carry["state"], carry["weights"], params,
-          executor.read_slot(x_mb, mb), msg, executor.read_slot(stash, row["stash"]), broadcast,
-          executor.read_slot(pex_mb, mb), rngs, data_index * num_microbatches + mb,
-          row["weight_slot"])
-      direction, sends = row["send_dir"], row["sends"]
-      pick = lambda cond: jax.tree.map(lambda a: jnp.where(cond, a, jnp.zeros_like(a)), send)
-      to_right = pick(sends & (direction == 1))
-      to_left = pick(sends & (direction == -1))
-      own = pick(sends & (direction == 0))
-      arrived = (lax.ppermute(to_right, stage_axis, right) if right else to_right,
-                 lax.ppermute(to_left, stage_axis, left) if left else to_left,
-                 own)
-      return {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,
-              "arrived": arrived}, None
-
-    carry, _ = lax.scan(tick, carry, tables)
-    state = carry["state"]
-    # Once per step, outside the loop.
-    loss = lax.psum(state["loss"], manual_axes) / (local_batch * replicas)
-    g_params = state["params"]
-    g_broadcast = lax.psum(state["broadcast"], manual_axes)
-    if has_data:
-      g_params = lax.psum(g_params, data_axis)
-    g_x, g_pex = lax.psum((state["x"], state["per_example"]), stage_axis)
-    unsplit = lambda leaves: [a.reshape((local_batch,) + a.shape[2:]) for a in leaves]
-    g_params = [a[:, None] for a in g_params]
-    return loss, g_params + unsplit(g_x) + g_broadcast + unsplit(g_pex)
-
-  in_specs = (P(None, stage_axis), batch_spec, P(), batch_spec, P())
-
-  def run(params, x, broadcast, per_example, rngs):
-    operands = (params, x, broadcast, per_example, rngs)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-      operands = tuple(
-          jax.tree.map(lambda a, spec=spec: jax.reshard(a, NamedSharding(mesh, spec)), operand)
-          for operand, spec in zip(operands, in_specs))
-    # One gradient per float leaf, in the order of the leaves of (params, x, broadcast,
-    # per_example), each split as its input is.
-    grad_specs = [spec for tree, spec in zip(operands[:4], in_specs)
-                  for _ in _floats(tree)]
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs,
-                           out_specs=(P(), grad_specs))
-    return mapped(*operands)
-
-  return run

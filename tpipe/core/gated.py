@@ -19,11 +19,8 @@ therefore defines its own VJP:
 * backward: ``lax.switch(index, [zeros, apply_vjp_0, ...])``: the same branch, or nothing.
 
 What is saved is whatever ``fn``'s own ``jax.checkpoint`` policy saves: with full
-rematerialization only inputs, so nothing; with no remat, every activation. Measured on
-``experiments/core_benchmark.py``'s model (L = 64, S = 4, M = 16): per-device temporaries 73.14,
-832.1 and 98.1 MiB for remat full, none and dots, against 73.11, 831.9 and 96.9 MiB before idle
-ticks were skipped, and 105.1, 835.9 and 128.9 MiB with a plain ``lax.cond`` in the checkpointed
-stage.
+rematerialization only inputs, so nothing; with no remat, every activation. (The temporaries this
+saves against a plain ``lax.cond`` are measured in ``experiments/results/core_benchmark.md``.)
 """
 
 from __future__ import annotations
@@ -35,28 +32,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from tpipe.core import packing
+from tpipe.core import spmd
 
 
 def _differentiable(leaf) -> bool:
   return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
 
 
-def _varying_axes(leaf) -> frozenset:
-  """The manual mesh axes a traced value varies over (empty outside ``shard_map``)."""
-  mat = getattr(jax.typeof(leaf), "manual_axis_type", None)
-  return frozenset(mat.varying) if mat is not None else frozenset()
-
-
-def _cast_to(leaf, axes: frozenset):
-  """``leaf`` made to vary over ``axes`` (a superset of what it varies over)."""
-  missing = tuple(sorted(axes - _varying_axes(leaf)))
-  return lax.pcast(leaf, missing, to="varying") if missing else leaf
-
-
 def _zeros(shapes, varying):
   """Zeros of the given shapes and dtypes, varying over the given manual axes (all branches of a
   conditional inside ``shard_map`` must agree on that)."""
-  return [_cast_to(jnp.zeros(shape.shape, shape.dtype), axes)
+  return [spmd.cast_to(jnp.zeros(shape.shape, shape.dtype), axes)
           for shape, axes in zip(shapes, varying)]
 
 
@@ -116,7 +102,7 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
       # outputs that do not depend on the inputs (zeros) vary over fewer axes than the union,
       # and a constant has no linear part, so no reduction over mesh axes enters the branch.
       out_leaves, tree = jax.tree.flatten(out)
-      return jax.tree.unflatten(tree, [_cast_to(o, a) for o, a in zip(out_leaves, out_axes)])
+      return jax.tree.unflatten(tree, [spmd.cast_to(o, a) for o, a in zip(out_leaves, out_axes)])
 
     out, vjp_fn = jax.vjp(fn, *diff_leaves)
     residuals, vjp_tree = jax.tree.flatten(vjp_fn)
@@ -125,8 +111,8 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
     computed = [r for r, s in zip(residuals, source) if s is None]
     out_leaves, out_tree = jax.tree.flatten(out)
     plans[k].update(vjp_tree=vjp_tree, source=source, out_tree=out_tree,
-                    out_axes=[_varying_axes(o) for o in out_leaves],
-                    res_axes=[_varying_axes(r) for r in computed],
+                    out_axes=[spmd.varying_axes(o) for o in out_leaves],
+                    res_axes=[spmd.varying_axes(r) for r in computed],
                     layout=packing.layout_of(computed) if packed_residuals else None)
     return out_leaves, computed
 
@@ -159,8 +145,8 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
         out_leaves, computed = busy_forward(k, diff_leaves, other_leaves, out_axes)
         if packed_residuals:
           computed = list(packing.pack(computed, plans[k]["layout"], sizes).values())
-        return ([_cast_to(o, a) for o, a in zip(out_leaves, out_axes)],
-                [_cast_to(r, a) for r, a in zip(computed, res_axes)])
+        return ([spmd.cast_to(o, a) for o, a in zip(out_leaves, out_axes)],
+                [spmd.cast_to(r, a) for r, a in zip(computed, res_axes)])
 
       return run_branch
 
@@ -195,7 +181,7 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
         computed = iter(computed)
         residuals = [next(computed) if s is None else inputs[s] for s in plan["source"]]
         grads = jax.tree.unflatten(plan["vjp_tree"], residuals)(cotangent)
-        return tuple(_cast_to(g, _varying_axes(d)) for g, d in zip(grads, diff_leaves))
+        return tuple(spmd.cast_to(g, spmd.varying_axes(d)) for g, d in zip(grads, diff_leaves))
 
       return backward
 

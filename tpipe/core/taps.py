@@ -1,154 +1,234 @@
 """Split backward for zero-bubble schedules: input gradients now, weight gradients later, no work
-done twice.
+done twice, for any layer written in any front end.
 
 A zero-bubble schedule splits a chunk's backward into ``BI`` (the gradient of the chunk's input,
 which the previous stage is waiting for) and ``W`` (the gradients of its weights, which nobody
-waits for and which fill the pipeline's bubbles). Running two plain VJPs (one for the input,
-one for the weights) would redo the forward recomputation and most of the backward. Instead:
+waits for and which fill the pipeline's bubbles). Two plain VJPs (one for the input, one for the
+weights) would redo the forward recomputation and most of the backward. Instead, the layer's
+function is traced to a jaxpr, and every operation that is linear in one parameter is tapped:
 
-* In ``BI`` every call of a module that is linear in its parameters (``nn.Dense``,
-  ``nn.DenseGeneral``, ``nn.Conv``, ``nn.Einsum``, ``nn.Embed``: :data:`TAPPED_MODULES`) is
-  rewritten as ``y = module(stop_gradient(params), x) + tap`` with a zero ``tap``. Differentiating
-  the chunk with respect to its input and the taps gives the input gradient and, as the taps'
-  gradients, each such call's output gradient ``dy``; the weight-gradient products
-  (``x^T dy``) are never formed, because nothing asks for them. The call's input ``x`` is recorded
-  as an extra output.
-* ``W`` gets the recorded inputs and output gradients and forms the weight gradients as the VJP of
-  ``params -> module(params, x)`` at ``dy``. The module is linear in its parameters, so that VJP
-  needs only ``x`` and ``dy`` (a matmul's weight gradient is ``x^T dy``); its primal output is
-  unused and compiled away.
+* a ``dot_general`` or ``conv_general_dilated`` one of whose operands is a parameter (possibly
+  cast, reshaped, transposed or broadcast on the way: :data:`PASS_THROUGH`) and the other not,
+  and a ``gather`` from a parameter (an embedding lookup). That covers ``nn.Dense``,
+  ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Conv``, ``nn.Embed`` and attention's projections in
+  linen, ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv`` and ``nnx.Embed`` in
+  NNX, and a parameter a layer multiplies by directly.
+* In ``BI`` the layer runs with each tapped operation rewritten as ``op(stop_gradient(w), x) +
+  tap`` with a zero ``tap``. Differentiating with respect to the input and the taps gives the input
+  gradient and, as the taps' gradients, each operation's output gradient ``dy``; the
+  weight-gradient products are never formed. The operation's other operands ``x`` are recorded.
+* ``W`` forms the weight gradients as the VJP of ``params -> op(w(params), x)`` at ``dy``: linear
+  in the parameters, so it needs only ``x`` and ``dy`` (a matmul's weight gradient is
+  ``x^T dy``); its primal output is unused and compiled away.
 
-Everything else (a norm's scale, a parameter read directly by a layer, a module call inside a
-layer's own ``nn.scan``/``nn.remat``, which runs under another trace) keeps its weight gradient in
-``BI``, so the split is always exact and only the share of the backward that moves to ``W``
-depends on the layers.
+Everything else (a norm's scale, an addition of a bias, an operation inside a layer's own
+``lax.scan`` or ``jax.checkpoint``, which the jaxpr holds as one equation) keeps its weight
+gradient in ``BI``, so the split is always exact and only the share of the backward that moves
+to ``W`` depends on the layers. Nested ``jit`` calls are followed.
 
-:class:`Tapper` does the rewriting for one layer application (a ``flax.linen.intercept_methods``
-interceptor); :class:`TapCall` is what ``W`` needs to know about one call, fixed at trace time.
+:func:`trace` builds a :class:`Program` for one function and argument types; its
+:meth:`Program.forward` runs the tapped forward and :meth:`Program.weight_outputs` the function
+``W`` differentiates.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-import flax.linen as nn
 import jax
-from flax.core import tracers
 from jax import lax
+from jax.extend import core as jex_core
 
-# Modules whose ``__call__`` is linear in their parameters and pure (no RNG, no state): their
-# weight gradients are formed in W from the recorded input and the output gradient.
-TAPPED_MODULES = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Einsum, nn.Embed)
-
-
-def _is_array(leaf) -> bool:
-  return isinstance(leaf, jax.Array) or hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+# Operations that pass a parameter on unchanged up to a linear map of one operand: a chain of
+# them from a parameter to a tapped operation is re-applied in W.
+PASS_THROUGH = frozenset({"convert_element_type", "reshape", "transpose", "broadcast_in_dim",
+                          "squeeze", "expand_dims", "rev", "copy", "copy_p"})
+# Operations linear in a parameter operand at these positions, the others being data.
+TAPPABLE = {"dot_general": (0, 1), "conv_general_dilated": (0, 1), "gather": (0,)}
+# Nested calls whose body is inlined so that its operations can be tapped.
+INLINED = frozenset({"pjit", "jit", "closed_call", "core_call"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class TapCall:
-  """One tapped module call, as traced: enough to apply the module again to recorded inputs.
+class Tap:
+  """One tapped operation.
 
   Attributes:
-    module: an unbound copy of the module.
-    path: the path of the module's parameters inside its layer's ``params`` tree.
-    treedef: the structure of the call's ``(args, kwargs)``.
-    statics: per leaf of ``(args, kwargs)``, its value when it is not an array (a string, a
-      flag), else None; the arrays are the recorded inputs.
+    equation: the jaxpr equation of the operation.
+    position: which operand is the parameter.
+    parameter: the index of that parameter leaf.
+    chain: the :data:`PASS_THROUGH` equations from the parameter leaf to the operand, in order.
   """
 
-  module: nn.Module
-  path: tuple[str, ...]
-  treedef: Any
-  statics: tuple
-
-  def apply(self, params, arrays: Sequence[jax.Array]):
-    """The module's output on its parameters ``params`` and the call's array arguments."""
-    arrays = iter(arrays)
-    leaves = [next(arrays) if s is None else s for s in self.statics]
-    args, kwargs = jax.tree.unflatten(self.treedef, leaves)
-    return self.module.apply({"params": params}, *args, **kwargs)
-
-  def params_of(self, layer_params):
-    """The module's parameters inside its layer's parameter tree."""
-    for key in self.path:
-      layer_params = layer_params[key]
-    return layer_params
+  equation: Any
+  position: int
+  parameter: int
+  chain: tuple
 
 
-class Tapper:
-  """Taps the calls of :data:`TAPPED_MODULES` inside one layer application.
+def _bind(equation, values):
+  """Applies ``equation``'s primitive to ``values`` as the jaxpr does (list of outputs)."""
+  got = equation.primitive.get_bind_params(equation.params)
+  subfuns, params = got if isinstance(got, tuple) else ((), got)
+  with equation.ctx.manager:
+    out = equation.primitive.bind(*subfuns, *values, **params)
+  return list(out) if equation.primitive.multiple_results else [out]
 
-  Use as a context manager around the layer's ``apply``. Each tapped call at the layer's own trace
-  level gets its parameters through ``stop_gradient`` and, when ``taps`` is given, the next tap
-  added to its output. Afterwards ``calls`` describes the tapped calls in order, ``inputs`` holds
-  each one's array arguments and ``outputs`` its output (taps included).
 
-  Args:
-    taps: None (record only: used to learn the outputs' shapes), or one pytree per tapped call,
-      shaped like its output.
-  """
+def _inner_jaxpr(equation):
+  jaxpr = equation.params.get("jaxpr", equation.params.get("call_jaxpr"))
+  return jaxpr if isinstance(jaxpr, jex_core.ClosedJaxpr) else None
 
-  def __init__(self, taps: Sequence[Any] | None = None):
-    self.taps = taps
-    self.calls: list[TapCall] = []
-    self.inputs: list[list[jax.Array]] = []
+
+class _Interpreter:
+  """Evaluates a jaxpr, tracking which values pass a parameter leaf on unchanged, tapping the
+  operations linear in one (see the module documentation)."""
+
+  def __init__(self, taps: Sequence[Any] | None, tapping: bool):
+    self.taps, self.tapping = taps, tapping
+    self.found: list[Tap] = []
+    self.records: list[list[Any]] = []
     self.outputs: list[Any] = []
-    self._busy = False
-    self._trace = None
-    self._context = None
 
-  def __enter__(self):
-    self._trace = tracers.current_trace()
-    self._context = nn.intercept_methods(self._intercept)
-    self._context.__enter__()
-    return self
+  def run(self, closed, values, derived):
+    """``closed``'s outputs on ``values``; ``derived[i]`` is ``(parameter, chain)`` when input
+    ``i`` passes a parameter on, else None. Returns the outputs and their derivations."""
+    jaxpr = closed.jaxpr
+    env, origin = {}, {}
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+    for var, value in zip(jaxpr.constvars, closed.consts):
+      env[var] = value
+    for var, value, how in zip(jaxpr.invars, values, derived):
+      env[var] = value
+      if how is not None:
+        origin[var] = how
+    for equation in jaxpr.eqns:
+      invals = [read(v) for v in equation.invars]
+      how = [origin.get(v) if isinstance(v, jex_core.Var) else None for v in equation.invars]
+      outvals, out_how = self.equation(equation, invals, how)
+      for var, value, h in zip(equation.outvars, outvals, out_how):
+        env[var] = value
+        if h is not None:
+          origin[var] = h
+    outs = [read(v) for v in jaxpr.outvars]
+    return outs, [origin.get(v) if isinstance(v, jex_core.Var) else None for v in jaxpr.outvars]
 
-  def __exit__(self, *exc):
-    return self._context.__exit__(*exc)
+  def equation(self, equation, invals, how):
+    name = equation.primitive.name
+    inner = _inner_jaxpr(equation) if name in INLINED else None
+    if inner is not None:
+      return self.run(inner, invals, how)
+    if name in PASS_THROUGH and len(invals) == 1 and how[0] is not None:
+      parameter, chain = how[0]
+      return _bind(equation, invals), [(parameter, chain + (equation,))]
+    positions = [i for i, h in enumerate(how) if h is not None]
+    if self.tapping and len(positions) == 1 and positions[0] in TAPPABLE.get(name, ()):
+      return self.tap(equation, invals, positions[0], how[positions[0]]), [None]
+    return _bind(equation, invals), [None] * len(equation.outvars)
 
-  def _intercept(self, next_fun, args, kwargs, context):
-    module = context.module
-    if (self._busy or context.method_name != "__call__"
-        or not isinstance(module, TAPPED_MODULES)
-        or tracers.current_trace() != self._trace):
-      return next_fun(*args, **kwargs)
-    params = module.variables.get("params")
-    if not params:
-      return next_fun(*args, **kwargs)
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    call = TapCall(module=module.clone(parent=None), path=tuple(module.scope.path),
-                   treedef=treedef,
-                   statics=tuple(None if _is_array(leaf) else leaf for leaf in leaves))
-    arrays = [leaf for leaf in leaves if _is_array(leaf)]
-    self._busy = True  # The copy's own submodules are not tapped again.
-    try:
-      y = call.apply(lax.stop_gradient(params), arrays)
-    finally:
-      self._busy = False
+  def tap(self, equation, invals, position, how):
+    invals = list(invals)
+    invals[position] = lax.stop_gradient(invals[position])
+    (out,) = _bind(equation, invals)
     if self.taps is not None:
-      y = jax.tree.map(lambda a, t: a + t.astype(a.dtype), y, self.taps[len(self.calls)])
-    self.calls.append(call)
-    self.inputs.append(arrays)
-    self.outputs.append(y)
-    return y
+      out = out + self.taps[len(self.found)].astype(out.dtype)
+    self.found.append(Tap(equation, position, how[0], how[1]))
+    self.records.append([v for i, v in enumerate(invals) if i != position])
+    self.outputs.append(out)
+    return [out]
 
 
-def weight_outputs(calls: Sequence[TapCall], layer_params, inputs, stacked: bool) -> list:
-  """The outputs of the tapped ``calls`` re-applied to their recorded ``inputs`` with
-  ``layer_params``: the function whose VJP at the output gradients is the weight gradient.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+  """One function traced for the split backward (see :func:`trace`).
+
+  Attributes:
+    closed: the function's jaxpr over ``(parameter leaves, other array leaves)``.
+    num_params: how many of its inputs are parameter leaves.
+    out_tree: the structure of the function's output.
+    taps: the tapped operations, in the order the forward meets them.
+  """
+
+  closed: Any
+  num_params: int
+  out_tree: Any
+  taps: tuple[Tap, ...]
+
+  def forward(self, param_leaves, other_leaves, taps=None):
+    """The function with its tapped operations' weights behind ``stop_gradient`` and ``taps``
+    (one array per tap, shaped like its output; ``None``: none added) added to their outputs.
+
+    Returns:
+      ``(output, records, tap_outputs)``: the function's output, per tap its other operands
+      (what ``W`` needs), and per tap its output.
+    """
+    interpreter = _Interpreter(taps, tapping=True)
+    derived = [(i, ()) for i in range(self.num_params)] + [None] * len(other_leaves)
+    outs, _ = interpreter.run(self.closed, list(param_leaves) + list(other_leaves), derived)
+    return (jax.tree.unflatten(self.out_tree, outs), interpreter.records,
+            interpreter.outputs)
+
+  def weight_outputs(self, param_leaves, records) -> list:
+    """Each tapped operation applied again to its recorded operands and the parameters: the
+    function whose VJP at the taps' gradients is the tapped part of the weight gradients."""
+    outputs = []
+    for tap, others in zip(self.taps, records):
+      weight = param_leaves[tap.parameter]
+      for equation in tap.chain:
+        (weight,) = _bind(equation, [weight])
+      operands = list(others)
+      operands.insert(tap.position, weight)
+      outputs.extend(_bind(tap.equation, operands))
+    return outputs
+
+
+def trace(fn: Callable, params, *args) -> Program:
+  """Traces ``fn(params, *args)`` for the split backward.
 
   Args:
-    calls: the layer's tapped calls.
-    layer_params: the layer's parameter tree (a Repeat's slice: stacked on a leading axis).
-    inputs: per call, its recorded array arguments (stacked like the parameters when
-      ``stacked``).
-    stacked: whether the parameters and inputs carry a leading axis of layer copies.
+    fn: a pure function; ``params`` is a pytree of arrays (the weights), ``args`` anything
+      (non-array leaves are closed over as static values).
+    params: its parameters (arrays or tracers; their types are what is traced).
+    *args: its other arguments.
+
+  Returns:
+    A :class:`Program` whose ``forward`` takes ``(param leaves, other array leaves)`` in the
+    order :func:`split_leaves` gives them.
   """
-  outputs = []
-  for call, arrays in zip(calls, inputs):
-    params = call.params_of(layer_params)
-    apply = jax.vmap(call.apply) if stacked else call.apply
-    outputs.append(apply(params, arrays))
-  return outputs
+  param_leaves, other_leaves, rebuild = split_leaves(params, args)
+  num_params = len(param_leaves)
+
+  def flat(*leaves):
+    p, a = rebuild(leaves[:num_params], leaves[num_params:])
+    return fn(p, *a)
+
+  closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*param_leaves, *other_leaves)
+  out_tree = jax.tree.structure(out_shape)
+  interpreter = _Interpreter(None, tapping=True)
+  derived = [(i, ()) for i in range(num_params)] + [None] * len(other_leaves)
+  jax.eval_shape(lambda *leaves: interpreter.run(closed, list(leaves), derived)[0],
+                 *param_leaves, *other_leaves)
+  return Program(closed=closed, num_params=num_params, out_tree=out_tree,
+                 taps=tuple(interpreter.found))
+
+
+def _is_array(leaf) -> bool:
+  return isinstance(leaf, jax.Array) or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+
+
+def split_leaves(params, args):
+  """``(param leaves, other array leaves, rebuild)``: ``rebuild(param_leaves, array_leaves)``
+  returns ``(params, args)`` with non-array leaves of ``args`` as they were."""
+  param_leaves, param_tree = jax.tree.flatten(params)
+  arg_leaves, arg_tree = jax.tree.flatten(args, is_leaf=lambda v: v is None)
+  is_array = [_is_array(leaf) for leaf in arg_leaves]
+  arrays = [leaf for leaf, a in zip(arg_leaves, is_array) if a]
+
+  def rebuild(p_leaves, a_leaves):
+    a_leaves = iter(a_leaves)
+    merged = [next(a_leaves) if a else leaf for leaf, a in zip(arg_leaves, is_array)]
+    return (jax.tree.unflatten(param_tree, list(p_leaves)),
+            jax.tree.unflatten(arg_tree, merged))
+
+  return param_leaves, arrays, rebuild

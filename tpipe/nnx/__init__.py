@@ -6,6 +6,8 @@ Import as ``from tpipe import nnx as tnnx`` (or use ``tpipe.nnx``); the name doe
 ``flax.nnx`` in user code that imports both."""
 
 from tpipe.nnx.placement import shard
-from tpipe.nnx.sequential import Repeat
 from tpipe.nnx.sequential import Sequential
+from tpipe.nnx.stack import Repeat
 from tpipe.nnx.transform import pipeline
+
+__all__ = ["Repeat", "Sequential", "pipeline", "shard"]

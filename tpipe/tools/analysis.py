@@ -528,7 +528,8 @@ def _gated_flops(counter: _FlopCounter, module: hlo_lib.HloModule, body: str) ->
   return total
 
 
-def pipeline_flops(compiled, schedule, flops: FlopCount | None = None) -> PipelineFlops:
+def pipeline_flops(compiled, schedule, flops: FlopCount | None = None,
+                   programs=None) -> PipelineFlops:
   """Lockstep, executed and useful FLOPs of a pipelined step.
 
   The tick loops are found as the outermost ``while`` loops whose trip count equals
@@ -545,6 +546,7 @@ def pipeline_flops(compiled, schedule, flops: FlopCount | None = None) -> Pipeli
     schedule: the :class:`tpipe.schedules.Schedule` or :class:`tpipe.schedules.FusedSchedule`
       the step runs.
     flops: a :class:`FlopCount` already computed for ``compiled`` (recomputed if None).
+    programs: for a fused schedule, each model chunk's chunk program (see :func:`fused_flops`).
 
   Returns:
     A :class:`PipelineFlops`.
@@ -557,7 +559,7 @@ def pipeline_flops(compiled, schedule, flops: FlopCount | None = None) -> Pipeli
   from tpipe import schedules as schedules_lib  # pylint: disable=g-import-not-at-top
 
   if isinstance(schedule, schedules_lib.FusedSchedule):
-    found = fused_flops(compiled, schedule, flops)
+    found = fused_flops(compiled, schedule, programs, flops)
     return PipelineFlops(lockstep=found.lockstep, executed=found.executed, useful=found.useful,
                          in_tick_loops=found.lockstep - found.overhead,
                          gated=float(found.per_stage.max()), tick_loops=(found.tick_loop,),
@@ -637,21 +639,25 @@ class FusedFlops:
     return {name: float(np.mean(f)) for name, f in self.actions.items() if np.all(np.isfinite(f))}
 
 
-def fused_flops(compiled, schedule, flops: FlopCount | None = None) -> FusedFlops:
+def fused_flops(compiled, schedule, programs=None,
+                flops: FlopCount | None = None) -> FusedFlops:
   """Per-action and per-stage FLOPs of a step compiled with a fused schedule.
 
   The tick loop is the ``while`` loop whose trip count is ``schedule.num_ticks``; its
-  conditional has ``1 + k * V`` branches (idle, then ``F``, ``B``, ``BI``, ``W`` for each model
-  chunk, as :mod:`tpipe.core.fused` numbers them; the last two only for a split backward).
+  conditional has ``1 + k * B`` branches (idle, then ``F``, ``B``, ``BI``, ``W`` for each of
+  the ``B`` distinct chunk programs, as :func:`tpipe.core.fused.tick_branches` numbers them; the
+  last two only for a split backward).
 
   Args:
     compiled: a :class:`jax.stages.Compiled` (or its HLO text) of a step that differentiates a
       stack run with ``schedule``.
     schedule: the :class:`tpipe.schedules.FusedSchedule` it runs.
+    programs: per model chunk, its chunk program (:meth:`tpipe.core.engine.Pipeline.programs`);
+      default one program per model chunk.
     flops: a :class:`FlopCount` already computed for ``compiled`` (recomputed if None).
 
   Returns:
-    A :class:`FusedFlops`.
+    A :class:`FusedFlops`; ``actions`` are per model chunk.
   """
   from tpipe import schedules as schedules_lib  # pylint: disable=g-import-not-at-top
   from tpipe.core import fused  # pylint: disable=g-import-not-at-top
@@ -663,26 +669,29 @@ def fused_flops(compiled, schedule, flops: FlopCount | None = None) -> FusedFlop
   counter = _FlopCounter(module, executed=True)
   loops = [l for l in module.loops() if l.trip_count == schedule.num_ticks]
   num_virtual = schedule.num_stages * schedule.num_chunks
+  programs = list(range(num_virtual)) if programs is None else list(programs)
+  count = max(programs) + 1
   found = None
   for loop in loops:
     for ins in module.computations[loop.body].instructions:
       if ins.opcode == "conditional":
         names = [n.strip().lstrip("%") for n in
                  (ins.attr("branch_computations") or "").strip("{}").split(",") if n.strip()]
-        if len(names) in (1 + 2 * num_virtual, 1 + 4 * num_virtual):
+        if len(names) in (1 + 2 * count, 1 + 4 * count):
           found = (loop, ins, names)
   if found is None:
     raise ValueError(f"No tick loop of {schedule.num_ticks} trips with a conditional of "
-                     f"{1 + 2 * num_virtual} or {1 + 4 * num_virtual} branches was found; pass "
-                     "the schedule the step was compiled with.")
+                     f"{1 + 2 * count} or {1 + 4 * count} branches was found; pass the schedule "
+                     "the step was compiled with and its pipeline's programs().")
   loop, _, names = found
   branch = np.array([counter.computation(n)[0] for n in names])
   kinds = ("F", "B", "BI", "W")
   actions = {}
   for k, kind in enumerate(kinds):
-    part = branch[1 + k * num_virtual:1 + (k + 1) * num_virtual]
-    actions[kind] = part - branch[0] if part.size else np.full(num_virtual, np.nan)
-  table = fused._tick_tables(schedule)["branch"]  # pylint: disable=protected-access
+    part = branch[1 + k * count:1 + (k + 1) * count]
+    actions[kind] = (part[programs] - branch[0] if part.size
+                     else np.full(num_virtual, np.nan))
+  table, _ = fused.tick_branches(schedule, programs)
   action_flops = np.where(table > 0, branch[table] - branch[0], 0.0)
   total = (flops if flops is not None else flop_count(compiled)).executed
   # The whole-program count takes the conditional's costliest branch on every trip; what is not
@@ -711,7 +720,7 @@ class Analysis:
     return summarize_collectives(list(self.collectives))
 
 
-def analyze(compiled, *, mesh=None, schedule=None,
+def analyze(compiled, *, mesh=None, schedule=None, programs=None,
             inputs: Mapping[str, Any] | None = None) -> Analysis:
   """Memory, FLOPs, collectives and (given a schedule) useful FLOPs of a compiled step.
 
@@ -719,6 +728,8 @@ def analyze(compiled, *, mesh=None, schedule=None,
     compiled: a :class:`jax.stages.Compiled`.
     mesh: the mesh it was compiled for (labels collectives with mesh axes).
     schedule: the pipeline schedule it runs (adds :class:`PipelineFlops`).
+    programs: each model chunk's chunk program (:meth:`tpipe.core.engine.Pipeline.programs`),
+      for a fused schedule.
     inputs: label -> abstract input pytree, to split the argument bytes (see
       :func:`memory_breakdown`).
 
@@ -730,7 +741,8 @@ def analyze(compiled, *, mesh=None, schedule=None,
   memory = memory_breakdown(compiled, inputs)
   flops = flop_count(compiled)
   found = tuple(collectives(module, mesh))
-  pipe = pipeline_flops(module, schedule, flops) if schedule is not None else None
+  pipe = (pipeline_flops(module, schedule, flops, programs) if schedule is not None
+          else None)
   return Analysis(memory=memory, flops=flops, collectives=found, pipeline=pipe)
 
 

@@ -5,9 +5,10 @@ sequence. Per stage this module gathers:
 
 * the layers it holds, named by groups (``layers_1[0..5] TransformerBlock``: copies 0 to 5 of the
   repeated layer 1, both ends included);
-* its parameter bytes, and what its packed parameter buffers occupy: every chunk's slot is padded
-  to the largest chunk (:meth:`tpipe.core.stage_layout.StageLayout.buffer_bytes`), so a stage
-  lighter than the heaviest pays the difference as padding;
+* its parameter bytes, and what its parameter slots occupy: every chunk's slot holds the copies a
+  repeated layer keeps per leaf and the packed buffers padded to the fullest chunk
+  (:meth:`tpipe.core.layout.StageLayout.slot_bytes`), so a stage lighter than the heaviest pays
+  the difference as padding;
 * its optimizer state (the stage's share of every optimizer leaf laid out like the staged
   parameters, e.g. Adam's moments) and its FLOPs (forward and backward of one micro-batch);
 * what its backward pass keeps in flight: the schedule's stash slots times the stage's input
@@ -22,11 +23,11 @@ compiled step's per-device memory) over the floor says how much an implementatio
 padding, whole-batch buffers, copies, fragmentation.
 
 Nothing here reads a config: the functions take layouts, schedules, abstract shapes and compiled
-programs (see :mod:`tpipe.report` for the glue).
+programs (see :mod:`tpipe.train.report` for the glue).
 
 Example::
 
-  fn, args = model.chunk_program(layout, c, tokens, targets=tokens)
+  fn, args = pipeline.chunk_program(c, tokens, {"targets": tokens})
   work = working_set_bytes(compile_forward_backward(fn, *args))
   floor = memory_floor(state_bytes=..., stash_bytes=..., working_set_bytes=work)
   print(floor.total, floor.ratio(peak))
@@ -146,9 +147,9 @@ def group_names(layout, unit_names: Sequence[str]) -> list[tuple[str, ...]]:
   """Per chunk, a name per layer group: ``layers_1[0..5] TransformerBlock``, ``layers_0 Embed``.
 
   Args:
-    layout: a :class:`tpipe.core.stage_layout.StageLayout`.
+    layout: a :class:`tpipe.core.layout.StageLayout`.
     unit_names: a name per layer unit, ``"layers_{i}[{j}] Kind"`` or ``"layers_{i} Kind"``
-      (:attr:`tpipe.linen.sequential.Plan.unit_names`).
+      (:attr:`tpipe.core.plan.Plan.unit_names`).
   """
   names = []
   for chunk in layout.groups:
@@ -167,19 +168,19 @@ def group_names(layout, unit_names: Sequence[str]) -> list[tuple[str, ...]]:
 def chunk_optimizer_bytes(opt_state, layout) -> list[int]:
   """Per chunk, the bytes of optimizer state that belong to its own parameters (no padding).
 
-  Optimizer leaves laid out like the staged parameters (``{dtype: [R, S, n]}``, found as a leaf
-  under the dtype's key with that shape: Adam's moments, a weight-decay mask) count the chunk's
-  elements of that dtype at the leaf's own item size; other leaves (step counts) are left out.
+  Optimizer subtrees laid out like the staged parameters (Adam's moments) count the chunk's own
+  elements of each leaf at the leaf's item size; other leaves (step counts) are left out.
   """
-  shapes = {k: tuple(s.shape) for k, s in layout.staged_shapes().items()}
+  staged = jax.tree.structure(layout.staged_shapes())
+  elements = layout.chunk_elements()
   per_chunk = [0] * layout.num_chunks
-  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-    key = getattr(path[-1], "key", None) if path else None
-    if key not in shapes or tuple(np.shape(leaf)) != shapes[key]:
+  matches = lambda t: jax.tree.structure(t) == staged
+  for tree in jax.tree.leaves(opt_state, is_leaf=matches):
+    if not matches(tree):
       continue
-    itemsize = np.dtype(leaf.dtype).itemsize
-    for c, chunk_layout in enumerate(layout.chunk_layouts):
-      per_chunk[c] += chunk_layout.sizes().get(key, 0) * itemsize
+    itemsizes = [np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree)]
+    for c in range(layout.num_chunks):
+      per_chunk[c] += sum(n * size for n, size in zip(jax.tree.leaves(elements[c]), itemsizes))
   return per_chunk
 
 
@@ -192,8 +193,8 @@ class StageCost:
     chunks: its chunk indices ``r * S + s``.
     chunk_layers: per chunk, the layer groups it holds, in order (see :func:`group_names`).
     param_bytes: its own parameters' bytes.
-    buffer_bytes: what its packed parameter buffers occupy: ``R`` chunk slots, each padded to the
-      largest chunk.
+    buffer_bytes: what its parameter slots occupy: ``R`` chunk slots, each as large as the
+      fullest chunk needs (:meth:`tpipe.core.layout.StageLayout.slot_bytes`).
     optimizer_bytes: its own share of the optimizer state.
     flops: forward and backward FLOPs of one micro-batch through all its chunks (per-unit costs,
       without remat's recomputation).
@@ -256,7 +257,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
   """Per stage, its layers, bytes, FLOPs and floor parts.
 
   Args:
-    layout: the model's :class:`tpipe.core.stage_layout.StageLayout`.
+    layout: the model's :class:`tpipe.core.layout.StageLayout`.
     schedule: the :class:`tpipe.schedules.Schedule` the step runs (its stash slots).
     unit_names: a name per layer unit (``Plan.unit_names``).
     unit_flops: forward-and-backward FLOPs of one micro-batch per layer unit (the ``costs`` of a
@@ -272,7 +273,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
   for name, seq in (("chunk_inputs", chunk_inputs), ("chunk_working_sets", chunk_working_sets)):
     if len(seq) != num_chunks:
       raise ValueError(f"{name} has {len(seq)} entries; the layout has {num_chunks} chunks.")
-  counts = [sum(g.stop - g.start for g in chunk) for chunk in layout.groups]
+  counts = [sum(g.size for g in chunk) for chunk in layout.groups]
   if len(unit_flops) != sum(counts) or len(unit_names) != sum(counts):
     raise ValueError(f"unit_flops ({len(unit_flops)}) and unit_names ({len(unit_names)}) need "
                      f"one entry per layer unit ({sum(counts)}).")
@@ -293,7 +294,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
     rows.append(StageCost(
         stage=s, chunks=chunks, chunk_layers=tuple(names[c] for c in chunks),
         param_bytes=sum(own[c] for c in chunks),
-        buffer_bytes=len(chunks) * layout.buffer_bytes(),
+        buffer_bytes=len(chunks) * layout.slot_bytes(),
         optimizer_bytes=sum(optimizer[c] for c in chunks),
         flops=sum(chunk_flops[c] for c in chunks),
         input_bytes=max(tree_bytes(chunk_inputs[c]) for c in chunks),
@@ -325,13 +326,18 @@ def largest_floor(stages: Sequence[StageCost]) -> MemoryFloor:
 
 
 def ring_bytes(chunk_inputs: Sequence[Any]) -> int:
-  """Bytes of one micro-batch in the packed format that crosses stage boundaries: every chunk
-  input but the first, packed per dtype and padded to the largest (:mod:`tpipe.core.packing`)."""
-
+  """Bytes of one micro-batch in the format that crosses stage boundaries: every chunk input but
+  the first, as it is when all have one type, else packed per dtype and padded to the largest
+  (:class:`tpipe.core.chunks.Ring`)."""
   boundaries = list(chunk_inputs[1:])
   if not boundaries:
     return 0
-  rows = jax.tree.leaves(boundaries[0])[0].shape[0]
+  first = boundaries[0]
+  same = all(jax.tree.structure(b) == jax.tree.structure(first) and
+             [(np.shape(a), a.dtype) for a in jax.tree.leaves(b)] ==
+             [(np.shape(a), a.dtype) for a in jax.tree.leaves(first)] for b in boundaries)
+  if same:
+    return tree_bytes(first)
+  rows = jax.tree.leaves(first)[0].shape[0]
   sizes = packing.buffer_sizes([packing.layout_of(b, batch_dims=1) for b in boundaries])
   return sum(rows * n * np.dtype(k).itemsize for k, n in sizes.items())
-

@@ -10,16 +10,17 @@ dtypes and shardings only, which is enough to compile the real step ahead of tim
       exp.abstract_state(), exp.abstract_batch(), jax.random.key(0)).compile()
   print(compiled.memory_analysis())
 
-A batch is a dict ``{"inputs": int32 [batch, seq], "targets": int32 [batch, seq]}`` of byte
-values, the global batch, sharded over the mesh's ``data`` axis.
+A batch is the task's dict of global arrays (the LM's ``{"inputs", "targets"}`` of byte values),
+sharded over the mesh's ``data`` axis.
 
-The model is a :class:`tpipe.Sequential` (embedding, blocks, head and loss; see
-:func:`tpipe.train.models.decoder_lm`) whose split into stages is fixed when the experiment is
-built (``config.balance``, by default by FLOPs). The train state keeps the parameters and the
-optimizer's moments in the **stage layout** (``{"staged": {dtype: [R, S, n]}}``, split over
+The model's engine pipeline (:class:`tpipe.core.engine.Pipeline`, from the task's
+``tpipe.Sequential`` or ``tpipe.nnx.Sequential``) is planned once, so its split into stages
+(``config.balance``, by default by FLOPs) is fixed for the run. The train state keeps the
+parameters, the optimizer's moments and BatchNorm's statistics in the **stage layout** (split over
 ``stage``), so the step re-lays out nothing; checkpoints hold the **logical** layout
-(``layers_i``, blocks stacked), so a run resumes on another mesh or split
-(:meth:`Experiment.to_checkpoint`, :meth:`Experiment.from_checkpoint`).
+(``layers_i``, a repeated layer's copies stacked), so a run resumes on another mesh or split
+(:meth:`Experiment.to_checkpoint`, :meth:`Experiment.from_checkpoint`). The training loss and the
+evaluation are the same calls under every schedule.
 
 ``config.dtype`` is the computation dtype (``"float32"`` or ``"bfloat16"``). Parameters, their
 gradients and the optimizer state are float32 either way; with ``"bfloat16"`` the model computes
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +43,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpipe
-from tpipe import schedules as schedules_lib
-from tpipe.core import packing
-from tpipe.core import stage_layout as stage_layout_lib
-from tpipe.linen import sequential
+from tpipe import spec as spec_lib
+from tpipe.core import engine
+from tpipe.core import layout as layout_lib
 from tpipe.train import tasks as tasks_lib
 
 # The fields every task's config has (each task adds its own: tasks_lib.*.fields).
@@ -56,6 +56,15 @@ _REQUIRED_FIELDS = (
 
 # config.dtype values: the computation dtype. Parameters and optimizer state stay float32.
 DTYPES = ("float32", "bfloat16")
+
+
+def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.PipelineSpec:
+  """The pipeline settings ``config`` gives (errors name the config)."""
+  return spec_lib.make(
+      "config", num_stages=config.num_stages, num_microbatches=config.num_microbatches,
+      schedule=config.schedule, num_repeats=config.num_repeats,
+      balance=parse_balance(config.balance), remat=config.remat,
+      remat_granularity=tasks_lib.remat_granularity(config), mesh=mesh)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -90,10 +99,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.dtype must be one of {DTYPES} (the computation dtype; parameters and optimizer "
         f"state stay float32), got {config.dtype!r}.")
-  parse_balance(config.balance)
   tasks_lib.remat_granularity(config)  # Optional field ("chunk" when absent); raises if bad.
+  spec = spec_from_config(config)
   task.validate(config)
-  if config.schedule in schedules_lib.FUSED_SCHEDULE_NAMES and task.no_fused_schedules:
+  if spec.is_fused and task.no_fused_schedules:
     raise ValueError(
         f"config.schedule={config.schedule!r} is a fused schedule, which cannot train "
         f"config.task={task.name!r}: {task.no_fused_schedules}. Use config.schedule='gpipe' "
@@ -115,40 +124,18 @@ def parse_balance(balance) -> Any:
   if not isinstance(balance, str):
     raise TypeError(f"config.balance must be a string, got {balance!r}; write 'flops', 'params', "
                     "'time' or unit counts per chunk such as '3,4,4,3'.")
-  if balance in sequential.BALANCE_NAMES:
+  if balance in spec_lib.BALANCE_NAMES:
     return balance
   try:
     return [int(part) for part in balance.split(",")]
   except ValueError:
-    raise ValueError(f"config.balance={balance!r} is neither one of {sequential.BALANCE_NAMES} "
+    raise ValueError(f"config.balance={balance!r} is neither one of {spec_lib.BALANCE_NAMES} "
                      "nor comma-separated unit counts such as '3,4,4,3'.") from None
 
 
-def make_model(config: ml_collections.ConfigDict, mesh) -> tpipe.Sequential:
-  """Returns the task's pipelined model for ``config`` over ``mesh`` (split not yet fixed)."""
-  return tasks_lib.get_task(config).make_model(config, mesh, parse_balance(config.balance))
-
-
-def forward_equivalent(model: tpipe.Sequential) -> tpipe.Sequential | None:
-  """For a fused schedule, the same stack under a forward schedule that reads the same staged
-  parameters (None when there is none); ``model`` itself otherwise.
-
-  Both executors read chunk ``c``'s parameters from ``staged[c // S][c % S]`` of one
-  :class:`~tpipe.core.stage_layout.StageLayout`, which depends on the split (fixed by
-  :meth:`~tpipe.Sequential.with_split`), S and R, not on the schedule. So a fused schedule whose
-  table places chunks as the forward executor does (``"loop"``: model chunk ``c * S + s`` on stage
-  ``s``, as in 1F1B, ZB-H1 and interleaved 1F1B) runs the same model as ``"gpipe"`` (R = 1) or
-  ``"circular"`` (R > 1) on the same staged parameters; the forward schedule returns per-example
-  outputs, which evaluation needs (sums over real examples, logits). A table placed otherwise
-  (ZB-V's ``"v"``) gets None.
-  """
-  if not model.is_fused():
-    return model
-  table = model.schedule_table()
-  loop = schedules_lib.virtual_stages("loop", model.num_stages, table.num_chunks)
-  if table.num_chunks != model.num_repeats or not np.array_equal(table.virtual_stage, loop):
-    return None
-  return model.clone(schedule="gpipe" if model.num_repeats == 1 else "circular")
+def make_model(config: ml_collections.ConfigDict, mesh):
+  """The task's pipelined model for ``config`` over ``mesh`` (split not yet fixed)."""
+  return tasks_lib.get_task(config).make_model(config, spec_from_config(config, mesh))
 
 
 def _decayed(path) -> bool:
@@ -156,37 +143,34 @@ def _decayed(path) -> bool:
   return getattr(path[-1], "key", None) in ("kernel", "embedding")
 
 
-class DecayMaskState(NamedTuple):
-  """Which elements of the staged parameters weight decay applies to."""
-  mask: Any
-
-
 def staged_weight_decay(weight_decay: float,
-                        layout: stage_layout_lib.StageLayout) -> optax.GradientTransformation:
+                        layout: layout_lib.StageLayout) -> optax.GradientTransformation:
   """``optax.add_decayed_weights`` for staged parameters, decaying kernels and embeddings only.
 
-  A staged buffer mixes kernels with biases and norm scales, so optax's per-leaf mask cannot
-  say which elements decay; the per-element mask is made from the layout at ``init`` and kept in
-  the state (one bool per parameter, split over stages like them).
+  Per-leaf parameters decay by their names, as optax's mask would; in the packed buffers the
+  decayed elements are ranges the layout knows (:meth:`~tpipe.core.layout.StageLayout.packed_mask`),
+  so the mask is computed in the update, never stored.
   """
-  flags = jax.tree_util.tree_map_with_path(lambda path, _: _decayed(path), layout.logical)
+  masks = layout.packed_mask(_decayed)
 
   def init(params):
     del params
-    ones = jax.tree.map(lambda s, f: jnp.full(s.shape, f, s.dtype), layout.logical, flags)
-    return DecayMaskState(mask={sequential.STAGED: jax.tree.map(
-        lambda a: a.astype(jnp.bool_), layout.to_staged(ones))})
+    return optax.EmptyState()
 
   def update(updates, state, params):
-    updates = jax.tree.map(lambda u, p, m: u + weight_decay * jnp.where(m, p, 0).astype(u.dtype),
-                           updates, params, state.mask)
-    return updates, state
+    decay = lambda u, p, m: u + weight_decay * jnp.where(m, p, 0).astype(u.dtype)
+    stacked = jax.tree_util.tree_map_with_path(
+        lambda path, u, p: decay(u, p, _decayed(path)), updates[layout_lib.STACKED],
+        params[layout_lib.STACKED])
+    packed = {k: decay(u, params[layout_lib.PACKED][k], masks[k](u.shape))
+              for k, u in updates[layout_lib.PACKED].items()}
+    return {layout_lib.STACKED: stacked, layout_lib.PACKED: packed}, state
 
   return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(config: ml_collections.ConfigDict,
-                   layout: stage_layout_lib.StageLayout) -> optax.GradientTransformation:
+                   layout: layout_lib.StageLayout) -> optax.GradientTransformation:
   """AdamW with linear warm-up then cosine decay, after global-norm clipping, on staged params.
 
   Weight decay applies to matrices and embeddings only (leaves named ``kernel``/``embedding``).
@@ -207,7 +191,7 @@ def make_optimizer(config: ml_collections.ConfigDict,
 
 def _map_param_trees(fn, tree, treedef):
   """Applies ``fn`` to every subtree of ``tree`` with structure ``treedef`` (the parameters and
-  the optimizer's parameter-shaped moments and masks)."""
+  the optimizer's parameter-shaped moments)."""
   matches = lambda t: jax.tree.structure(t) == treedef
   return jax.tree.map(lambda t: fn(t) if matches(t) else t, tree, is_leaf=matches)
 
@@ -220,9 +204,8 @@ class Experiment:
     config: the config it was built from.
     task: what is trained (:mod:`tpipe.train.tasks`).
     mesh: the device mesh, axes ``('data', 'stage')``.
-    model: the pipelined model, a :class:`tpipe.Sequential` with its split fixed.
-    layout: where its parameters live in the stage layout.
-    stats_layout: where its BatchNorm statistics live in the stage layout (None without any).
+    model: the task's front-end model (``tpipe.Sequential`` or ``tpipe.nnx.Sequential``).
+    pipeline: the model's engine pipeline with its split fixed, for training batches.
     optimizer: the optax transformation (on staged parameters).
     train_step: jitted ``step(state, batch, rng) -> (state, {"loss", "grad_norm"})`` from
       :func:`tpipe.make_train_step`; donates ``state``.
@@ -236,13 +219,22 @@ class Experiment:
   config: ml_collections.ConfigDict
   task: Any
   mesh: Any
-  model: tpipe.Sequential
-  layout: stage_layout_lib.StageLayout
-  stats_layout: stage_layout_lib.StageLayout | None
+  model: Any
+  pipeline: engine.Pipeline
   optimizer: optax.GradientTransformation
   train_step: Callable = None
   eval_step: Callable = None
   loss_fn: Callable = None
+
+  @property
+  def layout(self) -> layout_lib.StageLayout:
+    """Where the parameters live in the stage layout."""
+    return self.pipeline.layout
+
+  @property
+  def stats_layout(self) -> layout_lib.StageLayout | None:
+    """Where BatchNorm's statistics live (None without any)."""
+    return self.pipeline.stats_layout
 
   # --------------------------------------------------------------------------------------------
   # The train state, in the stage layout.
@@ -252,10 +244,10 @@ class Experiment:
                          self.task.batch_shapes(self.config))
     x, kwargs = self.task.model_inputs(batch)
     variables = self.task.init_variables(self.config, self.model, rng, x, kwargs)
-    params = {sequential.STAGED: self.layout.to_staged(variables["params"])}
+    params = self.layout.to_staged(variables["params"])
     model_state = None
     if self.stats_layout is not None:
-      model_state = {sequential.STAGED: self.stats_layout.to_staged(variables["batch_stats"])}
+      model_state = self.stats_layout.to_staged(variables["batch_stats"])
     return tpipe.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                             opt_state=self.optimizer.init(params), model_state=model_state)
 
@@ -266,17 +258,21 @@ class Experiment:
   @functools.cached_property
   def _abstract_state(self):
     shapes = jax.eval_shape(self._init_fn, jax.random.key(0))
-    layouts = [self.layout] + ([self.stats_layout] if self.stats_layout else [])
-    staged = {tuple(s.shape) for layout in layouts for s in layout.staged_shapes().values()}
-    # Parameters, optimizer leaves shaped like them (moments, the decay mask) and BatchNorm
-    # statistics split over stages on their stage axis; scalars (the step, Adam's count)
-    # replicated.
-    specs = jax.tree.map(lambda s: P(None, "stage") if tuple(s.shape) in staged else P(),
-                         shapes)
+    staged_def = jax.tree.structure(shapes.params)
+    param_specs = self.layout.partition_specs()
+    # Parameters, the optimizer leaves shaped like them (moments) and BatchNorm statistics split
+    # over stages on their stage axis; scalars (the step, Adam's count) replicated.
+    unplaced = lambda tree: jax.tree.map(
+        lambda a: P() if isinstance(a, jax.ShapeDtypeStruct) else a, tree)
+    specs = shapes.replace(
+        step=P(), params=param_specs,
+        opt_state=unplaced(_map_param_trees(lambda _: param_specs, shapes.opt_state,
+                                            staged_def)),
+        model_state=(self.stats_layout.partition_specs() if self.stats_layout else None))
     return self._placed(shapes, specs)
 
   def state_shardings(self):
-    """The TrainState's ``NamedSharding`` tree (staged buffers over 'stage', rest replicated)."""
+    """The TrainState's ``NamedSharding`` tree (staged leaves over 'stage', rest replicated)."""
     return jax.tree.map(lambda s: s.sharding, self._abstract_state)
 
   def abstract_state(self):
@@ -310,34 +306,20 @@ class Experiment:
 
   def _to_logical(self, state):
     staged_def = jax.tree.structure(self._abstract_state.params)
-
-    def convert(staged):
-      buffers = staged[sequential.STAGED]
-      kept = {k: v.dtype for k, v in buffers.items()}
-      # The decay mask is bool: moved as the parameters' dtype, exactly (0 or 1).
-      logical = self.layout.to_logical({k: v.astype(k) for k, v in buffers.items()})
-      return jax.tree.map(lambda a: a.astype(kept[packing.dtype_key(a.dtype)]), logical)
-
     model_state = state.model_state
     if model_state is not None:
-      model_state = {k: v for k, v in self.stats_layout.to_logical(
-          model_state[sequential.STAGED]).items() if jax.tree.leaves(v)}  # As Flax names them.
-    return _map_param_trees(convert, state.replace(model_state=None), staged_def).replace(
-        model_state=model_state)
+      model_state = {k: v for k, v in self.stats_layout.to_logical(model_state).items()
+                     if jax.tree.leaves(v)}  # As Flax names them.
+    return _map_param_trees(self.layout.to_logical, state.replace(model_state=None),
+                            staged_def).replace(model_state=model_state)
 
   def _to_staged(self, state):
     logical_def = jax.tree.structure(self.layout.logical)
-
-    def convert(logical):
-      is_bool = all(a.dtype == jnp.bool_ for a in jax.tree.leaves(logical))
-      logical = jax.tree.map(lambda a, s: a.astype(s.dtype), logical, self.layout.logical)
-      staged = self.layout.to_staged(logical)
-      return {sequential.STAGED: jax.tree.map(lambda a: a.astype(jnp.bool_), staged)
-              if is_bool else staged}
-
     model_state = state.model_state
     if model_state is not None:
-      model_state = {sequential.STAGED: self.stats_layout.to_staged(model_state)}
+      model_state = self.stats_layout.to_staged(model_state)
+    convert = lambda tree: self.layout.to_staged(
+        jax.tree.map(lambda a, s: a.astype(s.dtype), tree, self.layout.logical))
     return _map_param_trees(convert, state.replace(model_state=None), logical_def).replace(
         model_state=model_state)
 
@@ -394,42 +376,20 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
   mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data)
   x, kwargs = task.model_inputs(task.batch_shapes(config))
   model = make_model(config, mesh)
-  layout = model.stage_layout(x, **kwargs)
-  model = model.with_split(layout)  # The same split for training, evaluation and analysis.
-  stats_layout = model.stats_layout(x, **kwargs)
-  exp = Experiment(config=config, task=task, mesh=mesh, model=model, layout=layout,
-                   stats_layout=stats_layout, optimizer=make_optimizer(config, layout))
+  pipeline = model.pipeline_for(x, rng_names=("dropout",), **kwargs)
+  exp = Experiment(config=config, task=task, mesh=mesh, model=model, pipeline=pipeline,
+                   optimizer=make_optimizer(config, pipeline.layout))
 
-  def variables(params, model_state):
+  def loss_fn(params, batch, rng, model_state=None):
+    x, kwargs = task.model_inputs(batch)
+    kwargs = {**kwargs, **task.train_keywords}
     if model_state is None:
-      return {"params": params}
-    return {"params": params, "batch_stats": model_state}
+      return pipeline.loss(params, x, kwargs, rngs={"dropout": rng})
+    loss, new = pipeline.loss(params, x, kwargs, stats=model_state, rngs={"dropout": rng})
+    return loss, model_state if new is None else new
 
-  if stats_layout is None:
-
-    def loss_fn(params, batch, rng):
-      x, kwargs = task.model_inputs(batch)
-      losses = model.apply({"params": params}, x, **kwargs, **task.train_keywords,
-                           rngs={"dropout": rng})
-      # A fused schedule's stack returns the mean over the global batch already (a scalar whose
-      # gradient the fused executor computes); the others return per-example losses.
-      return losses if model.is_fused() else losses.mean()
-
-  else:
-
-    def loss_fn(params, batch, rng, model_state):
-      x, kwargs = task.model_inputs(batch)
-      losses, updated = model.apply(variables(params, model_state), x, **kwargs,
-                                    **task.train_keywords, rngs={"dropout": rng},
-                                    mutable=["batch_stats"])
-      return losses.mean(), updated["batch_stats"]
-
-  # NNX layers' dropout streams are rebuilt from a key even where dropout is off; it is unused.
-  eval_rngs = {"dropout": jax.random.key(0)} if tasks_lib.frontend(config) == "nnx" else {}
-
-  # Evaluation needs per-example losses: with a fused schedule, the same stack under the forward
-  # schedule that reads the same staged parameters (see forward_equivalent).
-  eval_model = forward_equivalent(model)
+  # Accuracy needs the logits: the model without the labels (the same split and layout).
+  logits = pipeline.rebuild(x) if task.measures_accuracy else None
 
   @jax.jit
   def eval_step(state, batch):
@@ -437,21 +397,22 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     rows = jax.tree.leaves(batch)[0].shape[0]
     # Padded evaluation batches mark their real examples; a batch without a mask is all real.
     mask = batch["mask"].astype(jnp.float32) if "mask" in batch else jnp.ones(rows, jnp.float32)
-    state_vars = variables(state.params, state.model_state)
-    if eval_model is None:
-      # A fused schedule without a forward equivalent: its own forward-only mean over the batch,
-      # which is the mean over real examples only when every example is real (NaN otherwise).
-      mean = model.apply(state_vars, x, **kwargs, rngs=eval_rngs)
-      loss = jnp.where(jnp.all(mask == 1), mean * rows, jnp.nan)
-    else:
-      loss = (eval_model.apply(state_vars, x, **kwargs, rngs=eval_rngs) * mask).sum()
-    out = {"loss": loss, "count": mask.sum()}
-    if task.measures_accuracy:  # Logits: the stack without the labels.
-      out["correct"] = (task.correct(eval_model.apply(state_vars, x, rngs=eval_rngs), batch)
-                        * mask).sum()
+    run = lambda p, x, kw: p.apply(state.params, x, kw, stats=state.model_state)
+    losses = run(pipeline, x, kwargs)
+    losses = losses[0] if state.model_state is not None else losses
+    out = {"loss": (losses * mask).sum(), "count": mask.sum()}
+    if logits is not None:
+      result = run(logits, x, {})
+      result = result[0] if state.model_state is not None else result
+      out["correct"] = (task.correct(result, batch) * mask).sum()
     return out
 
   exp.loss_fn, exp.eval_step = loss_fn, eval_step
   exp.train_step = tpipe.make_train_step(loss_fn, exp.optimizer,
                                          shardings=exp.state_shardings())
   return exp
+
+
+def abstract_arrays(tree) -> Any:
+  """``tree``'s arrays as ``jax.ShapeDtypeStruct`` (helper for tools that compile steps)."""
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)

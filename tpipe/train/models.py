@@ -237,11 +237,9 @@ class LMHead(nn.Module):
 
 
 def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
-               vocab_size: int = VOCAB_SIZE, dropout_rate: float = 0.0, num_stages: int = 1,
-               num_microbatches: int = 1, schedule: str = "gpipe", num_repeats: int = 1,
-               remat: Any = "none", remat_granularity: Any = "chunk", balance: Any = "flops",
-               mesh: Any = None, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32) -> tpipe.Sequential:
+               vocab_size: int = VOCAB_SIZE, dropout_rate: float = 0.0, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32, spec: tpipe.PipelineSpec | None = None,
+               **settings) -> tpipe.Sequential:
   """A decoder-only LM: ``TokenEmbedding -> Repeat(TransformerBlock, L) -> LMHead``, pipelined.
 
   Args:
@@ -252,17 +250,11 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
     max_len: longest sequence (size of the learned position table).
     vocab_size: number of token values (256 bytes by default).
     dropout_rate: dropout in the embedding and the blocks (active with ``deterministic=False``).
-    num_stages: pipeline stages (devices along the mesh's ``stage`` axis).
-    num_microbatches: micro-batches each per-data-replica batch is split into.
-    schedule: ``"gpipe"`` or ``"circular"``.
-    num_repeats: chunks per stage for the circular schedule.
-    remat: rematerialisation policy per chunk (``"none"``, ``"full"``, ``"dots"``, ...).
-    remat_granularity: what the policy checkpoints: ``"chunk"``, ``"layer"`` or every ``k``
-      blocks (see :class:`tpipe.Sequential`).
-    balance: how the layers are cut into stages (see :class:`tpipe.Sequential`).
-    mesh: the mesh with axes ``('data', 'stage')``.
     dtype: the computation dtype (activations cross the stage boundaries in it).
     param_dtype: the dtype the parameters are stored in (float32 for mixed precision).
+    spec: the pipeline settings (:class:`tpipe.PipelineSpec`), or None to build them from
+      ``settings``; ``per_example`` is always ``("targets",)``.
+    **settings: :class:`tpipe.PipelineSpec` fields, overriding ``spec``'s.
 
   Returns:
     The :class:`tpipe.Sequential`. Its params are ``layers_0`` (embedding), ``layers_1`` (the
@@ -270,15 +262,14 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
     ``[batch, seq]``) reach the head only and are split into micro-batches with the tokens.
   """
   for name, value in (("num_layers", num_layers), ("width", width), ("num_heads", num_heads),
-                      ("mlp_dim", mlp_dim), ("max_len", max_len), ("vocab_size", vocab_size),
-                      ("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                      ("num_repeats", num_repeats)):
+                      ("mlp_dim", mlp_dim), ("max_len", max_len), ("vocab_size", vocab_size)):
     _check_int(name, value)
   _check_rate("dropout_rate", dropout_rate)
   dtype = check_float_dtype("decoder_lm dtype", dtype)
   param_dtype = check_float_dtype("decoder_lm param_dtype", param_dtype)
   if width % num_heads:
     raise ValueError(f"num_heads={num_heads} must divide width={width}; pick a divisor.")
+  spec = tpipe.spec.make("decoder_lm", spec, **settings).replace(per_example=("targets",))
   block = TransformerBlock(width=width, num_heads=num_heads, mlp_dim=mlp_dim,
                            dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
                            causal=True)
@@ -288,7 +279,4 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
       tpipe.Repeat(block, num_layers),
       LMHead(vocab_size, dtype=dtype, param_dtype=param_dtype),
   ]
-  return tpipe.Sequential(layers, num_stages=num_stages, num_microbatches=num_microbatches,
-                          schedule=schedule, num_repeats=num_repeats, balance=balance,
-                          remat=remat, remat_granularity=remat_granularity,
-                          per_example=("targets",), mesh=mesh)
+  return tpipe.Sequential(layers, spec)

@@ -2,7 +2,7 @@
 
 :func:`decoder_lm` builds a :class:`tpipe.nnx.Sequential` of ``TokenEmbedding ->
 Repeat(TransformerBlock, L) -> LMHead``: the same layer math as the linen LM, with the same
-attribute names and parameter shapes, so ``model.as_linen()[1]["params"]`` has exactly the linen
+attribute names and parameter shapes, so ``model.variables()["params"]`` has exactly the linen
 LM's logical parameter tree (``layers_0/embed/embedding``, ``layers_1/attn/query/kernel``
 ``[L, width, heads, head_dim]``, ...) and equal parameters give equal losses. The trainer uses
 that to train either front end with the same checkpoints (``--config.frontend=nnx``).
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import tpipe
 from tpipe import nnx as tnnx
 from tpipe.train import models
 
@@ -111,16 +112,15 @@ class LMHead(nnx.Module):
 
 def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
                vocab_size: int = models.VOCAB_SIZE, dropout_rate: float = 0.0,
-               num_stages: int = 1, num_microbatches: int = 1, schedule: str = "gpipe",
-               num_repeats: int = 1, remat: Any = "none", remat_granularity: Any = "chunk",
-               balance: Any = "flops",
-               mesh: Any = None, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-               rngs: nnx.Rngs) -> tnnx.Sequential:
+               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+               spec: tpipe.PipelineSpec | None = None, rngs: nnx.Rngs,
+               **settings) -> tnnx.Sequential:
   """The NNX decoder LM, pipelined; arguments as :func:`tpipe.train.models.decoder_lm`, plus
   ``rngs`` (parameters from its ``params`` stream; dropout keys from its ``dropout`` stream, or
   its default one, when called in training mode)."""
   dtype = models.check_float_dtype("decoder_lm dtype", dtype)
   param_dtype = models.check_float_dtype("decoder_lm param_dtype", param_dtype)
+  spec = tpipe.spec.make("decoder_lm", spec, **settings).replace(per_example=("targets",))
   kw = dict(dtype=dtype, param_dtype=param_dtype)
   layers = [
       TokenEmbedding(vocab_size, width, max_len, dropout_rate=dropout_rate, rngs=rngs, **kw),
@@ -129,7 +129,4 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
                   num_layers, rngs=rngs),
       LMHead(vocab_size, width, rngs=rngs, **kw),
   ]
-  return tnnx.Sequential(layers, num_stages=num_stages, num_microbatches=num_microbatches,
-                         schedule=schedule, num_repeats=num_repeats, balance=balance,
-                         remat=remat, remat_granularity=remat_granularity,
-                         per_example=("targets",), mesh=mesh, rngs=rngs)
+  return tnnx.Sequential(layers, spec=spec, rngs=rngs)

@@ -13,10 +13,10 @@ In both the model is a :class:`tpipe.Sequential` whose last layer returns one lo
 when given the labels, and logits without them.
 
 ``config.frontend`` (``"linen"``, the default, or ``"nnx"``; the LM only) picks how the model is
-written. With ``"nnx"`` the LM is the Flax NNX one (:mod:`tpipe.train.models_nnx`); the trainer
-runs the linen engine of its :class:`tpipe.nnx.Sequential` (``as_linen()``), whose logical
-parameters have the linen LM's names and shapes, so both front ends write and resume the same
-checkpoints (the NNX names are the linen ones).
+written. With ``"nnx"`` the LM is the Flax NNX one (:mod:`tpipe.train.models_nnx`), whose logical
+variables have the linen LM's names and shapes, so both front ends write and resume the same
+checkpoints. Either way the trainer runs the model's engine pipeline
+(:meth:`tpipe.Sequential.pipeline_for`, :meth:`tpipe.nnx.Sequential.pipeline_for`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 
 import tpipe
-from tpipe.core import stage as stage_lib
+from tpipe import spec as spec_lib
 from tpipe.train import convnet
 from tpipe.train import data as text_data
 from tpipe.train import images
@@ -56,7 +56,7 @@ def remat_granularity(config) -> str | int:
   if isinstance(value, str) and value.isdigit():
     value = int(value)
   try:
-    stage_lib.check_remat_granularity(value)
+    spec_lib.check_remat_granularity(value)
   except (ValueError, TypeError) as error:
     raise type(error)(f"config.remat_granularity: {error}") from None
   return value
@@ -64,6 +64,15 @@ def remat_granularity(config) -> str | int:
 
 def _linen_init(model, rng, x, kwargs) -> dict:
   return model.init({"params": rng}, x, **kwargs)
+
+
+def lm_arguments(config) -> dict:
+  """The LM's own settings from ``config`` (the pipeline's are in the spec)."""
+  return dict(num_layers=config.num_layers, width=config.width, num_heads=config.num_heads,
+              mlp_dim=config.mlp_dim, max_len=config.seq_len,
+              vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
+              dropout_rate=float(config.dropout), dtype=jnp.dtype(config.dtype),
+              param_dtype=jnp.float32)
 
 
 def _check_int(config, name: str, minimum: int = 1) -> None:
@@ -117,35 +126,22 @@ class LanguageModelling:
           f"config.max_corpus_bytes={config.max_corpus_bytes} is too small for "
           f"config.seq_len={config.seq_len}; use at least {smallest} (a few MB is typical).")
 
-  def _arguments(self, config, mesh, balance) -> dict:
-    return dict(
-        num_layers=config.num_layers, width=config.width, num_heads=config.num_heads,
-        mlp_dim=config.mlp_dim, max_len=config.seq_len,
-        vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
-        dropout_rate=float(config.dropout), num_stages=config.num_stages,
-        num_microbatches=config.num_microbatches, schedule=config.schedule,
-        num_repeats=config.num_repeats, remat=config.remat,
-        remat_granularity=remat_granularity(config), balance=balance, mesh=mesh,
-        dtype=jnp.dtype(config.dtype), param_dtype=jnp.float32)
-
-  def _nnx_model(self, config, mesh, balance, key):
+  def _nnx_model(self, config, spec, key):
     from flax import nnx  # Only the NNX front end needs it.
-    return models_nnx.decoder_lm(**self._arguments(config, mesh, balance),
+    return models_nnx.decoder_lm(**lm_arguments(config), spec=spec,
                                  rngs=nnx.Rngs(params=key, dropout=0))
 
-  def make_model(self, config, mesh, balance) -> tpipe.Sequential:
+  def make_model(self, config, spec: tpipe.PipelineSpec):
+    """The LM (linen, or NNX with abstract state: nothing allocated)."""
     if frontend(config) == "nnx":
       from flax import nnx
-      # The layer structure only: abstract parameters, nothing allocated.
-      abstract = nnx.eval_shape(lambda: self._nnx_model(config, mesh, balance,
-                                                        jax.random.key(0)))
-      return abstract.as_linen()[0]
-    return models.decoder_lm(**self._arguments(config, mesh, balance))
+      return nnx.eval_shape(lambda: self._nnx_model(config, spec, jax.random.key(0)))
+    return models.decoder_lm(**lm_arguments(config), spec=spec)
 
   def init_variables(self, config, model, rng, x, kwargs) -> dict:
-    """The initial variables, in ``model``'s logical layout (NNX: the NNX LM's own init)."""
+    """The initial logical variables (NNX: the NNX LM's own initialisation)."""
     if frontend(config) == "nnx":
-      return self._nnx_model(config, None, "params", rng).as_linen()[1]
+      return self._nnx_model(config, model.spec, rng).variables()
     return _linen_init(model, rng, x, kwargs)
 
   def batch_shapes(self, config) -> dict[str, jax.ShapeDtypeStruct]:
@@ -198,15 +194,11 @@ class ImageClassification:
     del config
     return _linen_init(model, rng, x, kwargs)
 
-  def make_model(self, config, mesh, balance) -> tpipe.Sequential:
+  def make_model(self, config, spec: tpipe.PipelineSpec) -> tpipe.Sequential:
     layers = convnet.resnet_layers(width=config.width, stage_sizes=tuple(config.stage_sizes),
                                    bn_momentum=config.bn_momentum,
                                    dtype=jnp.dtype(config.dtype), param_dtype=jnp.float32)
-    return tpipe.Sequential(layers, num_stages=config.num_stages,
-                            num_microbatches=config.num_microbatches, schedule=config.schedule,
-                            num_repeats=config.num_repeats, balance=balance, remat=config.remat,
-                            remat_granularity=remat_granularity(config),
-                            per_example=("labels",), mesh=mesh)
+    return tpipe.Sequential(layers, spec.replace(per_example=("labels",)))
 
   def batch_shapes(self, config) -> dict[str, jax.ShapeDtypeStruct]:
     return {"images": jax.ShapeDtypeStruct((config.batch_size,) + images.IMAGE_SHAPE,

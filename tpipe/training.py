@@ -1,11 +1,19 @@
-"""Synchronous SGD with pipelined models: train state, parameter placement and the jitted step.
+"""Synchronous SGD with pipelined models: the train state, where it lives, and the jitted step.
 
 The step is an ordinary ``jax.jit`` program over global arrays: the batch is split over the
-``data`` mesh axis, the pipelined stack's parameters over the ``stage`` axis (layer axis 0), the
-rest replicated. Inside the pipeline, gradients accumulate over micro-batches in the tick loop and
-are summed across data replicas once per step (see :mod:`tpipe.core.executor`): with a loss
-that is the mean over the global batch, that sum is the average of the replicas' gradients, so
-one step equals one step of plain SGD on the whole batch on one device.
+``data`` mesh axis, pipelined parameters over the ``stage`` axis, the rest replicated. Inside
+the pipeline, gradients accumulate over micro-batches in the tick loop and are summed across data
+replicas once per step (see :mod:`tpipe.core.forward`): with a loss that is the mean over the
+global batch, that sum is the average of the replicas' gradients, so one step equals one step of
+plain SGD on the whole batch on one device.
+
+Example::
+
+  shardings = tpipe.shardings(params, mesh, stacked=("blocks",))   # the stack over stages
+  state = tpipe.create_train_state(params, optimizer, shardings)
+  step = tpipe.make_train_step(loss_fn, optimizer, shardings=tpipe.shardings(state, mesh,
+                                                                             stacked=("blocks",)))
+  state, metrics = step(state, jax.device_put(batch, tpipe.data_sharding(mesh)), rng)
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tpipe.parallel import mesh as mesh_lib
+from tpipe import mesh as mesh_lib
 
 # loss_fn(params, batch, rng) -> scalar mean loss over the global batch.
 LossFn = Callable[[Any, Any, jax.Array], jax.Array]
@@ -35,70 +43,55 @@ class TrainState:
   model_state: Any = None
 
 
-def param_shardings(params, mesh: Mesh, stacked: Sequence[str] = (), *,
-                    stage_axis: str = mesh_lib.STAGE_AXIS):
-  """Where each parameter lives: pipelined stacks split over stages, everything else replicated.
+def shardings(tree, mesh: Mesh, stacked: Sequence[str] = (), *,
+              stage_axis: str = mesh_lib.STAGE_AXIS):
+  """Where each leaf of a parameter tree, or of a whole :class:`TrainState`, lives on ``mesh``.
+
+  Leaves under the top-level parameter names in ``stacked`` (the names of ``tpipe.pipeline``
+  stacks, ``nn.scan``'s layout ``[L, ...]``) are split over ``stage_axis`` on their leading
+  (layer) axis, so each device stores only its stage's layers; an optimizer's leaves under the
+  same names (optax keeps moments in trees shaped like the parameters) follow them. Everything
+  else (other parameters, the step, Adam's count) is replicated.
 
   Args:
-    params: the model's params tree (arrays or ``jax.ShapeDtypeStruct``s).
-    mesh: the device mesh.
-    stacked: top-level keys of ``params`` that hold pipelined stacks (the ``name`` of each
-      ``tpipe.pipeline`` module, e.g. ``("blocks",)``). Their leaves are ``[L, ...]`` and are
-      split over ``stage_axis`` on axis 0, so each device stores only its stage's layers.
-    stage_axis: the mesh's stage axis.
-
-  Returns:
-    A tree of ``NamedSharding`` with the structure of ``params``.
-  """
-  if isinstance(stacked, str):
-    raise TypeError(f"stacked must be a sequence of names, got the string {stacked!r}; "
-                    f"write stacked=({stacked!r},).")
-  missing = [name for name in stacked if name not in params]
-  if missing:
-    raise ValueError(f"stacked names {missing} are not top-level keys of params "
-                     f"({sorted(params)}); pass the names of the tpipe.pipeline modules.")
-  num_stages = dict(mesh.shape).get(stage_axis, 1)
-
-  def sharding(path, leaf):
-    if path[0].key in stacked:
-      if leaf.shape[0] % num_stages:
-        raise ValueError(f"{jax.tree_util.keystr(path)} has {leaf.shape[0]} layers, not "
-                         f"divisible by the {num_stages} stages of the mesh.")
-      return NamedSharding(mesh, P(stage_axis))
-    return NamedSharding(mesh, P())
-
-  return jax.tree_util.tree_map_with_path(sharding, params)
-
-
-def train_state_shardings(abstract_state: TrainState, mesh: Mesh, stacked: Sequence[str], *,
-                          stage_axis: str = mesh_lib.STAGE_AXIS) -> TrainState:
-  """NamedShardings for a train state whose params hold ``tpipe.pipeline`` stacks.
-
-  Parameters are placed by :func:`param_shardings`. Optimizer leaves under the same top-level
-  names (optax keeps moments in trees shaped like the parameters, under the same keys) follow
-  them, so Adam's moments live on the stage of their layers; the rest (the step, Adam's count)
-  is replicated.
-
-  Args:
-    abstract_state: a ``TrainState`` of arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape``).
+    tree: parameters, or a ``TrainState``, as arrays or ``jax.ShapeDtypeStruct``s.
     mesh: the device mesh.
     stacked: top-level parameter names of the pipelined stacks, e.g. ``("blocks",)``.
     stage_axis: the mesh's stage axis.
 
   Returns:
-    A ``TrainState`` of ``NamedSharding``.
+    A tree of ``NamedSharding`` with the structure of ``tree``.
+
+  Raises:
+    TypeError, ValueError: ``stacked`` is a string or names no parameter, or a stack's layer
+      count does not divide by the stages.
   """
-  replicated = NamedSharding(mesh, P())
-  split = NamedSharding(mesh, P(stage_axis))
+  if isinstance(stacked, str):
+    raise TypeError(f"stacked must be a sequence of names, got the string {stacked!r}; "
+                    f"write stacked=({stacked!r},).")
+  params = tree.params if isinstance(tree, TrainState) else tree
+  missing = [name for name in stacked if name not in params]
+  if missing:
+    raise ValueError(f"stacked names {missing} are not top-level keys of params "
+                     f"({sorted(params)}); pass the names of the tpipe.pipeline modules.")
+  num_stages = dict(mesh.shape).get(stage_axis, 1)
+  split, replicated = NamedSharding(mesh, P(stage_axis)), NamedSharding(mesh, P())
 
   def one(path, leaf):
-    under_stack = any(getattr(k, "key", None) in stacked for k in path)
-    return split if under_stack and len(leaf.shape) >= 1 else replicated
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    if not any(k in stacked for k in keys) or len(getattr(leaf, "shape", ())) < 1:
+      return replicated
+    if leaf.shape[0] % num_stages:
+      raise ValueError(f"{jax.tree_util.keystr(path)} has {leaf.shape[0]} layers, not "
+                       f"divisible by the {num_stages} stages of the mesh.")
+    return split
 
-  return abstract_state.replace(
-      step=replicated,
-      params=param_shardings(abstract_state.params, mesh, stacked, stage_axis=stage_axis),
-      opt_state=jax.tree_util.tree_map_with_path(one, abstract_state.opt_state))
+  if isinstance(tree, TrainState):
+    return tree.replace(step=replicated,
+                        params=jax.tree_util.tree_map_with_path(one, tree.params),
+                        opt_state=jax.tree_util.tree_map_with_path(one, tree.opt_state),
+                        model_state=jax.tree.map(lambda _: replicated, tree.model_state))
+  return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def create_train_state(params, optimizer: optax.GradientTransformation,
@@ -131,11 +124,6 @@ def create_train_state(params, optimizer: optax.GradientTransformation,
                     opt_state=jax.tree.map(onto_mesh, opt_state), model_state=model_state)
 
 
-def state_shardings(state: TrainState):
-  """The shardings of a placed train state (to keep the step's outputs where its inputs are)."""
-  return jax.tree.map(lambda a: a.sharding, state)
-
-
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     shardings=None, donate: bool = True):
   """Builds the jitted synchronous-SGD step ``step(state, batch, rng) -> (state, metrics)``.
@@ -145,10 +133,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       ``(loss, aux)`` pair is not accepted: return aux from a separate eval function). When the
       state has a ``model_state`` (BatchNorm statistics), ``loss_fn(params, batch, rng,
       model_state) -> (loss, new_model_state)``, e.g. ``model.apply({"params": params,
-      "batch_stats": model_state}, x, train=True, mutable=["batch_stats"])``.
+      "batch_stats": model_state}, x, train=True, mutable=["batch_stats"], method="loss")``.
     optimizer: an optax gradient transformation.
-    shardings: optional ``TrainState`` of shardings (see :func:`state_shardings`); the new state
-      is constrained to them so parameters stay where they were.
+    shardings: optional ``TrainState`` of shardings (see :func:`shardings`); the new state is
+      constrained to them so parameters stay where they were.
     donate: donate the input state's buffers to the output (halves the state's peak memory).
 
   Returns:

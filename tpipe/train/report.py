@@ -2,9 +2,9 @@ r"""What a configuration costs per device, from an ahead-of-time compile of its 
 
 Usage::
 
-  python -m tpipe.report --config=configs/lm.py --config.num_stages=8 --config.num_data=1 \
-      --config.num_microbatches=32
-  python -m tpipe.report --config=configs/lm.py:size=tiny --out_dir=/tmp/report
+  python -m tpipe.train.report --config=configs/lm.py --config.num_stages=8 \
+      --config.num_data=1 --config.num_microbatches=32
+  python -m tpipe.train.report --config=configs/lm.py:size=tiny --out_dir=/tmp/report
 
 The training step of the experiment (:func:`tpipe.train.experiment.build`) is lowered and
 compiled for the configured mesh (emulated CPU devices on a CPU-only machine, the real devices on
@@ -18,7 +18,7 @@ a TPU VM) and never run. The printed table gives, per device:
 * collectives per step by kind and mesh axes: stage-to-stage transfers (collective-permute over
   ``stage``) and data-parallel reductions (all-reduce over ``data``);
 * per stage: the layers it holds (``layers_1[0..5] TransformerBlock``), its parameter bytes and
-  the padding of its packed parameter buffers, its optimizer state, its forward-and-backward
+  the padding of its parameter slots, its optimizer state, its forward-and-backward
   FLOPs on one micro-batch (the per-unit costs of ``balance="flops"``), its input on one
   micro-batch and the working set of its chunks compiled alone;
 * the **memory floor**: (parameters + optimizer state + gradients) of the largest stage + the
@@ -90,8 +90,8 @@ class Report:
       wall-clock time on a shared machine.
     stages: a :class:`tpipe.tools.stage_costs.StageCost` per stage: its layers, parameter
       bytes and padding, optimizer bytes, FLOPs and memory-floor parts.
-    layout: the model's :class:`tpipe.core.stage_layout.StageLayout` (its split into chunks).
-    ring_bytes: one micro-batch in the packed format that crosses stage boundaries.
+    layout: the model's :class:`tpipe.core.layout.StageLayout` (its split into chunks).
+    ring_bytes: one micro-batch in the format that crosses stage boundaries.
     floor_seconds: wall-clock time to measure the stages (per-unit FLOPs and each distinct
       chunk's forward and backward compiled alone).
   """
@@ -217,7 +217,9 @@ def _is_fused(schedule) -> bool:
 def _simulated(schedule):
   """The whole step (forward and backward) as a fused table, and its :class:`Timing` under the
   default costs (F = 1, B = 2, BI = W = 1)."""
-  fused = schedule if _is_fused(schedule) else schedule.with_backward()
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  fused = schedule if _is_fused(schedule) else schedules.from_forward(schedule)
   return fused, fused.simulate()
 
 
@@ -312,24 +314,25 @@ def measure_stages(exp, schedule, unit_flops=None):
   x, kwargs = task.model_inputs(jax.tree.map(
       lambda s: jax.ShapeDtypeStruct((replica,) + s.shape[1:], s.dtype),
       task.batch_shapes(config)))
-  plan = exp.model.plan_for(x, **kwargs)  # Names only: the split is fixed.
+  # As the train step runs it: dropout on, BatchNorm in training mode.
+  kwargs = {**kwargs, **task.train_keywords}
+  pipeline = exp.pipeline.rebuild(x, kwargs, rng_names=("dropout",))
   if unit_flops is None:
-    unit_flops = exp.model.clone(balance="flops").plan_for(x, **kwargs).costs
+    unit_flops = pipeline.costs("flops", x, kwargs, rng_names=("dropout",))
   inputs, working_sets, compiled = [], [], {}
   for c, groups in enumerate(layout.groups):
-    # As the train step runs it: dropout on, BatchNorm in training mode.
-    fn, args = exp.model.chunk_program(layout, c, x, rng_names=("dropout",), **kwargs,
-                                       **task.train_keywords)
+    fn, args = pipeline.chunk_program(c, x, kwargs, rng_names=("dropout",))
     inputs.append(args[1])
     # Chunks with the same layers (e.g. the middle ones) have the same working set.
-    key = tuple((g.layer, g.stop - g.start) for g in groups)
+    key = tuple((g.layer, g.size) for g in groups)
     if key not in compiled:
       compiled[key] = stage_costs.working_set_bytes(
           stage_costs.compile_forward_backward(fn, *args))
     working_sets.append(compiled[key])
   stages = stage_costs.stage_costs(
-      layout, schedule, unit_names=plan.unit_names, unit_flops=unit_flops, chunk_inputs=inputs,
-      chunk_working_sets=working_sets, opt_state=exp.abstract_state().opt_state)
+      layout, schedule, unit_names=pipeline.plan.unit_names, unit_flops=unit_flops,
+      chunk_inputs=inputs, chunk_working_sets=working_sets,
+      opt_state=exp.abstract_state().opt_state)
   return tuple(stages), stage_costs.ring_bytes(inputs)
 
 
@@ -351,9 +354,9 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True) -> Report:
 
   exp = experiment.build(config)
   compiled, state, batch, lower_s, compile_s, cpu_s = compile_train_step(exp)
-  schedule = exp.model.schedule_table()  # Forward or fused: what the step runs.
+  schedule = exp.pipeline.spec.table  # Forward or fused: what the step runs.
   result = analysis.analyze(
-      compiled, mesh=exp.mesh, schedule=schedule,
+      compiled, mesh=exp.mesh, schedule=schedule, programs=exp.pipeline.programs(),
       inputs={"params": state.params, "opt_state": state.opt_state, "batch": batch})
   start = time.perf_counter()
   stages, ring = measure_stages(exp, schedule, unit_flops) if per_stage else ((), 0)
@@ -492,7 +495,7 @@ def write_report(report: Report, out_dir: str) -> dict[str, str]:
   paths = {"markdown": os.path.join(out_dir, "report.md"),
            "json": os.path.join(out_dir, "report.json"),
            "timeline": os.path.join(out_dir, "timeline.png")}
-  command = " ".join(["python -m tpipe.report"] + sys.argv[1:]) if sys.argv else ""
+  command = " ".join(["python -m tpipe.train.report"] + sys.argv[1:]) if sys.argv else ""
   with open(paths["markdown"], "w") as f:
     f.write(format_report(report) + f"\n\n![timeline](timeline.png)\n\nCommand: `{command}`\n")
   with open(paths["json"], "w") as f:

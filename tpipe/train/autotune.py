@@ -3,8 +3,8 @@ configuration that fits in memory.
 
 Usage::
 
-  python -m tpipe.autotune --config=configs/lm.py --budget_gib=2
-  python -m tpipe.autotune --config=configs/lm.py:size=tiny --budget_gib=0.002 \
+  python -m tpipe.train.autotune --config=configs/lm.py --budget_gib=2
+  python -m tpipe.train.autotune --config=configs/lm.py:size=tiny --budget_gib=0.002 \
       --microbatches=2,4,8 --remats=none,full --remat_granularities=chunk,layer \
       --schedules=gpipe,1f1b
 
@@ -29,7 +29,7 @@ most its table's peak in flight (``min(S, M)`` stage inputs for 1F1B) instead of
 forward tick, which the measured memory shows, and runs its table's ticks, each counted at its
 costliest action (the SPMD lockstep), which the FLOPs show. Each trial also carries its table's
 lockstep-simulated bubble (:meth:`tpipe.schedules.FusedSchedule.simulate`, forward schedules via
-``with_backward()``) for comparison. The
+``tpipe.schedules.from_forward``) for comparison. The
 defaults describe one TPU v4 chip (about 275 TFLOP/s bf16 peak, taken at 40% utilisation, and
 45 GB/s per ICI link); only the ratios matter for the ranking.
 
@@ -51,7 +51,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from tpipe.core import stage as stage_lib
+from tpipe import schedules
+from tpipe import spec as spec_lib
 from tpipe.tools import analysis
 from tpipe.train import cli
 
@@ -60,28 +61,21 @@ GRANULARITY_ORDER = ("chunk", "layer")
 
 
 def schedule_names() -> tuple[str, ...]:
-  """Every schedule the search may try: the forward ones and the fused ones the Sequential runs."""
-  from tpipe import schedules  # pylint: disable=g-import-not-at-top
-  from tpipe.linen import sequential  # pylint: disable=g-import-not-at-top
-
-  return tuple(schedules.SCHEDULE_NAMES) + tuple(sequential.FUSED_SCHEDULES)
+  """Every schedule the search may try: the forward ones and the fused ones."""
+  return schedules.NAMES
 
 
 def schedule_table(name: str, num_stages: int, num_microbatches: int, num_repeats: int):
   """The table of schedule ``name`` (forward or fused); ValueError when it does not exist for
   these sizes (e.g. ``"1f1b"`` with ``num_repeats=2``)."""
-  from tpipe import schedules  # pylint: disable=g-import-not-at-top
-
-  if name in schedules.FUSED_SCHEDULE_NAMES:
-    return schedules.make_fused_schedule(name, num_stages, num_microbatches, num_repeats)
   if name == "circular" and num_repeats == 1:
     raise ValueError("circular with num_repeats=1 is gpipe")
-  return schedules.make_schedule(name, num_stages, num_microbatches, num_repeats)
+  return schedules.build(name, num_stages, num_microbatches, num_repeats)
 
 
 def simulated_bubble(table) -> float:
   """The lockstep bubble of the whole step (forward and backward) under the default costs."""
-  fused = table.with_backward() if hasattr(table, "with_backward") else table
+  fused = table if isinstance(table, schedules.FusedSchedule) else schedules.from_forward(table)
   return fused.simulate().lockstep_bubble
 
 
@@ -207,7 +201,7 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
     raise ValueError(f"granularities must be a non-empty list of remat_granularity values, got "
                      f"{granularities!r}.")
   for g in granularities:
-    stage_lib.check_remat_granularity(g)  # Raises, naming the choices.
+    spec_lib.check_remat_granularity(g)  # Raises, naming the choices.
   granularities = list(dict.fromkeys(granularities))
   known = schedule_names()
   schedules = list(dict.fromkeys(schedules if schedules is not None else known))
@@ -267,7 +261,7 @@ def _apply(config, candidate: Candidate):
 def measure(config, candidate: Candidate, budget_bytes: int,
             cost_model: CostModel = CostModel()) -> Trial:
   """Compiles ``config`` with ``candidate`` applied and measures it against the budget."""
-  from tpipe import report as report_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.train import report as report_lib  # pylint: disable=g-import-not-at-top
 
   # The step's memory, FLOPs and collectives; the per-stage floor is not needed here.
   rep = report_lib.analyze_config(_apply(config, candidate), per_stage=False)
@@ -404,7 +398,7 @@ def main(argv):
   f = flags.FLAGS
   if f.config is None or f.budget_gib is None:
     raise app.UsageError("--config and --budget_gib are required.")
-  from tpipe import report as report_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.train import report as report_lib  # pylint: disable=g-import-not-at-top
 
   config = f.config
   num_devices = f.num_devices or config.num_stages * config.num_data

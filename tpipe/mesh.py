@@ -1,4 +1,8 @@
-"""Device meshes for pipelining: a ``data`` axis of replicas and a ``stage`` axis of stages."""
+"""Device meshes for pipelining: a ``data`` axis of replicas and a ``stage`` axis of stages.
+
+:func:`make_mesh` builds one; :func:`resolve` finds the mesh a pipeline runs on (the one given,
+the ambient one, or one device) and checks its stage axis, naming the API the user called.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +29,12 @@ def make_mesh(stages: int, data: int = 1, *, devices=None, stage_axis: str = STA
 
   Returns:
     A ``jax.sharding.Mesh`` with Auto axis types.
+
+  Example::
+
+    >>> mesh = make_mesh(stages=4, data=2)
+    >>> dict(mesh.shape)
+    {'data': 2, 'stage': 4}
   """
   for name, value in (("stages", stages), ("data", data)):
     if isinstance(value, bool) or not isinstance(value, int):
@@ -55,3 +65,39 @@ def single_device_mesh(stage_axis: str = STAGE_AXIS) -> Mesh:
   """A one-device mesh with only a stage axis: what ``mesh=None`` means without an ambient mesh."""
   return jax.make_mesh((1,), (stage_axis,), axis_types=(AxisType.Auto,),
                        devices=jax.devices()[:1])
+
+
+def check_stage_axis(mesh, num_stages: int, stage_axis: str, origin: str) -> None:
+  """Raises ValueError unless ``mesh`` has ``stage_axis`` of size ``num_stages``.
+
+  Args:
+    mesh: a ``Mesh`` or ``AbstractMesh``.
+    num_stages: the pipeline's stage count.
+    stage_axis: the stage axis name.
+    origin: where the mesh came from, for the message (``"the mesh passed to
+      tpipe.Sequential"``).
+  """
+  shape = dict(mesh.shape)
+  if stage_axis not in shape:
+    raise ValueError(
+        f"{origin} has axes {tuple(shape)} but no stage axis {stage_axis!r}; build one with "
+        f"tpipe.make_mesh(stages={num_stages}, data=...) or pass stage_axis=<your axis name>.")
+  if shape[stage_axis] != num_stages:
+    raise ValueError(
+        f"num_stages={num_stages} but the {stage_axis!r} axis of {origin} has size "
+        f"{shape[stage_axis]}; make them equal (e.g. tpipe.make_mesh(stages={num_stages}, ...)).")
+
+
+def resolve(mesh: Mesh | None, num_stages: int, stage_axis: str, owner: str):
+  """The mesh to run on: ``mesh``, else the ambient one (``jax.set_mesh``), else one device;
+  checked by :func:`check_stage_axis` with messages naming ``owner`` (the API called)."""
+  if mesh is None:
+    ambient = jax.sharding.get_abstract_mesh()
+    if ambient.empty:
+      mesh, origin = single_device_mesh(stage_axis), f"{owner}'s default 1-device mesh"
+    else:
+      mesh, origin = ambient, "the ambient mesh (jax.set_mesh)"
+  else:
+    origin = f"the mesh passed to {owner}"
+  check_stage_axis(mesh, num_stages, stage_axis, origin)
+  return mesh

@@ -1,0 +1,362 @@
+"""The programs the tick loops run: a chunk of layer units applied to one micro-batch.
+
+Every tick a device runs one of its model chunks as a branch of a ``lax.switch``
+(:mod:`tpipe.core.gated`). Chunks whose programs are the same up to traced values (which chunk,
+hence which of the device's parameter slots and which unit numbers for the RNG) share one branch:
+a chunk's **signature** is its segments' layers and copy counts, its packed layouts, where its
+input comes from and where its output goes. An even stack of identical blocks
+(``tpipe.pipeline``) is one branch whatever S and R; an LM with an embedding and a head is three.
+
+Three formats meet at chunk boundaries: the pipeline's input (read by the first chunk), the
+**ring** that crosses the boundaries between chunks (one micro-batch; the activation itself when
+every boundary has one type, else packed per dtype and padded to the largest,
+:mod:`tpipe.core.packing`), and the last chunk's **output**. When the input, ring and output types
+agree the first and last chunks need no branch of their own: a chunk selects the fresh input on
+model chunk 0 and hands its result both on and out.
+
+A branch applies its segments (:class:`tpipe.core.layout.Segment`) with
+:func:`tpipe.core.remat.apply_units`, runs of copies scanned, each unit with its keys from
+:func:`tpipe.core.layers.unit_rngs`. In the split form (:meth:`ChunkSet.tapped_branch`) each unit
+runs through :mod:`tpipe.core.taps`, and :meth:`ChunkSet.weight_branch` forms the weight
+gradients the taps deferred.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from tpipe import spec as spec_lib
+from tpipe.core import layers as layers_lib
+from tpipe.core import layout as layout_lib
+from tpipe.core import packing
+from tpipe.core import plan as plan_lib
+from tpipe.core import remat as remat_lib
+from tpipe.core import spmd
+from tpipe.core import taps as taps_lib
+
+PARAMS = "params"
+STATS = "stats"
+
+
+def _without_rows(tree):
+  """Abstract leaves without their leading (batch) axis."""
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), tree)
+
+
+def zeros_with_rows(example, rows: int):
+  return jax.tree.map(lambda s: jnp.zeros((rows,) + tuple(s.shape), s.dtype), example)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """What crosses a chunk boundary, as one type for every boundary.
+
+  Attributes:
+    layouts: per boundary ``c`` (after model chunk ``c``), the packing of its activation; None
+      when every boundary has one type and the ring is that type unpacked.
+    example: one example of the ring (no batch axis), abstract.
+  """
+
+  layouts: tuple[packing.Layout, ...] | None
+  example: Any
+
+  @classmethod
+  def of(cls, plan: plan_lib.Plan) -> "Ring":
+    boundaries = [plan.chunk_output(c) for c in range(plan.num_chunks - 1)]
+    if not boundaries:
+      return cls(layouts=None, example={})
+    if all(layers_lib.same_type(b, boundaries[0]) for b in boundaries):
+      return cls(layouts=None, example=_without_rows(boundaries[0]))
+    layouts = tuple(packing.layout_of(b, batch_dims=1) for b in boundaries)
+    sizes = packing.buffer_sizes(layouts)
+    return cls(layouts=layouts,
+               example={k: jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in sizes.items()})
+
+  @property
+  def packed(self) -> bool:
+    return self.layouts is not None
+
+  def matches(self, abstract) -> bool:
+    """Whether a value of type ``abstract`` (with batch rows) travels unpacked on the ring."""
+    return not self.packed and layers_lib.same_type(_without_rows(abstract), self.example)
+
+  def pack(self, value, boundary: int):
+    if not self.packed:
+      return value
+    sizes = {k: s.shape[0] for k, s in self.example.items()}
+    return packing.pack(value, self.layouts[boundary], sizes)
+
+  def unpack(self, value, boundary: int):
+    return packing.unpack(value, self.layouts[boundary]) if self.packed else value
+
+  def layout(self, boundary: int):
+    return self.layouts[boundary] if self.packed else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+  """What decides a chunk's program (chunks with equal signatures share one branch)."""
+
+  segments: tuple[tuple[int, int | None, bool], ...]
+  params_layout: packing.Layout
+  stats_layout: packing.Layout | None
+  input_kind: str  # "fresh", "ring" or "select" (model chunk 0 takes the fresh input)
+  output_kind: str  # "ring", "output" or "both"
+  ring_in: Any
+  ring_out: Any
+
+
+def _signature(plan, layout, stats_layout, ring: Ring, c: int, select: bool,
+               both: bool) -> Signature:
+  last = c == plan.num_chunks - 1
+  input_kind = "select" if select else ("fresh" if c == 0 else "ring")
+  output_kind = "both" if both else ("output" if last else "ring")
+  segments = tuple((seg.layer, seg.copies, seg.stacked) for seg in layout.segments[c])
+  return Signature(
+      segments=segments, params_layout=layout.packed_layouts[c],
+      stats_layout=stats_layout.packed_layouts[c] if stats_layout is not None else None,
+      input_kind=input_kind, output_kind=output_kind,
+      ring_in=ring.layout(c - 1) if c and input_kind != "fresh" else None,
+      ring_out=ring.layout(c) if not last and output_kind == "ring" else None)
+
+
+def signatures(plan: plan_lib.Plan, layout: layout_lib.StageLayout,
+               stats_layout: layout_lib.StageLayout | None, ring: Ring | None = None):
+  """The distinct chunk programs of a planned sequence: ``(signatures, program of each model
+  chunk)``."""
+  ring = Ring.of(plan) if ring is None else ring
+  num_chunks = plan.num_chunks
+  select = ring.matches(plan.layer_inputs[0]) and num_chunks > 1
+  both = ring.matches(plan.layer_inputs[-1]) and num_chunks > 1
+  found, program = [], []
+  for c in range(num_chunks):
+    sig = _signature(plan, layout, stats_layout, ring, c, select, both)
+    if sig not in found:
+      found.append(sig)
+    program.append(found.index(sig))
+  return found, program
+
+
+class ChunkSet:
+  """The chunk programs of one planned, laid-out sequence.
+
+  Args:
+    layers: the :class:`~tpipe.core.layers.Layer` sequence.
+    plan: its :class:`~tpipe.core.plan.Plan`.
+    layout: the parameters' :class:`~tpipe.core.layout.StageLayout`.
+    stats_layout: the running statistics' layout (built with ``layout``'s stacked copies), or
+      None when no layer has statistics.
+    spec: the pipeline's settings (remat, granularity, unroll).
+    split: the call's keyword arguments (:class:`tpipe.core.arguments.SplitArguments`).
+  """
+
+  def __init__(self, layers, plan: plan_lib.Plan, layout: layout_lib.StageLayout,
+               stats_layout: layout_lib.StageLayout | None, spec: spec_lib.PipelineSpec, split):
+    self.layers, self.plan, self.layout, self.stats_layout = layers, plan, layout, stats_layout
+    self.spec, self.split = spec, split
+    self.ring = Ring.of(plan)
+    self.output_example = _without_rows(plan.layer_inputs[-1])
+    self.signatures, self.branch_of_chunk = signatures(plan, layout, stats_layout, self.ring)
+    self.chunks_of = [[c for c, b in enumerate(self.branch_of_chunk) if b == index]
+                      for index in range(len(self.signatures))]
+    # Per model chunk: its local chunk index, and each segment's first unit.
+    num_chunks = plan.num_chunks
+    self.local_index = np.array([layout.position(c)[0] for c in range(num_chunks)], np.int32)
+    self.first_units = [np.array([seg.first_unit for seg in layout.segments[c]], np.int32)
+                        for c in range(num_chunks)]
+    # Filled while tracing tapped branches: each segment's traced program, for W.
+    self._programs: dict[tuple[int, int], taps_lib.Program] = {}
+
+  @property
+  def num_branches(self) -> int:
+    return len(self.signatures)
+
+  # ------------------------------------------------------------------------------------------
+  # Traced lookups: a Python value when the branch serves one chunk (or R is 1).
+
+  def _local(self, branch: int, chunk):
+    chunks = self.chunks_of[branch]
+    values = self.local_index[chunks]
+    if np.all(values == values[0]):
+      return int(values[0])
+    return jnp.asarray(self.local_index)[chunk]
+
+  def _first_unit(self, branch: int, chunk, segment: int):
+    chunks = self.chunks_of[branch]
+    values = np.array([self.first_units[c][segment] for c in chunks])
+    if np.all(values == values[0]):
+      return int(values[0])
+    table = np.zeros(self.plan.num_chunks, np.int32)
+    table[chunks] = values
+    return jnp.asarray(table)[chunk]
+
+  def _slot(self, staged, r):
+    if isinstance(r, int):
+      return jax.tree.map(lambda a: a[r], staged)
+    return spmd.read_slot(staged, r)
+
+  # ------------------------------------------------------------------------------------------
+  # The branch programs.
+
+  def _input(self, branch: int, chunk, fresh, incoming):
+    sig, rep = self.signatures[branch], self.chunks_of[branch][0]
+    if sig.input_kind == "fresh":
+      return fresh
+    if sig.input_kind == "select":  # The ring is unpacked and has the input's type.
+      return spmd.select(chunk == 0, fresh, incoming)
+    return self.ring.unpack(incoming, rep - 1)
+
+  def _results(self, branch: int, h, rows: int):
+    """``(to_next, output)`` for the chunk's result ``h``."""
+    sig = self.signatures[branch]
+    if sig.output_kind == "both":
+      return h, h
+    if sig.output_kind == "output":
+      return zeros_with_rows(self.ring.example, rows), h
+    boundary = self.chunks_of[branch][0]
+    return self.ring.pack(h, boundary), zeros_with_rows(self.output_example, rows)
+
+  def _runs(self, branch: int, chunk, trees, stats, side, rngs, microbatch, taps=None,
+            tapped: bool = False):
+    """``apply_units`` runs for the branch's segments."""
+    rep = self.chunks_of[branch][0]
+    runs = []
+    for k, seg in enumerate(self.layout.segments[rep]):
+      layer = self.layers[seg.layer]
+      first = self._first_unit(branch, chunk, k)
+      apply = self._unit(branch, k, layer, side, rngs, microbatch, tapped)
+      seg_taps = None if taps is None else taps[k]
+      if seg.copies is None:
+        runs.append((apply, (trees[k], stats[k], first, seg_taps), None))
+      else:
+        units = first + jnp.arange(seg.copies)
+        runs.append((apply, (trees[k], stats[k], units, seg_taps), seg.copies))
+    return runs
+
+  def _unit(self, branch, segment, layer, side, rngs, microbatch, tapped):
+    """``fn(h, (params, stats, unit, taps)) -> (h, (statistics, records))`` for one unit."""
+
+    def apply(params, stats, h, unit, taps):
+      kwargs = layers_lib.layer_keywords(layer, self.split, *side)
+      unit_rngs = layers_lib.unit_rngs(rngs, unit, microbatch) if rngs else {}
+      if not tapped:
+        return layer.apply(params, stats, h, kwargs, unit_rngs), ()
+      run = lambda p, s, h, kw, r: layer.apply(p, s, h, kw, r)
+      program = taps_lib.trace(run, params, stats, h, kwargs, unit_rngs)
+      self._programs.setdefault((branch, segment), program)
+      param_leaves, others, _ = taps_lib.split_leaves(params, (stats, h, kwargs, unit_rngs))
+      out, records, outputs = program.forward(param_leaves, others, taps)
+      return out, (records, outputs)
+
+    def step(h, xs):
+      params, stats, unit, taps = xs
+      (h, statistics), records = apply(params, stats, h, unit, taps)
+      return h, (statistics, records)
+
+    return step
+
+  def _apply(self, branch: int, staged, fresh, incoming, broadcast, per_example, rngs,
+             microbatch, chunk, taps=None, tapped=False):
+    rep = self.chunks_of[branch][0]
+    r = self._local(branch, chunk)
+    local = checkpoint_name(self._slot(staged[PARAMS], r), remat_lib.CHUNK_PARAMS_NAME)
+    trees = self.layout.chunk_trees(local, rep)
+    if self.stats_layout is not None:
+      stats = self.stats_layout.chunk_trees(self._slot(staged[STATS], r), rep)
+    else:
+      stats = [{} for _ in trees]
+    h = self._input(branch, chunk, fresh, incoming)
+    runs = self._runs(branch, chunk, trees, stats, (broadcast, per_example), rngs, microbatch,
+                      taps, tapped)
+    h, outs = remat_lib.apply_units(h, runs, self.spec.remat, self.spec.remat_granularity,
+                                    self.spec.unroll)
+    rows = jax.tree.leaves(fresh)[0].shape[0]
+    results = self._results(branch, h, rows)
+    statistics = [out[0] for out in outs]
+    records = [out[1] for out in outs]
+    return results, statistics, records
+
+  def branch(self, index: int, policy=None):
+    """Branch ``index`` as the forward tick loop runs it: ``fn(staged, fresh, incoming,
+    broadcast, per_example, rngs, microbatch, chunk) -> (to_next, output[, sums])``, under
+    ``jax.checkpoint`` with ``policy`` (``remat.FULL`` for ``None``: save nothing; ``None`` for
+    no checkpoint). ``sums`` (with running statistics only) is the chunk's slot of pooled
+    statistics."""
+
+    def run(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk):
+      results, statistics, _ = self._apply(index, staged, fresh, incoming, broadcast,
+                                           per_example, rngs, microbatch, chunk)
+      if self.stats_layout is None:
+        return results
+      sums = self.stats_layout.chunk_slot(lax.stop_gradient(statistics),
+                                          self.chunks_of[index][0])
+      return results + (sums,)
+
+    return _checkpointed(run, policy)
+
+  def tapped_branch(self, index: int, policy=None):
+    """Branch ``index`` in the split backward's form: ``fn(staged, fresh, incoming, broadcast,
+    per_example, rngs, microbatch, chunk, taps) -> ((to_next, output), (records, outputs))``:
+    with ``taps`` (per segment, per tapped operation; stacked over a run's copies; None to only
+    record) added to the tapped operations' outputs, whose weights get no gradient here."""
+
+    def run(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk, taps):
+      results, _, records = self._apply(index, staged, fresh, incoming, broadcast, per_example,
+                                        rngs, microbatch, chunk, taps, tapped=True)
+      return results, ([r[0] for r in records], [r[1] for r in records])
+
+    return _checkpointed(run, policy)
+
+  def weight_branch(self, index: int):
+    """``W`` of branch ``index``: ``fn(staged, chunk, records, output_grads) -> grads`` shaped
+    like ``staged[PARAMS]``: the tapped operations' weight gradients. Trace the tapped branch
+    first (it records what each unit's operations are)."""
+    rep = self.chunks_of[index][0]
+
+    def run(staged, chunk, records, output_grads):
+
+      def outputs(params):
+        local = self._slot(params, self._local(index, chunk))
+        trees = self.layout.chunk_trees(local, rep)
+        outs = []
+        for k, seg in enumerate(self.layout.segments[rep]):
+          program = self._programs.get((index, k))
+          if program is None or not program.taps:
+            outs.append([])
+            continue
+          leaves = lambda tree: jax.tree.leaves(tree)
+          apply = lambda tree, recs, program=program: program.weight_outputs(leaves(tree), recs)
+          if seg.copies is not None:
+            apply = jax.vmap(apply)
+          outs.append(apply(trees[k], records[k]))
+        return outs
+
+      _, vjp = jax.vjp(outputs, staged[PARAMS])
+      return vjp(output_grads)[0]
+
+    return run
+
+
+# jax.checkpoint's policy for remat="full" is None; this sentinel asks for that checkpoint, where
+# None means no checkpoint at all.
+FULL = object()
+
+
+def _checkpointed(fn, policy):
+  if policy is None:
+    return fn
+  return jax.checkpoint(fn, policy=None if policy is FULL else policy, prevent_cse=False)
+
+
+def tick_policy(spec: spec_lib.PipelineSpec):
+  """The checkpoint around a chunk in a forward tick: the chunk policy, ``FULL`` for
+  ``remat="full"`` (the chunk keeps only its input)."""
+  policy = remat_lib.chunk_policy(spec.remat, spec.remat_granularity)
+  return FULL if policy is None else policy

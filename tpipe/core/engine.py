@@ -1,0 +1,341 @@
+"""The one pipeline engine: a layer sequence planned for one input type, and how to run it.
+
+:func:`build` plans a sequence of :class:`~tpipe.core.layers.Layer` for a
+:class:`~tpipe.PipelineSpec` and an input type (the type of every unit's input, the cut into
+chunks, :mod:`tpipe.core.plan`), and lays out its variables on the stages
+(:mod:`tpipe.core.layout`). The :class:`Pipeline` it returns runs them:
+
+* :meth:`Pipeline.apply`: the last layer's outputs for the whole batch, the same kind under
+  every schedule. Forward schedules run the forward tick loop (:mod:`tpipe.core.forward`) and
+  differentiate through it; fused schedules run their table's forward pass
+  (:func:`tpipe.core.fused.forward_outputs`), which is not meant to be differentiated (their
+  backward runs inside the schedule: differentiate :meth:`Pipeline.loss`).
+* :meth:`Pipeline.loss`: the mean over the global batch of the last layer's per-example losses,
+  differentiable under every schedule; with a fused schedule one differentiated call runs forward
+  and backward together (:func:`tpipe.core.fused.mean_loss`).
+
+Front ends (``tpipe.Sequential``, ``tpipe.pipeline``, ``tpipe.nnx``) build one per call; the
+trainer keeps one for its whole run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpipe import spec as spec_lib
+from tpipe.core import arguments
+from tpipe.core import chunks as chunks_lib
+from tpipe.core import forward
+from tpipe.core import fused
+from tpipe.core import layers as layers_lib
+from tpipe.core import layout as layout_lib
+from tpipe.core import plan as plan_lib
+from tpipe.core import remat as remat_lib
+from tpipe.core import spmd
+from tpipe.core import statistics
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pipeline:
+  """A layer sequence planned and laid out for one input type.
+
+  Attributes:
+    layers: the :class:`~tpipe.core.layers.Layer` sequence.
+    spec: the pipeline's settings.
+    plan: the cut into chunks (:class:`~tpipe.core.plan.Plan`).
+    layout: where the parameters live (:class:`~tpipe.core.layout.StageLayout`).
+    stats_layout: where running statistics live, or None when no layer has any.
+    owner: the API the user called, for messages.
+  """
+
+  layers: tuple[layers_lib.Layer, ...]
+  spec: spec_lib.PipelineSpec
+  plan: plan_lib.Plan
+  layout: layout_lib.StageLayout
+  stats_layout: layout_lib.StageLayout | None
+  owner: str
+
+  @property
+  def output(self):
+    """The abstract output of the last layer on one micro-batch (planning's micro-batch)."""
+    return self.plan.layer_inputs[-1]
+
+  def _axes(self, mesh) -> spmd.Axes:
+    mesh = self.spec.run_mesh(self.owner) if mesh is None else mesh
+    return spmd.Axes.of(mesh, self.spec.stage_axis, self.spec.data_axis)
+
+  def _call(self, x, kwargs, axes: spmd.Axes):
+    """Checks a call's input and keywords; returns the keywords split by kind."""
+    kwargs = dict(kwargs or {})
+    layers_lib.check_keywords(self.layers, kwargs, self.owner)
+    batch = layers_lib.batch_size(x, self.owner)
+    parts = self.spec.num_microbatches * axes.replicas
+    if batch % parts:
+      raise ValueError(
+          f"{self.owner}: batch size {batch} is not divisible by num_microbatches * data "
+          f"replicas = {self.spec.num_microbatches} * {axes.replicas} = {parts}; use a batch "
+          f"that is a multiple of {parts} or change num_microbatches.")
+    return arguments.split_keywords(kwargs, per_example=self.spec.per_example,
+                                    batch_size=batch, owner=self.owner)
+
+  def apply(self, params, x, kwargs: dict | None = None, *, stats=None, rngs=None, mesh=None):
+    """The last layer's outputs for the whole batch (the layers applied in order).
+
+    Args:
+      params: the staged parameters (:meth:`~tpipe.core.layout.StageLayout.to_staged`).
+      x: the input, a pytree of arrays with the batch as leading axis.
+      kwargs: keyword arguments; those named in ``spec.per_example`` are split into
+        micro-batches with ``x``, other arrays are broadcast, the rest passed as they are.
+      stats: the staged running statistics (with ``stats_layout`` only).
+      rngs: ``{stream: key}``, one key per random stream for the whole call.
+      mesh: the mesh to run on; default the spec's (:meth:`~tpipe.PipelineSpec.run_mesh`).
+
+    Returns:
+      The outputs; with ``stats``, ``(outputs, new_stats)``: the running statistics updated once
+      from the statistics pooled over the step (:mod:`tpipe.core.statistics`), staged, or None
+      when no normalization ran in training mode (nothing to update).
+    """
+    axes = self._axes(mesh)
+    split = self._call(x, kwargs, axes)
+    chunkset = self._chunkset(split, stats)
+    staged = self._staged(params, stats)
+    rngs = dict(rngs or {})
+    if self.spec.is_fused:
+      run = lambda staged, x, broadcast, per_example, rngs: fused.forward_outputs(
+          chunkset, staged, x, broadcast, per_example, rngs, schedule=self.spec.table,
+          axes=axes)
+      return _not_differentiable(run, self._differentiated_message())(
+          staged, x, split.broadcast, split.per_example, rngs)
+    for layer in self.layers:
+      layer.momenta.clear()  # Filled again while the chunks are traced.
+    result = forward.run(chunkset, staged, x, split.broadcast, split.per_example, rngs,
+                         schedule=self.spec.table, axes=axes)
+    if stats is None:
+      return result
+    outputs, sums = result
+    momenta = {(i, path): m for i, layer in enumerate(self.layers)
+               for path, m in layer.momenta.items()}
+    if not momenta:
+      return outputs, None
+    count = self.spec.num_microbatches * axes.replicas
+    layout = self.stats_layout
+    pooled = layout.to_logical(jax.tree.map(lambda a: a / count, sums))
+    new = statistics.update(layout.to_logical(stats), pooled, momenta)
+    return outputs, layout.to_staged(new)
+
+  def loss(self, params, x, kwargs: dict | None = None, *, stats=None, rngs=None, mesh=None):
+    """The mean over the global batch of the last layer's per-example losses.
+
+    Differentiable under every schedule: a forward schedule differentiates through its tick
+    loop; a fused schedule's backward runs inside the schedule (one differentiated call runs
+    forward and backward together). Arguments as for :meth:`apply`; the last layer must return
+    one float loss per example (``[batch]``).
+
+    Returns:
+      The scalar loss; with ``stats`` (forward schedules only), ``(loss, new_stats)`` as
+      :meth:`apply` returns them.
+    """
+    self._check_losses()
+    if not self.spec.is_fused:
+      result = self.apply(params, x, kwargs, stats=stats, rngs=rngs, mesh=mesh)
+      if stats is None:
+        return jnp.mean(result)
+      return jnp.mean(result[0]), result[1]
+    axes = self._axes(mesh)
+    split = self._call(x, kwargs, axes)
+    chunkset = self._chunkset(split, stats)
+    return fused.mean_loss(chunkset, self._staged(params, None), x, split.broadcast,
+                           split.per_example, dict(rngs or {}), schedule=self.spec.table,
+                           axes=axes)
+
+  def _chunkset(self, split, stats) -> chunks_lib.ChunkSet:
+    if (stats is None) != (self.stats_layout is None):
+      if stats is None:
+        raise ValueError(f"{self.owner}: layers have running statistics (BatchNorm's "
+                         "batch_stats); pass them.")
+      raise ValueError(f"{self.owner}: no layer has running statistics, but some were passed.")
+    if stats is not None and self.spec.is_fused:
+      raise ValueError(
+          f"{self.owner}: schedule={self.spec.schedule!r} does not support BatchNorm "
+          "statistics ('batch_stats'); use schedule='gpipe' or 'circular'.")
+    return chunks_lib.ChunkSet(self.layers, self.plan, self.layout, self.stats_layout,
+                               self.spec, split)
+
+  def _staged(self, params, stats):
+    self.layout.check_staged(params, what=f"{self.owner}'s staged parameters")
+    staged = {chunks_lib.PARAMS: params}
+    if stats is not None:
+      self.stats_layout.check_staged(stats, what=f"{self.owner}'s staged statistics")
+      staged[chunks_lib.STATS] = stats
+    return staged
+
+  def _check_losses(self) -> None:
+    leaves = jax.tree.leaves(self.output)
+    if (len(leaves) != 1 or len(leaves[0].shape) != 1
+        or not jnp.issubdtype(leaves[0].dtype, jnp.floating)):
+      raise ValueError(
+          f"{self.owner}: the loss is the mean of the last layer's per-example losses, so the "
+          "last layer must return one float array [batch]; it returns "
+          f"{layers_lib.types(self.output)} per micro-batch. End the layers with one that "
+          "computes each example's loss (targets passed with per_example=('targets',)).")
+
+  def _differentiated_message(self) -> str:
+    return (f"{self.owner} with schedule={self.spec.schedule!r}: the outputs are the schedule's "
+            "forward pass, whose backward runs inside the schedule; differentiate the loss "
+            "instead (the model's loss method, e.g. model.apply(..., method='loss') in linen, "
+            "model.loss(...) in NNX), or use schedule='gpipe'/'circular' to differentiate the "
+            "outputs.")
+
+  def rebuild(self, x, kwargs: dict | None = None, rng_names: Sequence[str] = ()) -> "Pipeline":
+    """The same layers and split, planned for calls like ``x`` and ``kwargs`` (other keywords,
+    another batch): the parameters' layout is the same."""
+    spec = self.spec.replace(balance=list(self.plan.counts))
+    stats = self.stats_layout.logical if self.stats_layout is not None else {}
+    return build(self.layers, spec, param_shapes=self.layout.logical, stats_shapes=stats, x=x,
+                 kwargs=kwargs, rng_names=rng_names, owner=self.owner)
+
+  # ------------------------------------------------------------------------------------------
+  # For analysis.
+
+  def costs(self, kind: str, x, kwargs: dict | None = None,
+            rng_names: Sequence[str] = ()) -> tuple[float, ...]:
+    """Every unit's cost under ``kind`` (``"params"``, ``"flops"``, ``"time"``) on one
+    micro-batch of inputs like ``x`` (``batch / M`` rows), whatever split this pipeline uses."""
+    spec = self.spec.replace(balance=kind)
+    stats = self.stats_layout.logical if self.stats_layout is not None else {}
+    return build(self.layers, spec, param_shapes=self.layout.logical, stats_shapes=stats, x=x,
+                 kwargs=kwargs, rng_names=rng_names, owner=self.owner).plan.costs
+
+  def chunk_program(self, chunk: int, x, kwargs: dict | None = None,
+                    rng_names: Sequence[str] = ()):
+    """Model chunk ``chunk`` alone, on one micro-batch of inputs like ``x``, to analyse it.
+
+    Args:
+      chunk: the model chunk.
+      x: an input like :meth:`apply`'s (arrays or ``jax.ShapeDtypeStruct``); a micro-batch is
+        ``batch / M`` of its rows.
+      kwargs: keyword arguments as for :meth:`apply`.
+      rng_names: random streams the layers draw; they get a fixed key.
+
+    Returns:
+      ``(fn, args)``: ``fn(*args)`` applies the chunk's layers in order, as a tick does but
+      without the checkpoint around the whole chunk (finer remat pieces are checkpointed as in
+      a tick); ``args`` are abstract: the chunk's variables (one tree per segment), its input on
+      one micro-batch, and the side inputs.
+    """
+    batch = layers_lib.batch_size(x, self.owner)
+    split = arguments.split_keywords(dict(kwargs or {}), per_example=self.spec.per_example,
+                                     batch_size=batch, owner=self.owner)
+    _, side = micro_inputs(x, split, batch, self.spec.num_microbatches)
+    local = self.layout.local_shapes()
+    trees = self.layout.chunk_trees(local, chunk)
+    rngs = {name: jax.random.key(0) for name in rng_names}
+    segments = self.layout.segments[chunk]
+    h = self.plan.chunk_input(chunk)
+
+    def fn(trees, h, side):
+      runs = []
+      for seg, tree in zip(segments, trees):
+        layer = self.layers[seg.layer]
+
+        def step(h, params, layer=layer):
+          kwargs = layers_lib.layer_keywords(layer, split, *side)
+          return layer.apply(params, {}, h, kwargs, rngs)[0], None
+
+        runs.append((step, tree, seg.copies))
+      return remat_lib.apply_units(h, runs, self.spec.remat, self.spec.remat_granularity,
+                                   self.spec.unroll)[0]
+
+    return fn, (trees, h, side)
+
+  def programs(self) -> list[int]:
+    """Per model chunk, which of the distinct chunk programs (``lax.switch`` branches) runs it
+    (see :mod:`tpipe.core.chunks`)."""
+    return chunks_lib.signatures(self.plan, self.layout, self.stats_layout)[1]
+
+  def describe(self) -> str:
+    """The split: each chunk's units, cost and share (see :meth:`tpipe.core.plan.Plan.describe`)."""
+    return self.plan.describe()
+
+
+def _not_differentiable(fn, message: str):
+  """``fn`` that raises ``ValueError(message)`` when differentiated (before anything runs)."""
+
+  @jax.custom_vjp
+  def run(*args):
+    return fn(*args)
+
+  def forward_rule(*args):
+    del args
+    raise ValueError(message)
+
+  def backward_rule(residuals, cotangent):
+    del residuals, cotangent
+    raise ValueError(message)
+
+  run.defvjp(forward_rule, backward_rule)
+  return run
+
+
+def micro_inputs(x, split, batch: int, num_microbatches: int):
+  """Abstract ``(x, (broadcast, per_example))`` of one planning micro-batch: ``batch / M`` rows
+  (one replica's micro-batch when ``x`` is one replica's batch)."""
+  rows = max(1, batch // num_microbatches)
+  row = lambda a: jax.ShapeDtypeStruct((rows,) + tuple(np.shape(a)[1:]), a.dtype)
+  side = (layers_lib.abstract(split.broadcast), tuple(row(a) for a in split.per_example))
+  return jax.tree.map(row, x), side
+
+
+def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, param_shapes,
+          stats_shapes, x, kwargs: dict | None = None, rng_names: Sequence[str] = (),
+          owner: str = "tpipe") -> Pipeline:
+  """Plans and lays out ``layers`` for ``spec`` and inputs like ``x`` (before any tracing of the
+  pipeline: every check raises here).
+
+  Args:
+    layers: the sequence.
+    spec: the pipeline's settings.
+    param_shapes: ``{"layers_i": tree}``, the logical parameters (arrays or abstract), a
+      repeated layer's stacked on a leading copy axis.
+    stats_shapes: the same for running statistics (``{}`` or empty trees without).
+    x: an input (arrays or ``jax.ShapeDtypeStruct``), batch first.
+    kwargs: keyword arguments as the call will get them (arrays or abstract).
+    rng_names: the random streams the call will pass.
+    owner: the API the user called, for messages.
+
+  Returns:
+    The :class:`Pipeline`.
+  """
+  layers = tuple(layers)
+  kwargs = dict(kwargs or {})
+  layers_lib.check_keywords(layers, kwargs, owner)
+  batch = layers_lib.batch_size(x, owner)
+  split = arguments.split_keywords(kwargs, per_example=spec.per_example, batch_size=batch,
+                                   owner=owner)
+  x_micro, side = micro_inputs(x, split, batch, spec.num_microbatches)
+  stats_shapes = {f"layers_{i}": stats_shapes.get(f"layers_{i}", {}) for i in range(len(layers))}
+  axis_names = (spec.data_axis, spec.stage_axis)
+  layer_inputs = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, split, side,
+                                       rng_names, owner, axis_names)
+  plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, layer_inputs, split, side,
+                            rng_names, axis_names)
+  layout = layout_lib.StageLayout.build(plan.groups, param_shapes, spec.num_stages,
+                                        spec.num_repeats, spec.placement)
+  stats_layout = None
+  if jax.tree.leaves(stats_shapes):
+    stats_layout = layout_lib.StageLayout.build(plan.groups, stats_shapes, spec.num_stages,
+                                                spec.num_repeats, spec.placement,
+                                                stacked=layout.stacked)
+  return Pipeline(layers=layers, spec=spec, plan=plan, layout=layout, stats_layout=stats_layout,
+                  owner=owner)
+
+
+def staged_shapes(pipeline: Pipeline) -> Any:
+  """The abstract staged parameters (and statistics) of ``pipeline``: ``(params, stats)``."""
+  stats = pipeline.stats_layout.staged_shapes() if pipeline.stats_layout else None
+  return pipeline.layout.staged_shapes(), stats

@@ -1,0 +1,148 @@
+"""The forward tick loop: a forward schedule (GPipe, circular) run inside ``jax.shard_map``.
+
+Every device runs the same program. A ``lax.scan`` walks the schedule's ticks; at each tick a
+device looks up in the table which (micro-batch, repeat) it works on, chooses its input (a fresh
+micro-batch, one coming back for another lap on stage 0, or what its left neighbour sent last
+tick), runs the chunk's branch (:class:`tpipe.core.chunks.ChunkSet`) through a gated
+``lax.switch`` (:mod:`tpipe.core.gated`: idle ticks compute nothing, forward or backward), and
+sends the result to its right neighbour with one ``lax.ppermute`` on the ring of stages. The last
+stage files finished micro-batches into an output buffer.
+
+Autodiff through the scan gives the backward pass (forward ticks replayed in reverse), which
+accumulates parameter gradients over micro-batches in the scan's carry.
+
+Data parallelism: the batch is split over the ``data`` mesh axis and parameters are replicated
+on it. Parameters and broadcast arrays are cast to vary over ``data`` once, at entry; the
+transpose of that cast is the one all-reduce of the step (a ``psum`` over ``data`` of each
+replica's share of the gradient), outside the tick loop. In the same way everything is cast to
+vary over ``stage`` at entry, so no gradient is summed over stages inside the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tpipe import schedules
+from tpipe.core import chunks as chunks_lib
+from tpipe.core import gated
+from tpipe.core import spmd
+
+
+def _tick_rows(schedule: schedules.Schedule, chunkset: chunks_lib.ChunkSet) -> dict:
+  """The per-tick rows the scan consumes: the table, what the last stage ran one tick ago, and
+  each (tick, stage)'s model chunk and branch (``-1`` when idle)."""
+  last_mb = np.concatenate([[schedules.IDLE], schedule.microbatch[:-1, -1]])
+  last_rep = np.concatenate([[schedules.IDLE], schedule.repeat[:-1, -1]])
+  layout = chunkset.layout
+  chunk_at = np.array([[layout.chunk_at(r, s) for s in range(schedule.num_stages)]
+                       for r in range(schedule.num_repeats)], np.int32)
+  rep = np.maximum(schedule.repeat, 0)
+  chunk = chunk_at[rep, np.arange(schedule.num_stages)[None, :]]
+  branch = np.asarray(chunkset.branch_of_chunk, np.int32)[chunk]
+  return {
+      "microbatch": np.maximum(schedule.microbatch, 0).astype(np.int32),
+      "repeat": rep.astype(np.int32),
+      "chunk": chunk,
+      "branch": np.where(schedule.busy, branch, -1).astype(np.int32),
+      "arriving_microbatch": last_mb.astype(np.int32),
+      "arriving_repeat": last_rep.astype(np.int32),
+  }
+
+
+def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
+        per_example: tuple, rngs: dict, *, schedule: schedules.Schedule,
+        axes: spmd.Axes) -> Any:
+  """Runs a forward schedule's ticks on every device at once.
+
+  Callers validate arguments first; this function assumes the batch splits into ``M``
+  micro-batches per data replica.
+
+  Args:
+    chunkset: the chunk programs.
+    staged: ``{"params": staged tree[, "stats": staged tree]}``, every leaf ``[R, S, ...]``,
+      split over the stage axis.
+    x: pytree of arrays ``[N, ...]``, the global batch.
+    broadcast: arrays every layer sees whole.
+    per_example: arrays ``[N, ...]`` split into micro-batches like ``x``.
+    rngs: ``{stream: key}``, one key per stream for the whole call.
+    schedule: the forward schedule.
+    axes: the mesh and its manual axes.
+
+  Returns:
+    The last chunk's outputs for the whole batch; with running statistics, also their sums over
+    every busy tick and data replica, staged like them (``[R, S, ...]``).
+  """
+  num_microbatches, num_repeats = schedule.num_microbatches, schedule.num_repeats
+  with_stats = chunkset.stats_layout is not None
+  ring_pairs = spmd.neighbour_pairs(schedule.num_stages, 1, wrap=num_repeats > 1)
+  rows_table = _tick_rows(schedule, chunkset)
+  policy = chunks_lib.tick_policy(chunkset.spec)
+  branches = [chunkset.branch(i, policy) for i in range(chunkset.num_branches)]
+
+  def per_device(staged, x, per_example, broadcast, rngs):
+    staged = jax.tree.map(lambda p: p[:, 0], staged)  # [R, ...]
+    # Once per step, outside the tick loop: the transposes of these casts are the gradient sums
+    # over data replicas (parameters, broadcast arrays) and over stages (inputs, side inputs).
+    if axes.data:
+      staged = lax.pcast(staged, (axes.data,), to="varying")
+    x, per_example = lax.pcast((x, per_example), (axes.stage,), to="varying")
+    broadcast = lax.pcast(broadcast, axes.manual, to="varying")
+    stage, data_index = axes.stage_index(), axes.data_index()
+    local_batch = jax.tree.leaves(x)[0].shape[0]
+    rows = local_batch // num_microbatches
+    microbatches = spmd.split_microbatches(x, num_microbatches)
+    per_example = spmd.split_microbatches(per_example, num_microbatches)
+    ring_zero = chunks_lib.zeros_with_rows(chunkset.ring.example, rows)
+    carry = {"incoming": axes.vary(ring_zero),
+             "outputs": axes.vary(spmd.stacked_zeros(
+                 chunks_lib.zeros_with_rows(chunkset.output_example, rows), num_microbatches))}
+    if with_stats:
+      slot = chunkset.stats_layout.local_shapes()
+      carry["sums"] = axes.vary(spmd.stacked_zeros(slot, num_repeats))
+    if num_repeats > 1:
+      carry["loop_back"] = axes.vary(spmd.stacked_zeros(ring_zero, num_microbatches))
+
+    def tick(carry, row):
+      carry = dict(carry)
+      row = {k: (v[stage] if v.ndim == 1 else v) for k, v in row.items()}
+      mb, rep = row["microbatch"], row["repeat"]
+      incoming = carry["incoming"]
+      if num_repeats > 1:
+        # Stage 0 parks what the last stage finished last tick until its next lap starts.
+        arriving_mb, arriving_rep = row["arriving_microbatch"], row["arriving_repeat"]
+        park = (stage == 0) & (arriving_mb >= 0) & (arriving_rep < num_repeats - 1)
+        carry["loop_back"] = spmd.write_slot(carry["loop_back"], jnp.maximum(arriving_mb, 0),
+                                             incoming, park)
+        incoming = spmd.select((stage == 0) & (rep > 0), spmd.read_slot(carry["loop_back"], mb),
+                               incoming)
+      results = gated.switch_call(
+          row["branch"], branches, staged, spmd.read_slot(microbatches, mb), incoming,
+          broadcast, spmd.read_slot(per_example, mb), rngs, data_index * num_microbatches + mb,
+          row["chunk"])
+      to_next, output = results[:2]
+      if with_stats:  # An idle tick's contribution is zeros.
+        carry["sums"] = spmd.add_to_slot(carry["sums"], rep, results[2])
+      finished = ((row["branch"] >= 0) & (stage == schedule.num_stages - 1)
+                  & (rep == num_repeats - 1))
+      carry["outputs"] = spmd.write_slot(carry["outputs"], mb, output, finished)
+      carry["incoming"] = lax.ppermute(to_next, axes.stage, ring_pairs) if ring_pairs else to_next
+      return carry, None
+
+    carry, _ = lax.scan(tick, carry, rows_table)
+    # Only the last stage wrote outputs (the others hold zeros): the sum hands them to every stage.
+    outputs = spmd.join_microbatches(lax.psum(carry["outputs"], axes.stage))
+    if not with_stats:
+      return outputs
+    sums = lax.psum(carry["sums"], axes.data) if axes.data else carry["sums"]
+    return outputs, jax.tree.map(lambda a: a[:, None], sums)
+
+  in_specs = (axes.staged_spec, axes.batch_spec, axes.batch_spec, jax.sharding.PartitionSpec(),
+              jax.sharding.PartitionSpec())
+  out_specs = axes.batch_spec if not with_stats else (axes.batch_spec, axes.staged_spec)
+  mapped = axes.shard_map(per_device, in_specs, out_specs)
+  return mapped(staged, x, tuple(per_example), tuple(broadcast), rngs)

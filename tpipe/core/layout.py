@@ -1,0 +1,383 @@
+"""Where a layer sequence's variables live on the stages, and the exact way back.
+
+At the API boundary variables are **logical**: ``{"layers_0": tree, "layers_1": tree, ...}``, one
+entry per layer as ``nn.Sequential`` names them, a repeated layer's copies stacked on a leading
+axis (``nn.scan``'s layout). The tick loops read them **staged**: every leaf has leading
+``[R, S]`` axes (stage ``s``'s ``r``-th chunk at ``[r, s]``) split over the mesh's ``stage``
+axis, so each device holds its own chunks only. A :class:`StageLayout` describes the staged tree
+of one collection (parameters, or BatchNorm's statistics) for one split::
+
+  {"stacked": {"layers_i": tree of [R, S, k_i, ...]},   # per leaf, a repeated layer's copies
+   "packed": {dtype: [R, S, n]}}                        # everything else, one buffer per dtype
+
+* **Stacked, per leaf.** A repeated layer with copies in every chunk keeps ``k_i`` copies per
+  chunk (the fewest any chunk has) as real leaves, with the layer's own names and shapes, so
+  optimizer masks, per-weight partition specs and checkpoints see them. For an even split (every
+  chunk the same number of copies, ``tpipe.pipeline``) that is all of them and the staged leaf is
+  the logical one reshaped, ``[L, ...] -> [R, S, L / (S R), ...]``.
+* **Packed.** Plain layers (an embedding, a head), a chunk's copies beyond ``k_i``, and repeated
+  layers that some chunk lacks, packed per dtype (:mod:`tpipe.core.packing`) and padded to the
+  fullest chunk: the one buffer a ``lax.switch`` branch can read whatever its layers are. Splitting
+  a chunk's copies this way pads no stage beyond the fullest chunk.
+
+Every conversion is exact (slices, reshapes, concatenations; no arithmetic).
+
+Example::
+
+  layout = StageLayout.build(plan.groups, param_shapes, num_stages=4, num_repeats=1)
+  staged = layout.to_staged(params)           # {"stacked": {...}, "packed": {...}}
+  params_again = layout.to_logical(staged)    # == params, bit for bit
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from tpipe import schedules
+from tpipe.core import layers as layers_lib
+from tpipe.core import packing
+from tpipe.core import plan as plan_lib
+
+STACKED = "stacked"
+PACKED = "packed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Units of one group that a chunk reads from one place of the staged tree.
+
+  Attributes:
+    group: the group's index in its chunk.
+    layer: the layer's index in the sequence.
+    first_unit: the global index of the segment's first unit.
+    first_copy: the first copy of the layer in the segment (0 for a plain layer).
+    copies: ``None`` for a plain layer's one unit; the number of copies of a repeated layer.
+    stacked: read from the layer's per-leaf stacked arrays (else from the packed buffers).
+  """
+
+  group: int
+  layer: int
+  first_unit: int
+  first_copy: int
+  copies: int | None
+  stacked: bool
+
+
+def _segments(chunk: Sequence[plan_lib.Group], stacked: Mapping[int, int]) -> tuple[Segment, ...]:
+  """A chunk's groups cut into segments: a stacked layer's first ``k`` copies, then the rest."""
+  out = []
+  for gi, g in enumerate(chunk):
+    if not g.repeated:
+      out.append(Segment(gi, g.layer, g.first_unit, 0, None, False))
+      continue
+    k = stacked.get(g.layer, 0)
+    if k:
+      out.append(Segment(gi, g.layer, g.first_unit, g.start, k, True))
+    if g.size > k:
+      out.append(Segment(gi, g.layer, g.first_unit + k, g.start + k, g.size - k, False))
+  return tuple(out)
+
+
+def _slice(tree, start: int, stop: int):
+  return jax.tree.map(lambda a: a[start:stop], tree)
+
+
+def _slice_shapes(tree, start: int, stop: int):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct((stop - start,) + tuple(a.shape[1:]),
+                                                     a.dtype), tree)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageLayout:
+  """The staged tree of one collection for one split (see the module documentation).
+
+  Attributes:
+    groups: per model chunk (in model-chunk order), its groups.
+    num_stages: S.
+    num_repeats: R, chunks per stage.
+    placement: where model chunk ``c`` lives (:func:`tpipe.schedules.virtual_stages`).
+    logical: the logical variables' abstract shapes ``{"layers_i": tree}``.
+    stacked: ``{layer: k}``: the copies per chunk a repeated layer keeps per leaf.
+    segments: per model chunk, its :class:`Segment` s in order.
+    packed_layouts: per model chunk, the packing of its packed segments' trees (a list).
+    packed_sizes: per dtype, the packed buffer's length (the fullest chunk's need).
+  """
+
+  groups: tuple[tuple[plan_lib.Group, ...], ...]
+  num_stages: int
+  num_repeats: int
+  placement: str
+  logical: Any
+  stacked: dict[int, int]
+  segments: tuple[tuple[Segment, ...], ...]
+  packed_layouts: tuple[packing.Layout, ...]
+  packed_sizes: dict[str, int]
+
+  @classmethod
+  def build(cls, groups, logical_shapes: Mapping[str, Any], num_stages: int, num_repeats: int,
+            placement: str = "loop", stacked: Mapping[int, int] | None = None) -> "StageLayout":
+    """The layout of ``logical_shapes`` (arrays or ShapeDtypeStructs) cut by ``groups``.
+
+    Args:
+      groups: per model chunk, its groups (:attr:`tpipe.core.plan.Plan.groups`).
+      logical_shapes: ``{"layers_i": tree}``, arrays or ShapeDtypeStructs.
+      num_stages: S.
+      num_repeats: R.
+      placement: where model chunks live.
+      stacked: ``{layer: k}`` to keep per leaf; by default every repeated layer with copies in
+        every chunk keeps the fewest any chunk has. Give another collection's layout's
+        ``stacked`` so both cut their chunks into the same segments.
+    """
+    if len(groups) != num_stages * num_repeats:
+      raise ValueError(f"{len(groups)} chunks for {num_stages} stages x {num_repeats} repeats.")
+    schedules.virtual_stages(placement, num_stages, num_repeats)  # Raises if unknown.
+    logical = layers_lib.abstract(dict(logical_shapes))
+    if stacked is None:
+      stacked = {}
+      repeated = {g.layer for chunk in groups for g in chunk if g.repeated}
+      for layer in sorted(repeated):
+        per_chunk = [sum(g.size for g in chunk if g.layer == layer) for chunk in groups]
+        if min(per_chunk) and jax.tree.leaves(logical.get(f"layers_{layer}", {})):
+          stacked[layer] = min(per_chunk)
+    stacked = dict(stacked)
+    segments = tuple(_segments(chunk, stacked) for chunk in groups)
+    layouts = []
+    for chunk in segments:
+      trees = [_segment_shapes(logical, seg) for seg in chunk if not seg.stacked]
+      layouts.append(packing.layout_of(trees))
+    return cls(groups=tuple(groups), num_stages=num_stages, num_repeats=num_repeats,
+               placement=placement, logical=logical, stacked=stacked, segments=segments,
+               packed_layouts=tuple(layouts), packed_sizes=packing.buffer_sizes(layouts))
+
+  @property
+  def num_chunks(self) -> int:
+    return len(self.groups)
+
+  def position(self, chunk: int) -> tuple[int, int]:
+    """``(r, s)``: model chunk ``chunk``'s local chunk index and stage."""
+    r, s = divmod(chunk, self.num_stages)
+    if self.placement == "v" and r == 1:
+      s = self.num_stages - 1 - s
+    return r, s
+
+  def chunk_at(self, r: int, s: int) -> int:
+    """The model chunk at local chunk ``r`` of stage ``s``."""
+    return next(c for c in range(self.num_chunks) if self.position(c) == (r, s))
+
+  # ------------------------------------------------------------------------------------------
+  # Shapes.
+
+  def local_shapes(self) -> dict[str, Any]:
+    """One chunk slot's abstract tree (the staged tree without ``[R, S]``)."""
+    stacked = {f"layers_{i}": _slice_shapes(self.logical[f"layers_{i}"], 0, k)
+               for i, k in self.stacked.items()}
+    packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in self.packed_sizes.items()}
+    return {STACKED: stacked, PACKED: packed}
+
+  def staged_shapes(self) -> dict[str, Any]:
+    """The staged tree's abstract shapes (every leaf ``[R, S, ...]``)."""
+    lead = (self.num_repeats, self.num_stages)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype),
+                        self.local_shapes())
+
+  def partition_specs(self, stage_axis: str = "stage"):
+    """Where the staged tree lives: every leaf split over ``stage_axis`` on its stage axis."""
+    return jax.tree.map(lambda _: P(None, stage_axis), self.local_shapes())
+
+  def check_staged(self, staged, what: str = "staged variables") -> None:
+    """Raises ValueError unless ``staged`` has this layout's structure and shapes."""
+    want = jax.tree.map(lambda a: tuple(a.shape), self.staged_shapes())
+    try:
+      got = jax.tree.map(lambda a: tuple(np.shape(a)), dict(staged))
+    except (TypeError, ValueError):
+      got = type(staged).__name__
+    if got != want:
+      raise ValueError(
+          f"{what} have shapes {got}, but this model's stage layout needs {want}. They were "
+          "made for another split (stages, repeats or balance): convert them with that "
+          "model's layout.to_logical(...) and this one's to_staged(...), or pass logical "
+          "variables {'layers_0': ..., ...}.")
+
+  # ------------------------------------------------------------------------------------------
+  # One chunk.
+
+  def chunk_trees(self, local, chunk: int) -> list:
+    """Model chunk ``chunk``'s variables, one tree per segment, from its slot ``local`` (the
+    staged tree at its ``[r, s]``)."""
+    packed = iter(packing.unpack(local[PACKED], self.packed_layouts[chunk]))
+    return [local[STACKED][f"layers_{seg.layer}"] if seg.stacked else next(packed)
+            for seg in self.segments[chunk]]
+
+  def chunk_slot(self, trees: Sequence[Any], chunk: int):
+    """The inverse of :meth:`chunk_trees`: a slot holding ``trees`` (one per segment)."""
+    stacked = {f"layers_{seg.layer}": tree for seg, tree in zip(self.segments[chunk], trees)
+               if seg.stacked}
+    packed = [tree for seg, tree in zip(self.segments[chunk], trees) if not seg.stacked]
+    return {STACKED: stacked,
+            PACKED: packing.pack(packed, self.packed_layouts[chunk], self.packed_sizes)}
+
+  def chunk_bytes(self) -> list[int]:
+    """Per model chunk, the bytes of variables it holds (without padding)."""
+    out = []
+    for chunk in self.segments:
+      total = 0
+      for seg in chunk:
+        tree = _segment_shapes(self.logical, seg)
+        total += sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                     for a in jax.tree.leaves(tree))
+      out.append(total)
+    return out
+
+  def chunk_elements(self) -> list[Any]:
+    """Per model chunk, a tree shaped like one slot (:meth:`local_shapes`) holding how many of
+    each leaf's elements are the chunk's own (the rest is padding)."""
+    out = []
+    for c, chunk in enumerate(self.segments):
+      stacked = {f"layers_{seg.layer}": jax.tree.map(lambda a: int(np.prod(a.shape)),
+                                                     _segment_shapes(self.logical, seg))
+                 for seg in chunk if seg.stacked}
+      sizes = self.packed_layouts[c].sizes()
+      packed = {k: sizes.get(k, 0) for k in self.packed_sizes}
+      out.append({STACKED: stacked, PACKED: packed})
+    return out
+
+  def slot_bytes(self) -> int:
+    """Bytes of one chunk slot, padding included (what every chunk occupies)."""
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(self.local_shapes()))
+
+  def packed_mask(self, predicate):
+    """Which elements of the packed buffers belong to leaves ``predicate(path)`` selects.
+
+    Args:
+      predicate: takes a leaf's key path inside its layer's tree (e.g. ending in
+        ``DictKey("kernel")``) and returns whether to select it.
+
+    Returns:
+      Per dtype, ``mask(shape) -> bool array`` of the staged buffer's shape ``[R, S, n]``,
+      computed from the elements' positions (a few comparisons per selected range; no stored
+      mask).
+    """
+    ranges = {k: {} for k in self.packed_sizes}
+    for c, layout in enumerate(self.packed_layouts):
+      paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
+          jax.tree.unflatten(layout.treedef, list(range(len(layout.shapes)))))[0]]
+      slot = self.position(c)
+      for path, shape, key, offset in zip(paths, layout.shapes, layout.dtypes, layout.offsets):
+        if predicate(path):
+          found = ranges[key].setdefault(slot, [])
+          stop = offset + int(np.prod(shape))
+          if found and found[-1][1] == offset:
+            found[-1] = (found[-1][0], stop)
+          else:
+            found.append((offset, stop))
+    return {k: _range_mask(found, self.num_repeats, self.num_stages)
+            for k, found in ranges.items()}
+
+  # ------------------------------------------------------------------------------------------
+  # The whole tree.
+
+  def _uniform(self, layer: int) -> bool:
+    """Whether repeated ``layer`` is cut evenly in loop placement (staged = a reshape)."""
+    k = self.stacked[layer]
+    n = self.logical[f"layers_{layer}"]
+    n = jax.tree.leaves(n)[0].shape[0]
+    return (self.placement == "loop" and n == k * self.num_chunks and
+            all(seg.first_copy == c * k for c, chunk in enumerate(self.segments)
+                for seg in chunk if seg.stacked and seg.layer == layer))
+
+  def to_staged(self, logical: Mapping[str, Any]):
+    """Logical ``{"layers_i": tree}`` to the staged tree; exact."""
+    order = [self.chunk_at(r, s) for r in range(self.num_repeats)
+             for s in range(self.num_stages)]
+    lead = (self.num_repeats, self.num_stages)
+    stacked = {}
+    for layer, k in self.stacked.items():
+      name = f"layers_{layer}"
+      if self._uniform(layer):
+        stacked[name] = jax.tree.map(lambda a: a.reshape(lead + (k,) + a.shape[1:]),
+                                     logical[name])
+        continue
+      parts = [next(_slice(logical[name], seg.first_copy, seg.first_copy + k)
+                    for seg in self.segments[c] if seg.stacked and seg.layer == layer)
+               for c in order]
+      stacked[name] = jax.tree.map(lambda *a: jnp.stack(a).reshape(lead + a[0].shape), *parts)
+    packed = []
+    for c in order:
+      trees = [_segment_values(logical, self.logical, seg) for seg in self.segments[c]
+               if not seg.stacked]
+      packed.append(packing.pack(trees, self.packed_layouts[c], self.packed_sizes))
+    packed = {k: jnp.stack([p[k] for p in packed]).reshape(lead + (n,))
+              for k, n in self.packed_sizes.items()}
+    return {STACKED: stacked, PACKED: packed}
+
+  def to_logical(self, staged) -> dict[str, Any]:
+    """The staged tree back to logical ``{"layers_i": tree}``; exact."""
+    self.check_staged(staged)
+    pieces: dict[int, list] = {}
+    for c in range(self.num_chunks):
+      r, s = self.position(c)
+      local = jax.tree.map(lambda a, r=r, s=s: a[r, s], staged)
+      for seg, tree in zip(self.segments[c], self.chunk_trees(local, c)):
+        pieces.setdefault(seg.layer, []).append((seg.first_copy, seg.copies, tree))
+    logical = {}
+    for layer, tree in self.logical.items():
+      index = int(layer.split("_")[1])
+      if index in self.stacked and self._uniform(index):
+        leaves = staged[STACKED][layer]
+        logical[layer] = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[3:]), leaves)
+      elif index not in pieces or not jax.tree.leaves(tree):
+        logical[layer] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+      elif pieces[index][0][1] is None:
+        logical[layer] = pieces[index][0][2]
+      else:
+        parts = [p[2] for p in sorted(pieces[index], key=lambda p: p[0])]
+        logical[layer] = jax.tree.map(lambda *a: jnp.concatenate(a, 0), *parts)
+    return logical
+
+
+def _segment_shapes(logical, seg: Segment):
+  tree = logical[f"layers_{seg.layer}"]
+  if seg.copies is None:
+    return tree
+  return _slice_shapes(tree, seg.first_copy, seg.first_copy + seg.copies)
+
+
+def _segment_values(values, logical, seg: Segment):
+  """A segment's slice of logical ``values`` (a layer without variables may be absent: Flax
+  omits empty collections)."""
+  name = f"layers_{seg.layer}"
+  if name not in values:
+    if jax.tree.leaves(logical[name]):
+      raise ValueError(f"the variables hold no {name!r}, which has "
+                       f"{jax.tree.map(lambda a: tuple(a.shape), logical[name])}.")
+    return logical[name]
+  tree = values[name]
+  if seg.copies is None:
+    return tree
+  return _slice(tree, seg.first_copy, seg.first_copy + seg.copies)
+
+
+def _range_mask(ranges: dict, num_repeats: int, num_stages: int):
+  """``mask(shape)``: True at ``[r, s, i]`` where ``i`` is in one of ``ranges[(r, s)]``."""
+  count = max([len(v) for v in ranges.values()], default=0)
+  bounds = np.zeros((num_repeats, num_stages, max(count, 1), 2), np.int32)
+  for (r, s), found in ranges.items():
+    bounds[r, s, :len(found)] = found
+
+  def mask(shape):
+    position = lax.broadcasted_iota(jnp.int32, shape, 2)
+    selected = jnp.zeros(shape, bool)
+    for k in range(count):
+      start, stop = bounds[:, :, k:k + 1, 0], bounds[:, :, k:k + 1, 1]
+      selected = selected | ((position >= start) & (position < stop))
+    return selected
+
+  return mask

@@ -1,0 +1,262 @@
+"""Planning a layer sequence: the type of every unit's input, each unit's cost, and the cut into
+chunks.
+
+A sequence of :class:`~tpipe.core.layers.Layer` is expanded into **units** (a layer repeated
+``n`` times counts ``n``) and cut into ``S * R`` contiguous **chunks** balanced by cost
+(:func:`tpipe.partition.balanced_split`) or as the spec's explicit counts say. Model chunk ``c``
+runs on the stage the schedule's placement gives it, so the layers are met in order. A
+:class:`Plan` holds the result for one input type: unit names and costs, units per chunk, and per
+chunk its units grouped by layer (:class:`Group`).
+
+Shapes are found by evaluating each layer abstractly on one micro-batch
+(:func:`trace_inputs`); a layer that fails on the previous one's output is reported with both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from tpipe import partition
+from tpipe import schedules
+from tpipe import spec as spec_lib
+from tpipe.core import layers as layers_lib
+from tpipe.core import unit_cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Consecutive units of one layer inside one chunk: a plain layer, or a slice of a repeated one.
+
+  Attributes:
+    layer: the layer's index in the sequence (its variables are ``layers_{layer}``).
+    first_unit: the global index of the group's first unit (RNG streams are folded by it).
+    start: the first copy of a repeated layer in this group (0 for a plain layer).
+    stop: one past the last copy (1 for a plain layer).
+    repeated: whether the layer is repeated (its variables have a leading copy axis).
+  """
+
+  layer: int
+  first_unit: int
+  start: int
+  stop: int
+  repeated: bool
+
+  @property
+  def size(self) -> int:
+    return self.stop - self.start
+
+
+def group_units(copies: Sequence[int | None],
+                counts: Sequence[int]) -> tuple[tuple[Group, ...], ...]:
+  """Cuts a layer sequence into chunks of ``counts`` units, grouped by layer.
+
+  Args:
+    copies: per layer, its number of copies, or None for a plain layer (one unit).
+    counts: units per chunk, in order; they sum to the number of units.
+
+  Returns:
+    Per chunk, its groups in order.
+
+  Example::
+
+    >>> [[(g.layer, g.start, g.stop) for g in chunk] for chunk in group_units([None, 4, None],
+    ...                                                                       [2, 2, 2])]
+    [[(0, 0, 1), (1, 0, 1)], [(1, 1, 3)], [(1, 3, 4), (2, 0, 1)]]
+  """
+  unit_layer = []
+  for i, n in enumerate(copies):
+    unit_layer += [(i, j) for j in range(1 if n is None else n)]
+  if sum(counts) != len(unit_layer):
+    raise ValueError(f"counts {tuple(counts)} sum to {sum(counts)}, not the {len(unit_layer)} "
+                     "units of the layers.")
+  groups, start = [], 0
+  for count in counts:
+    chunk = []
+    for u in range(start, start + count):
+      i, j = unit_layer[u]
+      if chunk and chunk[-1].layer == i:
+        chunk[-1] = dataclasses.replace(chunk[-1], stop=j + 1)
+      else:
+        chunk.append(Group(layer=i, first_unit=u, start=j, stop=j + 1,
+                           repeated=copies[i] is not None))
+    groups.append(tuple(chunk))
+    start += count
+  return tuple(groups)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  """How a layer sequence is cut into chunks for one input type.
+
+  Attributes:
+    unit_names: a name per unit (``layers_3[7] Block`` for copy 7 of layer 3).
+    costs: the cost of every unit under the balance used (parameter counts for explicit counts).
+    counts: units per model chunk, in model-chunk order.
+    groups: per model chunk, its units grouped by layer.
+    layer_inputs: the abstract input of every layer on one micro-batch, and last the sequence's
+      output.
+    num_stages: S.
+    placement: where model chunks live (see :func:`tpipe.schedules.virtual_stages`).
+  """
+
+  unit_names: tuple[str, ...]
+  costs: tuple[float, ...]
+  counts: tuple[int, ...]
+  groups: tuple[tuple[Group, ...], ...]
+  layer_inputs: tuple[Any, ...]
+  num_stages: int
+  placement: str = "loop"
+
+  @property
+  def num_chunks(self) -> int:
+    return len(self.counts)
+
+  def chunk_input(self, chunk: int):
+    """The abstract input of model chunk ``chunk`` (one micro-batch)."""
+    return self.layer_inputs[self.groups[chunk][0].layer]
+
+  def chunk_output(self, chunk: int):
+    """The abstract output of model chunk ``chunk``: the next chunk's input, or the output."""
+    if chunk == self.num_chunks - 1:
+      return self.layer_inputs[-1]
+    return self.chunk_input(chunk + 1)
+
+  def stage_of(self, chunk: int) -> int:
+    """The stage model chunk ``chunk`` runs on."""
+    num_repeats = self.num_chunks // self.num_stages
+    vstage = schedules.virtual_stages(self.placement, self.num_stages, num_repeats)
+    return int(np.argwhere(vstage == chunk)[0][0])
+
+  def describe(self) -> str:
+    """A table of the chunks: units, cost and share; with several chunks per stage, where each
+    chunk runs."""
+    text = partition.describe_split(self.counts, self.costs, names=self.unit_names)
+    if self.num_chunks == self.num_stages:
+      return text
+    where = ", ".join(f"chunk {c} -> stage {self.stage_of(c)}" for c in range(self.num_chunks))
+    return f"{text}\n({self.placement} placement: {where})"
+
+
+def trace_inputs(layers, param_shapes, stats_shapes, x_micro, split, side, rng_names,
+                 owner: str, axis_names: tuple[str, ...] = ()) -> tuple[Any, ...]:
+  """The abstract input of every layer on one micro-batch, and last the sequence's output.
+
+  Args:
+    layers: the :class:`~tpipe.core.layers.Layer` sequence.
+    param_shapes: ``{"layers_i": tree}``, abstract, a repeated layer's stacked.
+    stats_shapes: the same for running statistics (``{}`` entries without).
+    x_micro: the abstract input on one micro-batch.
+    split: the keyword arguments (:class:`tpipe.core.arguments.SplitArguments`).
+    side: ``(broadcast, per_example)`` abstract arrays (a micro-batch of the per-example ones).
+    rng_names: the random streams the layers get (a placeholder key each).
+    owner: the API the user called, for messages.
+    axis_names: the mesh axes to bind outside the pipeline (see
+      :func:`tpipe.core.layers.outside_mesh`).
+
+  Raises:
+    ValueError: a repeated layer changes its input's type, or a layer fails on the previous
+      layer's output (the message names both layers and the type that did not fit).
+  """
+  inputs, h = [], x_micro
+  for i, layer in enumerate(layers):
+    inputs.append(h)
+    params, stats = param_shapes[f"layers_{i}"], stats_shapes.get(f"layers_{i}", {})
+    if layer.copies is not None:
+      params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
+    out = abstract_output(layer, params, stats, h, split, side, rng_names,
+                          where=failure_message(layers, i, owner), axis_names=axis_names)
+    if layer.copies is not None and not layers_lib.same_type(h, out):
+      raise ValueError(
+          f"{owner}: layers[{i}] repeats {layer.kind}, which maps {layers_lib.types(h)} to "
+          f"{layers_lib.types(out)}; a repeated layer must keep its input's structure, shapes "
+          "and dtypes.")
+    h = out
+  inputs.append(h)
+  return tuple(inputs)
+
+
+def failure_message(layers, i: int, owner: str) -> str:
+  """The start of the message when layer ``i`` fails on its input: it names both layers."""
+  source = (f"the output of layers[{i - 1}] ({layers[i - 1].kind})" if i else
+            "the pipeline's input")
+  return f"{owner}: layers[{i}] ({layers[i].kind}) failed on {source}"
+
+
+def abstract_output(layer, params, stats, h, split, side, rng_names, where: str = "",
+                    axis_names: tuple[str, ...] = ()):
+  """``layer``'s abstract output on one copy's ``params``/``stats`` and input ``h``."""
+  rngs = {name: jax.random.key(0) for name in rng_names}
+  apply = layers_lib.outside_mesh(layer.apply, axis_names)
+
+  def run(params, stats, h, broadcast, per_example):
+    kwargs = layers_lib.layer_keywords(layer, split, broadcast, per_example)
+    return apply(params, stats, h, kwargs, rngs)[0]
+
+  try:
+    return jax.eval_shape(run, params, stats, h, *side)
+  except (TypeError, ValueError) as error:
+    if not where:
+      raise
+    raise type(error)(f"{where}, {layers_lib.types(h)}: {type(error).__name__}: {error}"
+                      ) from error
+
+
+def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs, split, side,
+               rng_names, axis_names: tuple[str, ...] = ()) -> tuple[float, ...]:
+  """The cost of every unit under ``kind`` (``"params"``, ``"flops"`` or ``"time"``).
+
+  A repeated layer's copies are measured once, as one copy, and count that cost each. FLOPs and
+  times are cached per distinct layer, input and keywords (:func:`tpipe.core.unit_cost.cost`).
+  """
+  costs = []
+  for i, layer in enumerate(layers):
+    params, stats = param_shapes[f"layers_{i}"], stats_shapes.get(f"layers_{i}", {})
+    if layer.copies is not None:
+      params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
+    if kind == "params":
+      cost = float(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))
+    else:
+      rngs = {name: jax.random.key(0) for name in rng_names}
+      bound = layers_lib.outside_mesh(layer.apply, axis_names)
+
+      def apply(params, h, broadcast, per_example, layer=layer, stats=stats, bound=bound):
+        kwargs = layers_lib.layer_keywords(layer, split, broadcast, per_example)
+        return bound(params, stats, h, kwargs, rngs)[0]
+
+      keywords = layers_lib.layer_keywords(layer, split, *side)
+      identity = (None if layer.identity is None else
+                  (layer.identity, unit_cost.abstract_key(keywords), tuple(rng_names),
+                   unit_cost.abstract_key(stats)))
+      cost = unit_cost.cost(kind, apply, params, layer_inputs[i], side, identity=identity)
+    costs += [cost] * layer.units
+  return tuple(costs)
+
+
+def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, layer_inputs,
+              split, side, rng_names=(), axis_names: tuple[str, ...] = ()) -> Plan:
+  """Chooses the chunks for ``spec`` (see :class:`Plan`); with an explicit balance the costs
+  shown are parameter counts.
+
+  Raises:
+    ValueError: fewer units than chunks, or explicit counts that do not sum to the units.
+  """
+  num_units = sum(layer.units for layer in layers)
+  if num_units < spec.num_chunks:
+    raise ValueError(
+        f"the layers have {num_units} units but num_stages * num_repeats = {spec.num_chunks} "
+        "chunks need at least one each; use fewer stages or repeats, or more layers.")
+  kind = spec.balance if isinstance(spec.balance, str) else "params"
+  costs = unit_costs(layers, kind, param_shapes, stats_shapes, layer_inputs, split, side,
+                     rng_names, axis_names)
+  if isinstance(spec.balance, str):
+    counts = partition.balanced_split(costs, spec.num_chunks)
+  else:
+    counts = partition.check_balance(spec.balance, num_units, spec.num_chunks)
+  groups = group_units([layer.copies for layer in layers], counts)
+  return Plan(unit_names=layers_lib.unit_names(layers), costs=costs, counts=tuple(counts),
+              groups=groups, layer_inputs=tuple(layer_inputs), num_stages=spec.num_stages,
+              placement=spec.placement)

@@ -1,0 +1,127 @@
+"""Flax linen modules as the core's layers: pure functions of their variables.
+
+:func:`as_layer` turns a linen module (or ``n`` stacked copies of one) into a
+:class:`tpipe.core.layers.Layer` whose ``apply(params, stats, x, kwargs, rngs)`` is
+``module.apply`` on those variables. A ``nn.BatchNorm`` that runs in training mode inside it
+reports ``E[x]`` and ``E[x^2]`` of its input in the place of its mean and var (the engine pools
+them over the step, :mod:`tpipe.core.statistics`) and records its momentum in the layer's
+``momenta`` at trace time. :func:`init_variables` initialises a layer's variables, each copy of a
+repeated layer from its own key.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tpipe.core import arguments
+from tpipe.core import layers as layers_lib
+
+# The variable collection of BatchNorm's running statistics.
+STATS = "batch_stats"
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords_of_class(cls) -> tuple[str, ...] | None:
+  params = list(inspect.signature(cls.__call__).parameters.values())[2:]
+  if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+    return None
+  return arguments.extra_parameter_names(cls.__call__)
+
+
+def keywords_of(module: nn.Module) -> tuple[str, ...] | None:
+  """Keyword names ``module.__call__`` takes after its input; None if it takes ``**kwargs``."""
+  return _keywords_of_class(type(module))
+
+
+def as_layer(module: nn.Module, copies: int | None, owner: str) -> layers_lib.Layer:
+  """The core layer of a linen module.
+
+  Args:
+    module: an unbound linen module (a template: applied with the variables given).
+    copies: ``None`` for a plain layer, ``n`` for ``n`` stacked copies.
+    owner: the API the user called, for messages.
+  """
+  template = module.clone(parent=None)
+  momenta: dict = {}
+
+  def apply(params, stats, h, kwargs, rngs):
+    return _apply_recording(template, params, stats, h, kwargs, rngs, momenta, owner)
+
+  return layers_lib.Layer(kind=type(template).__name__, copies=copies, apply=apply,
+                          keywords=keywords_of(template), identity=template, momenta=momenta)
+
+
+def _apply_recording(template, params, stats, h, kwargs, rngs, momenta: dict, owner: str):
+  """Applies a layer to one micro-batch; returns its output and, shaped like ``stats``, each
+  training-mode BatchNorm's ``E[x]`` (in the place of ``mean``) and ``E[x^2]`` (of ``var``),
+  zeros elsewhere. Statistics the layer would update are dropped; missing ones (shape and cost
+  passes) are created."""
+  seen = {}
+
+  def interceptor(next_fun, args, call_kwargs, context):
+    module = context.module
+    if isinstance(module, nn.BatchNorm) and context.method_name == "__call__":
+      use_running = args[1] if len(args) > 1 else call_kwargs.get("use_running_average")
+      use_running = nn.merge_param("use_running_average", module.use_running_average,
+                                   use_running)
+      if not use_running:
+        if call_kwargs.get("mask") is not None:
+          raise ValueError(f"{owner}: BatchNorm with a mask is not supported; the statistics "
+                           "pooled over micro-batches would need the mask's counts.")
+        x = args[0]
+        x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        feature = {a % x.ndim for a in ((module.axis,) if isinstance(module.axis, int)
+                                        else module.axis)}
+        reduce = tuple(a for a in range(x.ndim) if a not in feature)
+        path = tuple(module.scope.path)
+        seen[path] = (x.mean(reduce), (x * x).mean(reduce))
+        momenta[path] = float(module.momentum)
+    return next_fun(*args, **call_kwargs)
+
+  variables = {"params": params, **({STATS: stats} if jax.tree.leaves(stats) else {})}
+  with nn.intercept_methods(interceptor):
+    out = template.apply(variables, h, **kwargs, rngs=rngs, mutable=[STATS])[0]
+
+  def contribution(path, value):
+    keys = tuple(getattr(k, "key", None) for k in path)
+    if keys[:-1] not in seen:
+      return jnp.zeros_like(value)
+    mean, mean_of_squares = seen[keys[:-1]]
+    return (mean if keys[-1] == "mean" else mean_of_squares).astype(value.dtype)
+
+  return out, jax.tree_util.tree_map_with_path(contribution, stats)
+
+
+def init_variables(module: nn.Module, copies: int | None, key, h, kwargs, rngs,
+                   axis_names: tuple[str, ...]) -> dict:
+  """A layer's initial variables (unboxed): each copy of a repeated layer from its own key
+  (``jax.random.split(key, n)``), stacked on a leading axis."""
+  template = module.clone(parent=None)
+
+  def init_one(k):
+    init = layers_lib.outside_mesh(template.init, axis_names)
+    return nn.meta.unbox(init({"params": k, **rngs}, h, **kwargs))
+
+  if copies is None:
+    return init_one(key)
+  return jax.vmap(init_one)(jax.random.split(key, copies))
+
+
+def abstract_variables(module: nn.Module, copies: int | None, h, kwargs, rng_names,
+                       axis_names: tuple[str, ...]) -> dict:
+  """The abstract shapes of a layer's variables (nothing allocated)."""
+  rngs = {name: jax.random.key(0) for name in rng_names}
+  return jax.eval_shape(lambda k, h, kw: init_variables(module, copies, k, h, kw, rngs,
+                                                        axis_names),
+                        jax.random.key(0), h, kwargs)
+
+
+def variable_collections(variables: Any) -> list[str]:
+  """Collections other than ``params`` and ``batch_stats`` (unsupported)."""
+  return sorted(set(variables) - {"params", STATS})

@@ -1,0 +1,152 @@
+"""Flax NNX modules as the core's layers: pure functions of their state, via ``nnx.split`` and
+``nnx.merge``.
+
+:func:`as_layer` splits an NNX layer (or the stacked copies of a :class:`tpipe.nnx.Repeat`) into
+its graph definition and its ``nnx.Param``, ``nnx.BatchStat`` and RNG states, and returns a
+:class:`tpipe.core.layers.Layer` whose ``apply(params, stats, x, kwargs, rngs)`` merges a fresh
+copy of the layer from those values and calls it. Nothing of the user's module is touched.
+
+* RNG streams (an ``nnx.Dropout``'s): the copy's ``j``-th ``nnx.RngKey`` (in ``nnx.split``
+  order) restarts from ``fold_in(k, j)``, ``k`` being the key the engine gives the unit for the
+  stream :data:`RNG_STREAM`, with its count at 0.
+* ``nnx.BatchNorm``: the fresh copy's momentum is set to 0, so a training-mode call leaves its
+  running averages equal to the micro-batch's own statistics; they are reported as ``E[x]`` (the
+  mean) and ``E[x^2]`` (var + mean^2) for the engine to pool over the step, and the layer's own
+  momentum is recorded for the one update per step (:mod:`tpipe.core.statistics`). A
+  BatchNorm called with a mask reports its masked statistics, and each micro-batch counts equally
+  in the pooled averages.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tpipe.core import arguments
+from tpipe.core import layers as layers_lib
+
+# The engine's stream whose key seeds the layers' own RNG streams.
+RNG_STREAM = "dropout"
+
+
+def split(layer: nnx.Module, where: str):
+  """``layer``'s graph definition and its ``Param``, ``BatchStat`` and RNG states; raises for
+  any other state, and for a ``BatchStat`` outside an ``nnx.BatchNorm``."""
+  graphdef, params, stats, rng_state, rest = nnx.split(layer, nnx.Param, nnx.BatchStat,
+                                                       nnx.RngState, ...)
+  if jax.tree.leaves(rest):
+    kinds = sorted({type(v).__name__ for v in
+                    jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
+    raise ValueError(
+        f"{where}: {type(layer).__name__} holds NNX state other than nnx.Param, nnx.BatchNorm "
+        f"statistics and RNG streams ({', '.join(kinds)}: "
+        f"{[p for p, _ in nnx.to_flat_state(rest)][:4]}). tpipe.nnx cannot give other mutable "
+        "nnx.Variables pipeline semantics; keep such state outside the pipelined layers.")
+  norms = set(batch_norms(layer))
+  expected = {path + (name,) for path in norms for name in ("mean", "var")}
+  stray = sorted(set(tuple(p) for p, _ in nnx.to_flat_state(stats)) - expected, key=str)
+  if stray:
+    raise ValueError(
+        f"{where}: {type(layer).__name__} has nnx.BatchStat variables outside an nnx.BatchNorm "
+        f"({stray[:4]}); tpipe.nnx pools the statistics of nnx.BatchNorm layers only.")
+  return graphdef, params, stats, rng_state
+
+
+def batch_norms(layer: nnx.Module) -> dict[tuple, nnx.BatchNorm]:
+  """The ``nnx.BatchNorm`` modules of ``layer`` by graph path, in graph order."""
+  return {tuple(path): node for path, node in nnx.iter_graph(layer)
+          if isinstance(node, nnx.BatchNorm)}
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords_of_class(cls) -> tuple[str, ...] | None:
+  params = list(inspect.signature(cls.__call__).parameters.values())[2:]
+  if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+    return None
+  return arguments.extra_parameter_names(cls.__call__)
+
+
+def _rng_state(template, key):
+  """The RNG state with its ``j``-th key ``fold_in(key, j)`` and its counts 0."""
+  leaves, tree = jax.tree_util.tree_flatten(template)
+  out, j = [], 0
+  for leaf in leaves:
+    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      out.append(jax.random.fold_in(key, j))
+      j += 1
+    else:
+      out.append(jnp.zeros(leaf.shape, leaf.dtype))
+  return jax.tree_util.tree_unflatten(tree, out)
+
+
+def as_layer(layer: nnx.Module, copies: int | None,
+             where: str) -> tuple[layers_lib.Layer, Any, Any]:
+  """The core layer of an NNX module, and its logical ``Param`` and ``BatchStat`` states.
+
+  Args:
+    layer: the module; for a repeated layer, the module holding the stacked copies.
+    copies: ``None`` for a plain layer, ``n`` for ``n`` stacked copies.
+    where: the layer's name for messages (``tpipe.nnx.Sequential layers[2]``).
+
+  Returns:
+    ``(layer, params, stats)``: the core layer; its ``Param`` and ``BatchStat`` states as pure
+    dicts (a repeated layer's stacked).
+  """
+  graphdef, params, stats, rng_state = split(layer, where)
+  rng_template = nnx.to_pure_dict(rng_state)
+  has_rngs = bool(jax.tree.leaves(rng_template))
+  own_momenta = {path: float(norm.momentum) for path, norm in batch_norms(layer).items()}
+  momenta: dict = {}
+
+  def apply(params, stats, h, kwargs, rngs):
+    rng = {}
+    if has_rngs:
+      key = rngs.get(RNG_STREAM)
+      if key is None:  # Shape and cost passes, deterministic calls: a placeholder key.
+        key = jax.random.key(0)
+      rng = _rng_state(one_copy_rng(rng_template, copies), key)
+    module = nnx.merge(graphdef, params, stats, rng)
+    before = {}
+    for path, norm in batch_norms(module).items():
+      norm.momentum = 0.0  # This copy's running averages become the micro-batch's statistics.
+      before[path] = norm.mean.get_value()
+    y = module(h, **kwargs)
+    contributions = jax.tree.map(jnp.zeros_like, stats)
+    for path, norm in batch_norms(module).items():
+      if norm.mean.get_value() is before[path]:
+        continue  # Evaluation mode: nothing measured.
+      momenta[path] = own_momenta[path]
+      mean, var = norm.mean.get_value(), norm.var.get_value()
+      node = contributions
+      for key in path:
+        node = node[key]
+      node["mean"], node["var"] = mean, var + mean * mean
+    return y, contributions
+
+  layer_class = type(layer)
+  identity = graphdef  # Equal graphs compute the same: they share one cost measurement.
+  try:
+    hash(identity)
+  except TypeError:
+    identity = None
+  return (layers_lib.Layer(kind=layer_class.__name__, copies=copies, apply=apply,
+                           keywords=_keywords_of_class(layer_class), identity=identity,
+                           momenta=momenta),
+          nnx.to_pure_dict(params), nnx.to_pure_dict(stats))
+
+
+def one_copy_rng(template, copies):
+  """A repeated layer's RNG state is stacked like its parameters: one copy's."""
+  if copies is None:
+    return template
+  return jax.tree.map(lambda a: a[0], template)
+
+
+def has_rng_streams(layer: nnx.Module) -> bool:
+  """Whether ``layer`` holds RNG streams (an ``nnx.Dropout``'s)."""
+  return bool(jax.tree.leaves(nnx.state(layer, nnx.RngState)))

@@ -1,1 +1,0 @@
-"""Meshes, shardings, the train state and the jitted synchronous-SGD step."""

@@ -1,0 +1,162 @@
+"""Pipeline schedules as data: what each stage does at each clock tick (pure NumPy).
+
+* :mod:`~tpipe.schedules.forward`: forward schedules (:class:`Schedule`: ``"gpipe"``,
+  ``"circular"``), whose backward autodiff derives.
+* :mod:`~tpipe.schedules.actions`: what a stage can do in a tick of a fused schedule, where model
+  chunks live (placements) and what each action waits for.
+* :mod:`~tpipe.schedules.fused`: fused schedules (:class:`FusedSchedule`): forward and backward
+  interleaved in one validated table, with derived message routing.
+* :mod:`~tpipe.schedules.orders`: the named fused schedules (1F1B, interleaved 1F1B, ZB-H1,
+  ZB-V) as per-stage action orders.
+* :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep and natural).
+
+:func:`build` is the one factory of tables by name; it caches them (tables are read-only).
+
+Example::
+
+  >>> from tpipe import schedules
+  >>> s = schedules.build("gpipe", num_stages=2, num_microbatches=3)
+  >>> s.microbatch.tolist()
+  [[0, -1], [1, 0], [2, 1], [-1, 2]]
+  >>> f = schedules.build("1f1b", num_stages=2, num_microbatches=3)
+  >>> print(f.describe())
+  stage 0: F0 F1  . B0 F2 B1  . B2
+  stage 1:  . F0 B0 F1 B1 F2 B2  .
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tpipe.schedules.actions import Action
+from tpipe.schedules.actions import DEFAULT_COSTS
+from tpipe.schedules.actions import PLACEMENTS
+from tpipe.schedules.actions import virtual_stages
+from tpipe.schedules.forward import IDLE
+from tpipe.schedules.forward import Schedule
+from tpipe.schedules.forward import circular
+from tpipe.schedules.forward import gpipe
+from tpipe.schedules.fused import FusedSchedule
+from tpipe.schedules.fused import from_forward
+from tpipe.schedules.fused import place
+from tpipe.schedules.orders import interleaved_1f1b
+from tpipe.schedules.orders import one_f_one_b
+from tpipe.schedules.orders import zb_h1
+from tpipe.schedules.orders import zbv
+from tpipe.schedules.simulate import Timing
+from tpipe.schedules.simulate import simulate
+from tpipe.schedules import forward as _forward
+from tpipe.schedules import orders as _orders
+
+# Forward schedules (backward by autodiff through the tick loop).
+SCHEDULE_NAMES = _forward.NAMES
+# Fused schedules (forward and backward in one table).
+FUSED_SCHEDULE_NAMES = _orders.NAMES
+NAMES = SCHEDULE_NAMES + FUSED_SCHEDULE_NAMES
+# Chunks per stage each fused schedule runs; None: two or more, as num_repeats says.
+_FUSED_CHUNKS = {"1f1b": 1, "zb_h1": 1, "zbv": 2, "interleaved_1f1b": None}
+_FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
+
+__all__ = [
+    "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
+    "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular", "from_forward",
+    "gpipe", "interleaved_1f1b", "is_fused", "make_fused_schedule", "make_schedule",
+    "one_f_one_b", "place", "placement", "simulate", "virtual_stages", "zb_h1", "zbv",
+]
+
+
+def is_fused(name: str) -> bool:
+  """Whether ``name`` is a fused schedule; raises ValueError for an unknown name."""
+  _check_name(name)
+  return name in FUSED_SCHEDULE_NAMES
+
+
+def placement(name: str) -> str:
+  """Where the schedule puts model chunks: ``"v"`` for ZB-V, ``"loop"`` for every other."""
+  _check_name(name)
+  return "v" if name == "zbv" else "loop"
+
+
+def _check_name(name) -> None:
+  if not isinstance(name, str) or name not in NAMES:
+    raise ValueError(f"Unknown schedule {name!r}; choose one of {SCHEDULE_NAMES} (forward) or "
+                     f"{FUSED_SCHEDULE_NAMES} (fused).")
+
+
+@functools.lru_cache(maxsize=None)
+def build(name: str, num_stages: int, num_microbatches: int,
+          num_repeats: int = 1) -> Schedule | FusedSchedule:
+  """The table of schedule ``name``, cached: the one factory every caller uses.
+
+  Args:
+    name: one of :data:`NAMES`.
+    num_stages: S.
+    num_microbatches: M.
+    num_repeats: chunks per stage R: 1 for ``"gpipe"``, ``"1f1b"`` and ``"zb_h1"``; 2 for
+      ``"zbv"``; any for ``"circular"``; at least 2 for ``"interleaved_1f1b"``.
+
+  Returns:
+    A :class:`Schedule` (forward schedules) or a :class:`FusedSchedule`, read-only.
+
+  Raises:
+    TypeError, ValueError: an unknown name or a count the schedule does not take; the message
+      names the fix.
+  """
+  _check_name(name)
+  if name == "gpipe":
+    if num_repeats != 1:
+      raise ValueError(f"schedule='gpipe' runs one chunk per stage, got num_repeats={num_repeats}; "
+                       "use schedule='circular' for num_repeats > 1.")
+    table = gpipe(num_stages, num_microbatches)
+  elif name == "circular":
+    table = circular(num_stages, num_microbatches, num_repeats)
+  elif name == "interleaved_1f1b":
+    table = interleaved_1f1b(num_stages, num_microbatches, num_repeats)
+  else:
+    chunks = _FUSED_CHUNKS[name]
+    if num_repeats != chunks:
+      fix = ("pass num_repeats=2" if name == "zbv" else
+             "use schedule='interleaved_1f1b' for more")
+      raise ValueError(f"schedule={name!r} runs {chunks} chunk(s) per stage, got "
+                       f"num_repeats={num_repeats}; {fix}.")
+    table = _FUSED_BUILDERS[name](num_stages, num_microbatches)
+  return table
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int,
+                  num_repeats: int = 1) -> Schedule:
+  """A forward schedule by name (:data:`SCHEDULE_NAMES`); see :func:`build`.
+
+  Raises:
+    ValueError: for a fused or unknown name, or counts the schedule does not take.
+  """
+  if name in FUSED_SCHEDULE_NAMES:
+    raise ValueError(f"schedule={name!r} is a fused schedule; build its table with "
+                     f"make_fused_schedule() (make_schedule builds {SCHEDULE_NAMES}).")
+  return build(name, num_stages, num_microbatches, num_repeats)
+
+
+def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
+                        num_repeats: int | None = None) -> FusedSchedule:
+  """A fused schedule by name (:data:`FUSED_SCHEDULE_NAMES`); see :func:`build`.
+
+  Args:
+    name: the schedule.
+    num_stages: S.
+    num_microbatches: M.
+    num_repeats: chunks per stage; None for the schedule's own (1, or 2 for ``"zbv"``);
+      required (at least 2) for ``"interleaved_1f1b"``.
+
+  Raises:
+    ValueError: for a forward or unknown name, or a chunk count the schedule does not use.
+  """
+  if name in SCHEDULE_NAMES:
+    raise ValueError(f"schedule={name!r} is a forward schedule: build it with make_schedule(), "
+                     "and its whole step as a fused table with from_forward().")
+  _check_name(name)
+  if num_repeats is None:
+    num_repeats = _FUSED_CHUNKS[name]
+    if num_repeats is None:
+      raise ValueError("schedule='interleaved_1f1b' needs num_repeats >= 2 chunks per stage; "
+                       "use schedule='1f1b' for one.")
+  return build(name, num_stages, num_microbatches, num_repeats)

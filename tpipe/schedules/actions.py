@@ -1,0 +1,94 @@
+"""What a stage can do in one tick of a fused schedule, where model chunks live, and what each
+action waits for.
+
+The model's layers are cut into ``V = S * C`` consecutive model chunks ("virtual stages"): ``C``
+per stage, placed by a **placement** (:func:`virtual_stages`). A micro-batch's forward goes
+through them in order and its backward in reverse; an :class:`Action` is one of those steps for
+one (micro-batch, model chunk). :func:`dependencies` says which actions must be done first.
+Pure NumPy; the tables (:mod:`tpipe.schedules.fused`) and the simulation
+(:mod:`tpipe.schedules.simulate`) build on it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+PLACEMENTS = ("loop", "v")
+
+class Action(enum.IntEnum):
+  """What a stage does in one tick of a :class:`FusedSchedule` (``IDLE`` when nothing)."""
+
+  F = 0  # forward of one chunk on one micro-batch; stashes what its backward needs.
+  B = 1  # full backward: input and weight gradients; releases the stash slot.
+  BI = 2  # backward-input: the input gradient, and the output gradients W will need.
+  W = 3  # backward-weight: weight gradients from the slot's contents; releases the slot.
+
+
+DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "BI": 1.0, "W": 1.0}
+
+# Arrivals at a stage, in the order of :meth:`FusedSchedule.arrival_slots`: from the left
+# neighbour (it sent right), from the right neighbour (it sent left), from itself.
+ARRIVAL_DIRECTIONS = (1, -1, 0)
+
+
+def virtual_stages(placement: str, num_stages: int, num_chunks: int) -> np.ndarray:
+  """Which model chunk each (stage, local chunk) holds, ``[S, C]``: a permutation of ``0..S*C-1``.
+
+  The model's layers are cut into ``V = S * C`` consecutive chunks ("virtual stages"); a
+  micro-batch's forward goes through them in order ``0..V-1`` and its backward in reverse.
+
+  Args:
+    placement: ``"loop"``: local chunk ``c`` of stage ``s`` is model chunk ``c * S + s`` (GPipe,
+      1F1B and ZB-H1 with ``C = 1``; circular and interleaved 1F1B with ``C = R``): activations
+      always move right, from the last stage back round to stage 0 between chunks. ``"v"``
+      (ZB-V, ``C = 2``): chunk 0 of stage ``s`` is model chunk ``s`` (going down the stages) and
+      chunk 1 is model chunk ``2S - 1 - s`` (coming back up): the hand-off between the two is
+      local to stage ``S - 1`` and the last model chunk, with the loss, is on stage 0.
+    num_stages: S.
+    num_chunks: C, chunks per stage.
+  """
+  if placement == "loop":
+    return (np.arange(num_chunks)[None, :] * num_stages + np.arange(num_stages)[:, None]).astype(
+        np.int32)
+  if placement == "v":
+    if num_chunks != 2:
+      raise ValueError(f"placement='v' puts exactly 2 chunks on each stage, got {num_chunks}.")
+    s = np.arange(num_stages)
+    return np.stack([s, 2 * num_stages - 1 - s], axis=1).astype(np.int32)
+  raise ValueError(f"Unknown placement {placement!r}; choose one of {PLACEMENTS}.")
+
+
+def link_directions(placement: str, num_stages: int, num_chunks: int) -> np.ndarray:
+  """``[V - 1]``: +1 (right), -1 (left) or 0 (same stage) for the hop from model chunk v to v+1."""
+  num_virtual = num_stages * num_chunks
+  if num_stages == 1:
+    return np.zeros(num_virtual - 1, np.int32)
+  if placement == "loop":
+    return np.ones(num_virtual - 1, np.int32)  # S - 1 -> 0 between chunks: right, round the ring.
+  v = np.arange(num_virtual - 1)
+  return np.where(v < num_stages - 1, 1, np.where(v == num_stages - 1, 0, -1)).astype(np.int32)
+
+
+
+# Dependency bookkeeping: ``B`` and ``BI`` both produce the input gradient ("back").
+EVENT = {Action.F: "F", Action.B: "back", Action.BI: "back", Action.W: "W"}
+
+
+def placement_of(vstage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``(stage, local chunk)`` of each model chunk, two ``[V]`` arrays."""
+  stage, chunk = np.empty(vstage.size, np.int64), np.empty(vstage.size, np.int64)
+  stage[vstage.ravel()] = np.repeat(np.arange(vstage.shape[0]), vstage.shape[1])
+  chunk[vstage.ravel()] = np.tile(np.arange(vstage.shape[1]), vstage.shape[0])
+  return stage, chunk
+
+
+def dependencies(kind: Action, m: int, v: int, num_virtual: int) -> list[tuple[str, int, int]]:
+  """The actions (bookkeeping keys) that must finish before ``kind`` of (m, model chunk v)."""
+  if kind == Action.F:
+    return [("F", m, v - 1)] if v > 0 else []
+  if kind == Action.W:
+    return [("back", m, v)]
+  return [("F", m, v)] + ([("back", m, v + 1)] if v < num_virtual - 1 else [])
+

@@ -1,0 +1,480 @@
+"""Fused schedules: forward and backward interleaved in one ``[tick, stage]`` table.
+
+A :class:`FusedSchedule` says, per tick and stage, which :class:`~tpipe.schedules.actions.Action`
+(``F``, ``B``, ``BI``, ``W``) the stage runs on which (micro-batch, local chunk), and which stash
+slot holds what the backward needs; the message routing (send directions, mailbox slots) is
+derived and validated on construction. :func:`place` lays per-stage action orders out on ticks
+(the named schedules in :mod:`tpipe.schedules.orders` are orders); :func:`from_forward` writes a
+forward schedule and autodiff's backward as one table, so every schedule can be analysed side by
+side. :meth:`FusedSchedule.forward_pass` is the table's forward actions alone (what a call that is
+not differentiated runs). :mod:`tpipe.core.fused` runs these tables. Pure NumPy.
+
+Example::
+
+  >>> from tpipe.schedules import orders
+  >>> f = orders.one_f_one_b(num_stages=2, num_microbatches=3)
+  >>> print(f.describe())
+  stage 0: F0 F1  . B0 F2 B1  . B2
+  stage 1:  . F0 B0 F1 B1 F2 B2  .
+  >>> f.peak_in_flight().tolist(), round(f.bubble_fraction, 4)   # min(S - s, M); as GPipe
+  ([2, 1], 0.25)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import numpy as np
+
+from tpipe.schedules import actions as actions_lib
+from tpipe.schedules import forward as forward_lib
+from tpipe.schedules import simulate as simulate_lib
+
+Action = actions_lib.Action
+IDLE = forward_lib.IDLE
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusedSchedule:
+  """A fused pipeline schedule: ``[tick, stage]`` tables of actions, validated on construction.
+
+  **Ticks.** Each tick every stage does at most one :class:`Action` on one (micro-batch, local
+  chunk). What an action produces for another model chunk is a message: a forward's output goes to
+  the next model chunk, a backward's (``B`` or ``BI``) input gradient to the previous one. A
+  message sent at tick ``t`` arrives at tick ``t + 1`` (also when it stays on the same stage, as in
+  ZB-V's turn at stage ``S - 1``), so:
+
+  * ``F`` of (m, model chunk v) runs after ``F`` of (m, v - 1);
+  * ``B``/``BI`` of (m, v) runs after ``B``/``BI`` of (m, v + 1), and after ``F`` of (m, v); the
+    last model chunk's backward starts from its own loss and needs only its forward;
+  * ``W`` of (m, v) runs after ``BI`` of (m, v), on the same stage;
+
+  each at a strictly earlier tick. Every (micro-batch, chunk) of every stage has exactly one ``F``
+  and either one ``B`` or one ``BI`` and one ``W``.
+
+  **Stash ("in flight").** ``F`` writes what the backward needs (the chunk's input, or its layer
+  inputs with per-layer remat) into ``stash_slot[t, s]``; the micro-batch is *in flight* on that
+  stage from its ``F`` to the action that releases the slot, both ticks included. ``B`` releases
+  it. With split backward, ``W`` releases it, not ``BI``: with the "taps" design ``W`` forms
+  weight gradients as outer products of the layer inputs (in the slot) and the output gradients
+  ``BI`` computed (stored next to them, under the same slot index), so nothing can be freed at
+  ``BI`` without copying the inputs elsewhere. A slot freed at tick ``t`` is reused from ``t + 1``.
+  Slots are numbered ``0..peak - 1``, ``peak`` being the stage's most micro-batches in flight
+  (:meth:`peak_in_flight`); :meth:`awaiting_weight` counts the ones only ``W`` still needs.
+
+  **Receive buffer.** A message is not always consumed the tick it arrives (in 1F1B a stage can
+  receive an activation and a gradient in the same tick and use one of them later), so each
+  stage has a small mailbox: a message occupies a mailbox slot from its arrival tick to the tick
+  of the action that reads it. The routing is derived on construction: ``send_dir[t, s]`` is
+  ``+1`` (to stage ``s + 1`` mod S), ``-1`` (to ``s - 1`` mod S) or ``0`` (to itself) for the
+  message the action sends, ``send_slot[t, s]`` its mailbox slot on the receiver (``IDLE`` when
+  nothing is sent), ``recv_slot[t, s]`` the slot the action reads (``IDLE`` when its input is the
+  data or its own loss, and for ``W``); :meth:`mailbox_slots` gives the sizes,
+  :meth:`arrival_slots` where each tick's arrivals go. Every message has exactly one reader.
+
+  Attributes:
+    name: the schedule's name.
+    num_stages: S.
+    num_microbatches: M.
+    num_chunks: C, layer chunks per stage (the ``num_repeats`` of the interleaved schedules).
+    placement: ``"loop"`` or ``"v"``; see :func:`virtual_stages`.
+    action: int8 ``[T, S]``: an :class:`Action` or ``IDLE``.
+    microbatch: int32 ``[T, S]``: micro-batch index or ``IDLE``.
+    chunk: int32 ``[T, S]``: the stage's local chunk index or ``IDLE``.
+    stash_slot: int32 ``[T, S]``: the stash slot of (micro-batch, chunk) or ``IDLE``.
+    forward_only: a table of forward actions only (:meth:`forward_pass`): no backward, no stash
+      (``stash_slot`` all ``IDLE``).
+    send_dir, send_slot, recv_slot: int32 ``[T, S]`` routing tables, derived (see above).
+  """
+
+  name: str
+  num_stages: int
+  num_microbatches: int
+  num_chunks: int
+  placement: str
+  action: np.ndarray
+  microbatch: np.ndarray
+  chunk: np.ndarray
+  stash_slot: np.ndarray
+  forward_only: bool = False
+  send_dir: np.ndarray = dataclasses.field(init=False, repr=False)
+  send_slot: np.ndarray = dataclasses.field(init=False, repr=False)
+  recv_slot: np.ndarray = dataclasses.field(init=False, repr=False)
+
+  def __post_init__(self):
+    for field in ("action", "microbatch", "chunk", "stash_slot"):
+      value = np.asarray(getattr(self, field))
+      object.__setattr__(self, field, value.astype(np.int8 if field == "action" else np.int32))
+    events = _validate(self)
+    send_dir, send_slot, recv_slot = _route(self, events)
+    object.__setattr__(self, "send_dir", send_dir)
+    object.__setattr__(self, "send_slot", send_slot)
+    object.__setattr__(self, "recv_slot", recv_slot)
+    for field in ("action", "microbatch", "chunk", "stash_slot", "send_dir", "send_slot",
+                  "recv_slot"):
+      getattr(self, field).setflags(write=False)  # Shared: tpipe.schedules.build caches tables.
+
+  @property
+  def num_ticks(self) -> int:
+    return int(self.action.shape[0])
+
+  @property
+  def virtual_stage(self) -> np.ndarray:
+    """``[S, C]``: the model chunk each (stage, local chunk) holds (see :func:`virtual_stages`)."""
+    return actions_lib.virtual_stages(self.placement, self.num_stages, self.num_chunks)
+
+  @property
+  def busy(self) -> np.ndarray:
+    """Boolean ``[tick, stage]``: True where the stage does an action."""
+    return self.action != IDLE
+
+  @property
+  def bubble_fraction(self) -> float:
+    """Fraction of (tick, stage) slots that are idle: the bubble when every action costs the same.
+
+    For other costs, see :meth:`simulate`.
+    """
+    return 1.0 - float(self.busy.sum()) / self.busy.size
+
+  @property
+  def efficiency(self) -> float:
+    return 1.0 - self.bubble_fraction
+
+  def _intervals(self, start: Action, ends: tuple[Action, ...]) -> np.ndarray:
+    """``[T, S]`` count of (micro-batch, chunk) between a ``start`` and an ``ends`` action."""
+    delta = np.zeros((self.num_ticks + 1, self.num_stages), np.int64)
+    ticks, stages = np.nonzero(self.action == start)
+    np.add.at(delta, (ticks, stages), 1)
+    ticks, stages = np.nonzero(np.isin(self.action, ends))
+    np.add.at(delta, (ticks + 1, stages), -1)
+    return np.cumsum(delta, axis=0)[:-1]
+
+  def in_flight(self) -> np.ndarray:
+    """``[T, S]``: micro-batch chunks holding a stash slot during each tick (``F`` to release;
+    none in a forward-only table)."""
+    if self.forward_only:
+      return np.zeros(self.action.shape, np.int64)
+    return self._intervals(Action.F, (Action.B, Action.W))
+
+  def peak_in_flight(self) -> np.ndarray:
+    """``[S]``: most micro-batch chunks in flight on each stage: the stash slots it needs."""
+    return self.in_flight().max(axis=0)
+
+  def awaiting_weight(self) -> np.ndarray:
+    """``[T, S]``: micro-batch chunks whose ``BI`` is done and ``W`` not (both ticks included)."""
+    return self._intervals(Action.BI, (Action.W,))
+
+  def stash_slots(self) -> np.ndarray:
+    """``[S]``: stash slots each stage allocates (equal to :meth:`peak_in_flight`)."""
+    return self.peak_in_flight()
+
+  def arrival_slots(self) -> np.ndarray:
+    """``[T, S, 3]``: mailbox slot written at the start of each tick, ``IDLE`` if none.
+
+    The last axis is the message's origin: the left neighbour (it sent right), the right
+    neighbour (it sent left), the stage itself. A message from tick ``t - 1`` arrives at ``t``.
+    """
+    out = np.full((self.num_ticks, self.num_stages, 3), IDLE, np.int32)
+    for k, direction in enumerate(actions_lib.ARRIVAL_DIRECTIONS):
+      for t, src in zip(*np.nonzero((self.send_dir[:-1] == direction) &
+                                    (self.send_slot[:-1] != IDLE))):
+        out[t + 1, (src + direction) % self.num_stages, k] = self.send_slot[t, src]
+    return out
+
+  def mailbox_slots(self) -> np.ndarray:
+    """``[S]``: receive-buffer slots each stage needs (most messages waiting there at once)."""
+    slots = np.maximum(self.arrival_slots().max(axis=(0, 2)), self.recv_slot.max(axis=0))
+    return slots.astype(np.int64) + 1
+
+  def simulate(self, costs: Mapping[str, float] | None = None) -> simulate_lib.Timing:
+    """Step time under per-action costs, lockstep (SPMD) and dependency-driven.
+
+    Args:
+      costs: cost of each action kind that occurs, keyed by :class:`Action` name; defaults to
+        ``{"F": 1, "B": 2, "BI": 1, "W": 1}`` (a backward costs two forwards, split evenly).
+
+    Returns:
+      A :class:`~tpipe.schedules.simulate.Timing`.
+    """
+    return simulate_lib.simulate(self, costs)
+
+  def forward_pass(self) -> "FusedSchedule":
+    """This table's forward actions alone, each stage running them in this table's order as
+    soon as their inputs are there: the forward pass of a call that is not differentiated
+    (``forward_only``: no stash, no backward)."""
+    orders = [[(Action.F, int(self.microbatch[t, s]), int(self.chunk[t, s]))
+               for t in np.nonzero(self.action[:, s] == Action.F)[0]]
+              for s in range(self.num_stages)]
+    return place(self.name, self.num_stages, self.num_microbatches, self.num_chunks,
+                 self.placement, orders, forward_only=True)
+
+  def describe(self) -> str:
+    """The table as text: one row per stage, one column per tick, ``.`` for idle.
+
+    Cells read ``F3``, ``B3``, ``BI3``, ``W3`` (action and micro-batch), with ``/c`` for the local
+    chunk when stages hold several: ``F3/1``.
+    """
+    cells = np.full(self.action.shape, ".", dtype=object)
+    for t, s in zip(*np.nonzero(self.busy)):
+      text = f"{Action(self.action[t, s]).name}{self.microbatch[t, s]}"
+      cells[t, s] = text + (f"/{self.chunk[t, s]}" if self.num_chunks > 1 else "")
+    width = max(len(c) for c in cells.flat)
+    return "\n".join(f"stage {s}: " + " ".join(c.rjust(width) for c in cells[:, s])
+                     for s in range(self.num_stages))
+
+
+def _validate(schedule: FusedSchedule) -> dict:
+  """Checks a fused schedule's tables; returns its ticks keyed like
+  :func:`~tpipe.schedules.actions.dependencies`."""
+  _check_entries(schedule)
+  ticks, slots = _action_ticks(schedule)
+  events = _events(schedule, ticks, slots)
+  _check_dependencies(schedule, events)
+  if not schedule.forward_only:
+    _check_stash(schedule, events, slots)
+  return events
+
+
+def _check_entries(schedule: FusedSchedule) -> None:
+  """Table shapes, action codes, and indices in range (IDLE exactly where the stage idles)."""
+  num_stages, num_micro, num_chunks = (schedule.num_stages, schedule.num_microbatches,
+                                       schedule.num_chunks)
+  for name, value in (("num_stages", num_stages), ("num_microbatches", num_micro),
+                      ("num_chunks", num_chunks)):
+    forward_lib.check_count(name, value)
+  actions_lib.virtual_stages(schedule.placement, num_stages, num_chunks)  # Raises if unknown.
+  act, mb, ch, slot = schedule.action, schedule.microbatch, schedule.chunk, schedule.stash_slot
+  for name, table in (("microbatch", mb), ("chunk", ch), ("stash_slot", slot)):
+    if table.shape != act.shape:
+      raise ValueError(f"{name} table has shape {table.shape}, action table {act.shape}.")
+  if act.ndim != 2 or act.shape[1] != num_stages:
+    raise ValueError(f"tables must be [ticks, {num_stages}], got {act.shape}.")
+  idle = act == IDLE
+  if not np.all(idle | np.isin(act, list(Action))):
+    raise ValueError(f"action table has codes other than IDLE and {[int(a) for a in Action]}.")
+  if schedule.forward_only:
+    if np.any(~idle & (act != Action.F)):
+      raise ValueError("a forward-only table runs only F actions.")
+    if np.any(slot != IDLE):
+      raise ValueError("a forward-only table stashes nothing: stash_slot must be IDLE.")
+  checked = (("microbatch", mb, num_micro), ("chunk", ch, num_chunks))
+  if not schedule.forward_only:
+    checked += (("stash_slot", slot, None),)
+  for name, table, bound in checked:
+    if np.any(table[idle] != IDLE):
+      t, s = np.argwhere(idle & (table != IDLE))[0]
+      raise ValueError(f"tick {t}, stage {s}: idle slot with a {name} index.")
+    bad = ~idle & ((table < 0) | ((table >= bound) if bound else False))
+    if np.any(bad):
+      t, s = np.argwhere(bad)[0]
+      raise ValueError(f"tick {t}, stage {s}: {name} {table[t, s]} out of range.")
+
+
+def _action_ticks(schedule: FusedSchedule) -> tuple[dict, dict]:
+  """The tick and stash slot of every (action, micro-batch, model chunk); each must be unique."""
+  vstage = schedule.virtual_stage
+  ticks, slots = {}, {}
+  for t, s in zip(*np.nonzero(schedule.busy)):
+    kind, m = Action(schedule.action[t, s]), int(schedule.microbatch[t, s])
+    c = int(schedule.chunk[t, s])
+    key = (kind, m, int(vstage[s, c]))
+    if key in ticks:
+      raise ValueError(f"stage {s} runs {kind.name} of micro-batch {m}, chunk {c} twice "
+                       f"(ticks {ticks[key]} and {t}).")
+    ticks[key] = int(t)
+    slots[key] = int(schedule.stash_slot[t, s])
+  return ticks, slots
+
+
+def _events(schedule: FusedSchedule, ticks: dict, slots: dict) -> dict:
+  """Every (micro-batch, chunk) of every stage has one F and one backward (B, or BI and W) that
+  read the forward's stash slot; returns the ticks keyed ``("F" | "back" | "W", m, v)``."""
+  events = {}
+  vstage = schedule.virtual_stage
+  for s in range(schedule.num_stages):
+    for c in range(schedule.num_chunks):
+      v = int(vstage[s, c])
+      for m in range(schedule.num_microbatches):
+        where = f"stage {s}, micro-batch {m}, chunk {c}"
+        have = {a: ticks.get((a, m, v)) for a in Action}
+        if have[Action.F] is None:
+          raise ValueError(f"{where}: no forward.")
+        events[("F", m, v)] = have[Action.F]
+        if schedule.forward_only:
+          continue
+        split = have[Action.BI] is not None or have[Action.W] is not None
+        if split and have[Action.B] is not None:
+          raise ValueError(f"{where}: both a full backward B and a split backward BI/W.")
+        if split and (have[Action.BI] is None or have[Action.W] is None):
+          raise ValueError(f"{where}: a split backward needs both BI and W.")
+        if not split and have[Action.B] is None:
+          raise ValueError(f"{where}: no backward.")
+        back = Action.BI if split else Action.B
+        events[("back", m, v)] = have[back]
+        if split:
+          events[("W", m, v)] = have[Action.W]
+        for a in (back, Action.W) if split else (back,):
+          if slots[(a, m, v)] != slots[(Action.F, m, v)]:
+            raise ValueError(f"{where}: {a.name} reads stash slot {slots[(a, m, v)]} but the "
+                             f"forward wrote slot {slots[(Action.F, m, v)]}.")
+  return events
+
+
+def _check_dependencies(schedule: FusedSchedule, events: dict) -> None:
+  """Every action runs at a later tick than the actions it needs."""
+  num_virtual = schedule.num_stages * schedule.num_chunks
+  stage_of, chunk_of = actions_lib.placement_of(schedule.virtual_stage)
+  for (name, m, v), t in events.items():
+    kind = {"F": Action.F, "back": Action.B, "W": Action.W}[name]
+    for dep in actions_lib.dependencies(kind, m, v, num_virtual):
+      if events[dep] >= t:
+        s, c, ds, dc = stage_of[v], chunk_of[v], stage_of[dep[2]], chunk_of[dep[2]]
+        what = "BI/B" if name == "back" else name
+        dwhat = "BI/B" if dep[0] == "back" else dep[0]
+        raise ValueError(f"tick {t}, stage {s}: {what} of micro-batch {m}, chunk {c} needs "
+                         f"{dwhat} of chunk {dc} on stage {ds} done at an earlier tick, but it "
+                         f"runs at tick {events[dep]}.")
+
+
+def _check_stash(schedule: FusedSchedule, events: dict, slots: dict) -> None:
+  """Stash slots are numbered below the stage's peak, and none is reused while live."""
+  stage_of, chunk_of = actions_lib.placement_of(schedule.virtual_stage)
+  peak = schedule.peak_in_flight()
+  live = {}
+  for (name, m, v), t in sorted(events.items(), key=lambda item: item[1]):
+    s, c = int(stage_of[v]), int(chunk_of[v])
+    k = slots[(Action.F, m, v)]
+    if name == "F":
+      if k >= peak[s]:
+        raise ValueError(f"stage {s}: stash slot {k} used but at most {peak[s]} micro-batch "
+                         f"chunks are in flight there; number slots 0..{peak[s] - 1}.")
+      if (s, k) in live:
+        held_m, held_c = live[(s, k)]
+        raise ValueError(f"tick {t}, stage {s}: forward of micro-batch {m}, chunk {c} writes "
+                         f"stash slot {k}, still held by micro-batch {held_m}, chunk {held_c}.")
+      live[(s, k)] = (m, c)
+    elif name == "W" or ("W", m, v) not in events:
+      del live[(s, k)]
+
+
+def _route(schedule: FusedSchedule, events: dict):
+  """Derives the send/receive tables and assigns each message a slot in its receiver's mailbox."""
+  num_stages, num_virtual = schedule.num_stages, schedule.num_stages * schedule.num_chunks
+  stage_of, _ = actions_lib.placement_of(schedule.virtual_stage)
+  links = actions_lib.link_directions(schedule.placement, num_stages, schedule.num_chunks)
+  if np.any((stage_of[:-1] + links) % num_stages != stage_of[1:]):
+    raise ValueError(f"placement {schedule.placement!r} needs hops beyond a neighbour.")
+  messages = []  # (arrival tick, read tick, sender, receiver, direction)
+  for (name, m, v), t in events.items():
+    if name == "F" and v < num_virtual - 1:
+      messages.append((t + 1, events[("F", m, v + 1)], stage_of[v], stage_of[v + 1], links[v]))
+    elif name == "back" and v > 0:
+      messages.append((t + 1, events[("back", m, v - 1)], stage_of[v], stage_of[v - 1],
+                       -links[v - 1]))
+  shape = schedule.action.shape
+  send_dir = np.zeros(shape, np.int32)
+  send_slot, recv_slot = np.full(shape, IDLE, np.int32), np.full(shape, IDLE, np.int32)
+  free_at = [[] for _ in range(num_stages)]  # per receiver: tick each slot is free from.
+  for arrive, read, src, dst, direction in sorted(messages):
+    slots = free_at[dst]
+    k = next((i for i, free in enumerate(slots) if free <= arrive), len(slots))
+    if k == len(slots):
+      slots.append(0)
+    slots[k] = read + 1
+    send_dir[arrive - 1, src], send_slot[arrive - 1, src] = direction, k
+    recv_slot[read, dst] = k
+  return send_dir, send_slot, recv_slot
+
+
+def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, placement: str,
+          orders: list[list[tuple[Action, int, int]]], *,
+          forward_only: bool = False) -> FusedSchedule:
+  """Lays per-stage action orders out on ticks and builds the schedule.
+
+  Each tick, each stage runs the next action of its order if that action's inputs were done at an
+  earlier tick, and idles otherwise. A forward takes the stage's lowest free stash slot (none in a
+  ``forward_only`` table, whose orders hold forwards only).
+
+  Args:
+    name: the schedule's name.
+    num_stages: S.
+    num_microbatches: M.
+    num_chunks: C, chunks per stage.
+    placement: ``"loop"`` or ``"v"`` (see :func:`~tpipe.schedules.actions.virtual_stages`).
+    orders: per stage, its ``(action, micro-batch, local chunk)`` in the order it runs them.
+    forward_only: the orders hold forwards only (see :attr:`FusedSchedule.forward_only`).
+
+  Raises:
+    ValueError: the orders deadlock, or the table they give fails validation.
+  """
+  vstage = actions_lib.virtual_stages(placement, num_stages, num_chunks)
+  num_virtual = num_stages * num_chunks
+  done, rows, position = {}, [], [0] * num_stages
+  free = [[] for _ in range(num_stages)]  # per stage: slots released so far.
+  held, used = {}, [0] * num_stages
+  while any(position[s] < len(orders[s]) for s in range(num_stages)):
+    t = len(rows)
+    row = [(IDLE, IDLE, IDLE, IDLE)] * num_stages
+    for s in range(num_stages):
+      if position[s] == len(orders[s]):
+        continue
+      kind, m, c = orders[s][position[s]]
+      v = int(vstage[s, c])
+      if all(done.get(key, t) < t for key in actions_lib.dependencies(kind, m, v, num_virtual)):
+        if kind == Action.F:
+          k = min(free[s]) if free[s] else used[s]
+          free[s] = [i for i in free[s] if i != k]
+          used[s] = max(used[s], k + 1)
+          held[(s, m, c)] = k
+        k = held[(s, m, c)]
+        if kind in (Action.B, Action.W):
+          free[s].append(k)
+        row[s] = (kind, m, c, IDLE if forward_only else k)
+        done[(actions_lib.EVENT[kind], m, v)] = t
+        position[s] += 1
+    if all(r[0] == IDLE for r in row):
+      waiting = {s: orders[s][position[s]] for s in range(num_stages)
+                 if position[s] < len(orders[s])}
+      raise ValueError(f"{name}: the action orders deadlock at tick {t}; stages wait on {waiting}.")
+    rows.append(row)
+  table = np.array(rows, np.int32).transpose(2, 0, 1)
+  return FusedSchedule(name=name, num_stages=num_stages, num_microbatches=num_microbatches,
+                       num_chunks=num_chunks, placement=placement, action=table[0],
+                       microbatch=table[1], chunk=table[2], stash_slot=table[3],
+                       forward_only=forward_only)
+
+
+
+def from_forward(schedule: forward_lib.Schedule) -> FusedSchedule:
+  """A forward schedule's whole step as a :class:`FusedSchedule`: its forward ticks, then
+  autodiff's backward.
+
+  The backward ticks are :meth:`~tpipe.schedules.Schedule.backward_tables` with full backward
+  actions ``B``, so the fused analytics (:meth:`FusedSchedule.simulate`,
+  :meth:`FusedSchedule.peak_in_flight`) apply to GPipe and circular too. Its stash counts
+  micro-batches (``R * M`` per stage), not the ``num_ticks`` slots autodiff through the tick loop
+  allocates (:meth:`~tpipe.schedules.Schedule.stash_slots`).
+
+  Example::
+
+    >>> from tpipe.schedules import forward
+    >>> step = from_forward(forward.gpipe(num_stages=2, num_microbatches=2))
+    >>> print(step.describe())
+    stage 0: F0 F1  .  . B1 B0
+    stage 1:  . F0 F1 B1 B0  .
+  """
+  backward_mb, backward_rep = schedule.backward_tables()
+  microbatch = np.concatenate([schedule.microbatch, backward_mb])
+  chunk = np.concatenate([schedule.repeat, backward_rep])
+  action = np.where(microbatch == IDLE, IDLE, Action.F)
+  action[schedule.num_ticks:][microbatch[schedule.num_ticks:] != IDLE] = Action.B
+  slot = np.full(microbatch.shape, IDLE, np.int32)
+  for s in range(schedule.num_stages):  # Stack order: forward k-th uses slot k, backward pops.
+    busy = np.nonzero(schedule.microbatch[:, s] != IDLE)[0]
+    slot[busy, s] = np.arange(len(busy))
+    slot[2 * schedule.num_ticks - 1 - busy, s] = np.arange(len(busy))
+  return FusedSchedule(name=schedule.name, num_stages=schedule.num_stages,
+                       num_microbatches=schedule.num_microbatches,
+                       num_chunks=schedule.num_repeats, placement="loop", action=action,
+                       microbatch=microbatch, chunk=chunk, stash_slot=slot)

@@ -1,0 +1,276 @@
+"""``tpipe.PipelineSpec``: how a layer sequence is pipelined, in one validated value.
+
+Every front end (``tpipe.Sequential``, ``tpipe.pipeline``, ``tpipe.nnx``), the trainer's config,
+the report and the auto-tuner describe a pipeline with the same settings: stages, micro-batches,
+schedule, chunks per stage, balance, remat and its granularity, per-example keyword names, layer
+loop unrolling, and the mesh and its axis names. :class:`PipelineSpec` holds them, checks every
+one on construction (a bad value is a ``TypeError``/``ValueError`` naming the value and the fix,
+before anything is traced), and hands out what follows from them: the schedule's table (from the
+one cached factory, :func:`tpipe.schedules.build`), the number of chunks, the placement.
+
+Example::
+
+  >>> spec = PipelineSpec(num_stages=4, num_microbatches=8, schedule="1f1b")
+  >>> spec.is_fused, spec.num_chunks, spec.table.num_ticks
+  (True, 4, 22)
+  >>> spec.replace(schedule="gpipe").table.bubble_fraction == 3 / 11
+  True
+  >>> PipelineSpec(num_stages=2, num_microbatches=4, remat="some")
+  Traceback (most recent call last):
+  ...
+  ValueError: Unknown remat 'some'; choose one of ('none', 'full', 'dots') or pass a jax.checkpoint policy such as jax.checkpoint_policies.dots_saveable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+from tpipe import mesh as mesh_lib
+from tpipe import schedules
+
+BALANCE_NAMES = ("params", "flops", "time")
+REMAT_NAMES = ("none", "full", "dots")
+GRANULARITY_NAMES = ("chunk", "layer")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+  """How a sequence of layers is pipelined. Frozen; validated on construction.
+
+  Attributes:
+    num_stages: pipeline stages S; equals the size of the mesh's stage axis.
+    num_microbatches: micro-batches M per data-parallel replica.
+    schedule: a forward schedule (``"gpipe"``, ``"circular"``: the backward comes from
+      autodiff through the tick loop) or a fused one (``"1f1b"``, ``"interleaved_1f1b"``,
+      ``"zb_h1"``, ``"zbv"``: forward and backward interleaved, memory bounded in S); see
+      :mod:`tpipe.schedules`.
+    num_repeats: chunks per stage R: 1 for ``"gpipe"``, ``"1f1b"``, ``"zb_h1"``; 2 for ``"zbv"``;
+      any for ``"circular"``; at least 2 for ``"interleaved_1f1b"``.
+    balance: how the ``S * R`` chunks are cut: ``"params"`` (parameter count per unit),
+      ``"flops"`` (XLA's cost analysis of each unit's forward and backward on one micro-batch),
+      ``"time"`` (their measured wall time; for real accelerators) or a sequence of layer-unit
+      counts per chunk (a repeated layer of n copies is n units).
+    remat: ``"none"``, ``"full"`` (keep each piece's input, recompute the rest), ``"dots"``
+      (keep matmul outputs) or a ``jax.checkpoint`` policy.
+    remat_granularity: what one checkpoint covers: ``"chunk"`` (a stage's whole chunk),
+      ``"layer"`` (each layer unit) or an int ``k`` (every ``k`` consecutive units).
+    per_example: names of keyword arguments whose arrays carry the batch as leading axis; they
+      are split into micro-batches with the input. Other arrays are broadcast to every layer.
+    unroll: layer units per iteration of a repeated layer's ``lax.scan`` (``True``: all), as in
+      ``nn.scan``.
+    mesh: the device mesh; ``None`` means the ambient mesh (``jax.set_mesh``), else one device.
+    stage_axis: the mesh axis of stages.
+    data_axis: the mesh axis of data-parallel replicas (the batch is split over it).
+  """
+
+  num_stages: int
+  num_microbatches: int
+  schedule: str = "gpipe"
+  num_repeats: int = 1
+  balance: Any = "params"
+  remat: Any = "full"
+  remat_granularity: Any = "chunk"
+  per_example: Sequence[str] = ()
+  unroll: int | bool = 1
+  mesh: Mesh | None = None
+  stage_axis: str = mesh_lib.STAGE_AXIS
+  data_axis: str = mesh_lib.DATA_AXIS
+
+  def __post_init__(self):
+    for name in ("num_stages", "num_microbatches", "num_repeats"):
+      schedules.forward.check_count(name, getattr(self, name))
+    if not isinstance(self.schedule, str):
+      raise TypeError(f"schedule must be a name, one of {schedules.NAMES}, got "
+                      f"{self.schedule!r}.")
+    self.table  # Builds (and caches) the table: raises for unknown names or bad repeats.
+    check_remat(self.remat)
+    check_remat_granularity(self.remat_granularity)
+    check_unroll(self.unroll)
+    object.__setattr__(self, "balance", _check_balance_form(self.balance, self.num_chunks))
+    object.__setattr__(self, "per_example", _check_per_example(self.per_example))
+    for name in ("stage_axis", "data_axis"):
+      if not isinstance(getattr(self, name), str):
+        raise TypeError(f"{name} must be a mesh axis name (a string), got "
+                        f"{getattr(self, name)!r}.")
+    if self.stage_axis == self.data_axis:
+      raise ValueError(f"stage_axis and data_axis must differ, both are {self.stage_axis!r}.")
+    if self.mesh is not None:
+      if not isinstance(self.mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got "
+                        f"{type(self.mesh).__name__}.")
+      mesh_lib.check_stage_axis(self.mesh, self.num_stages, self.stage_axis, "the mesh given")
+
+  def replace(self, **changes) -> "PipelineSpec":
+    """A copy with ``changes`` (setting names as keywords), validated again."""
+    unknown = sorted(set(changes) - set(field_names()))
+    if unknown:
+      raise TypeError(f"Unknown pipeline setting(s) {unknown}; the settings are {field_names()}.")
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def table(self) -> schedules.Schedule | schedules.FusedSchedule:
+    """The schedule's table, from the cached factory :func:`tpipe.schedules.build`."""
+    return schedules.build(self.schedule, self.num_stages, self.num_microbatches,
+                           self.num_repeats)
+
+  @property
+  def is_fused(self) -> bool:
+    """Whether the schedule interleaves forward and backward in one table."""
+    return schedules.is_fused(self.schedule)
+
+  @property
+  def num_chunks(self) -> int:
+    """Chunks the layers are cut into: ``S * R``."""
+    return self.num_stages * self.num_repeats
+
+  @property
+  def placement(self) -> str:
+    """Where chunk ``c`` lives (``"loop"``: stage ``c % S``; ``"v"``: ZB-V's)."""
+    return schedules.placement(self.schedule)
+
+  def run_mesh(self, owner: str):
+    """The mesh to run on (see :func:`tpipe.mesh.resolve`), errors naming ``owner``."""
+    return mesh_lib.resolve(self.mesh, self.num_stages, self.stage_axis, owner)
+
+  def data_size(self, mesh) -> int:
+    """Data-parallel replicas on ``mesh`` (1 without a data axis)."""
+    return int(dict(mesh.shape).get(self.data_axis, 1))
+
+
+def field_names() -> tuple[str, ...]:
+  """The settings a :class:`PipelineSpec` holds, in order."""
+  return tuple(f.name for f in dataclasses.fields(PipelineSpec))
+
+
+def make(owner: str, spec: PipelineSpec | None = None, **settings) -> PipelineSpec:
+  """``spec`` with ``settings`` applied, or a new spec from ``settings``; errors say ``owner``.
+
+  Front ends take a spec, or the settings as keywords (``tpipe.Sequential(layers, num_stages=4,
+  num_microbatches=8)``), or both (the keywords override the spec's).
+
+  Raises:
+    TypeError, ValueError: a bad setting, prefixed with ``owner`` (the API the user called).
+  """
+  try:
+    if spec is None:
+      unknown = sorted(set(settings) - set(field_names()))
+      if unknown:
+        raise TypeError(f"unknown pipeline setting(s) {unknown}; the settings are "
+                        f"{field_names()}.")
+      return PipelineSpec(**settings)
+    if not isinstance(spec, PipelineSpec):
+      raise TypeError(f"spec must be a tpipe.PipelineSpec, got {type(spec).__name__}.")
+    return spec.replace(**settings) if settings else spec
+  except (TypeError, ValueError) as error:
+    raise type(error)(f"{owner}: {error}") from None
+
+
+def check_remat(remat) -> None:
+  """Validates a ``remat`` option: one of :data:`REMAT_NAMES` or a ``jax.checkpoint`` policy."""
+  if isinstance(remat, str):
+    if remat not in REMAT_NAMES:
+      raise ValueError(f"Unknown remat {remat!r}; choose one of {REMAT_NAMES} or pass a "
+                       "jax.checkpoint policy such as jax.checkpoint_policies.dots_saveable.")
+  elif not callable(remat):
+    raise TypeError(f"remat must be one of {REMAT_NAMES} or a jax.checkpoint policy callable, "
+                    f"got {remat!r} of type {type(remat).__name__}.")
+
+
+def check_remat_granularity(granularity) -> int | None:
+  """Validates a ``remat_granularity``; returns units per checkpointed piece, or ``None`` for
+  ``"chunk"`` (the whole chunk is the one piece).
+
+  Args:
+    granularity: ``"chunk"``, ``"layer"`` (the same as ``1``) or a positive int ``k``.
+  """
+  if isinstance(granularity, str):
+    if granularity == "chunk":
+      return None
+    if granularity == "layer":
+      return 1
+    raise ValueError(f"Unknown remat_granularity {granularity!r}; choose one of "
+                     f"{GRANULARITY_NAMES} or a positive int k (k layer units per checkpoint).")
+  if isinstance(granularity, (int, np.integer)) and not isinstance(granularity, bool):
+    if granularity >= 1:
+      return int(granularity)
+    raise ValueError(f"remat_granularity must be >= 1 layer units per checkpoint, got "
+                     f"{granularity!r}; or choose one of {GRANULARITY_NAMES}.")
+  raise TypeError(f"remat_granularity must be one of {GRANULARITY_NAMES} or a positive int, got "
+                  f"{granularity!r} of type {type(granularity).__name__}.")
+
+
+def check_unroll(unroll) -> None:
+  """``unroll`` as ``lax.scan`` takes it: an int >= 1 (units per loop iteration) or a bool."""
+  if isinstance(unroll, bool):
+    return
+  if not isinstance(unroll, (int, np.integer)) or unroll < 1:
+    raise ValueError(f"unroll must be an int >= 1 (layer units per iteration of a repeated "
+                     f"layer's loop) or True (unroll it whole), got {unroll!r}.")
+
+
+def _check_balance_form(balance, num_chunks: int):
+  """A balance name, or unit counts (a tuple of ints >= 1, one per chunk)."""
+  if isinstance(balance, str):
+    if balance not in BALANCE_NAMES:
+      raise ValueError(f"Unknown balance {balance!r}; choose one of {BALANCE_NAMES} or pass "
+                       f"a list of {num_chunks} layer-unit counts, one per chunk.")
+    return balance
+  if (isinstance(balance, bytes) or not hasattr(balance, "__iter__")
+      or (isinstance(balance, np.ndarray) and balance.ndim != 1)):
+    raise TypeError(f"balance must be one of {BALANCE_NAMES} or a list with one layer-unit "
+                    f"count per chunk, e.g. [3, 3, 2]; got {balance!r}.")
+  counts = []
+  for i, count in enumerate(balance):
+    if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)):
+      raise TypeError(f"balance[{i}] = {count!r} is not an int; give each chunk a whole number "
+                      "of layer units.")
+    if count < 1:
+      raise ValueError(f"balance[{i}] = {count}: every chunk needs at least one layer unit.")
+    counts.append(int(count))
+  if len(counts) != num_chunks:
+    raise ValueError(f"balance={counts} has {len(counts)} entries but num_stages * num_repeats "
+                     f"= {num_chunks} chunks; give one layer-unit count per chunk.")
+  return tuple(counts)
+
+
+def _check_per_example(per_example) -> tuple[str, ...]:
+  if isinstance(per_example, str):
+    raise TypeError(f"per_example must be a sequence of keyword names, got the string "
+                    f"{per_example!r}; write per_example=({per_example!r},).")
+  names = tuple(per_example)
+  if not all(isinstance(n, str) for n in names):
+    raise TypeError(f"per_example must hold keyword names (strings), got {per_example!r}.")
+  return names
+
+
+def layers_per_chunk(length: int, num_chunks: int, owner: str) -> int:
+  """Blocks in each chunk; raises ValueError unless ``length`` splits evenly."""
+  if length % num_chunks:
+    raise ValueError(
+        f"{owner}: length={length} layers cannot be split evenly into num_stages * num_repeats "
+        f"= {num_chunks} chunks; choose a length that is a multiple of {num_chunks} or change "
+        "num_stages/num_repeats.")
+  return length // num_chunks
+
+
+def for_stack(owner: str, length: int, spec: PipelineSpec | None = None,
+              **settings) -> PipelineSpec:
+  """The spec of a stack of ``length`` identical blocks: the settings given, the blocks cut
+  evenly (``balance`` is fixed); fused schedules are refused (a stack returns activations)."""
+  if "balance" in settings:
+    raise ValueError(f"{owner} cuts the blocks evenly over the chunks; balance is for "
+                     "tpipe.Sequential (any sequence of layers).")
+  spec = make(owner, spec, **settings)
+  if spec.is_fused:
+    raise ValueError(
+        f"{owner} returns the blocks' activations, but schedule={spec.schedule!r} runs the "
+        "backward inside the pipeline and differentiates the loss, which needs a last layer "
+        "that computes each example's loss. Use tpipe.Sequential([tpipe.Repeat(block, length), "
+        f"YourLoss()], schedule={spec.schedule!r}, per_example=('targets',), ...), or "
+        "schedule='gpipe'/'circular' here.")
+  per_chunk = layers_per_chunk(length, spec.num_chunks, owner)
+  return spec.replace(balance=[per_chunk] * spec.num_chunks)
