@@ -127,8 +127,9 @@ def balanced_split(costs, num_stages: int) -> tuple[int, ...]:
 
 def _as_counts(balance) -> list[int]:
   """``balance`` as a list of Python ints; raises TypeError unless it is a sequence of ints."""
-  if (isinstance(balance, (str, bytes)) or not hasattr(balance, "__iter__")
-      or (isinstance(balance, np.ndarray) and balance.ndim != 1)):
+  not_a_list = (isinstance(balance, (str, bytes)) or not hasattr(balance, "__iter__")
+                or (isinstance(balance, np.ndarray) and balance.ndim != 1))
+  if not_a_list:
     raise TypeError(
         f"balance must be a list with one layer-unit count per stage, e.g. [3, 3, 2]; "
         f"got {balance!r}.")

@@ -15,10 +15,10 @@ Example::
   (True, 4, 22)
   >>> spec.replace(schedule="gpipe").table.bubble_fraction == 3 / 11
   True
-  >>> PipelineSpec(num_stages=2, num_microbatches=4, remat="some")
+  >>> PipelineSpec(num_stages=2, num_microbatches=4, remat="some")  # doctest: +ELLIPSIS
   Traceback (most recent call last):
   ...
-  ValueError: Unknown remat 'some'; choose one of ('none', 'full', 'dots') or pass a jax.checkpoint policy such as jax.checkpoint_policies.dots_saveable.
+  ValueError: Unknown remat 'some'; choose one of ('none', 'full', 'dots') or pass a ...
 """
 
 from __future__ import annotations
@@ -219,8 +219,9 @@ def _check_balance_form(balance, num_chunks: int):
       raise ValueError(f"Unknown balance {balance!r}; choose one of {BALANCE_NAMES} or pass "
                        f"a list of {num_chunks} layer-unit counts, one per chunk.")
     return balance
-  if (isinstance(balance, bytes) or not hasattr(balance, "__iter__")
-      or (isinstance(balance, np.ndarray) and balance.ndim != 1)):
+  not_a_list = (isinstance(balance, bytes) or not hasattr(balance, "__iter__")
+                or (isinstance(balance, np.ndarray) and balance.ndim != 1))
+  if not_a_list:
     raise TypeError(f"balance must be one of {BALANCE_NAMES} or a list with one layer-unit "
                     f"count per chunk, e.g. [3, 3, 2]; got {balance!r}.")
   counts = []

@@ -176,8 +176,9 @@ class Pipeline:
 
   def _check_losses(self) -> None:
     leaves = jax.tree.leaves(self.output)
-    if (len(leaves) != 1 or len(leaves[0].shape) != 1
-        or not jnp.issubdtype(leaves[0].dtype, jnp.floating)):
+    per_example = (len(leaves) == 1 and len(leaves[0].shape) == 1
+                   and jnp.issubdtype(leaves[0].dtype, jnp.floating))
+    if not per_example:
       raise ValueError(
           f"{self.owner}: the loss is the mean of the last layer's per-example losses, so the "
           "last layer must return one float array [batch]; it returns "

@@ -19,8 +19,7 @@ therefore defines its own VJP:
 * backward: ``lax.switch(index, [zeros, apply_vjp_0, ...])``: the same branch, or nothing.
 
 What is saved is whatever ``fn``'s own ``jax.checkpoint`` policy saves: with full
-rematerialization only inputs, so nothing; with no remat, every activation. (The temporaries this
-saves against a plain ``lax.cond`` are measured in ``experiments/results/core_benchmark.md``.)
+rematerialization only inputs, so nothing; with no remat, every activation.
 """
 
 from __future__ import annotations
@@ -81,21 +80,35 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
   Returns:
     The chosen branch's output, or zeros of the same structure, shapes and dtypes.
   """
-  leaves, treedef = jax.tree.flatten(args)
-  is_diff = [_differentiable(leaf) for leaf in leaves]
-  packed_residuals = len(branches) > 1
-  # Filled while tracing each branch: how to rebuild its VJP from the saved residuals.
-  plans: list[dict[str, Any]] = [{} for _ in branches]
-  residual_buffers: dict[str, Any] = {}  # with several branches: the common buffer sizes
+  return _Switch(branches, args).run(index)
 
-  def call(fn, diff_leaves, other_leaves):
+
+class _Switch:
+  """:func:`switch_call` on one call's arguments: the forward conditional, what each branch
+  saves, and the backward conditional that rebuilds its VJP."""
+
+  def __init__(self, branches: Sequence[Callable[..., Any]], args):
+    self.branches = branches
+    leaves, self.treedef = jax.tree.flatten(args)
+    self.is_diff = [_differentiable(leaf) for leaf in leaves]
+    self.diff_leaves = tuple(leaf for leaf, d in zip(leaves, self.is_diff) if d)
+    self.other_leaves = tuple(leaf for leaf, d in zip(leaves, self.is_diff) if not d)
+    self.packed = len(branches) > 1
+    # Filled while tracing each branch: how to rebuild its VJP from the saved residuals.
+    self.plans: list[dict[str, Any]] = [{} for _ in branches]
+    self.sizes = None  # with several branches: the common residual buffer sizes
+
+  def call(self, fn, diff_leaves, other_leaves):
     diff_leaves, other_leaves = iter(diff_leaves), iter(other_leaves)
-    merged = [next(diff_leaves) if d else next(other_leaves) for d in is_diff]
-    return fn(*jax.tree.unflatten(treedef, merged))
+    merged = [next(diff_leaves) if d else next(other_leaves) for d in self.is_diff]
+    return fn(*jax.tree.unflatten(self.treedef, merged))
 
-  def busy_forward(k, diff_leaves, other_leaves, out_axes=None):
+  def busy_forward(self, k, diff_leaves, other_leaves, out_axes=None):
+    """Branch ``k`` under ``jax.vjp``: its outputs and the residuals it computed (the ones that
+    are its inputs are recognised by identity and taken again in the backward pass)."""
+
     def fn(*d):
-      out = call(branches[k], d, other_leaves)
+      out = self.call(self.branches[k], d, other_leaves)
       if out_axes is None:
         return out
       # Inside the differentiated function, so the VJP takes cotangents of the cast type. Only
@@ -110,41 +123,46 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
     source = [inputs.get(id(r)) for r in residuals]  # an input's index, or None if computed.
     computed = [r for r, s in zip(residuals, source) if s is None]
     out_leaves, out_tree = jax.tree.flatten(out)
-    plans[k].update(vjp_tree=vjp_tree, source=source, out_tree=out_tree,
-                    out_axes=[spmd.varying_axes(o) for o in out_leaves],
-                    res_axes=[spmd.varying_axes(r) for r in computed],
-                    layout=packing.layout_of(computed) if packed_residuals else None)
+    self.plans[k].update(vjp_tree=vjp_tree, source=source, out_tree=out_tree,
+                         out_axes=[spmd.varying_axes(o) for o in out_leaves],
+                         res_axes=[spmd.varying_axes(r) for r in computed],
+                         layout=packing.layout_of(computed) if self.packed else None)
     return out_leaves, computed
 
-  def forward(index, diff_leaves, other_leaves):
-    # One shape pass over the branches: their residual layouts and the mesh axes their values
-    # vary over (every branch of the switch must return the same types, varying axes included).
-    shapes = [jax.eval_shape(lambda d, o, k=k: busy_forward(k, d, o), diff_leaves, other_leaves)
-              for k in range(len(branches))]
-    out_tree, out_shapes = plans[0]["out_tree"], shapes[0][0]
+  def _types(self, diff_leaves, other_leaves):
+    """One shape pass over the branches: their output types, residual layouts and the mesh axes
+    their values vary over (every branch of the switch must return the same types, varying
+    axes included)."""
+    shapes = [jax.eval_shape(lambda d, o, k=k: self.busy_forward(k, d, o), diff_leaves,
+                             other_leaves) for k in range(len(self.branches))]
+    out_tree, out_shapes = self.plans[0]["out_tree"], shapes[0][0]
     types = lambda leaves: [(tuple(s.shape), s.dtype) for s in leaves]
-    for k, plan in enumerate(plans):
+    for k, plan in enumerate(self.plans):
       # Varying mesh axes may differ between branches (a zero-filled output varies over none);
-      # every output is cast to the union below.
+      # every output is cast to the union.
       if plan["out_tree"] != out_tree or types(shapes[k][0]) != types(out_shapes):
         raise ValueError(f"switch_call: branch {k} returns {plan['out_tree']} with "
                          f"{types(shapes[k][0])}, branch 0 {out_tree} with {types(out_shapes)}; "
                          "every branch must return the same structure, shapes and dtypes.")
-    out_axes = [frozenset().union(*axes) for axes in zip(*[p["out_axes"] for p in plans])]
-    if packed_residuals:
-      sizes = packing.buffer_sizes([p["layout"] for p in plans])
-      res_shapes = [jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in sizes.items()]
-      res_axes = [frozenset().union(*[a for p in plans for a in p["res_axes"]])] * len(sizes)
+    out_axes = [frozenset().union(*axes) for axes in zip(*[p["out_axes"] for p in self.plans])]
+    if self.packed:
+      self.sizes = packing.buffer_sizes([p["layout"] for p in self.plans])
+      res_shapes = [jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in self.sizes.items()]
+      axes = frozenset().union(*[a for p in self.plans for a in p["res_axes"]])
+      res_axes = [axes] * len(self.sizes)
     else:
-      sizes, res_shapes, res_axes = None, shapes[0][1], plans[0]["res_axes"]
-    residual_buffers.update(sizes=sizes)
+      res_shapes, res_axes = shapes[0][1], self.plans[0]["res_axes"]
+    return out_tree, out_shapes, out_axes, res_shapes, res_axes
+
+  def forward(self, index, diff_leaves, other_leaves):
+    out_tree, out_shapes, out_axes, res_shapes, res_axes = self._types(diff_leaves, other_leaves)
 
     def branch(k):
 
       def run_branch(diff_leaves, other_leaves):
-        out_leaves, computed = busy_forward(k, diff_leaves, other_leaves, out_axes)
-        if packed_residuals:
-          computed = list(packing.pack(computed, plans[k]["layout"], sizes).values())
+        out_leaves, computed = self.busy_forward(k, diff_leaves, other_leaves, out_axes)
+        if self.packed:
+          computed = list(packing.pack(computed, self.plans[k]["layout"], self.sizes).values())
         return ([spmd.cast_to(o, a) for o, a in zip(out_leaves, out_axes)],
                 [spmd.cast_to(r, a) for r, a in zip(computed, res_axes)])
 
@@ -155,29 +173,21 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
       return _zeros(out_shapes, out_axes), _zeros(res_shapes, res_axes)
 
     out_leaves, computed = lax.switch(jnp.maximum(index + 1, 0),
-                                      [idle] + [branch(k) for k in range(len(branches))],
+                                      [idle] + [branch(k) for k in range(len(self.branches))],
                                       diff_leaves, other_leaves)
     return jax.tree.unflatten(out_tree, out_leaves), computed
 
-  @jax.custom_vjp
-  def run(index, diff_leaves, other_leaves):
-    return forward(index, diff_leaves, other_leaves)[0]
-
-  def run_fwd(index, diff_leaves, other_leaves):
-    out, computed = forward(index, diff_leaves, other_leaves)
-    return out, (index, diff_leaves, other_leaves, computed)
-
-  def run_bwd(saved, cotangent):
+  def backward(self, saved, cotangent):
     index, diff_leaves, other_leaves, computed = saved
     inputs = list(diff_leaves) + list(other_leaves)
 
     def apply_vjp(k):
 
       def backward(cotangent, computed):
-        plan = plans[k]
-        if packed_residuals:
-          buffers = dict(zip(residual_buffers["sizes"], computed))
-          computed = jax.tree.leaves(packing.unpack(buffers, plan["layout"]))
+        plan = self.plans[k]
+        if self.packed:
+          computed = jax.tree.leaves(packing.unpack(dict(zip(self.sizes, computed)),
+                                                    plan["layout"]))
         computed = iter(computed)
         residuals = [next(computed) if s is None else inputs[s] for s in plan["source"]]
         grads = jax.tree.unflatten(plan["vjp_tree"], residuals)(cotangent)
@@ -190,11 +200,19 @@ def switch_call(index, branches: Sequence[Callable[..., Any]], *args) -> Any:
       return tuple(jnp.zeros_like(leaf) for leaf in diff_leaves)
 
     grads = lax.switch(jnp.maximum(index + 1, 0),
-                       [no_gradient] + [apply_vjp(k) for k in range(len(branches))],
+                       [no_gradient] + [apply_vjp(k) for k in range(len(self.branches))],
                        cotangent, computed)
     return None, grads, None
 
-  run.defvjp(run_fwd, run_bwd)
-  diff_leaves = tuple(leaf for leaf, d in zip(leaves, is_diff) if d)
-  other_leaves = tuple(leaf for leaf, d in zip(leaves, is_diff) if not d)
-  return run(index, diff_leaves, other_leaves)
+  def run(self, index):
+
+    @jax.custom_vjp
+    def run(index, diff_leaves, other_leaves):
+      return self.forward(index, diff_leaves, other_leaves)[0]
+
+    def run_fwd(index, diff_leaves, other_leaves):
+      out, computed = self.forward(index, diff_leaves, other_leaves)
+      return out, (index, diff_leaves, other_leaves, computed)
+
+    run.defvjp(run_fwd, self.backward)
+    return run(index, self.diff_leaves, self.other_leaves)

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpipe.core import spmd
+
 _BATCH_DIMS = (0, 1)
 
 
@@ -215,12 +217,6 @@ def _check_matches(tree, layout: Layout):
   return leaves, batch
 
 
-def _varying_axes(x) -> frozenset:
-  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere)."""
-  mat = getattr(jax.typeof(x), "manual_axis_type", None)
-  return frozenset(mat.varying) if mat is not None else frozenset()
-
-
 def pack(tree, layout: Layout, sizes: Mapping[str, int] | None = None) -> dict[str, jax.Array]:
   """Packs ``tree`` into one zero-padded buffer per dtype.
 
@@ -260,12 +256,8 @@ def pack(tree, layout: Layout, sizes: Mapping[str, int] | None = None) -> dict[s
     if pad or not parts[key]:
       parts[key].append(jnp.zeros(lead + (pad,), jnp.dtype(key)))
     buffers[key] = parts[key][0] if len(parts[key]) == 1 else jnp.concatenate(parts[key], -1)
-  varying = frozenset().union(*map(_varying_axes, leaves))
-  for key, buffer in buffers.items():
-    missing = varying - _varying_axes(buffer)
-    if missing:
-      buffers[key] = jax.lax.pcast(buffer, tuple(sorted(missing)), to="varying")
-  return buffers
+  varying = frozenset().union(*map(spmd.varying_axes, leaves))
+  return {key: spmd.cast_to(buffer, varying) for key, buffer in buffers.items()}
 
 
 def unpack(buffers: Mapping[str, jax.Array], layout: Layout):

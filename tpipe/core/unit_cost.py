@@ -15,7 +15,7 @@ Costs are cached for the life of the process by :func:`cost`'s key: the cost kin
 a description of the layer (its class and fields, keyword arguments, RNG streams) and the abstract
 shapes of its parameters and input. Tracing a model again (``init`` then ``apply``, every
 ``apply`` under a new ``jit``) therefore neither compiles nor measures a layer again, and a
-measured split stays the same within the process. :func:`clear_cache` forgets everything.
+measured split stays the same within the process.
 
 Example::
 
@@ -41,11 +41,6 @@ WARMUP_RUNS = 2
 TIMED_RUNS = 7
 
 _CACHE: dict[Hashable, float] = {}
-
-
-def clear_cache() -> None:
-  """Forgets every cached cost (the next balance by ``"flops"``/``"time"`` measures again)."""
-  _CACHE.clear()
 
 
 def abstract_key(tree) -> Hashable:

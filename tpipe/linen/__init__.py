@@ -4,3 +4,5 @@
 from tpipe.linen.sequential import Repeat
 from tpipe.linen.sequential import Sequential
 from tpipe.linen.transform import pipeline
+
+__all__ = ["Repeat", "Sequential", "pipeline"]

@@ -28,7 +28,6 @@ from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
-import numpy as np
 
 from tpipe import schedules
 from tpipe import spec as spec_lib

@@ -98,9 +98,11 @@ def pipeline(block_cls: type[nn.Module], *, length: int, spec: spec_lib.Pipeline
     raise TypeError(f"block_cls must be a flax.linen.Module class, got {block_cls!r}.")
   schedules.forward.check_count("length", length)
   spec = spec_lib.for_stack(OWNER, length, spec, **settings)
+  stack = _Stack(block_cls, length, spec,
+                 arguments.check_per_example(block_cls.__call__, spec.per_example,
+                                             block_cls.__name__),
+                 arguments.extra_parameter_names(block_cls.__call__))
   block_name = block_cls.__name__
-  per_example = arguments.check_per_example(block_cls.__call__, spec.per_example, block_name)
-  names = arguments.extra_parameter_names(block_cls.__call__)
 
   class Pipelined(block_cls):
     """``block_cls`` repeated ``length`` times, pipelined (made by :func:`tpipe.pipeline`)."""
@@ -111,88 +113,116 @@ def pipeline(block_cls: type[nn.Module], *, length: int, spec: spec_lib.Pipeline
 
     @nn.compact
     def __call__(self, x, *args, **kwargs):
-      mesh = spec.run_mesh(OWNER)
-      batch = layers_lib.batch_size(x, OWNER)
-      template = block_cls(**_block_fields(self, block_cls), parent=None)
-      split = arguments.split_arguments(block_cls.__call__, args, kwargs,
-                                        per_example=per_example, batch_size=batch,
-                                        owner=block_name)
-      call_args, call_kwargs = split.rebuild(split.broadcast, split.per_example)
-      kwargs = {**dict(zip(names, call_args)), **call_kwargs}
-      given = [sequential.Repeat(template, length)]
-      streams = tuple(sorted(name for name in self.scope.rngs if name != "params"))
-      rngs = {name: self.make_rng(name) for name in streams}
-      with _hint_per_example(split, batch, block_name):
-        if self.is_initializing():
-          self._init_blocks(template, x, kwargs, rngs, mesh)
-        self._check_sown(template, x, kwargs, rngs, mesh)
-      params = {"layers_0": nn.meta.unbox(dict(self.variables.get("params", {})))}
-      leaves = jax.tree.leaves(params)
-      if leaves and any(np.shape(leaf)[:1] != (length,) for leaf in leaves):
-        raise ValueError(
-            f"Expected every parameter of the pipelined {block_name} stacked on a leading axis "
-            f"of length {length}; got shapes {jax.tree.map(np.shape, params)}. Were these "
-            "variables made for another length?")
-      stats = dict(self.variables.get(STATS, {}))
-      stats = {"layers_0": nn.meta.unbox(stats)} if stats else {}
-
-      def store(new_stats):
-        for name, value in new_stats["layers_0"].items():
-          self.put_variable(STATS, name, value)
-
-      return sequential.run_layers(self, given, spec, x, kwargs, False, params=params,
-                                   stats=stats, rngs=rngs, mesh=mesh, store_stats=store,
-                                   owner=OWNER)
-
-    def _init_blocks(self, template, x, kwargs, rngs, mesh):
-      """Creates the stack's variables: layer ``l`` from key ``l`` of
-      ``jax.random.split(make_rng("params"), length)``, the block's boxes kept."""
-      micro = max(1, layers_lib.batch_size(x, OWNER) // (spec.num_microbatches *
-                                                          spec.data_size(mesh)))
-      h = jax.tree.map(lambda a: a[:micro], x)
-      kw = {k: (jax.tree.map(lambda a: a[:micro], v) if k in spec.per_example else v)
-            for k, v in kwargs.items()}
-      other = layers_lib.unit_rngs(rngs, 0, 0)
-      init = layers_lib.outside_mesh(template.init, (spec.data_axis, spec.stage_axis))
-      keys = jax.random.split(self.make_rng("params"), length)
-      layer_vars = jax.vmap(lambda k: init({"params": k, **other}, h, **kw))(keys)
-      extra = sorted(set(layer_vars) - {"params", STATS})
-      if extra:
-        raise ValueError(
-            f"{block_name} creates variable collections {extra}; tpipe.pipeline supports "
-            f"blocks whose variables are 'params' and BatchNorm's '{STATS}'.")
-      # The new leading axis is the layer axis, split over stages: say so in the metadata.
-      stacked = nn.meta.add_axis(layer_vars.get("params", {}), 0,
-                                 {nn.PARTITION_NAME: spec.stage_axis})
-      for name, value in stacked.items():
-        self.param(name, lambda _key, value=value: value, unbox=False)
-      for name, value in nn.meta.unbox(layer_vars.get(STATS, {})).items():
-        self.put_variable(STATS, name, value)
-
-    def _check_sown(self, template, x, kwargs, rngs, mesh):
-      """Raises when the block writes a collection the caller made mutable (``sow``)."""
-      micro = max(1, layers_lib.batch_size(x, OWNER) // (spec.num_microbatches *
-                                                          spec.data_size(mesh)))
-      h = jax.tree.map(lambda a: jax.ShapeDtypeStruct((micro,) + np.shape(a)[1:], a.dtype), x)
-      one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype),
-                         nn.meta.unbox(dict(self.variables.get("params", {}))))
-      stats = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype),
-                           dict(self.variables.get(STATS, {})))
-      kw = {k: (jax.tree.map(lambda a: a[:micro], v) if k in spec.per_example else v)
-            for k, v in kwargs.items()}
-      variables = {"params": one, **({STATS: stats} if stats else {})}
-      apply = lambda v, h, kw: template.apply(v, h, **kw, rngs=rngs, mutable=True)
-      _, written = jax.eval_shape(apply, variables, h, kw)
-      dropped = sorted(c for c in written
-                       if c not in ("params", STATS) and self.is_mutable_collection(c))
-      if dropped:
-        raise ValueError(
-            f"{block_name} writes to the variable collection(s) {dropped} (e.g. with self.sow), "
-            "which the caller made mutable, but tpipe.pipeline does not return them from its "
-            "layers. Take what you need from the stack's output instead, or call apply without "
-            f"mutable={dropped}.")
+      return stack.call(self, x, args, kwargs)
 
   Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{block_name}"
   Pipelined.__doc__ = (f"{length} x {block_name} pipelined with {spec} (made by "
                        "tpipe.pipeline).")
   return Pipelined
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+  """What the class :func:`pipeline` makes does: its call, init and checks.
+
+  Attributes:
+    block_cls: the block class.
+    length: L.
+    spec: the settings (the blocks cut evenly).
+    per_example: checked ``per_example`` names.
+    names: the parameter names of ``block_cls.__call__`` after ``x``.
+  """
+
+  block_cls: Any
+  length: int
+  spec: spec_lib.PipelineSpec
+  per_example: tuple
+  names: tuple
+
+  @property
+  def block_name(self) -> str:
+    return self.block_cls.__name__
+
+  def call(self, module: nn.Module, x, args, kwargs):
+    spec, block_name = self.spec, self.block_name
+    mesh = spec.run_mesh(OWNER)
+    batch = layers_lib.batch_size(x, OWNER)
+    template = self.block_cls(**_block_fields(module, self.block_cls), parent=None)
+    split = arguments.split_arguments(self.block_cls.__call__, args, kwargs,
+                                      per_example=self.per_example, batch_size=batch,
+                                      owner=block_name)
+    call_args, call_kwargs = split.rebuild(split.broadcast, split.per_example)
+    kwargs = {**dict(zip(self.names, call_args)), **call_kwargs}
+    streams = tuple(sorted(name for name in module.scope.rngs if name != "params"))
+    rngs = {name: module.make_rng(name) for name in streams}
+    with _hint_per_example(split, batch, block_name):
+      if module.is_initializing():
+        self.init_blocks(module, template, x, kwargs, rngs, mesh)
+      self.check_sown(module, template, x, kwargs, rngs, mesh)
+    params = {"layers_0": nn.meta.unbox(dict(module.variables.get("params", {})))}
+    leaves = jax.tree.leaves(params)
+    if leaves and any(np.shape(leaf)[:1] != (self.length,) for leaf in leaves):
+      raise ValueError(
+          f"Expected every parameter of the pipelined {block_name} stacked on a leading axis "
+          f"of length {self.length}; got shapes {jax.tree.map(np.shape, params)}. Were these "
+          "variables made for another length?")
+    stats = dict(module.variables.get(STATS, {}))
+    stats = {"layers_0": nn.meta.unbox(stats)} if stats else {}
+
+    def store(new_stats):
+      for name, value in new_stats["layers_0"].items():
+        module.put_variable(STATS, name, value)
+
+    return sequential.run_layers(module, [sequential.Repeat(template, self.length)], spec, x,
+                                 kwargs, False, params=params, stats=stats, rngs=rngs, mesh=mesh,
+                                 store_stats=store, owner=OWNER)
+
+  def _micro(self, x, mesh) -> int:
+    parts = self.spec.num_microbatches * self.spec.data_size(mesh)
+    return max(1, layers_lib.batch_size(x, OWNER) // parts)
+
+  def init_blocks(self, module, template, x, kwargs, rngs, mesh):
+    """Creates the stack's variables: layer ``l`` from key ``l`` of
+    ``jax.random.split(make_rng("params"), length)``, the block's boxes kept."""
+    spec, micro = self.spec, self._micro(x, mesh)
+    h = jax.tree.map(lambda a: a[:micro], x)
+    kw = {k: (jax.tree.map(lambda a: a[:micro], v) if k in spec.per_example else v)
+          for k, v in kwargs.items()}
+    other = layers_lib.unit_rngs(rngs, 0, 0)
+    init = layers_lib.outside_mesh(template.init, (spec.data_axis, spec.stage_axis))
+    keys = jax.random.split(module.make_rng("params"), self.length)
+    layer_vars = jax.vmap(lambda k: init({"params": k, **other}, h, **kw))(keys)
+    extra = sorted(set(layer_vars) - {"params", STATS})
+    if extra:
+      raise ValueError(
+          f"{self.block_name} creates variable collections {extra}; tpipe.pipeline supports "
+          f"blocks whose variables are 'params' and BatchNorm's '{STATS}'.")
+    # The new leading axis is the layer axis, split over stages: say so in the metadata.
+    stacked = nn.meta.add_axis(layer_vars.get("params", {}), 0,
+                               {nn.PARTITION_NAME: spec.stage_axis})
+    for name, value in stacked.items():
+      module.param(name, lambda _key, value=value: value, unbox=False)
+    for name, value in nn.meta.unbox(layer_vars.get(STATS, {})).items():
+      module.put_variable(STATS, name, value)
+
+  def check_sown(self, module, template, x, kwargs, rngs, mesh):
+    """Raises when the block writes a collection the caller made mutable (``sow``)."""
+    micro = self._micro(x, mesh)
+    h = jax.tree.map(lambda a: jax.ShapeDtypeStruct((micro,) + np.shape(a)[1:], a.dtype), x)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype),
+                       nn.meta.unbox(dict(module.variables.get("params", {}))))
+    stats = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype),
+                         dict(module.variables.get(STATS, {})))
+    kw = {k: (jax.tree.map(lambda a: a[:micro], v) if k in self.spec.per_example else v)
+          for k, v in kwargs.items()}
+    variables = {"params": one, **({STATS: stats} if stats else {})}
+    apply = lambda v, h, kw: template.apply(v, h, **kw, rngs=rngs, mutable=True)
+    _, written = jax.eval_shape(apply, variables, h, kw)
+    dropped = sorted(c for c in written
+                     if c not in ("params", STATS) and module.is_mutable_collection(c))
+    if dropped:
+      raise ValueError(
+          f"{self.block_name} writes to the variable collection(s) {dropped} (e.g. with "
+          "self.sow), which the caller made mutable, but tpipe.pipeline does not return them "
+          "from its layers. Take what you need from the stack's output instead, or call apply "
+          f"without mutable={dropped}.")

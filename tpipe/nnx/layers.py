@@ -34,19 +34,27 @@ from tpipe.core import layers as layers_lib
 RNG_STREAM = "dropout"
 
 
-def split(layer: nnx.Module, where: str):
-  """``layer``'s graph definition and its ``Param``, ``BatchStat`` and RNG states; raises for
-  any other state, and for a ``BatchStat`` outside an ``nnx.BatchNorm``."""
+def split(layer: nnx.Module, where: str, repeated: bool = False):
+  """``layer``'s graph definition, its ``Param``, ``BatchStat`` and RNG states, and its constant
+  arrays (array attributes that are no ``nnx.Variable``: a layer's fixed table); raises for any
+  other state, for a ``BatchStat`` outside an ``nnx.BatchNorm``, and for constants in the copies
+  of a repeated layer (``repeated``)."""
   graphdef, params, stats, rng_state, rest = nnx.split(layer, nnx.Param, nnx.BatchStat,
                                                        nnx.RngState, ...)
-  if jax.tree.leaves(rest):
-    kinds = sorted({type(v).__name__ for v in
-                    jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
+  flat = nnx.to_flat_state(rest)
+  variables = [(path, v) for path, v in flat if isinstance(v, nnx.Variable)]
+  if variables:
+    kinds = sorted({type(v).__name__ for _, v in variables})
     raise ValueError(
-        f"{where}: {type(layer).__name__} holds NNX state other than nnx.Param, nnx.BatchNorm "
-        f"statistics and RNG streams ({', '.join(kinds)}: "
-        f"{[p for p, _ in nnx.to_flat_state(rest)][:4]}). tpipe.nnx cannot give other mutable "
-        "nnx.Variables pipeline semantics; keep such state outside the pipelined layers.")
+        f"{where}: {type(layer).__name__} holds NNX variables other than nnx.Param, nnx.BatchNorm "
+        f"statistics and RNG streams ({', '.join(kinds)}: {[p for p, _ in variables][:4]}). "
+        "tpipe.nnx cannot give other mutable nnx.Variables pipeline semantics; keep such state "
+        "outside the pipelined layers.")
+  if flat and repeated:
+    raise ValueError(
+        f"{where}: the copies of {type(layer).__name__} hold constant arrays "
+        f"({[p for p, _ in flat][:4]}), one per copy; tpipe.nnx.Repeat stacks parameters only. "
+        "Compute the constant in __call__, or make the layer a plain one.")
   norms = set(batch_norms(layer))
   expected = {path + (name,) for path in norms for name in ("mean", "var")}
   stray = sorted(set(tuple(p) for p, _ in nnx.to_flat_state(stats)) - expected, key=str)
@@ -54,7 +62,7 @@ def split(layer: nnx.Module, where: str):
     raise ValueError(
         f"{where}: {type(layer).__name__} has nnx.BatchStat variables outside an nnx.BatchNorm "
         f"({stray[:4]}); tpipe.nnx pools the statistics of nnx.BatchNorm layers only.")
-  return graphdef, params, stats, rng_state
+  return graphdef, params, stats, rng_state, rest
 
 
 def batch_norms(layer: nnx.Module) -> dict[tuple, nnx.BatchNorm]:
@@ -97,7 +105,7 @@ def as_layer(layer: nnx.Module, copies: int | None,
     ``(layer, params, stats)``: the core layer; its ``Param`` and ``BatchStat`` states as pure
     dicts (a repeated layer's stacked).
   """
-  graphdef, params, stats, rng_state = split(layer, where)
+  graphdef, params, stats, rng_state, constants = split(layer, where, copies is not None)
   rng_template = nnx.to_pure_dict(rng_state)
   has_rngs = bool(jax.tree.leaves(rng_template))
   own_momenta = {path: float(norm.momentum) for path, norm in batch_norms(layer).items()}
@@ -110,7 +118,7 @@ def as_layer(layer: nnx.Module, copies: int | None,
       if key is None:  # Shape and cost passes, deterministic calls: a placeholder key.
         key = jax.random.key(0)
       rng = _rng_state(one_copy_rng(rng_template, copies), key)
-    module = nnx.merge(graphdef, params, stats, rng)
+    module = nnx.merge(graphdef, params, stats, rng, constants)
     before = {}
     for path, norm in batch_norms(module).items():
       norm.momentum = 0.0  # This copy's running averages become the micro-batch's statistics.

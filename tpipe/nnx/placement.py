@@ -14,8 +14,8 @@ the state keeps one entry per layer: it stays replicated (its own ``out_sharding
 any, is honoured), and its gradient is summed over ``stage`` once per step. Circular schedules
 (``num_repeats > 1``) give a stage non-contiguous copies, which a split of the copy axis cannot
 express, and a ``balance`` computed from costs leaves the cut unknown until the call: both are
-refused with the fix. What the train step then communicates is measured in
-``experiments/results/nnx_placement.md``.
+refused with the fix. What the compiled train step then communicates over ``stage`` is checked
+in ``tests/nnx/test_placement.py``.
 """
 
 from __future__ import annotations

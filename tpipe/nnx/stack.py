@@ -62,7 +62,8 @@ class Repeat(nnx.Module):
     self.n = n
 
   def __call__(self, x, **kwargs):
-    graphdef, params, stats, rng_state = nnx_layers.split(self.layer, "tpipe.nnx.Repeat")
+    graphdef, params, stats, rng_state, _ = nnx_layers.split(
+        self.layer, "tpipe.nnx.Repeat", repeated=True)
     if jax.tree.leaves(rng_state):
       raise ValueError("tpipe.nnx.Repeat: the repeated layer has RNG streams (e.g. nnx.Dropout); "
                        "a Repeat applies them only inside tpipe.nnx.Sequential, which draws "

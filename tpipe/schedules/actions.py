@@ -17,6 +17,7 @@ import numpy as np
 
 PLACEMENTS = ("loop", "v")
 
+
 class Action(enum.IntEnum):
   """What a stage does in one tick of a :class:`FusedSchedule` (``IDLE`` when nothing)."""
 
@@ -71,7 +72,6 @@ def link_directions(placement: str, num_stages: int, num_chunks: int) -> np.ndar
   return np.where(v < num_stages - 1, 1, np.where(v == num_stages - 1, 0, -1)).astype(np.int32)
 
 
-
 # Dependency bookkeeping: ``B`` and ``BI`` both produce the input gradient ("back").
 EVENT = {Action.F: "F", Action.B: "back", Action.BI: "back", Action.W: "W"}
 
@@ -91,4 +91,3 @@ def dependencies(kind: Action, m: int, v: int, num_virtual: int) -> list[tuple[s
   if kind == Action.W:
     return [("back", m, v)]
   return [("F", m, v)] + ([("back", m, v + 1)] if v < num_virtual - 1 else [])
-

@@ -234,5 +234,3 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
   """
   schedule = circular(num_stages, num_microbatches, 1)
   return dataclasses.replace(schedule, name="gpipe")
-
-

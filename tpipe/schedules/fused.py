@@ -445,7 +445,6 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, pl
                        forward_only=forward_only)
 
 
-
 def from_forward(schedule: forward_lib.Schedule) -> FusedSchedule:
   """A forward schedule's whole step as a :class:`FusedSchedule`: its forward ticks, then
   autodiff's backward.

@@ -137,7 +137,8 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_repeats: int) -
                      f"{num_repeats}; use schedule='1f1b' for one.")
   orders = [_order_interleaved(num_stages, num_microbatches, num_repeats, s)
             for s in range(num_stages)]
-  return fused_lib.place("interleaved_1f1b", num_stages, num_microbatches, num_repeats, "loop", orders)
+  return fused_lib.place("interleaved_1f1b", num_stages, num_microbatches, num_repeats, "loop",
+                         orders)
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> FusedSchedule:

@@ -1,4 +1,5 @@
-"""Ahead-of-time measurements of a compiled step: memory, executed FLOPs, collectives, bubble.
+"""Ahead-of-time measurements of a compiled step: memory, collectives, and (from
+:mod:`tpipe.tools.flops`) executed FLOPs and the bubble, all at once with :func:`analyze`.
 
 Everything here reads a :class:`jax.stages.Compiled` (``jit(f).lower(...).compile()``) and the
 per-device HLO text it prints; nothing runs the program. The questions answered:
@@ -44,20 +45,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from tpipe.tools import hlo as hlo_lib
-
-# Elementwise ops XLA counts as one FLOP per output element.
-_ELEMENTWISE = frozenset({
-    "add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum", "negate", "abs",
-    "sign", "compare", "select", "clamp", "convert", "and", "or", "xor", "not", "floor", "ceil",
-    "round-nearest-afz", "round-nearest-even", "shift-left", "shift-right-arithmetic",
-    "shift-right-logical", "is-finite", "popcnt", "count-leading-zeros", "real", "imag",
-    "complex", "stochastic-convert", "reduce-precision",
-})
-# Elementwise ops XLA counts as transcendentals instead of FLOPs.
-_TRANSCENDENTAL = frozenset({
-    "exponential", "exponential-minus-one", "log", "log-plus-one", "logistic", "tanh", "sqrt",
-    "rsqrt", "cbrt", "power", "sine", "cosine", "tan", "atan2", "erf", "erf-inv",
-})
+# The FLOP measurements, part of this module's one-stop surface (see tpipe.tools.flops).
+from tpipe.tools.flops import FlopCount
+from tpipe.tools.flops import FusedFlops
+from tpipe.tools.flops import PipelineFlops
+from tpipe.tools.flops import flop_count
+from tpipe.tools.flops import fused_flops
+from tpipe.tools.flops import pipeline_flops
 # Collective kinds, with the opcodes that start them (``-done`` halves are not counted).
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                     "all-to-all")
@@ -71,160 +65,11 @@ _COLLECTIVE_OPCODES = {
 }
 
 
-def _module(compiled_or_text) -> hlo_lib.HloModule:
-  if isinstance(compiled_or_text, hlo_lib.HloModule):
-    return compiled_or_text
-  if isinstance(compiled_or_text, str):
-    return hlo_lib.parse_hlo(compiled_or_text)
-  if hasattr(compiled_or_text, "as_text") and hasattr(compiled_or_text, "cost_analysis"):
-    return hlo_lib.parse_hlo(compiled_or_text.as_text())
-  raise TypeError(
-      f"Expected a jax.stages.Compiled (jit(f).lower(...).compile()) or its HLO text, got "
-      f"{type(compiled_or_text).__name__}. Call .compile() on the lowered function first.")
-
-
 def _check_compiled(compiled) -> None:
   if not (hasattr(compiled, "memory_analysis") and hasattr(compiled, "cost_analysis")):
     raise TypeError(
         f"Expected a jax.stages.Compiled, got {type(compiled).__name__}; use "
         "jax.jit(f).lower(*args).compile().")
-
-
-# --------------------------------------------------------------------------------------------
-# FLOPs.
-
-
-@dataclasses.dataclass(frozen=True)
-class FlopCount:
-  """FLOPs of one execution of a compiled program, per device.
-
-  Attributes:
-    xla: ``cost_analysis()['flops']``: every loop body counted once (None for bare HLO text).
-    static: our count of the HLO with every loop body counted once (should equal ``xla``).
-    executed: FLOPs that run per step: loop bodies counted trip-count times.
-    transcendentals: executed transcendental ops (exp, tanh, ...).
-    loops: ``(while instruction name, trip count or None, times its computation runs)``.
-  """
-
-  xla: float | None
-  static: float
-  executed: float
-  transcendentals: float
-  loops: tuple[tuple[str, int | None, int], ...]
-
-  @property
-  def loop_factor(self) -> float:
-    """``executed / static``: how much the trip counts multiply the naive count."""
-    return self.executed / self.static if self.static else 1.0
-
-  @property
-  def loops_without_trip_count(self) -> tuple[str, ...]:
-    """Loops XLA proved no trip count for: counted once each, so ``executed`` is a lower bound."""
-    return tuple(name for name, trips, _ in self.loops if trips is None)
-
-
-class _FlopCounter:
-  """Counts FLOPs per computation, with loop bodies counted once or trip-count times."""
-
-  def __init__(self, module: hlo_lib.HloModule, executed: bool):
-    self.module = module
-    self.executed = executed
-    self._cache: dict[str, tuple[float, float]] = {}
-
-  def computation(self, name: str) -> tuple[float, float]:
-    """``(flops, transcendentals)`` of one run of computation ``name``."""
-    if name not in self._cache:
-      comp = self.module.computations[name]
-      flops = trans = 0.0
-      for ins in comp.instructions:
-        f, t = self.instruction(comp, ins)
-        flops += f
-        trans += t
-      self._cache[name] = (flops, trans)
-    return self._cache[name]
-
-  def _called(self, name: str | None) -> tuple[float, float]:
-    if name is None or name not in self.module.computations:
-      return 0.0, 0.0
-    return self.computation(name)
-
-  def _reducer_flops(self, ins: hlo_lib.Instruction) -> float:
-    name = ins.attr("to_apply")
-    return self._called(name.lstrip("%"))[0] if name else 0.0
-
-  def instruction(self, comp, ins) -> tuple[float, float]:
-    op = ins.opcode
-    out = hlo_lib.parse_shape(ins.shape)
-    out_size = out[0].size if out else 0
-    if op == "while":
-      body = self._called(ins.attr("body").lstrip("%"))
-      cond = self._called(ins.attr("condition").lstrip("%"))
-      trips = (ins.trip_count or 1) if self.executed else 1
-      return trips * (body[0] + cond[0]), trips * (body[1] + cond[1])
-    if op == "conditional":
-      branches = [self._called(c) for c in ins.called]
-      return max(branches, default=(0.0, 0.0), key=lambda ft: ft[0])
-    if op in ("fusion", "call", "async-start", "custom-call") and ins.called:
-      totals = [self._called(c) for c in ins.called]
-      return sum(t[0] for t in totals), sum(t[1] for t in totals)
-    if op == "dot":
-      lhs = comp.operand_shape(ins, 0)
-      dims = ins.attr("lhs_contracting_dims") or "{}"
-      contracted = math.prod(lhs[0].dims[int(d)] for d in re.findall(r"\d+", dims)) if lhs else 1
-      return 2.0 * out_size * contracted, 0.0
-    if op == "convolution":
-      kernel = comp.operand_shape(ins, 1)
-      labels = ins.attr("dim_labels") or ""
-      kernel_labels = labels.split("_")[1].split("->")[0] if "_" in labels else ""
-      if kernel and "o" in kernel_labels:
-        per_output = kernel[0].size // kernel[0].dims[kernel_labels.index("o")]
-      else:
-        per_output = kernel[0].size if kernel else 1
-      return 2.0 * out_size * per_output, 0.0
-    if op in _ELEMENTWISE:
-      return float(out_size), 0.0
-    if op in _TRANSCENDENTAL:
-      return 0.0, float(out_size)
-    if op == "reduce":
-      inp = comp.operand_shape(ins, 0)
-      in_size = inp[0].size if inp else 0
-      return (in_size - out_size) * self._reducer_flops(ins), 0.0
-    if op == "reduce-window":
-      window = ins.attr("window") or ""
-      size = re.search(r"size=([\dx]+)", window)
-      window_size = math.prod(int(s) for s in size.group(1).split("x")) if size else 1
-      return out_size * window_size * self._reducer_flops(ins), 0.0
-    if op in ("all-reduce", "all-reduce-start", "reduce-scatter"):
-      return sum(a.size for a in out) * self._reducer_flops(ins), 0.0
-    if op == "scatter":
-      updates = comp.operand_shape(ins, len(ins.operands) - 1)
-      return (updates[0].size if updates else 0) * self._reducer_flops(ins), 0.0
-    return 0.0, 0.0
-
-
-def flop_count(compiled) -> FlopCount:
-  """Executed FLOPs per device of a compiled program: loop bodies times their trip counts.
-
-  Args:
-    compiled: a :class:`jax.stages.Compiled`, or its HLO text (then ``xla`` is None).
-
-  Returns:
-    A :class:`FlopCount`. ``executed`` is XLA's own count plus the extra trips of every loop
-    (our count's ``executed - static``), so it equals XLA's figure for loop-free programs.
-  """
-  module = _module(compiled)
-  xla = None
-  if not isinstance(compiled, (str, hlo_lib.HloModule)):
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax returned one dict per program
-      cost = cost[0] if cost else {}
-    xla = float((cost or {}).get("flops", 0.0))
-  static = _FlopCounter(module, executed=False).computation(module.entry)
-  executed = _FlopCounter(module, executed=True).computation(module.entry)
-  loops = tuple((l.instruction.name, l.trip_count, l.outer) for l in module.loops())
-  base = xla if xla is not None else static[0]
-  return FlopCount(xla=xla, static=static[0], executed=base + executed[0] - static[0],
-                   transcendentals=executed[1], loops=loops)
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,7 +138,7 @@ def collectives(compiled, mesh=None) -> list[Collective]:
   Returns:
     A list of :class:`Collective`, in program order.
   """
-  module = _module(compiled)
+  module = hlo_lib.module_of(compiled)
   mult = module.multipliers()
   inside = module.enclosing_loops()
   mesh_shape = tuple(mesh.devices.shape) if mesh is not None else None
@@ -466,244 +311,6 @@ def memory_breakdown(compiled, inputs: Mapping[str, Any] | None = None) -> Memor
 
 
 # --------------------------------------------------------------------------------------------
-# Pipeline: useful FLOPs and bubble.
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineFlops:
-  """Executed, useful and lockstep FLOPs of a pipelined step, per device.
-
-  In lockstep SPMD every device spends every tick, busy or idle, as long as a busy tick takes.
-  The executor skips the stage's work on idle ticks (a conditional), so the bubble costs time
-  but no FLOPs: ``executed`` is close to ``useful``, and ``lockstep`` (what the step's duration
-  is proportional to) exceeds both by the bubble.
-
-  Attributes:
-    lockstep: FLOPs as if every tick were busy: conditionals counted as their costliest branch
-      on every trip (XLA's convention, times loop trip counts).
-    executed: FLOPs that actually run: ``lockstep`` minus the idle share of the conditionals in
-      the tick loops.
-    useful: ``lockstep`` minus the idle share of everything in the tick loops: the work of the
-      busy (tick, stage) slots plus what runs outside the tick loops.
-    in_tick_loops: lockstep FLOPs inside the schedule's tick loops (forward and backward).
-    gated: lockstep FLOPs inside the tick loops' conditionals (the stage's layers).
-    tick_loops: names of the ``while`` loops identified as tick loops (trip count = ticks).
-    bubble_fraction: the schedule's idle share of ticks on every stage.
-  """
-
-  lockstep: float
-  executed: float
-  useful: float
-  in_tick_loops: float
-  gated: float
-  tick_loops: tuple[str, ...]
-  bubble_fraction: float
-
-  @property
-  def useful_fraction(self) -> float:
-    """``useful / executed``: the share of the executed FLOPs that is not overhead."""
-    return self.useful / self.executed if self.executed else 1.0
-
-  @property
-  def lockstep_efficiency(self) -> float:
-    """``useful / lockstep``: the share of the step's duration spent on useful work,
-    ``1 - bubble`` when the per-tick bookkeeping is negligible."""
-    return self.useful / self.lockstep if self.lockstep else 1.0
-
-
-def _gated_flops(counter: _FlopCounter, module: hlo_lib.HloModule, body: str) -> float:
-  """FLOPs (costliest branch) of the conditionals directly in a loop body and its calls."""
-  total, pending, seen = 0.0, [body], set()
-  while pending:
-    name = pending.pop()
-    if name in seen or name not in module.computations:
-      continue
-    seen.add(name)
-    comp = module.computations[name]
-    for ins in comp.instructions:
-      if ins.opcode == "conditional":
-        total += counter.instruction(comp, ins)[0]
-      elif ins.opcode in ("call", "fusion", "async-start") and ins.called:
-        pending.extend(ins.called)
-  return total
-
-
-def pipeline_flops(compiled, schedule, flops: FlopCount | None = None,
-                   programs=None) -> PipelineFlops:
-  """Lockstep, executed and useful FLOPs of a pipelined step.
-
-  The tick loops are found as the outermost ``while`` loops whose trip count equals
-  ``schedule.num_ticks`` (the forward loop and the backward loop autodiff makes of it; a fused
-  schedule's one loop over its table). Every stage of the forward schedules is idle on the same
-  number of ticks, a ``bubble_fraction`` share: that share of the tick loops' conditionals (the
-  stage's layers) is skipped, and that share of everything in the tick loops is not useful. For a
-  fused schedule the counts are exact, from each action's own branch (:func:`fused_flops`):
-  ``lockstep`` sums each tick's costliest action, ``executed`` is the busiest device's actions
-  plus the overhead, ``useful`` the mean device's actions.
-
-  Args:
-    compiled: a :class:`jax.stages.Compiled` or its HLO text.
-    schedule: the :class:`tpipe.schedules.Schedule` or :class:`tpipe.schedules.FusedSchedule`
-      the step runs.
-    flops: a :class:`FlopCount` already computed for ``compiled`` (recomputed if None).
-    programs: for a fused schedule, each model chunk's chunk program (see :func:`fused_flops`).
-
-  Returns:
-    A :class:`PipelineFlops`.
-  """
-  if not hasattr(schedule, "num_ticks") or not hasattr(schedule, "bubble_fraction"):
-    raise TypeError(f"schedule must be a tpipe.schedules.Schedule, got "
-                    f"{type(schedule).__name__}; build one with "
-                    "tpipe.schedules.make_schedule(name, S, M, R).")
-  flops = flops if flops is not None else flop_count(compiled)
-  from tpipe import schedules as schedules_lib  # pylint: disable=g-import-not-at-top
-
-  if isinstance(schedule, schedules_lib.FusedSchedule):
-    found = fused_flops(compiled, schedule, programs, flops)
-    return PipelineFlops(lockstep=found.lockstep, executed=found.executed, useful=found.useful,
-                         in_tick_loops=found.lockstep - found.overhead,
-                         gated=float(found.per_stage.max()), tick_loops=(found.tick_loop,),
-                         bubble_fraction=float(schedule.bubble_fraction))
-  module = _module(compiled)
-  counter = _FlopCounter(module, executed=True)
-  inside = module.enclosing_loops()
-  loops = module.loops()
-  tick_names = {l.instruction.name for l in loops if l.trip_count == schedule.num_ticks}
-  in_ticks, gated, chosen = 0.0, 0.0, []
-  for loop in loops:
-    if loop.instruction.name not in tick_names:
-      continue
-    if any(outer in tick_names for outer in inside.get(loop.computation, ())):
-      continue  # nested inside another tick loop: already counted there.
-    chosen.append(loop.instruction.name)
-    runs = loop.outer * loop.trip_count
-    in_ticks += runs * counter.computation(loop.body)[0]
-    gated += runs * _gated_flops(counter, module, loop.body)
-  if not chosen and schedule.num_ticks > 1:
-    raise ValueError(
-        f"No while loop with the schedule's {schedule.num_ticks} ticks as its trip count was "
-        f"found (loops and trip counts: {[(l.instruction.name, l.trip_count) for l in loops]}). "
-        "Pass the schedule the program was compiled with; if it is, XLA unrolled or rewrote the "
-        "tick loop and useful FLOPs cannot be separated from the bubble.")
-  bubble = float(schedule.bubble_fraction)
-  return PipelineFlops(lockstep=flops.executed, executed=flops.executed - bubble * gated,
-                       useful=flops.executed - bubble * in_ticks, in_tick_loops=in_ticks,
-                       gated=gated, tick_loops=tuple(chosen), bubble_fraction=bubble)
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedFlops:
-  """FLOPs of a step run with a fused schedule (:class:`tpipe.schedules.FusedSchedule`), read
-  from the branches of its compiled tick loop, per device.
-
-  Each tick a device runs one branch of a conditional: idle, or action ``F``, ``B``, ``BI`` or
-  ``W`` of one model chunk (see :mod:`tpipe.core.fused`). Counting each branch's FLOPs once and
-  weighting it by the ticks the table runs it gives exact per-stage totals.
-
-  Attributes:
-    actions: per action name, ``[V]`` FLOPs of one such action on model chunk ``v`` (NaN for
-      actions the program does not contain).
-    per_stage: ``[S]`` FLOPs each stage's actions execute over the step.
-    lockstep: the sum over ticks of the costliest action of the tick (in SPMD every device
-      waits for it): what the step's duration follows, in FLOPs.
-    overhead: FLOPs per device outside the actions (the ticks' message routing, the sums after
-      the loop).
-    num_stages: S.
-    tick_loop: the name of the tick loop's ``while`` instruction.
-  """
-
-  actions: dict[str, np.ndarray]
-  per_stage: np.ndarray
-  lockstep: float
-  overhead: float
-  num_stages: int
-  tick_loop: str = ""
-
-  @property
-  def useful(self) -> float:
-    """The actions' FLOPs per device, averaged over the stages."""
-    return float(self.per_stage.mean())
-
-  @property
-  def executed(self) -> float:
-    """The FLOPs the busiest device runs: its actions plus the overhead."""
-    return float(self.per_stage.max()) + self.overhead
-
-  @property
-  def lockstep_efficiency(self) -> float:
-    """``useful / lockstep``: 1 minus the bubble measured in FLOPs."""
-    return self.useful / self.lockstep if self.lockstep else 1.0
-
-  def costs(self) -> dict[str, float]:
-    """Mean FLOPs per action kind over the model chunks: costs for ``FusedSchedule.simulate``."""
-    return {name: float(np.mean(f)) for name, f in self.actions.items() if np.all(np.isfinite(f))}
-
-
-def fused_flops(compiled, schedule, programs=None,
-                flops: FlopCount | None = None) -> FusedFlops:
-  """Per-action and per-stage FLOPs of a step compiled with a fused schedule.
-
-  The tick loop is the ``while`` loop whose trip count is ``schedule.num_ticks``; its
-  conditional has ``1 + k * B`` branches (idle, then ``F``, ``B``, ``BI``, ``W`` for each of
-  the ``B`` distinct chunk programs, as :func:`tpipe.core.fused.tick_branches` numbers them; the
-  last two only for a split backward).
-
-  Args:
-    compiled: a :class:`jax.stages.Compiled` (or its HLO text) of a step that differentiates a
-      stack run with ``schedule``.
-    schedule: the :class:`tpipe.schedules.FusedSchedule` it runs.
-    programs: per model chunk, its chunk program (:meth:`tpipe.core.engine.Pipeline.programs`);
-      default one program per model chunk.
-    flops: a :class:`FlopCount` already computed for ``compiled`` (recomputed if None).
-
-  Returns:
-    A :class:`FusedFlops`; ``actions`` are per model chunk.
-  """
-  from tpipe import schedules as schedules_lib  # pylint: disable=g-import-not-at-top
-  from tpipe.core import fused  # pylint: disable=g-import-not-at-top
-
-  if not isinstance(schedule, schedules_lib.FusedSchedule):
-    raise TypeError(f"schedule must be a tpipe.schedules.FusedSchedule, got "
-                    f"{type(schedule).__name__}; use pipeline_flops for forward schedules.")
-  module = _module(compiled)
-  counter = _FlopCounter(module, executed=True)
-  loops = [l for l in module.loops() if l.trip_count == schedule.num_ticks]
-  num_virtual = schedule.num_stages * schedule.num_chunks
-  programs = list(range(num_virtual)) if programs is None else list(programs)
-  count = max(programs) + 1
-  found = None
-  for loop in loops:
-    for ins in module.computations[loop.body].instructions:
-      if ins.opcode == "conditional":
-        names = [n.strip().lstrip("%") for n in
-                 (ins.attr("branch_computations") or "").strip("{}").split(",") if n.strip()]
-        if len(names) in (1 + 2 * count, 1 + 4 * count):
-          found = (loop, ins, names)
-  if found is None:
-    raise ValueError(f"No tick loop of {schedule.num_ticks} trips with a conditional of "
-                     f"{1 + 2 * count} or {1 + 4 * count} branches was found; pass the schedule "
-                     "the step was compiled with and its pipeline's programs().")
-  loop, _, names = found
-  branch = np.array([counter.computation(n)[0] for n in names])
-  kinds = ("F", "B", "BI", "W")
-  actions = {}
-  for k, kind in enumerate(kinds):
-    part = branch[1 + k * count:1 + (k + 1) * count]
-    actions[kind] = (part[programs] - branch[0] if part.size
-                     else np.full(num_virtual, np.nan))
-  table, _ = fused.tick_branches(schedule, programs)
-  action_flops = np.where(table > 0, branch[table] - branch[0], 0.0)
-  total = (flops if flops is not None else flop_count(compiled)).executed
-  # The whole-program count takes the conditional's costliest branch on every trip; what is not
-  # an action is the rest (the idle branch's own FLOPs count as routing, like every tick's).
-  overhead = total - loop.outer * schedule.num_ticks * float(np.max(branch) - branch[0])
-  return FusedFlops(actions=actions, per_stage=loop.outer * action_flops.sum(axis=0),
-                    lockstep=loop.outer * float(action_flops.max(axis=1).sum()) + overhead,
-                    overhead=overhead, num_stages=schedule.num_stages,
-                    tick_loop=loop.instruction.name)
-
-
-# --------------------------------------------------------------------------------------------
 # Everything at once.
 
 
@@ -737,7 +344,7 @@ def analyze(compiled, *, mesh=None, schedule=None, programs=None,
     An :class:`Analysis`.
   """
   _check_compiled(compiled)
-  module = _module(compiled)
+  module = hlo_lib.module_of(compiled)
   memory = memory_breakdown(compiled, inputs)
   flops = flop_count(compiled)
   found = tuple(collectives(module, mesh))
@@ -754,3 +361,9 @@ def format_bytes(n: float) -> str:
       return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
     n /= 1024
   return f"{n:.2f} TiB"
+
+
+__all__ = ["Analysis", "COLLECTIVE_KINDS", "Collective", "FlopCount", "FusedFlops",
+           "MemoryBreakdown", "PipelineFlops", "analyze", "collectives", "flop_count",
+           "format_bytes", "fused_flops", "input_bytes", "memory_breakdown", "pipeline_flops",
+           "summarize_collectives"]

@@ -12,12 +12,18 @@ module that runs. This module parses just enough of that text for :mod:`tpipe.to
 * the device groups of collectives (:func:`parse_replica_groups`), in every syntax XLA prints:
   explicit lists, iota lists and mesh-axes lists.
 
-Python and NumPy, no JAX. Example::
+Python and NumPy, no JAX. Example (``text`` is usually ``compiled.as_text()``)::
 
-  >>> text = jax.jit(f).lower(x).compile().as_text()    # doctest: +SKIP
-  >>> module = parse_hlo(text)                           # doctest: +SKIP
-  >>> module.multipliers()[module.entry]                 # doctest: +SKIP
-  1
+  >>> module = parse_hlo('''HloModule m
+  ...
+  ... ENTRY %main (p: f32[2]) -> f32[2] {
+  ...   %p = f32[2]{0} parameter(0)
+  ...   ROOT %n = f32[2]{0} negate(f32[2]{0} %p)
+  ... }''')
+  >>> module.entry, module.multipliers()[module.entry]
+  ('main', 1)
+  >>> [i.opcode for i in module.computations[module.entry].instructions]
+  ['parameter', 'negate']
 """
 
 from __future__ import annotations
@@ -566,3 +572,16 @@ def parse_hlo(text: str) -> HloModule:
   return HloModule(computations, entry,
                    num_partitions=int(partitions.group(1)) if partitions else 1,
                    num_replicas=int(replicas.group(1)) if replicas else 1)
+
+
+def module_of(compiled_or_text) -> HloModule:
+  """The parsed HLO of a compiled program, of its text, or a module already parsed."""
+  if isinstance(compiled_or_text, HloModule):
+    return compiled_or_text
+  if isinstance(compiled_or_text, str):
+    return parse_hlo(compiled_or_text)
+  if hasattr(compiled_or_text, "as_text") and hasattr(compiled_or_text, "cost_analysis"):
+    return parse_hlo(compiled_or_text.as_text())
+  raise TypeError(
+      f"Expected a jax.stages.Compiled (jit(f).lower(...).compile()) or its HLO text, got "
+      f"{type(compiled_or_text).__name__}. Call .compile() on the lowered function first.")

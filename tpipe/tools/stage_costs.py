@@ -242,7 +242,8 @@ class StageCost:
         working_set_bytes=self.working_set_bytes)
 
   def to_json(self) -> dict[str, Any]:
-    return {"stage": self.stage, "chunks": list(self.chunks), "layers": [list(chunk) for chunk in self.chunk_layers],
+    return {"stage": self.stage, "chunks": list(self.chunks),
+            "layers": [list(chunk) for chunk in self.chunk_layers],
             "param_bytes": self.param_bytes, "buffer_bytes": self.buffer_bytes,
             "padding_bytes": self.padding_bytes, "padding_fraction": self.padding_fraction,
             "optimizer_bytes": self.optimizer_bytes, "gradient_bytes": self.gradient_bytes,

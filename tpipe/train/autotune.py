@@ -348,7 +348,8 @@ def format_result(result: TuneResult) -> str:
   """The trials and the choice as markdown."""
   fb = analysis.format_bytes
   lines = [f"budget per device: {fb(result.budget_bytes)}", "",
-           "| stages | data | micro-batches | schedule | remat | granularity | peak memory | fits | "
+           "| stages | data | micro-batches | schedule | remat | granularity | peak memory | "
+           "fits | "
            "lockstep FLOPs | useful | simulated bubble | collective bytes | predicted step | "
            "compile s |",
            "|---:|---:|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]

@@ -191,4 +191,3 @@ def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding) -> 
   """
   return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
           for k, v in batch.items()}
-

@@ -445,12 +445,14 @@ def format_stages(report: Report) -> list[str]:
 
   fb = analysis.format_bytes
   lines = [
-      "| stage | layers (chunks separated by /) | parameters | packed buffers (padding) | optimizer state | FLOPs "
+      "| stage | layers (chunks separated by /) | parameters | parameter slots (padding) | "
+      "optimizer state | FLOPs "
       "fwd+bwd per micro-batch | input per micro-batch | stash slots | chunk working set | "
       "floor |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for st in report.stages:
     lines.append(
-        f"| {st.stage} | {' / '.join(', '.join(chunk) for chunk in st.chunk_layers)} | {fb(st.param_bytes)} | {fb(st.buffer_bytes)} "
+        f"| {st.stage} | {' / '.join(', '.join(chunk) for chunk in st.chunk_layers)} | "
+        f"{fb(st.param_bytes)} | {fb(st.buffer_bytes)} "
         f"(+{st.padding_fraction:.1%}) | {fb(st.optimizer_bytes)} | {_flops(st.flops)} | "
         f"{fb(st.input_bytes)} | {st.stash_slots} | {fb(st.working_set_bytes)} | "
         f"{fb(st.floor.total)} |")

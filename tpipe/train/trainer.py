@@ -170,6 +170,56 @@ def _check_same_data(saved: dict, current: dict, ckpt_dir) -> None:
 # The training loop.
 
 
+def _restore_or_init(exp, ckpt, train_iter, data_spec, is_chief: bool):
+  """The state to start from and its step: the latest checkpoint's (the data iterator moved to
+  its position), else a new state at step 0."""
+  start = ckpt.latest_step()
+  if start is None:
+    return exp.init_state(jax.random.key(exp.config.seed)), 0
+  # Checkpoints hold the logical layout, so a run resumes on another mesh or split.
+  logical_state, data_state = ckpt.restore(start, exp.abstract_checkpoint())
+  state = exp.from_checkpoint(logical_state)
+  del logical_state
+  if "iterator" in data_state:  # Checkpoints from before the data spec hold the state alone.
+    _check_same_data(data_state["spec"], data_spec, ckpt.directory)
+    data_state = data_state["iterator"]
+  train_iter.set_state(data_state)
+  if int(state.step) != start:
+    raise RuntimeError(f"checkpoint {start} holds state.step={int(state.step)}.")
+  if is_chief:
+    logging.info("Resumed from step %d (%s).", start, ckpt.directory)
+  return state, start
+
+
+def _log_step(writer, record: dict, step: int, num_steps: int, timing, is_chief: bool) -> None:
+  """Adds the rate to ``record`` (``timing``: last logged time and step, now), writes it and
+  logs one line with the ETA."""
+  t_last, step_last, now = timing
+  if t_last is not None:
+    rate = (step - step_last) / (now - t_last)
+    record["steps_per_sec"] = rate
+    eta = (num_steps - step) / rate
+  else:
+    eta = float("nan")  # The first interval includes compilation.
+  writer.write(step, record)
+  if is_chief:
+    logging.info(
+        "step %d/%d | loss %.4f%s | %s steps/s | ETA %s", step, num_steps, record["loss"],
+        f" | {_format_eval(record)}" if "eval_loss" in record else "",
+        f"{record['steps_per_sec']:.2f}" if "steps_per_sec" in record else "-",
+        _format_eta(eta))
+
+
+def _write_config(config, workdir, start: int) -> None:
+  """``config.json``: the config the run started with (a resumed run keeps it)."""
+  config_file, config_json = workdir / "config.json", config.to_json(indent=2)
+  if start == 0 or not config_file.exists():
+    config_file.write_text(config_json)
+  elif config_file.read_text() != config_json:
+    logging.warning("This run's config differs from %s, the config the run in this workdir "
+                    "started with; keeping that file.", config_file)
+
+
 def train(config, workdir: str) -> dict:
   """Trains (or resumes) the experiment ``config`` in ``workdir``.
 
@@ -197,38 +247,15 @@ def train(config, workdir: str) -> dict:
   train_iter, data_spec = task_data.train, task_data.spec
   eval_set = [data.to_global(b, sharding) for b in task_data.eval_batches]
 
-  # State: resume from the latest checkpoint, else initialise.
   ckpt = checkpointing.Checkpointer(checkpointing.checkpoint_directory(workdir),
                                     max_to_keep=config.keep_checkpoints, handle_sigterm=True)
-  start = ckpt.latest_step()
-  if start is not None:
-    # Checkpoints hold the logical layout, so a run resumes on another mesh or split.
-    logical_state, data_state = ckpt.restore(start, exp.abstract_checkpoint())
-    state = exp.from_checkpoint(logical_state)
-    del logical_state
-    if "iterator" in data_state:  # Checkpoints from before the data spec hold the state alone.
-      _check_same_data(data_state["spec"], data_spec, ckpt.directory)
-      data_state = data_state["iterator"]
-    train_iter.set_state(data_state)
-    if int(state.step) != start:
-      raise RuntimeError(f"checkpoint {start} holds state.step={int(state.step)}.")
-    if is_chief:
-      logging.info("Resumed from step %d (%s).", start, ckpt.directory)
-  else:
-    start = 0
-    state = exp.init_state(jax.random.key(config.seed))
+  state, start = _restore_or_init(exp, ckpt, train_iter, data_spec, is_chief)
   last_checkpoint = start or None
-
   writer = metrics_lib.MetricWriter(workdir, enabled=is_chief,
                                     purge_step=start + 1 if start else None)
   writer.truncate_after(start)
   if is_chief:
-    config_file, config_json = workdir / "config.json", config.to_json(indent=2)
-    if start == 0 or not config_file.exists():
-      config_file.write_text(config_json)
-    elif config_file.read_text() != config_json:
-      logging.warning("This run's config differs from %s, the config the run in this workdir "
-                      "started with; keeping that file.", config_file)
+    _write_config(config, workdir, start)
 
   all_finite = jax.jit(
       lambda tree: jax.tree.reduce(
@@ -269,21 +296,8 @@ def train(config, workdir: str) -> dict:
         record.update(exp.evaluate(state, eval_set))
 
       now = time.perf_counter()
-      if t_last is not None:
-        rate = (step - step_last) / (now - t_last)
-        record["steps_per_sec"] = rate
-        eta = (config.num_steps - step) / rate
-      else:
-        eta = float("nan")  # The first interval includes compilation.
+      _log_step(writer, record, step, config.num_steps, (t_last, step_last, now), is_chief)
       t_last, step_last = now, step
-      writer.write(step, record)
-      if is_chief:
-        logging.info(
-            "step %d/%d | loss %.4f%s | %s steps/s | ETA %s", step, config.num_steps,
-            record["loss"],
-            f" | {_format_eval(record)}" if "eval_loss" in record else "",
-            f"{record['steps_per_sec']:.2f}" if "steps_per_sec" in record else "-",
-            _format_eta(eta))
 
       if do_ckpt:
         if not bool(all_finite(state.params)):
@@ -321,4 +335,3 @@ def main(argv):
     sys.exit(1)
   if jax.process_index() == 0:
     logging.info("Done: %s", json.dumps(final))
-
