@@ -96,7 +96,7 @@ def resolve(mesh: Mesh | None, num_stages: int, stage_axis: str, owner: str):
     if ambient.empty:
       mesh, origin = single_device_mesh(stage_axis), f"{owner}'s default 1-device mesh"
     else:
-      mesh, origin = ambient, "the ambient mesh (jax.set_mesh)"
+      mesh, origin = ambient, f"the ambient mesh (jax.set_mesh) that {owner} found"
   else:
     origin = f"the mesh passed to {owner}"
   check_stage_axis(mesh, num_stages, stage_axis, origin)

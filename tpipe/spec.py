@@ -242,7 +242,11 @@ def _check_per_example(per_example) -> tuple[str, ...]:
   if isinstance(per_example, str):
     raise TypeError(f"per_example must be a sequence of keyword names, got the string "
                     f"{per_example!r}; write per_example=({per_example!r},).")
-  names = tuple(per_example)
+  try:
+    names = tuple(per_example)
+  except TypeError:
+    raise TypeError(f"per_example must be a sequence of keyword names, got {per_example!r}; "
+                    "write e.g. per_example=('targets',), or () for none.") from None
   if not all(isinstance(n, str) for n in names):
     raise TypeError(f"per_example must hold keyword names (strings), got {per_example!r}.")
   return names
@@ -262,16 +266,21 @@ def for_stack(owner: str, length: int, spec: PipelineSpec | None = None,
               **settings) -> PipelineSpec:
   """The spec of a stack of ``length`` identical blocks: the settings given, the blocks cut
   evenly (``balance`` is fixed); fused schedules are refused (a stack returns activations)."""
+  try:
+    schedules.forward.check_count("length", length)
+  except (TypeError, ValueError) as error:
+    raise type(error)(f"{owner}: {error}") from None
   if "balance" in settings:
     raise ValueError(f"{owner} cuts the blocks evenly over the chunks; balance is for "
                      "tpipe.Sequential (any sequence of layers).")
   spec = make(owner, spec, **settings)
   if spec.is_fused:
+    front = owner.rsplit(".", 1)[0]  # "tpipe" or "tpipe.nnx": the owner's own Sequential.
     raise ValueError(
         f"{owner} returns the blocks' activations, but schedule={spec.schedule!r} runs the "
         "backward inside the pipeline and differentiates the loss, which needs a last layer "
-        "that computes each example's loss. Use tpipe.Sequential([tpipe.Repeat(block, length), "
-        f"YourLoss()], schedule={spec.schedule!r}, per_example=('targets',), ...), or "
+        f"that computes each example's loss. Use {front}.Sequential([{front}.Repeat(block, "
+        f"length), YourLoss()], schedule={spec.schedule!r}, per_example=('targets',), ...), or "
         "schedule='gpipe'/'circular' here.")
   per_chunk = layers_per_chunk(length, spec.num_chunks, owner)
   return spec.replace(balance=[per_chunk] * spec.num_chunks)

@@ -234,7 +234,7 @@ class Pipeline:
                                      batch_size=batch, owner=self.owner)
     _, side = micro_inputs(x, split, batch, self.spec.num_microbatches)
     local = self.layout.local_shapes()
-    trees = self.layout.chunk_trees(local, chunk)
+    trees = jax.eval_shape(lambda local: self.layout.chunk_trees(local, chunk), local)
     rngs = {name: jax.random.key(0) for name in rng_names}
     segments = self.layout.segments[chunk]
     h = self.plan.chunk_input(chunk)

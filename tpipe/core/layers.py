@@ -109,6 +109,20 @@ def one_copy(tree):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), tree)
 
 
+def eval_shape(fn: Callable, *args):
+  """``jax.eval_shape(fn, *args)`` with only the array leaves of ``args`` traced: Python values
+  (a ``train=True`` flag, a string) reach ``fn`` as they are, as they do in a real call."""
+  leaves, treedef = jax.tree.flatten(args)
+  traced = [isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for leaf in leaves]
+
+  def call(*arrays):
+    it = iter(arrays)
+    full = [next(it) if is_traced else leaf for leaf, is_traced in zip(leaves, traced)]
+    return fn(*jax.tree.unflatten(treedef, full))
+
+  return jax.eval_shape(call, *[leaf for leaf, t in zip(leaves, traced) if t])
+
+
 def outside_mesh(fn, axis_names: tuple[str, ...]):
   """``fn`` with the mesh's axis names bound (to size-1 ``vmap`` axes), for the passes that run
   outside the pipeline's ``shard_map`` (init, shapes, costs): a layer that reduces over ``data``

@@ -293,8 +293,14 @@ class StageLayout:
             all(seg.first_copy == c * k for c, chunk in enumerate(self.segments)
                 for seg in chunk if seg.stacked and seg.layer == layer))
 
-  def to_staged(self, logical: Mapping[str, Any]):
-    """Logical ``{"layers_i": tree}`` to the staged tree; exact."""
+  def to_staged(self, logical: Mapping[str, Any], mesh=None, stage_axis: str = "stage"):
+    """Logical ``{"layers_i": tree}`` to the staged tree; exact.
+
+    With a ``mesh``, each stage packs its own chunks' buffers on its own devices from the
+    (replicated) logical trees of the layers that are not stacked: the gradient of that packing
+    is one sum over ``stage_axis`` of those layers' gradients, where packing all stages' buffers
+    outside the mesh would make it an all-reduce of every padded buffer and a permutation.
+    """
     order = [self.chunk_at(r, s) for r in range(self.num_repeats)
              for s in range(self.num_stages)]
     lead = (self.num_repeats, self.num_stages)
@@ -309,14 +315,42 @@ class StageLayout:
                     for seg in self.segments[c] if seg.stacked and seg.layer == layer)
                for c in order]
       stacked[name] = jax.tree.map(lambda *a: jnp.stack(a).reshape(lead + a[0].shape), *parts)
-    packed = []
-    for c in order:
-      trees = [_segment_values(logical, self.logical, seg) for seg in self.segments[c]
-               if not seg.stacked]
-      packed.append(packing.pack(trees, self.packed_layouts[c], self.packed_sizes))
+    if mesh is not None and self.packed_sizes:
+      return {STACKED: stacked, PACKED: self._packed_per_stage(logical, mesh, stage_axis)}
+    packed = [self._pack_chunk(logical, c) for c in order]
     packed = {k: jnp.stack([p[k] for p in packed]).reshape(lead + (n,))
               for k, n in self.packed_sizes.items()}
     return {STACKED: stacked, PACKED: packed}
+
+  def _pack_chunk(self, logical, chunk: int) -> dict[str, jax.Array]:
+    """Chunk ``chunk``'s packed buffers ``{dtype: [n]}`` from logical trees."""
+    trees = [_segment_values(logical, self.logical, seg) for seg in self.segments[chunk]
+             if not seg.stacked]
+    return packing.pack(trees, self.packed_layouts[chunk], self.packed_sizes)
+
+  def _packed_per_stage(self, logical, mesh, stage_axis: str) -> dict[str, jax.Array]:
+    """The packed buffers ``{dtype: [R, S, n]}``, stage ``s``'s built on its own devices."""
+    names = sorted({f"layers_{seg.layer}" for chunk in self.segments for seg in chunk
+                    if not seg.stacked and f"layers_{seg.layer}" in logical})
+    shared = {name: logical[name] for name in names}
+
+    def stage_buffers(s):
+      def pack(shared):
+        per_repeat = [self._pack_chunk(shared, self.chunk_at(r, s))
+                      for r in range(self.num_repeats)]
+        return {k: jnp.stack([p[k] for p in per_repeat]) for k in self.packed_sizes}
+      return pack
+
+    def build(shared):
+      # From here the shared trees vary per stage (each packs its own chunks); the transpose of
+      # this cast is the sum over stages of their gradients.
+      shared = lax.pcast(shared, (stage_axis,), to="varying")
+      buffers = lax.switch(lax.axis_index(stage_axis),
+                           [stage_buffers(s) for s in range(self.num_stages)], shared)
+      return {k: v[:, None] for k, v in buffers.items()}
+
+    return jax.shard_map(build, mesh=mesh, in_specs=(P(),),
+                         out_specs=P(None, stage_axis))(shared)
 
   def to_logical(self, staged) -> dict[str, Any]:
     """The staged tree back to logical ``{"layers_i": tree}``; exact."""

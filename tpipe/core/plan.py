@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tpipe import partition
@@ -169,14 +170,21 @@ def trace_inputs(layers, param_shapes, stats_shapes, x_micro, split, side, rng_n
       params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
     out = abstract_output(layer, params, stats, h, split, side, rng_names,
                           where=failure_message(layers, i, owner), axis_names=axis_names)
-    if layer.copies is not None and not layers_lib.same_type(h, out):
-      raise ValueError(
-          f"{owner}: layers[{i}] repeats {layer.kind}, which maps {layers_lib.types(h)} to "
-          f"{layers_lib.types(out)}; a repeated layer must keep its input's structure, shapes "
-          "and dtypes.")
+    check_repeated(layers, i, h, out, owner)
     h = out
   inputs.append(h)
   return tuple(inputs)
+
+
+def check_repeated(layers, i: int, h, out, owner: str) -> None:
+  """Raises when ``layers[i]`` is repeated but maps its input ``h`` to ``out`` of another type
+  (the copies could not be chained)."""
+  layer = layers[i]
+  if layer.copies is not None and not layers_lib.same_type(h, out):
+    raise ValueError(
+        f"{owner}: layers[{i}] repeats {layer.kind}, which maps {layers_lib.types(h)} to "
+        f"{layers_lib.types(out)}; a repeated layer must keep its input's structure, shapes "
+        "and dtypes.")
 
 
 def failure_message(layers, i: int, owner: str) -> str:
@@ -184,6 +192,12 @@ def failure_message(layers, i: int, owner: str) -> str:
   source = (f"the output of layers[{i - 1}] ({layers[i - 1].kind})" if i else
             "the pipeline's input")
   return f"{owner}: layers[{i}] ({layers[i].kind}) failed on {source}"
+
+
+def located(error: Exception, where: str, h) -> Exception:
+  """``error`` again, its message prefixed with ``where`` (see :func:`failure_message`) and the
+  shapes of the input ``h`` the layer failed on."""
+  return type(error)(f"{where}, {layers_lib.types(h)}: {type(error).__name__}: {error}")
 
 
 def abstract_output(layer, params, stats, h, split, side, rng_names, where: str = "",
@@ -201,8 +215,7 @@ def abstract_output(layer, params, stats, h, split, side, rng_names, where: str 
   except (TypeError, ValueError) as error:
     if not where:
       raise
-    raise type(error)(f"{where}, {layers_lib.types(h)}: {type(error).__name__}: {error}"
-                      ) from error
+    raise located(error, where, h) from error
 
 
 def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs, split, side,
@@ -225,7 +238,9 @@ def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs, spli
 
       def apply(params, h, broadcast, per_example, layer=layer, stats=stats, bound=bound):
         kwargs = layers_lib.layer_keywords(layer, split, broadcast, per_example)
-        return bound(params, stats, h, kwargs, rngs)[0]
+        # Statistics are shapes here; zeros of those shapes cost what the real ones do.
+        values = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
+        return bound(params, values, h, kwargs, rngs)[0]
 
       keywords = layers_lib.layer_keywords(layer, split, *side)
       identity = (None if layer.identity is None else

@@ -117,9 +117,8 @@ def abstract_variables(module: nn.Module, copies: int | None, h, kwargs, rng_nam
                        axis_names: tuple[str, ...]) -> dict:
   """The abstract shapes of a layer's variables (nothing allocated)."""
   rngs = {name: jax.random.key(0) for name in rng_names}
-  return jax.eval_shape(lambda k, h, kw: init_variables(module, copies, k, h, kw, rngs,
-                                                        axis_names),
-                        jax.random.key(0), h, kwargs)
+  init = lambda k, h, kw: init_variables(module, copies, k, h, kw, rngs, axis_names)
+  return layers_lib.eval_shape(init, jax.random.key(0), h, kwargs)
 
 
 def variable_collections(variables: Any) -> list[str]:

@@ -90,8 +90,7 @@ class SettingsAsKeywords(type):
     settings = {k: kwargs.pop(k) for k in list(kwargs) if k in spec_lib.field_names()}
     if len(args) > 1:  # Sequential(layers, spec, ...)
       kwargs["spec"], args = args[1], args[:1] + args[2:]
-    if settings or kwargs.get("spec") is None:
-      kwargs["spec"] = spec_lib.make(cls.owner, kwargs.get("spec"), **settings)
+    kwargs["spec"] = spec_lib.make(cls.owner, kwargs.get("spec"), **settings)
     return super().__call__(*args, **kwargs)
 
 
@@ -289,18 +288,23 @@ def initial_variables(module: nn.Module, given, spec, x, kwargs, rngs, mesh,
   key = module.make_rng("params")
   other = layers_lib.unit_rngs(rngs, 0, 0)
   axis_names = (spec.data_axis, spec.stage_axis)
-  out = []
-  for i, (layer_given, layer) in enumerate(zip(given, core_layers(given, owner))):
+  out, layers = [], core_layers(given, owner)
+  for i, (layer_given, layer) in enumerate(zip(given, layers)):
     kw = layers_lib.layer_keywords(layer, split, *side)
-    variables = linen_layers.init_variables(_module_of(layer_given), _copies(layer_given),
-                                            jax.random.fold_in(key, i), h, kw, other, axis_names)
+    try:
+      variables = linen_layers.init_variables(_module_of(layer_given), _copies(layer_given),
+                                              jax.random.fold_in(key, i), h, kw, other,
+                                              axis_names)
+    except (TypeError, ValueError) as error:
+      where = plan_lib.failure_message(layers, i, owner)
+      raise plan_lib.located(error, where, h) from error
     extra = linen_layers.variable_collections(variables)
     if extra:
       raise ValueError(f"{owner}: layers[{i}] ({layer.kind}) creates variable collections "
                        f"{extra}; tpipe supports 'params' and BatchNorm's '{STATS}'.")
     out.append(variables)
-    h = _apply_all(layer, variables.get("params", {}), variables.get(STATS, {}), h, kw, other,
-                   axis_names)
+    h = _apply_all(layers, i, variables.get("params", {}), variables.get(STATS, {}), h, kw,
+                   other, axis_names, owner)
   return out
 
 
@@ -373,14 +377,17 @@ def _staged_stats(pipeline: engine.Pipeline, stats, owner: str):
   return pipeline.stats_layout.to_staged(stats)
 
 
-def _apply_all(layer: layers_lib.Layer, params, stats, h, kwargs, rngs, axis_names):
-  """Applies a layer (every copy of a repeated one, in order) to a concrete micro-batch."""
+def _apply_all(layers, i: int, params, stats, h, kwargs, rngs, axis_names, owner: str):
+  """Applies ``layers[i]`` (every copy of a repeated one, in order) to a concrete micro-batch."""
+  layer = layers[i]
   apply = layers_lib.outside_mesh(layer.apply, axis_names)
   if layer.copies is None:
     return apply(params, stats, h, kwargs, rngs)[0]
   for j in range(layer.copies):
     one = lambda tree, j=j: jax.tree.map(lambda a: a[j], tree)
-    h = apply(one(params), one(stats), h, kwargs, rngs)[0]
+    out = apply(one(params), one(stats), h, kwargs, rngs)[0]
+    plan_lib.check_repeated(layers, i, h, out, owner)
+    h = out
   return h
 
 
@@ -400,8 +407,7 @@ def variable_shapes(given, layers, spec, x, kwargs, rng_names, owner: str) -> di
       variables = linen_layers.abstract_variables(_module_of(module), _copies(module), h, kw,
                                                   rng_names, axis_names)
     except (TypeError, ValueError) as error:
-      raise type(error)(f"{where}, {layers_lib.types(h)}: {type(error).__name__}: {error}"
-                        ) from error
+      raise plan_lib.located(error, where, h) from error
     params[f"layers_{i}"] = variables.get("params", {})
     stats[f"layers_{i}"] = variables.get(STATS, {})
     one = (lambda t: layers_lib.one_copy(t)) if layer.copies is not None else (lambda t: t)

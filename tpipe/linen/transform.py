@@ -17,7 +17,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import arguments
 from tpipe.core import layers as layers_lib
@@ -95,8 +94,8 @@ def pipeline(block_cls: type[nn.Module], *, length: int, spec: spec_lib.Pipeline
     y = jax.jit(model.apply)(variables, x)
   """
   if not (isinstance(block_cls, type) and issubclass(block_cls, nn.Module)):
-    raise TypeError(f"block_cls must be a flax.linen.Module class, got {block_cls!r}.")
-  schedules.forward.check_count("length", length)
+    raise TypeError(f"{OWNER}: block_cls must be a flax.linen.Module class (pass the class, not "
+                    f"an instance), got {block_cls!r}.")
   spec = spec_lib.for_stack(OWNER, length, spec, **settings)
   stack = _Stack(block_cls, length, spec,
                  arguments.check_per_example(block_cls.__call__, spec.per_example,
@@ -217,7 +216,7 @@ class _Stack:
           for k, v in kwargs.items()}
     variables = {"params": one, **({STATS: stats} if stats else {})}
     apply = lambda v, h, kw: template.apply(v, h, **kw, rngs=rngs, mutable=True)
-    _, written = jax.eval_shape(apply, variables, h, kw)
+    _, written = layers_lib.eval_shape(apply, variables, h, kw)
     dropped = sorted(c for c in written
                      if c not in ("params", STATS) and module.is_mutable_collection(c))
     if dropped:

@@ -152,7 +152,9 @@ def one_copy_rng(template, copies):
   """A repeated layer's RNG state is stacked like its parameters: one copy's."""
   if copies is None:
     return template
-  return jax.tree.map(lambda a: a[0], template)
+  return jax.tree.map(
+      lambda a: (jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+                 if isinstance(a, jax.ShapeDtypeStruct) else a[0]), template)
 
 
 def has_rng_streams(layer: nnx.Module) -> bool:

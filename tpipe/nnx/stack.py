@@ -163,9 +163,11 @@ class Stack:
     pipeline = engine.build(layers, self.spec, param_shapes=layers_lib.abstract(params),
                             stats_shapes=layers_lib.abstract(stats), x=x, kwargs=kwargs,
                             rng_names=tuple(rngs), owner=self.owner)
-    staged = pipeline.layout.to_staged(params)
+    mesh, stage_axis = self.spec.run_mesh(self.owner), self.spec.stage_axis
+    staged = pipeline.layout.to_staged(params, mesh, stage_axis)
     stats_layout = pipeline.stats_layout
-    staged_stats = stats_layout.to_staged(stats) if stats_layout is not None else None
+    staged_stats = (stats_layout.to_staged(stats, mesh, stage_axis)
+                    if stats_layout is not None else None)
     run = pipeline.loss if loss else pipeline.apply
     result = run(staged, x, kwargs, stats=staged_stats, rngs=rngs)
     if staged_stats is None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import flax.linen as nn
 from flax import nnx
 
-from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import arguments
 from tpipe.nnx import stack
@@ -53,7 +52,6 @@ def pipeline(block_cls: type[nnx.Module], *, length: int,
     hint = (" (a flax.linen class: use tpipe.pipeline)" if isinstance(block_cls, type)
             and issubclass(block_cls, nn.Module) else "")
     raise TypeError(f"{OWNER} takes an nnx.Module class, got {block_cls!r}{hint}.")
-  schedules.forward.check_count(f"{OWNER} length", length)
   spec = spec_lib.for_stack(OWNER, length, spec, **settings)
   block_name = block_cls.__name__
   arguments.check_per_example(block_cls.__call__, spec.per_example, block_name)

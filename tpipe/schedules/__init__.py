@@ -83,7 +83,6 @@ def _check_name(name) -> None:
                      f"{FUSED_SCHEDULE_NAMES} (fused).")
 
 
-@functools.lru_cache(maxsize=None)
 def build(name: str, num_stages: int, num_microbatches: int,
           num_repeats: int = 1) -> Schedule | FusedSchedule:
   """The table of schedule ``name``, cached: the one factory every caller uses.
@@ -102,6 +101,17 @@ def build(name: str, num_stages: int, num_microbatches: int,
     TypeError, ValueError: an unknown name or a count the schedule does not take; the message
       names the fix.
   """
+  # Checked before the cache: 2.0 == 2 and True == 1 hash alike, so a cache keyed on the values
+  # alone would hand them the int's table. One key however the arguments are written.
+  _check_name(name)
+  for count_name, count in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                            ("num_repeats", num_repeats)):
+    _forward.check_count(count_name, count)
+  return _build(name, num_stages, num_microbatches, num_repeats)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(name, num_stages, num_microbatches, num_repeats):
   _check_name(name)
   if name == "gpipe":
     if num_repeats != 1:

@@ -51,11 +51,14 @@ def _order_interleaved(num_stages: int, num_microbatches: int, num_chunks: int, 
 
   Forward order: for each group, chunk 0 of its micro-batches, then chunk 1, ...; backward order
   the same with the chunks reversed. ``2 (S - 1 - s) + (C - 1) S`` warm-up forwards, then one
-  forward and one backward in turn.
+  forward and one backward in turn. The pattern is written for whole groups: when S does not
+  divide M, the last group is padded with micro-batches that do not exist, and their actions are
+  left out afterwards (leaving actions out never makes a valid order wait on itself).
   """
+  padded = -(-num_microbatches // num_stages) * num_stages
   forward, backward = [], []
-  for start in range(0, num_microbatches, num_stages):
-    group = range(start, min(start + num_stages, num_microbatches))
+  for start in range(0, padded, num_stages):
+    group = range(start, start + num_stages)
     forward += [(m, c) for c in range(num_chunks) for m in group]
     backward += [(m, c) for c in reversed(range(num_chunks)) for m in group]
   total = len(forward)
@@ -63,7 +66,8 @@ def _order_interleaved(num_stages: int, num_microbatches: int, num_chunks: int, 
   order = [(Action.F, m, c) for m, c in forward[:warmup]]
   for (fm, fc), (bm, bc) in zip(forward[warmup:], backward):
     order += [(Action.F, fm, fc), (Action.B, bm, bc)]
-  return order + [(Action.B, m, c) for m, c in backward[total - warmup:]]
+  order += [(Action.B, m, c) for m, c in backward[total - warmup:]]
+  return [(kind, m, c) for kind, m, c in order if m < num_microbatches]
 
 
 def _order_zbv(num_stages: int, num_microbatches: int, stage: int):
