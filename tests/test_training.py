@@ -1,6 +1,7 @@
-"""The synchronous-SGD step: pipelined + data-parallel equals plain single-device SGD.
+"""Tests for tpipe.training: the train state, its shardings and the synchronous-SGD step.
 
-"Equals" is :mod:`tests.numerics`' rule: against float64 SGD (Adam) on the sequential model, the
+Pipelined + data-parallel equals plain single-device SGD. "Equals" is
+:mod:`tests.helpers.numerics`' rule: against float64 SGD (Adam) on the sequential model, the
 pipelined float32 step is at most twice as far off as float32 SGD on the sequential model run on
 the same micro-batches.
 """
@@ -17,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import tpipe
 from tpipe.tools import analysis
-from tests import blocks
-from tests import numerics
+from tests.helpers import blocks
+from tests.helpers import numerics
 
 WIDTH = 8
 LENGTH = 8
@@ -105,9 +106,9 @@ def test_one_step_on_data2_stage4_equals_plain_sgd(schedule, repeats):
   model = Regressor(stages=4, microbatches=4, data=2, schedule=schedule, repeats=repeats)
   mesh = tpipe.make_mesh(stages=4, data=2)
   state = tpipe.create_train_state(params, optimizer,
-                                   tpipe.param_shardings(params, mesh, stacked=("blocks",)))
+                                   tpipe.shardings(params, mesh, stacked=("blocks",)))
   step = tpipe.make_train_step(_pipelined_loss_fn(model), optimizer,
-                               shardings=tpipe.state_shardings(state))
+                               shardings=_own_shardings(state))
   new_state, metrics = step(state, jax.device_put(batch, tpipe.data_sharding(mesh)),
                             jax.random.key(0))
 
@@ -133,9 +134,9 @@ def test_several_steps_track_plain_adam():
   model = Regressor(stages=2, microbatches=8, data=2)
   mesh = tpipe.make_mesh(stages=2, data=2)
   state = tpipe.create_train_state(params, optimizer,
-                                   tpipe.param_shardings(params, mesh, stacked=("blocks",)))
+                                   tpipe.shardings(params, mesh, stacked=("blocks",)))
   step = tpipe.make_train_step(_pipelined_loss_fn(model), optimizer,
-                               shardings=tpipe.state_shardings(state))
+                               shardings=_own_shardings(state))
   sharded_batch = jax.device_put(batch, tpipe.data_sharding(mesh))
   losses = []
   for _ in range(5):
@@ -147,15 +148,48 @@ def test_several_steps_track_plain_adam():
   assert losses[-1] < losses[0]
 
 
-def test_param_shardings_validation():
+def _own_shardings(state):
+  """A placed state's own shardings (what the step must keep it in)."""
+  return jax.tree.map(lambda a: a.sharding, state)
+
+
+def test_shardings_validation():
   params = {"blocks": {"w": jnp.zeros((6, 2))}, "head": {"w": jnp.zeros((2,))}}
   mesh = tpipe.make_mesh(stages=4)
   with pytest.raises(TypeError, match=r"write stacked=\('blocks',\)"):
-    tpipe.param_shardings(params, mesh, stacked="blocks")
+    tpipe.shardings(params, mesh, stacked="blocks")
   with pytest.raises(ValueError, match=r"\['stack'\] are not top-level keys"):
-    tpipe.param_shardings(params, mesh, stacked=("stack",))
+    tpipe.shardings(params, mesh, stacked=("stack",))
   with pytest.raises(ValueError, match="has 6 layers, not divisible by the 4 stages"):
-    tpipe.param_shardings(params, mesh, stacked=("blocks",))
+    tpipe.shardings(params, mesh, stacked=("blocks",))
+  # A train state is checked by its parameters.
+  state = tpipe.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=())
+  with pytest.raises(ValueError, match=r"\['stack'\] are not top-level keys"):
+    tpipe.shardings(state, mesh, stacked=("stack",))
+
+
+def test_shardings_split_the_stacks_and_replicate_the_rest():
+  params = {"blocks": {"w": jnp.zeros((8, 2)), "b": jnp.zeros((8,))},
+            "head": {"w": jnp.zeros((2, 3))}}
+  mesh = tpipe.make_mesh(stages=4, data=2)
+  found = tpipe.shardings(params, mesh, stacked=("blocks",))
+  assert {leaf.spec for leaf in jax.tree.leaves(found["blocks"])} == {P("stage")}
+  assert found["head"]["w"].spec == P() and found["head"]["w"].mesh == mesh
+  # Of a train state: the optimizer's moments follow their parameters, the step and Adam's
+  # count are replicated, and so is the model state.
+  opt_state = optax.adam(0.1).init(params)
+  state = tpipe.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                           model_state={"mean": jnp.zeros((8,))})
+  found = tpipe.shardings(state, mesh, stacked=("blocks",))
+  assert isinstance(found, tpipe.TrainState) and found.step.spec == P()
+  assert found.params == tpipe.shardings(params, mesh, stacked=("blocks",))
+  assert found.opt_state[0].mu["blocks"]["w"].spec == P("stage")
+  assert found.opt_state[0].nu["head"]["w"].spec == P()
+  assert found.opt_state[0].count.spec == P()
+  assert found.model_state["mean"].spec == P()
+  # Abstract leaves (jax.eval_shape) give the same shardings.
+  abstract = jax.eval_shape(lambda: state)
+  assert tpipe.shardings(abstract, mesh, stacked=("blocks",)) == found
 
 
 def test_make_train_step_validation():
@@ -170,13 +204,13 @@ def _abstract_state(mesh, optimizer, batch):
 
   ``jax.eval_shape`` returns leaves without shardings; compiled from those, XLA would choose the
   layout itself (replicated stacks for the circular schedule). The shardings come from
-  :func:`tpipe.train_state_shardings`: ``blocks`` leaves of the parameters and
-  of the optimizer state split over 'stage' on axis 0, the rest replicated.
+  :func:`tpipe.shardings`: ``blocks`` leaves of the parameters and of the optimizer state split
+  over 'stage' on axis 0, the rest replicated.
   """
   shapes = jax.eval_shape(lambda: tpipe.create_train_state(
       Regressor(stages=1, microbatches=1, data=1).init(jax.random.key(0), batch["x"])["params"],
       optimizer))
-  shardings = tpipe.train_state_shardings(shapes, mesh, ("blocks",))
+  shardings = tpipe.shardings(shapes, mesh, stacked=("blocks",))
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       shapes, shardings)
 
@@ -249,7 +283,7 @@ def test_no_gradient_all_reduce_without_data_parallelism():
   mesh = tpipe.make_mesh(stages=4, data=1)
   model = Regressor(stages=4, microbatches=4, data=1)
   params = Regressor(stages=1, microbatches=1, data=1).init(jax.random.key(0), batch["x"])
-  state = tpipe.create_train_state(params["params"], optax.sgd(0.1), tpipe.param_shardings(
+  state = tpipe.create_train_state(params["params"], optax.sgd(0.1), tpipe.shardings(
       params["params"], mesh, stacked=("blocks",)))
   step = tpipe.make_train_step(_pipelined_loss_fn(model), optax.sgd(0.1))
   compiled = step.lower(state, jax.device_put(batch, tpipe.data_sharding(mesh)),

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import tpipe
-from tests import numerics
+from tests.helpers import numerics
 from tpipe import nnx as tnnx
 
 WIDTH, BATCH = 6, 16
@@ -137,8 +137,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("schedule, stages, data, microbatches", CASES)
-def test_training_normalizes_per_microbatch_and_pools_the_running_averages(
-    schedule, stages, data, microbatches):
+def test_training_normalizes_per_microbatch_and_pools_the_running_averages(schedule, stages, data,
+                                                                           microbatches):
   mesh = tpipe.make_mesh(stages=stages, data=data)
   model = tnnx.Sequential(_layers(), num_stages=stages, num_microbatches=microbatches,
                           schedule=schedule, num_repeats=2 if schedule == "circular" else 1,

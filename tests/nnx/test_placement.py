@@ -1,14 +1,15 @@
 """tpipe.nnx.shard: a Repeat cut evenly over the stages lives split over 'stage'.
 
-After ``tpipe.nnx.shard(model)``, the LM of tests/test_nnx.py (embedding, Repeat of 6 blocks,
-head; S=2 with balance [4, 4], so stage s holds copies [3s, 3s + 3)) has its Repeat's Params
-annotated and placed ``P('stage', None, ...)`` and its other Params replicated; the Param state's
-paths and values are unchanged; outputs and gradients still equal the layers in order (numerics
-rule: :mod:`tests.numerics`), for GPipe and every one-chunk-per-stage fused schedule. The compiled
+After ``tpipe.nnx.shard(model)``, the LM of :mod:`tests.helpers.nnx_models` (embedding, Repeat
+of 6 blocks, head; S=2 with balance [4, 4], so stage s holds copies [3s, 3s + 3)) has its Repeat's
+Params annotated and placed ``P('stage', None, ...)`` and its other Params replicated; the Param
+state's paths and values are unchanged; outputs and gradients still equal the layers in order
+(numerics rule: :mod:`tests.helpers.numerics`), for GPipe and for the fused ZB-H1 (the gradients
+of ``model.loss``, with its split backward). The compiled
 ``nnx.jit`` train step (Adam) then communicates over 'stage' only the neighbour sends inside the
-tick loop and one all-reduce of the embedding's and head's gradients (plus the loss), where the
-replicated model all-reduces every parameter's gradient; no all-gather or all-to-all over
-'stage'. Settings that cannot place a Repeat raise clear errors.
+tick loop and one all-reduce of the embedding's and head's gradients (plus the loss), where a
+model whose state stays replicated moves every parameter's gradient or update over 'stage'; no
+all-gather or all-to-all over 'stage'. Settings that cannot place a Repeat raise clear errors.
 """
 
 import jax
@@ -18,20 +19,21 @@ import pytest
 from flax import nnx
 
 import tpipe
-from tests import numerics
-from tests import test_nnx
+from tests.helpers import nnx_models
+from tests.helpers import numerics
 from tpipe import nnx as tnnx
-from tpipe.linen import sequential as linen_sequential
 from tpipe.tools import analysis
 
 BALANCE = [4, 4]  # Embed + copies 0-2 | copies 3-5 + head.
-ONE_CHUNK_FUSED = [s for s in linen_sequential.FUSED_SCHEDULES if test_nnx._fused_repeats(s) == 1]
+ONE_CHUNK_FUSED = [s for s in tpipe.schedules.FUSED_SCHEDULE_NAMES
+                   if nnx_models.fused_repeats(s) == 1]
 
 
 def _model(schedule="gpipe", data=2, **kwargs):
   mesh = tpipe.make_mesh(stages=2, data=data)
-  model, x, inputs = test_nnx._pipelined("lm", num_stages=2, num_microbatches=2,
-                                         schedule=schedule, balance=BALANCE, mesh=mesh, **kwargs)
+  model, x, inputs = nnx_models.pipelined("lm", num_stages=2, num_microbatches=2,
+                                          schedule=schedule, balance=BALANCE, mesh=mesh,
+                                          **kwargs)
   return model, mesh, jax.device_put((x, inputs), tpipe.data_sharding(mesh))
 
 
@@ -56,23 +58,24 @@ def test_the_evenly_cut_repeat_is_annotated_and_placed_over_stages():
   assert {tuple(s.data.shape) for s in kernel.addressable_shards} == {(3, 8, 16)}
 
 
-# The forward executor and the fused one (ZB-H1: its split backward too); the fused schedules
-# with one chunk per stage share the executor, and each is checked on its own in test_fused.py.
+# The forward run and the fused one (ZB-H1: its split backward too); the fused schedules with
+# one chunk per stage share the fused run, and each is checked on its own in tests/core and
+# tests/nnx/test_sequential.py.
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
 def test_placed_outputs_and_gradients_equal_the_layers_in_order(schedule):
   assert schedule == "gpipe" or schedule in ONE_CHUNK_FUSED
   model, _, (x, inputs) = _model(schedule)
   tnnx.shard(model)
   if schedule == "gpipe":
-    (_, y), grads = test_nnx._value_and_grad(model, x, inputs)
-    (_, plain_y), plain_grads = test_nnx._plain("lm", 4)
-    (_, y64), grads64 = test_nnx._reference("lm")
+    (_, y), grads = nnx_models.value_and_grad(model, x, inputs)
+    (_, plain_y), plain_grads = nnx_models.plain("lm", 4)
+    (_, y64), grads64 = nnx_models.reference("lm")
     numerics.assert_as_close_as_plain(y, plain_y, y64, what="outputs")
   else:
-    grads = nnx.jit(lambda m, x, kw: nnx.grad(lambda m: test_nnx._objective(m(x, **kw)))(m))(
-        model, x, inputs)
-    _, plain_grads = test_nnx._plain_loss(4)
-    _, grads64 = test_nnx._plain_loss(1, "float64")
+    objective = lambda m, x, kw: nnx_models.objective(m.loss(x, **kw))
+    grads = nnx.jit(lambda m, x, kw: nnx.grad(objective)(m, x, kw))(model, x, inputs)
+    _, plain_grads = nnx_models.plain_loss(4)
+    _, grads64 = nnx_models.plain_loss(1, "float64")
   numerics.assert_as_close_as_plain(nnx.to_pure_dict(grads)["layers"], plain_grads, grads64,
                                     what="gradients")
   # The gradients come back where the parameters live.
@@ -89,6 +92,12 @@ def _stage_collectives(placed):
   def step(model, optimizer, x, inputs):
     loss, grads = nnx.value_and_grad(lambda m: m(x, **inputs).mean())(model)
     optimizer.update(model, grads)
+    if not placed:
+      # A replicated model: its state stays replicated. (Unconstrained, XLA leaves the updated
+      # state of a Repeat cut evenly split over 'stage', as the staging reshape's gradient is.)
+      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      for tree in (model, optimizer):
+        nnx.update(tree, jax.lax.with_sharding_constraint(nnx.state(tree), replicated))
     return loss
 
   compiled = step.lower(model, optimizer, x, inputs).compile()
@@ -102,9 +111,12 @@ def test_the_placed_train_step_all_reduces_only_the_replicated_layers_over_stage
   replicated = _bytes([params[0], params[2]])  # The embedding and the head.
   assert replicated < _bytes(params) / 4
 
+  # Kept replicated, the state's every parameter (its gradient or its update) crosses 'stage'
+  # after the tick loop, every step.
   _, _, before = _stage_collectives(placed=False)
-  reduced = sum(c.total_bytes for c in before if c.kind == "all-reduce")
-  assert reduced >= _bytes(params), before  # Every parameter's gradient, every step.
+  moved = sum(c.total_bytes for c in before
+              if c.kind in ("all-reduce", "all-gather") and not c.in_loop)
+  assert moved >= _bytes(params), before
 
   model, optimizer, after = _stage_collectives(placed=True)
   kinds = {c.kind for c in after}
@@ -112,7 +124,7 @@ def test_the_placed_train_step_all_reduces_only_the_replicated_layers_over_stage
   assert all(c.in_loop for c in after if c.kind == "collective-permute"), after
   reduced = sum(c.total_bytes for c in after if c.kind == "all-reduce")
   # The embedding's and head's gradients, and the per-example losses (4 bytes each).
-  assert replicated <= reduced <= replicated + 4 * test_nnx.BATCH, after
+  assert replicated <= reduced <= replicated + 4 * nnx_models.BATCH, after
   # After an Adam update the Repeat's parameters and moments still live split over 'stage'.
   assert model.layers[1].layer.up.kernel[...].sharding.spec[0] == "stage"
   moment = optimizer.opt_state[0].mu["layers"][1]["layer"]["up"]["kernel"][...]
@@ -121,8 +133,8 @@ def test_the_placed_train_step_all_reduces_only_the_replicated_layers_over_stage
 
 def test_settings_that_cannot_place_a_repeat_raise_clear_errors():
   mesh = tpipe.make_mesh(stages=2)
-  build = lambda **kw: test_nnx._pipelined("lm", num_stages=2, num_microbatches=2,
-                                           **{"mesh": mesh, **kw})[0]
+  build = lambda **kw: nnx_models.pipelined("lm", num_stages=2, num_microbatches=2,
+                                            **{"mesh": mesh, **kw})[0]
   with pytest.raises(ValueError, match=r"computed from costs.*e\.g\. balance=\[4, 4\]"):
     tnnx.shard(build())
   with pytest.raises(ValueError, match=r"cuts no Repeat evenly.*e\.g\. balance=\[4, 4\]"):
@@ -130,6 +142,6 @@ def test_settings_that_cannot_place_a_repeat_raise_clear_errors():
   with pytest.raises(ValueError, match="non-contiguous chunks"):
     tnnx.shard(build(schedule="circular", num_repeats=2, balance=[2, 2, 2, 2]))
   with pytest.raises(ValueError, match="needs the mesh"):
-    tnnx.shard(test_nnx._pipelined("lm", num_stages=1, num_microbatches=1, balance=[8])[0])
+    tnnx.shard(nnx_models.pipelined("lm", num_stages=1, num_microbatches=1, balance=[8])[0])
   with pytest.raises(TypeError, match="tpipe.nnx.Sequential or a tpipe.nnx.pipeline"):
     tnnx.shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))

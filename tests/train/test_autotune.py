@@ -1,11 +1,11 @@
-"""Tests for tpipe.autotune: a tight budget forces more stages or remat; the choice fits."""
+"""Tests for tpipe.train.autotune: a tight budget forces more stages or remat; the choice fits."""
 
 import pytest
 
 from configs import lm
-from tpipe import autotune
-from tpipe import report as report_lib
-from tpipe.linen import sequential
+from tpipe import schedules
+from tpipe.train import autotune
+from tpipe.train import report as report_lib
 
 
 def _config():
@@ -15,6 +15,7 @@ def _config():
   return config
 
 
+@pytest.mark.unit  # No JAX computation.
 def test_search_space_and_invalid_points():
   config = _config()
   valid, invalid = autotune.candidates(config, 8, microbatches=[2, 3], remats=["full", "none"],
@@ -41,6 +42,7 @@ def test_search_space_and_invalid_points():
     autotune.candidates(config, 8, granularities=[0])
 
 
+@pytest.mark.unit  # No JAX computation.
 def test_a_granularity_that_fits_ends_its_group(monkeypatch):
   """Within (stages, micro-batches): the first (remat, granularity) that fits wins the group;
   the rest are dominated and not compiled. Memory here is made up, to test the search alone."""
@@ -65,6 +67,7 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
   assert "| gpipe | full | layer **(chosen)** |" in autotune.format_result(result)
 
 
+@pytest.mark.unit  # No JAX computation.
 def test_schedule_is_a_search_dimension_with_the_fused_schedules():
   config = _config()  # num_repeats = 1.
   valid, invalid = autotune.candidates(config, 2, stages=[2], microbatches=[2], remats=["full"])
@@ -72,7 +75,7 @@ def test_schedule_is_a_search_dimension_with_the_fused_schedules():
   # Every schedule the Sequential runs whose table exists for R = 1, fused ones included.
   assert "gpipe" in names and "1f1b" in names
   assert set(names) | {c.schedule for c, _ in invalid} == set(autotune.schedule_names())
-  assert set(sequential.FUSED_SCHEDULES) <= set(autotune.schedule_names())
+  assert set(schedules.FUSED_SCHEDULE_NAMES) <= set(autotune.schedule_names())
   reasons = {c.schedule: r for c, r in invalid}
   assert "num_repeats=1 is gpipe" in reasons["circular"]
   for name in names:  # Each valid one has a table, whose bubble the trials carry.

@@ -1,4 +1,7 @@
-"""Tests for tpipe.train.data: the stdlib byte corpus, its split, windows and iterator state."""
+"""Tests for tpipe.train.data: the stdlib byte corpus, its split, windows and iterator state.
+
+NumPy only (the ``unit`` tier), but for the batch's placement on the mesh.
+"""
 
 import json
 
@@ -18,6 +21,7 @@ def splits():
   return data.TextData.load(seq_len=SEQ_LEN, max_bytes=MAX_BYTES, eval_fraction=0.1)
 
 
+@pytest.mark.unit
 def test_corpus_is_the_stdlib_sorted_without_site_packages():
   files = data.list_source_files()
   assert files == sorted(files)
@@ -26,6 +30,7 @@ def test_corpus_is_the_stdlib_sorted_without_site_packages():
   assert not any("site-packages" in f.relative_to(root).parts for f in files)
 
 
+@pytest.mark.unit
 def test_load_is_deterministic_capped_and_splits_files(splits):
   train, evals = splits
   train2, evals2 = data.TextData.load(seq_len=SEQ_LEN, max_bytes=MAX_BYTES, eval_fraction=0.1)
@@ -38,6 +43,7 @@ def test_load_is_deterministic_capped_and_splits_files(splits):
   assert len(train.tokens) + len(evals.tokens) <= MAX_BYTES + num_files
 
 
+@pytest.mark.unit
 def test_split_of_a_file_does_not_depend_on_the_cap():
   small_train, small_eval = data.TextData.load(seq_len=SEQ_LEN, max_bytes=100_000)
   big_train, big_eval = data.TextData.load(seq_len=SEQ_LEN, max_bytes=MAX_BYTES)
@@ -45,6 +51,7 @@ def test_split_of_a_file_does_not_depend_on_the_cap():
   assert set(small_train.files) <= set(big_train.files)
 
 
+@pytest.mark.unit
 def test_windows_are_shifted_by_one_byte(splits):
   train, _ = splits
   root = data.stdlib_root()
@@ -65,6 +72,7 @@ def test_windows_are_shifted_by_one_byte(splits):
   np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
 
 
+@pytest.mark.unit
 def test_iterator_state_resumes_at_the_same_position(splits):
   train, _ = splits
   it = data.train_iterator(train, batch_size=4, seed=3)
@@ -81,6 +89,7 @@ def test_iterator_state_resumes_at_the_same_position(splits):
   assert not np.array_equal(first, other_seed)
 
 
+@pytest.mark.unit
 def test_eval_batches_are_fixed(splits):
   _, evals = splits
   a = data.eval_batches(evals, batch_size=4, num_batches=3)
@@ -98,6 +107,7 @@ def test_to_global_shards_the_batch_over_data():
   np.testing.assert_array_equal(jax.device_get(out["inputs"]), batch["inputs"])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs, match", [
     (dict(seq_len=0), "seq_len"),
     (dict(seq_len=8, eval_fraction=1.5), "eval_fraction"),

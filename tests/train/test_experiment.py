@@ -1,13 +1,21 @@
 """Tests for tpipe.train.experiment: the mesh, model and steps from a config; AOT compile."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import lm
+from tests.helpers import numerics
+from tests.helpers import train_runs
+from tpipe.core import layout as layout_lib
 from tpipe.train import experiment
+from tpipe.train import models
+from tpipe.train import tasks
 
 
 def _config(**overrides):
@@ -19,27 +27,63 @@ def _config(**overrides):
 
 @pytest.fixture(scope="module")
 def exp():
-  return experiment.build(_config())
+  """The tiny LM's experiment (data=2 x stage=4, M=8), shared with the trainer tests."""
+  built = train_runs.lm_experiment()
+  assert built.config.to_dict() == _config(num_steps=train_runs.NUM_STEPS).to_dict()
+  return built
+
+
+@functools.cache
+def _plain():
+  """The tiny LM without a pipeline (one stage, one micro-batch): jitted ``(logical params,
+  batch) -> {"loss", "grad_norm"}`` of the mean loss, computed in the parameters' dtype."""
+  arguments = tasks.lm_arguments(train_runs.lm_config())
+
+  @jax.jit
+  def run(params, batch):
+    dtype = train_runs.params_dtype(params)
+    model = models.decoder_lm(**dict(arguments, dtype=dtype, param_dtype=dtype), num_stages=1,
+                              num_microbatches=1)
+    loss, grads = jax.value_and_grad(lambda p: model.apply(
+        {"params": p}, batch["inputs"], targets=batch["targets"]).mean())(params)
+    return {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+  return run
+
+
+def _random_batch(exp, seed=0):
+  rng = np.random.default_rng(seed)
+  shape = (exp.config.batch_size, exp.config.seq_len)
+  batch = {k: jnp.asarray(rng.integers(0, 256, shape), jnp.int32) for k in ("inputs", "targets")}
+  return jax.device_put(batch, exp.abstract_batch()["inputs"].sharding)
 
 
 def test_abstract_state_is_staged_sharded_and_allocates_nothing(exp):
   state = exp.abstract_state()
   leaves = jax.tree.leaves(state)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-  staged = state.params["staged"]["float32"]
-  assert staged.shape[:2] == (1, exp.config.num_stages)
-  assert staged.sharding.spec == P(None, "stage")
+  # The parameters are the staged tree itself: the blocks per leaf, the rest packed.
+  assert set(state.params) == {layout_lib.STACKED, layout_lib.PACKED}
+  packed = state.params[layout_lib.PACKED]["float32"]
+  assert packed.shape[:2] == (1, exp.config.num_stages)
+  blocks = state.params[layout_lib.STACKED]["layers_1"]
+  assert blocks["mlp_in"]["kernel"].shape[:3] == (1, exp.config.num_stages, 1)
+  for leaf in jax.tree.leaves(state.params):
+    assert leaf.sharding.spec == P(None, "stage")
   adam = state.opt_state[1]  # chain(clip, adam, decay, lr) -> ScaleByAdamState.
-  assert adam.mu["staged"]["float32"].sharding.spec == P(None, "stage")
+  for moment in (adam.mu, adam.nu):
+    assert jax.tree.structure(moment) == jax.tree.structure(state.params)
+    assert {leaf.sharding.spec for leaf in jax.tree.leaves(moment)} == {P(None, "stage")}
   assert adam.count.sharding.spec == P()
-  mask = state.opt_state[2].mask["staged"]["float32"]
-  assert mask.dtype == jnp.bool_ and mask.sharding.spec == P(None, "stage")
+  # Weight decay keeps no state: the packed buffers' mask is computed in the update.
+  assert state.opt_state[2] == optax.EmptyState()
+  assert jnp.dtype(jnp.bool_) not in {leaf.dtype for leaf in leaves}
   batch = exp.abstract_batch()
   assert batch["inputs"].shape == (exp.config.batch_size, exp.config.seq_len)
   assert batch["inputs"].sharding.spec == P("data")
   # Without the padding of the stage layout: the logical parameters' count.
   assert exp.num_params() == sum(x.size for x in jax.tree.leaves(exp.layout.logical))
-  assert exp.num_params() <= staged.size
+  assert exp.num_params() <= sum(x.size for x in jax.tree.leaves(state.params))
 
 
 def test_embedding_first_and_head_last(exp):
@@ -54,11 +98,8 @@ def test_checkpoint_layout_is_logical_and_exact(exp):
   assert set(logical.params) == {"layers_0", "layers_1", "layers_2"}
   kernel = logical.params["layers_1"]["mlp_in"]["kernel"]
   assert kernel.shape[0] == exp.config.num_layers and kernel.sharding.spec == P()
-  # The decay mask is kept per logical leaf: kernels and embeddings decay, norms do not.
-  mask = logical.opt_state[2].mask
-  assert bool(mask["layers_1"]["mlp_in"]["kernel"].all())
-  assert not bool(mask["layers_1"]["mlp_norm"]["scale"].any())
-  assert bool(mask["layers_0"]["embed"]["embedding"].all())
+  assert logical.opt_state[2] == optax.EmptyState()  # No weight-decay mask to convert.
+  assert logical.opt_state[1].mu["layers_1"]["mlp_in"]["kernel"].shape == kernel.shape
   for leaf, want in zip(jax.tree.leaves(logical), jax.tree.leaves(exp.abstract_checkpoint())):
     assert leaf.shape == want.shape and leaf.dtype == want.dtype
   back = exp.from_checkpoint(logical)
@@ -72,7 +113,9 @@ def test_checkpoint_moves_between_meshes_and_splits(exp):
   other = experiment.build(_config(num_stages=2, num_data=4, num_microbatches=2,
                                    balance="1,5"))
   moved = other.from_checkpoint(jax.device_get(exp.to_checkpoint(state)))
-  assert moved.params["staged"]["float32"].shape[1] == 2
+  assert {leaf.shape[1] for leaf in jax.tree.leaves(moved.params)} == {2}
+  assert [leaf.shape[:2] for leaf in jax.tree.leaves(exp.abstract_state().params)] == [
+      (1, 4)] * len(jax.tree.leaves(exp.abstract_state().params))
   for a, b in zip(jax.tree.leaves(other.to_checkpoint(moved).params),
                   jax.tree.leaves(exp.to_checkpoint(state).params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -85,28 +128,53 @@ def test_train_step_compiles_ahead_of_time(exp):
   assert "all-reduce" in compiled.as_text() or "all-gather" in compiled.as_text()
 
 
+def test_weight_decay_applies_to_kernels_and_embeddings_only(exp):
+  """The optimizer's decay on staged parameters: per stacked leaf by its name, in the packed
+  buffers by the ranges of the leaves it belongs to (the embedding and the head live there)."""
+  decay = experiment.staged_weight_decay(0.5, exp.layout)
+  ones = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), exp.layout.logical)
+  staged = exp.layout.to_staged(ones)
+  zeros = jax.tree.map(jnp.zeros_like, staged)
+  updates, state = jax.jit(decay.update)(zeros, decay.init(staged), staged)
+  assert state == optax.EmptyState()
+  decayed = jax.device_get(exp.layout.to_logical(updates))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(decayed):
+    name = path[-1].key
+    want = 0.5 if name in ("kernel", "embedding") else 0.0
+    np.testing.assert_array_equal(leaf, np.full(leaf.shape, want, leaf.dtype),
+                                  err_msg=jax.tree_util.keystr(path))
+  assert decayed["layers_0"]["embed"]["embedding"].all()
+  assert decayed["layers_2"]["head"]["kernel"].all()
+  assert not decayed["layers_1"]["mlp_norm"]["scale"].any()
+  assert not decayed["layers_0"]["pos_embed"].any()
+
+
 def test_init_state_and_steps(exp):
+  """The eval step's mean, the training loss and the train step's loss are the plain LM's."""
   state = exp.init_state(jax.random.key(0))
   abstract = exp.abstract_state()
   for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(abstract)):
     assert leaf.shape == want.shape and leaf.sharding == want.sharding
-  rng = np.random.default_rng(0)
-  shape = (exp.config.batch_size, exp.config.seq_len)
-  batch = {k: jnp.asarray(rng.integers(0, 256, shape), jnp.int32) for k in ("inputs", "targets")}
-  batch = jax.device_put(batch, exp.abstract_batch()["inputs"].sharding)
+  batch = _random_batch(exp)
+  logical = jax.device_get(exp.to_checkpoint(state).params)
+  plain = _plain()(logical, jax.device_get(batch))["loss"]
+  exact = numerics.float64_reference(_plain(), logical, jax.device_get(batch))["loss"]
   sums = exp.eval_step(state, batch)  # Sums over the batch's real examples (all, unmasked).
   assert float(sums["count"]) == exp.config.batch_size and "correct" not in sums
   eval_loss = sums["loss"] / sums["count"]
-  # Dropout is 0 in the tiny config, so the training loss equals the eval loss.
-  np.testing.assert_allclose(exp.loss_fn(state.params, batch, jax.random.key(1)), eval_loss,
-                             rtol=1e-5)
+  numerics.assert_as_close_as_plain(eval_loss, plain, exact, what="eval loss")
+  # Dropout is 0 in the tiny config, so the training loss is the same function.
+  numerics.assert_as_close_as_plain(exp.loss_fn(state.params, batch, jax.random.key(1)), plain,
+                                    exact, what="training loss")
   assert 4.0 < float(eval_loss) < 8.0  # About ln(256) = 5.5 at initialisation.
   new_state, metrics = exp.train_step(state, batch, jax.random.key(1))
-  np.testing.assert_allclose(metrics["loss"], eval_loss, rtol=1e-5)
+  numerics.assert_as_close_as_plain(metrics["loss"], plain, exact, what="train step loss")
   assert int(new_state.step) == 1
-  assert new_state.params["staged"]["float32"].sharding.spec == P(None, "stage")
+  for leaf in jax.tree.leaves(new_state.params):
+    assert leaf.sharding.spec == P(None, "stage")
 
 
+@pytest.mark.unit  # No JAX computation.
 @pytest.mark.parametrize("overrides, error, match", [
     (dict(batch_size=12), ValueError, "num_microbatches"),
     (dict(batch_size=15), ValueError, "num_data"),
@@ -126,14 +194,14 @@ def test_bad_config_raises_before_tracing(overrides, error, match):
 
 def test_bfloat16_config_computes_in_bfloat16_with_float32_state():
   exp = experiment.build(_config(dtype="bfloat16"))
-  block = exp.model.layers[1].layer.module
+  block = exp.model.layer_list()[1].module
   assert block.dtype == jnp.bfloat16 and block.param_dtype == jnp.float32
-  # Parameters and both Adam moments stay float32 (the step counters are int32, the weight
-  # decay mask bool).
+  # Parameters and both Adam moments stay float32 (the step counters are int32).
   dtypes = {leaf.dtype for leaf in jax.tree.leaves(exp.abstract_state())}
-  assert dtypes == {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32), jnp.dtype(jnp.bool_)}
+  assert dtypes == {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}
 
 
+@pytest.mark.unit  # No JAX computation.
 def test_config_sizes_and_bad_argument():
   assert lm.get_config().size == "small"
   assert lm.get_config("size=base").num_layers > lm.get_config("size=small").num_layers
@@ -144,7 +212,7 @@ def test_config_sizes_and_bad_argument():
 def _gpipe_config(arg):
   import importlib.util  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
-  path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "transformer_gpipe.py"
+  path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "transformer_gpipe.py"
   spec = importlib.util.spec_from_file_location("transformer_gpipe", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -156,7 +224,7 @@ def test_transformer_gpipe_config():
   assert (big.num_layers, big.width, big.mlp_dim, big.num_heads) == (48, 2048, 8192, 32)
   assert big.num_microbatches == 32 and big.remat == "full" and big.dtype == "bfloat16"
   tiny = experiment.build(_gpipe_config("size=tiny"))
-  assert tiny.model.layers[1].layer.module.dtype == jnp.bfloat16
+  assert tiny.model.layer_list()[1].module.dtype == jnp.bfloat16
   compiled = tiny.train_step.lower(
       tiny.abstract_state(), tiny.abstract_batch(), jax.random.key(0)).compile()
   assert compiled.memory_analysis() is not None
@@ -185,6 +253,7 @@ def test_train_step_moves_no_parameters_between_stages(schedule, repeats):
   assert not big, big
 
 
+@pytest.mark.unit  # No JAX computation.
 def test_a_fused_schedule_with_batchnorm_is_rejected_before_tracing():
   from configs import convnet  # pylint: disable=g-import-not-at-top
   config = convnet.get_config("size=tiny")
@@ -193,3 +262,30 @@ def test_a_fused_schedule_with_batchnorm_is_rejected_before_tracing():
                      r"cannot train config.task='image_classification': its convnet has "
                      r"BatchNorm.*Use config.schedule='gpipe'"):
     experiment.validate_config(config)
+
+
+def test_fused_schedule_trains_as_gpipe_does(exp):
+  """``config.schedule="1f1b"``: from the same states, the train step's loss and gradient norm
+  are GPipe's (float64 reference: the plain LM on the logical parameters), and evaluation (the
+  fused table's forward pass on the same staged parameters) is GPipe's, bit for bit."""
+  config = _config(schedule="1f1b")
+  gpipe = exp
+  fused = experiment.build(config)
+  assert fused.pipeline.spec.is_fused and not gpipe.pipeline.spec.is_fused
+  assert fused.layout.staged_shapes() == gpipe.layout.staged_shapes()
+
+  copy = lambda state: jax.tree.map(jnp.copy, state)  # The steps donate their state.
+  state = gpipe.init_state(jax.random.key(0))
+  for step in range(3):
+    batch = _random_batch(gpipe, seed=step)
+    logical = jax.device_get(gpipe.to_checkpoint(state).params)
+    reference = numerics.float64_reference(_plain(), logical, jax.device_get(batch))
+    _, got = fused.train_step(copy(state), batch, jax.random.key(step))
+    evaluated = jax.device_get((fused.eval_step(state, batch), gpipe.eval_step(state, batch)))
+    assert evaluated[0].keys() == evaluated[1].keys()
+    for key in evaluated[1]:
+      np.testing.assert_array_equal(evaluated[0][key], evaluated[1][key], err_msg=key)
+    state, want = gpipe.train_step(state, batch, jax.random.key(step))
+    for name in ("loss", "grad_norm"):
+      numerics.assert_as_close_as_plain(float(got[name]), float(want[name]), reference[name],
+                                        what=f"step {step + 1} {name}")

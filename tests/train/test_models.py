@@ -8,7 +8,7 @@ import pytest
 import optax
 
 import tpipe
-from tests import numerics
+from tests.helpers import numerics
 from tpipe.train import models
 
 WIDTH, HEADS, MLP, LAYERS, SEQ = 32, 2, 64, 4, 16
@@ -123,7 +123,9 @@ def test_staged_params_give_the_same_losses(lm_and_params):
   piped = _lm(num_stages=4, num_data=2, num_microbatches=2)
   layout = piped.stage_layout(tokens, targets=targets)
   staged = {"staged": layout.to_staged(params)}
-  assert {k: v.shape[:2] for k, v in staged["staged"].items()} == {"float32": (1, 4)}
+  # The blocks per leaf (one per stage where the split gives each stage one), the rest packed.
+  assert {leaf.shape[:2] for leaf in jax.tree.leaves(staged["staged"])} == {(1, 4)}
+  assert set(staged["staged"]["packed"]) == {"float32"}
   fixed = piped.with_split(layout)
   apply = lambda m, p: jax.jit(lambda p: m.apply({"params": p}, tokens, targets=targets))(p)
   np.testing.assert_array_equal(apply(fixed, staged), apply(piped, params))
@@ -167,6 +169,30 @@ def test_bfloat16_lm_keeps_float32_params_and_logits(lm_and_params):
   assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.unit  # No JAX computation.
+def test_pipeline_settings_come_from_the_spec_or_keywords():
+  spec = tpipe.PipelineSpec(num_stages=4, num_microbatches=2, schedule="1f1b",
+                            per_example=("inputs",), mesh=tpipe.make_mesh(stages=4, data=2))
+  sizes = dict(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP, max_len=SEQ)
+  model = models.decoder_lm(**sizes, spec=spec)
+  # The spec's settings, but the targets (and only they) go to the head with the micro-batches.
+  assert model.spec == spec.replace(per_example=("targets",))
+  # Keywords override the spec's settings.
+  other = models.decoder_lm(**sizes, spec=spec, num_microbatches=4, remat="none")
+  assert other.spec.num_microbatches == 4 and other.spec.remat == "none"
+  assert other.spec.schedule == "1f1b" and other.spec.mesh is spec.mesh
+  # Without a spec: PipelineSpec's defaults for whatever is not given.
+  plain = models.decoder_lm(**sizes, num_stages=1, num_microbatches=1)
+  assert plain.spec.balance == "params" and plain.spec.remat == "full"
+  assert plain.spec.schedule == "gpipe" and plain.spec.mesh is None
+  assert plain.spec.per_example == ("targets",)
+  assert [type(layer).__name__ for layer in plain.layer_list()] == [
+      "TokenEmbedding", "Repeat", "LMHead"]
+  with pytest.raises(ValueError, match="decoder_lm: .*schedule"):
+    models.decoder_lm(**sizes, num_stages=1, num_microbatches=1, schedule="pipedream")
+
+
+@pytest.mark.unit  # No JAX computation.
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(num_heads=3), ValueError, "must divide width"),
     (dict(dropout_rate=1.5), ValueError, "dropout_rate"),
@@ -178,12 +204,15 @@ def test_bfloat16_lm_keeps_float32_params_and_logits(lm_and_params):
     (dict(vocab_size=0), ValueError, "vocab_size"),
 ])
 def test_bad_model_arguments_raise(kwargs, error, match):
-  args = dict(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP, max_len=SEQ)
+  args = dict(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP, max_len=SEQ,
+              num_stages=1, num_microbatches=1)
+  assert isinstance(models.decoder_lm(**args), tpipe.Sequential)  # The arguments, unchanged.
   args.update(kwargs)
   with pytest.raises(error, match=match):
     models.decoder_lm(**args)
 
 
+@pytest.mark.unit  # No JAX computation.
 def test_bad_block_dtype_raises_before_tracing():
   with pytest.raises(ValueError, match="TransformerBlock.dtype must be a floating dtype"):
     models.TransformerBlock(width=WIDTH, num_heads=HEADS, mlp_dim=MLP, dtype="int32")

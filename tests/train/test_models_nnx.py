@@ -1,7 +1,8 @@
 """The trainer from the NNX LM (``--config.frontend=nnx``), and the NNX LM against the linen one.
 
 * Equal parameters give equal losses: the linen LM's variables are loaded into the NNX LM (the
-  logical layouts have the same names and shapes, so the conversion is the identity on the tree).
+  logical layouts have the same names and shapes, so the conversion is the identity on the tree),
+  and both are as close to the float64 LM as the linen LM run without a pipeline is.
 * A short in-process trainer run logs losses and evaluations, checkpoints, and resumes; its
   checkpoint restores into the linen LM's experiment (the same checkpoint format).
 """
@@ -14,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 import tpipe
-from tests import numerics
+from tests.helpers import numerics
 from tpipe.train import checkpointing
 from tpipe.train import experiment
 from tpipe.train import metrics
@@ -28,14 +29,16 @@ SIZES = dict(num_layers=2, width=16, num_heads=2, mlp_dim=32, max_len=8, vocab_s
 def test_nnx_and_linen_lms_give_the_same_losses_for_the_same_parameters():
   tokens = jax.random.randint(jax.random.key(0), (8, 8), 0, 20)
   targets = jnp.roll(tokens, -1, axis=1)
-  plain = models.decoder_lm(**SIZES, num_microbatches=4)
+  plain = models.decoder_lm(**SIZES, num_stages=1, num_microbatches=4)
   variables = plain.init({"params": jax.random.key(1)}, tokens, targets=targets)
   mesh = tpipe.make_mesh(stages=2, data=2)
   model = models_nnx.decoder_lm(**SIZES, num_stages=2, num_microbatches=2, mesh=mesh,
                                 rngs=nnx.Rngs(5))
-  model.load_linen_variables(variables)
-  # The conversion is the identity: the NNX LM's linen view has the linen tree.
-  _, back = model.as_linen()
+  model.load_variables(variables)
+  # The conversion is the identity: the NNX LM's logical variables are the linen tree.
+  back = model.variables()
+  assert set(back) == {"params"}
+  assert jax.tree.structure(back["params"]) == jax.tree.structure(variables["params"])
   jax.tree.map(np.testing.assert_array_equal, back["params"], variables["params"])
   assert set(nnx.to_pure_dict(nnx.state(model, nnx.Param))["layers"][1]["layer"]) >= {
       "attn", "attn_norm", "mlp_in", "mlp_out", "mlp_norm"}
@@ -43,7 +46,7 @@ def test_nnx_and_linen_lms_give_the_same_losses_for_the_same_parameters():
   losses = nnx.jit(lambda m, t, y: m(t, targets=y))(model, tokens, targets)
   want = jax.jit(lambda v, t, y: plain.apply(v, t, targets=y))(variables, tokens, targets)
   # The linen LM fixes its computation dtype: the reference is the same LM built in float64.
-  plain64 = models.decoder_lm(**SIZES, num_microbatches=4, dtype=jnp.float64,
+  plain64 = models.decoder_lm(**SIZES, num_stages=1, num_microbatches=4, dtype=jnp.float64,
                               param_dtype=jnp.float64)
   exact = numerics.float64_reference(
       jax.jit(lambda v, t, y: plain64.apply(v, t, targets=y)), variables, tokens, targets)

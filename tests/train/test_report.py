@@ -1,4 +1,4 @@
-"""Tests for tpipe.report: its figures are those of the real train step's compile."""
+"""Tests for tpipe.train.report: its figures are those of the real train step's compile."""
 
 import json
 import os
@@ -8,18 +8,19 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import tpipe
 from configs import lm
 from configs import transformer_gpipe
-from tpipe import report as report_lib
+from tests.helpers import blocks
+from tests.helpers import numerics
+from tpipe.core import layout as layout_lib
 from tpipe.tools import stage_costs
 from tpipe.train import experiment
-from tests import blocks
+from tpipe.train import report as report_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tiny_config():
@@ -79,9 +80,10 @@ def test_memory_agrees_with_memory_analysis_of_the_real_train_step(tiny_report):
 def test_parameter_bytes_follow_the_stage_split(tiny_report):
   config = tiny_report.config
   state = experiment.build(config).abstract_state()
-  # Every parameter lives in the staged buffers, split evenly over the stages.
+  # Every parameter lives in the staged tree (the blocks per leaf, the rest packed), split
+  # evenly over the stages.
   staged = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
-  assert set(state.params) == {"staged"}
+  assert set(state.params) == {layout_lib.STACKED, layout_lib.PACKED}
   assert tiny_report.params_bytes == staged // config.num_stages
   # Adam keeps two moments per parameter.
   assert tiny_report.opt_state_bytes >= 2 * tiny_report.params_bytes
@@ -120,7 +122,7 @@ def test_flops_and_collectives(tiny_report):
 def test_bad_config_is_a_clean_error(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO)
   result = subprocess.run(
-      [sys.executable, "-m", "tpipe.report", "--config=configs/lm.py:size=tiny",
+      [sys.executable, "-m", "tpipe.train.report", "--config=configs/lm.py:size=tiny",
        "--config.num_microbatches=3", f"--out_dir={tmp_path}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 2
@@ -132,9 +134,10 @@ def test_command_line_writes_report_and_timeline(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO)
   env.pop("JAX_NUM_CPU_DEVICES", None)  # the tool sets 8 emulated devices itself.
   result = subprocess.run(
-      [sys.executable, "-m", "tpipe.report", "--config=configs/transformer_gpipe.py:size=tiny",
-       "--config.num_layers=2", "--config.num_stages=2", "--config.num_data=1",
-       "--config.num_microbatches=2", f"--out_dir={tmp_path}"],
+      [sys.executable, "-m", "tpipe.train.report",
+       "--config=configs/transformer_gpipe.py:size=tiny", "--config.num_layers=2",
+       "--config.num_stages=2", "--config.num_data=1", "--config.num_microbatches=2",
+       f"--out_dir={tmp_path}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "peak total" in result.stdout
@@ -153,7 +156,7 @@ def test_command_line_writes_report_and_timeline(tmp_path):
   assert floor["peak_over_floor"] >= 1
   with open(tmp_path / "timeline.png", "rb") as f:
     assert f.read(4) == b"\x89PNG"
-  assert "python -m tpipe.report" in (tmp_path / "report.md").read_text()
+  assert "python -m tpipe.train.report" in (tmp_path / "report.md").read_text()
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,19 +171,19 @@ def test_stage_bytes_add_up_to_the_model_and_padding_follows_the_layout(which, r
   # Parameter bytes: each stage's own, summing to the model's (float32 parameters).
   logical = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layout.logical))
   assert sum(s.param_bytes for s in stages) == logical == 4 * report.num_params
-  # Each stage holds R chunk slots of the padded buffer: what the compiled step's parameter
-  # arguments occupy on a device.
+  # Each stage holds R chunk slots, each padded to the fullest chunk: what the compiled step's
+  # parameter arguments occupy on a device.
   for s in stages:
     assert s.chunks == tuple(range(s.stage, layout.num_chunks, layout.num_stages))
-    assert s.buffer_bytes == layout.num_repeats * layout.buffer_bytes() == report.params_bytes
+    assert s.buffer_bytes == layout.num_repeats * layout.slot_bytes() == report.params_bytes
     assert s.padding_bytes == s.buffer_bytes - sum(layout.chunk_bytes()[c] for c in s.chunks)
     assert s.padding_bytes >= 0
   # Slots are padded to the largest chunk, which itself needs none.
   assert sum(s.padding_bytes for s in stages) == (
-      layout.num_chunks * layout.buffer_bytes() - sum(layout.chunk_bytes()))
-  assert max(layout.chunk_bytes()) == layout.buffer_bytes()
-  # Adam's two float32 moments and the one-byte weight-decay mask per own parameter.
-  assert [s.optimizer_bytes for s in stages] == [9 * s.param_bytes // 4 for s in stages]
+      layout.num_chunks * layout.slot_bytes() - sum(layout.chunk_bytes()))
+  assert max(layout.chunk_bytes()) == layout.slot_bytes()
+  # Adam's two float32 moments per own parameter, and nothing else (no stored decay mask).
+  assert [s.optimizer_bytes for s in stages] == [2 * s.param_bytes for s in stages]
 
 
 @pytest.mark.parametrize("which", ["tiny_report", "circular_report", "fused_report"])
@@ -299,9 +302,17 @@ def test_compile_forward_backward_keeps_the_backward_pass():
     stage_costs.memory_floor(state_bytes=3, stash_bytes=-1, working_set_bytes=5)
 
 
+def _layers_in_order(params, x):
+  """The model of test_chunk_programs_in_order_are_the_model without a pipeline."""
+  h = nn.Dense(8).apply({"params": params["layers_0"]}, x)
+  h = blocks.apply_in_sequence(blocks.MLPBlock(width=8), params["layers_1"], h)
+  return nn.Dense(4).apply({"params": params["layers_2"]}, h)
+
+
 def test_chunk_programs_in_order_are_the_model():
   # Widths change at every layer and a Repeat is cut between chunks; running each chunk's
-  # program on one micro-batch, in chunk order, gives what the pipelined model gives for it.
+  # program on one micro-batch, in chunk order, gives what the layers in order give for it, as
+  # the pipelined model does.
   layers = [nn.Dense(8), tpipe.Repeat(blocks.MLPBlock(width=8), 3), nn.Dense(4)]
   model = tpipe.Sequential(layers, num_stages=2, num_microbatches=2, schedule="circular",
                            num_repeats=2, balance=[1, 2, 1, 1], mesh=tpipe.make_mesh(stages=2))
@@ -309,6 +320,8 @@ def test_chunk_programs_in_order_are_the_model():
   variables = model.init({"params": jax.random.key(0)}, x)
   layout = model.stage_layout(x)
   staged = layout.to_staged(variables["params"])
+  # The Repeat is cut unevenly (2 copies, then 1), so its copies are packed with the rest.
+  assert set(staged) == {layout_lib.STACKED, layout_lib.PACKED}
   plan = model.plan_for(x)
   assert plan.counts == (1, 2, 1, 1)
   assert stage_costs.group_names(layout, plan.unit_names) == [
@@ -318,7 +331,10 @@ def test_chunk_programs_in_order_are_the_model():
   for c in range(layout.num_chunks):
     fn, (trees, h_shape, side) = model.chunk_program(layout, c, x)
     assert (h_shape.shape, h_shape.dtype) == (h.shape, h.dtype)
-    r, s = divmod(c, layout.num_stages)
-    h = fn(layout.chunk_params({k: v[r, s] for k, v in staged.items()}, c), h, side)
-  expected = model.apply(variables, x)[:2]
-  np.testing.assert_allclose(h, expected, rtol=1e-5, atol=1e-6)
+    r, s = layout.position(c)
+    h = fn(layout.chunk_trees(jax.tree.map(lambda a, r=r, s=s: a[r, s], staged), c), h, side)
+  plain = jax.jit(_layers_in_order)(variables["params"], x[:2])
+  exact = numerics.float64_reference(jax.jit(_layers_in_order), variables["params"], x[:2])
+  numerics.assert_as_close_as_plain(h, plain, exact, what="the chunk programs in order")
+  numerics.assert_as_close_as_plain(model.apply(variables, x)[:2], plain, exact,
+                                    what="the pipelined model")

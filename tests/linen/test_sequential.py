@@ -7,10 +7,11 @@ embedding -> repeated blocks -> head-and-loss with per-example targets, and a py
 structure changes between layers. Every (stages, micro-batches in {1, 2S}, data, schedule)
 combination that fits 8 devices runs; models, remat policies and balances rotate over the cases.
 
-Parameters in the executor's stage layout ("staged") give the same outputs and gradients as
-logical ones, bit for bit, and convert back exactly. Balances by measured cost ("flops", "time")
-measure each distinct layer once, and split as :func:`tpipe.partition.balanced_split` of what they
-measured; the tests never depend on how precise a timing is.
+Parameters in the engine's stage layout (``{"staged": {"stacked": ..., "packed": ...}}``) give the
+same outputs and gradients as logical ones, bit for bit, and convert back exactly. Balances by
+measured cost ("flops", "time") measure each distinct layer once, and split as
+:func:`tpipe.partition.balanced_split` of what they measured; the tests never depend on how precise
+a timing is.
 """
 
 import functools
@@ -22,28 +23,13 @@ import numpy as np
 import pytest
 
 import tpipe
-from tests import numerics
+from tests.helpers import numerics
+from tests.helpers.linen_models import VOCAB, Block, DenseAct, Embed, HeadLoss, Residual
 from tpipe import partition
 from tpipe.core import unit_cost
 
 BATCH = 16
-VOCAB = 11
 SEQ = 4
-
-
-class DenseAct(nn.Module):
-  features: int
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.gelu(nn.Dense(self.features)(x))
-
-
-class Residual(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
 
 
 class ConvCell(nn.Module):
@@ -64,33 +50,6 @@ class PoolClassify(nn.Module):
   @nn.compact
   def __call__(self, x):
     return nn.Dense(self.classes)(jnp.mean(x, axis=(1, 2)))
-
-
-class Embed(nn.Module):
-  width: int = 8
-
-  @nn.compact
-  def __call__(self, tokens):
-    return nn.Embed(VOCAB, self.width)(tokens)
-
-
-class Block(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    h = nn.LayerNorm()(x)
-    return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(h)))
-
-
-class HeadLoss(nn.Module):
-  """Per-example mean cross-entropy over the sequence: ``[batch]``."""
-
-  @nn.compact
-  def __call__(self, x, targets):
-    logits = nn.Dense(VOCAB)(nn.LayerNorm()(x))
-    logp = jax.nn.log_softmax(logits)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return -jnp.mean(picked, axis=-1)
 
 
 class Split(nn.Module):
@@ -218,7 +177,7 @@ def _cases():
 def _balance(kind, layers, chunks):
   if kind != "explicit":
     return kind
-  units = sum(l.n if isinstance(l, tpipe.Repeat) else 1 for l in layers)
+  units = sum(layer.n if isinstance(layer, tpipe.Repeat) else 1 for layer in layers)
   # Uneven on purpose: the first chunks take one unit each, the last the rest.
   return [1] * (chunks - 1) + [units - (chunks - 1)]
 
@@ -319,7 +278,7 @@ def test_staged_params_give_the_same_outputs_and_gradients(name, schedule, data)
 def test_to_logical_inverts_to_staged_exactly(name):
   layers, x, kwargs, per_example, _ = _model(name)
   params = _random_params(name)
-  units = sum(l.n if isinstance(l, tpipe.Repeat) else 1 for l in layers)
+  units = sum(layer.n if isinstance(layer, tpipe.Repeat) else 1 for layer in layers)
   for stages, schedule, repeats, balance in ((1, "gpipe", 1, "params"), (2, "gpipe", 1, "params"),
                                              (4, "circular", 2, [1] * 7 + [units - 7]),
                                              (2, "zbv", 2, "params")):
@@ -328,8 +287,13 @@ def test_to_logical_inverts_to_staged_exactly(name):
     layout = model.stage_layout(x, **kwargs)
     # Jitted one at a time (eager dispatch compiles every small op; XLA sees no pair to cancel).
     staged = jax.jit(layout.to_staged)(params)
-    assert {k: v.shape for k, v in staged.items()} == {
-        k: a.shape for k, a in layout.staged_shapes().items()}
+    assert sorted(staged) == ["packed", "stacked"]
+    assert jax.tree.map(np.shape, staged) == jax.tree.map(lambda a: a.shape,
+                                                          layout.staged_shapes())
+    # A Repeat with copies in every chunk keeps the fewest any chunk has per leaf, stacked.
+    for i, k in layout.stacked.items():
+      for leaf in jax.tree.leaves(staged["stacked"][f"layers_{i}"]):
+        assert leaf.shape[:3] == (repeats, stages, k), (i, leaf.shape)
     back = jax.jit(layout.to_logical)(staged)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
@@ -338,8 +302,9 @@ def test_to_logical_inverts_to_staged_exactly(name):
     if schedule == "zbv":  # The second chunks run back up: stage s holds chunk 2S - 1 - s.
       loop = model.clone(schedule="circular").stage_layout(x, **kwargs)
       assert loop.groups == layout.groups
-      for k, buffer in jax.jit(loop.to_staged)(params).items():
-        np.testing.assert_array_equal(staged[k][1], buffer[1, ::-1])
+      assert loop.stacked == layout.stacked
+      jax.tree.map(lambda v, buffer: np.testing.assert_array_equal(v[1], buffer[1, ::-1]), staged,
+                   jax.jit(loop.to_staged)(params))
 
 
 def test_staged_params_made_for_another_split_are_rejected():
@@ -348,9 +313,10 @@ def test_staged_params_made_for_another_split_are_rejected():
   make = lambda stages: tpipe.Sequential(layers, num_stages=stages, num_microbatches=1,
                                          mesh=tpipe.make_mesh(stages=stages))
   staged = jax.eval_shape(make(4).stage_layout(x).to_staged, params)
-  with pytest.raises(ValueError, match=r"have buffers \{'float32': \(1, 4, \d+\)\}, but this "
-                                       r"model's stage layout needs \{'float32': \(1, 2, \d+\)\}"
-                                       r".*made for another split"):
+  with pytest.raises(ValueError, match=r"^tpipe.Sequential's staged parameters have shapes "
+                                       r"\{'packed': \{'float32': \(1, 4, \d+\)\}.*\}, but this "
+                                       r"model's stage layout needs \{'packed': \{'float32': "
+                                       r"\(1, 2, \d+\)\}.*made for another split"):
     two = make(2)
     jax.eval_shape(two.with_split(two.stage_layout(x)).apply, {"params": {"staged": staged}}, x)
 
@@ -499,13 +465,14 @@ def test_repeat_validation_and_bad_calls():
   with pytest.raises(ValueError, match="Repeat n must be >= 1"):
     tpipe.Repeat(nn.Dense(2), 0)
   widen = tpipe.Sequential([tpipe.Repeat(nn.Dense(5), 2)], num_stages=1, num_microbatches=1)
-  with pytest.raises(ValueError, match="must keep its input's structure"):
+  with pytest.raises(ValueError, match=r"^tpipe.Sequential: layers\[0\] repeats Dense, which maps "
+                                       r".*must keep its input's structure"):
     widen.init({"params": jax.random.key(0)}, jnp.ones((4, 3)))
   model = tpipe.Sequential([nn.Dense(4)] * 2, num_stages=1, num_microbatches=3)
-  with pytest.raises(ValueError, match=r"Batch size 4 is not divisible"):
+  with pytest.raises(ValueError, match=r"^tpipe.Sequential: batch size 4 is not divisible"):
     model.init({"params": jax.random.key(0)}, jnp.ones((4, 3)))
-  with pytest.raises(TypeError, match=r"no layer's __call__ takes the keyword argument\(s\) "
-                                      r"\['colour'\]"):
+  with pytest.raises(TypeError, match=r"^tpipe.Sequential: no layer's call takes the keyword "
+                                      r"argument\(s\) \['colour'\]"):
     tpipe.Sequential([nn.Dense(4)] * 2, num_stages=1, num_microbatches=1).init(
         {"params": jax.random.key(0)}, jnp.ones((4, 3)), colour=1)
   layers, x, kwargs, per_example, _ = _model("lm")

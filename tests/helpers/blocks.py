@@ -48,7 +48,8 @@ class MLPBlock(nn.Module):
 
 
 class AttentionBlock(nn.Module):
-  """Pre-LayerNorm residual self-attention; ``mask`` ([seq, seq] bool) is broadcast to all layers."""
+  """Pre-LayerNorm residual self-attention; ``mask`` ([seq, seq] bool) is broadcast to all
+  layers."""
 
   width: int = 8
   heads: int = 2

@@ -128,7 +128,7 @@ def test_sequential_bfloat16_error_is_what_its_precision_predicts():
     ("gpipe", 2, 2, 2, "dots"),
 ])
 def test_pipelined_bfloat16_is_as_accurate_as_sequential_bfloat16(schedule, stages, data,
-                                                                   microbatches, remat):
+                                                                  microbatches, remat):
   params, x, mask = _params_and_inputs()
   exact, rounded = _sequential_results()
   mesh = tpipe.make_mesh(stages=stages, data=data)

@@ -18,7 +18,7 @@ import pytest
 import optax
 
 import tpipe
-from tests import numerics
+from tests.helpers import numerics
 
 WIDTH, BATCH = 6, 16
 
@@ -140,7 +140,7 @@ CASES = [
 
 @pytest.mark.parametrize("schedule, stages, data, microbatches, remat", CASES)
 def test_training_normalizes_per_microbatch_and_pools_the_running_statistics(
-    variables, schedule, stages, data, microbatches, remat):
+        variables, schedule, stages, data, microbatches, remat):
   x = _inputs()
   layers = _layers()
   repeats = 2 if schedule == "circular" and stages * 2 <= 7 else 1

@@ -1,5 +1,7 @@
-"""The executor's own guarantees: idle ticks compute nothing, and no collective runs inside the
-tick loop except the neighbour sends (GPipe's ring has no wrap-around edge)."""
+"""The forward tick loop's own guarantees (:mod:`tpipe.core.forward`): run on a
+:class:`~tpipe.core.chunks.ChunkSet` it equals the layers in order, idle ticks compute nothing, and
+no collective runs inside the tick loop except the neighbour sends (GPipe's ring has no
+wrap-around edge)."""
 
 import re
 
@@ -9,10 +11,14 @@ import numpy as np
 import pytest
 
 import tpipe
-from tpipe.core import executor
+from tpipe.core import arguments
+from tpipe.core import chunks
+from tpipe.core import forward
+from tpipe.core import spmd
 from tpipe.tools import analysis
 from tpipe.tools import hlo as hlo_lib
-from tests import blocks
+from tests.helpers import blocks
+from tests.helpers import numerics
 
 WIDTH = 8
 
@@ -51,10 +57,11 @@ def test_idle_ticks_run_no_layer_flops():
   compiled = jax.jit(stack.apply).lower({"params": params}, x).compile()
   module = hlo_lib.parse_hlo(compiled.as_text())
   schedule = tpipe.make_schedule("gpipe", stages, microbatches)
-  tick_loops = [l for l in module.loops() if l.trip_count == schedule.num_ticks]
+  tick_loops = [loop for loop in module.loops() if loop.trip_count == schedule.num_ticks]
   assert tick_loops
+  bodies = {loop.body for loop in tick_loops}
   conditionals = [ins for comp, ins in module.instructions()
-                  if ins.opcode == "conditional" and comp.name in {l.body for l in tick_loops}]
+                  if ins.opcode == "conditional" and comp.name in bodies]
   assert conditionals, "the stage must run under a conditional on the busy flag"
   flops = analysis.pipeline_flops(compiled, schedule)
   # Executed work is the useful work plus small per-tick bookkeeping, not S+M-1 ticks of layers.
@@ -62,10 +69,50 @@ def test_idle_ticks_run_no_layer_flops():
   assert flops.lockstep > flops.executed * (1 + 0.9 * schedule.bubble_fraction), flops
 
 
+@pytest.mark.parametrize("schedule,stages,microbatches,repeats,data", [
+    ("gpipe", 2, 2, 1, 2), ("gpipe", 4, 3, 1, 1), ("circular", 2, 3, 2, 2)])
+def test_run_on_a_chunkset_equals_the_layers_in_order(schedule, stages, microbatches, repeats,
+                                                      data):
+  """``forward.run`` called directly with the chunk programs of a planned stack: the last
+  chunk's outputs for the whole batch, those of the blocks applied in order."""
+  mesh = tpipe.make_mesh(stages=stages, data=data)
+  block, length = blocks.MLPBlock(WIDTH), 4 * repeats
+  model = tpipe.Sequential([tpipe.Repeat(block, length)], num_stages=stages,
+                           num_microbatches=microbatches, schedule=schedule,
+                           num_repeats=repeats, mesh=mesh)
+  keys = jax.random.split(jax.random.key(2), 2)
+  x = jax.random.normal(keys[0], (6 * data, WIDTH))
+  stacked = jax.vmap(lambda k: block.init(k, x)["params"])(jax.random.split(keys[1], length))
+  pipeline = model.pipeline_for(x)
+  split = arguments.split_keywords({}, per_example=(), batch_size=x.shape[0], owner="test")
+  chunkset = chunks.ChunkSet(pipeline.layers, pipeline.plan, pipeline.layout, None,
+                             pipeline.spec, split)
+  axes = spmd.Axes.of(mesh, "stage", "data")
+
+  def run(params, x):
+    staged = {chunks.PARAMS: pipeline.layout.to_staged({"layers_0": params})}
+    return forward.run(chunkset, staged, x, (), (), {}, schedule=pipeline.spec.table, axes=axes)
+
+  got = jax.jit(run)(stacked, jax.device_put(x, tpipe.data_sharding(mesh)))
+  sequential = lambda mb: jax.jit(
+      lambda p, x: blocks.apply_in_sequence(block, p, x, microbatches=mb))
+  plain = sequential(microbatches * data)(stacked, x)
+  reference = numerics.float64_reference(sequential(1), stacked, x)
+  numerics.assert_as_close_as_plain(got, plain, reference, what="outputs")
+
+
+@pytest.mark.unit
+def test_the_ring_wraps_around_only_for_another_lap():
+  # The forward loop's ring (wrap=R > 1): stage S - 1 sends to stage 0 only when chunks go round
+  # again; the fused loop's gradients go the other way.
+  assert spmd.neighbour_pairs(4, 1, wrap=False) == [(0, 1), (1, 2), (2, 3)]
+  assert spmd.neighbour_pairs(4, 1, wrap=True) == [(0, 1), (1, 2), (2, 3), (3, 0)]
+  assert spmd.neighbour_pairs(1, 1, wrap=False) == []
+  assert spmd.neighbour_pairs(4, -1, wrap=False) == [(1, 0), (2, 1), (3, 2)]
+  assert spmd.neighbour_pairs(4, -1, wrap=True) == [(0, 3), (1, 0), (2, 1), (3, 2)]
+
+
 def test_gpipe_ring_has_no_wrap_around_edge():
-  assert executor.stage_ring(4, 1) == [(0, 1), (1, 2), (2, 3)]
-  assert executor.stage_ring(4, 2) == [(0, 1), (1, 2), (2, 3), (3, 0)]
-  assert executor.stage_ring(1, 1) == []
 
   def permute_pairs(schedule, repeats):
     mesh = tpipe.make_mesh(stages=4, data=2)

@@ -2,10 +2,10 @@
 
 ``"chunk"`` (the default) checkpoints the whole chunk; its lowered program is unchanged, so the
 other tests cover it. ``"layer"`` and an int ``k`` checkpoint every ``k`` layer units: the loss and
-gradients still equal the layers in order (numerics rule: :mod:`tests.numerics`), under GPipe
-(backward by autodiff through the tick loop) and 1F1B (explicit per-tick VJP), for chunks that mix
-plain layers with part of a Repeat and leave a Repeat remainder shorter than ``k``, and through
-``tpipe.pipeline``'s uniform stack.
+gradients still equal the layers in order (numerics rule: :mod:`tests.helpers.numerics`), under
+GPipe (backward by autodiff through the tick loop) and 1F1B (explicit per-tick VJP), for chunks
+that mix plain layers with part of a Repeat and leave a Repeat remainder shorter than ``k``, and
+through ``tpipe.pipeline``'s uniform stack. ``tpipe.nnx`` hands the granularity to the engine too.
 
 Memory is checked with compile-time quantities: for a chunk of wide layers under
 ``remat="full"``, ``"layer"`` lowers the compiled step's per-device temporaries well below
@@ -21,9 +21,9 @@ import pytest
 from flax import nnx
 
 import tpipe
-from tests import blocks
-from tests import numerics
-from tests import test_fused as fused_cases
+from tests.helpers import blocks
+from tests.helpers import linen_models as lm
+from tests.helpers import numerics
 
 # (model, schedule, granularity, remat, balance): a chunk of plain layers and Repeat units, the
 # Repeat's remainder shorter than k, and each remat policy within the pieces.
@@ -43,19 +43,16 @@ STAGES, MICROBATCHES = 2, 3
 
 @pytest.mark.parametrize("name,schedule,granularity,remat,balance", CASES)
 def test_loss_and_gradients_equal_sequential(name, schedule, granularity, remat, balance):
-  layers, x, targets, float_input = fused_cases._model(name)
+  layers, x, targets, float_input = lm.loss_model(name)
   mesh = tpipe.make_mesh(stages=STAGES)
   model = tpipe.Sequential(layers, num_stages=STAGES, num_microbatches=MICROBATCHES,
                            schedule=schedule, remat=remat, remat_granularity=granularity,
                            balance=balance, per_example=("targets",), mesh=mesh)
-  apply = lambda p, x, t: model.apply({"params": p}, x, targets=t)
-  loss_fn = (apply if schedule in tpipe.schedules.FUSED_SCHEDULE_NAMES
-             else (lambda p, x, t: jnp.mean(apply(p, x, t))))
   x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
-  value, grads = jax.jit(fused_cases._value_and_grad(loss_fn, float_input))(
-      fused_cases._params(name), x, targets)
-  plain_value, plain_grads = fused_cases._plain(name, MICROBATCHES)
-  ref_value, ref_grads = fused_cases._reference(name)
+  value, grads = jax.jit(lm.value_and_grad(lm.pipelined_loss(model), float_input))(
+      lm.random_params(name), x, targets)
+  plain_value, plain_grads = lm.plain(name, MICROBATCHES)
+  ref_value, ref_grads = lm.reference(name)
   numerics.assert_as_close_as_plain(value, plain_value, ref_value, what="loss")
   numerics.assert_as_close_as_plain(grads, plain_grads, ref_grads, what="gradients")
 
@@ -102,8 +99,7 @@ def _temporaries(schedule, granularity):
   model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, schedule=schedule,
                            remat="full", remat_granularity=granularity,
                            per_example=("targets",), mesh=tpipe.make_mesh(stages=1))
-  apply = lambda p, x, t: model.apply({"params": p}, x, targets=t)
-  loss_fn = apply if schedule == "1f1b" else (lambda p, x, t: jnp.mean(apply(p, x, t)))
+  loss_fn = lm.pipelined_loss(model)  # GPipe: autodiff through the ticks; 1F1B: in the schedule
   params = jax.eval_shape(model.clone(schedule="gpipe").init, {"params": jax.random.key(0)}, x,
                           targets=x)["params"]
   compiled = jax.jit(jax.grad(loss_fn)).lower(params, x, x).compile()
@@ -117,14 +113,18 @@ def test_layer_granularity_lowers_the_temporaries_of_a_chunk(schedule):
   assert layer * 3 < chunk, (chunk, layer)
 
 
-@pytest.mark.parametrize("granularity,error,match", [
+BAD_GRANULARITIES = [
     ("block", ValueError, "Unknown remat_granularity 'block'"),
     (0, ValueError, "remat_granularity must be >= 1"),
     (-2, ValueError, "remat_granularity must be >= 1"),
     (1.5, TypeError, "remat_granularity must be one of"),
     (True, TypeError, "remat_granularity must be one of"),
     (None, TypeError, "remat_granularity must be one of"),
-])
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("granularity,error,match", BAD_GRANULARITIES)
 def test_bad_granularity_is_rejected_at_construction(granularity, error, match):
   with pytest.raises(error, match=match):
     tpipe.Sequential([nn.Dense(4), nn.Dense(4)], num_stages=1, num_microbatches=1,
@@ -133,11 +133,39 @@ def test_bad_granularity_is_rejected_at_construction(granularity, error, match):
     tpipe.pipeline(blocks.MLPBlock, length=2, num_stages=1, num_microbatches=1,
                    remat_granularity=granularity)
   with pytest.raises(error, match=match):
-    tpipe.nnx.Sequential([nnx.Linear(4, 4, rngs=nnx.Rngs(0))], num_stages=1,
-                         num_microbatches=1, remat_granularity=granularity)
+    tpipe.PipelineSpec(num_stages=1, num_microbatches=1, remat_granularity=granularity)
 
 
-def test_nnx_passes_the_granularity_to_its_linen_stack():
-  stack = tpipe.nnx.Sequential([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(2)], num_stages=1,
-                               num_microbatches=1, remat_granularity=2)
-  assert stack.as_linen()[0].remat_granularity == 2
+@pytest.mark.parametrize("granularity,error,match", BAD_GRANULARITIES)
+def test_bad_granularity_is_rejected_by_nnx_at_construction(granularity, error, match):
+  layers = [nnx.Linear(4, 4, rngs=nnx.Rngs(0))]  # Creating the layer runs JAX: not a unit test.
+  with pytest.raises(error, match=match):
+    tpipe.nnx.Sequential(layers, num_stages=1, num_microbatches=1,
+                         remat_granularity=granularity)
+
+
+def _checkpoints(jaxpr) -> int:
+  """How many ``jax.checkpoint`` regions a jaxpr holds, nested ones included."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name in ("checkpoint", "remat", "remat2")
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _checkpoints(sub)
+  return count
+
+
+def test_nnx_passes_the_granularity_to_the_engine():
+  """With a granularity of 1 the chunk's program holds one more checkpoint per layer unit than
+  with ``"chunk"`` (the remat pieces of :func:`tpipe.core.remat.apply_units`)."""
+  x = jnp.ones((4, 4))
+
+  def checkpoints(granularity):
+    model = tpipe.nnx.Sequential([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(3)],
+                                 num_stages=1, num_microbatches=2,
+                                 remat_granularity=granularity)
+    assert model.spec.remat_granularity == granularity
+    assert model.pipeline_for(x).spec.remat_granularity == granularity
+    return _checkpoints(jax.make_jaxpr(lambda x: model(x))(x).jaxpr)
+
+  chunk, layer = checkpoints("chunk"), checkpoints(1)
+  assert layer == chunk + 3, (chunk, layer)

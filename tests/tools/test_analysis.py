@@ -1,4 +1,5 @@
-"""Tests for tpipe.tools.analysis and tpipe.tools.hlo on tiny programs with answers known by hand."""
+"""Tests for tpipe.tools.analysis (and tpipe.tools.flops, tpipe.tools.hlo) on tiny programs with
+answers known by hand."""
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ def test_executed_flops_multiply_nested_trip_counts(nested):
 def test_multipliers_of_nested_loop_bodies(nested):
   module = hlo.parse_hlo(nested.as_text())
   mult = module.multipliers()
-  loops = {l.trip_count: l for l in module.loops()}
+  loops = {loop.trip_count: loop for loop in module.loops()}
   assert mult[module.entry] == 1
   assert mult[loops[5].body] == 5
   assert mult[loops[3].body] == 15
@@ -152,6 +153,7 @@ ENTRY %main (x0: f32[2,8]) -> f32[2,8] {
 """
 
 
+@pytest.mark.unit  # HLO text and numbers only: no JAX computation.
 def test_hand_written_hlo():
   module = hlo.parse_hlo(_HAND_WRITTEN)
   assert module.num_partitions == 4
@@ -169,6 +171,7 @@ def test_hand_written_hlo():
       "all-reduce", 1, 64, False, 2)
 
 
+@pytest.mark.unit  # HLO text and numbers only: no JAX computation.
 def test_replica_group_forms():
   # Every syntax XLA prints. The expected groups were checked by running an all-reduce of
   # 2**device over each text with XLA itself on 8 CPU devices; within a group, the first listed
@@ -201,6 +204,7 @@ def test_replica_group_forms():
       hlo.parse_replica_groups(bad, num_devices=8)
 
 
+@pytest.mark.unit  # HLO text and numbers only: no JAX computation.
 def test_replica_groups_attribute_text_in_every_form():
   line = ("  %{name} = f32[2]{{0}} {op}(f32[2]{{0}} %x), channel_id=1, replica_groups={groups}, "
           "use_global_device_ids=true, to_apply=%add, metadata={{op_name=\"f\"}}")
@@ -389,6 +393,77 @@ def test_pipeline_flops_skip_the_idle_share_of_conditionals():
   assert result.lockstep_efficiency == pytest.approx(0.75, abs=0.01)
 
 
+def _fused_tick_program(schedule, branches):
+  """A loop of ``schedule.num_ticks`` trips whose body switches over ``branches``: the shape of a
+  fused schedule's compiled tick loop (:mod:`tpipe.core.fused`)."""
+
+  def f(x, index):
+    y, _ = lax.scan(lambda c, i: (lax.switch(i, branches, c), None), x, index)
+    return y
+
+  return _compile(f, jnp.ones((4, 16)), jnp.zeros(schedule.num_ticks, jnp.int32))
+
+
+def _matmuls(w, n):
+  def run(c):
+    for _ in range(n):
+      c = c @ w
+    return c
+  return run
+
+
+def test_fused_flops_weigh_each_chunk_programs_branch_by_the_table():
+  # Interleaved 1F1B, S = 2, two chunks per stage: model chunks 0 and 2 share chunk program 0
+  # (one matmul forward, two backward), chunks 1 and 3 program 1 (two forward, four backward).
+  # The conditional has 1 + 2 * 2 branches: idle, F of programs 0 and 1, B of programs 0 and 1.
+  schedule = schedules.interleaved_1f1b(2, 2, 2)
+  programs = [0, 1, 0, 1]
+  w = jnp.ones((16, 16))
+  compiled = _fused_tick_program(schedule, [lambda c: c] + [_matmuls(w, n) for n in (1, 2, 2, 4)])
+  found = analysis.fused_flops(compiled, schedule, programs)
+  np.testing.assert_array_equal(found.actions["F"], np.array([1, 2, 1, 2]) * DOT)
+  np.testing.assert_array_equal(found.actions["B"], np.array([2, 4, 2, 4]) * DOT)
+  assert np.isnan(found.actions["BI"]).all() and np.isnan(found.actions["W"]).all()
+  assert found.costs() == {"F": 1.5 * DOT, "B": 3 * DOT}
+  # Each table entry costs its chunk program's action, by hand from the table.
+  per_tick = np.zeros(schedule.action.shape)
+  for t, s in zip(*np.nonzero(schedule.busy)):
+    v = schedule.virtual_stage[s, schedule.chunk[t, s]]
+    per_tick[t, s] = (programs[v] + 1) * (1 if schedule.action[t, s] == schedules.Action.F
+                                          else 2) * DOT
+  np.testing.assert_array_equal(found.per_stage, per_tick.sum(axis=0))
+  assert 0 <= found.overhead <= 100  # The loop counter's few integer ops per tick.
+  assert found.lockstep == per_tick.max(axis=1).sum() + found.overhead
+  assert found.useful == per_tick.sum() / 2
+  assert found.executed == per_tick.sum(axis=0).max() + found.overhead
+  # pipeline_flops and analyze take the same programs and report the same counts.
+  for result in (analysis.pipeline_flops(compiled, schedule, programs=programs),
+                 analysis.analyze(compiled, schedule=schedule, programs=programs).pipeline):
+    assert (result.lockstep, result.executed, result.useful) == (
+        found.lockstep, found.executed, found.useful)
+    assert result.tick_loops == (found.tick_loop,)
+    assert result.bubble_fraction == pytest.approx(schedule.bubble_fraction)
+  # Without the programs, one per model chunk is assumed: 1 + 2 * 4 branches, not found.
+  with pytest.raises(ValueError, match=r"conditional of 9 or 17 branches was found; pass the "
+                                       r"schedule the step was compiled with and its pipeline's "
+                                       r"programs\(\)"):
+    analysis.fused_flops(compiled, schedule)
+  with pytest.raises(TypeError, match="use pipeline_flops for forward schedules"):
+    analysis.fused_flops(compiled, schedules.gpipe(2, 2))
+
+
+def test_fused_flops_of_a_split_backward_count_bi_and_w():
+  # ZB-H1, S = 2: one chunk program, branches idle, F, B (unused), BI, W.
+  schedule = schedules.zb_h1(2, 2)
+  w = jnp.ones((16, 16))
+  compiled = _fused_tick_program(schedule, [lambda c: c] + [_matmuls(w, n) for n in (1, 2, 1, 3)])
+  found = analysis.fused_flops(compiled, schedule, programs=[0, 0])
+  assert {k: v.tolist() for k, v in found.actions.items()} == {
+      "F": [DOT] * 2, "B": [2 * DOT] * 2, "BI": [DOT] * 2, "W": [3 * DOT] * 2}
+  # Per stage: two F, two BI and two W.
+  np.testing.assert_array_equal(found.per_stage, [2 * (1 + 1 + 3) * DOT] * 2)
+
+
 def test_bad_inputs_raise_clear_errors():
   with pytest.raises(ValueError, match="ENTRY"):
     analysis.flop_count("not an hlo module")
@@ -403,6 +478,7 @@ def test_bad_inputs_raise_clear_errors():
     analysis.memory_breakdown(c, inputs=[1, 2])
 
 
+@pytest.mark.unit  # HLO text and numbers only: no JAX computation.
 def test_format_bytes():
   assert analysis.format_bytes(512) == "512 B"
   assert analysis.format_bytes(1536) == "1.50 KiB"

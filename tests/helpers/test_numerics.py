@@ -1,11 +1,11 @@
-"""The test helper that decides "equal to the sequential model" (tests/numerics.py)."""
+"""The test helper that decides "equal to the sequential model" (tests/helpers/numerics.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests import numerics
+from tests.helpers import numerics
 
 EPS = float(np.finfo(np.float32).eps)
 
@@ -57,6 +57,7 @@ def test_same_work_in_another_order_passes_and_a_1e_4_error_fails():
     numerics.assert_as_close_as_plain({"y": wrong}, {"y": plain}, {"y": exact}, what="y")
 
 
+@pytest.mark.unit  # NumPy arrays only.
 def test_floor_is_a_few_ulps_at_the_scale_of_the_tree():
   # A leaf that is zero in exact arithmetic and exactly zero in the plain run: float32 noise at
   # the tree's scale passes; the same noise 1e3 times larger fails, naming that leaf only.
@@ -70,6 +71,7 @@ def test_floor_is_a_few_ulps_at_the_scale_of_the_tree():
   assert "['big']" not in str(failure.value)
 
 
+@pytest.mark.unit  # NumPy arrays only.
 def test_floor_follows_an_element_larger_than_the_tree_scale():
   # One large leaf among many small ones (a final layer's kernel gradient): a few ulps of its own
   # size is rounding noise even where the plain run happens to be exact; 100 ulps is not.
@@ -82,6 +84,7 @@ def test_floor_follows_an_element_larger_than_the_tree_scale():
     numerics.assert_as_close_as_plain(wrong, plain, reference)
 
 
+@pytest.mark.unit  # NumPy arrays only.
 def test_bad_inputs_are_errors_not_passes():
   reference = {"a": np.ones(3)}
   plain = {"a": np.ones(3, np.float32)}

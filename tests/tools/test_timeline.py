@@ -7,6 +7,8 @@ from matplotlib.patches import Rectangle
 from tpipe import schedules
 from tpipe.tools import timeline
 
+pytestmark = pytest.mark.unit  # Tables and matplotlib: no JAX computation.
+
 
 def _boxes(fig):
   return [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
@@ -91,3 +93,16 @@ def test_fused_schedule_saves_and_rejects_backward(tmp_path):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   with pytest.raises(ValueError, match="already has its backward"):
     timeline.draw_timeline(schedule, backward=True)
+
+
+def test_forward_pass_draws_forward_boxes_only():
+  schedule = schedules.make_fused_schedule("zbv", num_stages=2, num_microbatches=2)
+  forward = schedule.forward_pass()
+  fig = timeline.draw_timeline(forward)
+  boxes = _boxes(fig)
+  assert len(boxes) == int(forward.busy.sum()) == 8
+  assert len({b.get_facecolor() for b in boxes}) == 1
+  legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+  assert legend == ["F: forward", "chunk 0", "chunk 1"]
+  assert "zbv: S=2, M=2, 2 chunks/stage, 6 ticks" in fig.axes[0].get_title()
+  plt.close(fig)

@@ -12,10 +12,11 @@ pipeline reorders rounding errors without making them larger; a wrong one (a lay
 dropped micro-batch, a parameter off by 1e-4) is orders of magnitude further from the reference.
 
 The plain model should do the same float32 work the tested code does, in the plain way: for a
-pipeline, the sequential model on the same micro-batches (``tests.blocks.apply_in_sequence(...,
-microbatches=M * data)``). XLA:CPU picks kernels by shape, so the sequential model's own float32
-error on 2-row micro-batches is up to 3x its error on the whole 64-row batch (AVX2), while exact
-arithmetic gives the same result either way; the float64 reference may run the whole batch.
+pipeline, the sequential model on the same micro-batches
+(``tests.helpers.blocks.apply_in_sequence(..., microbatches=M * data)``). XLA:CPU picks kernels by
+shape, so the sequential model's own float32 error on 2-row micro-batches is up to 3x its error on
+the whole 64-row batch (AVX2), while exact arithmetic gives the same result either way; the float64
+reference may run the whole batch.
 
 Typical use::
 

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import AxisType
 
 import tpipe
-from tests import blocks
-from tests import numerics
+from tests.helpers import blocks
+from tests.helpers import numerics
 from tpipe import schedules
 
 WIDTH = 8
@@ -22,7 +22,7 @@ def _x(batch=16):
 
 
 def _assert_equals_sequential(y, block, params, x, *args, microbatches):
-  """``y`` against ``block`` applied in sequence, by :mod:`tests.numerics`' rule.
+  """``y`` against ``block`` applied in sequence, by :mod:`tests.helpers.numerics`' rule.
 
   ``microbatches`` is the pipeline's total (``num_microbatches * data``): the plain float32 model
   runs on the same micro-batches, the float64 reference on the whole batch.
@@ -38,9 +38,10 @@ def _assert_equals_sequential(y, block, params, x, *args, microbatches):
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(length=6, num_stages=4, num_microbatches=4), ValueError,
-     r"length=6 layers cannot be split evenly into num_stages \* num_repeats = 4 \* 1 = 4"),
+     r"^tpipe.pipeline: length=6 layers cannot be split evenly into num_stages \* num_repeats "
+     r"= 4 chunks"),
     (dict(length=8, num_stages=2, num_microbatches=2, schedule="circular", num_repeats=3),
-     ValueError, "2 \\* 3 = 6 chunks"),
+     ValueError, r"num_stages \* num_repeats = 6 chunks; choose a length that is a multiple of 6"),
     (dict(length=8, num_stages=0, num_microbatches=2), ValueError, "num_stages must be >= 1"),
     (dict(length=8, num_stages=2, num_microbatches=0), ValueError,
      "num_microbatches must be >= 1"),
@@ -52,7 +53,8 @@ def _assert_equals_sequential(y, block, params, x, *args, microbatches):
     (dict(length=8, num_stages=2, num_microbatches=2, num_repeats=2), ValueError,
      "use schedule='circular'"),
     (dict(length=8, num_stages=2, num_microbatches=2, schedule="zb_h1"), ValueError,
-     r"returns the loss.*tpipe.Sequential\(\[tpipe.Repeat\(block, length\), YourLoss\(\)\]"),
+     r"^tpipe.pipeline returns the blocks' activations, but schedule='zb_h1' runs the backward "
+     r"inside.*tpipe.Sequential\(\[tpipe.Repeat\(block, length\), YourLoss\(\)\]"),
     (dict(length=8, num_stages=2, num_microbatches=2, remat="everything"), ValueError,
      "Unknown remat 'everything'"),
     (dict(length=8, num_stages=2, num_microbatches=2, remat=3), TypeError, "remat must be one of"),
@@ -87,14 +89,16 @@ def test_mesh_needs_a_stage_axis():
 
 def test_many_stages_without_a_mesh_is_rejected_at_call():
   stack = tpipe.pipeline(blocks.MLPBlock, length=8, num_stages=2, num_microbatches=2)(WIDTH)
-  with pytest.raises(ValueError, match="num_stages=2 but the 'stage' axis of the default 1-device"):
+  with pytest.raises(ValueError, match="num_stages=2 but the 'stage' axis of tpipe.pipeline's "
+                                       "default 1-device mesh"):
     stack.init({"params": jax.random.key(0)}, _x())
 
 
 def test_batch_must_divide_into_microbatches_times_replicas():
   stack = tpipe.pipeline(blocks.MLPBlock, length=8, num_stages=2, num_microbatches=3,
                          mesh=tpipe.make_mesh(stages=2, data=2))(WIDTH)
-  with pytest.raises(ValueError, match=r"Batch size 16 is not divisible by .* 3 \* 2 = 6"):
+  with pytest.raises(ValueError,
+                     match=r"^tpipe.pipeline: batch size 16 is not divisible by .* 3 \* 2 = 6"):
     stack.init({"params": jax.random.key(0)}, _x(16))
 
 
@@ -107,7 +111,9 @@ def test_block_that_changes_its_activation_shape_is_rejected():
       return nn.Dense(x.shape[-1] + 1)(x)
 
   stack = tpipe.pipeline(Widen, length=2, num_stages=1, num_microbatches=1)()
-  with pytest.raises(ValueError, match="same pytree structure, shapes and dtypes"):
+  with pytest.raises(ValueError, match=r"^tpipe.pipeline: layers\[0\] repeats Widen, which maps "
+                                       r".*; a repeated layer must keep its input's structure, "
+                                       r"shapes and dtypes"):
     stack.init({"params": jax.random.key(0)}, _x())
 
 
@@ -339,11 +345,11 @@ def test_composes_inside_a_bigger_model_under_jit_and_grad():
   mesh = tpipe.make_mesh(stages=4, data=2)
   model = _LanguageModelish(mesh, 4)
   params = _LanguageModelish(tpipe.make_mesh(stages=1), 1).init(jax.random.key(1),
-                                                                 tokens)["params"]
+                                                                tokens)["params"]
   assert params["blocks"]["LayerNorm_0"]["scale"].shape == (8, WIDTH)
 
   sharded_tokens = jax.device_put(tokens, tpipe.data_sharding(mesh))
-  sharded_params = jax.device_put(params, tpipe.param_shardings(params, mesh, ("blocks",)))
+  sharded_params = jax.device_put(params, tpipe.shardings(params, mesh, ("blocks",)))
   pipelined = functools.partial(_first_token_loss, lambda p, t: model.apply({"params": p}, t))
   value, grads = jax.jit(jax.value_and_grad(pipelined))(sharded_params, sharded_tokens)
 
@@ -387,7 +393,6 @@ def test_static_python_arguments_are_passed_through():
                        mesh=tpipe.make_mesh(stages=2))()
   _assert_equals_sequential(jax.jit(two.apply, static_argnums=2)(variables, x, 0.5, mask),
                             Scaled(), variables["params"], x, 0.5, mask, microbatches=2)
-
 
 
 @pytest.mark.parametrize("ambient", [False, True])

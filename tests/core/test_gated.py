@@ -1,10 +1,14 @@
-"""gated_call: the function's value and gradients when busy; zeros, no NaN and no work when idle."""
+"""gated_call: the function's value and gradients when busy; zeros, no NaN and no work when idle.
+
+A gate inside a scan equals the busy steps applied in a Python loop (numerics rule:
+:mod:`tests.helpers.numerics`)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import numerics
 from tpipe.core import gated
 
 POLICIES = {"full": None, "none": jax.checkpoint_policies.everything_saveable,
@@ -75,11 +79,12 @@ def test_gate_inside_scan_runs_only_busy_steps():
       x = (jnp.tanh(x @ params["w"]) if b else 0.0) + x
     return jnp.sum(x)
 
-  np.testing.assert_allclose(jax.jit(loop)(params, x), reference(params, x), rtol=1e-6)
-  actual = jax.jit(jax.grad(loop, argnums=(0, 1)))(params, x)
-  expected = jax.jit(jax.grad(reference, argnums=(0, 1)))(params, x)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               actual, expected)
+  value_and_grad = lambda fn: jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+  value, grads = value_and_grad(loop)(params, x)
+  plain_value, plain_grads = value_and_grad(reference)(params, x)
+  ref_value, ref_grads = numerics.float64_reference(value_and_grad(reference), params, x)
+  numerics.assert_as_close_as_plain(value, plain_value, ref_value, what="value")
+  numerics.assert_as_close_as_plain(grads, plain_grads, ref_grads, what="gradients")
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -1,7 +1,10 @@
-"""Side inputs and keyword arguments of a pipelined block: per-example, broadcast and static.
+"""Side inputs and keyword arguments of a pipelined block (tpipe.pipeline): per-example,
+broadcast and static, through the front end.
 
 Equality of outputs and gradients with the sequential model, side inputs included, is in
-test_pipeline_transparency.py; here are the binding rules and their errors.
+tests/linen/test_transform_transparency.py; the binding rules alone (tpipe.core.arguments) in
+tests/core/test_arguments.py; here are the rules and their errors as a pipelined stack applies
+them.
 """
 
 import flax.linen as nn
@@ -11,8 +14,7 @@ import numpy as np
 import pytest
 
 import tpipe
-from tpipe.core import arguments
-from tests import blocks
+from tests.helpers import blocks
 
 WIDTH = 8
 BATCH = 16
@@ -23,21 +25,6 @@ def _inputs():
   return (jax.random.normal(keys[0], (BATCH, WIDTH)),
           jax.random.uniform(keys[1], (BATCH, WIDTH)),
           jax.random.normal(keys[2], (WIDTH,)))
-
-
-def test_split_arguments_sorts_by_kind_and_rebuilds_the_call():
-  x, gate, bias = _inputs()
-  extras = {"gain": np.ones(WIDTH), "shift": np.zeros(WIDTH)}
-  split = arguments.split_arguments(
-      blocks.SideInputBlock.__call__, (gate,), {"bias": bias, "extras": extras, "scale": 2.0},
-      per_example=("gate",), batch_size=BATCH, owner="SideInputBlock")
-  assert [a.shape for a in split.per_example] == [(BATCH, WIDTH)]
-  assert len(split.broadcast) == 3  # bias and the two arrays of the dict.
-  assert split.per_example_names() == ("gate",)
-  assert sorted(split.broadcast_names()) == ["bias", "extras", "extras"]
-  args, kwargs = split.rebuild(split.broadcast, split.per_example)
-  assert args[0] is gate and args[1] is bias and args[2]["gain"] is extras["gain"]
-  assert kwargs == {"scale": 2.0}
 
 
 def test_per_example_argument_is_split_by_name_however_it_is_passed():

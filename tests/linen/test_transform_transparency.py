@@ -5,7 +5,7 @@ remat policies and blocks. Every (stages, micro-batches, data, schedule) combina
 8 devices runs; remat policies and blocks rotate over those cases, and a second grid crosses
 every remat policy with every block and schedule.
 
-"Equal" is :mod:`tests.numerics`' rule: against a float64 run of the sequential model, the
+"Equal" is :mod:`tests.helpers.numerics`' rule: against a float64 run of the sequential model, the
 pipelined float32 error is at most twice that of the float32 sequential model run on the same
 micro-batches, per leaf and over the tree. A bare tolerance on the float32 difference passed on an
 AVX-512 CPU and failed on AVX2.
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import tpipe
-from tests import blocks
-from tests import numerics
+from tests.helpers import blocks
+from tests.helpers import numerics
 
 LENGTH = 16  # divisible by S * R for S <= 8, R = 2
 BATCH = 64

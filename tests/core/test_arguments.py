@@ -1,0 +1,140 @@
+"""tpipe.core.arguments: a layer's extra call arguments sorted into per-example, broadcast and
+static values, rebuilt for the call, and the errors of the binding rules.
+
+The same rules through the front ends (a pipelined block's side inputs) are in
+tests/linen/test_call_arguments.py.
+"""
+
+import doctest
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import blocks
+from tpipe.core import arguments
+
+pytestmark = pytest.mark.unit
+
+WIDTH = 8
+BATCH = 16
+CALL = blocks.SideInputBlock.__call__  # (self, x, gate, bias, extras=None, *, scale, deterministic)
+
+
+def _inputs():
+  rng = np.random.default_rng(0)
+  return (rng.standard_normal((BATCH, WIDTH)), rng.uniform(size=(BATCH, WIDTH)),
+          rng.standard_normal(WIDTH))
+
+
+def test_split_arguments_sorts_by_kind_and_rebuilds_the_call():
+  x, gate, bias = _inputs()
+  del x
+  extras = {"gain": np.ones(WIDTH), "shift": np.zeros(WIDTH)}
+  split = arguments.split_arguments(
+      CALL, (gate,), {"bias": bias, "extras": extras, "scale": 2.0},
+      per_example=("gate",), batch_size=BATCH, owner="SideInputBlock")
+  assert [a.shape for a in split.per_example] == [(BATCH, WIDTH)]
+  assert len(split.broadcast) == 3  # bias and the two arrays of the dict.
+  assert split.per_example_names() == ("gate",)
+  assert sorted(split.broadcast_names()) == ["bias", "extras", "extras"]
+  args, kwargs = split.rebuild(split.broadcast, split.per_example)
+  assert args[0] is gate and args[1] is bias and args[2]["gain"] is extras["gain"]
+  assert kwargs == {"scale": 2.0}
+
+
+def test_per_example_argument_is_found_by_name_however_it_is_passed():
+  _, gate, bias = _inputs()
+  positional = arguments.split_arguments(CALL, (gate, bias), {}, per_example=("gate",),
+                                         batch_size=BATCH, owner="SideInputBlock")
+  keyword = arguments.split_arguments(CALL, (), {"bias": bias, "gate": gate},
+                                      per_example=("gate",), batch_size=BATCH,
+                                      owner="SideInputBlock")
+  for split in (positional, keyword):
+    assert split.per_example == (gate,) and split.broadcast == (bias,)
+    assert split.names == ("bias", "gate")
+  # Rebuilt in the signature's order, whatever order they came in.
+  assert keyword.rebuild(keyword.broadcast, keyword.per_example)[0] == (gate, bias)
+
+
+def test_rebuild_puts_new_arrays_in_place_and_keeps_static_values():
+  _, gate, bias = _inputs()
+  split = arguments.split_arguments(CALL, (gate, bias), {"deterministic": False, "scale": 3},
+                                    per_example=("gate",), batch_size=BATCH,
+                                    owner="SideInputBlock")
+  # Python numbers and bools are static: neither broadcast nor split, never traced.
+  assert split.names == ("bias", "gate")
+  micro = gate[:4]
+  args, kwargs = split.rebuild(("new bias",), (micro,))
+  assert args[0] is micro and args[1] == "new bias"
+  assert kwargs == {"scale": 3, "deterministic": False}
+  # Abstract arrays are arrays too (shapes are planned before any value exists).
+  abstract = arguments.split_arguments(
+      CALL, (jax.ShapeDtypeStruct((BATCH, WIDTH), np.float32),
+             jax.ShapeDtypeStruct((WIDTH,), np.float32)), {},
+      per_example=("gate",), batch_size=BATCH, owner="SideInputBlock")
+  assert abstract.names == ("bias", "gate")
+
+
+def test_split_keywords_rebuilds_keywords_only():
+  _, gate, bias = _inputs()
+  split = arguments.split_keywords({"targets": gate, "bias": bias, "train": True},
+                                   per_example=("targets",), batch_size=BATCH, owner="model")
+  assert split.per_example == (gate,) and split.broadcast == (bias,)
+  args, kwargs = split.rebuild((bias[:2],), (gate[:4],))
+  assert args == ()
+  assert kwargs["targets"].shape == (4, WIDTH) and kwargs["bias"].shape == (2,)
+  assert kwargs["train"] is True
+
+
+@pytest.mark.parametrize("per_example,error,match", [
+    ("gate", TypeError, r"got the string 'gate'; write per_example=\('gate',\)"),
+    ((1,), TypeError, r"per_example must hold parameter names \(strings\), got \(1,\)"),
+    (("x",), ValueError, "per_example names 'x', the input SideInputBlock pipelines; the input is "
+                         "always split into micro-batches, so leave it out of per_example"),
+    (("mask",), ValueError, r"per_example names 'mask', which is not a parameter of "
+                            r"SideInputBlock.__call__; its parameters after the input are "
+                            r"\['gate', 'bias', 'extras', 'scale', 'deterministic'\]"),
+])
+def test_check_per_example_names_the_fix(per_example, error, match):
+  with pytest.raises(error, match=match):
+    arguments.check_per_example(CALL, per_example, "SideInputBlock")
+
+
+def test_check_per_example_returns_the_names():
+  assert arguments.check_per_example(CALL, ["gate", "extras"], "SideInputBlock") == (
+      "gate", "extras")
+  assert arguments.extra_parameter_names(CALL) == ("gate", "bias", "extras", "scale",
+                                                   "deterministic")
+
+
+def test_per_example_array_needs_the_batch_as_leading_axis():
+  _, gate, bias = _inputs()
+  with pytest.raises(ValueError, match=r"per-example argument 'gate' of SideInputBlock has an "
+                                       r"array of shape \(8, 8\), but per-example arrays need "
+                                       r"the batch \(16\) as their leading axis.*drop 'gate' "
+                                       r"from per_example"):
+    arguments.split_arguments(CALL, (gate[:8], bias), {}, per_example=("gate",),
+                              batch_size=BATCH, owner="SideInputBlock")
+  extras = {"gain": np.ones(BATCH), "shift": np.zeros(())}
+  with pytest.raises(ValueError, match=r"'extras' of SideInputBlock has an array at "
+                                       r"\['shift'\] of shape \(\)"):
+    arguments.split_arguments(CALL, (gate, bias, extras), {}, per_example=("extras",),
+                              batch_size=BATCH, owner="SideInputBlock")
+
+
+def test_arguments_that_do_not_fit_the_signature_are_a_type_error():
+  _, gate, bias = _inputs()
+  with pytest.raises(TypeError, match=r"do not fit SideInputBlock.__call__\(self, x, gate, bias, "
+                                      r".*'colour'"):
+    arguments.split_arguments(CALL, (gate, bias), {"colour": 3}, per_example=(),
+                              batch_size=BATCH, owner="SideInputBlock")
+  with pytest.raises(TypeError, match="do not fit SideInputBlock.__call__.*missing a required "
+                                      "argument: 'bias'"):
+    arguments.split_arguments(CALL, (gate,), {}, per_example=(), batch_size=BATCH,
+                              owner="SideInputBlock")
+
+
+def test_module_doctests_pass():
+  result = doctest.testmod(arguments)
+  assert result.attempted >= 6 and result.failed == 0

@@ -1,0 +1,192 @@
+"""Small Flax linen layers and loss models that several test modules pipeline.
+
+Layers (for ``tpipe.Sequential``): :class:`DenseAct` (changes the width), :class:`Residual`,
+:class:`Embed` (token ids to vectors), :class:`Block` (a pre-LayerNorm residual MLP),
+:class:`HeadLoss` (per-example cross-entropy with per-example targets) and
+:class:`SquaredError` (per-example regression loss).
+
+Loss models (:func:`loss_model`): sequences ending in a per-example loss, with their plain
+sequential run (:func:`losses_in_order`), random parameters (:func:`random_params`) and the plain
+model's value and gradients in float64 (:func:`reference`) and float32 on the pipeline's
+micro-batches (:func:`plain`), for the numerics rule (:mod:`tests.helpers.numerics`). The
+objective differentiated is a nonlinear function of the mean loss (:func:`objective`), so the
+cotangent reaching a fused schedule's run is not 1.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tpipe
+from tests.helpers import numerics
+
+VOCAB = 11
+
+
+class DenseAct(nn.Module):
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.gelu(nn.Dense(self.features)(x))
+
+
+class Residual(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return x + jnp.tanh(nn.Dense(x.shape[-1])(x))
+
+
+class Embed(nn.Module):
+  width: int = 8
+
+  @nn.compact
+  def __call__(self, tokens):
+    return nn.Embed(VOCAB, self.width)(tokens)
+
+
+class Block(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm()(x)
+    return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(2 * x.shape[-1])(h)))
+
+
+class HeadLoss(nn.Module):
+  """Per-example mean cross-entropy over the sequence: ``[batch]``."""
+
+  @nn.compact
+  def __call__(self, x, targets):
+    logits = nn.Dense(VOCAB)(nn.LayerNorm()(x))
+    logp = jax.nn.log_softmax(logits)
+    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return -jnp.mean(picked, axis=-1)
+
+
+class SquaredError(nn.Module):
+  """Per-example mean squared error of a linear read-out: ``[batch]``."""
+
+  @nn.compact
+  def __call__(self, x, targets):
+    return jnp.mean((nn.Dense(targets.shape[-1])(x) - targets) ** 2, axis=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Loss models.
+
+BATCH = 24
+SEQ = 4
+LOSS_MODELS = ("mlp", "lm", "blocks")
+
+
+def loss_model(name, batch=BATCH, seq=SEQ, width=8):
+  """``(layers, x, targets, float input?)`` of a model ending in a per-example loss.
+
+  * ``"mlp"``: an MLP whose width changes, a Repeat of 3 residual layers, a regression loss
+    (8 units).
+  * ``"lm"``: embedding, a Repeat of 3 blocks, a head with per-example targets (5 units); int
+    token inputs.
+  * ``"blocks"``: 15 residual layers and a loss (16 units: ZB-V's 2 chunks on each of 8
+    stages), batch 32 (M up to 32).
+  """
+  k1, k2 = jax.random.split(jax.random.key(42))
+  if name == "blocks":
+    return ([tpipe.Repeat(Residual(), 15), SquaredError()],
+            jax.random.normal(k1, (32, 6)), jax.random.normal(k2, (32, 2)), True)
+  if name == "mlp":
+    layers = [DenseAct(16), tpipe.Repeat(Residual(), 3), DenseAct(12), DenseAct(6),
+              SquaredError()]
+    return (layers, jax.random.normal(k1, (batch, 5)), jax.random.normal(k2, (batch, 3)),
+            True)
+  assert name == "lm", name
+  layers = [Embed(width), tpipe.Repeat(Block(), 3), HeadLoss()]
+  return (layers, jax.random.randint(k1, (batch, seq), 0, VOCAB),
+          jax.random.randint(k2, (batch, seq), 0, VOCAB), False)
+
+
+def losses_in_order(layers, params, x, targets, microbatches):
+  """The plain model: every layer in order on ``microbatches`` contiguous micro-batches; the
+  last layer's per-example outputs (the losses), ``[batch]``."""
+
+  def run(xt):
+    h, t = xt
+    for i, layer in enumerate(layers):
+      p = params[f"layers_{i}"]
+      if isinstance(layer, tpipe.Repeat):
+        for j in range(layer.n):
+          h = layer.module.apply({"params": jax.tree.map(lambda a, j=j: a[j], p)}, h)
+      elif i == len(layers) - 1:
+        h = layer.apply({"params": p}, h, t)
+      else:
+        h = layer.apply({"params": p}, h)
+    return h
+
+  split = lambda a: a.reshape(microbatches, -1, *a.shape[1:])
+  return jax.lax.map(run, (split(x), split(targets))).reshape(-1)
+
+
+def objective(loss):
+  """A nonlinear function of the loss, so the cotangent reaching the fused run is not 1."""
+  return loss + 0.5 * loss ** 2
+
+
+def value_and_grad(loss_fn, float_input):
+  """``loss_fn(params, x, targets)``'s objective and its gradients by params, and with float
+  inputs also by ``x`` and the per-example targets."""
+  return jax.value_and_grad(lambda p, x, t: objective(loss_fn(p, x, t)),
+                            argnums=(0, 1, 2) if float_input else 0)
+
+
+def pipelined_loss(model):
+  """``(params, x, targets) -> mean loss`` of a ``tpipe.Sequential`` (``method="loss"``)."""
+  return lambda p, x, t: model.apply({"params": p}, x, targets=t, method="loss")
+
+
+@functools.cache
+def random_params(name):
+  """Logical params of loss model ``name``, every element its own random value: shapes from an
+  abstract init, values from NumPy (an eager init would run op by op)."""
+  layers, x, targets, _ = loss_model(name)
+  model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, per_example=("targets",))
+  shapes = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x, targets=targets)
+  rng = np.random.default_rng(7)
+  return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype),
+                      shapes["params"])
+
+
+@functools.cache
+def reference(name):
+  """The float64 plain model's (objective, gradients)."""
+  layers, x, targets, float_input = loss_model(name)
+  loss = lambda p, x, t: jnp.mean(losses_in_order(layers, p, x, t, 1))
+  return numerics.float64_reference(jax.jit(value_and_grad(loss, float_input)),
+                                    random_params(name), x, targets)
+
+
+@functools.cache
+def plain(name, microbatches):
+  """The float32 plain model's (objective, gradients) on the pipeline's micro-batches."""
+  layers, x, targets, float_input = loss_model(name)
+  loss = lambda p, x, t: jnp.mean(losses_in_order(layers, p, x, t, microbatches))
+  return jax.jit(value_and_grad(loss, float_input))(random_params(name), x, targets)
+
+
+@functools.cache
+def plain_losses(name, microbatches):
+  """The float32 plain model's per-example losses on the pipeline's micro-batches."""
+  layers, x, targets, _ = loss_model(name)
+  run = lambda p, x, t: losses_in_order(layers, p, x, t, microbatches)
+  return jax.jit(run)(random_params(name), x, targets)
+
+
+@functools.cache
+def reference_losses(name):
+  """The float64 plain model's per-example losses."""
+  layers, x, targets, _ = loss_model(name)
+  run = lambda p, x, t: losses_in_order(layers, p, x, t, 1)
+  return numerics.float64_reference(jax.jit(run), random_params(name), x, targets)

@@ -1,0 +1,257 @@
+"""Trainer runs the tests of :mod:`tpipe.train` share: subprocess commands, run-once workdirs,
+and reading a run's metrics and checkpoints back.
+
+A trainer subprocess costs tens of seconds on 2 cores, so every test reads the few runs made here
+instead of training its own: :func:`shared_run` makes a run once per pytest session (a ``DONE``
+file in the session's base temporary directory; a file lock when pytest-xdist workers share the
+directory), and test modules wrap it in module-scoped fixtures (:func:`lm_reference`,
+:func:`convnet_reference`). Tests that change a run copy its workdir first.
+
+The runs:
+
+* the tiny LM (``configs/lm.py:size=tiny``): data=2 x stage=4, M=8, :data:`NUM_STEPS` steps,
+  a log line every step, evaluations and checkpoints every 10 (:data:`LM_ARGS`);
+* the same run on one device, the plain (unpipelined) model: the sequential model of the
+  numerics rule (:mod:`tests.helpers.numerics`), on the pipelined run's micro-batches (1 row
+  each: M = 16 where the pipelined run has data = 2 x M = 8), with :func:`lm_float64_losses` its
+  float64 reference;
+* the tiny convnet with BatchNorm (``configs/convnet.py:size=tiny``), the same cadence
+  (:data:`CONVNET_ARGS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tests.helpers import numerics
+from tpipe.train import checkpointing
+from tpipe.train import experiment
+from tpipe.train import metrics
+from tpipe.train import models
+from tpipe.train import tasks
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+NUM_STEPS = 20
+TIMEOUT = 300
+CADENCE = [f"--config.num_steps={NUM_STEPS}", "--config.log_every=1",
+           "--config.eval_every=10", "--config.checkpoint_every=10"]
+LM_ARGS = [f"--config={REPO / 'configs' / 'lm.py'}:size=tiny", *CADENCE,
+           "--config.num_stages=4", "--config.num_data=2", "--config.num_microbatches=8"]
+# On one device, the batch of 16 in micro-batches of one row, as each device of the pipelined run
+# (data=2, M=8) sees it.
+SINGLE_DEVICE = ["--config.num_stages=1", "--config.num_data=1", "--config.num_microbatches=16"]
+CONVNET_ARGS = [f"--config={REPO / 'configs' / 'convnet.py'}:size=tiny", *CADENCE]
+
+
+def env(num_cpu_devices: int | None = None) -> dict:
+  """The trainer's environment: CPU, the repository importable, the device count its own."""
+  out = dict(os.environ)
+  out["JAX_PLATFORMS"] = "cpu"
+  out.pop("JAX_NUM_CPU_DEVICES", None)  # Let the trainer emulate num_stages * num_data devices.
+  if num_cpu_devices is not None:
+    out["JAX_NUM_CPU_DEVICES"] = str(num_cpu_devices)
+  out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), out.get("PYTHONPATH")]))
+  return out
+
+
+def command(workdir, *overrides, base=LM_ARGS) -> list[str]:
+  """``python -m tpipe.train`` on ``base``'s config (the tiny LM's by default)."""
+  return [sys.executable, "-m", "tpipe.train", f"--workdir={workdir}", *base, *overrides]
+
+
+def train(workdir, *overrides, base=LM_ARGS, num_cpu_devices=None):
+  """Runs the trainer to completion; returns the CompletedProcess (check=False)."""
+  return subprocess.run(command(workdir, *overrides, base=base), env=env(num_cpu_devices),
+                        cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
+def check_ok(proc) -> None:
+  assert proc.returncode == 0, f"trainer failed:\n{proc.stderr[-4000:]}"
+
+
+def losses(workdir) -> dict[int, float]:
+  """``{step: training loss}`` from a run's ``metrics.jsonl``."""
+  return {r["step"]: r["loss"] for r in metrics.read_metrics(workdir) if "loss" in r}
+
+
+def checkpoint_steps(workdir) -> list[int]:
+  """The steps of a run's complete checkpoints, in order."""
+  ckpt_dir = pathlib.Path(workdir) / "checkpoints"
+  if not ckpt_dir.exists():
+    return []
+  return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+
+
+def latest_checkpoint(workdir) -> int | None:
+  return max(checkpoint_steps(workdir), default=None)
+
+
+@contextlib.contextmanager
+def locked(path):
+  """An exclusive file lock (pytest-xdist workers sharing a run)."""
+  with open(path, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared_run(tmp_path_factory, name: str, *overrides, base=LM_ARGS) -> pathlib.Path:
+  """The workdir of a finished trainer run, made once per session (shared by xdist workers).
+
+  The trainer's stderr is kept beside it, as ``<name>.stderr``. Tests must not write into the
+  workdir: copy it first.
+  """
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # The session's directory, shared by the workers.
+  workdir = root / name
+  with locked(root / f"{name}.lock"):
+    done = root / f"{name}.DONE"
+    if not done.exists():
+      proc = train(workdir, *overrides, base=base)
+      check_ok(proc)
+      (root / f"{name}.stderr").write_text(proc.stderr)
+      done.write_text("ok")
+  return workdir
+
+
+def stderr_of(workdir) -> str:
+  """The stderr of a :func:`shared_run`."""
+  workdir = pathlib.Path(workdir)
+  return (workdir.parent / f"{workdir.name}.stderr").read_text()
+
+
+def lm_reference(tmp_path_factory) -> pathlib.Path:
+  """The uninterrupted tiny LM run (:data:`LM_ARGS`)."""
+  return shared_run(tmp_path_factory, "lm_reference")
+
+
+def lm_single_device(tmp_path_factory) -> pathlib.Path:
+  """The tiny LM run on one device (no pipeline, no data parallelism) on the pipelined run's
+  micro-batches: the plain float32 run of the numerics rule."""
+  return shared_run(tmp_path_factory, "lm_single_device", *SINGLE_DEVICE)
+
+
+def convnet_reference(tmp_path_factory) -> pathlib.Path:
+  """The uninterrupted tiny convnet run (:data:`CONVNET_ARGS`)."""
+  return shared_run(tmp_path_factory, "convnet_reference", base=CONVNET_ARGS)
+
+
+def lm_config():
+  """The config of :data:`LM_ARGS`, for experiments built in the test process."""
+  from configs import lm  # pylint: disable=g-import-not-at-top
+  config = lm.get_config("size=tiny")
+  config.num_steps = NUM_STEPS
+  config.num_stages, config.num_data, config.num_microbatches = 4, 2, 8
+  return config
+
+
+@functools.cache
+def lm_experiment():
+  """The tiny LM run's experiment in this process (conftest's 8 CPU devices), built once."""
+  return experiment.build(lm_config())
+
+
+def restore(workdir, step: int, exp=None):
+  """A run's checkpoint at ``step`` restored in this process: (logical state on the host, data
+  iterator state). ``exp`` is the experiment whose checkpoint layout to read (the tiny LM's by
+  default)."""
+  exp = exp or lm_experiment()
+  ckpt = checkpointing.Checkpointer(pathlib.Path(workdir) / "checkpoints")
+  try:
+    state, data_state = ckpt.restore(step, exp.abstract_checkpoint())  # The logical layout.
+  finally:
+    ckpt.close()
+  return jax.device_get(state), data_state
+
+
+def _optimizer_on_logical_params(config, params) -> optax.GradientTransformation:
+  """The trainer's optimizer written out with optax on logical parameters (the experiment's
+  works on staged ones): AdamW after global-norm clipping, linear warm-up then cosine decay, weight
+  decay on kernels and embeddings only."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.learning_rate,
+      warmup_steps=min(config.warmup_steps, config.num_steps),
+      decay_steps=max(config.num_steps, config.warmup_steps + 1),
+      end_value=config.learning_rate * 0.1)
+  decayed = jax.tree_util.tree_map_with_path(
+      lambda path, _: path[-1].key in ("kernel", "embedding"), params)
+  return optax.chain(optax.clip_by_global_norm(config.grad_clip),
+                     optax.scale_by_adam(b1=0.9, b2=0.95),
+                     optax.add_decayed_weights(config.weight_decay, decayed),
+                     optax.scale_by_learning_rate(schedule))
+
+
+@functools.cache
+def _lm_plain_run():
+  """``(run, params, batches)``: the plain LM's training run as a jitted ``run(params, batches)
+  -> losses`` (its dtype that of ``params``), the trainer's initial logical parameters and its
+  first :data:`NUM_STEPS` batches (stacked)."""
+  config = lm_config()
+  exp = lm_experiment()
+  params = jax.device_get(exp.to_checkpoint(exp.init_state(jax.random.key(config.seed))).params)
+  train_iter = exp.task.load_data(config).train
+  batches = [next(train_iter) for _ in range(NUM_STEPS)]
+  if hasattr(train_iter, "close"):
+    train_iter.close()
+  batches = {k: np.stack([b[k] for b in batches]) for k in ("inputs", "targets")}
+
+  def run(params, batches):
+    dtype = params_dtype(params)
+    model = models.decoder_lm(**dict(tasks.lm_arguments(config), dtype=dtype, param_dtype=dtype),
+                              num_stages=1, num_microbatches=1)
+    optimizer = _optimizer_on_logical_params(config, params)
+
+    def step(carry, batch):
+      params, opt_state = carry
+      loss, grads = jax.value_and_grad(lambda p: model.apply(
+          {"params": p}, batch["inputs"], targets=batch["targets"]).mean())(params)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
+
+    return jax.lax.scan(step, (params, optimizer.init(params)), batches)[1]
+
+  return jax.jit(run), params, batches
+
+
+@functools.cache
+def lm_plain_losses() -> np.ndarray:
+  """The tiny LM run's training losses (steps 1 to :data:`NUM_STEPS`) from the plain LM (no
+  pipeline, the whole batch at once) in float32, in this process: the trainer's initial
+  parameters, its batches and its optimizer written out with optax
+  (:func:`_optimizer_on_logical_params`)."""
+  run, params, batches = _lm_plain_run()
+  return np.asarray(run(params, batches))
+
+
+@functools.cache
+def lm_float64_losses() -> np.ndarray:
+  """:func:`lm_plain_losses` in float64: the reference of the numerics rule for the trainer
+  runs' logged losses."""
+  return numerics.float64_reference(*_lm_plain_run())
+
+
+def params_dtype(params):
+  """The dtype of a parameter tree's leaves (float64 inside :func:`numerics.float64_reference`)."""
+  dtypes = {jnp.dtype(a.dtype) for a in jax.tree.leaves(params)}
+  assert len(dtypes) == 1, dtypes
+  return dtypes.pop()
+
+
+def logged_losses(workdir, steps) -> np.ndarray:
+  """A run's logged training losses at ``steps``, as the float32 values the trainer computed."""
+  found = losses(workdir)
+  return np.asarray([found[step] for step in steps], np.float32)

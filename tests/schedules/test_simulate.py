@@ -1,0 +1,57 @@
+"""tpipe.schedules.simulate: a fused table's step time under per-action costs, lockstep (SPMD)
+and dependency-driven, worked out by hand."""
+
+import numpy as np
+import pytest
+
+from tpipe import schedules
+
+pytestmark = pytest.mark.unit
+
+
+def test_simulate_lockstep_and_natural_time_by_hand():
+  s = schedules.one_f_one_b(2, 3)
+  timing = s.simulate({"F": 1, "B": 2})
+  # Per tick, the slowest stage: F F | B B B B B B (tick 2 onwards has a B somewhere).
+  assert timing.lockstep == 1 + 1 + 6 * 2
+  # Dependency-driven: F0 F1 on stage 0 (0-2), stage 1 F0 (1-2) B0 (2-4) F1 (4-5) B1 (5-7)
+  # F2 (7-8) B2 (8-10); stage 0 B2 (10-12).
+  assert timing.natural == 12 == 3 * (3 + 2 - 1)
+  np.testing.assert_array_equal(timing.busy, [9, 9])
+  assert timing.natural_bubble == pytest.approx(1 / 4)
+  assert timing.lockstep_bubble == pytest.approx(1 - 18 / 28)
+
+
+def test_default_costs_and_the_function_agree_with_the_method():
+  s = schedules.zb_h1(2, 2)
+  assert schedules.DEFAULT_COSTS == {"F": 1.0, "B": 2.0, "BI": 1.0, "W": 1.0}
+  default = s.simulate()
+  explicit = schedules.simulate(s, {"F": 1, "BI": 1, "W": 1})
+  assert (default.lockstep, default.natural) == (explicit.lockstep, explicit.natural) == (7, 7)
+  np.testing.assert_array_equal(default.busy, explicit.busy)
+  # Unequal costs. The table: stage 0  F0 F1 .   BI0 W0  BI1 W1
+  #                          stage 1  .  F0 BI0 F1  BI1 W0  W1
+  slow = s.simulate({"F": 3, "BI": 1, "W": 1})
+  # Lockstep: the costliest action of each tick.
+  assert slow.lockstep == 3 + 3 + 1 + 3 + 1 + 1 + 1
+  # Natural: stage 0 F0 (0-3) F1 (3-6); stage 1 F0 (3-6) BI0 (6-7) F1 (7-10) BI1 (10-11)
+  # W0 (11-12) W1 (12-13); stage 0 BI0 (7-8) W0 (8-9) BI1 (11-12) W1 (12-13).
+  assert slow.natural == 13
+  np.testing.assert_array_equal(slow.busy, [10, 10])
+
+
+def test_a_forward_only_table_costs_its_forwards():
+  f = schedules.one_f_one_b(3, 4).forward_pass()
+  timing = f.simulate({"F": 2})
+  assert timing.lockstep == timing.natural == 2 * (4 + 3 - 1)
+  np.testing.assert_array_equal(timing.busy, [8, 8, 8])
+
+
+@pytest.mark.parametrize("costs,match", [
+    ({"F": 1, "X": 1}, r"unknown actions \['X'\]"),
+    ({"F": 1, "B": 2}, "no entry for 'BI'"),
+    ({"F": -1, "BI": 1, "W": 1}, r"costs\['F'\] must be >= 0"),
+])
+def test_simulate_bad_costs(costs, match):
+  with pytest.raises(ValueError, match=match):
+    schedules.zb_h1(2, 2).simulate(costs)
