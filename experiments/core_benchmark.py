@@ -1,17 +1,20 @@
 """Core benchmark: compile time stays flat in M and L, memory per device falls as 1/S, overhead.
 
-Run (8 emulated CPU devices; takes about two minutes on a 2-core machine):
+Run from the repository root::
 
-  python experiments/core_benchmark.py --out experiments/results/core_benchmark.md
+  python -m experiments.core_benchmark            # writes experiments/results/core_benchmark.md
+  python -m experiments.core_benchmark --smoke    # fewer sizes and rounds, to check the script
 
 Three measurements, each of the full training step (forward, backward, SGD update) of a stack of
-residual MLP blocks (width 256, hidden 1024, float32):
+residual MLP blocks (width 256, hidden 1024, float32) pipelined by ``tpipe.pipeline``:
 
 1. Compile time (process CPU seconds) of the pipelined step at M = 4 vs 64 micro-batches and
    L = 8 vs 64 layers (S = 4, gpipe, remat="full"). Ticks and layers are ``lax.scan`` loops, so
    neither should grow.
 2. Per-device bytes from ``compiled.memory_analysis()`` at S = 1, 2, 4, 8 for L = 64 layers:
-   the parameter (argument) bytes per device should fall as 1/S.
+   the parameter (argument) bytes per device should fall as 1/S. The temporaries are shown
+   beside the parameters they hold a gradient of, and what remains of them after that one
+   parameter-sized buffer.
 3. Framework overhead: step time of the S = 1, M = 1 pipeline against a plain ``jax.jit`` step
    of the same model on one device, (a) both with a ``lax.scan`` over the layers (``nn.scan``;
    tpipe's default ``unroll=1``) and (b) both with the layers unrolled (``nn.scan(unroll=True)``;
@@ -24,12 +27,6 @@ residual MLP blocks (width 256, hidden 1024, float32):
 
 from __future__ import annotations
 
-import os
-
-if "JAX_NUM_CPU_DEVICES" not in os.environ:
-  os.environ["JAX_NUM_CPU_DEVICES"] = "8"
-
-import argparse
 import statistics
 import time
 
@@ -39,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 import tpipe
+from experiments import _common
 from tpipe.tools import analysis
 from tpipe.tools import hlo
 
@@ -73,7 +71,7 @@ def pipelined_step(length, stages, microbatches, remat="full"):
   """(jitted step, abstract state, abstract batch) for the pipelined model.
 
   The abstract state carries the shardings a real state has, as the trainer's does
-  (:func:`tpipe.train_state_shardings`): the stack under ``blocks`` split over
+  (:func:`tpipe.shardings`): the stack under ``blocks`` split over
   'stage' on its layer axis, the rest replicated. ``jax.eval_shape`` alone returns leaves without
   shardings, and XLA would then choose the step's input layout itself.
   """
@@ -88,11 +86,9 @@ def pipelined_step(length, stages, microbatches, remat="full"):
     return tpipe.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
   shapes = jax.eval_shape(init_state)
-  shardings = tpipe.train_state_shardings(shapes, mesh, ("blocks",))
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
-                       shardings)
-  abstract_batch = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=tpipe.data_sharding(mesh)), batch)
+  shardings = tpipe.shardings(shapes, mesh, ("blocks",))
+  state = _common.placed(shapes, shardings)
+  abstract_batch = _common.placed(batch, jax.tree.map(lambda _: tpipe.data_sharding(mesh), batch))
   step = tpipe.make_train_step(_loss(lambda p, x: stack.apply({"params": p["blocks"]}, x)),
                                optimizer, shardings=shardings)
   return step, state, abstract_batch
@@ -105,21 +101,24 @@ def compile_seconds(step, state, batch):
   return time.process_time() - start, compiled
 
 
-def measure_compile_time():
+def measure_compile_time(sizes):
+  """``(L, M, compile CPU seconds)`` at S = 4 for each ``(L, M)`` in ``sizes``."""
   rows = []
-  for length, microbatches in ((8, 4), (8, 64), (64, 4), (64, 64)):
+  for length, microbatches in sizes:
     seconds, _ = compile_seconds(*pipelined_step(length, 4, microbatches))
     rows.append((length, microbatches, seconds))
   return rows
 
 
-def measure_memory():
+def measure_memory(length, stage_counts):
+  """Per S: ``(S, arguments, parameters, temporaries, outputs)``, bytes on the fullest device."""
   rows = []
-  for stages in (1, 2, 4, 8):
-    _, compiled = compile_seconds(*pipelined_step(64, stages, 4 * stages))
+  for stages in stage_counts:
+    step, state, batch = pipelined_step(length, stages, 4 * stages)
+    _, compiled = compile_seconds(step, state, batch)
     memory = compiled.memory_analysis()
-    rows.append((stages, memory.argument_size_in_bytes, memory.temp_size_in_bytes,
-                 memory.output_size_in_bytes))
+    rows.append((stages, memory.argument_size_in_bytes, analysis.input_bytes(state.params)[1],
+                 memory.temp_size_in_bytes, memory.output_size_in_bytes))
   return rows
 
 
@@ -229,7 +228,7 @@ def measure_overhead(length=8, rounds=100):
   return times, difference, summaries
 
 
-def overhead_lines(length=8, rounds=100):
+def overhead_lines(length, rounds):
   """The framework-overhead section of the results, as markdown lines."""
   times, difference, summaries = measure_overhead(length, rounds)
   lines = [f"## Framework overhead (S = 1, M = 1, remat=none, L = {length}, one device)", "",
@@ -265,39 +264,39 @@ def overhead_lines(length=8, rounds=100):
   return lines
 
 
+# (compile-time sizes (L, M), memory L, memory stage counts, overhead L, overhead rounds)
+FULL = dict(compile_sizes=((8, 4), (8, 64), (64, 4), (64, 64)), memory_length=64,
+            memory_stages=(1, 2, 4, 8), overhead_length=8, rounds=100)
+SMOKE = dict(compile_sizes=((8, 4), (8, 8)), memory_length=8, memory_stages=(1, 2),
+             overhead_length=2, rounds=4)
+
+
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=None, help="also write the results as markdown here")
-  args = parser.parse_args()
-  lines = ["# Core benchmark", "",
-           f"Command: `python experiments/core_benchmark.py --out {args.out}`", "",
-           f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices; "
-           f"residual MLP blocks, width {WIDTH}, batch {BATCH}, float32, full train step.", ""]
+  run = _common.start("core_benchmark", __doc__, smoke="fewer sizes and 4 overhead rounds")
+  sizes = SMOKE if run.smoke else FULL
+  lines = [f"Residual MLP blocks, width {WIDTH}, batch {BATCH}, float32, full train step.", ""]
 
   lines += ["## Compile time (S = 4, gpipe, remat=full)", "",
             "| layers L | micro-batches M | compile CPU seconds |", "|---:|---:|---:|"]
-  for length, microbatches, seconds in measure_compile_time():
+  for length, microbatches, seconds in measure_compile_time(sizes["compile_sizes"]):
     lines.append(f"| {length} | {microbatches} | {seconds:.2f} |")
 
-  lines += ["", "## Per-device memory from `memory_analysis()` (L = 64, M = 4S, remat=full)", "",
-            "| stages S | arguments (params, opt state, batch) MiB | ratio to S=1 | "
-            "temporaries MiB | outputs MiB |", "|---:|---:|---:|---:|---:|"]
-  memory = measure_memory()
-  for stages, arguments, temporaries, outputs in memory:
+  length = sizes["memory_length"]
+  lines += ["", f"## Per-device memory from `memory_analysis()` (L = {length}, M = 4S, "
+            "remat=full)", "",
+            "Bytes on the fullest device. The temporaries hold the gradients (one buffer the size "
+            "of the parameters); the last column is what they hold beyond that buffer.", "",
+            "| stages S | arguments (params, opt state, batch) MiB | ratio to S=1 | parameters "
+            "MiB | temporaries MiB | temporaries - parameters MiB | outputs MiB |",
+            "|---:|---:|---:|---:|---:|---:|---:|"]
+  memory = measure_memory(length, sizes["memory_stages"])
+  for stages, arguments, params, temporaries, outputs in memory:
     lines.append(f"| {stages} | {arguments / 2**20:.2f} | {arguments / memory[0][1]:.3f} | "
-                 f"{temporaries / 2**20:.2f} | {outputs / 2**20:.2f} |")
-  lines += ["", "Temporaries include the gradients (one parameter-sized buffer) and one transient "
-            "copy of the stage's parameters: idle ticks skip the stage under a `lax.cond`, and "
-            "when the backward pass re-linearizes a busy tick the conditional hands the chunk's "
-            "parameters to its backward branch as a residual (made once, not stacked over ticks; "
-            "see `tpipe/core/stage.py`)."]
+                 f"{params / 2**20:.2f} | {temporaries / 2**20:.2f} | "
+                 f"{(temporaries - params) / 2**20:.2f} | {outputs / 2**20:.2f} |")
 
-  lines += [""] + overhead_lines()
-  text = "\n".join(lines) + "\n"
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+  lines += [""] + overhead_lines(sizes["overhead_length"], sizes["rounds"])
+  run.write("Core benchmark", lines)
 
 
 if __name__ == "__main__":

@@ -2,41 +2,31 @@
 
 Run from the repository root::
 
-  python experiments/digits_baseline.py --out experiments/results/digits_baseline.md
+  python -m experiments.digits_baseline            # writes experiments/results/digits_baseline.md
+  python -m experiments.digits_baseline --smoke    # 50 steps, to check the script
 
 The layers of :mod:`tpipe.train.convnet` (``Stem -> ResidualCell x n -> PoolHead``) are applied
-in order by a small linen wrapper under plain ``jax.jit``; no ``tpipe`` pipelining is involved.
-Training uses batch statistics and updates the running averages (``mutable=["batch_stats"]``);
-evaluation uses the running averages. The data is :mod:`tpipe.train.images` (1,437 train / 360
-test, random 1-pixel shifts). It prints the test accuracy and the wall time, and with ``--out``
-writes them, headed by the exact command, as markdown. This is the accuracy a pipelined run of
-the same layers should match.
+in order by a small linen wrapper under plain ``jax.jit`` on one device; no ``tpipe`` pipelining
+is involved. Training uses batch statistics and updates the running averages
+(``mutable=["batch_stats"]``); evaluation uses the running averages. The data is
+:mod:`tpipe.train.images` (1,437 train / 360 test, random 1-pixel shifts). It reports the test
+accuracy and the wall time: the accuracy a pipelined run of the same layers should match.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-import platform
-import shlex
-import sys
 import time
 from typing import Any, Sequence
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from tpipe.train import convnet  # noqa: E402
-from tpipe.train import images as images_lib  # noqa: E402
+from experiments import _common
+from tpipe.train import convnet
+from tpipe.train import images as images_lib
 
 
 class Classifier(nn.Module):
@@ -87,7 +77,7 @@ def evaluate(correct_fn, params, batch_stats, batches) -> float:
   return hits / sum(int(b["mask"].sum()) for b in batches)
 
 
-def run(args) -> dict[str, Any]:
+def run_training(args) -> dict[str, Any]:
   started = time.time()
   train, test = images_lib.DigitsData.load(num_test=args.num_test, seed=args.split_seed)
   layers = convnet.resnet_layers(width=args.width, stage_sizes=tuple(args.stage_sizes),
@@ -131,16 +121,10 @@ def run(args) -> dict[str, Any]:
               num_train=len(train))
 
 
-def write(path: str, args, result: dict[str, Any]) -> None:
-  command = "python " + " ".join(shlex.quote(a) for a in
-                                 [os.path.relpath(__file__, REPO)] + sys.argv[1:])
+def result_lines(args, result: dict[str, Any]) -> list[str]:
+  """The markdown table of the run's settings and results."""
   test_right = round(result["accuracy"] * result["num_test"])
-  lines = [
-      "# Digits baseline: the convnet layers without pipelining", "",
-      f"Command (from the repository root): `{command}`", "",
-      f"Produced {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC with jax "
-      f"{jax.__version__} on {platform.machine()} ({os.cpu_count()} cores, shared), one CPU "
-      "device, plain `jax.jit`.", "",
+  return [
       "| | |", "|---|---|",
       f"| data | UCI digits (`sklearn.datasets.load_digits`), {result['num_train']} train / "
       f"{result['num_test']} test, stratified split seed {args.split_seed}, random shifts up to "
@@ -158,14 +142,9 @@ def write(path: str, args, result: dict[str, Any]) -> None:
       f"| wall time | {result['wall']:.0f} s, everything (imports excluded): load, compile, "
       "train, eval |",
   ]
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print(f"wrote {path}")
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
   parser.add_argument("--width", type=int, default=16)
   parser.add_argument("--stage_sizes", type=int, nargs="+", default=[1, 1])
   parser.add_argument("--bn_momentum", type=float, default=0.9)
@@ -181,11 +160,17 @@ def main():
   parser.add_argument("--eval_batch_size", type=int, default=120)
   parser.add_argument("--log_every", type=int, default=100)
   parser.add_argument("--eval_every", type=int, default=500)
-  parser.add_argument("--out", default=None, help="markdown file to write the result to")
-  args = parser.parse_args()
-  result = run(args)
-  if args.out:
-    write(args.out, args, result)
+
+
+def main():
+  run = _common.start("digits_baseline", __doc__, smoke="50 steps (overrides --steps)",
+                      arguments=add_arguments)
+  args = run.args
+  if run.smoke:
+    args.steps, args.warmup_steps, args.log_every, args.eval_every = 50, 10, 25, 50
+  result = run_training(args)
+  run.write("Digits baseline: the convnet layers without pipelining", result_lines(args, result),
+            "One device of those, plain `jax.jit`.")
 
 
 if __name__ == "__main__":

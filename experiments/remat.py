@@ -2,44 +2,43 @@
 
 Run from the repository root::
 
-  python -m experiments.remat
+  python -m experiments.remat            # writes experiments/results/remat.md
+  python -m experiments.remat --smoke    # a tiny model, to check the script
 
-Fixed pipeline (4 stages, M=8, GPipe, no data parallelism) and model (16 layers, width 256,
-4 heads, MLP 1024, sequence 256, batch 32). For each remat policy the training step is compiled
-ahead of time and its per-device memory (XLA ``memory_analysis``) and FLOPs are reported, both
-lockstep (loop bodies times trip counts, every tick counted as busy: what the step's duration
-follows) and executed (idle ticks skip the stage; see :class:`tpipe.tools.analysis.PipelineFlops`).
-The recomputation share is the extra executed FLOPs over the no-remat step, as a fraction of the
-step's executed FLOPs.
-
-Writes ``experiments/results/remat.md``.
+Fixed pipeline (4 stages, M=8, GPipe, no data parallelism) and model (``configs/lm.py`` with 16
+layers, width 256, 4 heads, MLP 1024, sequence 256, batch 32). For each remat policy the training
+step is compiled ahead of time and its per-device memory (XLA ``memory_analysis``) and FLOPs are
+reported, both lockstep (loop bodies times trip counts, every tick counted as busy: what the
+step's duration follows) and executed (idle ticks skip the stage; see
+:class:`tpipe.tools.flops.PipelineFlops`). The recomputation share is the extra executed FLOPs over
+the no-remat step, as a fraction of the step's executed FLOPs.
 """
 
 from __future__ import annotations
 
-import time
-
 from experiments import _common
 
 POLICIES = ("none", "dots", "full")
+MODEL = dict(num_layers=16, num_stages=4, num_microbatches=8)
+SMOKE = dict(num_layers=4, width=32, num_heads=2, mlp_dim=64, seq_len=16, batch_size=8,
+             num_stages=2, num_microbatches=4)
 
 
 def main():
-  started = time.time()
+  run = _common.start("remat", __doc__, smoke="a tiny model on 2 stages")
+  model = SMOKE if run.smoke else MODEL
   reports = {}
   for policy in POLICIES:
-    cfg = _common.config(num_layers=16, num_stages=4, num_microbatches=8, remat=policy)
+    cfg = _common.config(**model, remat=policy)
     reports[policy] = _common.measure(cfg)
     print(f"  remat={policy}: {_common.mib(reports[policy].total_bytes)} MiB", flush=True)
   base = reports["none"]
-  lines = _common.header("Rematerialization: memory and FLOPs per device",
-                         "python -m experiments.remat", started)
-  lines += [
-      "Model: `configs/lm.py` with 16 layers, width 256, 4 heads, MLP 1024, sequence 256, "
-      "global batch 32; 4 stages, M=8, GPipe, AdamW, float32. Activations = XLA temporaries "
-      "minus the gradients (one parameter-sized buffer); they include one transient copy of "
-      "the stage's parameters, the busy/idle `lax.cond`'s residual (see `tpipe/core/stage.py`). "
-      "Lockstep FLOPs count every tick as "
+  c = cfg
+  lines = [
+      f"Model: `configs/lm.py` with {c.num_layers} layers, width {c.width}, {c.num_heads} heads, "
+      f"MLP {c.mlp_dim}, sequence {c.seq_len}, global batch {c.batch_size}; {c.num_stages} "
+      f"stages, M={c.num_microbatches}, GPipe, AdamW, float32. Activations = XLA temporaries "
+      "minus the gradients (one parameter-sized buffer). Lockstep FLOPs count every tick as "
       "busy (the step's duration follows them); executed FLOPs are what runs (idle ticks skip "
       "the stage). Recomputation runs in busy ticks only, so it adds to both.", "",
       "| remat | activations + temporaries | peak total | lockstep FLOPs | executed FLOPs | "
@@ -76,9 +75,8 @@ def main():
       "overhead for full remat is the forward pass run again: about a third of a step whose "
       "backward costs twice its forward.",
   ]
-  _common.write("remat.md", lines)
+  run.write("Rematerialization: memory and FLOPs per device", lines, _common.AOT_NOTE)
 
 
 if __name__ == "__main__":
-  _common.setup()
   main()

@@ -2,7 +2,8 @@
 
 Run from the repository root::
 
-  python -m experiments.scaling
+  python -m experiments.scaling            # writes experiments/results/scaling.md and scaling.png
+  python -m experiments.scaling --smoke    # a tiny model, L = 8, two points per sweep
 
 Three sweeps of the AOT-compiled training step (width 128, 4 heads, MLP 512, sequence 128):
 
@@ -15,24 +16,24 @@ Three sweeps of the AOT-compiled training step (width 128, 4 heads, MLP 512, seq
 * stages S in {1, 2, 4, 8} at L=16, M=8, batch 32: parameters and activations per device shrink.
 
 Compile times are the process's CPU seconds (all threads), steadier than wall clock on a
-shared 2-core machine; still compare their order of magnitude, not single seconds.
-
-Writes ``experiments/results/scaling.md`` and ``scaling.png``.
+shared machine; still compare their order of magnitude, not single seconds.
 """
 
 from __future__ import annotations
 
-import time
-
 from experiments import _common
 
 MODEL = dict(width=128, num_heads=4, mlp_dim=512, seq_len=128)
+SMOKE = dict(width=32, num_heads=2, mlp_dim=64, seq_len=16)
+# Sweep values: depth L, micro-batches M, stages S; layers: L in the M and S sweeps.
+VALUES = dict(depth=(4, 8, 16, 32, 64), microbatches=(2, 8, 32), stages=(1, 2, 4, 8), layers=16)
+SMOKE_VALUES = dict(depth=(4, 8), microbatches=(2, 8), stages=(1, 4), layers=8)
 
 
-def _run(cache, **kw):
+def _run(cache, model, **kw):
   key = tuple(sorted(kw.items()))
   if key not in cache:
-    cfg = _common.config(**MODEL, remat="none", **kw)
+    cfg = _common.config(**model, remat="none", **kw)
     r = _common.measure(cfg)
     cache[key] = r
     print(f"  {kw}: {_common.mib(r.total_bytes)} MiB, compile {r.cpu_seconds:.1f} CPU s",
@@ -41,28 +42,31 @@ def _run(cache, **kw):
 
 
 def main():
-  started = time.time()
-  cache = {}
+  run = _common.start("scaling", __doc__, smoke="a tiny model and two points per sweep")
+  model, values = (SMOKE, SMOKE_VALUES) if run.smoke else (MODEL, VALUES)
+  cache, layers = {}, values["layers"]
   sweeps = {
       "depth L (S=4, M=8, batch 32)": [
-          (L, _run(cache, num_layers=L, num_stages=4, num_microbatches=8, batch_size=32))
-          for L in (4, 8, 16, 32, 64)],
-      "micro-batches M (S=4, L=16, micro-batch 4)": [
-          (m, _run(cache, num_layers=16, num_stages=4, num_microbatches=m, batch_size=4 * m))
-          for m in (2, 8, 32)],
-      "micro-batches M (S=4, L=16, batch 32)": [
-          (m, _run(cache, num_layers=16, num_stages=4, num_microbatches=m, batch_size=32))
-          for m in (2, 8, 32)],
-      "stages S (L=16, M=8, batch 32)": [
-          (s, _run(cache, num_layers=16, num_stages=s, num_microbatches=8, batch_size=32))
-          for s in (1, 2, 4, 8)],
+          (L, _run(cache, model, num_layers=L, num_stages=4, num_microbatches=8, batch_size=32))
+          for L in values["depth"]],
+      f"micro-batches M (S=4, L={layers}, micro-batch 4)": [
+          (m, _run(cache, model, num_layers=layers, num_stages=4, num_microbatches=m,
+                   batch_size=4 * m))
+          for m in values["microbatches"]],
+      f"micro-batches M (S=4, L={layers}, batch 32)": [
+          (m, _run(cache, model, num_layers=layers, num_stages=4, num_microbatches=m,
+                   batch_size=32))
+          for m in values["microbatches"]],
+      f"stages S (L={layers}, M=8, batch 32)": [
+          (s, _run(cache, model, num_layers=layers, num_stages=s, num_microbatches=8,
+                   batch_size=32))
+          for s in values["stages"]],
   }
-  lines = _common.header("Scaling: compile time and per-device memory as L, M and S grow",
-                         "python -m experiments.scaling", started)
-  lines += ["Model: `configs/lm.py` with width 128, 4 heads, MLP 512, sequence 128, remat none, "
-            "GPipe, no data parallelism. Compile time = lowering + XLA compile, in CPU seconds of "
-            "the process (all threads; steadier than wall clock on this shared 2-core machine, "
-            "which is also given).", ""]
+  lines = [f"Model: `configs/lm.py` with width {model['width']}, {model['num_heads']} heads, MLP "
+           f"{model['mlp_dim']}, sequence {model['seq_len']}, remat none, GPipe, no data "
+           "parallelism. Compile time = lowering + XLA compile, in CPU seconds of the process "
+           "(all threads; steadier than wall clock on a shared machine, which is also given).",
+           ""]
   for title, points in sweeps.items():
     lines += [f"## {title}", "",
               "| value | lower + compile, CPU s | wall s | peak memory / device | "
@@ -90,35 +94,43 @@ def main():
     twin.set_ylim(bottom=0)
     twin.set_ylabel("peak MiB / device", color="tab:red", fontsize=8)
   fig.tight_layout()
-  fig.savefig(f"{_common.RESULTS}/scaling.png", dpi=110)
+  fig.savefig(run.beside("scaling.png"), dpi=110)
+
   def compile_range(points):
     times = [p[1].cpu_seconds for p in points]
     return f"{min(times):.1f}-{max(times):.1f} CPU s"
 
+  def loops(points):
+    return ", ".join(str(len(p[1].analysis.flops.loops)) for p in points)
+
   def mem_ratio(points):
     return points[-1][1].total_bytes / points[0][1].total_bytes
+
+  def span(points):
+    return f"{points[0][0]} -> {points[-1][0]}"
 
   (depth, m_fixed_micro, m_fixed_batch, stages) = sweeps.values()
   lines += [
       "![scaling](scaling.png)", "",
-      f"- Depth 4 -> 64 (16x): compile {compile_range(depth)}, peak memory "
+      f"- Depth {span(depth)}: compile {compile_range(depth)}, peak memory "
       f"x{mem_ratio(depth):.1f} (no remat: every layer's activations are kept).",
-      f"- M 2 -> 32 at a fixed micro-batch: compile {compile_range(m_fixed_micro)}, peak memory "
-      f"x{mem_ratio(m_fixed_micro):.1f}: GPipe stashes one stage input per tick, and the batch "
-      "grows with M.",
-      f"- M 2 -> 32 at a fixed global batch: compile {compile_range(m_fixed_batch)}, peak "
-      f"memory x{mem_ratio(m_fixed_batch):.2f}: the stash holds (M+S-1)/M batches, and smaller "
-      "micro-batches shrink each layer's working set.",
-      f"- S 1 -> 8: compile {compile_range(stages)}, peak memory x{mem_ratio(stages):.2f} "
-      "per device.",
+      f"- M {span(m_fixed_micro)} at a fixed micro-batch: compile "
+      f"{compile_range(m_fixed_micro)}, peak memory x{mem_ratio(m_fixed_micro):.1f}: GPipe "
+      "stashes one stage input per tick, and the batch grows with M.",
+      f"- M {span(m_fixed_batch)} at a fixed global batch: compile "
+      f"{compile_range(m_fixed_batch)}, peak memory x{mem_ratio(m_fixed_batch):.2f}: the stash "
+      "holds (M+S-1)/M batches, and smaller micro-batches shrink each layer's working set.",
+      f"- S {span(stages)}: compile {compile_range(stages)}, peak memory "
+      f"x{mem_ratio(stages):.2f} per device.",
       "",
-      "Compile time does not grow with L or M: layers are a `lax.scan` inside a stage and ticks "
-      "a `lax.scan` inside the step (the HLO keeps the same number of while loops; the "
-      "variation is noise from the shared machine).",
+      "Layers are a `lax.scan` inside a stage and ticks a `lax.scan` inside the step, so the "
+      "program's size should not follow L or M. HLO while loops per program: "
+      + "; ".join(f"{title.split(' (')[0]}: {loops(points)}" for title, points in sweeps.items())
+      + ".",
   ]
-  _common.write("scaling.md", lines)
+  run.write("Scaling: compile time and per-device memory as L, M and S grow", lines,
+            _common.AOT_NOTE)
 
 
 if __name__ == "__main__":
-  _common.setup()
   main()

@@ -1,8 +1,9 @@
-"""The GPipe paper's Transformer, before and after the embedding and head moved into the pipeline.
+"""The GPipe paper's Transformer with the embedding and head replicated vs inside the pipeline.
 
-Run (8 emulated CPU devices; compiles only, nothing runs):
+Run from the repository root (compiles only, nothing runs)::
 
-  python experiments/sequential_memory.py --out experiments/results/sequential_memory.md
+  python -m experiments.sequential_memory            # experiments/results/sequential_memory.md
+  python -m experiments.sequential_memory --smoke    # a tiny model at S = 4, to check the script
 
 The model is the GPipe paper's Transformer in kind, as ``configs/transformer_gpipe.py`` sets it up
 (bfloat16 compute, float32 parameters and Adam state, full rematerialisation, dropout 0.1): 48
@@ -10,60 +11,46 @@ blocks of width 2048 (MLP 8192, 32 heads), sequence 2048, batch 256, a 32,000-to
 M = 32 micro-batches, at S = 4 and S = 8 stages (data = 1). Two designs are compiled ahead of
 time for the same mesh:
 
-* **before**: the previous design (``DecoderLM`` up to commit 3beb9fd). Embedding, learned
-  positions, final norm and head run under plain ``jax.jit`` on the whole batch, replicated over
-  the stages; only the block stack is pipelined, by ``tpipe.pipeline(TransformerBlock, ...)``
-  (today's executor), its parameters stacked ``[L, ...]`` and split over ``stage``; AdamW on the
-  logical tree. The model is defined here, not in the library.
-* **after**: ``tpipe.train.experiment.build(config)``: a ``tpipe.Sequential`` of [TokenEmbedding,
-  Repeat(TransformerBlock, 48), LMHead with the loss], split by FLOPs, its train state in the
-  stage layout. Measured by ``tpipe.report.analyze_config``.
+* **replicated**: embedding, learned positions, final norm and head run under plain
+  ``jax.jit`` on the whole batch, replicated over the stages; only the block stack is pipelined,
+  by ``tpipe.pipeline(TransformerBlock, ...)``, its parameters stacked ``[L, ...]`` and split over
+  ``stage`` (``tpipe.shardings``); AdamW on that tree. The model is defined here.
+* **sequential**: ``tpipe.train.experiment.build(config)``: a ``tpipe.Sequential`` of
+  [TokenEmbedding, Repeat(TransformerBlock, 48), LMHead with the loss], split by FLOPs, its train
+  state in the stage layout. Measured by ``tpipe.train.report.analyze_config``.
 
 For each: the per-device peak (``memory_analysis()``: arguments + outputs - aliased +
 temporaries), the largest and smallest stage's own parameter + optimizer bytes, the memory floor
-and the peak over it (:mod:`tpipe.tools.stage_costs`), the collectives per step, and the largest
-buffer of the compiled program that has a vocabulary-wide (32,000) dimension.
-
-``--smoke`` runs the same comparison on a tiny model in a minute, to check the script.
+and the peak over it (:mod:`tpipe.tools.stage_costs`), the collectives per step, and the
+buffers of the compiled program with a vocabulary-wide (32,000) dimension, with where they are
+made (inside which chunk's branch of the stage switch, or outside the pipeline).
 """
 
 from __future__ import annotations
 
-import os
-
-if "JAX_NUM_CPU_DEVICES" not in os.environ:
-  os.environ["JAX_NUM_CPU_DEVICES"] = "8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import argparse
-import datetime
-import platform
-import sys
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax import lax
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax import lax  # noqa: E402
-
-import tpipe  # noqa: E402
-from configs import transformer_gpipe  # noqa: E402
-from tpipe import partition  # noqa: E402
-from tpipe import report as report_lib  # noqa: E402
-from tpipe import schedules  # noqa: E402
-from tpipe.tools import analysis  # noqa: E402
-from tpipe.tools import hlo  # noqa: E402
-from tpipe.tools import stage_costs  # noqa: E402
-from tpipe.train import experiment  # noqa: E402
-from tpipe.train import models  # noqa: E402
+import tpipe
+from configs import transformer_gpipe
+from experiments import _common
+from experiments._common import gib
+from tpipe import partition
+from tpipe import schedules
+from tpipe.tools import analysis
+from tpipe.tools import hlo
+from tpipe.tools import stage_costs
+from tpipe.train import experiment
+from tpipe.train import models
+from tpipe.train import report as report_lib
 
 # The GPipe paper's Transformer in kind, and a tiny stand-in for --smoke.
 GPIPE = dict(num_layers=48, width=2048, num_heads=32, mlp_dim=8192, seq_len=2048,
@@ -83,11 +70,11 @@ def make_config(sizes: dict[str, int], num_stages: int):
 
 
 # --------------------------------------------------------------------------------------------
-# Before: embedding and head replicated under plain jit, only the blocks pipelined.
+# Replicated: embedding and head under plain jit on every stage, only the blocks pipelined.
 
 
-class BeforeLM(nn.Module):
-  """The previous design's ``DecoderLM`` (commit 3beb9fd), with the vocabulary as a field."""
+class ReplicatedLM(nn.Module):
+  """A decoder LM whose blocks alone are pipelined (``tpipe.pipeline``)."""
 
   config: Any
   mesh: Any
@@ -112,8 +99,8 @@ class BeforeLM(nn.Module):
     return logits.astype(jnp.float32)
 
 
-def before_optimizer(config):
-  """The previous design's AdamW: decay on kernels and embeddings, after clipping."""
+def replicated_optimizer(config):
+  """AdamW on the logical tree: decay on kernels and embeddings, after clipping."""
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
   schedule = optax.warmup_cosine_decay_schedule(
@@ -124,7 +111,7 @@ def before_optimizer(config):
                                  mask=decay_mask))
 
 
-def before_chunk(config):
+def replicated_chunk(config):
   """One stage's blocks (L / S, scanned) on one micro-batch, as the pipeline applies them."""
   block = models.TransformerBlock(width=config.width, num_heads=config.num_heads,
                                   mlp_dim=config.mlp_dim, dropout_rate=config.dropout,
@@ -148,10 +135,10 @@ def before_chunk(config):
   return fn, (params, h)
 
 
-def measure_before(config) -> dict[str, Any]:
+def measure_replicated(config) -> dict[str, Any]:
   mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data)
-  model = BeforeLM(ml_collections.FrozenConfigDict(config), mesh)
-  optimizer = before_optimizer(config)
+  model = ReplicatedLM(ml_collections.FrozenConfigDict(config), mesh)
+  optimizer = replicated_optimizer(config)
   tokens_shape = (config.batch_size, config.seq_len)
 
   def init_fn(rng):
@@ -164,9 +151,8 @@ def measure_before(config) -> dict[str, Any]:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
   shapes = jax.eval_shape(init_fn, jax.random.key(0))
-  shardings = tpipe.train_state_shardings(shapes, mesh, ("blocks",))
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
-                       shardings)
+  shardings = tpipe.shardings(shapes, mesh, ("blocks",))
+  state = _common.placed(shapes, shardings)
   data = tpipe.data_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct(tokens_shape, jnp.int32, sharding=data)
            for k in ("inputs", "targets")}
@@ -174,7 +160,7 @@ def measure_before(config) -> dict[str, Any]:
   start = time.perf_counter()
   compiled = step.lower(state, batch, jax.random.key(0)).compile()
   seconds = time.perf_counter() - start
-  schedule = schedules.make_schedule("gpipe", config.num_stages, config.num_microbatches)
+  schedule = schedules.build("gpipe", config.num_stages, config.num_microbatches)
   result = analysis.analyze(compiled, mesh=mesh, schedule=schedule,
                             inputs={"params": state.params, "opt_state": state.opt_state,
                                     "batch": batch})
@@ -183,7 +169,7 @@ def measure_before(config) -> dict[str, Any]:
   opt = analysis.input_bytes(state.opt_state)[1]
   replicated = {k: v for k, v in shapes.params.items() if k != "blocks"}
   replicated_bytes = stage_costs.tree_bytes(replicated)
-  fn, args = before_chunk(config)
+  fn, args = replicated_chunk(config)
   working = stage_costs.working_set_bytes(stage_costs.compile_forward_backward(fn, *args))
   floor = stage_costs.memory_floor(
       state_bytes=2 * params + opt,
@@ -191,8 +177,10 @@ def measure_before(config) -> dict[str, Any]:
       working_set_bytes=working)
   head = shapes.params["head"]["kernel"]
   return {
-      "name": "before", "memory": result.memory, "analysis": result, "compiled": compiled,
+      "name": "replicated", "memory": result.memory, "analysis": result, "compiled": compiled,
       "compile_seconds": seconds, "floor": floor,
+      # tpipe.pipeline cuts the stack evenly: every stage's chunk runs the same program.
+      "programs": [0] * config.num_stages,
       "stage_state": [params + opt] * config.num_stages,
       "replicated_param_bytes": replicated_bytes,
       "head_placement": (f"`head/kernel` {tuple(head.shape)} replicated on all "
@@ -202,22 +190,23 @@ def measure_before(config) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# After: tpipe.Sequential through the trainer's experiment.
+# Sequential: the whole model in a tpipe.Sequential, through the trainer's experiment.
 
 
 def unit_flops(config) -> tuple[float, ...]:
   """Every layer unit's forward+backward FLOPs on one micro-batch (what balance="flops" uses).
 
   They do not depend on the stage count, so they are measured once and the split for each S is
-  ``partition.balanced_split`` of them: exactly the split ``balance="flops"`` chooses.
+  ``partition.balanced_split`` of them: the split ``balance="flops"`` chooses (the experiment
+  plans with the same call).
   """
   model = experiment.make_model(config, None).clone(balance="flops")
   tokens = jax.ShapeDtypeStruct((config.batch_size // config.num_data, config.seq_len),
                                 jnp.int32)
-  return model.plan_for(tokens, targets=tokens).costs
+  return model.pipeline_for(tokens, rng_names=("dropout",), targets=tokens).plan.costs
 
 
-def measure_after(config, costs) -> dict[str, Any]:
+def measure_sequential(config, costs) -> dict[str, Any]:
   counts = partition.balanced_split(costs, config.num_stages * config.num_repeats)
   config.balance = ",".join(str(n) for n in counts)
   rep = report_lib.analyze_config(config, unit_flops=costs)
@@ -225,10 +214,12 @@ def measure_after(config, costs) -> dict[str, Any]:
   head_chunks = [c for c, groups in enumerate(layout.groups)
                  if any(g.layer == len(layout.logical) - 1 for g in groups)]
   return {
-      "name": "after", "memory": rep.analysis.memory, "analysis": rep.analysis,
+      "name": "sequential", "memory": rep.analysis.memory, "analysis": rep.analysis,
       "compiled": rep.compiled, "compile_seconds": rep.compile_seconds, "floor": rep.floor,
       "stage_state": [s.param_bytes + s.optimizer_bytes for s in rep.stages],
       "report": rep, "split": counts,
+      # Which lax.switch branch runs each chunk (chunks with equal programs share one).
+      "programs": experiment.build(config).pipeline.programs(),
       "head_placement": (f"`layers_2` (final norm and head kernel "
                          f"{tuple(layout.logical['layers_2']['head']['kernel'].shape)}) in chunk "
                          f"{head_chunks} of {layout.num_chunks} only, i.e. stage "
@@ -267,20 +258,28 @@ def _reachable(module, name: str) -> set[str]:
   return seen
 
 
-def vocab_placement(compiled, vocab: int, num_chunks: int) -> dict[str, set[str]]:
-  """Where each vocabulary-wide array shape of the program is made: ``"outside"`` the pipeline's
-  stage switch, or ``"chunk k"``, the branch of the tick conditional (``num_chunks`` chunk
-  branches after the idle one, forward and backward) that runs chunk k."""
+def vocab_placement(compiled, vocab: int, programs) -> dict[str, set[str]]:
+  """Where each vocabulary-wide array shape of the program is made.
+
+  ``"outside"`` the pipeline's stage switch, or ``"chunk k"``: inside a branch of a tick
+  conditional (forward or backward) that runs chunk k. Such a conditional has one branch per
+  distinct chunk program after the idle one; ``programs[c]`` is chunk c's (see
+  :meth:`tpipe.core.engine.Pipeline.programs`).
+  """
   module = hlo.parse_hlo(compiled.as_text())
+  runs: dict[int, list[int]] = {}
+  for c, program in enumerate(programs):
+    runs.setdefault(program, []).append(c)
   owners: dict[str, set[str]] = {}
   for _, ins in module.instructions():
     branches = ins.attr("branch_computations") if ins.opcode == "conditional" else None
     names = [n.strip().lstrip("%") for n in (branches or "{}").strip("{}").split(",")]
-    if len(names) != num_chunks + 1:
+    if len(names) != len(runs) + 1:
       continue
     for k, branch in enumerate(names[1:]):
+      label = "chunk " + ", ".join(map(str, runs[k]))
       for comp in _reachable(module, branch):
-        owners.setdefault(comp, set()).add(f"chunk {k}")
+        owners.setdefault(comp, set()).add(label)
   placement: dict[str, set[str]] = {}
   for comp, ins in module.instructions():
     for a in hlo.parse_shape(ins.shape):
@@ -306,18 +305,13 @@ def per_block(rep) -> float:
   return stage.working_set_bytes / units
 
 
-def gib(n: float) -> str:
-  return f"{n / 2**30:.2f}"
-
-
 def summarize(m: dict[str, Any], config) -> dict[str, Any]:
   mem, floor = m["memory"], m["floor"]
   peak = mem.largest_device_total
   micro_logits = (config.batch_size // (config.num_data * config.num_microbatches)
                   * config.seq_len * config.vocab_size)
   wide = vocab_buffers(m["compiled"], config.vocab_size)
-  num_chunks = config.num_stages * config.num_repeats if m["name"] == "after" else 1
-  placement = vocab_placement(m["compiled"], config.vocab_size, num_chunks)
+  placement = vocab_placement(m["compiled"], config.vocab_size, m["programs"])
   where: dict[str, int] = {}
   for places in placement.values():
     label = " and ".join(sorted(places))
@@ -333,16 +327,19 @@ def summarize(m: dict[str, Any], config) -> dict[str, Any]:
   }
 
 
+DESIGNS = ("replicated", "sequential")
+
+
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=None, help="write the results as markdown here")
-  parser.add_argument("--stages", default="4,8", help="stage counts, comma-separated")
-  parser.add_argument("--smoke", action="store_true", help="a tiny model, to check the script")
-  args = parser.parse_args()
-  started = time.time()
-  sizes = SMOKE if args.smoke else GPIPE
-  stage_counts = [int(s) for s in args.stages.split(",")]
-  command = " ".join(["python", "experiments/sequential_memory.py"] + sys.argv[1:])
+  def arguments(parser):
+    parser.add_argument("--stages", default=None,
+                        help="stage counts, comma-separated (default 4,8; 4 with --smoke)")
+
+  run = _common.start("sequential_memory", __doc__, smoke="a tiny model at S = 4",
+                      arguments=arguments)
+  sizes = SMOKE if run.smoke else GPIPE
+  stages = run.args.stages or ("4" if run.smoke else "4,8")
+  stage_counts = [int(s) for s in stages.split(",")]
 
   t0 = time.perf_counter()
   costs = unit_flops(make_config(sizes, stage_counts[0]))
@@ -352,10 +349,10 @@ def main():
 
   results = {}
   for num_stages in stage_counts:
-    for measure in (measure_before, measure_after):
+    for name in DESIGNS:
       config = make_config(sizes, num_stages)
       t0 = time.perf_counter()
-      m = measure(config) if measure is measure_before else measure(config, costs)
+      m = measure_replicated(config) if name == "replicated" else measure_sequential(config, costs)
       m["seconds"] = time.perf_counter() - t0
       m["summary"] = summarize(m, config)
       results[(m["name"], num_stages)] = m
@@ -369,39 +366,29 @@ def main():
       print("    largest vocab-wide buffers:", s["wide"][:3], flush=True)
       print("    vocab-wide shapes by where they are made:", s["where"], flush=True)
 
-  lines = write_lines(results, sizes, stage_counts, costs, command, started, flops_seconds)
-  text = "\n".join(lines) + "\n"
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
-    print(f"wrote {args.out}")
+  run.write("The GPipe paper's Transformer: embedding and head inside the pipeline",
+            write_lines(results, sizes, stage_counts, costs, flops_seconds),
+            "Every number comes from an ahead-of-time compile of the training step (forward, "
+            "backward, AdamW update); nothing was run.")
 
 
-def write_lines(results, sizes, stage_counts, costs, command, started, flops_seconds):
+def write_lines(results, sizes, stage_counts, costs, flops_seconds):
   c = make_config(sizes, stage_counts[0])
   num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(
-      results[("after", stage_counts[0])]["report"].layout.logical))
+      results[("sequential", stage_counts[0])]["report"].layout.logical))
   lines = [
-      "# The GPipe paper's Transformer: embedding and head inside the pipeline (issue 8)", "",
-      f"Command (from the repository root): `{command}`", "",
-      f"Produced {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC with jax "
-      f"{jax.__version__} on {platform.machine()} ({os.cpu_count()} cores), "
-      f"{jax.device_count()} emulated CPU devices, in {time.time() - started:.0f} s. Every "
-      "number comes from an ahead-of-time compile of the training step (forward, backward, "
-      "AdamW update); nothing was run.", "",
       f"Model: {c.num_layers} blocks, width {c.width}, MLP {c.mlp_dim}, {c.num_heads} heads, "
       f"sequence {c.seq_len}, vocabulary {c.vocab_size:,}, {num_params:,} parameters; batch "
       f"{c.batch_size} in M = {c.num_microbatches} micro-batches of "
       f"{c.batch_size // c.num_microbatches}; data = 1; GPipe schedule; remat {c.remat!r}; "
       f"{c.dtype} compute, float32 parameters and Adam state; dropout {c.dropout}.", "",
-      "- **before**: embedding, positions, final norm and head under plain `jax.jit` on the "
+      "- **replicated**: embedding, positions, final norm and head under plain `jax.jit` on the "
       f"whole batch, replicated over stages; the {c.num_layers} blocks pipelined by "
-      "`tpipe.pipeline(TransformerBlock, ...)` (today's executor), stacked `[L, ...]` and split "
-      "over `stage` (the `DecoderLM` and shardings of commit 3beb9fd, defined in the script).",
-      "- **after**: `tpipe.train.experiment.build(config)`: `tpipe.Sequential` [TokenEmbedding, "
-      f"Repeat(TransformerBlock, {c.num_layers}), LMHead + loss], split by FLOPs, train state "
-      "in the stage layout.", "",
+      "`tpipe.pipeline(TransformerBlock, ...)`, stacked `[L, ...]` and split over `stage` "
+      "(`tpipe.shardings`; the model is defined in the script).",
+      "- **sequential**: `tpipe.train.experiment.build(config)`: `tpipe.Sequential` "
+      f"[TokenEmbedding, Repeat(TransformerBlock, {c.num_layers}), LMHead + loss], split by "
+      "FLOPs, train state in the stage layout.", "",
       f"Per-unit forward+backward FLOPs on one micro-batch (measured once, {flops_seconds:.0f} s): "
       f"embedding {costs[0]:.3g}, block {costs[1]:.3g}, head with loss {costs[-1]:.3g}. The "
       "split for each S is `partition.balanced_split` of these costs, which is what "
@@ -413,11 +400,11 @@ def write_lines(results, sizes, stage_counts, costs, command, started, flops_sec
       "floor GiB (state + stash + chunk working set) | peak / floor | compile s |",
       "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for num_stages in stage_counts:
-    for name in ("before", "after"):
+    for name in DESIGNS:
       m = results[(name, num_stages)]
       s, f = m["summary"], m["summary"]["floor"]
       split = ("emb+head on all, " + f"{c.num_layers // num_stages} blocks each"
-               if name == "before" else ", ".join(map(str, m["split"])))
+               if name == "replicated" else ", ".join(map(str, m["split"])))
       lines.append(
           f"| {name} | {num_stages} | {split} | **{gib(s['peak'])}** | {gib(s['arguments'])} | "
           f"{gib(s['temporaries'])} | {gib(s['largest_state'])} | {gib(s['smallest_state'])} | "
@@ -425,27 +412,28 @@ def write_lines(results, sizes, stage_counts, costs, command, started, flops_sec
           f"{gib(f.working_set_bytes)}) | **{s['ratio']:.2f}** | {m['compile_seconds']:.0f} |")
   peaks = {key: m["summary"]["peak"] for key, m in results.items()}
   ratios = ", ".join(
-      f"S = {n}: {gib(peaks[('before', n)])} -> {gib(peaks[('after', n)])} GiB "
-      f"({peaks[('after', n)] / peaks[('before', n)]:.2f}x)" for n in stage_counts)
-  floors = {n: results[("after", n)]["summary"]["floor"] for n in stage_counts}
-  lines += ["", f"Peak per device, before -> after: {ratios}. One chunk's working set is "
+      f"S = {n}: {gib(peaks[('replicated', n)])} -> {gib(peaks[('sequential', n)])} GiB "
+      f"({peaks[('sequential', n)] / peaks[('replicated', n)]:.2f}x)" for n in stage_counts)
+  floors = {n: results[("sequential", n)]["summary"]["floor"] for n in stage_counts}
+  lines += ["", f"Peak per device, replicated -> sequential: {ratios}. One chunk's working set is "
             + ", ".join(f"{floors[n].working_set_bytes / floors[n].total:.0%} (S = {n})"
                         for n in stage_counts)
-            + " of the after floor: with remat 'full' a chunk is recomputed as a whole in its "
+            + " of the sequential floor: with remat 'full' a chunk is recomputed as a whole in its "
             "backward tick, so the residuals of all its blocks on one micro-batch are live at "
             "once (the floor stage's chunk working set per block: "
-            + ", ".join(f"{per_block(results[('after', n)]['report']) / 2**30:.2f} GiB (S = {n})"
-                        for n in stage_counts) + ")."]
+            + ", ".join(f"{per_block(results[('sequential', n)]['report']) / 2**30:.2f} GiB "
+                        f"(S = {n})" for n in stage_counts) + ")."]
   lines += ["", "## Where the head lives", "",
             "Vocabulary-wide arrays are those with a dimension of size "
             f"{c.vocab_size}; \"chunk k\" means they are made inside the branch of the tick "
-            "loop's stage switch that runs chunk k (forward or backward), which only chunk k's "
-            "stage executes; \"outside\" means every device computes them.", "",
+            "loop's stage switch that runs chunk k (forward or backward; chunks with the same "
+            "program share a branch, \"chunk 1, 2\"), which only those chunks' stages execute; "
+            "\"outside\" means every device computes them.", "",
             "| design | S | head parameters | vocabulary-wide buffers in the program (largest 3) "
             "| any larger than one micro-batch's logits? | distinct vocabulary-wide shapes, by "
             "where they are made |", "|---|---:|---|---|---|---|"]
   for num_stages in stage_counts:
-    for name in ("before", "after"):
+    for name in DESIGNS:
       m = results[(name, num_stages)]
       s = m["summary"]
       wide = "; ".join(f"`{key}` ({op.rsplit('/', 1)[-1]})" for _, key, op in s["wide"][:3])
@@ -458,15 +446,15 @@ def write_lines(results, sizes, stage_counts, costs, command, started, flops_sec
             "| design | S | kind | axes | executions | instructions (in loops) | MiB per device |",
             "|---|---:|---|---|---:|---:|---:|"]
   for num_stages in stage_counts:
-    for name in ("before", "after"):
+    for name in DESIGNS:
       summary = results[(name, num_stages)]["analysis"].collective_summary()
       for (kind, axes), row in summary.items():
         lines.append(f"| {name} | {num_stages} | {kind} | {','.join(axes or ()) or '-'} | "
                      f"{row['count']} | {row['instructions']} ({row['in_loop']}) | "
                      f"{row['bytes'] / 2**20:.1f} |")
   for num_stages in stage_counts:
-    rep = results[("after", num_stages)]["report"]
-    lines += ["", f"## After, S = {num_stages}: the report's per-stage table", ""]
+    rep = results[("sequential", num_stages)]["report"]
+    lines += ["", f"## Sequential, S = {num_stages}: the report's per-stage table", ""]
     lines += report_lib.format_stages(rep)
   return lines
 

@@ -2,7 +2,8 @@
 
 Run from the repository root::
 
-  python -m experiments.table1_max_depth
+  python -m experiments.table1_max_depth           # writes experiments/results/table1_max_depth.md
+  python -m experiments.table1_max_depth --smoke   # a tiny model, 3 MiB, 1 and 2 stages
 
 For a Transformer of fixed width (256, 4 heads, MLP 1024, sequence 256, batch 32, byte vocab),
 finds the largest number of layers whose AOT-compiled training step (AdamW) needs at most
@@ -11,18 +12,16 @@ micro-batches, and 2, 4, 8 stages with remat (``remat=full``, M=8, GPipe schedul
 parallelism). Memory grows almost linearly with depth, so the search first fits a line through
 two compiles, then checks the predicted depth and its neighbours and bisects wherever the
 prediction was wrong: every reported depth L has a compile showing L fits and one showing
-L + step does not.
-
-Writes ``experiments/results/table1_max_depth.md`` and ``table1_max_depth.png``.
+L + step does not. A bar chart of the parameters that fit goes beside the markdown
+(``table1_max_depth.png``).
 """
 
 from __future__ import annotations
 
-import time
-
 from experiments import _common
 
 BUDGET = 2 * 2**30
+MODEL = dict(width=256, num_heads=4, mlp_dim=1024, seq_len=256, batch_size=32)
 SETTINGS = (  # (label, stages, micro-batches, remat)
     ("1 device, no remat (naive-1)", 1, 1, "none"),
     ("1 device, remat + M=8 (pipeline-1)", 1, 8, "full"),
@@ -30,6 +29,10 @@ SETTINGS = (  # (label, stages, micro-batches, remat)
     ("4 stages, remat, M=8", 4, 8, "full"),
     ("8 stages, remat, M=8", 8, 8, "full"),
 )
+# --smoke: a tiny model under a budget that a few layers fill, the first three settings.
+SMOKE_BUDGET = 3 * 2**20
+SMOKE = dict(width=32, num_heads=2, mlp_dim=64, seq_len=16, batch_size=8)
+SMOKE_SETTINGS = SETTINGS[:3]
 # Paper, Table 1 (memory-bound model size; parameters relative to naive-1).
 PAPER = {
     "1 device, no remat (naive-1)": "1x (Transformer 282.2M; AmoebaNet 82M)",
@@ -43,8 +46,9 @@ PAPER = {
 class DepthSearch:
   """Finds the largest fitting depth among multiples of ``step`` with few compiles."""
 
-  def __init__(self, stages: int, microbatches: int, remat: str, budget: int):
+  def __init__(self, stages: int, microbatches: int, remat: str, budget: int, model: dict):
     self.stages, self.microbatches, self.remat, self.budget = stages, microbatches, remat, budget
+    self.model = model
     self.step = stages
     self.memory: dict[int, int] = {}
     self.params: dict[int, int] = {}
@@ -53,7 +57,7 @@ class DepthSearch:
   def probe(self, k: int) -> bool:
     """Compiles depth ``k * step``; True when it fits the budget."""
     if k not in self.memory:
-      cfg = _common.config(num_layers=k * self.step, num_stages=self.stages,
+      cfg = _common.config(**self.model, num_layers=k * self.step, num_stages=self.stages,
                            num_microbatches=self.microbatches, remat=self.remat)
       rep = _common.measure(cfg)
       self.memory[k] = rep.largest_device_bytes
@@ -92,41 +96,45 @@ class DepthSearch:
 
 
 def main():
-  started = time.time()
+  run = _common.start("table1_max_depth", __doc__,
+                      smoke=f"a tiny model under {SMOKE_BUDGET // 2**20} MiB")
+  model, budget, settings = ((SMOKE, SMOKE_BUDGET, SMOKE_SETTINGS) if run.smoke
+                             else (MODEL, BUDGET, SETTINGS))
   rows, results = [], []
-  for label, stages, micro, remat in SETTINGS:
-    search = DepthSearch(stages, micro, remat, BUDGET)
+  for label, stages, micro, remat in settings:
+    search = DepthSearch(stages, micro, remat, budget, model)
     k = search.run()
     depth = k * search.step
     params = search.params.get(k, 0)
     results.append((label, depth, params))
     rows.append((label, depth, params, search.memory.get(k, 0), search.memory.get(k + 1),
                  len(search.memory), search.compile_seconds))
-  base_depth, base_params = results[0][1], results[0][2]
-  lines = _common.header("GPipe Table 1 in kind: largest Transformer fitting 2 GiB per device",
-                         "python -m experiments.table1_max_depth", started)
-  lines += [
-      "Model: byte-level decoder Transformer (`configs/lm.py` overrides: width 256, 4 heads, "
-      "MLP 1024, sequence 256, global batch 32, dropout 0), AdamW (two moments per parameter), "
-      "float32. Depth is searched in multiples of the stage count.", "",
+  base_params = results[0][2]
+  lines = [
+      f"Model: byte-level decoder Transformer (`configs/lm.py` overrides: width {model['width']}, "
+      f"{model['num_heads']} heads, MLP {model['mlp_dim']}, sequence {model['seq_len']}, global "
+      f"batch {model['batch_size']}, dropout 0), AdamW (two moments per parameter), float32. "
+      "Depth is searched in multiples of the stage count.", "",
       "| setting | max layers | parameters | x naive (params) | memory at max | memory at "
       "next depth | compiles | compile s | paper (Table 1) |",
       "|---|---:|---:|---:|---:|---:|---:|---:|---|",
   ]
   for (label, depth, params, mem, mem_next, compiles, secs) in rows:
     ratio = params / base_params if base_params else float("nan")
-    nxt = f"{_common.gib(mem_next)} GiB" if mem_next else "-"
+    nxt = _common.size(mem_next) if mem_next else "-"
     lines.append(f"| {label} | {depth} | {params / 1e6:.1f}M | {ratio:.1f}x | "
-                 f"{_common.gib(mem)} GiB | {nxt} | {compiles} | {secs:.0f} | "
+                 f"{_common.size(mem)} | {nxt} | {compiles} | {secs:.0f} | "
                  f"{PAPER[label]} |")
   remat_ratio = rows[1][2] / base_params if base_params else float("nan")
-  s8 = rows[-1][2] / rows[1][2] if rows[1][2] else float("nan")
+  most = rows[-1][2] / rows[1][2] if rows[1][2] else float("nan")
   lines += [
       "",
       f"Remat plus micro-batching alone fits {remat_ratio:.1f}x the parameters of the naive "
-      f"step (paper: 2.7x for the Transformer, 3.9x for AmoebaNet); 8 stages fit {s8:.1f}x "
-      "the one-device remat model (paper: near-linear in the number of stages). Our naive "
-      "baseline is dominated by activations (sequence 256, batch 32, no remat), so remat helps "
+      f"step (paper: 2.7x for the Transformer, 3.9x for AmoebaNet); {settings[-1][1]} stages fit "
+      f"{most:.1f}x the one-device remat model (paper: near-linear in the number of stages). "
+      "Our naive "
+      f"baseline is dominated by activations (sequence {model['seq_len']}, batch "
+      f"{model['batch_size']}, no remat), so remat helps "
       "more here than in the paper, whose Transformer spent more of its memory on parameters "
       "(32k vocabulary, 12 bytes per parameter with RMSProp).", "",
       "![max depth](table1_max_depth.png)",
@@ -137,13 +145,14 @@ def main():
   for i, r in enumerate(rows[::-1]):
     ax.text(r[2] / 1e6, i, f" L={r[1]}", va="center", fontsize=8)
   ax.set_xlim(0, max(r[2] for r in rows) / 1e6 * 1.15)
-  ax.set_xlabel("parameters (millions) fitting 2 GiB per device")
-  ax.set_title("Largest trainable Transformer (AOT compiles, width 256)", fontsize=10)
+  ax.set_xlabel(f"parameters (millions) fitting {_common.size(budget)} per device")
+  ax.set_title(f"Largest trainable Transformer (AOT compiles, width {model['width']})",
+               fontsize=10)
   fig.tight_layout()
-  fig.savefig(f"{_common.RESULTS}/table1_max_depth.png", dpi=110)
-  _common.write("table1_max_depth.md", lines)
+  fig.savefig(run.beside("table1_max_depth.png"), dpi=110)
+  run.write(f"GPipe Table 1 in kind: largest Transformer fitting {_common.size(budget)} per "
+            "device", lines, _common.AOT_NOTE)
 
 
 if __name__ == "__main__":
-  _common.setup()
   main()

@@ -2,7 +2,8 @@
 
 Run from the repository root::
 
-  python -m experiments.table2_schedule_efficiency
+  python -m experiments.table2_schedule_efficiency           # experiments/results/table2_*
+  python -m experiments.table2_schedule_efficiency --smoke   # S=2, M in {1, 4}, a tiny model
 
 For S in {2, 4, 8} stages and M in {1, 4, 32} micro-batches, with the GPipe schedule and the
 circular schedule at R = 2 and 4 repeats, compiles the training step of a 32-layer Transformer
@@ -14,15 +15,11 @@ FLOPs (lockstep minus the bubble's share of the tick loops), the schedule's anal
 a measured pipeline efficiency that does not use the analytic bubble: the tick-loop FLOPs of the
 same model on one stage divided by S times the tick-loop lockstep FLOPs per device with S stages.
 The ideal speed-up over one device is S times that efficiency (communication ignored), beside
-the paper's measured speed-ups.
-
-Writes ``experiments/results/table2_schedule_efficiency.md`` and a timeline PNG per schedule at
-S=4, M=4.
+the paper's measured speed-ups. The timelines of GPipe and circular R=2 at S=4, M=4 go beside
+the markdown (``table2_timeline_*.png``).
 """
 
 from __future__ import annotations
-
-import time
 
 from experiments import _common
 
@@ -30,22 +27,31 @@ STAGES = (2, 4, 8)
 MICROBATCHES = (1, 4, 32)
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("circular", 4))
 MODEL = dict(num_layers=32, width=64, num_heads=2, mlp_dim=128, seq_len=32, batch_size=32)
+SMOKE = dict(stages=(2,), microbatches=(1, 4), schedules=(("gpipe", 1), ("circular", 2)),
+             model=dict(num_layers=8, width=32, num_heads=2, mlp_dim=64, seq_len=16,
+                        batch_size=8))
 
 
 def main():
   from tpipe import schedules  # pylint: disable=g-import-not-at-top
   from tpipe.tools import timeline  # pylint: disable=g-import-not-at-top
 
-  started = time.time()
+  run = _common.start("table2_schedule_efficiency", __doc__,
+                      smoke="S=2, M in {1, 4}, gpipe and circular R=2, a tiny model")
+  if run.smoke:
+    stages, microbatches, names, model = (SMOKE["stages"], SMOKE["microbatches"],
+                                          SMOKE["schedules"], SMOKE["model"])
+  else:
+    stages, microbatches, names, model = STAGES, MICROBATCHES, SCHEDULES, MODEL
   # One stage, M=4: the pipelined layers' FLOPs without any bubble (S=1 has none; with M=1 XLA
   # removes the one-trip tick loop, so M=4 is the reference for every M).
-  ref = _common.measure(_common.config(**MODEL, num_stages=1, num_microbatches=4))
+  ref = _common.measure(_common.config(**model, num_stages=1, num_microbatches=4))
   ref_loops = ref.analysis.pipeline.in_tick_loops
   rows = []
-  for name, repeats in SCHEDULES:
-    for s in STAGES:
-      for m in MICROBATCHES:
-        rep = _common.measure(_common.config(**MODEL, num_stages=s, num_microbatches=m,
+  for name, repeats in names:
+    for s in stages:
+      for m in microbatches:
+        rep = _common.measure(_common.config(**model, num_stages=s, num_microbatches=m,
                                              schedule=name, num_repeats=repeats))
         p = rep.analysis.pipeline
         measured = ref_loops / (s * p.in_tick_loops) if p.in_tick_loops else float("nan")
@@ -55,17 +61,17 @@ def main():
         print(f"  {name} R={repeats} S={s} M={m}: useful/executed {p.useful_fraction:.1%}, "
               f"useful/lockstep {p.lockstep_efficiency:.1%}, bubble {p.bubble_fraction:.1%}, "
               f"measured efficiency {measured:.1%}", flush=True)
-  lines = _common.header("GPipe Table 2 in kind: schedule efficiency",
-                         "python -m experiments.table2_schedule_efficiency", started)
-  lines += [
-      "Model: `configs/lm.py` with 32 layers, width 64, 2 heads, MLP 128, sequence 32, global "
-      "batch 32, no data parallelism, remat none. FLOPs are per device per training step.", "",
+  lines = [
+      f"Model: `configs/lm.py` with {model['num_layers']} layers, width {model['width']}, "
+      f"{model['num_heads']} heads, MLP {model['mlp_dim']}, sequence {model['seq_len']}, global "
+      f"batch {model['batch_size']}, no data parallelism, remat none. FLOPs are per device per "
+      "training step.", "",
       "- **lockstep FLOPs**: loop bodies times trip counts with every tick counted as busy. In "
       "lockstep SPMD an idle tick lasts as long as a busy one, so the step's duration follows "
       "these.",
-      "- **executed FLOPs**: what runs. Idle ticks skip the stage (a `lax.cond` on the busy "
-      "flag), so executed = lockstep - bubble x the stage's work in the tick loops: the bubble "
-      "costs time, not FLOPs.",
+      "- **executed FLOPs**: what runs. Idle ticks skip the stage (a conditional on the busy "
+      "flag, `tpipe.core.gated`), so executed = lockstep - bubble x the stage's work in the "
+      "tick loops: the bubble costs time, not FLOPs.",
       "- **useful / executed**: useful FLOPs (the busy slots' work and everything outside the "
       "tick loops: embedding, head, loss, optimizer) over executed FLOPs. Below 100% only by the "
       "per-tick bookkeeping that idle ticks still run outside the conditional.",
@@ -73,7 +79,7 @@ def main():
       "spent on useful work: about 1 - bubble.",
       "- **measured pipeline efficiency**: tick-loop lockstep FLOPs of the one-stage step / (S x "
       "tick-loop lockstep FLOPs per device of the S-stage step). It does not use the analytic "
-      "bubble; it should equal 1 - bubble up to the executor's per-tick bookkeeping.",
+      "bubble; it should equal 1 - bubble up to the tick loop's per-tick bookkeeping.",
       "- **ideal speed-up** = S x measured efficiency: what the pipelined layers would gain over "
       "one device if compute were the only cost.", "",
       f"Reference: one stage, M=4 (no bubble, so lockstep = executed): {ref_loops:.4g} FLOPs in "
@@ -98,19 +104,18 @@ def main():
       "divides it by about R: (S-1)/(R*M+S-1) when M >= S.",
       "",
       "Things the measured column shows that the analytic bubble does not: the per-tick "
-      "bookkeeping of the executor (selects, dynamic slices, the buffer writes), and any work "
+      "bookkeeping of the tick loop (selects, dynamic slices, the buffer writes), and any work "
       "outside the tick loops that every stage repeats.",
       "",
       "![gpipe S=4 M=4](table2_timeline_gpipe.png)",
       "![circular S=4 M=4 R=2](table2_timeline_circular_r2.png)",
   ]
-  timeline.save_timeline(schedules.gpipe(4, 4),
-                         f"{_common.RESULTS}/table2_timeline_gpipe.png", backward=True)
-  timeline.save_timeline(schedules.circular(4, 4, 2),
-                         f"{_common.RESULTS}/table2_timeline_circular_r2.png", backward=True)
-  _common.write("table2_schedule_efficiency.md", lines)
+  timeline.save_timeline(schedules.build("gpipe", 4, 4),
+                         run.beside("table2_timeline_gpipe.png"), backward=True)
+  timeline.save_timeline(schedules.build("circular", 4, 4, 2),
+                         run.beside("table2_timeline_circular_r2.png"), backward=True)
+  run.write("GPipe Table 2 in kind: schedule efficiency", lines, _common.AOT_NOTE)
 
 
 if __name__ == "__main__":
-  _common.setup()
   main()
