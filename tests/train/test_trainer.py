@@ -147,7 +147,7 @@ def _run_two_processes(workdir):
 
 
 @pytest.mark.slow
-def test_two_processes_log_the_same_losses_as_one(reference, tmp_path):
+def test_two_processes_train_as_one_does(reference, tmp_path):
   workdir = tmp_path / "run"
   procs, errors = _run_two_processes(workdir)
   bind_failed = any(m in e.lower() for e in errors
@@ -161,10 +161,12 @@ def test_two_processes_log_the_same_losses_as_one(reference, tmp_path):
   assert "2 processes, 8 devices" in errors[0]
   # Only process 0 writes: one record per step.
   assert [r["step"] for r in metrics.read_metrics(workdir)] == list(range(1, NUM_STEPS + 1))
-  ref_losses, losses = train_runs.losses(reference), train_runs.losses(workdir)
-  # The same program on the same mesh, split over two processes: the same numbers.
-  for step in STEPS:
-    assert losses[step] == ref_losses[step], (step, losses[step], ref_losses[step])
+  # The same program on the same mesh, split over two processes. Its all-reduces cross a process
+  # boundary and may add in another order, so the losses agree to rounding, not bit for bit: as
+  # close to the float64 run as the one-process run's are.
+  numerics.assert_as_close_as_plain(
+      train_runs.logged_losses(workdir, STEPS), train_runs.logged_losses(reference, STEPS),
+      train_runs.lm_float64_losses(), what="the two-process run's losses")
 
 
 @pytest.mark.slow
