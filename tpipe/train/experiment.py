@@ -361,19 +361,22 @@ class Experiment:
     return metrics
 
 
-def build(config: ml_collections.ConfigDict) -> Experiment:
+def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
   """Builds the mesh, model, optimizer and jitted steps for ``config``.
 
   Args:
     config: an experiment config (``configs/lm.py``, ``configs/convnet.py``); validated before
       any tracing.
+    devices: the devices of the mesh; default ``jax.devices()``. Devices of a TPU topology
+      description (``jax.experimental.topologies``) compile the steps for that target from any
+      machine (:mod:`tpipe.train.report`'s ``--topology``).
 
   Returns:
     An :class:`Experiment`.
   """
   validate_config(config)
   task = tasks_lib.get_task(config)
-  mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data)
+  mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data, devices=devices)
   x, kwargs = task.model_inputs(task.batch_shapes(config))
   model = make_model(config, mesh)
   pipeline = model.pipeline_for(x, rng_names=("dropout",), **kwargs)
