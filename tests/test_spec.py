@@ -120,11 +120,13 @@ _BAD = [
     (dict(remat=3), TypeError, r"remat must be one of \('none', 'full', 'dots'\) or a "
                                r"jax\.checkpoint policy callable, got 3 of type int"),
     (dict(remat_granularity="block"), ValueError,
-     r"Unknown remat_granularity 'block'; choose one of \('chunk', 'layer'\) or a positive int k"),
+     r"Unknown remat_granularity 'block'; choose one of \('chunk', 'layer', 'nested'\) or a "
+     r"positive int k"),
     (dict(remat_granularity=0), ValueError,
      r"remat_granularity must be >= 1 layer units per checkpoint, got 0; or choose one of"),
     (dict(remat_granularity=1.5), TypeError,
-     r"remat_granularity must be one of \('chunk', 'layer'\) or a positive int, got 1\.5"),
+     r"remat_granularity must be one of \('chunk', 'layer', 'nested'\) or a positive int, "
+     r"got 1\.5"),
     (dict(remat_granularity=True), TypeError, r"remat_granularity must be .* got True"),
     (dict(unroll=0), ValueError, r"unroll must be an int >= 1 \(layer units per iteration of a "
                                  r"repeated layer's loop\) or True \(unroll it whole\), got 0"),
@@ -226,8 +228,8 @@ def test_for_stack_errors(length, settings, match):
 
 @unit
 def test_check_functions():
-  assert [spec_lib.check_remat_granularity(g) for g in ("chunk", "layer", 3, np.int64(2))] == [
-      None, 1, 3, 2]
+  granularities = ("chunk", "layer", "nested", 3, np.int64(2))
+  assert [spec_lib.check_remat_granularity(g) for g in granularities] == [None, 1, 1, 3, 2]
   for remat in ("none", "full", "dots", jax.checkpoint_policies.dots_saveable):
     spec_lib.check_remat(remat)
   for unroll in (1, 4, True, False):

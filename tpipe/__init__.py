@@ -21,6 +21,7 @@ from tpipe.linen.sequential import Sequential
 from tpipe.linen.transform import pipeline
 from tpipe.mesh import data_sharding
 from tpipe.mesh import make_mesh
+from tpipe.mesh import topology_devices
 from tpipe.schedules import FusedSchedule
 from tpipe.schedules import Schedule
 from tpipe.schedules import make_fused_schedule
@@ -42,6 +43,7 @@ __all__ = [
     "data_sharding",
     "make_fused_schedule",
     "make_mesh",
+    "topology_devices",
     "make_schedule",
     "make_train_step",
     "nnx",

@@ -101,3 +101,32 @@ def resolve(mesh: Mesh | None, num_stages: int, stage_axis: str, owner: str):
     origin = f"the mesh passed to {owner}"
   check_stage_axis(mesh, num_stages, stage_axis, origin)
   return mesh
+
+
+def topology_devices(topology: str, platform: str = "tpu") -> list:
+  """The devices of an accelerator topology this machine need not have, to compile for it.
+
+  ``jax.experimental.topologies`` describes a slice (``"v5p:2x2x2"``: 8 TPU v5p chips) with
+  the target's own compiler (libtpu for TPUs); a mesh over these devices lowers and compiles
+  (``jax.jit(...).lower(...).compile()``, ``memory_analysis()``) as on the slice, but runs
+  nothing. Example: ``make_mesh(stages=4, data=2, devices=topology_devices("v5p:2x2x2"))``.
+
+  Args:
+    topology: a topology name as ``get_topology_desc`` takes it, e.g. ``"v5p:2x2x2"``,
+      ``"v5e:4x4"``, ``"v4:2x2x1"``.
+    platform: the platform of the topology.
+
+  Raises:
+    ValueError: the compiler for ``platform`` is not installed, or it does not know
+      ``topology``.
+  """
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+  try:
+    return list(topologies.get_topology_desc(platform=platform,
+                                             topology_name=topology).devices)
+  except Exception as error:  # The plugin raises RuntimeError/ValueError/XlaRuntimeError.
+    hint = ("install the TPU compiler (libtpu) with pip install -e '.[tpu]'"
+            if platform == "tpu" else f"install the {platform} plugin")
+    raise ValueError(f"Cannot describe the {platform} topology {topology!r} ({error}); "
+                     f"{hint}, and name a topology as 'v5p:2x2x2' or 'v5e:4x4'.") from None

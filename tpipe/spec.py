@@ -34,7 +34,7 @@ from tpipe import schedules
 
 BALANCE_NAMES = ("params", "flops", "time")
 REMAT_NAMES = ("none", "full", "dots")
-GRANULARITY_NAMES = ("chunk", "layer")
+GRANULARITY_NAMES = ("chunk", "layer", "nested")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,10 @@ class PipelineSpec:
     remat: ``"none"``, ``"full"`` (keep each piece's input, recompute the rest), ``"dots"``
       (keep matmul outputs) or a ``jax.checkpoint`` policy.
     remat_granularity: what one checkpoint covers: ``"chunk"`` (a stage's whole chunk),
-      ``"layer"`` (each layer unit) or an int ``k`` (every ``k`` consecutive units).
+      ``"layer"`` (each layer unit), an int ``k`` (every ``k`` consecutive units), or
+      ``"nested"`` (the chunk, and inside it each unit: across ticks the chunk keeps one input
+      as with ``"chunk"``, and its backward holds one unit's intermediates at a time as with
+      ``"layer"``, for one more forward per unit).
     per_example: names of keyword arguments whose arrays carry the batch as leading axis; they
       are split into micro-batches with the input. Other arrays are broadcast to every layer.
     unroll: layer units per iteration of a repeated layer's ``lax.scan`` (``True``: all), as in
@@ -185,12 +188,14 @@ def check_remat_granularity(granularity) -> int | None:
   ``"chunk"`` (the whole chunk is the one piece).
 
   Args:
-    granularity: ``"chunk"``, ``"layer"`` (the same as ``1``) or a positive int ``k``.
+    granularity: ``"chunk"``, ``"layer"`` (the same as ``1``), ``"nested"`` (pieces of one unit
+      inside the chunk's own checkpoint, :func:`tpipe.core.remat.chunk_policy`) or a positive
+      int ``k``.
   """
   if isinstance(granularity, str):
     if granularity == "chunk":
       return None
-    if granularity == "layer":
+    if granularity in ("layer", "nested"):
       return 1
     raise ValueError(f"Unknown remat_granularity {granularity!r}; choose one of "
                      f"{GRANULARITY_NAMES} or a positive int k (k layer units per checkpoint).")

@@ -97,15 +97,19 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
     rows = local_batch // num_microbatches
     microbatches = spmd.split_microbatches(x, num_microbatches)
     per_example = spmd.split_microbatches(per_example, num_microbatches)
-    ring_zero = chunks_lib.zeros_with_rows(chunkset.ring.example, rows)
-    carry = {"incoming": axes.vary(ring_zero),
-             "outputs": axes.vary(spmd.stacked_zeros(
-                 chunks_lib.zeros_with_rows(chunkset.output_example, rows), num_microbatches))}
-    if with_stats:
-      slot = chunkset.stats_layout.local_shapes()
-      carry["sums"] = axes.vary(spmd.stacked_zeros(slot, num_repeats))
-    if num_repeats > 1:
-      carry["loop_back"] = axes.vary(spmd.stacked_zeros(ring_zero, num_microbatches))
+    # The buffers are made under named scopes so a memory breakdown (tpipe.tools.peak) can
+    # tell what each one is.
+    with jax.named_scope(spmd.MAILBOX_SCOPE):
+      ring_zero = chunks_lib.zeros_with_rows(chunkset.ring.example, rows)
+      carry = {"incoming": axes.vary(ring_zero)}
+    with jax.named_scope(spmd.BOUNDARY_SCOPE):
+      carry["outputs"] = axes.vary(spmd.stacked_zeros(
+          chunks_lib.zeros_with_rows(chunkset.output_example, rows), num_microbatches))
+      if with_stats:
+        slot = chunkset.stats_layout.local_shapes()
+        carry["sums"] = axes.vary(spmd.stacked_zeros(slot, num_repeats))
+      if num_repeats > 1:
+        carry["loop_back"] = axes.vary(spmd.stacked_zeros(ring_zero, num_microbatches))
 
     def tick(carry, row):
       carry = dict(carry)
@@ -129,8 +133,11 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
         carry["sums"] = spmd.add_to_slot(carry["sums"], rep, results[2])
       finished = ((row["branch"] >= 0) & (stage == schedule.num_stages - 1)
                   & (rep == num_repeats - 1))
-      carry["outputs"] = spmd.write_slot(carry["outputs"], mb, output, finished)
-      carry["incoming"] = lax.ppermute(to_next, axes.stage, ring_pairs) if ring_pairs else to_next
+      with jax.named_scope(spmd.BOUNDARY_SCOPE):
+        carry["outputs"] = spmd.write_slot(carry["outputs"], mb, output, finished)
+      with jax.named_scope(spmd.MAILBOX_SCOPE):
+        carry["incoming"] = (lax.ppermute(to_next, axes.stage, ring_pairs) if ring_pairs
+                             else to_next)
       return carry, None
 
     carry, _ = lax.scan(tick, carry, rows_table)

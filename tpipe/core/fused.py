@@ -316,15 +316,19 @@ class _Run:
     if self.split:
       branches += [self.backward_branch(b, device, True) for b in range(count)]
       branches += [self.weight_branch(b, device) for b in range(count)]
-    carry = {"state": axes.vary(self._initial_state(device, collect)),
-             "weights": axes.vary(spmd.stacked_zeros(
-                 packing.empty(self.weight_sizes) if self.split else {},
-                 max(1, int(schedule.awaiting_weight().max())))),
-             "stash": axes.vary(spmd.stacked_zeros(
-                 device.ring_zero, max(1, int(schedule.stash_slots().max())))),
-             "mailbox": axes.vary(spmd.stacked_zeros(
-                 device.ring_zero, max(1, int(schedule.mailbox_slots().max())))),
-             "arrived": axes.vary((device.ring_zero,) * 3)}
+    # Named scopes let a memory breakdown (tpipe.tools.peak) tell the buffers apart.
+    with jax.named_scope(spmd.GRADIENTS_SCOPE):
+      carry = {"state": axes.vary(self._initial_state(device, collect))}
+    with jax.named_scope(spmd.STASH_SCOPE):
+      carry["weights"] = axes.vary(spmd.stacked_zeros(
+          packing.empty(self.weight_sizes) if self.split else {},
+          max(1, int(schedule.awaiting_weight().max()))))
+      carry["stash"] = axes.vary(spmd.stacked_zeros(
+          device.ring_zero, max(1, int(schedule.stash_slots().max()))))
+    with jax.named_scope(spmd.MAILBOX_SCOPE):
+      carry["mailbox"] = axes.vary(spmd.stacked_zeros(
+          device.ring_zero, max(1, int(schedule.mailbox_slots().max()))))
+      carry["arrived"] = axes.vary((device.ring_zero,) * 3)
 
     def tick(carry, row):
       row = jax.tree.map(lambda a: a[device.stage], row)

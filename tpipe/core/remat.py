@@ -58,9 +58,14 @@ def chunk_policy(remat, granularity) -> Any:
   what the remat policy saves inside it. So across ticks a chunk keeps one input per piece
   instead of one, and its backward recomputes one piece at a time (the same recompute FLOPs as
   ``"chunk"``) instead of holding every unit's intermediates at once.
+
+  ``"nested"`` is the remat policy too, around pieces of one unit: across ticks the chunk keeps
+  what ``"chunk"`` keeps, and its backward first recomputes the chunk keeping each unit's input
+  (the residuals of the units' own checkpoints), then recomputes and differentiates one unit at
+  a time: one more forward per unit than ``"chunk"``, one unit's intermediates at a time.
   """
   policy = policy_of(remat)
-  if spec_lib.check_remat_granularity(granularity) is None:
+  if granularity == "nested" or spec_lib.check_remat_granularity(granularity) is None:
     return policy
   inputs = jax.checkpoint_policies.save_only_these_names(PIECE_INPUT_NAME)
   if policy is None:

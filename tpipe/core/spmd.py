@@ -22,6 +22,15 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 
+# Named scopes around the tick loops' own buffers, which tpipe.tools.peak reads back from the
+# compiled program's metadata: stage-to-stage messages; the pipeline's output and loop-back
+# buffers; a fused schedule's stash and weight slots, and its running gradient sums.
+MAILBOX_SCOPE = "tpipe_mailbox"
+BOUNDARY_SCOPE = "tpipe_boundary"
+STASH_SCOPE = "tpipe_stash"
+GRADIENTS_SCOPE = "tpipe_gradients"
+
+
 def varying_axes(leaf) -> frozenset:
   """The manual mesh axes a traced value varies over (empty outside ``shard_map``)."""
   mat = getattr(jax.typeof(leaf), "manual_axis_type", None)

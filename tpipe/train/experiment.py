@@ -67,11 +67,12 @@ def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.Pipe
       remat_granularity=tasks_lib.remat_granularity(config), mesh=mesh)
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
+def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
   """Checks the fields this module reads; raises ValueError/TypeError naming the fix.
 
   Args:
     config: the experiment config (see ``configs/lm.py``).
+    devices: the devices the mesh will use; default ``jax.devices()``.
   """
   task = tasks_lib.get_task(config)
   missing = [k for k in _REQUIRED_FIELDS + task.fields if k not in config]
@@ -110,11 +111,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.learning_rate <= 0:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")
   needed = config.num_stages * config.num_data
-  available = jax.device_count()
+  available = jax.device_count() if devices is None else len(devices)
   if needed > available:
+    where = "JAX sees only" if devices is None else "the devices given are"
     raise ValueError(
         f"config.num_stages * config.num_data = {config.num_stages} * {config.num_data} = "
-        f"{needed} devices, but JAX sees only {available}. Shrink the mesh, or on CPU set "
+        f"{needed} devices, but {where} {available}. Shrink the mesh, or on CPU set "
         f"JAX_NUM_CPU_DEVICES={needed} (tpipe.train does this by default).")
 
 
@@ -374,7 +376,7 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
   Returns:
     An :class:`Experiment`.
   """
-  validate_config(config)
+  validate_config(config, devices)
   task = tasks_lib.get_task(config)
   mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data, devices=devices)
   x, kwargs = task.model_inputs(task.batch_shapes(config))

@@ -94,6 +94,10 @@ class Report:
     ring_bytes: one micro-batch in the format that crosses stage boundaries.
     floor_seconds: wall-clock time to measure the stages (per-unit FLOPs and each distinct
       chunk's forward and backward compiled alone).
+    peak: the :class:`tpipe.tools.peak.PeakBreakdown` of the compiled step (what is live at
+      its memory peak, by role), or None when not asked for.
+    topology: the accelerator topology compiled for (``"v5p:2x2x2"``), or None for this
+      machine's devices.
   """
 
   config: Any
@@ -109,6 +113,8 @@ class Report:
   layout: Any = None
   ring_bytes: int = 0
   floor_seconds: float = 0.0
+  peak: Any = None
+  topology: str | None = None
 
   @property
   def floor(self):
@@ -205,6 +211,8 @@ class Report:
         "lower_seconds": self.lower_seconds,
         "compile_seconds": self.compile_seconds,
         "compile_cpu_seconds": self.cpu_seconds,
+        "topology": self.topology,
+        "live_at_peak_bytes_by_role": self.peak.by_role() if self.peak else None,
     }
 
 
@@ -266,13 +274,21 @@ def format_schedule(schedule) -> list[str]:
           f"{timing.lockstep_bubble:.1%}."]
 
 
-def compile_train_step(exp):
+def compile_train_step(exp, breakdown: bool = False):
   """AOT-compiles an experiment's train step for its abstract state and batch (never runs it).
+
+  Args:
+    exp: the experiment.
+    breakdown: also read what is live at the peak from XLA's buffer assignment (compiles with
+      its dump options into a temporary directory).
 
   Returns:
     ``(compiled, abstract_state, abstract_batch, lower_seconds, compile_seconds,
-    cpu_seconds)``: wall-clock times, and the process CPU time of both together.
+    cpu_seconds, peak)``: wall-clock times, the process CPU time of both together, and the
+    :class:`tpipe.tools.peak.PeakBreakdown` (None without ``breakdown``).
   """
+  from tpipe.tools import peak as peak_lib  # pylint: disable=g-import-not-at-top
+
   import jax  # pylint: disable=g-import-not-at-top
 
   state, batch = exp.abstract_state(), exp.abstract_batch()
@@ -280,10 +296,13 @@ def compile_train_step(exp):
   start = time.perf_counter()
   lowered = exp.train_step.lower(state, batch, jax.random.key(0))
   lowered_at = time.perf_counter()
-  compiled = lowered.compile()
+  if breakdown:
+    compiled, peak = peak_lib.breakdown_of_lowered(lowered)
+  else:
+    compiled, peak = lowered.compile(), None
   done = time.perf_counter()
   cpu = time.process_time() - cpu_start
-  return compiled, state, batch, lowered_at - start, done - lowered_at, cpu
+  return compiled, state, batch, lowered_at - start, done - lowered_at, cpu, peak
 
 
 def measure_stages(exp, schedule, unit_flops=None):
@@ -336,7 +355,8 @@ def measure_stages(exp, schedule, unit_flops=None):
   return tuple(stages), stage_costs.ring_bytes(inputs)
 
 
-def analyze_config(config, unit_flops=None, per_stage: bool = True) -> Report:
+def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
+                   topology: str | None = None, breakdown: bool = False) -> Report:
   """Builds the experiment for ``config``, compiles its train step and measures it.
 
   Args:
@@ -344,16 +364,24 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True) -> Report:
     unit_flops: per-unit FLOPs already measured (see :func:`measure_stages`), or None.
     per_stage: also measure every stage and the memory floor (:func:`measure_stages`: per-unit
       FLOPs and each distinct chunk compiled alone); without it ``stages`` is empty, as the
-      auto-tuner, which needs only the step's own figures, asks.
+      auto-tuner, which needs only the step's own figures, asks. Not with ``topology``
+      (the chunks would compile for it too; the step's own figures are what the target says).
+    topology: compile for this accelerator topology (``"v5p:2x2x2"``,
+      :func:`tpipe.mesh.topology_devices`) instead of this machine's devices.
+    breakdown: break the peak down by role (:mod:`tpipe.tools.peak`).
 
   Returns:
     A :class:`Report`.
   """
+  import tpipe  # pylint: disable=g-import-not-at-top
+
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
   from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
 
-  exp = experiment.build(config)
-  compiled, state, batch, lower_s, compile_s, cpu_s = compile_train_step(exp)
+  devices = tpipe.topology_devices(topology) if topology else None
+  per_stage = per_stage and topology is None
+  exp = experiment.build(config, devices=devices)
+  compiled, state, batch, lower_s, compile_s, cpu_s, peak = compile_train_step(exp, breakdown)
   schedule = exp.pipeline.spec.table  # Forward or fused: what the step runs.
   result = analysis.analyze(
       compiled, mesh=exp.mesh, schedule=schedule, programs=exp.pipeline.programs(),
@@ -365,7 +393,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True) -> Report:
                 num_devices=int(exp.mesh.devices.size), schedule=schedule, analysis=result,
                 lower_seconds=lower_s, compile_seconds=compile_s, compiled=compiled,
                 cpu_seconds=cpu_s, stages=stages, layout=exp.layout, ring_bytes=ring,
-                floor_seconds=floor_s)
+                floor_seconds=floor_s, peak=peak, topology=topology)
 
 
 def _flops(x: float) -> str:
@@ -395,7 +423,8 @@ def format_report(report: Report) -> str:
       f"remat_granularity={c.get('remat_granularity', 'chunk')}, "
       f"dtype={c.get('dtype', 'float32')}, "
       f"batch={c.batch_size}{seq}; lowered in {report.lower_seconds:.1f} s, "
-      f"compiled in {report.compile_seconds:.1f} s (not run).",
+      f"compiled in {report.compile_seconds:.1f} s (not run)"
+      + (f" for the TPU topology {report.topology}." if report.topology else "."),
       "",
       "| memory per device | bytes |",
       "|---|---:|",
@@ -436,6 +465,13 @@ def format_report(report: Report) -> str:
                  f"{row['count']} | {fb(row['bytes'])} | {row['in_loop']} |")
   if report.stages:
     lines += [""] + format_stages(report)
+  if report.peak is not None:
+    lines += ["", "### What is live at the memory peak", "",
+              "From XLA's buffer assignment of the compiled step (`tpipe.tools.peak`): the buffers "
+              "live where the program's memory use peaks, each with the role that made it. "
+              f"The compiler allocates {fb(mem.temporaries)} of temporaries in all; what is not "
+              "live at that point is the allocator's packing of buffers live at other times.",
+              "", report.peak.format(count=12)]
   return "\n".join(lines)
 
 
@@ -514,6 +550,9 @@ def define_flags() -> None:
       "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.",
       lock_config=False)
   flags.DEFINE_string(
+      "topology", None, "Compile for this TPU topology instead of this machine's devices, e.g. "
+      "v5p:2x2x2 (needs the TPU compiler: pip install -e '.[tpu]'); nothing runs.")
+  flags.DEFINE_string(
       "out_dir", None, "Directory for report.md, report.json and timeline.png (default: a new "
       "temporary directory).")
 
@@ -524,8 +563,9 @@ def main(argv):
   config = flags.FLAGS.config
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/lm.py:size=tiny.")
-  setup_cpu_devices(config)
-  report = analyze_config(config)
+  if not flags.FLAGS.topology:
+    setup_cpu_devices(config)
+  report = analyze_config(config, topology=flags.FLAGS.topology, breakdown=True)
   out_dir = flags.FLAGS.out_dir or tempfile.mkdtemp(prefix="tpipe_report_")
   paths = write_report(report, out_dir)
   print(format_report(report))

@@ -1,0 +1,135 @@
+"""``tpipe.tools.peak``: the buffers live at a compiled step's memory peak, each with a role."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import tpipe
+from tpipe.tools import peak
+
+# A loop whose carried value starts as zeros made in the forward pass (a stash), a body
+# parameter and the loop's result aliasing it, and a parameter argument.
+HLO = '''HloModule m
+
+%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[8,4]{1,0}) %p), index=0
+  %buf = f32[8,4]{1,0} get-tuple-element((s32[], f32[8,4]{1,0}) %p), index=1
+  ROOT %t = (s32[], f32[8,4]{1,0}) tuple(s32[] %i, f32[8,4]{1,0} %buf)
+}
+
+%cond (q: (s32[], f32[8,4])) -> pred[] {
+  %q = (s32[], f32[8,4]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(false)
+}
+
+ENTRY %main (w: f32[4,4], o: f32[4,4]) -> f32[8,4] {
+  %w = f32[4,4]{1,0} parameter(0), metadata={op_name="state.params['kernel']"}
+  %o = f32[4,4]{1,0} parameter(1), metadata={op_name="state.opt_state[0].mu['kernel']"}
+  %z = f32[8,4]{1,0} broadcast(f32[] %zero), metadata={op_name="jit(step)/jvp()/broadcast"}
+  %g = f32[4,4]{1,0} add(f32[4,4]{1,0} %w, f32[4,4]{1,0} %w), metadata={op_name="jit(step)/add"}
+  %c16 = bf16[4,4]{1,0} convert(f32[4,4]{1,0} %w), metadata={op_name="jit(step)/convert"}
+  %s = s32[] constant(0)
+  %init = (s32[], f32[8,4]{1,0}) tuple(s32[] %s, f32[8,4]{1,0} %z)
+  %loop = (s32[], f32[8,4]{1,0}) while((s32[], f32[8,4]{1,0}) %init), condition=%cond, body=%body
+  ROOT %out = f32[8,4]{1,0} get-tuple-element((s32[], f32[8,4]{1,0}) %loop), index=1
+}'''
+
+LIVE = '''HloLiveRange (max 9):
+  Live ranges at 7 (peak):
+    w{}: 64 bytes (cumulative: 64 bytes)
+    o{}: 64 bytes (cumulative: 128 bytes)
+    z{}: 128 bytes (cumulative: 256 bytes)
+    p{1}: 128 bytes (cumulative: 384 bytes)
+    g{}: 64 bytes (cumulative: 448 bytes)
+    c16{}: 32 bytes (cumulative: 480 bytes)
+  Stack trace breakdown for peak usage: 480 bytes'''
+
+ASSIGNMENT = '''allocation 0: size 64, parameter 0, shape |f32[4,4]| at ShapeIndex {}:
+ value: <1 w @0> (size=64,offset=0): f32[4,4]{1,0}
+allocation 1: size 64, parameter 1, shape |f32[4,4]| at ShapeIndex {}:
+ value: <2 o @0> (size=64,offset=0): f32[4,4]{1,0}
+allocation 2: size 2048, preallocated-temp:
+ value: <3 z @0> (size=512,offset=0): f32[8,4]{1,0}
+ value: <4 p{1} (phi) @0> (size=512,offset=0): f32[8,4]{1,0}
+ value: <5 g @0> (size=64,offset=512): f32[4,4]{1,0}
+ value: <6 c16 @0> (size=32,offset=576): bf16[4,4]{1,0}'''
+
+
+@pytest.mark.unit  # Text only.
+def test_roles_from_the_origin_of_each_value():
+  values = {v.name: v for v in peak.peak_values(LIVE, HLO)}
+  assert {n: v.role for n, v in values.items()} == {
+      "w{}": "parameters", "o{}": "optimizer state", "z{}": "forward working set",
+      "p{1}": "stash", "g{}": "gradient accumulators", "c16{}": "weight casts"}
+  # The loop's body parameter is traced to the zeros that started it.
+  assert values["p{1}"].origin == "jit(step)/jvp()/broadcast"
+  assert values["p{1}"].shape == "f32[8,4]"
+
+
+@pytest.mark.unit  # Text only.
+def test_values_sharing_a_buffer_count_once_at_the_allocated_size():
+  values = peak.peak_values(LIVE, HLO, assignment_text=ASSIGNMENT)
+  breakdown = peak.PeakBreakdown(tuple(values))
+  # z and p{1} are one buffer (offset 0 of the temp allocation), 512 bytes with padding; it is
+  # named by the more specific role (the loop's stash, not the zeros' working set).
+  assert [(v.name, v.bytes, v.role) for v in values] == [
+      ("p{1}", 512, "stash"), ("w{}", 64, "parameters"), ("o{}", 64, "optimizer state"),
+      ("g{}", 64, "gradient accumulators"), ("c16{}", 32, "weight casts")]
+  assert breakdown.total == 736 and breakdown.arguments == 128
+  assert breakdown.temporaries == 608 and breakdown.unexplained == 0
+  assert breakdown.by_role()["stash"] == 512
+  assert "| stash | 0.000 GiB |" in breakdown.format()
+
+
+@pytest.mark.unit  # Text only.
+def test_a_dump_without_a_peak_section_is_refused():
+  with pytest.raises(ValueError, match="no 'Live ranges at N \\(peak\\):' section"):
+    peak.parse_peak("HloLiveRange (max 1):\n")
+  with pytest.raises(FileNotFoundError, match="no \\*after_optimizations-live-range.txt"):
+    peak.read_dump("/nonexistent")
+
+
+class Block(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(x)))
+
+
+def test_a_gpipe_step_on_cpu_is_explained():
+  """The compiled train step of a 4-stage stack: the parameters and their gradient sums are
+  live at the peak with the same bytes, the forward loop's stash is named, and what no rule
+  explains is under a tenth of the temporaries."""
+  mesh = tpipe.make_mesh(stages=4)
+  model = tpipe.pipeline(Block, length=8, num_stages=4, num_microbatches=8, remat="full",
+                         mesh=mesh)()
+  x = jnp.ones((64, 128))
+  params = {"blocks": model.init(jax.random.key(0), x)["params"]}
+  optimizer = optax.sgd(0.1)
+  state = tpipe.create_train_state(params, optimizer,
+                                   tpipe.shardings(params, mesh, ("blocks",)))
+  loss = lambda p, b, rng: jnp.mean(model.apply({"params": p["blocks"]}, b) ** 2)
+  step = tpipe.make_train_step(loss, optimizer,
+                               shardings=jax.tree.map(lambda a: a.sharding, state))
+  lowered = step.lower(state, jax.device_put(x, tpipe.data_sharding(mesh)), jax.random.key(0))
+  compiled, breakdown = peak.breakdown_of_lowered(lowered)
+  roles = breakdown.by_role()
+  per_device = sum(a.size * 4 for a in jax.tree.leaves(params)) // 4  # one stage's parameters
+  assert roles["parameters"] == per_device, roles
+  assert roles["gradient accumulators"] >= per_device, roles
+  # The stash: at least every micro-batch's stage input (8 micro-batches of 8 rows of 128).
+  assert roles["stash"] >= 8 * 8 * 128 * 4, breakdown.format(30)
+  assert breakdown.unexplained < 0.1 * breakdown.temporaries, breakdown.format()
+  assert breakdown.total <= (compiled.memory_analysis().argument_size_in_bytes
+                             + compiled.memory_analysis().temp_size_in_bytes)
+
+
+@pytest.mark.unit
+def test_the_scopes_it_reads_are_the_ones_the_tick_loops_write():
+  from tpipe.core import spmd  # pylint: disable=g-import-not-at-top
+
+  assert set(peak.SCOPE_ROLES) == {spmd.MAILBOX_SCOPE, spmd.BOUNDARY_SCOPE, spmd.STASH_SCOPE,
+                                   spmd.GRADIENTS_SCOPE}

@@ -1,0 +1,390 @@
+"""What is live at a compiled program's memory peak, and why: every buffer with a role.
+
+XLA's buffer assignment knows, for the optimised per-device program, which values are live at
+the point where memory use peaks. With ``--xla_dump_to`` it writes that list (the
+``*-live-range.txt`` file: ``Live ranges at N (peak):``, one ``value{index}: bytes`` line per
+value) next to the optimised HLO text (``*after_optimizations.txt``). This module reads both and
+gives every live value a **role**:
+
+========================  ==================================================================
+role                      what it is
+========================  ==================================================================
+parameters                the step's parameter arguments (``state.params``)
+optimizer state           the optimizer's arguments (``state.opt_state``)
+batch and other inputs    every other argument
+gradient accumulators     parameter-shaped values in the parameters' dtype that the program
+                          computes: the running gradient sums and each tick's gradient
+weight casts              parameter-shaped values in another float dtype (bfloat16 copies)
+stash                     what the forward tick loop keeps for the backward (its residuals)
+mailbox                   stage-to-stage messages (``ppermute``) and the mailboxes holding them
+boundary buffers          the pipeline's output, loop-back and micro-batch buffers
+logits and loss           values computed by the head and its loss
+remat working set         intermediates a checkpointed chunk recomputes in its backward
+backward working set      other values of the backward pass
+forward working set       other values of the forward pass
+other                     what no rule explains
+========================  ==================================================================
+
+The role comes from the value's origin: a loop-carried value (a ``while`` loop's parameter or
+result) is traced back to the operand that started it, then named by the ``op_name`` metadata of
+the instruction that made it, which carries JAX's name stack (``jvp(...)``, ``transpose(...)``,
+``checkpoint``, module names and the named scopes tpipe's engine adds, such as
+``tpipe_mailbox``). Python and NumPy only; :func:`breakdown_of_lowered` compiles a lowered JAX
+program with the dump options and reads the files back.
+
+Example (``text`` and ``hlo`` from one dump)::
+
+  >>> hlo = '''HloModule m
+  ...
+  ... ENTRY %main (x: f32[4]) -> f32[4] {
+  ...   %x = f32[4]{0} parameter(0), metadata={op_name="state.params"}
+  ...   ROOT %n = f32[4]{0} negate(f32[4]{0} %x), metadata={op_name="jit(f)/neg"}
+  ... }'''
+  >>> live = '''  Live ranges at 1 (peak):
+  ...     x{}: 16 bytes (cumulative: 16 bytes)
+  ...     n{}: 16 bytes (cumulative: 32 bytes)'''
+  >>> [(v.role, v.bytes) for v in peak_values(live, hlo)]
+  [('parameters', 16), ('other', 16)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+from typing import Iterable, Sequence
+
+from tpipe.tools import hlo as hlo_lib
+
+ROLES = ("parameters", "optimizer state", "batch and other inputs", "gradient accumulators",
+         "weight casts", "stash", "mailbox", "boundary buffers", "logits and loss",
+         "remat working set", "backward working set", "forward working set", "other")
+# Roles of the step's arguments (the rest are temporaries).
+ARGUMENT_ROLES = ("parameters", "optimizer state", "batch and other inputs")
+# The named scopes tpipe's tick loops put around the buffers they allocate.
+SCOPE_ROLES = {"tpipe_stash": "stash", "tpipe_mailbox": "mailbox",
+               "tpipe_boundary": "boundary buffers", "tpipe_gradients": "gradient accumulators"}
+# Name-stack fragments that mark the head and its loss (module names of tpipe's models, jax's
+# and optax's loss functions).
+DEFAULT_HEAD_SCOPES = ("LMHead", "ClassifierHead", "log_softmax", "logsumexp",
+                       "cross_entropy", "tpipe_loss")
+
+_PEAK = re.compile(r"Live ranges at \d+ \(peak\):")
+_LIVE_VALUE = re.compile(r"^\s*([\w.\-]+)\{([\d,]*)\}:\s*(\d+) bytes")
+_ALLOCATION = re.compile(r"^allocation (\d+):")
+_ASSIGNED = re.compile(r"value: <\d+ ([\w.\-]+)(?:\{([\d,]*)\})?[^>]*> \(size=(\d+),offset=(\d+)\)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_GTE_INDEX = re.compile(r"index=(\d+)")
+_FLOAT_TYPES = ("f64", "f32", "bf16", "f16", "f8e4m3fn", "f8e5m2")
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveValue:
+  """One value live at the peak.
+
+  Attributes:
+    name: the HLO value, ``instruction{index}`` as buffer assignment prints it.
+    bytes: its size.
+    shape: its array shape as printed (``"bf16[19,2,1024,2048]"``), or ``""`` if unknown.
+    origin: the ``op_name`` of the instruction that made it (through loops), or ``""``.
+    role: one of :data:`ROLES`.
+  """
+
+  name: str
+  bytes: int
+  shape: str
+  origin: str
+  role: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBreakdown:
+  """The values live at a program's memory peak, by role.
+
+  Attributes:
+    values: every live value, largest first.
+  """
+
+  values: tuple[LiveValue, ...]
+
+  @property
+  def total(self) -> int:
+    return sum(v.bytes for v in self.values)
+
+  def by_role(self) -> dict[str, int]:
+    """Bytes per role, in :data:`ROLES` order (roles with nothing live left out)."""
+    sums = {role: 0 for role in ROLES}
+    for v in self.values:
+      sums[v.role] += v.bytes
+    return {role: n for role, n in sums.items() if n}
+
+  @property
+  def arguments(self) -> int:
+    return sum(v.bytes for v in self.values if v.role in ARGUMENT_ROLES)
+
+  @property
+  def temporaries(self) -> int:
+    """Bytes live at the peak that are not arguments."""
+    return self.total - self.arguments
+
+  @property
+  def unexplained(self) -> int:
+    return sum(v.bytes for v in self.values if v.role == "other")
+
+  def largest(self, count: int = 12) -> tuple[LiveValue, ...]:
+    return self.values[:count]
+
+  def format(self, count: int = 12) -> str:
+    """A table of bytes per role and the ``count`` largest values."""
+    gib = lambda n: f"{n / 2**30:.3f} GiB"
+    lines = [f"Live at the peak: {gib(self.total)} (arguments {gib(self.arguments)}, "
+             f"temporaries {gib(self.temporaries)}; unexplained "
+             f"{gib(self.unexplained)})", "", "| role | bytes | share |", "|---|---:|---:|"]
+    for role, n in self.by_role().items():
+      lines.append(f"| {role} | {gib(n)} | {n / max(self.total, 1):.1%} |")
+    lines += ["", "| largest values | shape | bytes | role | made by |", "|---|---|---:|---|---|"]
+    for v in self.largest(count):
+      origin = v.origin if len(v.origin) <= 90 else "..." + v.origin[-87:]
+      lines.append(f"| `{v.name}` | `{v.shape}` | {v.bytes / 2**20:.1f} MiB | {v.role} | "
+                   f"`{origin}` |")
+    return "\n".join(lines)
+
+
+def parse_peak(live_range_text: str) -> list[tuple[str, tuple[int, ...], int]]:
+  """``(instruction, tuple index, bytes)`` of every value in the peak section of a
+  ``*-live-range.txt`` dump."""
+  match = _PEAK.search(live_range_text)
+  if match is None:
+    raise ValueError("no 'Live ranges at N (peak):' section in the live-range text; pass the "
+                     "*-live-range.txt file XLA writes with --xla_dump_to.")
+  values = []
+  for line in live_range_text[match.end():].splitlines()[1:]:
+    found = _LIVE_VALUE.match(line)
+    if found is None:
+      break
+    name, index, size = found.groups()
+    values.append((name, tuple(int(i) for i in index.split(",") if i), int(size)))
+  return values
+
+
+def parse_assignment(buffer_assignment_text: str) -> dict:
+  """``{(instruction, tuple index): (allocation, offset, bytes)}`` from a
+  ``*-buffer-assignment.txt`` dump: where each value lives. Values that alias (a loop's
+  initial value, its body parameter and its result) share an allocation and offset; the bytes
+  include the target's padding (TPU tiles)."""
+  placed, allocation = {}, None
+  for line in buffer_assignment_text.splitlines():
+    found = _ALLOCATION.match(line)
+    if found:
+      allocation = int(found.group(1))
+      continue
+    found = _ASSIGNED.search(line)
+    if found and allocation is not None:
+      name, index, size, offset = found.groups()
+      key = (name, tuple(int(i) for i in (index or "").split(",") if i))
+      placed[key] = (allocation, int(offset), int(size))
+  return placed
+
+
+class _Origins:
+  """Traces values through tuples, tuple elements, loops and calls to what made them."""
+
+  def __init__(self, module: hlo_lib.HloModule):
+    self.by_name: dict[str, tuple[str, hlo_lib.Instruction]] = {}
+    self.callers: dict[str, list[hlo_lib.Instruction]] = {}
+    for comp_name, comp in module.computations.items():
+      for ins in comp.instructions:
+        self.by_name[ins.name] = (comp_name, ins)
+        for called in ins.called:
+          self.callers.setdefault(called, []).append(ins)
+    self.entry = module.entry
+
+  def instruction(self, name: str) -> hlo_lib.Instruction | None:
+    found = self.by_name.get(name)
+    return found[1] if found else None
+
+  def trace(self, name: str, index: tuple[int, ...], depth: int = 0):
+    """``(instruction, index, loop_carried)`` of the instruction that made value
+    ``name{index}`` (through at most 64 hops)."""
+    found = self.by_name.get(name)
+    if found is None or depth > 64:
+      return None, index, False
+    comp, ins = found
+    if ins.opcode == "get-tuple-element":
+      gte = _GTE_INDEX.search(ins.attrs)
+      if gte:
+        return self.trace(ins.operands[0], (int(gte.group(1)),) + index, depth + 1)
+    if ins.opcode == "tuple" and index:
+      return self.trace(ins.operands[index[0]], index[1:], depth + 1)
+    if ins.opcode == "while" and ins.operands:
+      origin, at, _ = self.trace(ins.operands[0], index, depth + 1)
+      return origin, at, True
+    if ins.opcode == "parameter" and comp != self.entry:
+      number = int(ins.operands[0]) if ins.operands and ins.operands[0].isdigit() else 0
+      for caller in self.callers.get(comp, []):
+        if caller.opcode == "while":
+          origin, at, _ = self.trace(caller.operands[0], index, depth + 1)
+          return origin, at, True
+        if caller.opcode in ("call", "fusion", "async-start") and number < len(caller.operands):
+          return self.trace(caller.operands[number], index, depth + 1)
+      return ins, index, False
+    return ins, index, False
+
+
+def _dims(shape: hlo_lib.ArrayShape) -> tuple[int, ...]:
+  dims = tuple(shape.dims)
+  while dims and dims[0] == 1:
+    dims = dims[1:]
+  return dims
+
+
+def _array(ins: hlo_lib.Instruction | None, index: tuple[int, ...]):
+  if ins is None:
+    return None
+  shapes = hlo_lib.parse_shape(ins.shape)
+  if not shapes:
+    return None
+  flat = index[-1] if index else 0
+  if len(shapes) == 1:
+    return shapes[0]
+  return shapes[flat] if flat < len(shapes) else None
+
+
+def _argument_role(origin: str) -> str:
+  if "opt_state" in origin:
+    return "optimizer state"
+  if re.search(r"(^|[./\[' ])params", origin):
+    return "parameters"
+  return "batch and other inputs"
+
+
+def _role(origin: str, array, loop_carried: bool, is_argument: bool, param_dtype: str,
+          param_dims: set, head_scopes: Sequence[str]) -> str:
+  if is_argument:
+    return _argument_role(origin)
+  for scope, role in SCOPE_ROLES.items():
+    if scope in origin:
+      return role
+  if array is not None and _dims(array) in param_dims and array.dtype in _FLOAT_TYPES:
+    return "gradient accumulators" if array.dtype == param_dtype else "weight casts"
+  if "ppermute" in origin or "collective-permute" in origin:
+    return "mailbox"
+  if any(scope in origin for scope in head_scopes):
+    return "logits and loss"
+  backward = "transpose(" in origin
+  if backward and ("rematted_computation" in origin or "checkpoint" in origin):
+    return "remat working set"
+  if not backward and "jvp(" in origin and (loop_carried or "dynamic_update_slice" in origin):
+    return "stash"  # Carried through the forward loop, or written into such a buffer.
+  if backward:
+    return "backward working set"
+  if "jvp(" in origin:
+    return "forward working set"
+  return "other"
+
+
+def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "",
+                param_dtype: str = "f32",
+                head_scopes: Sequence[str] = DEFAULT_HEAD_SCOPES) -> list[LiveValue]:
+  """Every buffer live at the peak, largest first, with its role.
+
+  Args:
+    live_range_text: a ``*-live-range.txt`` dump.
+    hlo_text: the same module's optimised HLO (``*after_optimizations.txt`` of the dump, or
+      ``compiled.as_text()``).
+    assignment_text: the same module's ``*-buffer-assignment.txt``. With it, values that share
+      one buffer (a loop's initial value, its body parameter and its result) count once, at the
+      size the target allocates (with its padding); without it every live value counts at its
+      logical size.
+    param_dtype: the HLO element type parameters are stored in; parameter-shaped values made in
+      it are gradients, in other float types weight casts.
+    head_scopes: name-stack fragments marking the head and its loss.
+  """
+  module = hlo_lib.parse_hlo(hlo_text)
+  origins = _Origins(module)
+  entry = module.computations[module.entry]
+  param_dims: set = set()
+  for ins in entry.instructions:
+    if ins.opcode != "parameter":
+      continue
+    op_name = (_OP_NAME.search(ins.attrs) or [None, ""])[1]
+    if _argument_role(op_name) != "parameters":
+      continue
+    for shape in hlo_lib.parse_shape(ins.shape):
+      dims = _dims(shape)
+      param_dims.add(dims)
+      if len(dims) > 1:
+        param_dims.add(_dims(hlo_lib.ArrayShape(shape.dtype, dims[1:])))  # one unit's slice
+  param_dims.discard(())
+  placed = parse_assignment(assignment_text) if assignment_text else {}
+  buffers: dict = {}  # one entry per buffer: the values that share it
+  for name, index, size in parse_peak(live_range_text):
+    where = placed.get((name, index))
+    key = where[:2] if where is not None else (name, index)
+    size = where[2] if where is not None else size
+    made_by, at, loop_carried = origins.trace(name, index)
+    del at
+    array = _array(origins.instruction(name), index)
+    origin = ""
+    if made_by is not None:
+      found = _OP_NAME.search(made_by.attrs)
+      origin = found.group(1) if found else ""
+    is_argument = made_by is not None and made_by.opcode == "parameter" and (
+        origins.by_name[made_by.name][0] == module.entry)
+    role = _role(origin, array, loop_carried, is_argument, param_dtype, param_dims,
+                 head_scopes)
+    shape = f"{array.dtype}[{','.join(map(str, array.dims))}]" if array is not None else ""
+    value = LiveValue(name=f"{name}{{{','.join(map(str, index))}}}", bytes=size, shape=shape,
+                      origin=origin, role=role)
+    buffers.setdefault(key, []).append(value)
+  # Of the values sharing a buffer, the most specific role names it (a loop's carried value is
+  # a stash or an accumulator where its initial zeros are only a working set).
+  rank = {role: i for i, role in enumerate(ROLES)}
+  values = [min(group, key=lambda v: rank[v.role]) for group in buffers.values()]
+  values.sort(key=lambda v: -v.bytes)
+  return values
+
+
+def read_dump(directory: str, module_pattern: str = "") -> tuple[str, str, str]:
+  """``(live_range_text, hlo_text, assignment_text)`` of the largest module in an
+  ``--xla_dump_to`` directory (of those whose file name contains ``module_pattern``)."""
+  ranges = [p for p in glob.glob(os.path.join(directory, "*after_optimizations-live-range.txt"))
+            if module_pattern in os.path.basename(p)]
+  if not ranges:
+    raise FileNotFoundError(
+        f"no *after_optimizations-live-range.txt in {directory!r}: compile with "
+        "compiler_options={'xla_dump_to': DIR, 'xla_dump_hlo_as_text': True}.")
+  live = max(ranges, key=os.path.getsize)
+  texts = []
+  for suffix in ("-live-range.txt", ".txt", "-buffer-assignment.txt"):
+    with open(live.replace("-live-range.txt", suffix)) as f:
+      texts.append(f.read())
+  return tuple(texts)
+
+
+def breakdown_of_lowered(lowered, *, dump_dir: str | None = None, param_dtype: str = "f32",
+                         head_scopes: Iterable[str] = DEFAULT_HEAD_SCOPES):
+  """Compiles ``lowered`` (a :class:`jax.stages.Lowered`) with XLA's dump options and returns
+  ``(compiled, PeakBreakdown)``.
+
+  Args:
+    lowered: ``jax.jit(f).lower(...)``, for any backend (a TPU topology's devices included).
+    dump_dir: where XLA writes its dump; a temporary directory (removed after) when None.
+    param_dtype: as for :func:`peak_values`.
+    head_scopes: as for :func:`peak_values`.
+  """
+  def compile_into(directory):
+    options = {"xla_dump_to": directory, "xla_dump_hlo_as_text": True,
+               "xla_dump_hlo_pass_re": "", "xla_dump_hlo_module_re": ".*"}
+    compiled = lowered.compile(compiler_options=options)
+    live, text, assignment = read_dump(directory)
+    values = peak_values(live, text, assignment_text=assignment, param_dtype=param_dtype,
+                         head_scopes=tuple(head_scopes))
+    return compiled, PeakBreakdown(tuple(values))
+
+  if dump_dir is not None:
+    return compile_into(dump_dir)
+  with tempfile.TemporaryDirectory(prefix="tpipe_peak_") as directory:
+    return compile_into(directory)
