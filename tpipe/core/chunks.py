@@ -266,7 +266,12 @@ class ChunkSet:
              microbatch, chunk, taps=None, tapped=False):
     rep = self.chunks_of[branch][0]
     r = self._local(branch, chunk)
-    local = checkpoint_name(self._slot(staged[PARAMS], r), remat_lib.CHUNK_PARAMS_NAME)
+    local = self._slot(staged[PARAMS], r)
+    # Tied to this tick's micro-batch, the slice varies with the tick loop, so XLA cannot hoist
+    # what the layers compute from it alone (their bfloat16 casts of the stage's weights) out of
+    # the loop, where it would stay live for the whole step; each tick casts what it uses.
+    local, _ = lax.optimization_barrier((local, jnp.asarray(microbatch, jnp.float32)))
+    local = checkpoint_name(local, remat_lib.CHUNK_PARAMS_NAME)
     trees = self.layout.chunk_trees(local, rep)
     if self.stats_layout is not None:
       stats = self.stats_layout.chunk_trees(self._slot(staged[STATS], r), rep)

@@ -105,9 +105,13 @@ class PeakBreakdown:
 
   Attributes:
     values: every live value, largest first.
+    allocated_temporaries: the bytes buffer assignment reserves for temporaries in the default
+      memory space (it packs buffers live at different times into them, so they exceed what is
+      live at the peak by what the packing could not overlap), or None when not read.
   """
 
   values: tuple[LiveValue, ...]
+  allocated_temporaries: int | None = None
 
   @property
   def total(self) -> int:
@@ -141,7 +145,11 @@ class PeakBreakdown:
     gib = lambda n: f"{n / 2**30:.3f} GiB"
     lines = [f"Live at the peak: {gib(self.total)} (arguments {gib(self.arguments)}, "
              f"temporaries {gib(self.temporaries)}; unexplained "
-             f"{gib(self.unexplained)})", "", "| role | bytes | share |", "|---|---:|---:|"]
+             f"{gib(self.unexplained)})."]
+    if self.allocated_temporaries is not None:
+      lines[0] += (f" Buffer assignment reserves {gib(self.allocated_temporaries)} for "
+                   "temporaries (buffers live at other times packed around these).")
+    lines += ["", "| role | bytes | share |", "|---|---:|---:|"]
     for role, n in self.by_role().items():
       lines.append(f"| {role} | {gib(n)} | {n / max(self.total, 1):.1%} |")
     lines += ["", "| largest values | shape | bytes | role | made by |", "|---|---|---:|---|---|"]
@@ -167,6 +175,17 @@ def parse_peak(live_range_text: str) -> list[tuple[str, tuple[int, ...], int]]:
     name, index, size = found.groups()
     values.append((name, tuple(int(i) for i in index.split(",") if i), int(size)))
   return values
+
+
+def temporary_allocation(buffer_assignment_text: str) -> int:
+  """Bytes of the ``preallocated-temp`` allocations of the default memory space (color 0) in a
+  ``*-buffer-assignment.txt`` dump."""
+  total = 0
+  for line in buffer_assignment_text.splitlines():
+    found = re.match(r"^allocation \d+: size (\d+), (.*)$", line)
+    if found and "preallocated-temp" in found.group(2) and "color" not in found.group(2):
+      total += int(found.group(1))
+  return total
 
 
 def parse_assignment(buffer_assignment_text: str) -> dict:
@@ -382,7 +401,8 @@ def breakdown_of_lowered(lowered, *, dump_dir: str | None = None, param_dtype: s
     live, text, assignment = read_dump(directory)
     values = peak_values(live, text, assignment_text=assignment, param_dtype=param_dtype,
                          head_scopes=tuple(head_scopes))
-    return compiled, PeakBreakdown(tuple(values))
+    return compiled, PeakBreakdown(tuple(values),
+                                   allocated_temporaries=temporary_allocation(assignment))
 
   if dump_dir is not None:
     return compile_into(dump_dir)
