@@ -82,7 +82,8 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
   ring_pairs = spmd.neighbour_pairs(schedule.num_stages, 1, wrap=num_repeats > 1)
   rows_table = _tick_rows(schedule, chunkset)
   policy = chunks_lib.tick_policy(chunkset.spec)
-  branches = [chunkset.branch(i, policy) for i in range(chunkset.num_branches)]
+  branches = [chunkset.branch(i, policy, tie_to_tick=True)
+              for i in range(chunkset.num_branches)]
 
   def per_device(staged, x, per_example, broadcast, rngs):
     staged = jax.tree.map(lambda p: p[:, 0], staged)  # [R, ...]

@@ -38,13 +38,13 @@ Example (``text`` and ``hlo`` from one dump)::
   ...
   ... ENTRY %main (x: f32[4]) -> f32[4] {
   ...   %x = f32[4]{0} parameter(0), metadata={op_name="state.params"}
-  ...   ROOT %n = f32[4]{0} negate(f32[4]{0} %x), metadata={op_name="jit(f)/neg"}
+  ...   ROOT %g = f32[4]{0} negate(f32[4]{0} %x), metadata={op_name="jit(f)/transpose(jvp())/neg"}
   ... }'''
   >>> live = '''  Live ranges at 1 (peak):
   ...     x{}: 16 bytes (cumulative: 16 bytes)
-  ...     n{}: 16 bytes (cumulative: 32 bytes)'''
-  >>> [(v.role, v.bytes) for v in peak_values(live, hlo)]
-  [('parameters', 16), ('other', 16)]
+  ...     g{}: 16 bytes (cumulative: 32 bytes)'''
+  >>> [(v.name, v.role) for v in peak_values(live, hlo)]  # g: parameter-shaped, float32
+  [('x{}', 'parameters'), ('g{}', 'gradient accumulators')]
 """
 
 from __future__ import annotations
