@@ -102,8 +102,8 @@ def main():
                 f"{gib(allocated)} GiB for temporaries (what is live at other times, packed "
                 f"around the peak: {gib(allocated - breakdown.temporaries)} GiB more); "
                 f"`memory_analysis()` reports {gib(memory.temp_size_in_bytes)} GiB "
-                f"({gib(memory.temp_size_in_bytes - allocated)} GiB that the TPU compiler "
-                "adds after buffer assignment, not in its dump).", "",
+                f"({gib(memory.temp_size_in_bytes - allocated)} GiB beyond the dumped "
+                "buffer assignment, which this breakdown cannot see into).", "",
                 "| role | GiB |", "|---|---:|"]
     details += [f"| {role} | {gib(n)} |" for role, n in roles.items()]
     details += [""]
