@@ -9,8 +9,10 @@ fields, built with ``tpipe.train.experiment.build`` on the devices of the TPU to
 ``v5p:2x2x2`` (8 chips; :func:`tpipe.topology_devices`), its whole train step lowered on the
 abstract state and compiled by the TPU compiler on this CPU machine. Nothing runs on a TPU.
 
-Per row: the arguments, temporaries and peak of ``memory_analysis()``, and the breakdown of what
-is live at the memory peak (:mod:`tpipe.tools.peak`) by role. MaxText's numbers are quoted from
+Each row is what ``python -m tpipe.train.report --topology=v5p:2x2x2`` measures for that
+config (:func:`tpipe.train.report.analyze_config`): the arguments, temporaries and peak of
+``memory_analysis()``, and the breakdown of what is live at the memory peak
+(:mod:`tpipe.tools.peak`) by role. MaxText's numbers are quoted from
 the issue (MaxText 0.2.5, jax 0.11.1, libtpu 0.0.46.3, the same model and target); this script
 does not run MaxText.
 
@@ -26,11 +28,7 @@ from experiments import _common
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # One host: no slice discovery.
 
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
-import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from tpipe.tools import peak  # noqa: E402  pylint: disable=g-import-not-at-top
-from tpipe.train import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
+from tpipe.train import report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:2x2x2"
 # (label, schedule, M, remat_granularity, num_repeats)
@@ -69,17 +67,14 @@ def lm_config(schedule: str, microbatches: int, granularity: str, repeats: int):
   return c
 
 
-def compile_row(devices, schedule, microbatches, granularity, repeats):
-  exp = experiment.build(lm_config(schedule, microbatches, granularity, repeats),
-                         devices=devices)
-  lowered = exp.train_step.lower(exp.abstract_state(), exp.abstract_batch(), jax.random.key(0))
-  compiled, breakdown = peak.breakdown_of_lowered(lowered)
-  return compiled.memory_analysis(), breakdown
+def compile_row(schedule, microbatches, granularity, repeats):
+  measured = report.analyze_config(lm_config(schedule, microbatches, granularity, repeats),
+                                   per_stage=False, topology=TOPOLOGY, breakdown=True)
+  return measured.compiled.memory_analysis(), measured.peak
 
 
 def main():
   run = _common.start("tpu_memory", __doc__, smoke="the nested-remat gpipe row alone")
-  devices = tpipe.topology_devices(TOPOLOGY)
   gib = lambda n: f"{n / 2**30:.2f}"
   table = ["| framework | schedule | M | arguments GiB | temporaries GiB | peak GiB |",
            "|---|---|---:|---:|---:|---:|"]
@@ -88,7 +83,7 @@ def main():
   details = []
   rows = SMOKE_ROWS if run.args.smoke else ROWS
   for label, schedule, microbatches, granularity, repeats in rows:
-    memory, breakdown = compile_row(devices, schedule, microbatches, granularity, repeats)
+    memory, breakdown = compile_row(schedule, microbatches, granularity, repeats)
     peak_bytes = _common.peak_bytes(memory)
     table.append(f"| tpipe | {label} | {microbatches} | {gib(memory.argument_size_in_bytes)} "
                  f"| {gib(memory.temp_size_in_bytes)} | **{gib(peak_bytes)}** |")

@@ -113,3 +113,10 @@ def test_a_front_end_called_without_a_fitting_mesh_says_so():
 def test_module_doctests_pass():
   result = doctest.testmod(mesh_lib)
   assert result.attempted >= 2 and result.failed == 0
+
+
+def test_an_unknown_or_uncompilable_topology_names_the_fix():
+  # Without the TPU compiler installed, or with it and a name it does not know: the same error.
+  with pytest.raises(ValueError, match=r"Cannot describe the tpu topology 'v9z:1x1' .*"
+                                       r"pip install -e '\.\[tpu\]'.*'v5p:2x2x2'"):
+    tpipe.topology_devices("v9z:1x1")

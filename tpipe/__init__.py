@@ -43,13 +43,13 @@ __all__ = [
     "data_sharding",
     "make_fused_schedule",
     "make_mesh",
-    "topology_devices",
     "make_schedule",
     "make_train_step",
     "nnx",
     "pipeline",
     "schedules",
     "shardings",
+    "topology_devices",
 ]
 
 __version__ = "0.1.0"

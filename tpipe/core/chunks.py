@@ -295,9 +295,9 @@ class ChunkSet:
     ``jax.checkpoint`` with ``policy`` (``remat.FULL`` for ``None``: save nothing; ``None`` for
     no checkpoint). ``sums`` (with running statistics only) is the chunk's slot of pooled
     statistics. ``tie_to_tick`` ties the parameter slice to the tick (an optimization barrier
-    with the micro-batch index) so the layers' weight casts stay inside the tick: the forward
-    tick loop asks for it (measured on the TPU target, gpipe: 0.25 GiB less at the peak), the
-    fused one not (there it cost 0.33 GiB)."""
+    with the micro-batch index) so the layers' weight casts stay inside the tick; the forward
+    tick loop asks for it, the fused one not (there it raised the step's peak on the TPU target,
+    measured with experiments/tpu_memory.py with and without it)."""
 
     def run(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk):
       results, statistics, _ = self._apply(index, staged, fresh, incoming, broadcast,

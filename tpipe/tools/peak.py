@@ -68,8 +68,7 @@ SCOPE_ROLES = {"tpipe_stash": "stash", "tpipe_mailbox": "mailbox",
                "tpipe_boundary": "boundary buffers", "tpipe_gradients": "gradient accumulators"}
 # Name-stack fragments that mark the head and its loss (module names of tpipe's models, jax's
 # and optax's loss functions).
-DEFAULT_HEAD_SCOPES = ("LMHead", "ClassifierHead", "log_softmax", "logsumexp",
-                       "cross_entropy", "tpipe_loss")
+DEFAULT_HEAD_SCOPES = ("LMHead", "PoolHead", "log_softmax", "logsumexp", "cross_entropy")
 
 _PEAK = re.compile(r"Live ranges at \d+ \(peak\):")
 _LIVE_VALUE = re.compile(r"^\s*([\w.\-]+)\{([\d,]*)\}:\s*(\d+) bytes")
@@ -142,7 +141,7 @@ class PeakBreakdown:
 
   def format(self, count: int = 12) -> str:
     """A table of bytes per role and the ``count`` largest values."""
-    gib = lambda n: f"{n / 2**30:.3f} GiB"
+    gib = _format_bytes
     lines = [f"Live at the peak: {gib(self.total)} (arguments {gib(self.arguments)}, "
              f"temporaries {gib(self.temporaries)}; unexplained "
              f"{gib(self.unexplained)})."]
@@ -155,9 +154,17 @@ class PeakBreakdown:
     lines += ["", "| largest values | shape | bytes | role | made by |", "|---|---|---:|---|---|"]
     for v in self.largest(count):
       origin = v.origin if len(v.origin) <= 90 else "..." + v.origin[-87:]
-      lines.append(f"| `{v.name}` | `{v.shape}` | {v.bytes / 2**20:.1f} MiB | {v.role} | "
+      lines.append(f"| `{v.name}` | `{v.shape}` | {gib(v.bytes)} | {v.role} | "
                    f"`{origin}` |")
     return "\n".join(lines)
+
+
+def _format_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return f"{n:.2f} GiB"
 
 
 def parse_peak(live_range_text: str) -> list[tuple[str, tuple[int, ...], int]]:
@@ -225,11 +232,11 @@ class _Origins:
     return found[1] if found else None
 
   def trace(self, name: str, index: tuple[int, ...], depth: int = 0):
-    """``(instruction, index, loop_carried)`` of the instruction that made value
-    ``name{index}`` (through at most 64 hops)."""
+    """``(instruction, loop_carried)``: the instruction that made value ``name{index}`` (None
+    if not found within 64 hops), and whether the value went through a loop."""
     found = self.by_name.get(name)
     if found is None or depth > 64:
-      return None, index, False
+      return None, False
     comp, ins = found
     if ins.opcode == "get-tuple-element":
       gte = _GTE_INDEX.search(ins.attrs)
@@ -238,18 +245,15 @@ class _Origins:
     if ins.opcode == "tuple" and index:
       return self.trace(ins.operands[index[0]], index[1:], depth + 1)
     if ins.opcode == "while" and ins.operands:
-      origin, at, _ = self.trace(ins.operands[0], index, depth + 1)
-      return origin, at, True
+      return self.trace(ins.operands[0], index, depth + 1)[0], True
     if ins.opcode == "parameter" and comp != self.entry:
       number = int(ins.operands[0]) if ins.operands and ins.operands[0].isdigit() else 0
       for caller in self.callers.get(comp, []):
         if caller.opcode == "while":
-          origin, at, _ = self.trace(caller.operands[0], index, depth + 1)
-          return origin, at, True
+          return self.trace(caller.operands[0], index, depth + 1)[0], True
         if caller.opcode in ("call", "fusion", "async-start") and number < len(caller.operands):
           return self.trace(caller.operands[number], index, depth + 1)
-      return ins, index, False
-    return ins, index, False
+    return ins, False
 
 
 def _dims(shape: hlo_lib.ArrayShape) -> tuple[int, ...]:
@@ -343,8 +347,7 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
     where = placed.get((name, index))
     key = where[:2] if where is not None else (name, index)
     size = where[2] if where is not None else size
-    made_by, at, loop_carried = origins.trace(name, index)
-    del at
+    made_by, loop_carried = origins.trace(name, index)
     array = _array(origins.instruction(name), index)
     origin = ""
     if made_by is not None:
@@ -366,11 +369,10 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
   return values
 
 
-def read_dump(directory: str, module_pattern: str = "") -> tuple[str, str, str]:
+def read_dump(directory: str) -> tuple[str, str, str]:
   """``(live_range_text, hlo_text, assignment_text)`` of the largest module in an
-  ``--xla_dump_to`` directory (of those whose file name contains ``module_pattern``)."""
-  ranges = [p for p in glob.glob(os.path.join(directory, "*after_optimizations-live-range.txt"))
-            if module_pattern in os.path.basename(p)]
+  ``--xla_dump_to`` directory."""
+  ranges = glob.glob(os.path.join(directory, "*after_optimizations-live-range.txt"))
   if not ranges:
     raise FileNotFoundError(
         f"no *after_optimizations-live-range.txt in {directory!r}: compile with "
@@ -395,8 +397,7 @@ def breakdown_of_lowered(lowered, *, dump_dir: str | None = None, param_dtype: s
     head_scopes: as for :func:`peak_values`.
   """
   def compile_into(directory):
-    options = {"xla_dump_to": directory, "xla_dump_hlo_as_text": True,
-               "xla_dump_hlo_pass_re": "", "xla_dump_hlo_module_re": ".*"}
+    options = {"xla_dump_to": directory, "xla_dump_hlo_as_text": True}
     compiled = lowered.compile(compiler_options=options)
     live, text, assignment = read_dump(directory)
     values = peak_values(live, text, assignment_text=assignment, param_dtype=param_dtype,

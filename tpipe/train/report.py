@@ -367,7 +367,9 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
       auto-tuner, which needs only the step's own figures, asks. Not with ``topology``
       (the chunks would compile for it too; the step's own figures are what the target says).
     topology: compile for this accelerator topology (``"v5p:2x2x2"``,
-      :func:`tpipe.mesh.topology_devices`) instead of this machine's devices.
+      :func:`tpipe.mesh.topology_devices`) instead of this machine's devices. Its compiler
+      prints no loop trip counts, so the report then has no pipeline FLOPs (useful against
+      bubble) and counts each loop's FLOPs once.
     breakdown: break the peak down by role (:mod:`tpipe.tools.peak`).
 
   Returns:
@@ -383,8 +385,11 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   exp = experiment.build(config, devices=devices)
   compiled, state, batch, lower_s, compile_s, cpu_s, peak = compile_train_step(exp, breakdown)
   schedule = exp.pipeline.spec.table  # Forward or fused: what the step runs.
+  # The TPU compiler prints no trip counts, so there the tick loop's useful FLOPs cannot be
+  # told from the bubble's: a topology report has no pipeline FLOPs (the memory is complete).
   result = analysis.analyze(
-      compiled, mesh=exp.mesh, schedule=schedule, programs=exp.pipeline.programs(),
+      compiled, mesh=exp.mesh, schedule=None if topology else schedule,
+      programs=exp.pipeline.programs(),
       inputs={"params": state.params, "opt_state": state.opt_state, "batch": batch})
   start = time.perf_counter()
   stages, ring = measure_stages(exp, schedule, unit_flops) if per_stage else ((), 0)
@@ -469,8 +474,7 @@ def format_report(report: Report) -> str:
     lines += ["", "### What is live at the memory peak", "",
               "From XLA's buffer assignment of the compiled step (`tpipe.tools.peak`): the buffers "
               "live where the program's memory use peaks, each with the role that made it. "
-              f"The compiler allocates {fb(mem.temporaries)} of temporaries in all; what is not "
-              "live at that point is the allocator's packing of buffers live at other times.",
+              f"`memory_analysis()` counts {fb(mem.temporaries)} of temporaries in all.",
               "", report.peak.format(count=12)]
   return "\n".join(lines)
 
