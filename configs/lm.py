@@ -98,6 +98,9 @@ def get_config(arg=None):
   # each, every block one).
   config.balance = "flops"
   config.vocab_size = 256  # Byte values.
+  # The loss a vocabulary slice at a time (a divisor of vocab_size): the head never forms a
+  # micro-batch's whole [batch, seq, vocab] logits. For large vocabularies; 1 = all at once.
+  config.vocab_chunks = 1
   # How the model is written: "linen" (tpipe.train.models) or "nnx" (tpipe.train.models_nnx,
   # the same LM in Flax NNX; same parameter names, so the same checkpoints).
   config.frontend = "linen"

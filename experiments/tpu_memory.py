@@ -31,19 +31,21 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # One host: no slice
 from tpipe.train import report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:2x2x2"
-# (label, schedule, M, remat_granularity, num_repeats)
+# (label, schedule, M, remat_granularity, num_repeats, vocab_chunks)
 ROWS = [
-    ("gpipe, remat chunk", "gpipe", 16, "chunk", 1),
-    ("gpipe, remat chunk", "gpipe", 8, "chunk", 1),
-    ("gpipe, remat per layer", "gpipe", 16, "layer", 1),
-    ("gpipe, remat nested (chunk, then each layer)", "gpipe", 16, "nested", 1),
-    ("gpipe, remat nested (chunk, then each layer)", "gpipe", 8, "nested", 1),
-    ("1f1b, remat per layer", "1f1b", 16, "layer", 1),
-    ("1f1b, remat nested", "1f1b", 16, "nested", 1),
-    ("circular R=2, remat chunk", "circular", 16, "chunk", 2),
-    ("circular R=2, remat nested", "circular", 16, "nested", 2),
+    ("gpipe, remat chunk", "gpipe", 16, "chunk", 1, 1),
+    ("gpipe, remat chunk", "gpipe", 8, "chunk", 1, 1),
+    ("gpipe, remat chunk, loss in 8 vocabulary slices", "gpipe", 16, "chunk", 1, 8),
+    ("gpipe, remat per layer", "gpipe", 16, "layer", 1, 1),
+    ("gpipe, remat nested (chunk, then each layer)", "gpipe", 16, "nested", 1, 1),
+    ("gpipe, remat nested (chunk, then each layer)", "gpipe", 8, "nested", 1, 1),
+    ("gpipe, remat nested, loss in 8 vocabulary slices", "gpipe", 16, "nested", 1, 8),
+    ("1f1b, remat per layer", "1f1b", 16, "layer", 1, 1),
+    ("1f1b, remat nested", "1f1b", 16, "nested", 1, 1),
+    ("circular R=2, remat chunk", "circular", 16, "chunk", 2, 1),
+    ("circular R=2, remat nested", "circular", 16, "nested", 2, 1),
 ]
-SMOKE_ROWS = [("gpipe, remat nested (chunk, then each layer)", "gpipe", 16, "nested", 1)]
+SMOKE_ROWS = [("gpipe, remat nested (chunk, then each layer)", "gpipe", 16, "nested", 1, 1)]
 # MaxText 0.2.5 on the same model and target, from the issue: (schedule, M, arguments GiB,
 # temporaries GiB, peak GiB).
 MAXTEXT = [
@@ -54,7 +56,8 @@ MAXTEXT = [
 ]
 
 
-def lm_config(schedule: str, microbatches: int, granularity: str, repeats: int):
+def lm_config(schedule: str, microbatches: int, granularity: str, repeats: int,
+              vocab_chunks: int = 1):
   from configs import lm  # pylint: disable=g-import-not-at-top
 
   c = lm.get_config("size=base")
@@ -63,27 +66,32 @@ def lm_config(schedule: str, microbatches: int, granularity: str, repeats: int):
                 num_data=2, balance="5,4,4,5" if repeats == 1 else "3,2,2,2,2,2,2,3",
                 num_microbatches=microbatches,
                 schedule=schedule, remat="full", remat_granularity=granularity,
-                num_repeats=repeats))
+                num_repeats=repeats, vocab_chunks=vocab_chunks))
   return c
 
 
-def compile_row(schedule, microbatches, granularity, repeats):
-  measured = report.analyze_config(lm_config(schedule, microbatches, granularity, repeats),
+def compile_row(schedule, microbatches, granularity, repeats, vocab_chunks):
+  measured = report.analyze_config(lm_config(schedule, microbatches, granularity, repeats,
+                                             vocab_chunks),
                                    per_stage=False, topology=TOPOLOGY, breakdown=True)
   return measured.compiled.memory_analysis(), measured.peak
 
 
 def main():
-  run = _common.start("tpu_memory", __doc__, smoke="the nested-remat gpipe row alone")
+  run = _common.start(
+      "tpu_memory", __doc__, smoke="the nested-remat gpipe row alone",
+      arguments=lambda parser: parser.add_argument(
+          "--only", default="", help="run only the rows whose label contains this text (with "
+          "--out, e.g. --only='vocabulary slices' --out=experiments/results/tpu_memory_vocab.md)"))
   gib = lambda n: f"{n / 2**30:.2f}"
   table = ["| framework | schedule | M | arguments GiB | temporaries GiB | peak GiB |",
            "|---|---|---:|---:|---:|---:|"]
   table += [f"| MaxText (quoted) | {s} | {m} | {a:.2f} | {t:.2f} | {p:.2f} |"
             for s, m, a, t, p in MAXTEXT]
   details = []
-  rows = SMOKE_ROWS if run.args.smoke else ROWS
-  for label, schedule, microbatches, granularity, repeats in rows:
-    memory, breakdown = compile_row(schedule, microbatches, granularity, repeats)
+  rows = SMOKE_ROWS if run.args.smoke else [row for row in ROWS if run.args.only in row[0]]
+  for label, schedule, microbatches, granularity, repeats, vocab_chunks in rows:
+    memory, breakdown = compile_row(schedule, microbatches, granularity, repeats, vocab_chunks)
     peak_bytes = _common.peak_bytes(memory)
     table.append(f"| tpipe | {label} | {microbatches} | {gib(memory.argument_size_in_bytes)} "
                  f"| {gib(memory.temp_size_in_bytes)} | **{gib(peak_bytes)}** |")

@@ -134,3 +134,44 @@ def test_the_scopes_it_reads_are_the_ones_the_tick_loops_write():
 
   assert set(peak.SCOPE_ROLES) == {spmd.MAILBOX_SCOPE, spmd.BOUNDARY_SCOPE, spmd.STASH_SCOPE,
                                    spmd.GRADIENTS_SCOPE}
+
+
+# A packed parameter buffer, cast whole, passed to a conditional branch that slices and
+# re-shapes one weight out of it; and a same-dtype slice of it (a parameter copy).
+PACKED_HLO = '''HloModule m
+
+%b0 (b: bf16[24]) -> bf16[4,4] {
+  %b = bf16[24]{0} parameter(0)
+  %piece = bf16[16]{0} slice(bf16[24]{0} %b), slice={[0:16]}, metadata={op_name="jvp()/slice"}
+  ROOT %kernel = bf16[4,4]{1,0} reshape(bf16[16]{0} %piece), metadata={op_name="LMHead/head"}
+}
+
+%b1 (c: bf16[24]) -> bf16[4,4] {
+  %c = bf16[24]{0} parameter(0)
+  ROOT %zeros = bf16[4,4]{1,0} broadcast(bf16[] %c), dimensions={}
+}
+
+ENTRY %main (packed: f32[24], i: s32[]) -> bf16[4,4] {
+  %packed = f32[24]{0} parameter(0), metadata={op_name="state.params['packed']"}
+  %i = s32[] parameter(1), metadata={op_name="batch"}
+  %cast = bf16[24]{0} convert(f32[24]{0} %packed), metadata={op_name="jit(step)/jvp()/convert"}
+  %copy = f32[16]{0} slice(f32[24]{0} %packed), slice={[8:24]}, metadata={op_name="jit(step)/slice"}
+  ROOT %head = bf16[4,4]{1,0} conditional(%i, %cast, %cast), branch_computations={%b0, %b1}
+}'''
+
+PACKED_LIVE = '''  Live ranges at 3 (peak):
+    packed{}: 96 bytes (cumulative: 96 bytes)
+    cast{}: 48 bytes (cumulative: 144 bytes)
+    copy{}: 64 bytes (cumulative: 208 bytes)
+    piece{}: 32 bytes (cumulative: 240 bytes)
+    kernel{}: 32 bytes (cumulative: 272 bytes)'''
+
+
+@pytest.mark.unit  # Text only.
+def test_casts_and_copies_of_a_packed_parameter_are_found_through_branches():
+  roles = {v.name: v.role for v in peak.peak_values(PACKED_LIVE, PACKED_HLO)}
+  # The slice and re-shaping inside the branch are weight casts though the branch's name stack
+  # says LMHead (without the lineage rule the re-shaping counted as logits).
+  assert roles == {"packed{}": "parameters", "cast{}": "weight casts",
+                   "copy{}": "parameter copies", "piece{}": "weight casts",
+                   "kernel{}": "weight casts"}

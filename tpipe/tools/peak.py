@@ -14,7 +14,10 @@ optimizer state           the optimizer's arguments (``state.opt_state``)
 batch and other inputs    every other argument
 gradient accumulators     parameter-shaped values in the parameters' dtype that the program
                           computes: the running gradient sums and each tick's gradient
-weight casts              parameter-shaped values in another float dtype (bfloat16 copies)
+weight casts              parameter-shaped values in another float dtype (bfloat16 copies),
+                          and any cast, slice or re-shaping of a parameter argument
+parameter copies          slices, re-shapings and copies of a parameter argument in its own
+                          dtype (a packed buffer's pieces, a relaid-out weight)
 stash                     what the forward tick loop keeps for the backward (its residuals)
 mailbox                   stage-to-stage messages (``ppermute``) and the mailboxes holding them
 boundary buffers          the pipeline's output, loop-back and micro-batch buffers
@@ -59,8 +62,9 @@ from typing import Iterable, Sequence
 from tpipe.tools import hlo as hlo_lib
 
 ROLES = ("parameters", "optimizer state", "batch and other inputs", "gradient accumulators",
-         "weight casts", "stash", "mailbox", "boundary buffers", "logits and loss",
-         "remat working set", "backward working set", "forward working set", "other")
+         "weight casts", "parameter copies", "stash", "mailbox", "boundary buffers",
+         "logits and loss", "remat working set", "backward working set", "forward working set",
+         "other")
 # Roles of the step's arguments (the rest are temporaries).
 ARGUMENT_ROLES = ("parameters", "optimizer state", "batch and other inputs")
 # The named scopes tpipe's tick loops put around the buffers they allocate.
@@ -77,6 +81,9 @@ _ASSIGNED = re.compile(r"value: <\d+ ([\w.\-]+)(?:\{([\d,]*)\})?[^>]*> \(size=(\
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _GTE_INDEX = re.compile(r"index=(\d+)")
 _FLOAT_TYPES = ("f64", "f32", "bf16", "f16", "f8e4m3fn", "f8e5m2")
+# Instructions that copy, cast, slice or re-shape their one non-constant input.
+_COPYING = ("convert", "copy", "bitcast", "reshape", "slice", "dynamic-slice", "transpose",
+            "broadcast", "fusion", "get-tuple-element")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +260,28 @@ class _Origins:
           return self.trace(caller.operands[0], index, depth + 1)[0], True
         if caller.opcode in ("call", "fusion", "async-start") and number < len(caller.operands):
           return self.trace(caller.operands[number], index, depth + 1)
+        if caller.opcode == "conditional" and comp in caller.called:
+          # Branch i's only parameter is the conditional's operand i + 1.
+          branch = caller.called.index(comp) + 1
+          if branch < len(caller.operands):
+            return self.trace(caller.operands[branch], index, depth + 1)
     return ins, False
+
+  def copied_from_argument(self, ins: hlo_lib.Instruction | None, depth: int = 0):
+    """The entry parameter ``ins`` is a copy, cast, slice or re-shaping of (None if it is
+    computed from anything else), following single-input instructions and loop-style fusions."""
+    while ins is not None and depth < 64:
+      if ins.opcode == "parameter":
+        return ins if self.by_name[ins.name][0] == self.entry else None
+      inputs = [o for o in ins.operands if o in self.by_name
+                and self.by_name[o][1].opcode != "constant"]
+      if ins.opcode not in _COPYING or len(inputs) != 1:
+        return None
+      if ins.opcode == "fusion" and "kind=kLoop" not in ins.attrs:
+        return None
+      ins, _ = self.trace(inputs[0], ())
+      depth += 1
+    return None
 
 
 def _dims(shape: hlo_lib.ArrayShape) -> tuple[int, ...]:
@@ -284,9 +312,12 @@ def _argument_role(origin: str) -> str:
 
 
 def _role(origin: str, array, loop_carried: bool, is_argument: bool, param_dtype: str,
-          param_dims: set, head_scopes: Sequence[str]) -> str:
+          param_dims: set, head_scopes: Sequence[str], copied_from: str | None = None) -> str:
   if is_argument:
     return _argument_role(origin)
+  copy_of_parameter = copied_from is not None and _argument_role(copied_from) == "parameters"
+  if copy_of_parameter and array is not None and array.dtype in _FLOAT_TYPES:
+    return "parameter copies" if array.dtype == param_dtype else "weight casts"
   for scope, role in SCOPE_ROLES.items():
     if scope in origin:
       return role
@@ -355,8 +386,13 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
       origin = found.group(1) if found else ""
     is_argument = made_by is not None and made_by.opcode == "parameter" and (
         origins.by_name[made_by.name][0] == module.entry)
+    source = None if is_argument else origins.copied_from_argument(made_by)
+    copied_from = None
+    if source is not None:
+      found = _OP_NAME.search(source.attrs)
+      copied_from = found.group(1) if found else None
     role = _role(origin, array, loop_carried, is_argument, param_dtype, param_dims,
-                 head_scopes)
+                 head_scopes, copied_from)
     shape = f"{array.dtype}[{','.join(map(str, array.dims))}]" if array is not None else ""
     value = LiveValue(name=f"{name}{{{','.join(map(str, index))}}}", bytes=size, shape=shape,
                       origin=origin, role=role)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 import tpipe
+from tpipe.train import losses
 
 VOCAB_SIZE = 256
 # The floating dtypes the models compute in or store parameters in.
@@ -202,6 +203,21 @@ class TokenEmbedding(nn.Module):
     return nn.Dropout(self.dropout_rate, deterministic=deterministic)(x)
 
 
+class _VocabProjection(nn.Module):
+  """The head's ``kernel [width, vocab]`` and ``bias [vocab]``, made as ``nn.Dense`` makes them
+  (same names and initializers), for a loss that uses them a vocabulary slice at a time."""
+
+  vocab_size: int
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, width: int):
+    kernel = self.param("kernel", nn.initializers.lecun_normal(), (width, self.vocab_size),
+                        self.param_dtype)
+    bias = self.param("bias", nn.initializers.zeros_init(), (self.vocab_size,), self.param_dtype)
+    return kernel, bias
+
+
 class LMHead(nn.Module):
   """Final LayerNorm and the projection to the vocabulary; with targets, the loss too.
 
@@ -209,11 +225,15 @@ class LMHead(nn.Module):
     vocab_size: number of token values.
     dtype: the computation dtype; the logits are cast to float32 whatever it is.
     param_dtype: the dtype the parameters are stored in.
+    vocab_chunks: with targets, compute the loss this many vocabulary slices at a time
+      (:func:`tpipe.train.losses.chunked_cross_entropy`) so a micro-batch's whole logits are
+      never formed; must divide ``vocab_size``. The parameters are the same either way.
   """
 
   vocab_size: int
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  vocab_chunks: int = 1
 
   @nn.compact
   def __call__(self, x: jax.Array, targets: jax.Array | None = None) -> jax.Array:
@@ -229,6 +249,10 @@ class LMHead(nn.Module):
     """
     dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
     x = nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name="final_norm")(x)
+    if self.vocab_chunks > 1 and targets is not None:
+      kernel, bias = _VocabProjection(self.vocab_size, param_dtype, name="head")(x.shape[-1])
+      return losses.chunked_cross_entropy(x, kernel, bias, targets, self.vocab_chunks,
+                                          dtype).mean(axis=-1)
     logits = nn.Dense(self.vocab_size, dtype=dtype, param_dtype=param_dtype, name="head")(x)
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # At least float32.
     if targets is None:
@@ -238,8 +262,8 @@ class LMHead(nn.Module):
 
 def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
                vocab_size: int = VOCAB_SIZE, dropout_rate: float = 0.0, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32, spec: tpipe.PipelineSpec | None = None,
-               **settings) -> tpipe.Sequential:
+               param_dtype: Any = jnp.float32, vocab_chunks: int = 1,
+               spec: tpipe.PipelineSpec | None = None, **settings) -> tpipe.Sequential:
   """A decoder-only LM: ``TokenEmbedding -> Repeat(TransformerBlock, L) -> LMHead``, pipelined.
 
   Args:
@@ -252,6 +276,8 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
     dropout_rate: dropout in the embedding and the blocks (active with ``deterministic=False``).
     dtype: the computation dtype (activations cross the stage boundaries in it).
     param_dtype: the dtype the parameters are stored in (float32 for mixed precision).
+    vocab_chunks: compute the loss this many vocabulary slices at a time (see
+      :class:`LMHead`); 1 forms each micro-batch's whole logits.
     spec: the pipeline settings (:class:`tpipe.PipelineSpec`), or None to build them from
       ``settings``; ``per_example`` is always ``("targets",)``.
     **settings: :class:`tpipe.PipelineSpec` fields, overriding ``spec``'s.
@@ -264,6 +290,7 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
   for name, value in (("num_layers", num_layers), ("width", width), ("num_heads", num_heads),
                       ("mlp_dim", mlp_dim), ("max_len", max_len), ("vocab_size", vocab_size)):
     _check_int(name, value)
+  losses.check_num_chunks(vocab_chunks, vocab_size)
   _check_rate("dropout_rate", dropout_rate)
   dtype = check_float_dtype("decoder_lm dtype", dtype)
   param_dtype = check_float_dtype("decoder_lm param_dtype", param_dtype)
@@ -277,6 +304,6 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
       TokenEmbedding(vocab_size, width, max_len, dropout_rate=dropout_rate, dtype=dtype,
                      param_dtype=param_dtype),
       tpipe.Repeat(block, num_layers),
-      LMHead(vocab_size, dtype=dtype, param_dtype=param_dtype),
+      LMHead(vocab_size, dtype=dtype, param_dtype=param_dtype, vocab_chunks=vocab_chunks),
   ]
   return tpipe.Sequential(layers, spec)

@@ -23,7 +23,7 @@ from flax import nnx
 
 import tpipe
 from tpipe import nnx as tnnx
-from tpipe.train import models
+from tpipe.train import losses, models
 
 
 def _deterministic(module, deterministic: bool | None) -> bool:
@@ -95,14 +95,21 @@ class TokenEmbedding(nnx.Module):
 
 class LMHead(nnx.Module):
   """Final LayerNorm and the projection to the vocabulary; float32 logits, or with ``targets``
-  each example's mean next-token cross-entropy ``[batch]``."""
+  each example's mean next-token cross-entropy ``[batch]`` (``vocab_chunks`` vocabulary slices
+  at a time when above 1, as the linen :class:`tpipe.train.models.LMHead`)."""
 
   def __init__(self, vocab_size: int, width: int, *, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               param_dtype: Any = jnp.float32, vocab_chunks: int = 1, rngs: nnx.Rngs):
+    self.vocab_chunks = losses.check_num_chunks(vocab_chunks, vocab_size)
+    self.dtype = dtype
     self.final_norm = nnx.LayerNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.head = nnx.Linear(width, vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    if self.vocab_chunks > 1 and targets is not None:
+      return losses.chunked_cross_entropy(
+          self.final_norm(x), self.head.kernel[...], self.head.bias[...], targets,
+          self.vocab_chunks, self.dtype).mean(axis=-1)
     logits = self.head(self.final_norm(x))
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     if targets is None:
@@ -113,7 +120,7 @@ class LMHead(nnx.Module):
 def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
                vocab_size: int = models.VOCAB_SIZE, dropout_rate: float = 0.0,
                dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-               spec: tpipe.PipelineSpec | None = None, rngs: nnx.Rngs,
+               vocab_chunks: int = 1, spec: tpipe.PipelineSpec | None = None, rngs: nnx.Rngs,
                **settings) -> tnnx.Sequential:
   """The NNX decoder LM, pipelined; arguments as :func:`tpipe.train.models.decoder_lm`, plus
   ``rngs`` (parameters from its ``params`` stream; dropout keys from its ``dropout`` stream, or
@@ -127,6 +134,6 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
       tnnx.Repeat(lambda r: TransformerBlock(width, num_heads, mlp_dim,
                                              dropout_rate=dropout_rate, rngs=r, **kw),
                   num_layers, rngs=rngs),
-      LMHead(vocab_size, width, rngs=rngs, **kw),
+      LMHead(vocab_size, width, vocab_chunks=vocab_chunks, rngs=rngs, **kw),
   ]
   return tnnx.Sequential(layers, spec=spec, rngs=rngs)

@@ -35,6 +35,7 @@ from tpipe import spec as spec_lib
 from tpipe.train import convnet
 from tpipe.train import data as text_data
 from tpipe.train import images
+from tpipe.train import losses
 from tpipe.train import models
 from tpipe.train import models_nnx
 
@@ -72,7 +73,7 @@ def lm_arguments(config) -> dict:
               mlp_dim=config.mlp_dim, max_len=config.seq_len,
               vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
               dropout_rate=float(config.dropout), dtype=jnp.dtype(config.dtype),
-              param_dtype=jnp.float32)
+              param_dtype=jnp.float32, vocab_chunks=config.get("vocab_chunks", 1))
 
 
 def _check_int(config, name: str, minimum: int = 1) -> None:
@@ -121,6 +122,11 @@ class LanguageModelling:
       raise ValueError(f"config.eval_fraction must be in (0, 1), got {config.eval_fraction!r}.")
     smallest = 16 * (config.seq_len + 1)  # What data.TextData.load accepts.
     frontend(config)
+    try:
+      losses.check_num_chunks(config.get("vocab_chunks", 1),
+                              config.get("vocab_size", models.VOCAB_SIZE))
+    except (ValueError, TypeError) as error:
+      raise type(error)(f"config.vocab_chunks: {error}") from None
     if config.max_corpus_bytes < smallest:
       raise ValueError(
           f"config.max_corpus_bytes={config.max_corpus_bytes} is too small for "
