@@ -12,7 +12,11 @@ chunks, :mod:`tpipe.core.plan`), and lays out its variables on the stages
   backward runs inside the schedule: differentiate :meth:`Pipeline.loss`).
 * :meth:`Pipeline.loss`: the mean over the global batch of the last layer's per-example losses,
   differentiable under every schedule; with a fused schedule one differentiated call runs forward
-  and backward together (:func:`tpipe.core.fused.mean_loss`).
+  and backward together (:func:`tpipe.core.fused.mean_loss`). So does a forward schedule under
+  ``remat="full"`` with ``remat_granularity="nested"``
+  (:func:`tpipe.core.fused.backward_by_units`): its forward ticks and autodiff's backward ticks
+  run as one fused table (:func:`tpipe.schedules.from_forward`), whose backward sums the
+  parameter gradients in place.
 
 Front ends (``tpipe.Sequential``, ``tpipe.pipeline``, ``tpipe.nnx``) build one per call; the
 trainer keeps one for its whole run.
@@ -27,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import arguments
 from tpipe.core import chunks as chunks_lib
@@ -133,15 +138,23 @@ class Pipeline:
 
     Differentiable under every schedule: a forward schedule differentiates through its tick
     loop; a fused schedule's backward runs inside the schedule (one differentiated call runs
-    forward and backward together). Arguments as for :meth:`apply`; the last layer must return
-    one float loss per example (``[batch]``).
+    forward and backward together), as does a forward schedule's under ``remat="full"`` with
+    ``"nested"`` granularity (its table as :func:`tpipe.schedules.from_forward` writes it).
+    Arguments as for :meth:`apply`; the last layer must return one float loss per example
+    (``[batch]``).
 
     Returns:
       The scalar loss; with ``stats`` (forward schedules only), ``(loss, new_stats)`` as
       :meth:`apply` returns them.
     """
     self._check_losses()
-    if not self.spec.is_fused:
+    table = self.spec.table
+    if not self.spec.is_fused and stats is None and fused.backward_by_units(self.spec):
+      # The forward schedule's ticks, then autodiff's backward ticks, as one fused table: its
+      # backward runs one unit at a time with the gradients summed in place, where autodiff
+      # through the tick loop would first build each tick's whole parameter gradient.
+      table = schedules.from_forward(table)
+    elif not self.spec.is_fused:
       result = self.apply(params, x, kwargs, stats=stats, rngs=rngs, mesh=mesh)
       if stats is None:
         return jnp.mean(result)
@@ -150,8 +163,7 @@ class Pipeline:
     split = self._call(x, kwargs, axes)
     chunkset = self._chunkset(split, stats)
     return fused.mean_loss(chunkset, self._staged(params, None), x, split.broadcast,
-                           split.per_example, dict(rngs or {}), schedule=self.spec.table,
-                           axes=axes)
+                           split.per_example, dict(rngs or {}), schedule=table, axes=axes)
 
   def _chunkset(self, split, stats) -> chunks_lib.ChunkSet:
     if (stats is None) != (self.stats_layout is None):

@@ -19,7 +19,11 @@ table as one SPMD program:
 * ``B`` takes the stashed input and the output gradient (from the mailbox; for the last chunk the
   seed ``1 / N`` per example of the mean loss), recomputes the chunk's forward under ``jax.vjp``
   and applies its VJP. That is ``remat="full"`` at the granularity of a chunk whatever the remat
-  policy, which decides only what the chunk keeps *within* the ``B`` tick.
+  policy, which decides only what the chunk keeps *within* the ``B`` tick. Under
+  ``remat="full"`` with a granularity finer than a chunk (:func:`backward_by_units`), ``B`` runs
+  the chunk's units backwards one at a time instead and adds each unit's parameter gradient
+  into the running sums in place (:meth:`tpipe.core.chunks.ChunkSet.backward_into`), so no tick
+  builds its chunk's whole parameter gradient first.
 * ``BI`` is ``B`` with the chunk's operations linear in a weight tapped (:mod:`tpipe.core.taps`):
   it yields the input gradient and those operations' output gradients, filed with their other
   operands in a **weight slot** (packed per stage, as many slots as the table's most
@@ -58,18 +62,9 @@ from tpipe.core import spmd
 Action = schedules.Action
 
 
-def _is_float(leaf) -> bool:
-  return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-
-
-def _floats(tree) -> list:
-  return [leaf for leaf in jax.tree.leaves(tree) if _is_float(leaf)]
-
-
-def _with_floats(tree, floats):
-  """``tree`` with its float leaves replaced, in order, by ``floats``."""
-  floats = iter(floats)
-  return jax.tree.map(lambda leaf: next(floats) if _is_float(leaf) else leaf, tree)
+_is_float = chunks_lib.is_float
+_floats = chunks_lib.float_leaves
+_with_floats = chunks_lib.with_float_leaves
 
 
 def _split_grads(grads: list, trees) -> list[list]:
@@ -105,6 +100,20 @@ def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
 def is_split(schedule: schedules.FusedSchedule) -> bool:
   """Whether the table splits backwards into ``BI`` and ``W``."""
   return bool(np.any(np.isin(schedule.action, [Action.BI, Action.W])))
+
+
+def backward_by_units(spec) -> bool:
+  """Whether the loss's backward ticks run their chunks' units backwards one at a time, adding
+  each unit's parameter gradients into the running sums in place
+  (:meth:`tpipe.core.chunks.ChunkSet.backward_into`): wherever that costs no more FLOPs than
+  the setting asks for. Under ``remat="full"``, a fused schedule's ``B`` recomputes its chunk
+  from the stashed input anyway, so any granularity finer than a chunk qualifies; a forward
+  schedule qualifies with ``"nested"`` (one more forward per unit either way), where ``"layer"``
+  and ``k`` keep every piece's input across ticks instead and recompute one piece less.
+  """
+  if spec.remat != "full" or spec.remat_granularity == "chunk":
+    return False
+  return spec.is_fused or spec.remat_granularity == "nested"
 
 
 def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarray, np.ndarray]:
@@ -209,6 +218,10 @@ class _Run:
     inner = None if policy is chunks_lib.FULL else policy
     count = chunkset.num_branches
     self.programs = [chunkset.branch(b, inner) for b in range(count)]
+    # B runs its units backwards one at a time, their parameter gradients added into the
+    # running sums in place, without first building the chunk's whole parameter gradient.
+    self.unitwise = backward_by_units(chunkset.spec)
+    self.backward_into = [chunkset.backward_into(b) for b in range(count)]
     self.tapped = [chunkset.tapped_branch(b, inner) for b in range(count)] if self.split else []
     self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
 
@@ -236,6 +249,17 @@ class _Run:
 
     def branch(state, weights, msg, stashed, mb, chunk, weight_slot):
       fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg)
+      if self.unitwise and not tapped:
+        outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
+        cotangent = lambda out: device.cotangent(chunk, msg, *out)
+        sums, g_fresh, g_in, g_side = self.backward_into[b](
+            state["params"], device.staged, fresh, stashed, broadcast, pex, rngs, microbatch,
+            chunk, outputs, cotangent)
+        g_broadcast = g_side[:len(_floats(broadcast))]
+        g_pex = g_side[len(_floats(broadcast)):]
+        state = self._file_grads(device, dict(state, params=sums), None,
+                                 (g_fresh, g_broadcast, g_pex), mb)
+        return state, weights, device.send_of(stashed, g_in)
       taps = self._zero_taps(b, device) if tapped else None
       diff = (device.staged, fresh, stashed, broadcast, pex, taps)
 
@@ -278,7 +302,8 @@ class _Run:
   def _file_grads(self, device: _Device, state, g_params, inputs, mb):
     g_fresh, g_broadcast, g_pex = inputs
     add = lambda total, g: [u + w for u, w in zip(total, g)]
-    return dict(state, params=add(state["params"], g_params),
+    params = state["params"] if g_params is None else add(state["params"], g_params)
+    return dict(state, params=params,
                 broadcast=add(state["broadcast"], g_broadcast),
                 x=spmd.add_to_slot(state["x"], mb, g_fresh),
                 per_example=spmd.add_to_slot(state["per_example"], mb, g_pex))

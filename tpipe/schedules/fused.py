@@ -6,8 +6,10 @@ slot holds what the backward needs; the message routing (send directions, mailbo
 derived and validated on construction. :func:`place` lays per-stage action orders out on ticks
 (the named schedules in :mod:`tpipe.schedules.orders` are orders); :func:`from_forward` writes a
 forward schedule and autodiff's backward as one table, so every schedule can be analysed side by
-side. :meth:`FusedSchedule.forward_pass` is the table's forward actions alone (what a call that is
-not differentiated runs). :mod:`tpipe.core.fused` runs these tables. Pure NumPy.
+side and run by the fused tick loop (a forward schedule's loss under ``remat="full"`` with
+``"nested"`` granularity). :meth:`FusedSchedule.forward_pass` is the table's forward actions
+alone (what a call that is not differentiated runs). :mod:`tpipe.core.fused` runs these tables.
+Pure NumPy.
 
 Example::
 
