@@ -25,6 +25,7 @@ import tpipe
 from tests.helpers import blocks
 from tests.helpers import linen_models as lm
 from tests.helpers import numerics
+from tpipe.core import fused
 
 # (model, schedule, granularity, remat, balance): a chunk of plain layers and Repeat units, the
 # Repeat's remainder shorter than k, and each remat policy within the pieces.
@@ -173,6 +174,23 @@ def test_backward_by_units_sums_gradients_in_place():
   one_f_one_b = _temporaries("1f1b", "layer", microbatches)
   assert one_f_one_b == _temporaries("1f1b", "nested", microbatches)
   assert one_f_one_b <= by_units, (one_f_one_b, by_units)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("schedule,repeats,remat,granularity,expected", [
+    ("1f1b", 1, "full", "layer", True),
+    ("zbv", 2, "full", 2, True),
+    ("1f1b", 1, "full", "chunk", False),
+    ("1f1b", 1, "dots", "layer", False),
+    ("gpipe", 1, "full", "nested", True),
+    ("circular", 2, "full", "nested", True),
+    ("gpipe", 1, "full", "layer", False),  # keeps every piece's input: one forward less
+    ("gpipe", 1, "none", "nested", False),
+])
+def test_which_settings_run_the_backward_by_units(schedule, repeats, remat, granularity, expected):
+  spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=4, schedule=schedule,
+                            num_repeats=repeats, remat=remat, remat_granularity=granularity)
+  assert fused.backward_by_units(spec) is expected
 
 
 def _norm_relative(a, b):
