@@ -35,7 +35,7 @@ import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import peak  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:2x2x2"
-LAYERS, WIDTH, ROWS, TICKS = 4, 2048, 1024, 8
+LAYERS, WIDTH, MICROBATCH_ROWS, TICKS = 4, 2048, 1024, 8
 
 
 def layer(h, w):
@@ -113,7 +113,7 @@ def sum_in_layer_loop_chained(w, xs):
   return lax.scan(tick, jnp.zeros_like(w), (jnp.arange(TICKS), xs))[0]
 
 
-ROWS_ = [
+WAYS = [
     ("autodiff", autodiff),
     ("sum in the branch", sum_in_branch),
     ("sum in the loop over layers", sum_in_layer_loop),
@@ -125,11 +125,11 @@ def main():
   run = _common.start("tpu_gradient_sums", __doc__)
   sharding = jax.sharding.SingleDeviceSharding(tpipe.topology_devices(TOPOLOGY)[0])
   w = jax.ShapeDtypeStruct((LAYERS, WIDTH, WIDTH), jnp.float32, sharding=sharding)
-  xs = jax.ShapeDtypeStruct((TICKS, ROWS, WIDTH), jnp.bfloat16, sharding=sharding)
+  xs = jax.ShapeDtypeStruct((TICKS, MICROBATCH_ROWS, WIDTH), jnp.bfloat16, sharding=sharding)
   mib = lambda n: f"{n / 2**20:.1f}"
   table = ["| how the weight gradient is summed | temporaries MiB | buffer assignment MiB "
            "| beyond it MiB |", "|---|---:|---:|---:|"]
-  for label, fn in ROWS_:
+  for label, fn in WAYS:
     compiled, breakdown = peak.breakdown_of_lowered(jax.jit(fn).lower(w, xs))
     temporaries = compiled.memory_analysis().temp_size_in_bytes
     allocated = breakdown.allocated_temporaries
@@ -137,7 +137,7 @@ def main():
                  f"| {mib(temporaries - allocated)} |")
     print(table[-1], flush=True)
   lines = [f"One chip of `{TOPOLOGY}`; float32 weights of {LAYERS} x {WIDTH} x {WIDTH} "
-           f"({mib(LAYERS * WIDTH * WIDTH * 4)} MiB), {TICKS} ticks of {ROWS} rows.", ""]
+           f"({mib(LAYERS * WIDTH * WIDTH * 4)} MiB), {TICKS} ticks of {MICROBATCH_ROWS} rows.", ""]
   run.write("Summing weight gradients in a tick loop, compiled for a TPU", lines + table)
 
 

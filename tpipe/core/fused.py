@@ -62,6 +62,7 @@ from tpipe.core import spmd
 Action = schedules.Action
 
 
+# Short names for the float-leaf helpers the branches use at every step.
 _is_float = chunks_lib.is_float
 _floats = chunks_lib.float_leaves
 _with_floats = chunks_lib.with_float_leaves
@@ -221,7 +222,8 @@ class _Run:
     # B runs its units backwards one at a time, their parameter gradients added into the
     # running sums in place, without first building the chunk's whole parameter gradient.
     self.unitwise = backward_by_units(chunkset.spec)
-    self.backward_into = [chunkset.backward_into(b) for b in range(count)]
+    self.backward_into = ([chunkset.backward_into(b) for b in range(count)] if self.unitwise
+                          else [])
     self.tapped = [chunkset.tapped_branch(b, inner) for b in range(count)] if self.split else []
     self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
 
