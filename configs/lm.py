@@ -18,6 +18,10 @@ Commands::
   python -m tpipe.train --config=configs/lm.py --workdir=/tmp/lm2 \\
       --config.num_stages=2 --config.num_data=4 --config.schedule=circular --config.num_repeats=2
 
+  # Pipeline x FSDP x tensor parallelism: 2 stages, each over 2 fsdp x 2 tensor devices.
+  python -m tpipe.train --config=configs/lm.py --workdir=/tmp/lm3d \\
+      --config.num_stages=2 --config.num_data=1 --config.mesh.fsdp=2 --config.mesh.tensor=2
+
   # On a TPU VM (v4-8: 4 chips): a bigger model, stages over the chips, bfloat16 compute.
   python -m tpipe.train --config=configs/lm.py:size=base --workdir=$HOME/lm \\
       --config.num_stages=4 --config.num_data=1 --config.dtype=bfloat16
@@ -81,9 +85,13 @@ def get_config(arg=None):
   # stay float32; logits and the loss are float32).
   config.dtype = "float32"
 
-  # Pipeline and mesh: num_stages * num_data devices.
+  # Pipeline and mesh: num_stages * num_data * mesh.fsdp * mesh.tensor devices.
   config.num_stages = 4
   config.num_data = 2
+  # Inside each stage: weights and optimizer state split over mesh.fsdp devices (ZeRO-3, with
+  # each micro-batch's rows), the MLP's, embedding's and head's matrices over mesh.tensor devices
+  # (as the layers' logical axis names say: tpipe.axis_rules.DEFAULT_RULES).
+  config.mesh = ml_collections.ConfigDict({"fsdp": 1, "tensor": 1})
   config.num_microbatches = num_microbatches
   config.schedule = "gpipe"
   config.num_repeats = 1
@@ -98,6 +106,11 @@ def get_config(arg=None):
   # each, every block one).
   config.balance = "flops"
   config.vocab_size = 256  # Byte values.
+  # The block: "gpt" (LayerNorm, multi-head attention, GELU MLP, dropout) or "llama" (RMSNorm,
+  # grouped-query attention with num_kv_heads key/value heads, SwiGLU MLP; every matrix named
+  # for fsdp and tensor parallelism). num_kv_heads = None means num_heads.
+  config.block = "gpt"
+  config.num_kv_heads = ml_collections.FieldReference(None, field_type=int)
   # The loss a vocabulary slice at a time (a divisor of vocab_size): the head never forms a
   # micro-batch's whole [batch, seq, vocab] logits. For large vocabularies; 1 = all at once.
   config.vocab_chunks = 1

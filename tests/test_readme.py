@@ -176,3 +176,21 @@ def test_tools_example_measures_the_training_step(readme):
   assert result.memory.total > 0
   with open(readme["timeline_png"], "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_3d_example_splits_the_weights_and_equals_the_mlps_in_sequence(readme):
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+
+  assert readme["specs"]["w_in"] == P(None, "stage", None, "fsdp", "tensor")
+  assert readme["specs"]["w_out"] == P(None, "stage", None, "tensor", "fsdp")
+  mlp, params, h = readme["MLP"](), readme["wide_params"]["layers_0"], readme["h"]
+
+  def in_order(params, h, microbatches=1):
+    def run(h):
+      return jax.lax.scan(lambda h, p: (mlp.apply({"params": p}, h), None), h, params)[0]
+    return jax.lax.map(run, h.reshape(microbatches, -1, h.shape[-1])).reshape(h.shape)
+
+  # Rows split over fsdp as over data: 2 x 4 micro-batches.
+  plain = jax.jit(functools.partial(in_order, microbatches=8))(params, h)
+  exact = numerics.float64_reference(jax.jit(in_order), params, h)
+  numerics.assert_as_close_as_plain(readme["wide_out"], plain, exact, what="the 3D example")

@@ -192,6 +192,30 @@ def test_shardings_split_the_stacks_and_replicate_the_rest():
   assert tpipe.shardings(abstract, mesh, stacked=("blocks",)) == found
 
 
+def test_shardings_on_fsdp_and_tensor_follow_the_annotations():
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+
+  mesh = tpipe.make_mesh(stages=2, fsdp=2, tensor=2)
+  boxed = {"blocks": {"w": nn.LogicallyPartitioned(jnp.zeros((4, 8, 16)), ("embed", "mlp")),
+                      "b": jnp.zeros((4, 6))},
+           "head": {"w": nn.LogicallyPartitioned(jnp.zeros((8, 6)), ("embed", "vocab")),
+                    "scale": jnp.zeros((3,))}}
+  found = tpipe.shardings(boxed, mesh, stacked=("blocks",))
+  # Stacks over stage, then the weight's own axes; unannotated: fsdp on the largest dimension
+  # it divides; a dimension tensor does not divide (vocab 6 / 2 divides; 3 does not) is whole.
+  assert found["blocks"]["w"].spec == P("stage", "fsdp", "tensor")
+  assert found["blocks"]["b"].spec == P("stage", "fsdp")
+  assert found["head"]["w"].spec == P("fsdp", "tensor")
+  assert found["head"]["scale"].spec == P()
+  # Other rules, given or from Flax's context, move the axes.
+  rules = (("embed", None), ("mlp", "fsdp"))
+  assert tpipe.shardings(boxed, mesh, ("blocks",), rules=rules)["blocks"]["w"].spec == P(
+      "stage", None, "fsdp")
+  with nn.logical_axis_rules(rules):
+    assert tpipe.shardings(boxed, mesh, ("blocks",))["blocks"]["w"].spec == P(
+        "stage", None, "fsdp")
+
+
 def test_make_train_step_validation():
   with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
     tpipe.make_train_step(lambda p, b, r: 0.0, "sgd")

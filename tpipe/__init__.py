@@ -10,12 +10,15 @@ the ones below it):
 * front ends: :func:`pipeline` and :class:`Sequential` (linen), :mod:`tpipe.nnx` (NNX);
 * :mod:`tpipe.training`: train state, shardings and the jitted step;
 * :mod:`tpipe.core`: the engine (planning, stage layout, chunk programs, the two tick loops);
-* :class:`PipelineSpec`, :mod:`tpipe.mesh`, :mod:`tpipe.schedules`, :mod:`tpipe.partition`:
-  settings, meshes, schedule tables and balancing, pure where they can be.
+* :class:`PipelineSpec`, :mod:`tpipe.mesh`, :mod:`tpipe.axis_rules`, :mod:`tpipe.schedules`,
+  :mod:`tpipe.partition`: settings, meshes, how weights split over ``fsdp`` and ``tensor``,
+  schedule tables and balancing, pure where they can be.
 """
 
+from tpipe import axis_rules
 from tpipe import nnx
 from tpipe import schedules
+from tpipe.axis_rules import DEFAULT_RULES
 from tpipe.linen.sequential import Repeat
 from tpipe.linen.sequential import Sequential
 from tpipe.linen.transform import pipeline
@@ -33,12 +36,14 @@ from tpipe.training import make_train_step
 from tpipe.training import shardings
 
 __all__ = [
+    "DEFAULT_RULES",
     "FusedSchedule",
     "PipelineSpec",
     "Repeat",
     "Schedule",
     "Sequential",
     "TrainState",
+    "axis_rules",
     "create_train_state",
     "data_sharding",
     "make_fused_schedule",

@@ -1,4 +1,11 @@
-"""Device meshes for pipelining: a ``data`` axis of replicas and a ``stage`` axis of stages.
+"""Device meshes for pipelining: ``data`` replicas, ``fsdp`` and ``tensor`` shards, ``stage``s.
+
+* ``stage``: one pipeline stage per position; the tick loops run manual over it.
+* ``data``: data-parallel replicas, each with the whole (stage's) state; manual too.
+* ``fsdp``: inside a stage, weights and optimizer state split over devices (ZeRO-3) and
+  gathered one layer at a time; each micro-batch's rows split over it too. Left to XLA's
+  partitioner (an auto axis of a partially manual ``shard_map``).
+* ``tensor``: inside a layer, its matrices split (Megatron-style); auto as well.
 
 :func:`make_mesh` builds one; :func:`resolve` finds the mesh a pipeline runs on (the one given,
 the ambient one, or one device) and checks its stage axis, naming the API the user called.
@@ -11,18 +18,27 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 STAGE_AXIS = "stage"
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+TENSOR_AXIS = "tensor"
 
 
-def make_mesh(stages: int, data: int = 1, *, devices=None, stage_axis: str = STAGE_AXIS,
-              data_axis: str = DATA_AXIS) -> Mesh:
-  """A ``(data, stage)`` mesh over the first ``data * stages`` devices.
+def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, devices=None,
+              stage_axis: str = STAGE_AXIS, data_axis: str = DATA_AXIS) -> Mesh:
+  """A ``(data, fsdp, stage, tensor)`` mesh over the first ``data * fsdp * stages * tensor``
+  devices.
 
-  The stage axis is the minor one, so on TPU the stages of one replica are neighbours on the
-  interconnect (``jax.make_mesh`` orders devices by topology) and stage-to-stage sends are short.
+  Axes run from the slowest-changing to the fastest: ``tensor`` is the minor axis (its
+  collectives run inside every layer, so its devices are nearest on the interconnect), then
+  ``stage`` (a send per tick to a neighbour), ``fsdp`` (a gather per layer), and ``data``
+  (one gradient reduction per step). ``jax.make_mesh`` orders the devices by the TPU topology,
+  so each axis's groups are valid sub-slices. Axes of size 1 are kept: every mesh has all four
+  names, so shardings and rules can name them whatever the sizes.
 
   Args:
     stages: devices per pipeline (size of the ``stage`` axis).
     data: data-parallel replicas (size of the ``data`` axis).
+    fsdp: devices each stage's weights and optimizer state are split over (``fsdp`` axis).
+    tensor: devices each layer's matrices are split over (``tensor`` axis).
     devices: devices to use; default ``jax.devices()``.
     stage_axis: name of the stage axis.
     data_axis: name of the data axis.
@@ -32,33 +48,59 @@ def make_mesh(stages: int, data: int = 1, *, devices=None, stage_axis: str = STA
 
   Example::
 
-    >>> mesh = make_mesh(stages=4, data=2)
+    >>> mesh = make_mesh(stages=2, data=2, fsdp=2)
     >>> dict(mesh.shape)
-    {'data': 2, 'stage': 4}
+    {'data': 2, 'fsdp': 2, 'stage': 2, 'tensor': 1}
   """
-  for name, value in (("stages", stages), ("data", data)):
+  for name, value in (("stages", stages), ("data", data), ("fsdp", fsdp), ("tensor", tensor)):
     if isinstance(value, bool) or not isinstance(value, int):
       raise TypeError(f"{name} must be an int, got {value!r}.")
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}.")
-  if stage_axis == data_axis:
-    raise ValueError(f"stage_axis and data_axis must differ, both are {stage_axis!r}.")
+  names = (data_axis, FSDP_AXIS, stage_axis, TENSOR_AXIS)
+  if len(set(names)) < len(names):
+    raise ValueError(f"stage_axis and data_axis must differ from each other and from "
+                     f"{FSDP_AXIS!r} and {TENSOR_AXIS!r}; got stage_axis={stage_axis!r}, "
+                     f"data_axis={data_axis!r}.")
   devices = list(jax.devices() if devices is None else devices)
-  needed = stages * data
+  needed = stages * data * fsdp * tensor
   if needed > len(devices):
+    named = (("data", data), ("fsdp", fsdp), ("stages", stages), ("tensor", tensor))
+    sizes = " x ".join(f"{n}={v}" for n, v in named if v > 1 or n in ("data", "stages"))
     raise ValueError(
-        f"A mesh of data={data} x stages={stages} needs {needed} devices but {len(devices)} are "
+        f"A mesh of {sizes} needs {needed} devices but {len(devices)} are "
         "available. On CPU, emulate more with JAX_NUM_CPU_DEVICES=8 (or "
         "jax.config.update('jax_num_cpu_devices', 8) before the first JAX call).")
-  return jax.make_mesh((data, stages), (data_axis, stage_axis),
-                       axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[:needed])
+  shape, types = (data, fsdp, stages, tensor), (AxisType.Auto,) * 4
+  try:
+    return jax.make_mesh(shape, names, axis_types=types, devices=devices[:needed])
+  except NotImplementedError:
+    # A TPU torus whose physical axes no product of mesh axes matches (tensor = 2 on a 4x4x4
+    # slice): split physical axes, as mesh_utils allows when asked.
+    from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+
+    grid = mesh_utils.create_device_mesh(shape, devices[:needed],
+                                         allow_split_physical_axes=True)
+    return Mesh(grid, names, axis_types=types)
+
+
+def batch_axes(mesh, data_axis: str = DATA_AXIS) -> tuple[str, ...]:
+  """The mesh axes a batch's rows are split over: ``data``, then ``fsdp`` where it has more
+  than one device (each FSDP shard computes on its own rows, as in ZeRO-3)."""
+  shape = dict(mesh.shape)
+  axes = [data_axis] if data_axis in shape else []
+  if shape.get(FSDP_AXIS, 1) > 1:
+    axes.append(FSDP_AXIS)
+  return tuple(axes)
 
 
 def data_sharding(mesh: Mesh, data_axis: str = DATA_AXIS) -> NamedSharding:
-  """Sharding for a batch: axis 0 split over the data axis (replicated if there is none)."""
-  if data_axis in mesh.axis_names:
-    return NamedSharding(mesh, P(data_axis))
-  return NamedSharding(mesh, P())
+  """Sharding for a batch: axis 0 split over the data axis and, where the mesh has more than
+  one, the fsdp axis (replicated if there is neither)."""
+  axes = batch_axes(mesh, data_axis)
+  if not axes:
+    return NamedSharding(mesh, P())
+  return NamedSharding(mesh, P(axes if len(axes) > 1 else axes[0]))
 
 
 def single_device_mesh(stage_axis: str = STAGE_AXIS) -> Mesh:

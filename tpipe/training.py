@@ -20,12 +20,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tpipe import axis_rules
 from tpipe import mesh as mesh_lib
 
 # loss_fn(params, batch, rng) -> scalar mean loss over the global batch.
@@ -44,23 +46,30 @@ class TrainState:
 
 
 def shardings(tree, mesh: Mesh, stacked: Sequence[str] = (), *,
-              stage_axis: str = mesh_lib.STAGE_AXIS):
+              stage_axis: str = mesh_lib.STAGE_AXIS, rules=None):
   """Where each leaf of a parameter tree, or of a whole :class:`TrainState`, lives on ``mesh``.
 
   Leaves under the top-level parameter names in ``stacked`` (the names of ``tpipe.pipeline``
   stacks, ``nn.scan``'s layout ``[L, ...]``) are split over ``stage_axis`` on their leading
   (layer) axis, so each device stores only its stage's layers; an optimizer's leaves under the
-  same names (optax keeps moments in trees shaped like the parameters) follow them. Everything
-  else (other parameters, the step, Adam's count) is replicated.
+  same names (optax keeps moments in trees shaped like the parameters) follow them. On a mesh
+  with ``fsdp`` or ``tensor`` devices every parameter is also split over them as its logical
+  axis names say (:func:`tpipe.axis_rules.weight_spec`: give the boxed parameters ``init``
+  returns, with their ``nn.with_logical_partitioning`` names; unboxed or unannotated leaves are
+  split over ``fsdp`` on their largest dimension). The rest (the step, Adam's count) is
+  replicated.
 
   Args:
-    tree: parameters, or a ``TrainState``, as arrays or ``jax.ShapeDtypeStruct``s.
+    tree: parameters (boxed or not), or a ``TrainState``, as arrays or
+      ``jax.ShapeDtypeStruct``s.
     mesh: the device mesh.
     stacked: top-level parameter names of the pipelined stacks, e.g. ``("blocks",)``.
     stage_axis: the mesh's stage axis.
+    rules: ``(logical name, mesh axes)`` pairs (default: an enclosing
+      ``nn.logical_axis_rules`` context, else :data:`tpipe.DEFAULT_RULES`).
 
   Returns:
-    A tree of ``NamedSharding`` with the structure of ``tree``.
+    A tree of ``NamedSharding`` with the structure of ``tree`` (of its unboxed values).
 
   Raises:
     TypeError, ValueError: ``stacked`` is a string or names no parameter, or a stack's layer
@@ -75,23 +84,37 @@ def shardings(tree, mesh: Mesh, stacked: Sequence[str] = (), *,
     raise ValueError(f"stacked names {missing} are not top-level keys of params "
                      f"({sorted(params)}); pass the names of the tpipe.pipeline modules.")
   num_stages = dict(mesh.shape).get(stage_axis, 1)
-  split, replicated = NamedSharding(mesh, P(stage_axis)), NamedSharding(mesh, P())
+  replicated = NamedSharding(mesh, P())
+  rules = axis_rules.resolve_rules(rules)
+  reserved = (stage_axis, mesh_lib.DATA_AXIS)
 
   def one(path, leaf):
+    names = None
+    if isinstance(leaf, nn.Partitioned):
+      names, leaf = tuple(leaf.names), leaf.value
+    shape = tuple(getattr(leaf, "shape", ()))
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    if not any(k in stacked for k in keys) or len(getattr(leaf, "shape", ())) < 1:
+    if not shape:
       return replicated
-    if leaf.shape[0] % num_stages:
-      raise ValueError(f"{jax.tree_util.keystr(path)} has {leaf.shape[0]} layers, not "
+    if not any(k in stacked for k in keys):
+      return NamedSharding(mesh, axis_rules.weight_spec(shape, names, mesh, rules,
+                                                        reserved=reserved))
+    if shape[0] % num_stages:
+      raise ValueError(f"{jax.tree_util.keystr(path)} has {shape[0]} layers, not "
                        f"divisible by the {num_stages} stages of the mesh.")
-    return split
+    if names is not None and len(names) == len(shape):
+      names = names[1:]  # The layer axis's own name (nn.scan's metadata_params).
+    inner = axis_rules.weight_spec(shape[1:], names, mesh, rules, reserved=reserved)
+    return NamedSharding(mesh, P(stage_axis, *inner))
 
+  is_box = lambda a: isinstance(a, nn.Partitioned)
   if isinstance(tree, TrainState):
-    return tree.replace(step=replicated,
-                        params=jax.tree_util.tree_map_with_path(one, tree.params),
-                        opt_state=jax.tree_util.tree_map_with_path(one, tree.opt_state),
-                        model_state=jax.tree.map(lambda _: replicated, tree.model_state))
-  return jax.tree_util.tree_map_with_path(one, tree)
+    return tree.replace(
+        step=replicated,
+        params=jax.tree_util.tree_map_with_path(one, tree.params, is_leaf=is_box),
+        opt_state=jax.tree_util.tree_map_with_path(one, tree.opt_state, is_leaf=is_box),
+        model_state=jax.tree.map(lambda _: replicated, tree.model_state))
+  return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_box)
 
 
 def create_train_state(params, optimizer: optax.GradientTransformation,

@@ -76,12 +76,52 @@ class SquaredError(nn.Module):
     return jnp.mean((nn.Dense(targets.shape[-1])(x) - targets) ** 2, axis=-1)
 
 
+def _named(names, init=nn.initializers.lecun_normal()):
+  return nn.with_logical_partitioning(init, names)
+
+
+class AnnotatedEmbed(nn.Module):
+  """Token embedding whose table names its axes ``("vocab", "embed")``."""
+  width: int = 8
+
+  @nn.compact
+  def __call__(self, tokens):
+    table = self.param("embedding", _named(("vocab", "embed"), nn.initializers.normal(1.0)),
+                       (VOCAB, self.width))
+    return table[tokens]
+
+
+class AnnotatedBlock(nn.Module):
+  """Pre-LayerNorm self-attention and MLP, every matrix with logical axis names: ``query``,
+  ``key``, ``value`` ``[embed, heads, kv]``, ``out`` ``[heads, kv, embed]``, ``mlp_in``
+  ``[embed, mlp]``, ``mlp_out`` ``[mlp, embed]`` (the LayerNorms' vectors unannotated; a
+  scalar ``gate`` that no axis can split)."""
+  heads: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    width = x.shape[-1]
+    head_dim = width // self.heads
+    qkv = lambda name: self.param(name, _named(("embed", "heads", "kv")),
+                                  (width, self.heads, head_dim))
+    h = nn.LayerNorm()(x)
+    q, k, v = (jnp.einsum("bsd,dhk->bshk", h, qkv(n)) for n in ("query", "key", "value"))
+    weights = jax.nn.softmax(jnp.einsum("bshk,bthk->bhst", q, k) / np.sqrt(head_dim), axis=-1)
+    out = self.param("out", _named(("heads", "kv", "embed")), (self.heads, head_dim, width))
+    x = x + jnp.einsum("bhst,bthk,hkd->bsd", weights, v, out)
+    w_in = self.param("mlp_in", _named(("embed", "mlp")), (width, 2 * width))
+    w_out = self.param("mlp_out", _named(("mlp", "embed")), (2 * width, width))
+    # A scalar: no dimension to split, so every device keeps it whole.
+    gate = self.param("gate", nn.initializers.ones, ())
+    return x + gate * nn.gelu(nn.LayerNorm()(x) @ w_in) @ w_out
+
+
 # --------------------------------------------------------------------------------------------
 # Loss models.
 
 BATCH = 24
 SEQ = 4
-LOSS_MODELS = ("mlp", "lm", "blocks")
+LOSS_MODELS = ("mlp", "lm", "blocks", "annotated")
 
 
 def loss_model(name, batch=BATCH, seq=SEQ, width=8):
@@ -93,6 +133,9 @@ def loss_model(name, batch=BATCH, seq=SEQ, width=8):
     token inputs.
   * ``"blocks"``: 15 residual layers and a loss (16 units: ZB-V's 2 chunks on each of 8
     stages), batch 32 (M up to 32).
+  * ``"annotated"``: an LM whose weights carry logical axis names (:class:`AnnotatedEmbed`, a
+    Repeat of 4 :class:`AnnotatedBlock`, :class:`HeadLoss`; 6 units), for fsdp and tensor
+    meshes.
   """
   k1, k2 = jax.random.split(jax.random.key(42))
   if name == "blocks":
@@ -103,6 +146,10 @@ def loss_model(name, batch=BATCH, seq=SEQ, width=8):
               SquaredError()]
     return (layers, jax.random.normal(k1, (batch, 5)), jax.random.normal(k2, (batch, 3)),
             True)
+  if name == "annotated":
+    layers = [AnnotatedEmbed(width), tpipe.Repeat(AnnotatedBlock(), 4), HeadLoss()]
+    return (layers, jax.random.randint(k1, (batch, seq), 0, VOCAB),
+            jax.random.randint(k2, (batch, seq), 0, VOCAB), False)
   assert name == "lm", name
   layers = [Embed(width), tpipe.Repeat(Block(), 3), HeadLoss()]
   return (layers, jax.random.randint(k1, (batch, seq), 0, VOCAB),
@@ -153,7 +200,8 @@ def random_params(name):
   abstract init, values from NumPy (an eager init would run op by op)."""
   layers, x, targets, _ = loss_model(name)
   model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, per_example=("targets",))
-  shapes = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x, targets=targets)
+  shapes = nn.meta.unbox(jax.eval_shape(model.init, {"params": jax.random.key(0)}, x,
+                                        targets=targets))
   rng = np.random.default_rng(7)
   return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype),
                       shapes["params"])

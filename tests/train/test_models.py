@@ -202,6 +202,10 @@ def test_pipeline_settings_come_from_the_spec_or_keywords():
     (dict(dtype=jnp.int32), ValueError, "decoder_lm dtype must be a floating dtype"),
     (dict(param_dtype="int8"), ValueError, "decoder_lm param_dtype"),
     (dict(vocab_size=0), ValueError, "vocab_size"),
+    (dict(block="bert"), ValueError, r"block must be 'gpt' or 'llama', got 'bert'"),
+    (dict(block="llama", num_kv_heads=3), ValueError, "num_kv_heads=3 must divide num_heads=2"),
+    (dict(num_kv_heads=1), ValueError, "use block='llama' for grouped-query attention"),
+    (dict(block="llama", dropout_rate=0.1), ValueError, "block='llama' has no dropout"),
 ])
 def test_bad_model_arguments_raise(kwargs, error, match):
   args = dict(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP, max_len=SEQ,
@@ -225,3 +229,62 @@ def test_too_long_sequence_raises(lm_and_params):
   model, params = lm_and_params
   with pytest.raises(ValueError, match="max_len"):
     model.apply({"params": params}, _tokens(seq=SEQ + 1))
+
+
+def _grouped_query_block_by_hand(params, x, num_heads, num_kv_heads, eps=1e-6):
+  """The Llama block's math written out: every key/value head repeated for its query heads."""
+  rms = lambda h, scale: h / jnp.sqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * scale
+  h = rms(x, params["attn_norm"]["scale"])
+  q = jnp.einsum("bsd,dhk->bshk", h, params["query"])
+  repeat = lambda w: jnp.repeat(w, num_heads // num_kv_heads, axis=1)
+  k = jnp.einsum("bsd,dhk->bshk", h, repeat(params["key"]))
+  v = jnp.einsum("bsd,dhk->bshk", h, repeat(params["value"]))
+  seq, head_dim = x.shape[1], q.shape[-1]
+  logits = jnp.einsum("bshk,bthk->bhst", q, k) / np.sqrt(head_dim)
+  logits = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), logits, -jnp.inf)
+  y = x + jnp.einsum("bhst,bthk,hkd->bsd", jax.nn.softmax(logits, -1), v, params["out"])
+  h = rms(y, params["mlp_norm"]["scale"])
+  return y + (jax.nn.silu(h @ params["gate"]) * (h @ params["up"])) @ params["down"]
+
+
+def test_llama_block_is_grouped_query_attention_and_swiglu():
+  block = models.LlamaBlock(width=WIDTH, num_heads=4, num_kv_heads=2, mlp_dim=MLP)
+  x = jax.random.normal(jax.random.key(0), (2, SEQ, WIDTH))
+  params = block.init(jax.random.key(1), x)["params"]
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  params = nn.meta.unbox(params)
+  assert params["key"].shape == (WIDTH, 2, WIDTH // 4)
+  by_hand = lambda p, x: _grouped_query_block_by_hand(p, x, 4, 2)
+  numerics.assert_as_close_as_plain(
+      jax.jit(block.apply)({"params": params}, x), jax.jit(by_hand)(params, x),
+      numerics.float64_reference(jax.jit(by_hand), params, x), what="the Llama block")
+
+
+def test_llama_lm_on_a_3d_mesh_matches_the_layers_in_sequence():
+  """Every matrix of the Llama block is named: on stage 2 x fsdp 2 x tensor 2 its query heads
+  split over tensor (one key/value head stays whole), and the loss and gradients are the
+  sequential model's."""
+  args = dict(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP, max_len=SEQ,
+              block="llama", num_kv_heads=1)
+  tokens, targets = _tokens(), _tokens(seed=1)
+  mesh = tpipe.make_mesh(stages=2, fsdp=2, tensor=2)
+  piped = models.decoder_lm(**args, num_stages=2, num_microbatches=2, mesh=mesh)
+  plain = models.decoder_lm(**args, num_stages=1, num_microbatches=4,
+                            mesh=tpipe.make_mesh(stages=1))
+  exact = models.decoder_lm(**args, num_stages=1, num_microbatches=1,
+                            mesh=tpipe.make_mesh(stages=1), dtype=jnp.float64,
+                            param_dtype=jnp.float64)
+  params = plain.init(jax.random.key(0), tokens, targets=targets)["params"]
+
+  def loss_and_grads(m):
+    return jax.jit(jax.value_and_grad(
+        lambda p: m.apply({"params": p}, tokens, targets=targets).mean()))
+
+  got = loss_and_grads(piped)(params)
+  reference = numerics.float64_reference(loss_and_grads(exact), params)
+  numerics.assert_as_close_as_plain(got, loss_and_grads(plain)(params), reference,
+                                    what="loss and gradients")
+  specs = piped.pipeline_for(tokens, targets=targets).layout.partition_specs(mesh=mesh)
+  blocks = specs["stacked"]["layers_1"]
+  assert blocks["query"] == jax.sharding.PartitionSpec(None, "stage", None, "fsdp", "tensor")
+  assert blocks["key"] == jax.sharding.PartitionSpec(None, "stage", None, "fsdp")

@@ -44,3 +44,32 @@ def test_resume_on_a_different_mesh_continues_the_same_run(reference, single_dev
   single = train_runs.logged_losses(single_device, steps)
   numerics.assert_as_close_as_plain(train_runs.logged_losses(workdir, steps), single, exact,
                                     what="the losses resumed on the other mesh")
+
+
+@pytest.mark.slow
+def test_a_3d_mesh_trains_as_one_device_and_resumes_on_another_layout(single_device, tmp_path):
+  """stage 2 x fsdp 2 x tensor 2 logs the one-device run's losses (16 rows in micro-batches of
+  one row, split over fsdp as over data); resumed from its first checkpoint on stage 4 x fsdp 2
+  it continues the same run."""
+  workdir = tmp_path / "3d"
+  proc = train_runs.train(workdir, "--config.num_stages=2", "--config.num_data=1",
+                          "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+  train_runs.check_ok(proc)
+  assert "'fsdp': 2, 'stage': 2, 'tensor': 2" in proc.stderr
+  steps = range(1, NUM_STEPS + 1)
+  exact = train_runs.lm_float64_losses()
+  single = train_runs.logged_losses(single_device, steps)
+  numerics.assert_as_close_as_plain(train_runs.logged_losses(workdir, steps), single, exact,
+                                    what="the 3D run's losses")
+  checkpoints = train_runs.checkpoint_steps(workdir)
+  for step in checkpoints[1:]:
+    shutil.rmtree(workdir / "checkpoints" / str(step))
+  resume_from = checkpoints[0]
+  proc = train_runs.train(workdir, "--config.num_stages=4", "--config.num_data=1",
+                          "--config.mesh.fsdp=2", "--config.mesh.tensor=1")
+  train_runs.check_ok(proc)
+  assert f"Resumed from step {resume_from}" in proc.stderr
+  steps = range(resume_from + 1, NUM_STEPS + 1)
+  numerics.assert_as_close_as_plain(train_runs.logged_losses(workdir, steps),
+                                    train_runs.logged_losses(single_device, steps),
+                                    exact[resume_from:], what="the losses resumed on 4 x 2")

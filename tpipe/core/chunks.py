@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from tpipe import spec as spec_lib
+from tpipe.core import fsdp as fsdp_lib
 from tpipe.core import layers as layers_lib
 from tpipe.core import layout as layout_lib
 from tpipe.core import packing
@@ -44,6 +46,10 @@ from tpipe.core import taps as taps_lib
 
 PARAMS = "params"
 STATS = "stats"
+
+
+def _is_spec(value) -> bool:
+  return isinstance(value, P)
 
 
 def is_float(leaf) -> bool:
@@ -171,12 +177,24 @@ class ChunkSet:
       None when no layer has statistics.
     spec: the pipeline's settings (remat, granularity, unroll).
     split: the call's keyword arguments (:class:`tpipe.core.arguments.SplitArguments`).
+    axes: the mesh's axes, or None (no FSDP): with an ``fsdp`` axis the parameters are split
+      over it as :meth:`~tpipe.core.layout.StageLayout.partition_specs` says, and every unit
+      gathers its own (:mod:`tpipe.core.fsdp`).
   """
 
   def __init__(self, layers, plan: plan_lib.Plan, layout: layout_lib.StageLayout,
-               stats_layout: layout_lib.StageLayout | None, spec: spec_lib.PipelineSpec, split):
+               stats_layout: layout_lib.StageLayout | None, spec: spec_lib.PipelineSpec, split,
+               axes: spmd.Axes | None = None):
     self.layers, self.plan, self.layout, self.stats_layout = layers, plan, layout, stats_layout
     self.spec, self.split = spec, split
+    # Where the staged parameters are split: over stages, and over fsdp where the mesh has it.
+    staged_spec = P(None, spec.stage_axis)
+    self.param_specs = jax.tree.map(lambda _: staged_spec, layout.local_shapes())
+    self.fsdp = None
+    if axes is not None and axes.fsdp:
+      specs = layout.partition_specs(spec.stage_axis, mesh=axes.mesh)
+      self.param_specs = jax.tree.map(axes.manual_spec, specs, is_leaf=_is_spec)
+      self.fsdp = fsdp_lib.Split.of(self.param_specs, axes.fsdp)
     self.ring = Ring.of(plan)
     self.output_example = _without_rows(plan.layer_inputs[-1])
     self.signatures, self.branch_of_chunk = signatures(plan, layout, stats_layout, self.ring)
@@ -213,10 +231,61 @@ class ChunkSet:
     table[chunks] = values
     return jnp.asarray(table)[chunk]
 
+  def staged_specs(self, staged) -> dict:
+    """``shard_map`` in-specs of ``staged`` (``{"params": ..., "stats": ...}``): parameters as
+    :attr:`param_specs`, statistics over stages only."""
+    specs = {PARAMS: self.param_specs}
+    if STATS in staged:
+      specs[STATS] = P(None, self.spec.stage_axis)
+    return specs
+
+  def float_specs(self, staged) -> list:
+    """The in-spec of each float leaf of ``staged`` (:func:`float_leaves` order)."""
+    specs = self.staged_specs(staged)
+    out = []
+    for key in sorted(staged):
+      leaves = jax.tree.leaves(staged[key])
+      key_specs = specs[key]
+      if isinstance(key_specs, P):
+        key_specs = [key_specs] * len(leaves)
+      else:
+        key_specs = jax.tree.leaves(key_specs, is_leaf=_is_spec)
+      out += [spec for leaf, spec in zip(leaves, key_specs) if is_float(leaf)]
+    return out
+
+  def split_over_fsdp(self, staged) -> list[bool]:
+    """Per float leaf of ``staged`` (:func:`float_leaves` order), whether it is split over the
+    fsdp axis (its gradient is then reduced over fsdp by the gathers' transposes)."""
+    flags = []
+    for key in sorted(staged):
+      flat = jax.tree_util.tree_flatten_with_path(staged[key])[0]
+      for path, leaf in flat:
+        if is_float(leaf):
+          flags.append(key == PARAMS and self.fsdp is not None and self.fsdp.is_split(path))
+    return flags
+
   def _slot(self, staged, r):
     if isinstance(r, int):
       return jax.tree.map(lambda a: a[r], staged)
     return spmd.read_slot(staged, r)
+
+  def _param_slot(self, params, r):
+    """The parameters of local chunk ``r``, packed buffers whole (gathered under FSDP)."""
+    slot = self._slot(params, r)
+    whole = lambda slot: slot
+    if spmd.auto_axes_here():
+      # Whole on every device of the auto axes (tensor) too. The buffer's leaves start anywhere
+      # in it, and XLA's partitioner, left free, splits it over tensor as some leaf's use
+      # suggests; slicing the other leaves out of that split (and packing their gradients back)
+      # then moves pieces between devices with collective-permutes inside the stage's branch,
+      # which the devices of the other stages never join.
+      replicated = lambda a: lax.with_sharding_constraint(a, P())
+      whole = lambda slot: {
+          **slot, layout_lib.PACKED: jax.tree.map(replicated, slot[layout_lib.PACKED])}
+    slot = whole(slot)
+    if self.fsdp is not None:
+      slot = whole(self.fsdp.gather_packed(slot))
+    return slot
 
   # ------------------------------------------------------------------------------------------
   # The branch programs.
@@ -259,7 +328,11 @@ class ChunkSet:
   def _unit(self, branch, segment, layer, side, rngs, microbatch, tapped):
     """``fn(h, (params, stats, unit, taps)) -> (h, (statistics, records))`` for one unit."""
 
+    seg = self.layout.segments[self.chunks_of[branch][0]][segment]
+
     def apply(params, stats, h, unit, taps):
+      if self.fsdp is not None and seg.stacked:
+        params = self.fsdp.gather_unit(f"layers_{seg.layer}", params)
       kwargs = layers_lib.layer_keywords(layer, self.split, *side)
       unit_rngs = layers_lib.unit_rngs(rngs, unit, microbatch) if rngs else {}
       if not tapped:
@@ -282,7 +355,7 @@ class ChunkSet:
              microbatch, chunk, taps=None, tapped=False, tie_to_tick=False):
     rep = self.chunks_of[branch][0]
     r = self._local(branch, chunk)
-    local = self._slot(staged[PARAMS], r)
+    local = self._param_slot(staged[PARAMS], r)
     if tie_to_tick:
       # Tied to this tick's micro-batch, the slice varies with the tick loop, so XLA cannot
       # hoist what the layers compute from it alone (their bfloat16 casts of the stage's
@@ -349,7 +422,7 @@ class ChunkSet:
     def run(staged, chunk, records, output_grads):
 
       def outputs(params):
-        local = self._slot(params, self._local(index, chunk))
+        local = self._param_slot(params, self._local(index, chunk))
         trees = self.layout.chunk_trees(local, rep)
         outs = []
         for k, seg in enumerate(self.layout.segments[rep]):
@@ -359,9 +432,12 @@ class ChunkSet:
             continue
           leaves = lambda tree: jax.tree.leaves(tree)
           apply = lambda tree, recs, program=program: program.weight_outputs(leaves(tree), recs)
+          tree = trees[k]
           if seg.copies is not None:
             apply = jax.vmap(apply)
-          outs.append(apply(trees[k], records[k]))
+            if self.fsdp is not None:
+              tree = self.fsdp.gather_unit(f"layers_{seg.layer}", tree, copy_axis=True)
+          outs.append(apply(tree, records[k]))
         return outs
 
       _, vjp = jax.vjp(outputs, staged[PARAMS])
@@ -381,7 +457,7 @@ class ChunkSet:
 
       def fn(staged, side, rngs, microbatch, chunk, h, copy, k=k, seg=seg):
         r = self._local(index, chunk)
-        params = self.layout.chunk_trees(self._slot(staged[PARAMS], r), rep)[k]
+        params = self.layout.chunk_trees(self._param_slot(staged[PARAMS], r), rep)[k]
         if self.stats_layout is not None:
           stats = self.stats_layout.chunk_trees(self._slot(staged[STATS], r), rep)[k]
         else:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpipe import mesh as mesh_lib
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import arguments
@@ -107,7 +108,7 @@ class Pipeline:
     """
     axes = self._axes(mesh)
     split = self._call(x, kwargs, axes)
-    chunkset = self._chunkset(split, stats)
+    chunkset = self._chunkset(split, stats, axes)
     staged = self._staged(params, stats)
     rngs = dict(rngs or {})
     if self.spec.is_fused:
@@ -161,11 +162,11 @@ class Pipeline:
       return jnp.mean(result[0]), result[1]
     axes = self._axes(mesh)
     split = self._call(x, kwargs, axes)
-    chunkset = self._chunkset(split, stats)
+    chunkset = self._chunkset(split, stats, axes)
     return fused.mean_loss(chunkset, self._staged(params, None), x, split.broadcast,
                            split.per_example, dict(rngs or {}), schedule=table, axes=axes)
 
-  def _chunkset(self, split, stats) -> chunks_lib.ChunkSet:
+  def _chunkset(self, split, stats, axes: spmd.Axes) -> chunks_lib.ChunkSet:
     if (stats is None) != (self.stats_layout is None):
       if stats is None:
         raise ValueError(f"{self.owner}: layers have running statistics (BatchNorm's "
@@ -176,7 +177,7 @@ class Pipeline:
           f"{self.owner}: schedule={self.spec.schedule!r} does not support BatchNorm "
           "statistics ('batch_stats'); use schedule='gpipe' or 'circular'.")
     return chunks_lib.ChunkSet(self.layers, self.plan, self.layout, self.stats_layout,
-                               self.spec, split)
+                               self.spec, split, axes)
 
   def _staged(self, params, stats):
     self.layout.check_staged(params, what=f"{self.owner}'s staged parameters")
@@ -210,7 +211,8 @@ class Pipeline:
     spec = self.spec.replace(balance=list(self.plan.counts))
     stats = self.stats_layout.logical if self.stats_layout is not None else {}
     return build(self.layers, spec, param_shapes=self.layout.logical, stats_shapes=stats, x=x,
-                 kwargs=kwargs, rng_names=rng_names, owner=self.owner)
+                 kwargs=kwargs, rng_names=rng_names, owner=self.owner,
+                 param_axes=self.layout.axes)
 
   # ------------------------------------------------------------------------------------------
   # For analysis.
@@ -306,7 +308,7 @@ def micro_inputs(x, split, batch: int, num_microbatches: int):
 
 def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, param_shapes,
           stats_shapes, x, kwargs: dict | None = None, rng_names: Sequence[str] = (),
-          owner: str = "tpipe") -> Pipeline:
+          owner: str = "tpipe", param_axes=None) -> Pipeline:
   """Plans and lays out ``layers`` for ``spec`` and inputs like ``x`` (before any tracing of the
   pipeline: every check raises here).
 
@@ -320,6 +322,8 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
     kwargs: keyword arguments as the call will get them (arrays or abstract).
     rng_names: the random streams the call will pass.
     owner: the API the user called, for messages.
+    param_axes: the parameters' logical axis names, as
+      :attr:`tpipe.core.layout.StageLayout.axes` holds them (from the layers' annotations).
 
   Returns:
     The :class:`Pipeline`.
@@ -337,8 +341,11 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
                                        rng_names, owner, axis_names)
   plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, layer_inputs, split, side,
                             rng_names, axis_names)
+  # Packed buffers split evenly over the fsdp axis of the mesh the spec names.
+  align = dict(spec.mesh.shape).get(mesh_lib.FSDP_AXIS, 1) if spec.mesh is not None else 1
   layout = layout_lib.StageLayout.build(plan.groups, param_shapes, spec.num_stages,
-                                        spec.num_repeats, spec.placement)
+                                        spec.num_repeats, spec.placement, axes=param_axes,
+                                        align=align)
   stats_layout = None
   if jax.tree.leaves(stats_shapes):
     stats_layout = layout_lib.StageLayout.build(plan.groups, stats_shapes, spec.num_stages,

@@ -88,9 +88,10 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
   def per_device(staged, x, per_example, broadcast, rngs):
     staged = jax.tree.map(lambda p: p[:, 0], staged)  # [R, ...]
     # Once per step, outside the tick loop: the transposes of these casts are the gradient sums
-    # over data replicas (parameters, broadcast arrays) and over stages (inputs, side inputs).
-    if axes.data:
-      staged = lax.pcast(staged, (axes.data,), to="varying")
+    # over row shards (parameters, broadcast arrays; a parameter split over fsdp already varies
+    # over it, and its gathers' transposes sum over fsdp) and over stages (inputs, side inputs).
+    if axes.rows:
+      staged = jax.tree.map(lambda a: spmd.cast_to(a, frozenset(axes.rows)), staged)
     x, per_example = lax.pcast((x, per_example), (axes.stage,), to="varying")
     broadcast = lax.pcast(broadcast, axes.manual, to="varying")
     stage, data_index = axes.stage_index(), axes.data_index()
@@ -146,11 +147,11 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
     outputs = spmd.join_microbatches(lax.psum(carry["outputs"], axes.stage))
     if not with_stats:
       return outputs
-    sums = lax.psum(carry["sums"], axes.data) if axes.data else carry["sums"]
+    sums = lax.psum(carry["sums"], axes.rows) if axes.rows else carry["sums"]
     return outputs, jax.tree.map(lambda a: a[:, None], sums)
 
-  in_specs = (axes.staged_spec, axes.batch_spec, axes.batch_spec, jax.sharding.PartitionSpec(),
-              jax.sharding.PartitionSpec())
+  in_specs = (chunkset.staged_specs(staged), axes.batch_spec, axes.batch_spec,
+              jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec())
   out_specs = axes.batch_spec if not with_stats else (axes.batch_spec, axes.staged_spec)
   mapped = axes.shard_map(per_device, in_specs, out_specs)
   return mapped(staged, x, tuple(per_example), tuple(broadcast), rngs)

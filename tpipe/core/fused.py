@@ -407,8 +407,15 @@ class _Run:
     loss = lax.psum(state["loss"], axes.manual) / (device.local_batch * axes.replicas)
     g_params = state["params"]
     g_broadcast = lax.psum(state["broadcast"], axes.manual)
-    if axes.data:
-      g_params = lax.psum(g_params, axes.data)
+
+    # Over row shards: data always; fsdp where a parameter is not split over it (a split one's
+    # gathers already summed its gradient over fsdp).
+    def over_rows(g, is_split):
+      over = tuple(a for a in axes.rows if not (is_split and a == axes.fsdp))
+      return lax.psum(g, over) if over else g
+
+    g_params = [over_rows(g, is_split) for g, is_split in
+                zip(g_params, self.chunkset.split_over_fsdp(device.staged))]
     g_x, g_pex = lax.psum((state["x"], state["per_example"]), axes.stage)
     g_params = [a[:, None] for a in g_params]
     joined = lambda leaves: [a.reshape((device.local_batch,) + a.shape[2:]) for a in leaves]
@@ -416,14 +423,15 @@ class _Run:
 
   def __call__(self, staged, x, broadcast, per_example, rngs):
     axes = self.axes
-    in_specs = (axes.staged_spec, axes.batch_spec, P(), axes.batch_spec, P())
+    in_specs = (self.chunkset.staged_specs(staged), axes.batch_spec, P(), axes.batch_spec, P())
     operands = (staged, x, tuple(broadcast), tuple(per_example), rngs)
     if self.schedule.forward_only:
       out_specs = axes.batch_spec
     else:
       # One gradient per float leaf, in the order of the leaves of (staged, x, broadcast,
       # per_example), each split as its input is.
-      grad_specs = [spec for tree, spec in zip(operands[:4], in_specs) for _ in _floats(tree)]
+      grad_specs = self.chunkset.float_specs(staged) + [
+          spec for tree, spec in zip(operands[1:4], in_specs[1:4]) for _ in _floats(tree)]
       out_specs = (P(), grad_specs)
     return axes.shard_map(self.per_device, in_specs, out_specs)(*operands)
 

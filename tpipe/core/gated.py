@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tpipe.core import packing
@@ -93,7 +94,13 @@ class _Switch:
     self.is_diff = [_differentiable(leaf) for leaf in leaves]
     self.diff_leaves = tuple(leaf for leaf, d in zip(leaves, self.is_diff) if d)
     self.other_leaves = tuple(leaf for leaf, d in zip(leaves, self.is_diff) if not d)
-    self.packed = len(branches) > 1
+    # With several branches the residuals branches compute are packed into one buffer per
+    # dtype. Not on a mesh with auto axes (tensor): XLA's partitioner may split such a buffer,
+    # and slicing residuals out of a split buffer moves pieces between devices with
+    # collective-permutes inside the branch, which the devices running other branches never
+    # join. There every branch's residuals get their own outputs (zeros from the others).
+    self.packed = len(branches) > 1 and not spmd.auto_axes_here()
+    self.separate = len(branches) > 1 and not self.packed
     # Filled while tracing each branch: how to rebuild its VJP from the saved residuals.
     self.plans: list[dict[str, Any]] = [{} for _ in branches]
     self.sizes = None  # with several branches: the common residual buffer sizes
@@ -150,6 +157,11 @@ class _Switch:
       res_shapes = [jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in self.sizes.items()]
       axes = frozenset().union(*[a for p in self.plans for a in p["res_axes"]])
       res_axes = [axes] * len(self.sizes)
+    elif self.separate:
+      res_shapes = [r for k in range(len(self.branches)) for r in shapes[k][1]]
+      res_axes = [a for p in self.plans for a in p["res_axes"]]
+      starts = np.cumsum([0] + [len(p["res_axes"]) for p in self.plans])
+      self.slots = [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
     else:
       res_shapes, res_axes = shapes[0][1], self.plans[0]["res_axes"]
     return out_tree, out_shapes, out_axes, res_shapes, res_axes
@@ -163,6 +175,10 @@ class _Switch:
         out_leaves, computed = self.busy_forward(k, diff_leaves, other_leaves, out_axes)
         if self.packed:
           computed = list(packing.pack(computed, self.plans[k]["layout"], self.sizes).values())
+        elif self.separate:
+          start, stop = self.slots[k]
+          zeros = _zeros(res_shapes, res_axes)
+          computed = zeros[:start] + list(computed) + zeros[stop:]
         return ([spmd.cast_to(o, a) for o, a in zip(out_leaves, out_axes)],
                 [spmd.cast_to(r, a) for r, a in zip(computed, res_axes)])
 
@@ -188,6 +204,8 @@ class _Switch:
         if self.packed:
           computed = jax.tree.leaves(packing.unpack(dict(zip(self.sizes, computed)),
                                                     plan["layout"]))
+        elif self.separate:
+          computed = computed[slice(*self.slots[k])]
         computed = iter(computed)
         residuals = [next(computed) if s is None else inputs[s] for s in plan["source"]]
         grads = jax.tree.unflatten(plan["vjp_tree"], residuals)(cotangent)

@@ -40,6 +40,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from tpipe import axis_rules
+from tpipe import mesh as mesh_lib
 from tpipe import schedules
 from tpipe.core import layers as layers_lib
 from tpipe.core import packing
@@ -107,7 +109,12 @@ class StageLayout:
     stacked: ``{layer: k}``: the copies per chunk a repeated layer keeps per leaf.
     segments: per model chunk, its :class:`Segment` s in order.
     packed_layouts: per model chunk, the packing of its packed segments' trees (a list).
-    packed_sizes: per dtype, the packed buffer's length (the fullest chunk's need).
+    packed_sizes: per dtype, the packed buffer's length (the fullest chunk's need, rounded up
+      to a multiple of the ``align`` given to :meth:`build`).
+    axes: per layer ``"layers_i"``, the logical axis names its own annotations give each leaf
+      (``{jax.tree_util.keystr(path): names}``, one name or None per dimension of one copy), or
+      None for a leaf without annotation; layers or leaves absent have none. Read by
+      :meth:`partition_specs`.
   """
 
   groups: tuple[tuple[plan_lib.Group, ...], ...]
@@ -119,10 +126,13 @@ class StageLayout:
   segments: tuple[tuple[Segment, ...], ...]
   packed_layouts: tuple[packing.Layout, ...]
   packed_sizes: dict[str, int]
+  axes: Mapping[str, Mapping[str, tuple | None]] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def build(cls, groups, logical_shapes: Mapping[str, Any], num_stages: int, num_repeats: int,
-            placement: str = "loop", stacked: Mapping[int, int] | None = None) -> "StageLayout":
+            placement: str = "loop", stacked: Mapping[int, int] | None = None, *,
+            axes: Mapping[str, Mapping[str, tuple | None]] | None = None,
+            align: int = 1) -> "StageLayout":
     """The layout of ``logical_shapes`` (arrays or ShapeDtypeStructs) cut by ``groups``.
 
     Args:
@@ -134,6 +144,9 @@ class StageLayout:
       stacked: ``{layer: k}`` to keep per leaf; by default every repeated layer with copies in
         every chunk keeps the fewest any chunk has. Give another collection's layout's
         ``stacked`` so both cut their chunks into the same segments.
+      axes: the leaves' logical axis names (see the class attribute).
+      align: the packed buffers' lengths are rounded up to a multiple of it (the ``fsdp`` size,
+        so each buffer splits evenly over that axis).
     """
     if len(groups) != num_stages * num_repeats:
       raise ValueError(f"{len(groups)} chunks for {num_stages} stages x {num_repeats} repeats.")
@@ -152,9 +165,11 @@ class StageLayout:
     for chunk in segments:
       trees = [_segment_shapes(logical, seg) for seg in chunk if not seg.stacked]
       layouts.append(packing.layout_of(trees))
+    sizes = {k: -(-n // align) * align for k, n in packing.buffer_sizes(layouts).items()}
     return cls(groups=tuple(groups), num_stages=num_stages, num_repeats=num_repeats,
                placement=placement, logical=logical, stacked=stacked, segments=segments,
-               packed_layouts=tuple(layouts), packed_sizes=packing.buffer_sizes(layouts))
+               packed_layouts=tuple(layouts), packed_sizes=sizes,
+               axes={k: dict(v) for k, v in (axes or {}).items()})
 
   @property
   def num_chunks(self) -> int:
@@ -187,9 +202,42 @@ class StageLayout:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype),
                         self.local_shapes())
 
-  def partition_specs(self, stage_axis: str = "stage"):
-    """Where the staged tree lives: every leaf split over ``stage_axis`` on its stage axis."""
-    return jax.tree.map(lambda _: P(None, stage_axis), self.local_shapes())
+  def partition_specs(self, stage_axis: str = "stage", mesh=None, rules=None):
+    """Where the staged tree lives: every leaf split over ``stage_axis`` on its stage axis.
+
+    With a ``mesh`` that has ``fsdp`` or ``tensor`` devices, each weight is split over them
+    inside its stage too: a per-leaf weight ``[R, S, k, ...]`` as its logical axis names and
+    ``rules`` say (:func:`tpipe.axis_rules.weight_spec`; FSDP over its largest axis without
+    names), a packed buffer ``[R, S, n]`` over ``fsdp`` (its elements belong to many weights,
+    so it takes no tensor axis).
+
+    Args:
+      stage_axis: the stage axis.
+      mesh: the mesh (a ``Mesh`` or ``AbstractMesh``), or None for the stage split alone.
+      rules: logical-name rules (default :func:`tpipe.axis_rules.resolve_rules`'s).
+    """
+    if mesh is None:
+      return jax.tree.map(lambda _: P(None, stage_axis), self.local_shapes())
+    reserved = (stage_axis, mesh_lib.DATA_AXIS)  # The tick loops' manual axes.
+    rules = axis_rules.resolve_rules(rules)
+    local = self.local_shapes()
+
+    def stacked_spec(layer):
+      names = self.axes.get(layer, {})
+
+      def spec(path, leaf):
+        inner = axis_rules.weight_spec(leaf.shape[1:], names.get(jax.tree_util.keystr(path)),
+                                       mesh, rules, reserved=reserved)
+        return P(None, stage_axis, None, *inner) if inner else P(None, stage_axis)
+
+      return spec
+
+    stacked = {layer: jax.tree_util.tree_map_with_path(stacked_spec(layer), tree)
+               for layer, tree in local[STACKED].items()}
+    fsdp = dict(mesh.shape).get(mesh_lib.FSDP_AXIS, 1)
+    packed = {k: P(None, stage_axis, mesh_lib.FSDP_AXIS) if fsdp > 1 and leaf.shape[0] % fsdp == 0
+              else P(None, stage_axis) for k, leaf in local[PACKED].items()}
+    return {STACKED: stacked, PACKED: packed}
 
   def check_staged(self, staged, what: str = "staged variables") -> None:
     """Raises ValueError unless ``staged`` has this layout's structure and shapes."""

@@ -2,7 +2,9 @@
 
 * :class:`Axes`: the manual mesh axes of a pipeline on one mesh (``stage``, and ``data`` when
   the mesh has more than one replica), the batch's partition spec, and :meth:`Axes.shard_map`,
-  which moves operands to the in-specs first on meshes with Explicit axes.
+  which moves operands to the in-specs first on meshes with Explicit axes. The loops run manual
+  over ``stage``, ``data`` and ``fsdp``; other mesh axes (``tensor``) are left to XLA's
+  partitioner.
 * Varying-axes casts: inside ``shard_map`` every value carries the manual axes it varies over;
   a scan carry or the branches of a ``lax.switch`` must agree on them. :func:`varying_axes`
   reads them, :func:`cast_to` adds missing ones.
@@ -18,8 +20,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from tpipe import mesh as mesh_lib
 
 
 # Named scopes around the tick loops' own buffers, which tpipe.tools.peak reads back from the
@@ -57,32 +62,68 @@ def zeros_like_varying(like):
 class Axes:
   """The manual axes of a pipeline on ``mesh``.
 
+  The tick loops run manual over ``stage``, ``data`` and ``fsdp``: each device runs its stage's
+  chunks on its own rows of each micro-batch (``data`` and ``fsdp`` split the rows alike; an
+  ``fsdp`` device also holds only its share of the stage's weights, gathered one unit at a time,
+  :mod:`tpipe.core.fsdp`). Every other mesh axis with more than one device (``tensor``, any a
+  user adds) stays **auto**: XLA's partitioner splits what runs inside a stage over it as the
+  operands' shardings and the layers' constraints say.
+
   Attributes:
     mesh: the device mesh.
     stage: the stage axis name.
     data: the data axis name, or None when the mesh has no such axis or one replica (a data
       axis of size 1 is treated as absent: casting over it would leave a no-op all-reduce of
       the whole gradient in the program).
+    fsdp: the fsdp axis name, or None when the mesh has none or one device on it.
   """
 
   mesh: Mesh
   stage: str
   data: str | None
+  fsdp: str | None = None
 
   @classmethod
   def of(cls, mesh: Mesh, stage_axis: str, data_axis: str | None) -> "Axes":
-    has_data = data_axis is not None and dict(mesh.shape).get(data_axis, 1) > 1
-    return cls(mesh=mesh, stage=stage_axis, data=data_axis if has_data else None)
+    shape = dict(mesh.shape)
+    has_data = data_axis is not None and shape.get(data_axis, 1) > 1
+    has_fsdp = shape.get(mesh_lib.FSDP_AXIS, 1) > 1
+    return cls(mesh=mesh, stage=stage_axis, data=data_axis if has_data else None,
+               fsdp=mesh_lib.FSDP_AXIS if has_fsdp else None)
+
+  @property
+  def rows(self) -> tuple[str, ...]:
+    """The manual axes a batch's rows are split over: ``data`` and ``fsdp`` where present."""
+    return tuple(a for a in (self.data, self.fsdp) if a)
 
   @property
   def manual(self) -> tuple[str, ...]:
-    """The axes the tick loops run manual over: ``(data, stage)`` or ``(stage,)``."""
-    return (self.data, self.stage) if self.data else (self.stage,)
+    """The axes the tick loops run manual over: the row axes and ``stage``."""
+    return self.rows + (self.stage,)
+
+  @property
+  def auto(self) -> tuple[str, ...]:
+    """The mesh axes left to XLA's partitioner: those with more than one device that are not
+    manual (``tensor``)."""
+    return tuple(name for name, size in dict(self.mesh.shape).items()
+                 if size > 1 and name not in self.manual)
 
   @property
   def batch_spec(self) -> P:
-    """A batch's partition spec: its leading axis split over the data axis."""
-    return P(self.data) if self.data else P()
+    """A batch's partition spec: its leading axis split over the row axes."""
+    rows = self.rows
+    return P(rows if len(rows) > 1 else rows[0]) if rows else P()
+
+  def manual_spec(self, spec: P) -> P:
+    """``spec`` with only the manual axes (what ``shard_map``'s in- and out-specs may name);
+    the operand keeps its split over auto axes as its sharding says."""
+
+    def keep(entry):
+      names = entry if isinstance(entry, tuple) else (entry,)
+      names = tuple(n for n in names if n in self.manual)
+      return None if not names else names[0] if len(names) == 1 else names
+
+    return P(*(keep(e) for e in tuple(spec)))
 
   @property
   def staged_spec(self) -> P:
@@ -91,7 +132,9 @@ class Axes:
 
   @property
   def replicas(self) -> int:
-    return int(dict(self.mesh.shape)[self.data]) if self.data else 1
+    """How many devices of one stage split a batch's rows (data x fsdp)."""
+    shape = dict(self.mesh.shape)
+    return int(np.prod([shape[a] for a in self.rows], dtype=np.int64))
 
   @property
   def num_stages(self) -> int:
@@ -105,23 +148,42 @@ class Axes:
     return lax.axis_index(self.stage)
 
   def data_index(self):
-    return lax.axis_index(self.data) if self.data else 0
+    """This device's row shard: ``data index * fsdp size + fsdp index`` (0 without either), so
+    with ``M`` micro-batches its ``m``-th is global micro-batch ``data_index() * M + m``."""
+    index = 0
+    for axis in self.rows:
+      index = index * int(dict(self.mesh.shape)[axis]) + lax.axis_index(axis)
+    return index
 
   def shard_map(self, fn: Callable, in_specs: tuple, out_specs) -> Callable:
     """``jax.shard_map(fn)`` on this mesh; on a mesh with Explicit axes, operands are first
     moved to their in-specs (a no-op when they are there), since arrays there carry their
     sharding in their type and ``shard_map`` takes them only as its in-specs say."""
-    mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+    manual = frozenset(self.mesh.axis_names) - frozenset(self.auto)
+    mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                           axis_names=set(manual))
     if not any(t == AxisType.Explicit for t in self.mesh.axis_types):
       return mapped
 
+    def place(spec, operand):
+      # ``spec`` is a prefix of ``operand``'s tree: one spec for a subtree, or a tree of them.
+      move = lambda spec, sub: jax.tree.map(
+          lambda a: jax.reshard(a, NamedSharding(self.mesh, spec)), sub)
+      return jax.tree.map(move, spec, operand, is_leaf=lambda x: isinstance(x, P))
+
     def run(*operands):
-      operands = tuple(
-          jax.tree.map(lambda a, spec=spec: jax.reshard(a, NamedSharding(self.mesh, spec)), op)
-          for op, spec in zip(operands, in_specs))
-      return mapped(*operands)
+      return mapped(*(place(spec, op) for op, spec in zip(operands, in_specs)))
 
     return run
+
+
+def auto_axes_here() -> tuple[str, ...]:
+  """Inside ``shard_map``: the mesh axes with more than one device left to the partitioner."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == AxisType.Auto and dict(mesh.shape)[name] > 1)
 
 
 def neighbour_pairs(num_stages: int, direction: int, wrap: bool) -> list[tuple[int, int]]:

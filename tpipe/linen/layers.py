@@ -114,11 +114,44 @@ def init_variables(module: nn.Module, copies: int | None, key, h, kwargs, rngs,
 
 
 def abstract_variables(module: nn.Module, copies: int | None, h, kwargs, rng_names,
-                       axis_names: tuple[str, ...]) -> dict:
-  """The abstract shapes of a layer's variables (nothing allocated)."""
+                       axis_names: tuple[str, ...]) -> tuple[dict, dict]:
+  """The abstract shapes of a layer's variables (nothing allocated), and its parameters'
+  logical axis names (see :func:`logical_names`)."""
   rngs = {name: jax.random.key(0) for name in rng_names}
-  init = lambda k, h, kw: init_variables(module, copies, k, h, kw, rngs, axis_names)
-  return layers_lib.eval_shape(init, jax.random.key(0), h, kwargs)
+  template = module.clone(parent=None)
+
+  def init_one(k, h, kw):
+    return layers_lib.outside_mesh(template.init, axis_names)({"params": k, **rngs}, h, **kw)
+
+  def init(k, h, kw):
+    if copies is None:
+      return init_one(k, h, kw)
+    return jax.vmap(lambda k: init_one(k, h, kw))(jax.random.split(k, copies))
+
+  boxed = layers_lib.eval_shape(init, jax.random.key(0), h, kwargs)
+  return nn.meta.unbox(boxed), logical_names(boxed.get("params", {}), copies)
+
+
+def logical_names(boxed_params, copies: int | None) -> dict[str, tuple | None]:
+  """``{keystr(path): names}`` of the boxed parameters' annotations.
+
+  ``nn.with_logical_partitioning`` gives logical names, ``nn.with_partitioning`` mesh axis
+  names (kept as they are: a name that is a mesh axis maps to itself); a leaf without
+  annotation gets None. For a repeated layer the names are one copy's: a name given to the copy
+  axis (``nn.scan``'s ``metadata_params``, ``nn.meta.add_axis``) is dropped.
+  """
+  is_box = lambda a: isinstance(a, nn.Partitioned)
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(boxed_params, is_leaf=is_box)[0]:
+    key = jax.tree_util.keystr(path)
+    if not is_box(leaf):
+      out[key] = None
+      continue
+    names, ndim = tuple(leaf.names), len(leaf.value.shape)
+    if copies is not None and len(names) == ndim:
+      names = names[1:]
+    out[key] = names
+  return out
 
 
 def variable_collections(variables: Any) -> list[str]:

@@ -170,15 +170,16 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
     """The abstract logical variables ``{"params": {...}, "batch_stats": {...}}`` for inputs like
     ``x`` (arrays or ``jax.ShapeDtypeStruct``s; keyword arguments as for ``apply``)."""
     return variable_shapes(self.layer_list(), self._core_layers(), self.spec, x, kwargs,
-                           tuple(rng_names), OWNER)
+                           tuple(rng_names), OWNER)[0]
 
   def pipeline_for(self, x, rng_names: Sequence[str] = (), **kwargs) -> engine.Pipeline:
     """The engine's :class:`~tpipe.core.engine.Pipeline` for inputs like ``x``: the split, the
     stage layouts and the runs on staged variables (what the trainer trains)."""
-    shapes = self.variable_shapes(x, rng_names, **kwargs)
+    shapes, names = variable_shapes(self.layer_list(), self._core_layers(), self.spec, x,
+                                    kwargs, tuple(rng_names), OWNER)
     return engine.build(self._core_layers(), self.spec, param_shapes=shapes["params"],
                         stats_shapes=shapes[STATS], x=x, kwargs=kwargs,
-                        rng_names=tuple(rng_names), owner=OWNER)
+                        rng_names=tuple(rng_names), owner=OWNER, param_axes=names)
 
   def stage_layout(self, x, **kwargs) -> layout_lib.StageLayout:
     """The stage layout of this stack's parameters for inputs like ``x``.
@@ -335,7 +336,7 @@ def run_layers(module: nn.Module, given, spec, x, kwargs, loss: bool, *, params,
   """
   layers = core_layers(given, owner)
   streams = tuple(rngs)
-  shapes = variable_shapes(given, layers, spec, x, kwargs, streams, owner)
+  shapes, names = variable_shapes(given, layers, spec, x, kwargs, streams, owner)
   staged = params.get(STAGED)
   if staged is None:
     shapes["params"] = layers_lib.abstract(params)
@@ -344,7 +345,7 @@ def run_layers(module: nn.Module, given, spec, x, kwargs, loss: bool, *, params,
                      for k, v in shapes[STATS].items()}
   pipeline = engine.build(layers, spec, param_shapes=shapes["params"],
                           stats_shapes=shapes[STATS], x=x, kwargs=kwargs, rng_names=streams,
-                          owner=owner)
+                          owner=owner, param_axes=names)
   if staged is None:
     staged = pipeline.layout.to_staged(params)
   staged_stats = _staged_stats(pipeline, stats, owner)
@@ -391,21 +392,24 @@ def _apply_all(layers, i: int, params, stats, h, kwargs, rngs, axis_names, owner
   return h
 
 
-def variable_shapes(given, layers, spec, x, kwargs, rng_names, owner: str) -> dict[str, Any]:
+def variable_shapes(given, layers, spec, x, kwargs, rng_names,
+                    owner: str) -> tuple[dict[str, Any], dict[str, Any]]:
   """Each layer's abstract logical variables ``{"params": ..., "batch_stats": ...}``, each layer
-  initialised (abstractly) on the previous layer's output for inputs like ``x``."""
+  initialised (abstractly) on the previous layer's output for inputs like ``x``; and the
+  parameters' logical axis names ``{"layers_i": {keystr(path): names}}``
+  (:func:`tpipe.linen.layers.logical_names`)."""
   batch = layers_lib.batch_size(x, owner)
   split = arguments.split_keywords(dict(kwargs), per_example=spec.per_example,
                                    batch_size=batch, owner=owner)
   h, side = engine.micro_inputs(x, split, batch, spec.num_microbatches)
   axis_names = (spec.data_axis, spec.stage_axis)
-  params, stats = {}, {}
+  params, stats, names = {}, {}, {}
   for i, (module, layer) in enumerate(zip(given, layers)):
     kw = layers_lib.layer_keywords(layer, split, *side)
     where = plan_lib.failure_message(layers, i, owner)
     try:
-      variables = linen_layers.abstract_variables(_module_of(module), _copies(module), h, kw,
-                                                  rng_names, axis_names)
+      variables, names[f"layers_{i}"] = linen_layers.abstract_variables(
+          _module_of(module), _copies(module), h, kw, rng_names, axis_names)
     except (TypeError, ValueError) as error:
       raise plan_lib.located(error, where, h) from error
     params[f"layers_{i}"] = variables.get("params", {})
@@ -413,7 +417,7 @@ def variable_shapes(given, layers, spec, x, kwargs, rng_names, owner: str) -> di
     one = (lambda t: layers_lib.one_copy(t)) if layer.copies is not None else (lambda t: t)
     h = plan_lib.abstract_output(layer, one(params[f"layers_{i}"]), one(stats[f"layers_{i}"]),
                                  h, split, side, rng_names, where=where, axis_names=axis_names)
-  return {"params": params, STATS: stats}
+  return {"params": params, STATS: stats}, names
 
 
 def check_structure(layers, spec: spec_lib.PipelineSpec, owner: str) -> None:

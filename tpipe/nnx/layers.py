@@ -92,6 +92,26 @@ def _rng_state(template, key):
   return jax.tree_util.tree_unflatten(tree, out)
 
 
+def logical_names(layer: nnx.Module, copies: int | None) -> dict[str, tuple | None]:
+  """``{keystr(path): names}`` of ``layer``'s parameters' ``out_sharding`` metadata (what
+  ``nnx.with_partitioning`` and ``nnx.Param(..., out_sharding=...)`` set: mesh axis or logical
+  names, see :mod:`tpipe.axis_rules`), paths as in the layer's pure-dict state; None for a
+  parameter without. A repeated layer's names are one copy's (a name on the copy axis is
+  dropped)."""
+  out = {}
+  for path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+    key = "".join(f"[{k!r}]" for k in path)
+    names = variable.get_metadata().get("out_sharding")
+    if names is None:
+      out[key] = None
+      continue
+    names = tuple(names)
+    if copies is not None and len(names) == len(variable.get_value().shape):
+      names = names[1:]
+    out[key] = names
+  return out
+
+
 def as_layer(layer: nnx.Module, copies: int | None,
              where: str) -> tuple[layers_lib.Layer, Any, Any]:
   """The core layer of an NNX module, and its logical ``Param`` and ``BatchStat`` states.

@@ -152,7 +152,15 @@ class Stack:
     layers, params, stats = self.core_layers()
     return engine.build(layers, self.spec, param_shapes=layers_lib.abstract(params),
                         stats_shapes=layers_lib.abstract(stats), x=x, kwargs=kwargs,
-                        rng_names=tuple(rng_names), owner=self.owner)
+                        rng_names=tuple(rng_names), owner=self.owner,
+                        param_axes=self.param_axes())
+
+  def param_axes(self) -> dict[str, Any]:
+    """The parameters' logical axis names per layer (:func:`tpipe.nnx.layers.logical_names`),
+    which split them over a mesh's ``fsdp`` and ``tensor`` axes."""
+    return {f"layers_{i}": nnx_layers.logical_names(
+        _target(layer), layer.n if isinstance(layer, Repeat) else None)
+        for i, layer in enumerate(self.pipeline_layers())}
 
   def _run(self, x, kwargs: dict, loss: bool):
     layers, params, stats = self.core_layers()
@@ -162,7 +170,8 @@ class Stack:
       rngs[nnx_layers.RNG_STREAM] = self.rngs[stream]()
     pipeline = engine.build(layers, self.spec, param_shapes=layers_lib.abstract(params),
                             stats_shapes=layers_lib.abstract(stats), x=x, kwargs=kwargs,
-                            rng_names=tuple(rngs), owner=self.owner)
+                            rng_names=tuple(rngs), owner=self.owner,
+                            param_axes=self.param_axes())
     mesh, stage_axis = self.spec.run_mesh(self.owner), self.spec.stage_axis
     staged = pipeline.layout.to_staged(params, mesh, stage_axis)
     stats_layout = pipeline.stats_layout

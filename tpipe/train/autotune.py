@@ -402,7 +402,7 @@ def main(argv):
   from tpipe.train import report as report_lib  # pylint: disable=g-import-not-at-top
 
   config = f.config
-  num_devices = f.num_devices or config.num_stages * config.num_data
+  num_devices = f.num_devices or cli.num_devices(config)
   report_lib.setup_cpu_devices(num_devices=num_devices)
   result = autotune(
       config, int(f.budget_gib * 2**30), num_devices=num_devices,

@@ -19,6 +19,31 @@ def user_cpu_device_count() -> int | None:
   return int(forced.group(1)) if forced else None
 
 
+def mesh_sizes(config) -> tuple[int, int]:
+  """``(fsdp, tensor)`` from ``config.mesh`` (each 1 where the config has no such field).
+
+  ``config.num_stages`` and ``config.num_data`` size the mesh's ``stage`` and ``data`` axes;
+  ``config.mesh.fsdp`` and ``config.mesh.tensor`` its ``fsdp`` and ``tensor`` axes, which split
+  each stage's weights and optimizer state (and each layer's matrices) over more devices.
+  """
+  mesh = config.get("mesh") or {}
+  sizes = []
+  for name in ("fsdp", "tensor"):
+    value = mesh.get(name, 1)
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise TypeError(f"config.mesh.{name} must be an int, got {value!r}.")
+    if value < 1:
+      raise ValueError(f"config.mesh.{name} must be >= 1, got {value}.")
+    sizes.append(value)
+  return tuple(sizes)
+
+
+def num_devices(config) -> int:
+  """The devices ``config``'s mesh needs: stages x data x fsdp x tensor."""
+  fsdp, tensor = mesh_sizes(config)
+  return int(config.num_stages) * int(config.num_data) * fsdp * tensor
+
+
 def run(main: Callable[[list[str]], None]) -> None:
   """``absl.app.run(main)``, with a bad configuration reported in one line and exit status 2.
 

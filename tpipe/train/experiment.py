@@ -46,6 +46,7 @@ import tpipe
 from tpipe import spec as spec_lib
 from tpipe.core import engine
 from tpipe.core import layout as layout_lib
+from tpipe.train import cli
 from tpipe.train import tasks as tasks_lib
 
 # The fields every task's config has (each task adds its own: tasks_lib.*.fields).
@@ -110,14 +111,20 @@ def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
         "(or 'circular' with config.num_repeats > 1).")
   if config.learning_rate <= 0:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")
-  needed = config.num_stages * config.num_data
+  fsdp, tensor = cli.mesh_sizes(config)
+  if config.batch_size % (config.num_data * fsdp):
+    raise ValueError(
+        f"config.batch_size={config.batch_size} must be divisible by config.num_data * "
+        f"config.mesh.fsdp = {config.num_data * fsdp} (a batch's rows are split over both).")
+  needed = config.num_stages * config.num_data * fsdp * tensor
   available = jax.device_count() if devices is None else len(devices)
   if needed > available:
     where = "JAX sees only" if devices is None else "the devices given are"
     raise ValueError(
-        f"config.num_stages * config.num_data = {config.num_stages} * {config.num_data} = "
-        f"{needed} devices, but {where} {available}. Shrink the mesh, or on CPU set "
-        f"JAX_NUM_CPU_DEVICES={needed} (tpipe.train does this by default).")
+        f"config.num_stages * config.num_data * config.mesh.fsdp * config.mesh.tensor = "
+        f"{config.num_stages} * {config.num_data} * {fsdp} * {tensor} = {needed} devices, but "
+        f"{where} {available}. Shrink the mesh, or on CPU set JAX_NUM_CPU_DEVICES={needed} "
+        "(tpipe.train does this by default).")
 
 
 def parse_balance(balance) -> Any:
@@ -205,7 +212,7 @@ class Experiment:
   Attributes:
     config: the config it was built from.
     task: what is trained (:mod:`tpipe.train.tasks`).
-    mesh: the device mesh, axes ``('data', 'stage')``.
+    mesh: the device mesh, axes ``('data', 'fsdp', 'stage', 'tensor')``.
     model: the task's front-end model (``tpipe.Sequential`` or ``tpipe.nnx.Sequential``).
     pipeline: the model's engine pipeline with its split fixed, for training batches.
     optimizer: the optax transformation (on staged parameters).
@@ -261,7 +268,8 @@ class Experiment:
   def _abstract_state(self):
     shapes = jax.eval_shape(self._init_fn, jax.random.key(0))
     staged_def = jax.tree.structure(shapes.params)
-    param_specs = self.layout.partition_specs()
+    # Over stages; inside a stage over fsdp and tensor as the layers' annotations say.
+    param_specs = self.layout.partition_specs(mesh=self.mesh)
     # Parameters, the optimizer leaves shaped like them (moments) and BatchNorm statistics split
     # over stages on their stage axis; scalars (the step, Adam's count) replicated.
     unplaced = lambda tree: jax.tree.map(
@@ -274,7 +282,8 @@ class Experiment:
     return self._placed(shapes, specs)
 
   def state_shardings(self):
-    """The TrainState's ``NamedSharding`` tree (staged leaves over 'stage', rest replicated)."""
+    """The TrainState's ``NamedSharding`` tree: staged leaves over 'stage' (and inside a stage
+    over 'fsdp' and 'tensor'), the rest replicated."""
     return jax.tree.map(lambda s: s.sharding, self._abstract_state)
 
   def abstract_state(self):
@@ -378,7 +387,9 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
   """
   validate_config(config, devices)
   task = tasks_lib.get_task(config)
-  mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data, devices=devices)
+  fsdp, tensor = cli.mesh_sizes(config)
+  mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data, fsdp=fsdp,
+                         tensor=tensor, devices=devices)
   x, kwargs = task.model_inputs(task.batch_shapes(config))
   model = make_model(config, mesh)
   pipeline = model.pipeline_for(x, rng_names=("dropout",), **kwargs)

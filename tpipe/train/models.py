@@ -29,6 +29,7 @@ float32 in any case (Flax computes them in at least float32).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -87,11 +88,20 @@ def causal_mask(seq_len: int) -> jax.Array:
   return jnp.tril(jnp.ones((seq_len, seq_len), dtype=jnp.bool_))[None, None]
 
 
+def _named(init, names):
+  """``init`` whose weights carry logical axis ``names`` (``nn.with_logical_partitioning``)."""
+  return nn.with_logical_partitioning(init, names)
+
+
 class TransformerBlock(nn.Module):
   """A pre-LayerNorm Transformer block: causal self-attention and an MLP, each residual.
 
   The activation shape is preserved: ``(batch, seq, width)`` in, the same out, so the block can
-  be a pipeline stage.
+  be a pipeline stage. The MLP's weights carry logical axis names (``embed``, ``mlp``) for
+  splitting over a mesh's ``fsdp`` and ``tensor`` axes (:mod:`tpipe.axis_rules`); the
+  attention's have none (``nn.MultiHeadDotProductAttention`` initializes its four kernels
+  flattened to the same 2-D shape, so one initializer cannot name them apart), so they take
+  the default: FSDP over their largest axis.
 
   Attributes:
     width: model width (the last axis of the activations).
@@ -160,11 +170,93 @@ class TransformerBlock(nn.Module):
     h = nn.Dropout(self.dropout_rate, deterministic=deterministic)(h)
     y = (x + h).astype(residual_dtype)
     h = nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name="mlp_norm")(y)
-    h = nn.Dense(self.mlp_dim, dtype=dtype, param_dtype=param_dtype, name="mlp_in")(h)
+    kernel_init = nn.linear.default_kernel_init
+    h = nn.Dense(self.mlp_dim, dtype=dtype, param_dtype=param_dtype,
+                 kernel_init=_named(kernel_init, ("embed", "mlp")),
+                 bias_init=_named(nn.initializers.zeros_init(), ("mlp",)), name="mlp_in")(h)
     h = nn.gelu(h)
-    h = nn.Dense(self.width, dtype=dtype, param_dtype=param_dtype, name="mlp_out")(h)
+    h = nn.Dense(self.width, dtype=dtype, param_dtype=param_dtype,
+                 kernel_init=_named(kernel_init, ("mlp", "embed")), name="mlp_out")(h)
     h = nn.Dropout(self.dropout_rate, deterministic=deterministic)(h)
     return (y + h).astype(residual_dtype)
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square normalisation with a learned scale (no mean, no bias), in float32."""
+
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param("scale", _named(nn.initializers.ones_init(), ("embed",)), (x.shape[-1],),
+                       self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+    return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class LlamaBlock(nn.Module):
+  """A Llama-style block: RMSNorm, causal grouped-query attention and a SwiGLU MLP, each
+  residual, every matrix with logical axis names for FSDP and tensor parallelism.
+
+  The attention has ``num_heads`` query heads sharing ``num_kv_heads`` key and value heads
+  (``num_kv_heads`` divides ``num_heads``). Positions come from the embedding (no rotary
+  embedding). Kernels: ``query [embed, heads, kv]``, ``key``/``value [embed, kv_heads, kv]``,
+  ``out [heads, kv, embed]``, ``gate``/``up [embed, mlp]``, ``down [mlp, embed]``.
+
+  Attributes:
+    width: model width.
+    num_heads: query heads; must divide ``width``.
+    num_kv_heads: key and value heads; must divide ``num_heads``.
+    mlp_dim: hidden width of the SwiGLU MLP.
+    dtype: the computation dtype (softmax and norms in float32).
+    param_dtype: the dtype the parameters are stored in.
+  """
+
+  width: int
+  num_heads: int
+  num_kv_heads: int
+  mlp_dim: int
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
+    """``[batch, seq, width]`` to the same; ``deterministic`` is accepted (no dropout)."""
+    del deterministic
+    if x.ndim != 3 or x.shape[-1] != self.width:
+      raise ValueError(f"LlamaBlock expects [batch, seq, {self.width}] activations, got "
+                       f"{x.shape}.")
+    if self.width % self.num_heads or self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must divide width={self.width} and "
+                       f"num_kv_heads={self.num_kv_heads} must divide num_heads.")
+    dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
+    head_dim, groups = self.width // self.num_heads, self.num_heads // self.num_kv_heads
+    init = nn.linear.default_kernel_init
+    weight = lambda name, shape, names: self.param(name, _named(init, names), shape,
+                                                   param_dtype).astype(dtype)
+    h = RMSNorm(dtype, param_dtype, name="attn_norm")(x)
+    q = jnp.einsum("bsd,dhk->bshk", h, weight(
+        "query", (self.width, self.num_heads, head_dim), ("embed", "heads", "kv")))
+    k, v = (jnp.einsum("bsd,dgk->bsgk", h, weight(
+        name, (self.width, self.num_kv_heads, head_dim), ("embed", "kv_heads", "kv")))
+        for name in ("key", "value"))
+    q = q.reshape(q.shape[:2] + (self.num_kv_heads, groups, head_dim))
+    logits = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+    seq = x.shape[1]
+    logits = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+    attended = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(q.shape[:2] + (
+        self.num_heads, head_dim))
+    y = x + jnp.einsum("bshk,hkd->bsd", attended, weight(
+        "out", (self.num_heads, head_dim, self.width), ("heads", "kv", "embed"))).astype(x.dtype)
+    h = RMSNorm(dtype, param_dtype, name="mlp_norm")(y)
+    gate = h @ weight("gate", (self.width, self.mlp_dim), ("embed", "mlp"))
+    up = h @ weight("up", (self.width, self.mlp_dim), ("embed", "mlp"))
+    down = weight("down", (self.mlp_dim, self.width), ("mlp", "embed"))
+    return y + (nn.silu(gate) * up @ down).astype(x.dtype)
 
 
 class TokenEmbedding(nn.Module):
@@ -196,9 +288,11 @@ class TokenEmbedding(nn.Module):
       raise ValueError(f"sequence length {seq_len} exceeds max_len={self.max_len}.")
     dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
     x = nn.Embed(self.vocab_size, self.width, dtype=dtype, param_dtype=param_dtype,
+                 embedding_init=_named(nn.linear.default_embed_init, ("vocab", "embed")),
                  name="embed")(tokens)
-    pos = self.param("pos_embed", nn.initializers.normal(0.02), (self.max_len, self.width),
-                     param_dtype)
+    pos = self.param("pos_embed", _named(nn.initializers.normal(0.02), (None, "embed")),
+                     (self.max_len, self.width), param_dtype)
+    pos = nn.meta.unbox(pos)
     x = x + pos[None, :seq_len].astype(dtype)
     return nn.Dropout(self.dropout_rate, deterministic=deterministic)(x)
 
@@ -212,10 +306,11 @@ class _VocabProjection(nn.Module):
 
   @nn.compact
   def __call__(self, width: int):
-    kernel = self.param("kernel", nn.initializers.lecun_normal(), (width, self.vocab_size),
-                        self.param_dtype)
-    bias = self.param("bias", nn.initializers.zeros_init(), (self.vocab_size,), self.param_dtype)
-    return kernel, bias
+    kernel = self.param("kernel", _named(nn.initializers.lecun_normal(), ("embed", "vocab")),
+                        (width, self.vocab_size), self.param_dtype)
+    bias = self.param("bias", _named(nn.initializers.zeros_init(), ("vocab",)),
+                      (self.vocab_size,), self.param_dtype)
+    return nn.meta.unbox(kernel), nn.meta.unbox(bias)
 
 
 class LMHead(nn.Module):
@@ -253,7 +348,10 @@ class LMHead(nn.Module):
       kernel, bias = _VocabProjection(self.vocab_size, param_dtype, name="head")(x.shape[-1])
       return losses.chunked_cross_entropy(x, kernel, bias, targets, self.vocab_chunks,
                                           dtype).mean(axis=-1)
-    logits = nn.Dense(self.vocab_size, dtype=dtype, param_dtype=param_dtype, name="head")(x)
+    logits = nn.Dense(self.vocab_size, dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=_named(nn.initializers.lecun_normal(), ("embed", "vocab")),
+                      bias_init=_named(nn.initializers.zeros_init(), ("vocab",)),
+                      name="head")(x)
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # At least float32.
     if targets is None:
       return logits
@@ -262,8 +360,9 @@ class LMHead(nn.Module):
 
 def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
                vocab_size: int = VOCAB_SIZE, dropout_rate: float = 0.0, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32, vocab_chunks: int = 1,
-               spec: tpipe.PipelineSpec | None = None, **settings) -> tpipe.Sequential:
+               param_dtype: Any = jnp.float32, vocab_chunks: int = 1, block: str = "gpt",
+               num_kv_heads: int | None = None, spec: tpipe.PipelineSpec | None = None,
+               **settings) -> tpipe.Sequential:
   """A decoder-only LM: ``TokenEmbedding -> Repeat(TransformerBlock, L) -> LMHead``, pipelined.
 
   Args:
@@ -278,6 +377,10 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
     param_dtype: the dtype the parameters are stored in (float32 for mixed precision).
     vocab_chunks: compute the loss this many vocabulary slices at a time (see
       :class:`LMHead`); 1 forms each micro-batch's whole logits.
+    block: ``"gpt"`` (:class:`TransformerBlock`: LayerNorm, multi-head attention, GELU MLP,
+      dropout) or ``"llama"`` (:class:`LlamaBlock`: RMSNorm, grouped-query attention with
+      ``num_kv_heads`` key/value heads, SwiGLU MLP, no dropout).
+    num_kv_heads: the key and value heads of a ``"llama"`` block (default ``num_heads``).
     spec: the pipeline settings (:class:`tpipe.PipelineSpec`), or None to build them from
       ``settings``; ``per_example`` is always ``("targets",)``.
     **settings: :class:`tpipe.PipelineSpec` fields, overriding ``spec``'s.
@@ -297,9 +400,24 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
   if width % num_heads:
     raise ValueError(f"num_heads={num_heads} must divide width={width}; pick a divisor.")
   spec = tpipe.spec.make("decoder_lm", spec, **settings).replace(per_example=("targets",))
-  block = TransformerBlock(width=width, num_heads=num_heads, mlp_dim=mlp_dim,
-                           dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
-                           causal=True)
+  if block == "llama":
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}.")
+    if dropout_rate:
+      raise ValueError(f"block='llama' has no dropout; got dropout_rate={dropout_rate}.")
+    block = LlamaBlock(width=width, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       mlp_dim=mlp_dim, dtype=dtype, param_dtype=param_dtype)
+  elif block == "gpt":
+    if num_kv_heads not in (None, num_heads):
+      raise ValueError(f"num_kv_heads={num_kv_heads}: block='gpt' has one key/value head per "
+                       "query head; use block='llama' for grouped-query attention.")
+    block = TransformerBlock(width=width, num_heads=num_heads, mlp_dim=mlp_dim,
+                             dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
+                             causal=True)
+  else:
+    raise ValueError(f"block must be 'gpt' or 'llama', got {block!r}.")
   layers = [
       TokenEmbedding(vocab_size, width, max_len, dropout_rate=dropout_rate, dtype=dtype,
                      param_dtype=param_dtype),

@@ -52,7 +52,7 @@ DEFAULT_CPU_DEVICES = 8
 def setup_cpu_devices(config=None, num_devices: int | None = None) -> int:
   """Emulates CPU devices before JAX starts, as the trainer does; returns the count in effect.
 
-  The count is ``num_devices``, else ``num_stages * num_data`` of ``config``, and at least
+  The count is ``num_devices``, else the devices of ``config``'s mesh, and at least
   :data:`DEFAULT_CPU_DEVICES`. A count the user chose (``JAX_NUM_CPU_DEVICES``, or
   ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``) is left alone. The setting only
   matters on the CPU platform. Must be called before the first JAX computation.
@@ -66,7 +66,7 @@ def setup_cpu_devices(config=None, num_devices: int | None = None) -> int:
   if num_devices is not None:
     needed = max(needed, int(num_devices))
   elif config is not None and "num_stages" in config and "num_data" in config:
-    needed = max(needed, int(config.num_stages) * int(config.num_data))
+    needed = max(needed, cli.num_devices(config))
   jax.config.update("jax_num_cpu_devices", needed)
   return needed
 

@@ -73,7 +73,8 @@ def lm_arguments(config) -> dict:
               mlp_dim=config.mlp_dim, max_len=config.seq_len,
               vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
               dropout_rate=float(config.dropout), dtype=jnp.dtype(config.dtype),
-              param_dtype=jnp.float32, vocab_chunks=config.get("vocab_chunks", 1))
+              param_dtype=jnp.float32, vocab_chunks=config.get("vocab_chunks", 1),
+              block=config.get("block", "gpt"), num_kv_heads=config.get("num_kv_heads"))
 
 
 def _check_int(config, name: str, minimum: int = 1) -> None:
@@ -121,7 +122,9 @@ class LanguageModelling:
     if not 0.0 < config.get("eval_fraction", 0.0) < 1.0:
       raise ValueError(f"config.eval_fraction must be in (0, 1), got {config.eval_fraction!r}.")
     smallest = 16 * (config.seq_len + 1)  # What data.TextData.load accepts.
-    frontend(config)
+    if frontend(config) == "nnx" and config.get("block", "gpt") != "gpt":
+      raise ValueError(f"config.block={config.block!r} is written in linen only; use "
+                       "config.frontend='linen' (or config.block='gpt').")
     try:
       losses.check_num_chunks(config.get("vocab_chunks", 1),
                               config.get("vocab_size", models.VOCAB_SIZE))
@@ -134,7 +137,9 @@ class LanguageModelling:
 
   def _nnx_model(self, config, spec, key):
     from flax import nnx  # Only the NNX front end needs it.
-    return models_nnx.decoder_lm(**lm_arguments(config), spec=spec,
+    arguments = lm_arguments(config)
+    del arguments["block"], arguments["num_kv_heads"]  # The NNX LM has the "gpt" block only.
+    return models_nnx.decoder_lm(**arguments, spec=spec,
                                  rngs=nnx.Rngs(params=key, dropout=0))
 
   def make_model(self, config, spec: tpipe.PipelineSpec):

@@ -9,9 +9,10 @@ Usage::
   python -m tpipe.train --config=configs/lm.py --workdir=/tmp/mh \
       --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=0   # and =1
 
-On a CPU-only machine the trainer emulates ``num_stages * num_data`` CPU devices (8 by default)
-unless ``JAX_NUM_CPU_DEVICES`` is set. On a Cloud TPU VM, ``jax.distributed`` is initialised
-automatically, so the same command runs on every worker of a pod slice.
+On a CPU-only machine the trainer emulates the mesh's devices (``num_stages * num_data *
+mesh.fsdp * mesh.tensor``, 8 by default) unless ``JAX_NUM_CPU_DEVICES`` is set. On a Cloud TPU
+VM, ``jax.distributed`` is initialised automatically, so the same command runs on every worker of
+a pod slice.
 
 Re-running the same command with the same workdir resumes from the latest checkpoint, including
 the data iterator's position. A non-finite loss stops the run (exit status 1) with a message that
@@ -75,10 +76,11 @@ def _setup_jax(config) -> None:
   # harmless. Each process emulates its share of the mesh.
   if cli.user_cpu_device_count() is None:
     num_processes = _NUM_PROCESSES.value or 1
-    needed = config.num_stages * config.num_data
+    needed = cli.num_devices(config)
     if needed % num_processes:
       raise app.UsageError(
-          f"num_stages * num_data = {needed} devices do not split evenly over "
+          f"num_stages * num_data * mesh.fsdp * mesh.tensor = {needed} devices do not split "
+          "evenly over "
           f"--num_processes={num_processes}.")
     jax.config.update("jax_num_cpu_devices", needed // num_processes)
   if distributed:

@@ -1,0 +1,240 @@
+"""Pipelines on meshes with ``fsdp`` and ``tensor`` axes: equal to the sequential model, weights
+split inside each stage, and the collectives where they belong.
+
+The meshes are the issue's four on 8 devices: (stage 2, fsdp 2, tensor 2), (stage 4, fsdp 2),
+(stage 2, tensor 2, data 2) and (stage 1, fsdp 8).
+"""
+
+import collections
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import tpipe
+from tpipe import axis_rules
+from tests.helpers import linen_models as lm
+from tests.helpers import numerics
+
+MESHES = {
+    "stage2-fsdp2-tensor2": dict(stages=2, fsdp=2, tensor=2),
+    "stage4-fsdp2": dict(stages=4, fsdp=2),
+    "stage2-tensor2-data2": dict(stages=2, tensor=2, data=2),
+    "stage1-fsdp8": dict(stages=1, fsdp=8),
+}
+
+
+def _model(mesh_name, schedule, microbatches=None, **settings):
+  sizes = MESHES[mesh_name]
+  mesh = tpipe.make_mesh(**sizes)
+  rows = sizes.get("data", 1) * sizes.get("fsdp", 1)
+  if microbatches is None:
+    microbatches = 3 if rows == 8 else 2
+  layers, x, targets, _ = lm.loss_model("annotated")
+  model = tpipe.Sequential(layers, num_stages=sizes["stages"], num_microbatches=microbatches,
+                           schedule=schedule, per_example=("targets",), mesh=mesh, **settings)
+  return model, mesh, x, targets, microbatches * rows
+
+
+CASES = [(mesh, "gpipe", {}) for mesh in MESHES] + [
+    ("stage2-fsdp2-tensor2", "1f1b", {}),
+    ("stage4-fsdp2", "1f1b", dict(remat="full", remat_granularity="layer")),
+    ("stage2-tensor2-data2", "zb_h1", {}),
+    ("stage2-fsdp2-tensor2", "gpipe", dict(remat="full", remat_granularity="nested")),
+]
+
+
+@pytest.mark.parametrize("mesh_name,schedule,settings", CASES)
+def test_loss_and_gradients_equal_sequential(mesh_name, schedule, settings):
+  model, mesh, x, targets, microbatches = _model(mesh_name, schedule, **settings)
+  x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
+  value, grads = jax.jit(lm.value_and_grad(lm.pipelined_loss(model), False))(
+      lm.random_params("annotated"), x, targets)
+  plain_value, plain_grads = lm.plain("annotated", microbatches)
+  ref_value, ref_grads = lm.reference("annotated")
+  numerics.assert_as_close_as_plain(value, plain_value, ref_value, what="loss")
+  numerics.assert_as_close_as_plain(grads, plain_grads, ref_grads, what="gradients")
+
+
+def _staged_step(mesh_name, schedule="gpipe"):
+  """The jitted loss-and-gradient step on staged parameters placed as the layout's specs say,
+  and its arguments."""
+  model, mesh, x, targets, _ = _model(mesh_name, schedule)
+  pipeline = model.pipeline_for(x, targets=targets)
+  specs = pipeline.layout.partition_specs(mesh=mesh)
+  shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+                           is_leaf=lambda s: isinstance(s, P))
+  staged = jax.jit(pipeline.layout.to_staged, out_shardings=shardings)(
+      lm.random_params("annotated"))
+  x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
+  step = jax.jit(jax.value_and_grad(
+      lambda p, x, t: pipeline.loss(p, x, {"targets": t}, mesh=mesh)),
+      out_shardings=(None, shardings))
+  return pipeline, step, staged, x, targets
+
+
+@pytest.mark.parametrize("mesh_name", ["stage2-fsdp2-tensor2", "stage1-fsdp8"])
+def test_each_device_holds_its_share_of_the_weights_and_gradients(mesh_name):
+  sizes = MESHES[mesh_name]
+  pipeline, step, staged, x, targets = _staged_step(mesh_name)
+  _, grads = step(staged, x, targets)
+  total = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(staged))
+  ways = sizes["stages"] * sizes.get("fsdp", 1) * sizes.get("tensor", 1)
+  for tree in (staged, grads):
+    per_device = collections.Counter()
+    for leaf in jax.tree.leaves(tree):
+      for shard in leaf.addressable_shards:
+        per_device[shard.device] += shard.data.size * shard.data.dtype.itemsize
+    # Every matrix of the blocks is split over fsdp and tensor; the LayerNorms' vectors over
+    # fsdp only, and the packed embedding and head over fsdp: so a little over the share.
+    share = total / ways
+    assert max(per_device.values()) <= 1.3 * share, (per_device, share)
+    assert min(per_device.values()) >= share / 1.3, (per_device, share)
+  # The blocks' matrices carry their names: embed over fsdp, heads and mlp over tensor.
+  blocks = jax.tree.map(lambda a: a.sharding.spec, staged["stacked"]["layers_1"])
+  if sizes.get("tensor", 1) > 1:
+    assert blocks["query"] == P(None, "stage", None, "fsdp", "tensor")
+    assert blocks["mlp_out"] == P(None, "stage", None, "tensor", "fsdp")
+  else:
+    assert blocks["query"] == P(None, "stage", None, "fsdp")
+
+
+def _collectives(text):
+  """Counts of ``(collective, inside a conditional branch)`` in compiled HLO text."""
+  found = collections.Counter()
+  for line in text.splitlines():
+    match = re.search(r"= \S+ (all-gather|all-reduce|reduce-scatter|collective-permute|"
+                      r"all-to-all)(?:-start)?\(", line)
+    if match:
+      found[(match.group(1), "branch_" in line)] += 1
+  return found
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fsdp_gathers_and_scatters_inside_the_stage_and_sends_only_between_stages(schedule):
+  _, step, staged, x, targets = _staged_step("stage2-fsdp2-tensor2", schedule)
+  found = _collectives(step.lower(staged, x, targets).compile().as_text())
+  # The stage's branch gathers each unit's weights and reduce-scatters their gradients over
+  # fsdp; stage-to-stage sends are the only collective-permutes, all outside the branches (one
+  # inside would wait forever for the devices of the stages that took another branch).
+  assert found[("all-gather", True)] > 0 and found[("reduce-scatter", True)] > 0, found
+  assert found[("collective-permute", True)] == 0, found
+  assert 0 < found[("collective-permute", False)] <= 4, found
+
+
+def test_the_default_rules_and_unannotated_weights():
+  mesh = jax.sharding.AbstractMesh((2, 2, 2, 2), ("data", "fsdp", "stage", "tensor"))
+  assert axis_rules.weight_spec((8, 16), ("embed", "mlp"), mesh) == P("fsdp", "tensor")
+  # No names: fsdp over the largest dimension it divides.
+  assert axis_rules.weight_spec((3, 10), None, mesh) == P(None, "fsdp")
+  assert axis_rules.weight_spec((3, 5), None, mesh) == P()
+  # A size that does not divide leaves that dimension whole; the pipeline's axes are reserved.
+  assert axis_rules.weight_spec((8, 11), ("embed", "vocab"), mesh) == P("fsdp")
+  assert axis_rules.weight_spec((8,), ("stage",), mesh) == P()
+  # Mesh axis names map to themselves (nn.with_partitioning); rules given win over the default.
+  assert axis_rules.weight_spec((8, 4), (None, "tensor"), mesh) == P(None, "tensor")
+  rules = (("embed", "tensor"), ("mlp", "fsdp"))
+  assert axis_rules.weight_spec((8, 16), ("embed", "mlp"), mesh, rules) == P("tensor", "fsdp")
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  with nn.logical_axis_rules(rules):
+    assert axis_rules.weight_spec((8, 16), ("embed", "mlp"), mesh) == P("tensor", "fsdp")
+  with pytest.raises(TypeError, match=r"rules\[0\] = 'embed' is not a \(logical name, mesh "):
+    axis_rules.weight_spec((8,), ("embed",), mesh, rules=["embed"])
+  with pytest.raises(ValueError, match=r"have 1 entries for a weight of shape \(8, 16\)"):
+    axis_rules.weight_spec((8, 16), ("embed",), mesh)
+
+
+def test_packed_buffers_are_padded_to_split_evenly_over_fsdp():
+  model, mesh, x, targets, _ = _model("stage2-fsdp2-tensor2", "gpipe")
+  layout = model.pipeline_for(x, targets=targets).layout
+  assert all(n % 2 == 0 for n in layout.packed_sizes.values()), layout.packed_sizes
+  specs = layout.partition_specs(mesh=mesh)
+  assert specs["packed"]["float32"] == P(None, "stage", "fsdp")
+  # Without a mesh, the stage split alone.
+  assert layout.partition_specs()["packed"]["float32"] == P(None, "stage")
+  params = lm.random_params("annotated")
+  jax.tree.map(np.testing.assert_array_equal, layout.to_logical(layout.to_staged(params)),
+               params)  # The padding changes no value.
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_nnx_front_end_on_a_3d_mesh_equals_the_layers_in_order(schedule):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from tests.helpers import nnx_models  # pylint: disable=import-outside-toplevel
+
+  mesh = tpipe.make_mesh(stages=2, fsdp=2, tensor=2)
+  microbatches = 2
+  model, x, kwargs = nnx_models.pipelined("lm", num_stages=2, num_microbatches=microbatches,
+                                          schedule=schedule, mesh=mesh)
+  x, kwargs = jax.device_put((x, kwargs), tpipe.data_sharding(mesh))
+
+  @nnx.jit
+  def value_and_grad(model, x, kwargs):
+    return nnx.value_and_grad(lambda m: nnx_models.objective(m.loss(x, **kwargs)))(model)
+
+  value, grads = value_and_grad(model, x, kwargs)
+  # The rows split over fsdp too: the plain model runs on fsdp x M micro-batches.
+  plain_value, plain_grads = nnx_models.plain_loss(2 * microbatches)
+  ref_value, ref_grads = nnx_models.plain_loss(1, "float64")
+  numerics.assert_as_close_as_plain(value, plain_value, ref_value, what="loss")
+  numerics.assert_as_close_as_plain(nnx.to_pure_dict(grads)["layers"], plain_grads, ref_grads,
+                                    what="gradients")
+
+
+def test_nnx_out_sharding_metadata_names_the_axes():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from tpipe import nnx as tnnx  # pylint: disable=import-outside-toplevel
+
+  mesh = tpipe.make_mesh(stages=2, fsdp=2, tensor=2)
+  init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", "tensor"))
+  with jax.set_mesh(mesh):
+    layers = [nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
+              nnx.Linear(16, 8, rngs=nnx.Rngs(1))]
+  model = tnnx.Sequential(layers, num_stages=2, num_microbatches=2, mesh=mesh)
+  axes = model.pipeline_for(jax.ShapeDtypeStruct((8, 8), np.float32)).layout.axes
+  assert axes["layers_0"] == {"['bias']": None, "['kernel']": ("fsdp", "tensor")}
+  assert axes["layers_1"]["['kernel']"] is None
+
+
+def test_the_llama_train_step_has_no_collective_permute_inside_a_stage_branch():
+  """The trainer's step for the Llama-style LM (query heads over tensor, a grouped key/value
+  head whole): XLA's partitioner splits what runs inside a stage over tensor, and nothing tpipe
+  packs (a chunk's plain layers, the residuals of a stage's branch) is left for it to split."""
+  from configs import lm as lm_config  # pylint: disable=import-outside-toplevel
+  from tpipe.train import experiment  # pylint: disable=import-outside-toplevel
+
+  config = lm_config.get_config("size=tiny")
+  config.update(dict(num_stages=2, num_data=1, block="llama", num_kv_heads=1))
+  config.mesh.update(dict(fsdp=2, tensor=2))
+  exp = experiment.build(config)
+  compiled = exp.train_step.lower(exp.abstract_state(), exp.abstract_batch(),
+                                  jax.random.key(0)).compile()
+  found = _collectives(compiled.as_text())
+  assert found[("collective-permute", True)] == 0, found
+  assert found[("all-gather", True)] > 0 and found[("reduce-scatter", True)] > 0, found
+
+
+@pytest.mark.parametrize("mesh_name", ["stage2-fsdp2-tensor2", "stage4-fsdp2"])
+def test_the_homogeneous_stack_equals_the_blocks_in_sequence(mesh_name):
+  """``tpipe.pipeline`` (unannotated blocks: their weights split over fsdp on the largest
+  dimension), outputs and gradients of a nonlinear function of them."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from tests.helpers import blocks  # pylint: disable=import-outside-toplevel
+
+  sizes = MESHES[mesh_name]
+  stages, microbatches = sizes["stages"], 2
+  stack = tpipe.pipeline(blocks.MLPBlock, length=2 * stages, num_stages=stages,
+                         num_microbatches=microbatches, remat="full",
+                         mesh=tpipe.make_mesh(**sizes))(8)
+  x = jax.random.normal(jax.random.key(1), (16, 8))
+  params = stack.init(jax.random.key(0), x)["params"]
+  objective = lambda apply: jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(apply(p, x))),
+                                               argnums=(0, 1))
+  in_order = lambda mb: lambda p, x: blocks.apply_in_sequence(blocks.MLPBlock(8), p, x,
+                                                              microbatches=mb)
+  got = jax.jit(objective(lambda p, x: stack.apply({"params": p}, x)))(params, x)
+  plain = jax.jit(objective(in_order(2 * microbatches)))(params, x)
+  reference = numerics.float64_reference(jax.jit(objective(in_order(1))), params, x)
+  numerics.assert_as_close_as_plain(got, plain, reference, what="outputs' objective and grads")
