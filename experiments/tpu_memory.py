@@ -2,7 +2,8 @@
 
 The model and target of the memory issue: 16 decoder blocks of width 2048 (16 heads of 128, MLP
 8192, gelu), vocabulary 32000 with an untied embedding and head, sequence 1024, global batch 64,
-bfloat16 compute with float32 parameters and AdamW state, remat full, pipeline 4 x data 2, the
+bfloat16 compute with float32 parameters and AdamW state, remat full, pipeline 4 x data 2 (the
+last rows: 4 x fsdp 2, each stage's state and rows split over the fsdp pair), the
 layers cut 5,4,4,5 (embedding and head one unit each; 3,2,2,2,2,2,2,3 for the 8 chunks of
 circular R = 2). Each row is ``configs/lm.py`` with those
 fields, built with ``tpipe.train.experiment.build`` on the devices of the TPU topology
@@ -31,7 +32,8 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # One host: no slice
 from tpipe.train import report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:2x2x2"
-# (label, schedule, M, remat_granularity, num_repeats, vocab_chunks)
+# (label, schedule, M, remat_granularity, num_repeats, vocab_chunks[, fsdp]): with fsdp = 2 the
+# mesh is pipeline 4 x fsdp 2 instead of 4 x data 2 (MaxText's last row).
 ROWS = [
     ("gpipe, remat chunk", "gpipe", 16, "chunk", 1, 1),
     ("gpipe, remat chunk", "gpipe", 8, "chunk", 1, 1),
@@ -44,6 +46,10 @@ ROWS = [
     ("1f1b, remat nested", "1f1b", 16, "nested", 1, 1),
     ("circular R=2, remat chunk", "circular", 16, "chunk", 2, 1),
     ("circular R=2, remat nested", "circular", 16, "nested", 2, 1),
+    ("gpipe, remat chunk, fsdp=2 instead of data=2", "gpipe", 16, "chunk", 1, 1, 2),
+    ("gpipe, remat nested, fsdp=2 instead of data=2", "gpipe", 16, "nested", 1, 1, 2),
+    ("gpipe, remat nested, fsdp=2 instead of data=2", "gpipe", 8, "nested", 1, 1, 2),
+    ("1f1b, remat per layer, fsdp=2 instead of data=2", "1f1b", 16, "layer", 1, 1, 2),
 ]
 SMOKE_ROWS = [("gpipe, remat nested (chunk, then each layer)", "gpipe", 16, "nested", 1, 1)]
 # MaxText 0.2.5 on the same model and target, from the issue: (schedule, M, arguments GiB,
@@ -57,7 +63,7 @@ MAXTEXT = [
 
 
 def lm_config(schedule: str, microbatches: int, granularity: str, repeats: int,
-              vocab_chunks: int = 1):
+              vocab_chunks: int = 1, fsdp: int = 1):
   from configs import lm  # pylint: disable=g-import-not-at-top
 
   c = lm.get_config("size=base")
@@ -67,12 +73,15 @@ def lm_config(schedule: str, microbatches: int, granularity: str, repeats: int,
                 num_microbatches=microbatches,
                 schedule=schedule, remat="full", remat_granularity=granularity,
                 num_repeats=repeats, vocab_chunks=vocab_chunks))
+  if fsdp > 1:  # The batch's rows and each stage's state split over fsdp instead of data.
+    c.num_data = 1
+    c.mesh.fsdp = fsdp
   return c
 
 
-def compile_row(schedule, microbatches, granularity, repeats, vocab_chunks):
+def compile_row(schedule, microbatches, granularity, repeats, vocab_chunks, fsdp=1):
   measured = report.analyze_config(lm_config(schedule, microbatches, granularity, repeats,
-                                             vocab_chunks),
+                                             vocab_chunks, fsdp),
                                    per_stage=False, topology=TOPOLOGY, breakdown=True)
   return measured.compiled.memory_analysis(), measured.peak
 
@@ -90,8 +99,9 @@ def main():
             for s, m, a, t, p in MAXTEXT]
   details = []
   rows = SMOKE_ROWS if run.args.smoke else [row for row in ROWS if run.args.only in row[0]]
-  for label, schedule, microbatches, granularity, repeats, vocab_chunks in rows:
-    memory, breakdown = compile_row(schedule, microbatches, granularity, repeats, vocab_chunks)
+  for label, schedule, microbatches, granularity, repeats, vocab_chunks, *fsdp in rows:
+    memory, breakdown = compile_row(schedule, microbatches, granularity, repeats, vocab_chunks,
+                                    *fsdp)
     peak_bytes = _common.peak_bytes(memory)
     table.append(f"| tpipe | {label} | {microbatches} | {gib(memory.argument_size_in_bytes)} "
                  f"| {gib(memory.temp_size_in_bytes)} | **{gib(peak_bytes)}** |")
