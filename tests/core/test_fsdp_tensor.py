@@ -238,3 +238,36 @@ def test_the_homogeneous_stack_equals_the_blocks_in_sequence(mesh_name):
   plain = jax.jit(objective(in_order(2 * microbatches)))(params, x)
   reference = numerics.float64_reference(jax.jit(objective(in_order(1))), params, x)
   numerics.assert_as_close_as_plain(got, plain, reference, what="outputs' objective and grads")
+
+
+@pytest.mark.parametrize("mesh_name", ["stage2-fsdp2-tensor2", "stage2-tensor2-data2"])
+def test_each_axis_communicates_where_it_should(mesh_name):
+  """Per mesh axis, in the compiled step: ``stage`` sends between neighbours in the tick loop;
+  ``data`` reduces the gradients once per step, outside it; ``fsdp`` gathers weights and
+  reduce-scatters their gradients inside it (once per step outside it: the sum of what no
+  dimension could split); ``tensor`` only inside the layers."""
+  from tpipe.tools import analysis  # pylint: disable=import-outside-toplevel
+
+  pipeline, step, staged, x, targets = _staged_step(mesh_name)
+  found = analysis.collectives(step.lower(staged, x, targets).compile(),
+                               tpipe.make_mesh(**MESHES[mesh_name]))
+  by_axis = collections.defaultdict(list)
+  for c in found:
+    by_axis[c.axes].append(c)
+  assert set(by_axis) <= {("stage",), ("data",), ("fsdp",), ("tensor",)}, set(by_axis)
+  in_loop = lambda cs: {c.kind for c in cs if c.in_loop}
+  assert in_loop(by_axis[("stage",)]) == {"collective-permute"}, by_axis[("stage",)]
+  outside = [c for c in by_axis[("data",)] + by_axis[("fsdp",)] if not c.in_loop]
+  assert all(c.kind == "all-reduce" and c.count == 1 for c in outside), outside
+  assert not in_loop(by_axis[("data",)]), by_axis[("data",)]
+  if "fsdp" in mesh_name:
+    assert in_loop(by_axis[("fsdp",)]) == {"all-gather", "reduce-scatter"}, by_axis[("fsdp",)]
+    # One unit's weights at a time (or a chunk's packed buffer), never a stage's two blocks.
+    block = sum(a.size * a.dtype.itemsize
+                for a in jax.tree.leaves(pipeline.layout.logical["layers_1"])) // 4
+    packed = sum(4 * n for n in pipeline.layout.packed_sizes.values())
+    gathers = [c.bytes for c in by_axis[("fsdp",)] if c.kind == "all-gather"]
+    assert max(gathers) <= max(block, packed) < 2 * block, (gathers, block, packed)
+  else:
+    assert [c.kind for c in by_axis[("data",)]] == ["all-reduce"], by_axis[("data",)]
+  assert in_loop(by_axis[("tensor",)]) <= {"all-reduce", "all-gather", "reduce-scatter"}
