@@ -271,3 +271,10 @@ def test_each_axis_communicates_where_it_should(mesh_name):
   else:
     assert [c.kind for c in by_axis[("data",)]] == ["all-reduce"], by_axis[("data",)]
   assert in_loop(by_axis[("tensor",)]) <= {"all-reduce", "all-gather", "reduce-scatter"}
+
+
+def test_a_batch_that_the_row_shards_do_not_divide_is_a_clear_error():
+  model, mesh, x, targets, _ = _model("stage1-fsdp8", "gpipe", microbatches=2)
+  with pytest.raises(ValueError, match=r"batch size 24 is not divisible by num_microbatches \* "
+                                       r"row shards \(data x fsdp devices\) = 2 \* 8 = 16"):
+    model.apply({"params": lm.random_params("annotated")}, x, targets=targets, method="loss")

@@ -83,9 +83,9 @@ class Pipeline:
     parts = self.spec.num_microbatches * axes.replicas
     if batch % parts:
       raise ValueError(
-          f"{self.owner}: batch size {batch} is not divisible by num_microbatches * data "
-          f"replicas = {self.spec.num_microbatches} * {axes.replicas} = {parts}; use a batch "
-          f"that is a multiple of {parts} or change num_microbatches.")
+          f"{self.owner}: batch size {batch} is not divisible by num_microbatches * row shards "
+          f"(data x fsdp devices) = {self.spec.num_microbatches} * {axes.replicas} = {parts}; "
+          f"use a batch that is a multiple of {parts} or change num_microbatches.")
     return arguments.split_keywords(kwargs, per_example=self.spec.per_example,
                                     batch_size=batch, owner=self.owner)
 
