@@ -14,7 +14,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import tpipe
-from tpipe import axis_rules
 from tests.helpers import linen_models as lm
 from tests.helpers import numerics
 
@@ -122,28 +121,6 @@ def test_fsdp_gathers_and_scatters_inside_the_stage_and_sends_only_between_stage
   assert found[("all-gather", True)] > 0 and found[("reduce-scatter", True)] > 0, found
   assert found[("collective-permute", True)] == 0, found
   assert 0 < found[("collective-permute", False)] <= 4, found
-
-
-def test_the_default_rules_and_unannotated_weights():
-  mesh = jax.sharding.AbstractMesh((2, 2, 2, 2), ("data", "fsdp", "stage", "tensor"))
-  assert axis_rules.weight_spec((8, 16), ("embed", "mlp"), mesh) == P("fsdp", "tensor")
-  # No names: fsdp over the largest dimension it divides.
-  assert axis_rules.weight_spec((3, 10), None, mesh) == P(None, "fsdp")
-  assert axis_rules.weight_spec((3, 5), None, mesh) == P()
-  # A size that does not divide leaves that dimension whole; the pipeline's axes are reserved.
-  assert axis_rules.weight_spec((8, 11), ("embed", "vocab"), mesh) == P("fsdp")
-  assert axis_rules.weight_spec((8,), ("stage",), mesh) == P()
-  # Mesh axis names map to themselves (nn.with_partitioning); rules given win over the default.
-  assert axis_rules.weight_spec((8, 4), (None, "tensor"), mesh) == P(None, "tensor")
-  rules = (("embed", "tensor"), ("mlp", "fsdp"))
-  assert axis_rules.weight_spec((8, 16), ("embed", "mlp"), mesh, rules) == P("tensor", "fsdp")
-  import flax.linen as nn  # pylint: disable=import-outside-toplevel
-  with nn.logical_axis_rules(rules):
-    assert axis_rules.weight_spec((8, 16), ("embed", "mlp"), mesh) == P("tensor", "fsdp")
-  with pytest.raises(TypeError, match=r"rules\[0\] = 'embed' is not a \(logical name, mesh "):
-    axis_rules.weight_spec((8,), ("embed",), mesh, rules=["embed"])
-  with pytest.raises(ValueError, match=r"have 1 entries for a weight of shape \(8, 16\)"):
-    axis_rules.weight_spec((8, 16), ("embed",), mesh)
 
 
 def test_packed_buffers_are_padded_to_split_evenly_over_fsdp():
