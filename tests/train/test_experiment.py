@@ -178,6 +178,12 @@ def test_init_state_and_steps(exp):
 @pytest.mark.parametrize("overrides, error, match", [
     (dict(batch_size=12), ValueError, "num_microbatches"),
     (dict(batch_size=15), ValueError, "num_data"),
+    (dict(num_data=1, mesh=dict(fsdp=4)), ValueError,
+     r"per-shard batch 4 \(batch_size 16 / \(num_data \* mesh.fsdp\) = 4\) must be divisible "
+     r"by config.num_microbatches=8"),
+    (dict(num_data=1, batch_size=15, mesh=dict(fsdp=2)), ValueError,
+     r"divisible by config.num_data \* config.mesh.fsdp = 1 \* 2"),
+    (dict(mesh=dict(tensor=0)), ValueError, r"config.mesh.tensor must be >= 1, got 0"),
     (dict(num_stages=8), ValueError, "JAX sees only 8"),
     (dict(num_layers=0), ValueError, "num_layers"),
     (dict(learning_rate=0.0), ValueError, "learning_rate"),

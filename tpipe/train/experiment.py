@@ -87,15 +87,18 @@ def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
       raise TypeError(f"config.{name} must be an int, got {value!r}.")
     if value < 1:
       raise ValueError(f"config.{name} must be >= 1, got {value}.")
-  if config.batch_size % config.num_data:
+  fsdp, tensor = cli.mesh_sizes(config)
+  shards = config.num_data * fsdp  # A batch's rows split over data and fsdp.
+  if config.batch_size % shards:
     raise ValueError(
-        f"config.batch_size={config.batch_size} must be divisible by "
-        f"config.num_data={config.num_data} (the batch is split over the 'data' axis).")
-  per_shard = config.batch_size // config.num_data
+        f"config.batch_size={config.batch_size} must be divisible by config.num_data * "
+        f"config.mesh.fsdp = {config.num_data} * {fsdp} (the batch's rows are split over the "
+        "'data' and 'fsdp' axes).")
+  per_shard = config.batch_size // shards
   if per_shard % config.num_microbatches:
     raise ValueError(
-        f"the per-data-shard batch {per_shard} (batch_size {config.batch_size} / num_data "
-        f"{config.num_data}) must be divisible by config.num_microbatches="
+        f"the per-shard batch {per_shard} (batch_size {config.batch_size} / (num_data * "
+        f"mesh.fsdp) = {shards}) must be divisible by config.num_microbatches="
         f"{config.num_microbatches}; change batch_size or num_microbatches.")
   if not isinstance(config.dtype, str) or config.dtype not in DTYPES:
     raise ValueError(
@@ -111,11 +114,6 @@ def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
         "(or 'circular' with config.num_repeats > 1).")
   if config.learning_rate <= 0:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")
-  fsdp, tensor = cli.mesh_sizes(config)
-  if config.batch_size % (config.num_data * fsdp):
-    raise ValueError(
-        f"config.batch_size={config.batch_size} must be divisible by config.num_data * "
-        f"config.mesh.fsdp = {config.num_data * fsdp} (a batch's rows are split over both).")
   needed = config.num_stages * config.num_data * fsdp * tensor
   available = jax.device_count() if devices is None else len(devices)
   if needed > available:

@@ -292,7 +292,6 @@ class TokenEmbedding(nn.Module):
                  name="embed")(tokens)
     pos = self.param("pos_embed", _named(nn.initializers.normal(0.02), (None, "embed")),
                      (self.max_len, self.width), param_dtype)
-    pos = nn.meta.unbox(pos)
     x = x + pos[None, :seq_len].astype(dtype)
     return nn.Dropout(self.dropout_rate, deterministic=deterministic)(x)
 
@@ -310,7 +309,7 @@ class _VocabProjection(nn.Module):
                         (width, self.vocab_size), self.param_dtype)
     bias = self.param("bias", _named(nn.initializers.zeros_init(), ("vocab",)),
                       (self.vocab_size,), self.param_dtype)
-    return nn.meta.unbox(kernel), nn.meta.unbox(bias)
+    return kernel, bias
 
 
 class LMHead(nn.Module):
