@@ -71,14 +71,23 @@ CASES = {
 }
 
 
-def _case(name, stacked=None):
+def _fsdp_mesh(fsdp, num_stages):
+  """An abstract mesh with ``fsdp`` devices per stage (the packed buffers' blocks)."""
+  return jax.sharding.AbstractMesh((1, fsdp, num_stages, 1), ("data", "fsdp", "stage", "tensor"))
+
+
+def _case(name, stacked=None, fsdp=1):
   layers, repeated, counts, num_stages, num_repeats, placement = CASES[name]
   copies = [repeated.get(i) for i in range(len(layers))]
   groups = plan_lib.group_units(copies, counts)
   shapes = _abstract(layers)
   layout = StageLayout.build(groups, shapes, num_stages, num_repeats, placement=placement,
-                             stacked=stacked)
+                             stacked=stacked, mesh=_fsdp_mesh(fsdp, num_stages))
   return layout, shapes
+
+
+# fsdp 2 cuts the test leaves along a dimension; fsdp 3 divides none of them (flat pieces).
+FSDP = [1, 2, 3]
 
 
 def _assert_equal(got, want):
@@ -194,9 +203,10 @@ def test_build_errors():
 # Values: exact round trips.
 
 
+@pytest.mark.parametrize("fsdp", FSDP)
 @pytest.mark.parametrize("name", list(CASES))
-def test_round_trip_is_exact(name):
-  layout, shapes = _case(name)
+def test_round_trip_is_exact(name, fsdp):
+  layout, shapes = _case(name, fsdp=fsdp)
   logical = _values(shapes)
   staged = layout.to_staged(_drop_empty(logical))  # Flax omits a layer without variables.
   assert jax.tree.map(lambda a: (a.shape, a.dtype), staged) == jax.tree.map(
@@ -245,9 +255,10 @@ def test_zbv_puts_chunk_3_on_stage_0():
   _assert_equal(head, logical["layers_2"])
 
 
+@pytest.mark.parametrize("fsdp", FSDP)
 @pytest.mark.parametrize("name", list(CASES))
-def test_chunk_trees_and_chunk_slot_are_inverse(name):
-  layout, shapes = _case(name)
+def test_chunk_trees_and_chunk_slot_are_inverse(name, fsdp):
+  layout, shapes = _case(name, fsdp=fsdp)
   logical = _values(shapes)
   staged = layout.to_staged(_drop_empty(logical))
   for c in range(layout.num_chunks):
@@ -274,9 +285,10 @@ def test_a_collection_can_reuse_another_layouts_stacked_copies():
   _assert_equal(everything_packed.to_logical(everything_packed.to_staged(logical)), logical)
 
 
-def test_packed_mask_selects_exactly_the_elements_of_the_chosen_leaves():
+@pytest.mark.parametrize("fsdp", FSDP)
+def test_packed_mask_selects_exactly_the_elements_of_the_chosen_leaves(fsdp):
   for name in CASES:
-    layout, shapes = _case(name)
+    layout, shapes = _case(name, fsdp=fsdp)
     seen = set()
 
     def is_kernel(path, seen=seen):
@@ -295,6 +307,26 @@ def test_packed_mask_selects_exactly_the_elements_of_the_chosen_leaves():
       mask = masks[dtype](buffer.shape)
       assert mask.shape == buffer.shape and mask.dtype == jnp.bool_
       np.testing.assert_array_equal(mask, np.asarray(buffer) == 1, err_msg=f"{name} {dtype}")
+
+
+def test_packed_blocks_hold_whole_rows_of_each_leaf_on_an_fsdp_mesh():
+  # Two fsdp blocks per buffer: block f holds piece f of every packed leaf, cut along the
+  # leaf's largest even dimension (embedding [5, 4]: columns; head kernel [4, 2]: rows), or
+  # its flattened elements where none divides (head bias [2] divides; count [3] does not).
+  layout, shapes = _case("uneven_repeat", fsdp=2)
+  assert layout.packed_shards == 2
+  assert all(n % 2 == 0 for n in layout.packed_sizes.values())
+  logical = _values(shapes)
+  staged = layout.to_staged(logical)
+  buffer = np.asarray(staged["packed"]["float32"][0, 0])  # Chunk 0: embedding, a block copy.
+  half = buffer.shape[0] // 2
+  embedding = np.asarray(logical["layers_0"]["embedding"])
+  blocks = [buffer[:half], buffer[half:]]
+  for f in range(2):
+    assert set(embedding[:, 2 * f:2 * f + 2].ravel()) <= set(blocks[f].tolist())
+    assert not set(embedding[:, 2 * (1 - f):2 * (1 - f) + 2].ravel()) & set(blocks[f].tolist())
+  dims = dict(zip(["count", "embedding"], layout.packed_dims[0][:2]))
+  assert dims == {"count": layout_lib.FLAT, "embedding": 1}
 
 
 def test_check_staged_names_the_fix():

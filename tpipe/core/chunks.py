@@ -128,6 +128,7 @@ class Signature:
 
   segments: tuple[tuple[int, int | None, bool], ...]
   params_layout: packing.Layout
+  params_dims: tuple[int, ...]  # Where each packed leaf is cut into fsdp pieces.
   stats_layout: packing.Layout | None
   input_kind: str  # "fresh", "ring" or "select" (model chunk 0 takes the fresh input)
   output_kind: str  # "ring", "output" or "both"
@@ -143,6 +144,7 @@ def _signature(plan, layout, stats_layout, ring: Ring, c: int, select: bool,
   segments = tuple((seg.layer, seg.copies, seg.stacked) for seg in layout.segments[c])
   return Signature(
       segments=segments, params_layout=layout.packed_layouts[c],
+      params_dims=layout.packed_dims[c],
       stats_layout=stats_layout.packed_layouts[c] if stats_layout is not None else None,
       input_kind=input_kind, output_kind=output_kind,
       ring_in=ring.layout(c - 1) if c and input_kind != "fresh" else None,

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpipe import mesh as mesh_lib
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import arguments
@@ -341,11 +340,10 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
                                        rng_names, owner, axis_names)
   plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, layer_inputs, split, side,
                             rng_names, axis_names)
-  # Packed buffers split evenly over the fsdp axis of the mesh the spec names.
-  align = dict(spec.mesh.shape).get(mesh_lib.FSDP_AXIS, 1) if spec.mesh is not None else 1
+  # Packed buffers cut into one block per device of the fsdp axis of the mesh the spec names.
   layout = layout_lib.StageLayout.build(plan.groups, param_shapes, spec.num_stages,
                                         spec.num_repeats, spec.placement, axes=param_axes,
-                                        align=align)
+                                        mesh=spec.mesh)
   stats_layout = None
   if jax.tree.leaves(stats_shapes):
     stats_layout = layout_lib.StageLayout.build(plan.groups, stats_shapes, spec.num_stages,

@@ -18,7 +18,11 @@ of one collection (parameters, or BatchNorm's statistics) for one split::
 * **Packed.** Plain layers (an embedding, a head), a chunk's copies beyond ``k_i``, and repeated
   layers that some chunk lacks, packed per dtype (:mod:`tpipe.core.packing`) and padded to the
   fullest chunk: the one buffer a ``lax.switch`` branch can read whatever its layers are. Splitting
-  a chunk's copies this way pads no stage beyond the fullest chunk.
+  a chunk's copies this way pads no stage beyond the fullest chunk. On a mesh with ``fsdp``
+  devices a buffer is ``fsdp`` equal blocks, and block ``f`` holds piece ``f`` of every leaf: the
+  leaf cut evenly along one of its own dimensions (the one its partition spec splits over
+  ``fsdp``, else its largest divisible one; the flattened elements, padded, where none divides),
+  so the device holding block ``f`` holds whole rows or columns of each weight.
 
 Every conversion is exact (slices, reshapes, concatenations; no arithmetic).
 
@@ -109,8 +113,12 @@ class StageLayout:
     stacked: ``{layer: k}``: the copies per chunk a repeated layer keeps per leaf.
     segments: per model chunk, its :class:`Segment` s in order.
     packed_layouts: per model chunk, the packing of its packed segments' trees (a list).
-    packed_sizes: per dtype, the packed buffer's length (the fullest chunk's need, rounded up
-      to a multiple of the ``align`` given to :meth:`build`).
+    packed_sizes: per dtype, the packed buffer's length: ``packed_shards`` blocks of the fullest
+      chunk's need.
+    packed_shards: the blocks a packed buffer is cut into (the mesh's ``fsdp`` size).
+    packed_dims: per model chunk, per leaf of its packing, the dimension a leaf is cut along
+      into ``packed_shards`` pieces, or :data:`FLAT` (its flattened elements, padded). The
+      packing (``packed_layouts``) describes one piece of each leaf.
     axes: per layer ``"layers_i"``, the logical axis names its own annotations give each leaf
       (``{jax.tree_util.keystr(path): names}``, one name or None per dimension of one copy), or
       None for a leaf without annotation; layers or leaves absent have none. Read by
@@ -127,12 +135,14 @@ class StageLayout:
   packed_layouts: tuple[packing.Layout, ...]
   packed_sizes: dict[str, int]
   axes: Mapping[str, Mapping[str, tuple | None]] = dataclasses.field(default_factory=dict)
+  packed_shards: int = 1
+  packed_dims: tuple[tuple[int, ...], ...] = ()
 
   @classmethod
   def build(cls, groups, logical_shapes: Mapping[str, Any], num_stages: int, num_repeats: int,
             placement: str = "loop", stacked: Mapping[int, int] | None = None, *,
             axes: Mapping[str, Mapping[str, tuple | None]] | None = None,
-            align: int = 1) -> "StageLayout":
+            mesh=None, rules=None) -> "StageLayout":
     """The layout of ``logical_shapes`` (arrays or ShapeDtypeStructs) cut by ``groups``.
 
     Args:
@@ -145,8 +155,10 @@ class StageLayout:
         every chunk keeps the fewest any chunk has. Give another collection's layout's
         ``stacked`` so both cut their chunks into the same segments.
       axes: the leaves' logical axis names (see the class attribute).
-      align: the packed buffers' lengths are rounded up to a multiple of it (the ``fsdp`` size,
-        so each buffer splits evenly over that axis).
+      mesh: the mesh the layout is for (a ``Mesh`` or ``AbstractMesh``), or None: with an
+        ``fsdp`` axis of more than one device the packed buffers are cut in that many blocks.
+      rules: logical-name rules, for where a packed leaf is cut (default
+        :func:`tpipe.axis_rules.resolve_rules`'s).
     """
     if len(groups) != num_stages * num_repeats:
       raise ValueError(f"{len(groups)} chunks for {num_stages} stages x {num_repeats} repeats.")
@@ -161,15 +173,32 @@ class StageLayout:
           stacked[layer] = min(per_chunk)
     stacked = dict(stacked)
     segments = tuple(_segments(chunk, stacked) for chunk in groups)
-    layouts = []
+    axes = {k: dict(v) for k, v in (axes or {}).items()}
+    shards = dict(mesh.shape).get(mesh_lib.FSDP_AXIS, 1) if mesh is not None else 1
+    layouts, dims = [], []
     for chunk in segments:
-      trees = [_segment_shapes(logical, seg) for seg in chunk if not seg.stacked]
-      layouts.append(packing.layout_of(trees))
-    sizes = {k: -(-n // align) * align for k, n in packing.buffer_sizes(layouts).items()}
+      pieces, chunk_dims = [], []
+      for seg in chunk:
+        if seg.stacked:
+          continue
+        names = axes.get(f"layers_{seg.layer}", {})
+        copy_axis = int(seg.copies is not None)
+
+        def piece(path, a, names=names, copy_axis=copy_axis):
+          dim = _cut_dim(a.shape[copy_axis:], names.get(jax.tree_util.keystr(path)), shards,
+                         mesh, rules)
+          dim = dim if dim == FLAT else dim + copy_axis
+          chunk_dims.append(dim)
+          return jax.ShapeDtypeStruct(_piece_shape(a.shape, dim, shards), a.dtype)
+
+        pieces.append(jax.tree_util.tree_map_with_path(piece, segment_shapes(logical, seg)))
+      layouts.append(packing.layout_of(pieces))
+      dims.append(tuple(chunk_dims))
+    sizes = {k: n * shards for k, n in packing.buffer_sizes(layouts).items()}
     return cls(groups=tuple(groups), num_stages=num_stages, num_repeats=num_repeats,
                placement=placement, logical=logical, stacked=stacked, segments=segments,
-               packed_layouts=tuple(layouts), packed_sizes=sizes,
-               axes={k: dict(v) for k, v in (axes or {}).items()})
+               packed_layouts=tuple(layouts), packed_sizes=sizes, axes=axes,
+               packed_shards=shards, packed_dims=tuple(dims))
 
   @property
   def num_chunks(self) -> int:
@@ -259,7 +288,7 @@ class StageLayout:
   def chunk_trees(self, local, chunk: int) -> list:
     """Model chunk ``chunk``'s variables, one tree per segment, from its slot ``local`` (the
     staged tree at its ``[r, s]``)."""
-    packed = iter(packing.unpack(local[PACKED], self.packed_layouts[chunk]))
+    packed = iter(self.unpack_chunk(local[PACKED], chunk))
     return [local[STACKED][f"layers_{seg.layer}"] if seg.stacked else next(packed)
             for seg in self.segments[chunk]]
 
@@ -268,8 +297,35 @@ class StageLayout:
     stacked = {f"layers_{seg.layer}": tree for seg, tree in zip(self.segments[chunk], trees)
                if seg.stacked}
     packed = [tree for seg, tree in zip(self.segments[chunk], trees) if not seg.stacked]
-    return {STACKED: stacked,
-            PACKED: packing.pack(packed, self.packed_layouts[chunk], self.packed_sizes)}
+    return {STACKED: stacked, PACKED: self.pack_chunk(packed, chunk)}
+
+  def packed_shapes(self, chunk: int) -> list:
+    """Model chunk ``chunk``'s packed trees (one per packed segment), abstract, whole."""
+    return [segment_shapes(self.logical, seg) for seg in self.segments[chunk]
+            if not seg.stacked]
+
+  def pack_chunk(self, trees: Sequence[Any], chunk: int) -> dict[str, jax.Array]:
+    """Model chunk ``chunk``'s packed buffers ``{dtype: [n]}`` holding ``trees`` (its packed
+    segments' trees, whole): ``packed_shards`` blocks, block ``f`` piece ``f`` of every leaf."""
+    leaves, treedef = jax.tree.flatten(list(trees))
+    cut = [cut_pieces(a, d, self.packed_shards) for a, d in zip(leaves, self.packed_dims[chunk])]
+    layout = dataclasses.replace(self.packed_layouts[chunk], batch_dims=1)
+    block = {k: n // self.packed_shards for k, n in self.packed_sizes.items()}
+    if not cut and not block:
+      return {}
+    if not cut:
+      return packing.empty(self.packed_sizes)
+    buffers = packing.pack(jax.tree.unflatten(treedef, cut), layout, block)
+    return {k: v.reshape(-1) for k, v in buffers.items()}
+
+  def unpack_chunk(self, buffers: Mapping[str, jax.Array], chunk: int) -> list:
+    """The inverse of :meth:`pack_chunk`: the packed segments' trees from whole buffers."""
+    layout = dataclasses.replace(self.packed_layouts[chunk], batch_dims=1)
+    blocks = {k: v.reshape(self.packed_shards, -1) for k, v in buffers.items()}
+    pieces, treedef = jax.tree.flatten(packing.unpack(blocks, layout))
+    whole = jax.tree.leaves(self.packed_shapes(chunk))
+    return jax.tree.unflatten(treedef, [
+        join_pieces(p, d, a.shape) for p, d, a in zip(pieces, self.packed_dims[chunk], whole)])
 
   def chunk_bytes(self) -> list[int]:
     """Per model chunk, the bytes of variables it holds (without padding)."""
@@ -277,7 +333,7 @@ class StageLayout:
     for chunk in self.segments:
       total = 0
       for seg in chunk:
-        tree = _segment_shapes(self.logical, seg)
+        tree = segment_shapes(self.logical, seg)
         total += sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
                      for a in jax.tree.leaves(tree))
       out.append(total)
@@ -289,9 +345,9 @@ class StageLayout:
     out = []
     for c, chunk in enumerate(self.segments):
       stacked = {f"layers_{seg.layer}": jax.tree.map(lambda a: int(np.prod(a.shape)),
-                                                     _segment_shapes(self.logical, seg))
+                                                     segment_shapes(self.logical, seg))
                  for seg in chunk if seg.stacked}
-      sizes = self.packed_layouts[c].sizes()
+      sizes = packing.layout_of(self.packed_shapes(c)).sizes()
       packed = {k: sizes.get(k, 0) for k in self.packed_sizes}
       out.append({STACKED: stacked, PACKED: packed})
     return out
@@ -318,14 +374,23 @@ class StageLayout:
       paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
           jax.tree.unflatten(layout.treedef, list(range(len(layout.shapes)))))[0]]
       slot = self.position(c)
-      for path, shape, key, offset in zip(paths, layout.shapes, layout.dtypes, layout.offsets):
-        if predicate(path):
-          found = ranges[key].setdefault(slot, [])
-          stop = offset + int(np.prod(shape))
-          if found and found[-1][1] == offset:
-            found[-1] = (found[-1][0], stop)
-          else:
-            found.append((offset, stop))
+      whole = [int(np.prod(a.shape)) for a in jax.tree.leaves(self.packed_shapes(c))]
+      for f in range(self.packed_shards):  # Block f holds piece f of every leaf.
+        leaves = zip(paths, layout.shapes, layout.dtypes, layout.offsets, self.packed_dims[c],
+                     whole)
+        for path, shape, key, offset, dim, size in leaves:
+          if predicate(path):
+            found = ranges[key].setdefault(slot, [])
+            start = f * self.packed_sizes[key] // self.packed_shards + offset
+            piece = int(np.prod(shape))
+            # A flat cut's last pieces end in padding, which is no leaf's.
+            stop = start + (min(piece, max(0, size - f * piece)) if dim == FLAT else piece)
+            if stop == start:
+              continue
+            if found and found[-1][1] == start:
+              found[-1] = (found[-1][0], stop)
+            else:
+              found.append((start, stop))
     return {k: _range_mask(found, self.num_repeats, self.num_stages)
             for k, found in ranges.items()}
 
@@ -374,7 +439,7 @@ class StageLayout:
     """Chunk ``chunk``'s packed buffers ``{dtype: [n]}`` from logical trees."""
     trees = [_segment_values(logical, self.logical, seg) for seg in self.segments[chunk]
              if not seg.stacked]
-    return packing.pack(trees, self.packed_layouts[chunk], self.packed_sizes)
+    return self.pack_chunk(trees, chunk)
 
   def _packed_per_stage(self, logical, mesh, stage_axis: str) -> dict[str, jax.Array]:
     """The packed buffers ``{dtype: [R, S, n]}``, stage ``s``'s built on its own devices."""
@@ -425,7 +490,7 @@ class StageLayout:
     return logical
 
 
-def _segment_shapes(logical, seg: Segment):
+def segment_shapes(logical, seg: Segment):
   tree = logical[f"layers_{seg.layer}"]
   if seg.copies is None:
     return tree
@@ -463,3 +528,47 @@ def _range_mask(ranges: dict, num_repeats: int, num_stages: int):
     return selected
 
   return mask
+
+
+FLAT = -1  # A packed leaf cut as its flattened elements (no dimension divides evenly).
+
+
+def _cut_dim(shape, names, shards: int, mesh, rules) -> int:
+  """The dimension of a weight of ``shape`` that a packed buffer's ``shards`` blocks cut: the
+  one its partition spec splits over ``fsdp``, else its largest divisible one, else FLAT."""
+  if shards == 1:
+    return 0 if shape else FLAT
+  spec = axis_rules.weight_spec(shape, names, mesh, rules,
+                                reserved=(mesh_lib.STAGE_AXIS, mesh_lib.DATA_AXIS))
+  for dim, entry in enumerate(tuple(spec)):
+    if mesh_lib.FSDP_AXIS in (entry if isinstance(entry, tuple) else (entry,)):
+      return dim
+  fits = [d for d in range(len(shape)) if shape[d] % shards == 0]
+  return max(fits, key=lambda d: (shape[d], -d)) if fits else FLAT
+
+
+def _piece_shape(shape, dim: int, shards: int) -> tuple[int, ...]:
+  """One of ``shards`` pieces of a leaf of ``shape`` cut along ``dim`` (or FLAT)."""
+  if dim == FLAT:
+    return (-(-int(np.prod(shape)) // shards),)
+  return tuple(n // shards if i == dim else n for i, n in enumerate(shape))
+
+
+def cut_pieces(leaf, dim: int, shards: int):
+  """``leaf`` as ``[shards, *piece]``: piece ``f`` is the ``f``-th even part along ``dim`` (or
+  of the flattened, zero-padded elements for FLAT)."""
+  if dim == FLAT:
+    flat = jnp.reshape(leaf, (-1,))
+    piece = -(-flat.shape[0] // shards)
+    flat = jnp.pad(flat, (0, piece * shards - flat.shape[0]))
+    return flat.reshape(shards, piece)
+  shape = leaf.shape
+  split = shape[:dim] + (shards, shape[dim] // shards) + shape[dim + 1:]
+  return jnp.moveaxis(jnp.reshape(leaf, split), dim, 0)
+
+
+def join_pieces(pieces, dim: int, shape):
+  """The inverse of :func:`cut_pieces`: a leaf of ``shape`` from ``[shards, *piece]``."""
+  if dim == FLAT:
+    return jnp.reshape(jnp.reshape(pieces, (-1,))[:int(np.prod(shape))], shape)
+  return jnp.reshape(jnp.moveaxis(pieces, 0, dim), shape)
