@@ -46,6 +46,7 @@ import tpipe
 from tpipe import spec as spec_lib
 from tpipe.core import engine
 from tpipe.core import layout as layout_lib
+from tpipe.core import relayout
 from tpipe.train import cli
 from tpipe.train import tasks as tasks_lib
 
@@ -98,7 +99,7 @@ def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
   if per_shard % config.num_microbatches:
     raise ValueError(
         f"the per-shard batch {per_shard} (batch_size {config.batch_size} / (num_data * "
-        f"mesh.fsdp) = {shards}) must be divisible by config.num_microbatches="
+        f"mesh.fsdp = {shards})) must be divisible by config.num_microbatches="
         f"{config.num_microbatches}; change batch_size or num_microbatches.")
   if not isinstance(config.dtype, str) or config.dtype not in DTYPES:
     raise ValueError(
@@ -201,6 +202,18 @@ def _map_param_trees(fn, tree, treedef):
   the optimizer's parameter-shaped moments)."""
   matches = lambda t: jax.tree.structure(t) == treedef
   return jax.tree.map(lambda t: fn(t) if matches(t) else t, tree, is_leaf=matches)
+
+
+def _map_param_trees_together(fn, tree, treedef):
+  """Like :func:`_map_param_trees`, with ``fn`` taking and returning the list of all of those
+  subtrees at once (converted in one program, one leaf at a time)."""
+  matches = lambda t: jax.tree.structure(t) == treedef
+  parts, outer = jax.tree.flatten(tree, is_leaf=matches)
+  chosen = [i for i, t in enumerate(parts) if matches(t)]
+  converted = fn([parts[i] for i in chosen])
+  for i, new in zip(chosen, converted):
+    parts[i] = new
+  return jax.tree.unflatten(outer, parts)
 
 
 @dataclasses.dataclass
@@ -311,51 +324,89 @@ class Experiment:
     return sum(int(x.size) for x in jax.tree.leaves(self.layout.logical))
 
   # --------------------------------------------------------------------------------------------
-  # Checkpoints, in the logical layout.
+  # Checkpoints, in the logical layout, split over the whole mesh.
+
+  def _collections(self):
+    """``(layout, staged specs)`` of the parameters and of BatchNorm's statistics (or None)."""
+    specs = relayout.staged_specs_of(self._abstract_state)
+    stats = None
+    if self.stats_layout is not None:
+      stats = (self.stats_layout, specs.model_state)
+    return (self.layout, specs.params), stats
 
   def _to_logical(self, state):
+    (layout, specs), stats = self._collections()
     staged_def = jax.tree.structure(self._abstract_state.params)
-    model_state = state.model_state
-    if model_state is not None:
-      model_state = {k: v for k, v in self.stats_layout.to_logical(model_state).items()
-                     if jax.tree.leaves(v)}  # As Flax names them.
-    return _map_param_trees(self.layout.to_logical, state.replace(model_state=None),
-                            staged_def).replace(model_state=model_state)
+    convert = lambda trees: relayout.to_checkpoint(layout, trees, specs, self.mesh)
+    model_state = None
+    if stats is not None:
+      model_state = relayout.to_checkpoint(*stats[:1], state.model_state, stats[1], self.mesh)
+      model_state = {k: v for k, v in model_state.items() if jax.tree.leaves(v)}  # As Flax.
+    return _map_param_trees_together(convert, state.replace(model_state=None),
+                                     staged_def).replace(model_state=model_state)
 
   def _to_staged(self, state):
-    logical_def = jax.tree.structure(self.layout.logical)
-    model_state = state.model_state
-    if model_state is not None:
-      model_state = self.stats_layout.to_staged(model_state)
-    convert = lambda tree: self.layout.to_staged(
-        jax.tree.map(lambda a, s: a.astype(s.dtype), tree, self.layout.logical))
-    return _map_param_trees(convert, state.replace(model_state=None), logical_def).replace(
-        model_state=model_state)
+    (layout, specs), stats = self._collections()
+    logical_def = jax.tree.structure(layout.logical)
+    convert = lambda trees: relayout.from_checkpoint(
+        layout, [jax.tree.map(lambda a, s: a.astype(s.dtype), t, layout.logical) for t in trees],
+        specs, self.mesh)
+    model_state = None
+    if stats is not None:
+      everything = {**jax.tree.map(lambda _: None, stats[0].logical), **state.model_state}
+      everything = {k: ({} if v is None else v) for k, v in everything.items()}
+      model_state = relayout.from_checkpoint(stats[0], everything, stats[1], self.mesh)
+    return _map_param_trees_together(convert, state.replace(model_state=None),
+                                     logical_def).replace(model_state=model_state)
 
   @functools.cached_property
   def _abstract_checkpoint(self):
-    # Replicated: converting between a stage-split and a layer-split layout makes XLA's
-    # partitioner emit a permute per slice (tens of seconds to compile at 4 stages), while from
-    # replicated buffers every slice is local. The cost is the logical state on every device
-    # while a checkpoint is written or read.
+    # Every logical leaf split over the mesh (tpipe.core.relayout): a device holds about its own
+    # share of the state while a checkpoint is written or read, never the whole model.
     shapes = jax.eval_shape(self._to_logical, self._abstract_state)
-    return self._placed(shapes, jax.tree.map(lambda _: P(), shapes))
+    (layout, specs), stats = self._collections()
+    logical_specs = relayout.checkpoint_specs(layout, specs, self.mesh)
+    logical_def = jax.tree.structure(layout.logical)
+    placed = _map_param_trees(lambda _: logical_specs, shapes.replace(model_state=None),
+                              logical_def)
+    placed = jax.tree.map(lambda a: P() if isinstance(a, jax.ShapeDtypeStruct) else a, placed,
+                          is_leaf=lambda a: isinstance(a, (P, jax.ShapeDtypeStruct)))
+    model_state = None
+    if stats is not None:
+      stats_specs = relayout.checkpoint_specs(stats[0], stats[1], self.mesh)
+      model_state = {k: stats_specs[k] for k in shapes.model_state}
+    return self._placed(shapes, placed.replace(model_state=model_state))
 
   def abstract_checkpoint(self):
     """What :meth:`to_checkpoint` returns, as sharded ``jax.ShapeDtypeStruct`` leaves."""
     return self._abstract_checkpoint
 
+  def checkpoint_shardings(self):
+    """The ``NamedSharding`` tree of :meth:`to_checkpoint`'s result."""
+    return jax.tree.map(lambda s: s.sharding, self._abstract_checkpoint)
+
+  @functools.cached_property
+  def save_program(self):
+    """:meth:`to_checkpoint`'s jitted conversion (``.lower(abstract_state())`` compiles it)."""
+    return jax.jit(self._to_logical, out_shardings=self.checkpoint_shardings())
+
+  @functools.cached_property
+  def restore_program(self):
+    """:meth:`from_checkpoint`'s jitted conversion."""
+    return jax.jit(self._to_staged, in_shardings=(self.checkpoint_shardings(),),
+                   out_shardings=self.state_shardings())
+
   def to_checkpoint(self, state):
-    """The train state in the logical layout (``layers_i``), which does not depend on the
-    stages, split, schedule or repeats; exact."""
-    shardings = jax.tree.map(lambda s: s.sharding, self._abstract_checkpoint)
-    replicated = jax.tree.map(lambda a: NamedSharding(self.mesh, P()), state)
-    state = jax.jit(lambda s: s, out_shardings=replicated)(state)  # One all-gather per leaf.
-    return jax.jit(self._to_logical, out_shardings=shardings)(state)
+    """The train state in the logical layout (``layers_i``, a repeated layer's copies stacked),
+    which does not depend on the stages, split, schedule, repeats or mesh; exact. Each leaf is
+    split over the whole mesh (:mod:`tpipe.core.relayout`), so no device gathers the model."""
+    return self.save_program(state)
 
   def from_checkpoint(self, logical_state):
-    """The inverse of :meth:`to_checkpoint`, for this experiment's layout; exact."""
-    return jax.jit(self._to_staged, out_shardings=self.state_shardings())(logical_state)
+    """The inverse of :meth:`to_checkpoint`, for this experiment's layout; exact. Takes the
+    logical state as :meth:`abstract_checkpoint` places it (what ``Checkpointer.restore``
+    returns for it) or as host arrays."""
+    return self.restore_program(logical_state)
 
   # --------------------------------------------------------------------------------------------
   # Evaluation.
