@@ -2,16 +2,20 @@
 
 Parameters are saved in ``nn.scan``'s layout (every layer stacked on axis 0), so a run
 checkpointed with 4 stages x 2 replicas continues with 2 stages x 4 replicas and gives the losses
-the uninterrupted run gave (as close to float64 as the run on one device is).
+the uninterrupted run gave (as close to float64 as the run on one device is); one layer reads
+straight from the files (``checkpointing.read_layer``).
 """
 
 import shutil
 
+import jax
+import numpy as np
 import pytest
 
 from tests.helpers import numerics
 from tests.helpers import train_runs
 from tests.helpers.train_runs import NUM_STEPS
+from tpipe.train import checkpointing
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,20 @@ def test_a_3d_mesh_trains_as_one_device_and_resumes_on_another_layout(single_dev
   numerics.assert_as_close_as_plain(train_runs.logged_losses(workdir, steps), single, exact,
                                     what="the 3D run's losses")
   checkpoints = train_runs.checkpoint_steps(workdir)
+  # One layer read straight from the files equals that layer of the restored state.
+  logical, _ = train_runs.restore(workdir, checkpoints[0])
+  for layer, copy in (("layers_1", 2), ("layers_0", None)):
+    read = checkpointing.read_layer(workdir / "checkpoints", checkpoints[0], layer, copy=copy)
+    want = logical.params[layer]
+    want = want if copy is None else jax.tree.map(lambda a: a[copy], want)
+    assert jax.tree.structure(read) == jax.tree.structure(want)
+    for got, expected in zip(jax.tree.leaves(read), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(got, expected)
+  moments = checkpointing.read_layer(workdir / "checkpoints", checkpoints[0], "layers_2",
+                                     collection=("opt_state", "1", "nu"))
+  for got, expected in zip(jax.tree.leaves(moments),
+                           jax.tree.leaves(logical.opt_state[1].nu["layers_2"])):
+    np.testing.assert_array_equal(got, expected)
   for step in checkpoints[1:]:
     shutil.rmtree(workdir / "checkpoints" / str(step))
   resume_from = checkpoints[0]

@@ -12,11 +12,19 @@ Saves are asynchronous; Orbax writes to a temporary directory and renames it whe
 crash during a save leaves the previous checkpoint usable. ``reached_preemption`` reports a
 preemption notice (TPU maintenance events through ``jax.distributed``, or SIGTERM here).
 
+The trainer saves the state in its **logical** form (``Experiment.to_checkpoint``): parameters
+and optimizer moments as ``{"layers_i": tree}``, a repeated layer's copies stacked ``[L, ...]``,
+each leaf split over the whole mesh, so a checkpoint restores into any layout and
+:func:`read_layer` reads one layer's weights without the model or its mesh.
+
 Example::
 
   ckpt = Checkpointer("/tmp/lm/checkpoints", max_to_keep=3)
   ckpt.save(100, state, iterator.get_state())
   state, data_state = ckpt.restore(ckpt.latest_step(), exp.abstract_state())
+
+  # One layer, on any machine: copy 5 of the repeated block (layers_1), as NumPy arrays.
+  weights = read_layer("/tmp/lm/checkpoints", 100, "layers_1", copy=5)
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ from typing import Any
 
 from etils import epath
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 
 
 def resolve_directory(directory: str | os.PathLike) -> str:
@@ -139,3 +149,57 @@ class Checkpointer:
     if self._previous_sigterm_handler is not None:
       signal.signal(signal.SIGTERM, self._previous_sigterm_handler)
       self._previous_sigterm_handler = None
+
+
+def read_layer(directory: str | os.PathLike, step: int, layer: str, *, copy: int | None = None,
+               collection: tuple[str, ...] = ("params",)) -> dict[str, Any]:
+  """One layer's arrays from a checkpoint the trainer wrote, without building the model.
+
+  Reads through TensorStore only the chunks that hold the layer (for a copy of a repeated
+  layer, the chunks holding that copy), on the host; no devices, mesh or config needed.
+
+  Args:
+    directory: the checkpoint directory (``workdir/checkpoints``).
+    step: the checkpoint's step.
+    layer: the layer's logical name, ``"layers_i"``.
+    copy: for a repeated layer, which copy (its index on the stacked axis); None for the whole
+      stack, or for a layer that is not repeated.
+    collection: where in the state: ``("params",)``, or e.g. ``("opt_state", "1", "mu")`` for
+      AdamW's first moments (the path of keys in the saved ``TrainState``).
+
+  Returns:
+    The layer's tree of NumPy arrays (``{"mlp_in": {"kernel": ...}, ...}``).
+
+  Raises:
+    ValueError: no such step, layer or collection, or ``copy`` out of range.
+  """
+  root = epath.Path(resolve_directory(directory)) / str(step) / "state"
+  if not root.exists():
+    raise ValueError(f"No checkpoint of step {step} in {directory} (no {root}).")
+  tree = ocp.StandardCheckpointer().metadata(root).item_metadata.tree
+  node, where = tree, "the state"
+  for key in tuple(collection) + (layer,):
+    if isinstance(node, (list, tuple)) and str(key).isdigit() and int(key) < len(node):
+      node = node[int(key)]
+    elif isinstance(node, dict) and key in node:
+      node = node[key]
+    else:
+      have = (sorted(node) if isinstance(node, dict) else f"{len(node)} entries"
+              if isinstance(node, (list, tuple)) else type(node).__name__)
+      raise ValueError(f"The checkpoint has no {key!r} in {where}; it has {have}.")
+    where = f"{where}/{key}"
+  context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 64 << 20}})
+
+  def read(meta):
+    info = ocp.type_handlers.ParamInfo(name=meta.name, path=root / meta.name, parent_dir=root,
+                                       is_ocdbt_checkpoint=True, ts_context=context)
+    array = ts.open(ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True),
+                    context=context).result()
+    if copy is None:
+      return np.asarray(array.read().result())
+    if not array.shape or not 0 <= copy < array.shape[0]:
+      raise ValueError(f"copy={copy} is out of range for {meta.name} of shape "
+                       f"{tuple(array.shape)} (a repeated layer's copies are its first axis).")
+    return np.asarray(array[copy].read().result())
+
+  return jax.tree.map(read, node, is_leaf=lambda x: hasattr(x, "name") and hasattr(x, "shape"))
