@@ -215,6 +215,10 @@ def test_the_homogeneous_stack_equals_the_blocks_in_sequence(mesh_name):
   plain = jax.jit(objective(in_order(2 * microbatches)))(params, x)
   reference = numerics.float64_reference(jax.jit(objective(in_order(1))), params, x)
   numerics.assert_as_close_as_plain(got, plain, reference, what="outputs' objective and grads")
+  # The output is split over the stages as well as the rows: no stage holds the whole batch.
+  out = jax.jit(lambda p, x: stack.apply({"params": p}, x))(params, x)
+  rows = sizes.get("data", 1) * sizes.get("fsdp", 1)
+  assert {s.data.shape[0] for s in out.addressable_shards} == {16 // (rows * stages)}
 
 
 @pytest.mark.parametrize("mesh_name", ["stage2-fsdp2-tensor2", "stage2-tensor2-data2"])
@@ -231,8 +235,13 @@ def test_each_axis_communicates_where_it_should(mesh_name):
   by_axis = collections.defaultdict(list)
   for c in found:
     by_axis[c.axes].append(c)
-  assert set(by_axis) <= {("stage",), ("data",), ("fsdp",), ("tensor",)}, set(by_axis)
+  single = {("stage",), ("data",), ("fsdp",), ("tensor",)}
   in_loop = lambda cs: {c.kind for c in cs if c.in_loop}
+  # The batch enters and leaves split over the stages as over the rows: what runs after the
+  # pipeline (the loss's sum) reduces over rows and stages at once, once per step.
+  for axes in set(by_axis) - single:
+    assert "stage" in axes and "tensor" not in axes, axes
+    assert not in_loop(by_axis[axes]) and all(c.count == 1 for c in by_axis[axes]), axes
   assert in_loop(by_axis[("stage",)]) == {"collective-permute"}, by_axis[("stage",)]
   outside = [c for c in by_axis[("data",)] + by_axis[("fsdp",)] if not c.in_loop]
   assert all(c.kind == "all-reduce" and c.count == 1 for c in outside), outside

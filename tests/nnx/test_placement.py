@@ -120,8 +120,17 @@ def test_the_placed_train_step_all_reduces_only_the_replicated_layers_over_stage
 
   model, optimizer, after = _stage_collectives(placed=True)
   kinds = {c.kind for c in after}
-  assert kinds == {"collective-permute", "all-reduce"}, after  # No all-gather or all-to-all.
+  # No all-to-all, and no gather of parameters: besides the sends and the sums, the batch enters
+  # and leaves split over the stages (an all-gather of a replica's inputs, a reduce-scatter of
+  # its per-example losses), once per step.
+  assert {"collective-permute", "all-reduce"} <= kinds <= {
+      "collective-permute", "all-reduce", "all-gather", "reduce-scatter"}, after
   assert all(c.in_loop for c in after if c.kind == "collective-permute"), after
+  _, _, (x, inputs) = _model()
+  batch_io = max(_bytes((x, inputs)), 4 * nnx_models.BATCH)
+  for c in after:
+    if c.kind in ("all-gather", "reduce-scatter"):
+      assert not c.in_loop and c.count == 1 and c.bytes <= batch_io, (c, batch_io)
   reduced = sum(c.total_bytes for c in after if c.kind == "all-reduce")
   # The embedding's and head's gradients, and the per-example losses (4 bytes each).
   assert replicated <= reduced <= replicated + 4 * nnx_models.BATCH, after

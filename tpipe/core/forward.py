@@ -16,6 +16,12 @@ on it. Parameters and broadcast arrays are cast to vary over ``data`` once, at e
 transpose of that cast is the one all-reduce of the step (a ``psum`` over ``data`` of each
 replica's share of the gradient), outside the tick loop. In the same way everything is cast to
 vary over ``stage`` at entry, so no gradient is summed over stages inside the loop.
+
+The batch enters and leaves split over ``stage`` as well as over the row axes, where each row
+shard's batch divides among the stages (:meth:`tpipe.core.spmd.Axes.io_spec`): one all-gather
+over ``stage`` at entry gives every stage its row shard's whole batch, and one reduce-scatter at
+exit leaves each stage its part of the last stage's outputs, so no stage holds the whole batch
+outside the loop and whatever runs after the pipeline runs once, not once per stage.
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
   """
   num_microbatches, num_repeats = schedule.num_microbatches, schedule.num_repeats
   with_stats = chunkset.stats_layout is not None
+  global_batch = jax.tree.leaves(x)[0].shape[0]
+  over_stages = axes.splits_over_stages(global_batch)
   ring_pairs = spmd.neighbour_pairs(schedule.num_stages, 1, wrap=num_repeats > 1)
   rows_table = _tick_rows(schedule, chunkset)
   policy = chunks_lib.tick_policy(chunkset.spec)
@@ -92,7 +100,10 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
     # over it, and its gathers' transposes sum over fsdp) and over stages (inputs, side inputs).
     if axes.rows:
       staged = jax.tree.map(lambda a: spmd.cast_to(a, frozenset(axes.rows)), staged)
-    x, per_example = lax.pcast((x, per_example), (axes.stage,), to="varying")
+    if over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
+      x, per_example = axes.gather_stages((x, per_example))
+    else:
+      x, per_example = lax.pcast((x, per_example), (axes.stage,), to="varying")
     broadcast = lax.pcast(broadcast, axes.manual, to="varying")
     stage, data_index = axes.stage_index(), axes.data_index()
     local_batch = jax.tree.leaves(x)[0].shape[0]
@@ -143,15 +154,18 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
       return carry, None
 
     carry, _ = lax.scan(tick, carry, rows_table)
-    # Only the last stage wrote outputs (the others hold zeros): the sum hands them to every stage.
-    outputs = spmd.join_microbatches(lax.psum(carry["outputs"], axes.stage))
+    # Only the last stage wrote outputs (the others hold zeros): the sum hands each stage its
+    # part of them (or, where the batch does not split over the stages, all of them).
+    outputs = spmd.join_microbatches(carry["outputs"])
+    outputs = axes.scatter_stages(outputs) if over_stages else lax.psum(outputs, axes.stage)
     if not with_stats:
       return outputs
     sums = lax.psum(carry["sums"], axes.rows) if axes.rows else carry["sums"]
     return outputs, jax.tree.map(lambda a: a[:, None], sums)
 
-  in_specs = (chunkset.staged_specs(staged), axes.batch_spec, axes.batch_spec,
-              jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec())
-  out_specs = axes.batch_spec if not with_stats else (axes.batch_spec, axes.staged_spec)
+  io = axes.io_spec(global_batch)
+  in_specs = (chunkset.staged_specs(staged), io, io, jax.sharding.PartitionSpec(),
+              jax.sharding.PartitionSpec())
+  out_specs = io if not with_stats else (io, axes.staged_spec)
   mapped = axes.shard_map(per_device, in_specs, out_specs)
   return mapped(staged, x, tuple(per_example), tuple(broadcast), rngs)

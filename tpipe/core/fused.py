@@ -155,6 +155,8 @@ class _Device:
     self.run, axes, schedule = run, run.axes, run.schedule
     self.num_virtual = schedule.num_stages * schedule.num_chunks
     staged = jax.tree.map(lambda p: p[:, 0], staged)  # [C, ...]
+    if run.over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
+      x, per_example = axes.gather_stages((x, per_example))
     # Everything varies over every manual axis from here on, so no vjp below needs a reduction
     # over a mesh axis (that would put a collective inside a branch); the sums are explicit,
     # after the loop.
@@ -208,6 +210,7 @@ class _Run:
                axes: spmd.Axes):
     self.chunkset, self.schedule, self.axes = chunkset, schedule, axes
     self.split = is_split(schedule)
+    self.over_stages = False  # Whether the batch's rows split over stages: set per call.
     self.rows_table = _tick_rows(schedule, chunkset)
     wrap = schedule.num_chunks > 1
     self.right = spmd.neighbour_pairs(schedule.num_stages, 1, wrap)
@@ -403,7 +406,9 @@ class _Run:
     """Once per step, outside the loop: sums over stages and replicas."""
     axes = self.axes
     if collect:
-      return spmd.join_microbatches(lax.psum(state["outputs"], axes.stage))
+      outputs = spmd.join_microbatches(state["outputs"])
+      return (axes.scatter_stages(outputs) if self.over_stages
+              else lax.psum(outputs, axes.stage))
     loss = lax.psum(state["loss"], axes.manual) / (device.local_batch * axes.replicas)
     g_params = state["params"]
     g_broadcast = lax.psum(state["broadcast"], axes.manual)
@@ -416,17 +421,23 @@ class _Run:
 
     g_params = [over_rows(g, is_split) for g, is_split in
                 zip(g_params, self.chunkset.split_over_fsdp(device.staged))]
-    g_x, g_pex = lax.psum((state["x"], state["per_example"]), axes.stage)
     g_params = [a[:, None] for a in g_params]
     joined = lambda leaves: [a.reshape((device.local_batch,) + a.shape[2:]) for a in leaves]
-    return loss, g_params + joined(g_x) + g_broadcast + joined(g_pex)
+    g_x, g_pex = joined(state["x"]), joined(state["per_example"])
+    if self.over_stages:  # Each stage's part of the inputs' gradients, as its inputs came.
+      g_x, g_pex = axes.scatter_stages((g_x, g_pex))
+    else:
+      g_x, g_pex = lax.psum((g_x, g_pex), axes.stage)
+    return loss, g_params + g_x + g_broadcast + g_pex
 
   def __call__(self, staged, x, broadcast, per_example, rngs):
     axes = self.axes
-    in_specs = (self.chunkset.staged_specs(staged), axes.batch_spec, P(), axes.batch_spec, P())
+    self.over_stages = axes.splits_over_stages(jax.tree.leaves(x)[0].shape[0])
+    io = axes.io_spec(jax.tree.leaves(x)[0].shape[0])
+    in_specs = (self.chunkset.staged_specs(staged), io, P(), io, P())
     operands = (staged, x, tuple(broadcast), tuple(per_example), rngs)
     if self.schedule.forward_only:
-      out_specs = axes.batch_spec
+      out_specs = io
     else:
       # One gradient per float leaf, in the order of the leaves of (staged, x, broadcast,
       # per_example), each split as its input is.

@@ -114,6 +114,29 @@ class Axes:
     rows = self.rows
     return P(rows if len(rows) > 1 else rows[0]) if rows else P()
 
+  def splits_over_stages(self, global_batch: int) -> bool:
+    """Whether a pipeline's inputs and outputs of ``global_batch`` rows are split over the
+    stages too: each row shard's batch divides evenly among them."""
+    stages = self.num_stages
+    return stages > 1 and global_batch % (self.replicas * stages) == 0
+
+  def io_spec(self, global_batch: int) -> P:
+    """A pipeline input's or output's spec: rows over the row axes and, where
+    :meth:`splits_over_stages`, over ``stage`` as well, so no stage holds the whole batch."""
+    rows = self.rows + ((self.stage,) if self.splits_over_stages(global_batch) else ())
+    return P(rows if len(rows) > 1 else rows[0]) if rows else P()
+
+  def gather_stages(self, tree):
+    """Inside the tick loops: a row shard's whole batch from its stages' parts (an all-gather
+    over ``stage`` once per step, outside the loop; its transpose is :meth:`scatter_stages`)."""
+    return jax.tree.map(lambda a: lax.all_gather(a, self.stage, axis=0, tiled=True), tree)
+
+  def scatter_stages(self, tree):
+    """A row shard's batch summed over the stages and split among them (one reduce-scatter
+    over ``stage``): each stage keeps its part of what the others contributed."""
+    return jax.tree.map(
+        lambda a: lax.psum_scatter(a, self.stage, scatter_dimension=0, tiled=True), tree)
+
   def manual_spec(self, spec: P) -> P:
     """``spec`` with only the manual axes (what ``shard_map``'s in- and out-specs may name);
     the operand keeps its split over auto axes as its sharding says."""
