@@ -293,7 +293,10 @@ def test_every_collective_of_a_step_is_labelled_with_its_mesh_axes(schedule, rep
   # Every group has 2+ devices here (no data axis of size 1), so every collective spans an axis.
   unlabelled = [(c.kind, c.name) for c in found if not c.axes]
   assert not unlabelled, unlabelled
-  assert {c.axes for c in found} <= {("stage",), ("data",)}
+  # Over both axes at once, only what runs once per step after the pipeline (the loss's sums of
+  # its outputs, which leave split over the stages as over the data replicas).
+  assert {c.axes for c in found} <= {("stage",), ("data",), ("data", "stage")}
+  assert all(not c.in_loop and c.count == 1 for c in found if c.axes == ("data", "stage"))
   if schedule == "circular":
     # The re-layout between the stage-split state and the circular chunk order: all-to-alls
     # within each data replica, which XLA prints with mesh-form replica groups.
