@@ -318,7 +318,7 @@ def test_packed_blocks_hold_whole_rows_of_each_leaf_on_an_fsdp_mesh():
   assert all(n % 2 == 0 for n in layout.packed_sizes.values())
   logical = _values(shapes)
   staged = layout.to_staged(logical)
-  buffer = np.asarray(staged["packed"]["float32"][0, 0])  # Chunk 0: embedding, a block copy.
+  buffer = np.asarray(staged["packed"]["float32"][0, 0])  # Chunk 0 packs the embedding.
   half = buffer.shape[0] // 2
   embedding = np.asarray(logical["layers_0"]["embedding"])
   blocks = [buffer[:half], buffer[half:]]

@@ -112,3 +112,52 @@ def test_specs_from_another_layout_are_refused():
                        is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
   with pytest.raises(ValueError, match="laid out in 2 fsdp blocks"):
     relayout.to_checkpoint(exp.layout, exp.abstract_state().params, whole, exp.mesh)
+
+
+def _abstract(layers):
+  """``{"layers_i": tree of ShapeDtypeStruct}`` from ``(shape, dtype)`` leaves."""
+  is_pair = lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], tuple)
+  return {f"layers_{i}": jax.tree.map(lambda s: jax.ShapeDtypeStruct(*s), tree, is_leaf=is_pair)
+          for i, tree in enumerate(layers)}
+
+
+F32 = np.float32
+# A plain layer with a scalar and an odd-sized vector; a Repeat that chunk 0 lacks (all its copies
+# packed); a head.
+ODD_LAYERS = [{"embedding": ((6, 4), F32), "gate": ((), F32), "odd": ((3,), F32)},
+              {"kernel": ((5, 4, 4), F32), "bias": ((5, 4), F32)},
+              {"kernel": ((4, 2), F32)}]
+
+
+@pytest.mark.parametrize("mesh_sizes", [dict(stages=2, fsdp=2, tensor=2),
+                                        dict(stages=2, data=2, tensor=2),
+                                        dict(stages=4, fsdp=2)])
+def test_scalars_odd_leaves_and_a_repeat_some_chunk_lacks_convert_exactly(mesh_sizes):
+  import tpipe  # pylint: disable=import-outside-toplevel
+  from tpipe.core import layout as layout_lib  # pylint: disable=import-outside-toplevel
+  from tpipe.core import plan as plan_lib  # pylint: disable=import-outside-toplevel
+
+  mesh = tpipe.make_mesh(**mesh_sizes)
+  stages = mesh_sizes["stages"]
+  counts = (1, 6) if stages == 2 else (1, 2, 2, 2)  # Chunk 0: the embedding alone.
+  groups = plan_lib.group_units([None, 5, None], counts)
+  shapes = _abstract(ODD_LAYERS)
+  layout = layout_lib.StageLayout.build(groups, shapes, stages, 1, mesh=mesh)
+  leaves, treedef = jax.tree.flatten(shapes)
+  start, values = 1, []
+  for leaf in leaves:  # Every element distinct.
+    values.append(np.arange(start, start + leaf.size, dtype=F32).reshape(leaf.shape))
+    start += leaf.size
+  logical = jax.tree.unflatten(treedef, values)
+  specs = layout.partition_specs(mesh=mesh)
+  staged = jax.device_put(layout.to_staged(logical), jax.tree.map(
+      lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+      is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)))
+  got = jax.jit(lambda s: relayout.to_checkpoint(layout, s, specs, mesh))(staged)
+  assert jax.tree.structure(got) == jax.tree.structure(logical)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(logical)):
+    assert a.shape == b.shape, (jax.tree_util.keystr(path), a.shape, b.shape)
+    np.testing.assert_array_equal(np.asarray(a), b, err_msg=jax.tree_util.keystr(path))
+  back = jax.jit(lambda t: relayout.from_checkpoint(layout, t, specs, mesh))(got)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(staged)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

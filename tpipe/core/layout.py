@@ -263,9 +263,11 @@ class StageLayout:
 
     stacked = {layer: jax.tree_util.tree_map_with_path(stacked_spec(layer), tree)
                for layer, tree in local[STACKED].items()}
-    fsdp = dict(mesh.shape).get(mesh_lib.FSDP_AXIS, 1)
-    packed = {k: P(None, stage_axis, mesh_lib.FSDP_AXIS) if fsdp > 1 and leaf.shape[0] % fsdp == 0
-              else P(None, stage_axis) for k, leaf in local[PACKED].items()}
+    # In blocks over fsdp when the layout was built for this mesh's fsdp axis; else whole.
+    split = self.packed_shards > 1 and self.packed_shards == dict(mesh.shape).get(
+        mesh_lib.FSDP_AXIS, 1)
+    packed = {k: P(None, stage_axis, mesh_lib.FSDP_AXIS) if split else P(None, stage_axis)
+              for k in local[PACKED]}
     return {STACKED: stacked, PACKED: packed}
 
   def check_staged(self, staged, what: str = "staged variables") -> None:

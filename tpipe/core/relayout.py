@@ -15,13 +15,16 @@ logical leaf is also **split over the whole mesh**, so converting never gathers 
 A leaf with no dimension that ``stage`` divides evenly stays whole over ``stage`` (small ones in
 practice: a bias of odd width). :func:`checkpoint_specs` gives the specs.
 
-The conversions run in one ``jax.shard_map``, manual over every axis. Each device turns the staged
-block it holds into its share of each leaf's stage-free block (slices: the pieces are rows or
-columns of the weights) and trades the ``stage`` parts with an ``all_to_all`` over ``stage`` (one
-per stacked leaf, one per packed leaf per chunk); leaves whose pieces do not line up with the
+The conversions run in one ``jax.shard_map``, manual over every axis. Saving, each device turns the
+staged block it holds into its share of each leaf's stage-free block (slices: the pieces are rows
+or columns of the weights) and trades the ``stage`` parts with an ``all_to_all`` over ``stage``
+(one per stacked leaf, one per packed leaf per chunk). Restoring, a stacked leaf's parts come back
+by the inverse ``all_to_all``; a packed leaf's stage-free block is all-gathered over ``stage`` (its
+owner keeps it; every stage holds it for that moment). Leaves whose pieces do not line up with the
 target (a flat cut, a spec the rules put elsewhere) are gathered whole over their stage's
-``fsdp`` and ``tensor`` devices first, one leaf at a time. Nothing is summed, so both directions
-are exact.
+``fsdp`` and ``tensor`` devices, and a leaf with no dimension ``stage`` divides over ``stage``,
+one leaf at a time. Nothing is summed, so both directions are exact. A collection laid out in one
+block (BatchNorm's statistics) keeps its packed leaves whole over ``fsdp``.
 
 Example::
 
@@ -253,6 +256,8 @@ def _lines_up(entries, dim: int, shards: int) -> bool:
 
 def _piece_to_block(piece, dim: int, whole_shape, entries, shards: int, sizes):
   """A packed piece to the device's stage-free block of the leaf."""
+  if shards == 1:  # The piece is the whole leaf (a scalar's is flat: give it its shape back).
+    piece = piece.reshape(whole_shape)
   if _lines_up(entries, dim, shards):
     for d, axes in enumerate(entries):
       rest = axes[1:] if (shards > 1 and d == dim) else axes
@@ -343,7 +348,7 @@ def _after(value, state):
 def _prepare(layout, value, staged_specs, mesh, stage_axis):
   """``(many, trees, placement, checkpoint specs)`` for one conversion of ``value`` (a tree or
   a list of them)."""
-  _check_blocks(layout, staged_specs)
+  _check_blocks(layout, staged_specs, mesh)
   many = isinstance(value, list)
   return (many, value if many else [value], _placement(layout, staged_specs, mesh),
           checkpoint_specs(layout, staged_specs, mesh, stage_axis))
@@ -474,8 +479,14 @@ def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_
   return outs if many else outs[0]
 
 
-def _check_blocks(layout, staged_specs) -> None:
+def _check_blocks(layout, staged_specs, mesh) -> None:
   """A device must hold exactly one block of each packed buffer."""
+  fsdp = dict(mesh.shape).get(mesh_lib.FSDP_AXIS, 1)
+  if layout.packed_shards > 1 and layout.packed_shards != fsdp:
+    raise ValueError(
+        f"the layout's packed buffers are in {layout.packed_shards} blocks for an fsdp axis of "
+        f"that size, but this mesh's fsdp axis has {fsdp} devices; convert on the mesh the "
+        "layout was built for.")
   for dtype, spec in staged_specs[PACKED].items():
     entries = tuple(spec)
     split = len(entries) == 3 and mesh_lib.FSDP_AXIS in _axes(entries[2])

@@ -108,12 +108,6 @@ class Axes:
     return tuple(name for name, size in dict(self.mesh.shape).items()
                  if size > 1 and name not in self.manual)
 
-  @property
-  def batch_spec(self) -> P:
-    """A batch's partition spec: its leading axis split over the row axes."""
-    rows = self.rows
-    return P(rows if len(rows) > 1 else rows[0]) if rows else P()
-
   def splits_over_stages(self, global_batch: int) -> bool:
     """Whether a pipeline's inputs and outputs of ``global_batch`` rows are split over the
     stages too: each row shard's batch divides evenly among them."""

@@ -163,7 +163,8 @@ def read_layer(directory: str | os.PathLike, step: int, layer: str, *, copy: int
     step: the checkpoint's step.
     layer: the layer's logical name, ``"layers_i"``.
     copy: for a repeated layer, which copy (its index on the stacked axis); None for the whole
-      stack, or for a layer that is not repeated.
+      stack, and always None for a layer that is not repeated (an index there would pick a row
+      of each of its arrays).
     collection: where in the state: ``("params",)``, or e.g. ``("opt_state", "1", "mu")`` for
       AdamW's first moments (the path of keys in the saved ``TrainState``).
 

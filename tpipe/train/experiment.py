@@ -353,8 +353,13 @@ class Experiment:
         specs, self.mesh)
     model_state = None
     if stats is not None:
-      everything = {**jax.tree.map(lambda _: None, stats[0].logical), **state.model_state}
-      everything = {k: ({} if v is None else v) for k, v in everything.items()}
+      # Flax leaves out the layers without statistics; the conversion takes every layer.
+      missing = [k for k, v in stats[0].logical.items()
+                 if jax.tree.leaves(v) and k not in state.model_state]
+      if missing:
+        raise ValueError(f"the checkpoint's model_state has no statistics for {missing}, which "
+                         "this model's BatchNorm layers need; was it written by another model?")
+      everything = {k: state.model_state.get(k, {}) for k in stats[0].logical}
       model_state = relayout.from_checkpoint(stats[0], everything, stats[1], self.mesh)
     return _map_param_trees_together(convert, state.replace(model_state=None),
                                      logical_def).replace(model_state=model_state)
