@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpipe.core import layout as layout_lib
 from tpipe.core import plan as plan_lib
+from tests.helpers.shapes import abstract_shapes
 
 StageLayout = layout_lib.StageLayout
 F32, I32 = jnp.float32, jnp.int32
@@ -29,14 +30,6 @@ def _block(n):
 
 def _head():
   return {"kernel": ((4, 2), F32), "bias": ((2,), F32)}
-
-
-def _abstract(layers):
-  """``{"layers_i": tree of ShapeDtypeStruct}`` from ``(shape, dtype)`` leaves."""
-  return {f"layers_{i}": jax.tree.map(lambda s: jax.ShapeDtypeStruct(*s), tree,
-                                      is_leaf=lambda s: isinstance(s, tuple) and len(s) == 2
-                                      and isinstance(s[0], tuple))
-          for i, tree in enumerate(layers)}
 
 
 def _values(shapes):
@@ -80,7 +73,7 @@ def _case(name, stacked=None, fsdp=1):
   layers, repeated, counts, num_stages, num_repeats, placement = CASES[name]
   copies = [repeated.get(i) for i in range(len(layers))]
   groups = plan_lib.group_units(copies, counts)
-  shapes = _abstract(layers)
+  shapes = abstract_shapes(layers)
   layout = StageLayout.build(groups, shapes, num_stages, num_repeats, placement=placement,
                              stacked=stacked, mesh=_fsdp_mesh(fsdp, num_stages))
   return layout, shapes
@@ -190,7 +183,7 @@ def test_chunk_bytes_slot_bytes_and_elements():
 @pytest.mark.unit
 def test_build_errors():
   groups = plan_lib.group_units([None, None, None], (1, 1, 1))
-  shapes = _abstract([_head(), _head(), _head()])
+  shapes = abstract_shapes([_head(), _head(), _head()])
   with pytest.raises(ValueError, match=r"3 chunks for 2 stages x 1 repeats"):
     StageLayout.build(groups, shapes, 2, 1)
   with pytest.raises(ValueError, match=r"Unknown placement 'w'"):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tpipe.core import relayout
+from tests.helpers.shapes import abstract_shapes
 from tpipe.train import experiment
 from configs import lm
 
@@ -114,13 +115,6 @@ def test_specs_from_another_layout_are_refused():
     relayout.to_checkpoint(exp.layout, exp.abstract_state().params, whole, exp.mesh)
 
 
-def _abstract(layers):
-  """``{"layers_i": tree of ShapeDtypeStruct}`` from ``(shape, dtype)`` leaves."""
-  is_pair = lambda s: isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], tuple)
-  return {f"layers_{i}": jax.tree.map(lambda s: jax.ShapeDtypeStruct(*s), tree, is_leaf=is_pair)
-          for i, tree in enumerate(layers)}
-
-
 F32 = np.float32
 # A plain layer with a scalar and an odd-sized vector; a Repeat that chunk 0 lacks (all its copies
 # packed); a head.
@@ -141,7 +135,7 @@ def test_scalars_odd_leaves_and_a_repeat_some_chunk_lacks_convert_exactly(mesh_s
   stages = mesh_sizes["stages"]
   counts = (1, 6) if stages == 2 else (1, 2, 2, 2)  # Chunk 0: the embedding alone.
   groups = plan_lib.group_units([None, 5, None], counts)
-  shapes = _abstract(ODD_LAYERS)
+  shapes = abstract_shapes(ODD_LAYERS)
   layout = layout_lib.StageLayout.build(groups, shapes, stages, 1, mesh=mesh)
   leaves, treedef = jax.tree.flatten(shapes)
   start, values = 1, []

@@ -144,15 +144,11 @@ def _leaf(tree, path):
 def _packed_dims_of(layout, layer: int) -> dict[str, int]:
   """A packed-only layer's cut dimension per leaf (of the logical leaf: a repeated layer's copy
   axis counted), read from the first chunk that packs it."""
-  for c, chunk in enumerate(layout.segments):
-    trees = [seg for seg in chunk if not seg.stacked]
-    dims = iter(layout.packed_dims[c])
-    for seg in trees:
-      shapes = layout_lib.segment_shapes(layout.logical, seg)
-      paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
-      found = {_leaf_path(p): next(dims) for p in paths}
-      if seg.layer == layer:
-        return found
+  for c in range(layout.num_chunks):
+    found = {_leaf_path(path): dim for seg, path, _, dim, *_ in _packed_leaves(layout, c)
+             if seg.layer == layer}
+    if found:
+      return found
   return {}
 
 
@@ -173,9 +169,7 @@ def _placement(layout, staged_specs, mesh):
   free = _stage_free(layout, staged_specs, mesh)
   out = {}
   for name, tree in layout.logical.items():
-    index = int(name.split("_")[1])
-    repeated = index in layout.stacked or any(
-        g.repeated and g.layer == index for chunk in layout.groups for g in chunk)
+    repeated = _is_repeated(layout, name)
     leaves = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
       entries = free[name][_leaf_path(path)]
@@ -327,6 +321,17 @@ def _packed_leaves(layout, chunk: int):
   return out
 
 
+def _packed_work(layout, placement):
+  """Every packed leaf of every chunk, as both directions walk them: ``(r, owner stage, layer
+  name, segment, key path, whole shape, cut dim, piece shape, dtype key, offset, (stage-free
+  entries, stage dim))``."""
+  for c in range(layout.num_chunks):
+    r, owner = layout.position(c)
+    for seg, path, *rest in _packed_leaves(layout, c):
+      name = f"layers_{seg.layer}"
+      yield (r, owner, name, seg, path, *rest, placement[name][_leaf_path(path)])
+
+
 # ----------------------------------------------------------------------------------------------
 # The two directions.
 
@@ -403,19 +408,16 @@ def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib
           got = _to_stages(owned, None if dim is None else dim + 1, stage_axis, num_stages)
           for (r, s), first in starts.items():  # got: [S_source, R, k, ...]
             write(t, name, path, first, got[s, r])
-    for c in range(layout.num_chunks):
-      r, owner = layout.position(c)
-      for seg, path, whole, dim, piece_shape, dtype, offset in _packed_leaves(layout, c):
-        name = f"layers_{seg.layer}"
-        entries, stage_dim = placement[name][_leaf_path(path)]
-        for t, tree in enumerate(trees):
-          piece = lax.slice_in_dim(tree[PACKED][dtype][r, 0], offset,
-                                   offset + math.prod(piece_shape))
-          piece, outs = _after(piece, outs)
-          piece = piece.reshape(piece_shape)  # Junk unless this device's stage is the owner.
-          block = _piece_to_block(piece, dim, whole, entries, shards, sizes)
-          write(t, name, path, seg.first_copy,
-                _to_stages(block, stage_dim, stage_axis, num_stages)[owner])
+    for (r, owner, name, seg, path, whole, dim, piece_shape, dtype, offset,
+         (entries, stage_dim)) in _packed_work(layout, placement):
+      for t, tree in enumerate(trees):
+        piece = lax.slice_in_dim(tree[PACKED][dtype][r, 0], offset,
+                                 offset + math.prod(piece_shape))
+        piece, outs = _after(piece, outs)
+        piece = piece.reshape(piece_shape)  # Junk unless this device's stage is the owner.
+        block = _piece_to_block(piece, dim, whole, entries, shards, sizes)
+        write(t, name, path, seg.first_copy,
+              _to_stages(block, stage_dim, stage_axis, num_stages)[owner])
     return outs
 
   outs = _mapped(body, mesh, ([staged_specs] * len(trees),),
@@ -455,22 +457,19 @@ def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_
     block_size = {k: n // shards for k, n in layout.packed_sizes.items()}
     buffers = [{k: jnp.zeros(lead + (n,), jnp.dtype(k)) for k, n in block_size.items()}
                for _ in trees]
-    for c in range(layout.num_chunks):
-      r, owner = layout.position(c)
-      for seg, path, whole, dim, piece_shape, dtype, offset in _packed_leaves(layout, c):
-        name = f"layers_{seg.layer}"
-        entries, stage_dim = placement[name][_leaf_path(path)]
-        for t, tree in enumerate(trees):
-          block, _ = _after(_leaf(tree[name], path), buffers)
-          if seg.copies is not None:
-            block = block[seg.first_copy:seg.first_copy + seg.copies]
-          block = _from_stages(block, stage_dim, stage_axis, num_stages, owner=owner)
-          piece = _block_to_piece(block, dim, whole, entries, shards, sizes).reshape(-1)
-          # Only the owner's stage changes its buffer (in place: a slice updated).
-          buffer, start = buffers[t][dtype], (r, 0, offset)
-          old = lax.dynamic_slice(buffer, start, (1, 1, piece.shape[0]))
-          buffers[t][dtype] = lax.dynamic_update_slice(
-              buffer, jnp.where(me == owner, piece[None, None], old), start)
+    for (r, owner, name, seg, path, whole, dim, piece_shape, dtype, offset,
+         (entries, stage_dim)) in _packed_work(layout, placement):
+      for t, tree in enumerate(trees):
+        block, _ = _after(_leaf(tree[name], path), buffers)
+        if seg.copies is not None:
+          block = block[seg.first_copy:seg.first_copy + seg.copies]
+        block = _from_stages(block, stage_dim, stage_axis, num_stages, owner=owner)
+        piece = _block_to_piece(block, dim, whole, entries, shards, sizes).reshape(-1)
+        # Only the owner's stage changes its buffer (in place: a slice updated).
+        buffer, start = buffers[t][dtype], (r, 0, offset)
+        old = lax.dynamic_slice(buffer, start, (1, 1, piece.shape[0]))
+        buffers[t][dtype] = lax.dynamic_update_slice(
+            buffer, jnp.where(me == owner, piece[None, None], old), start)
     stacked = jax.tree.map(lambda i: done[i], stacked)
     return [{STACKED: s, PACKED: b} for s, b in zip(stacked, buffers)]
 
