@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from tpipe.core import checkpoint_form
 from tpipe.core import relayout
 from tests.helpers.shapes import abstract_shapes
 from tpipe.train import experiment
@@ -29,7 +30,7 @@ LAYOUTS = {
 }
 
 
-def _experiment(name):
+def _experiment(name, **overrides):
   stages, data, fsdp, tensor, schedule, repeats, balance = LAYOUTS[name]
   config = lm.get_config("size=tiny")
   config.update(dict(num_stages=stages, num_data=data, schedule=schedule, num_repeats=repeats,
@@ -37,11 +38,12 @@ def _experiment(name):
   if balance:
     config.balance = balance
   config.mesh.update(dict(fsdp=fsdp, tensor=tensor))
+  config.update(overrides)
   return experiment.build(config)
 
 
 def _convert(exp):
-  specs = relayout.staged_specs_of(exp.abstract_state().params)
+  specs = checkpoint_form.staged_specs_of(exp.abstract_state().params)
   save = jax.jit(lambda s: relayout.to_checkpoint(exp.layout, s, specs, exp.mesh))
   load = jax.jit(lambda t: relayout.from_checkpoint(exp.layout, t, specs, exp.mesh))
   return specs, save, load
@@ -64,7 +66,7 @@ def test_checkpoint_form_equals_to_logical_and_inverts_exactly(name):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(staged))
     assert got.sharding.is_equivalent_to(staged.sharding, got.ndim)
   # Each leaf is split as checkpoint_specs says, and a device holds only its block of it.
-  ckpt_specs = relayout.checkpoint_specs(exp.layout, specs, exp.mesh)
+  ckpt_specs = checkpoint_form.checkpoint_specs(exp.layout, specs, exp.mesh)
   sizes = dict(exp.mesh.shape)
   is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
   for leaf, spec in zip(jax.tree.leaves(logical), jax.tree.leaves(ckpt_specs, is_leaf=is_spec)):
@@ -74,10 +76,36 @@ def test_checkpoint_form_equals_to_logical_and_inverts_exactly(name):
     assert leaf.addressable_shards[0].data.size * ways == leaf.size
 
 
+@pytest.mark.parametrize("name", ["stage2_fsdp2_tensor2_uneven", "stage2_fsdp2_data2_zbv",
+                                  "stage4_fsdp2"])
+@pytest.mark.parametrize("part_bytes", [64, 3000])
+def test_conversions_in_small_parts_are_exact(name, part_bytes):
+  # Parts far smaller than a leaf, in loops: stacked leaves move a copy at a time both ways,
+  # packed pieces come back a band of rows at a time (3000 bytes: bands that do not divide the
+  # rows, so the last band overlaps the one before it). Eight blocks: several copies of the
+  # Repeat per stage.
+  exp = _experiment(name, num_layers=8, **({"balance": "4,6"} if "uneven" in name else {}))
+  assert max(exp.layout.stacked.values()) > 1
+  params = exp.init_state(jax.random.key(0)).params
+  specs, save, _ = _convert(exp)
+  want = save(params)
+  save_parts = jax.jit(lambda s: relayout.to_checkpoint(exp.layout, s, specs, exp.mesh,
+                                                        part_bytes=part_bytes))
+  load_parts = jax.jit(lambda t: relayout.from_checkpoint(exp.layout, t, specs, exp.mesh,
+                                                          part_bytes=part_bytes))
+  assert "while" in save_parts.lower(params).as_text()
+  assert "while" in load_parts.lower(want).as_text()
+  logical = save_parts(params)
+  for got, expected in zip(jax.tree.leaves(logical), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+  for got, staged in zip(jax.tree.leaves(load_parts(logical)), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(staged))
+
+
 def test_every_block_weight_is_split_over_stages_fsdp_and_tensor():
   exp = _experiment("stage2_fsdp2_tensor2_circular")
   specs, _, _ = _convert(exp)
-  ckpt_specs = relayout.checkpoint_specs(exp.layout, specs, exp.mesh)
+  ckpt_specs = checkpoint_form.checkpoint_specs(exp.layout, specs, exp.mesh)
   is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
   for path, spec in jax.tree_util.tree_flatten_with_path(ckpt_specs["layers_1"],
                                                          is_leaf=is_spec)[0]:
@@ -108,7 +136,7 @@ def test_lined_up_pieces_move_by_all_to_all_alone():
 
 def test_specs_from_another_layout_are_refused():
   exp = _experiment("stage4_fsdp2")
-  specs = relayout.staged_specs_of(exp.abstract_state().params)
+  specs = checkpoint_form.staged_specs_of(exp.abstract_state().params)
   whole = jax.tree.map(lambda s: jax.sharding.PartitionSpec(None, "stage"), specs,
                        is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
   with pytest.raises(ValueError, match="laid out in 2 fsdp blocks"):
@@ -152,6 +180,8 @@ def test_scalars_odd_leaves_and_a_repeat_some_chunk_lacks_convert_exactly(mesh_s
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(logical)):
     assert a.shape == b.shape, (jax.tree_util.keystr(path), a.shape, b.shape)
     np.testing.assert_array_equal(np.asarray(a), b, err_msg=jax.tree_util.keystr(path))
-  back = jax.jit(lambda t: relayout.from_checkpoint(layout, t, specs, mesh))(got)
-  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(staged)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for part_bytes in (relayout.PART_BYTES, 8):  # Whole leaves; parts of a few rows.
+    back = jax.jit(lambda t, n=part_bytes: relayout.from_checkpoint(layout, t, specs, mesh,
+                                                                    part_bytes=n))(got)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(staged)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -2,33 +2,27 @@
 
 A checkpoint holds the **logical** variables, ``{"layers_i": tree}`` with a repeated layer's
 copies stacked on a leading axis (what :meth:`tpipe.core.layout.StageLayout.to_logical` returns),
-so it does not depend on the stages, the split, the schedule, the repeats or the mesh. Here each
-logical leaf is also **split over the whole mesh**, so converting never gathers a model:
-
-* a layer with per-leaf stacked copies (a ``Repeat``): each leaf as inside its stage (its own
-  ``fsdp``/``tensor`` partition spec, the copy axis whole), and over ``stage`` on one weight
-  dimension that stays even;
-* a layer held only in packed buffers (an embedding, a head): over ``fsdp`` along the dimension
-  its packed pieces are cut (:attr:`~tpipe.core.layout.StageLayout.packed_dims`), and over
-  ``stage`` on one even dimension.
-
-A leaf with no dimension that ``stage`` divides evenly stays whole over ``stage`` (small ones in
-practice: a bias of odd width). :func:`checkpoint_specs` gives the specs.
+so it does not depend on the stages, the split, the schedule, the repeats or the mesh. Each
+logical leaf is also split over the whole mesh (:mod:`tpipe.core.checkpoint_form` says where), so
+converting never gathers a model.
 
 The conversions run in one ``jax.shard_map``, manual over every axis. Saving, each device turns the
 staged block it holds into its share of each leaf's stage-free block (slices: the pieces are rows
-or columns of the weights) and trades the ``stage`` parts with an ``all_to_all`` over ``stage``
-(one per stacked leaf, one per packed leaf per chunk). Restoring, a stacked leaf's parts come back
-by the inverse ``all_to_all``; a packed leaf's stage-free block is all-gathered over ``stage`` (its
-owner keeps it; every stage holds it for that moment). Leaves whose pieces do not line up with the
-target (a flat cut, a spec the rules put elsewhere) are gathered whole over their stage's
-``fsdp`` and ``tensor`` devices, and a leaf with no dimension ``stage`` divides over ``stage``,
-one leaf at a time. Nothing is summed, so both directions are exact. A collection laid out in one
-block (BatchNorm's statistics) keeps its packed leaves whole over ``fsdp``.
+or columns of the weights) and trades the ``stage`` parts with an ``all_to_all`` over ``stage``.
+Restoring, a stacked leaf's parts come back by the inverse ``all_to_all``; a packed leaf's piece
+is all-gathered over ``stage`` (and the axes its block is split over) and written into the
+owner's packed buffer. Big leaves move in parts of about :data:`PART_BYTES` in a loop (a stacked
+leaf one copy slot at a time both ways; restoring, a packed piece a band of rows at a time), so a
+device holds one part in flight rather than a whole leaf, or a whole packed leaf on every stage.
+Leaves whose pieces do not line up with the target (a flat cut, a spec the rules put elsewhere)
+are gathered whole over their stage's ``fsdp`` and ``tensor`` devices, and a leaf with no
+dimension ``stage`` divides over ``stage``, one leaf at a time. Nothing is summed, so both
+directions are exact. A collection laid out in one block (BatchNorm's statistics) keeps its
+packed leaves whole over ``fsdp``.
 
 Example::
 
-  specs = relayout.checkpoint_specs(layout, staged_specs, mesh)
+  specs = checkpoint_form.checkpoint_specs(layout, staged_specs, mesh)
   logical = jax.jit(lambda s: relayout.to_checkpoint(layout, s, staged_specs, mesh))(staged)
   staged = jax.jit(lambda t: relayout.from_checkpoint(layout, t, staged_specs, mesh))(logical)
 """
@@ -36,176 +30,18 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from tpipe import axis_rules
 from tpipe import mesh as mesh_lib
+from tpipe.core import checkpoint_form as form
 from tpipe.core import layout as layout_lib
 
 STACKED, PACKED = layout_lib.STACKED, layout_lib.PACKED
-
-
-def _axes(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def _entries(spec, rank: int) -> list[tuple[str, ...]]:
-  entries = [_axes(e) for e in tuple(spec)]
-  return entries + [()] * (rank - len(entries))
-
-
-def _spec(entries) -> P:
-  out = [None if not a else a[0] if len(a) == 1 else tuple(a) for a in entries]
-  while out and out[-1] is None:
-    out.pop()
-  return P(*out)
-
-
-def _is_spec(x) -> bool:
-  return isinstance(x, P)
-
-
-def _leaf_path(path) -> str:
-  return jax.tree_util.keystr(path)
-
-
-# ----------------------------------------------------------------------------------------------
-# Where each logical leaf lives.
-
-
-def _stage_free(layout, staged_specs, mesh) -> dict[str, dict[str, list]]:
-  """Per layer, per leaf (keystr), the logical leaf's spec entries without ``stage``."""
-  shards = layout.packed_shards
-  out = {}
-  for name, tree in layout.logical.items():
-    index = int(name.split("_")[1])
-    leaves = {}
-    if index in layout.stacked:
-      specs = staged_specs[STACKED][name]
-      for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]:
-        rank = len(_leaf(tree, path).shape)
-        inner = _entries(spec, rank + 2)[3:]  # Staged [R, S, k, ...one copy].
-        leaves[_leaf_path(path)] = [()] + inner
-    else:
-      dims = _packed_dims_of(layout, index)
-      names = layout.axes.get(name, {})
-      copy_axis = int(_is_repeated(layout, name))
-      for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        entries = [()] * len(leaf.shape)
-        dim = dims.get(_leaf_path(path), layout_lib.FLAT)
-        if shards > 1 and dim != layout_lib.FLAT:
-          entries[dim] = (mesh_lib.FSDP_AXIS,)
-        tensor = _tensor_dim(leaf.shape[copy_axis:], names.get(_leaf_path(path)), mesh,
-                             avoid=None if dim == layout_lib.FLAT else dim - copy_axis)
-        if tensor is not None:
-          entries[tensor + copy_axis] = (mesh_lib.TENSOR_AXIS,)
-        leaves[_leaf_path(path)] = entries
-    out[name] = leaves
-  return out
-
-
-def _set_leaf(tree, path, value) -> None:
-  for key in path[:-1]:
-    tree = tree[key.key if hasattr(key, "key") else key.idx]
-  last = path[-1]
-  tree[last.key if hasattr(last, "key") else last.idx] = value
-
-
-def _tensor_dim(shape, names, mesh, avoid) -> int | None:
-  """Where a packed-only weight of ``shape`` (one copy) splits over ``tensor`` in a checkpoint:
-  where its partition spec puts ``tensor``, else its largest divisible dimension; never the
-  dimension ``avoid`` that its pieces are cut along."""
-  size = dict(mesh.shape).get(mesh_lib.TENSOR_AXIS, 1)
-  if size == 1:
-    return None
-  spec = axis_rules.weight_spec(shape, names, mesh,
-                                reserved=(mesh_lib.STAGE_AXIS, mesh_lib.DATA_AXIS))
-  for d, entry in enumerate(tuple(spec)):
-    if d != avoid and mesh_lib.TENSOR_AXIS in _axes(entry) and shape[d] % size == 0:
-      return d
-  fits = [d for d in range(len(shape)) if d != avoid and shape[d] % size == 0]
-  return max(fits, key=lambda d: (shape[d], -d)) if fits else None
-
-
-def _leaf(tree, path):
-  for key in path:
-    tree = tree[key.key if hasattr(key, "key") else key.idx]
-  return tree
-
-
-def _packed_dims_of(layout, layer: int) -> dict[str, int]:
-  """A packed-only layer's cut dimension per leaf (of the logical leaf: a repeated layer's copy
-  axis counted), read from the first chunk that packs it."""
-  for c in range(layout.num_chunks):
-    found = {_leaf_path(path): dim for seg, path, _, dim, *_ in _packed_leaves(layout, c)
-             if seg.layer == layer}
-    if found:
-      return found
-  return {}
-
-
-def _stage_dim(shape, entries, sizes, num_stages: int, skip_first: bool) -> int | None:
-  """The dimension that also takes ``stage``: the largest that stays even, else None."""
-  best = None
-  for d in range(1 if skip_first else 0, len(shape)):
-    ways = math.prod(sizes[a] for a in entries[d]) * num_stages
-    if shape[d] % ways == 0 and (best is None or shape[d] > shape[best]):
-      best = d
-  return best
-
-
-def _placement(layout, staged_specs, mesh):
-  """Per layer, per leaf: ``(stage-free entries, stage dim or None)``."""
-  sizes = dict(mesh.shape)
-  num_stages = layout.num_stages
-  free = _stage_free(layout, staged_specs, mesh)
-  out = {}
-  for name, tree in layout.logical.items():
-    repeated = _is_repeated(layout, name)
-    leaves = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      entries = free[name][_leaf_path(path)]
-      dim = None
-      if num_stages > 1:
-        dim = _stage_dim(leaf.shape, entries, sizes, num_stages, skip_first=repeated)
-      leaves[_leaf_path(path)] = (entries, dim)
-    out[name] = leaves
-  return out
-
-
-def checkpoint_specs(layout, staged_specs, mesh, stage_axis: str = mesh_lib.STAGE_AXIS):
-  """The logical variables' partition specs in a checkpoint (see the module documentation).
-
-  Args:
-    layout: the collection's :class:`~tpipe.core.layout.StageLayout`.
-    staged_specs: the staged tree's specs (:meth:`StageLayout.partition_specs`).
-    mesh: the mesh (a ``Mesh`` or ``AbstractMesh``).
-    stage_axis: the stage axis.
-
-  Returns:
-    ``{"layers_i": tree of PartitionSpec}``, shaped like ``layout.logical``.
-  """
-  placement = _placement(layout, staged_specs, mesh)
-
-  def spec(name):
-    def leaf_spec(path, _):
-      entries, dim = placement[name][_leaf_path(path)]
-      entries = list(entries)
-      if dim is not None:
-        entries[dim] = entries[dim] + (stage_axis,)
-      return _spec(entries)
-    return leaf_spec
-
-  return {name: jax.tree_util.tree_map_with_path(spec(name), tree)
-          for name, tree in layout.logical.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,34 +140,6 @@ def _from_stages(x, dim: int | None, stage_axis: str, num_stages: int, owner=Non
   return parts.reshape(shape)
 
 
-def _packed_leaves(layout, chunk: int):
-  """Chunk ``chunk``'s packed leaves: ``(segment, key path, whole shape, cut dim, piece shape,
-  dtype key, offset in its block)``, in packing order."""
-  pieces = layout.packed_layouts[chunk]
-  dims = iter(layout.packed_dims[chunk])
-  found = iter(zip(pieces.shapes, pieces.dtypes, pieces.offsets))
-  out = []
-  for seg in layout.segments[chunk]:
-    if seg.stacked:
-      continue
-    shapes = layout_lib.segment_shapes(layout.logical, seg)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-      shape, key, offset = next(found)
-      out.append((seg, path, tuple(leaf.shape), next(dims), shape, key, offset))
-  return out
-
-
-def _packed_work(layout, placement):
-  """Every packed leaf of every chunk, as both directions walk them: ``(r, owner stage, layer
-  name, segment, key path, whole shape, cut dim, piece shape, dtype key, offset, (stage-free
-  entries, stage dim))``."""
-  for c in range(layout.num_chunks):
-    r, owner = layout.position(c)
-    for seg, path, *rest in _packed_leaves(layout, c):
-      name = f"layers_{seg.layer}"
-      yield (r, owner, name, seg, path, *rest, placement[name][_leaf_path(path)])
-
-
 # ----------------------------------------------------------------------------------------------
 # The two directions.
 
@@ -346,20 +154,48 @@ def _mapped(fn, mesh, in_specs, out_specs):
 def _after(value, state):
   """``(value, state)``, ``value`` not computed before ``state`` is (the outputs so far, threaded
   through): one leaf converted at a time, so a device holds one leaf's transient copies, not
-  every leaf's at once, and the outputs are updated in place."""
+  every leaf's at once, and the outputs are updated in place. Never thread a loop's result
+  through it: the TPU compiler then copies that result (measured: 70B restore temporaries 7.5
+  GiB with, 0.3 GiB without); a loop holds only its own part anyway."""
   return lax.optimization_barrier((value, state))
 
 
 def _prepare(layout, value, staged_specs, mesh, stage_axis):
   """``(many, trees, placement, checkpoint specs)`` for one conversion of ``value`` (a tree or
   a list of them)."""
-  _check_blocks(layout, staged_specs, mesh)
+  form.check_blocks(layout, staged_specs, mesh)
   many = isinstance(value, list)
-  return (many, value if many else [value], _placement(layout, staged_specs, mesh),
-          checkpoint_specs(layout, staged_specs, mesh, stage_axis))
+  return (many, value if many else [value], form.placement(layout, staged_specs, mesh),
+          form.checkpoint_specs(layout, staged_specs, mesh, stage_axis))
 
 
-def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib.STAGE_AXIS):
+# A conversion moves at most about this many bytes per collective where a leaf's shape allows:
+# a big leaf goes in parts (a stacked leaf a copy at a time; on restore, a packed piece a band of
+# rows at a time), so a device holds one part in flight, not a whole leaf (or, restoring a
+# packed leaf, a whole leaf on every stage).
+PART_BYTES = 32 * 2**20
+
+
+def _save_stacked(local, out, starts, dim, stage_axis: str, num_stages: int, part_bytes: int):
+  """``out`` (the device's checkpoint block ``[L, ...]`` of a stacked leaf) with the copies of
+  the staged block ``local`` (``[R, 1, k, ...one copy]``) written where ``starts`` says, a slot
+  ``j`` at a time when all of them exceed ``part_bytes``."""
+  k = local.shape[2]
+  moved = local.size * local.dtype.itemsize * (num_stages if dim is None else 1)
+  step = k if moved <= part_bytes else 1
+
+  def move(j, out):
+    owned = lax.dynamic_slice_in_dim(local, j, step, axis=2)[:, 0]  # [R, step, ...]
+    got = _to_stages(owned, None if dim is None else dim + 1, stage_axis, num_stages)
+    for (r, s), first in starts.items():  # got: [S_source, R, step, ...]
+      out = lax.dynamic_update_slice_in_dim(out, got[s, r].astype(out.dtype), first + j, 0)
+    return out
+
+  return move(0, out) if step == k else lax.fori_loop(0, k, move, out)
+
+
+def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib.STAGE_AXIS,
+                  *, part_bytes: int = PART_BYTES):
   """Staged variables to their logical checkpoint form, split as :func:`checkpoint_specs`.
 
   Args:
@@ -377,7 +213,7 @@ def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib
   sizes, num_stages, shards = dict(mesh.shape), layout.num_stages, layout.packed_shards
 
   def local_zeros(name, path, leaf):
-    entries, dim = placement[name][_leaf_path(path)]
+    entries, dim = placement[name][form.leaf_path(path)]
     shape = list(leaf.shape)
     for d, axes in enumerate(entries):
       shape[d] //= math.prod(sizes[a] for a in axes)
@@ -392,28 +228,33 @@ def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib
         for name, tree in layout.logical.items()} for _ in trees]
 
     def write(t, name, path, first, value):
-      target = _leaf(outs[t][name], path)
-      if not _is_repeated(layout, name):
+      target = form.get_leaf(outs[t][name], path)
+      if not form.is_repeated(layout, name):
         new = value
       else:
         new = lax.dynamic_update_slice_in_dim(target, value.astype(target.dtype), first, 0)
-      _set_leaf(outs[t][name], path, new)
+      form.set_leaf(outs[t][name], path, new)
 
     for name in (f"layers_{i}" for i in layout.stacked):
-      starts = _stacked_starts(layout, int(name.split("_")[1]))
+      starts = form.stacked_starts(layout, int(name.split("_")[1]))
       for t, tree in enumerate(trees):
         for path, local in jax.tree_util.tree_flatten_with_path(tree[STACKED][name])[0]:
-          _, dim = placement[name][_leaf_path(path)]
-          owned, outs = _after(local[:, 0], outs)  # [R, k, ...stage-free block of one copy]
-          got = _to_stages(owned, None if dim is None else dim + 1, stage_axis, num_stages)
-          for (r, s), first in starts.items():  # got: [S_source, R, k, ...]
-            write(t, name, path, first, got[s, r])
+          _, dim = placement[name][form.leaf_path(path)]
+          form.set_leaf(outs[t][name], path, _save_stacked(
+              local, form.get_leaf(outs[t][name], path), starts, dim, stage_axis, num_stages,
+              part_bytes))
     for (r, owner, name, seg, path, whole, dim, piece_shape, dtype, offset,
-         (entries, stage_dim)) in _packed_work(layout, placement):
+         (entries, stage_dim)) in form.packed_work(layout, placement):
       for t, tree in enumerate(trees):
         piece = lax.slice_in_dim(tree[PACKED][dtype][r, 0], offset,
                                  offset + math.prod(piece_shape))
-        piece, outs = _after(piece, outs)
+        # Sequenced after the packed leaves before it (not the stacked ones: a barrier on a
+        # loop's result would copy it).
+        packed_outs = [{n: o[n] for n in o if int(n.split("_")[1]) not in layout.stacked}
+                       for o in outs]
+        piece, packed_outs = _after(piece, packed_outs)
+        for o, p in zip(outs, packed_outs):
+          o.update(p)
         piece = piece.reshape(piece_shape)  # Junk unless this device's stage is the owner.
         block = _piece_to_block(piece, dim, whole, entries, shards, sizes)
         write(t, name, path, seg.first_copy,
@@ -425,9 +266,87 @@ def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib
   return outs if many else outs[0]
 
 
-def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_lib.STAGE_AXIS):
+def _gathered_axes(entries, dim: int, shards: int, stage_dim: int | None, stage_axis: str):
+  """Per dimension, the axes a lined-up checkpoint block is gathered over (tiled, in this
+  order) to become its packed piece: the block's own axes but the piece's fsdp cut, then
+  ``stage``."""
+  out = []
+  for d, axes in enumerate(entries):
+    rest = tuple(axes[1:] if (shards > 1 and d == dim) else axes)
+    out.append(rest + ((stage_axis,) if d == stage_dim else ()))
+  return out
+
+
+def _restore_stacked(block, order, dim, stage_axis: str, num_stages: int, part_bytes: int):
+  """A stacked leaf's staged block ``[R, 1, k, ...one copy]`` from its checkpoint block
+  ``[L, ...]`` (``stage`` on ``dim`` of a copy, or nowhere when None); ``order[s, r, j]`` is the
+  copy stage ``s`` holds in slot ``(r, j)``."""
+  me = lax.axis_index(stage_axis)
+  num_slots, k = order.shape[1], order.shape[2]
+  if dim is None:  # Every stage holds the whole leaf: take the copies it keeps.
+    return jnp.take(block, jnp.asarray(order)[me], axis=0)[:, None]
+  copy_shape = block.shape[1:dim] + (block.shape[dim] * num_stages,) + block.shape[dim + 1:]
+  out = jnp.zeros((num_slots, 1, k) + copy_shape, block.dtype)
+  # One slot j at a time when a copy's parts for every stage exceed the bound: [S, R, ...part].
+  per_slot = math.prod(block.shape[1:]) * num_stages * num_slots * block.dtype.itemsize
+  step = k if per_slot * k <= part_bytes else 1
+  order = jnp.asarray(order)
+
+  def move(j, out):
+    copies = lax.dynamic_slice_in_dim(order, j, step, axis=2)  # [S, R, step]
+    parts = lax.all_to_all(jnp.take(block, copies, axis=0), stage_axis, 0, 0, tiled=False)
+    parts = jnp.moveaxis(parts, 0, dim + 1)  # [R, step, ..., S_source, part along dim, ...]
+    shape = parts.shape[:dim + 1] + (-1,) + parts.shape[dim + 3:]
+    return lax.dynamic_update_slice_in_dim(out, parts.reshape(shape)[:, None], j, axis=2)
+
+  if step == k:
+    return move(0, out)
+  return lax.fori_loop(0, k, move, out)
+
+
+def _restore_packed(buffer, block, start, owner, rest, plan, part_bytes: int):
+  """``buffer`` (one dtype's packed block ``[R, 1, n]``) with one lined-up packed leaf's piece
+  written at ``start = (r, 0, offset)`` on the owner stage, gathered from the checkpoint block
+  over ``plan`` (per dimension, the axes, :func:`_gathered_axes`) a band of rows at a time.
+  ``rest`` is the mesh's axis sizes; ``owner`` the stage the piece belongs to."""
+  me = lax.axis_index(mesh_lib.STAGE_AXIS)
+  rows, row_size = block.shape[0], math.prod(block.shape[1:])
+  for d in range(1, block.ndim):
+    row_size *= math.prod(rest[a] for a in plan[d])
+  groups = math.prod(rest[a] for a in plan[0])
+  band = max(1, min(rows, part_bytes // max(1, groups * row_size * block.dtype.itemsize)))
+  r, _, offset = start
+
+  def write(i, buffer):
+    # The last band may overlap the one before it: those rows are written twice, identically.
+    first = jnp.minimum(i * band, rows - band)
+    x = lax.dynamic_slice_in_dim(block, first, band, axis=0)
+    for d in range(1, block.ndim):
+      x = _gather_block(x, d, plan[d])
+    if plan[0]:  # [groups, band, ...]: group g's rows start at g * rows in the piece.
+      x = lax.all_gather(x, tuple(plan[0]), axis=0, tiled=False)
+    x = x.reshape(groups, band * row_size)
+    for g in range(groups):
+      at = (r, 0, offset + (g * rows + first) * row_size)
+      old = lax.dynamic_slice(buffer, at, (1, 1, x.shape[1]))
+      buffer = lax.dynamic_update_slice(buffer, jnp.where(me == owner, x[g][None, None], old),
+                                        at)
+    return buffer
+
+  count = -(-rows // band)
+  if count == 1:
+    return write(0, buffer)
+  return lax.fori_loop(0, count, write, buffer)
+
+
+def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_lib.STAGE_AXIS,
+                    *, part_bytes: int = PART_BYTES):
   """The inverse of :func:`to_checkpoint`: logical variables (a tree or a list of them) split as
-  :func:`checkpoint_specs` to staged trees split as ``staged_specs``; exact."""
+  :func:`checkpoint_specs` to staged trees split as ``staged_specs``; exact.
+
+  Each leaf moves in parts of at most about ``part_bytes`` per device where its shape allows
+  (:data:`PART_BYTES`), so the program's temporaries stay near one part, not one leaf
+  (or, for a packed leaf, one leaf on every stage)."""
   many, trees, placement, in_specs = _prepare(layout, logical, staged_specs, mesh, stage_axis)
   sizes, num_stages, shards = dict(mesh.shape), layout.num_stages, layout.packed_shards
   lead = (layout.num_repeats, 1)
@@ -438,31 +357,31 @@ def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_
     done = []  # The staged leaves made so far, threaded through each barrier.
     for name in (f"layers_{i}" for i in layout.stacked):
       index = int(name.split("_")[1])
-      starts = _stacked_starts(layout, index)
+      starts = form.stacked_starts(layout, index)
       k = layout.stacked[index]
       # Per target stage, the copies it holds: [S, R, k] indices into the copy axis.
       order = np.array([[list(range(starts[(r, s)], starts[(r, s)] + k))
                          for r in range(layout.num_repeats)] for s in range(num_stages)])
       for t, tree in enumerate(trees):
         def leaf(path, block, name=name, order=order):
-          _, dim = placement[name][_leaf_path(path)]
-          block, done[:] = _after(block, list(done))
-          if dim is None:
-            mine = jnp.take(block, jnp.asarray(order)[me], axis=0)
-          else:
-            mine = _from_stages(jnp.take(block, order, axis=0), dim + 1, stage_axis, num_stages)
-          done.append(mine[:, None])
+          _, dim = placement[name][form.leaf_path(path)]
+          done.append(_restore_stacked(block, order, dim, stage_axis, num_stages, part_bytes))
           return len(done) - 1
         stacked[t][name] = jax.tree_util.tree_map_with_path(leaf, tree[name])
     block_size = {k: n // shards for k, n in layout.packed_sizes.items()}
     buffers = [{k: jnp.zeros(lead + (n,), jnp.dtype(k)) for k, n in block_size.items()}
                for _ in trees]
     for (r, owner, name, seg, path, whole, dim, piece_shape, dtype, offset,
-         (entries, stage_dim)) in _packed_work(layout, placement):
+         (entries, stage_dim)) in form.packed_work(layout, placement):
       for t, tree in enumerate(trees):
-        block, _ = _after(_leaf(tree[name], path), buffers)
+        block, _ = _after(form.get_leaf(tree[name], path), buffers)
         if seg.copies is not None:
           block = block[seg.first_copy:seg.first_copy + seg.copies]
+        if block.ndim and _lines_up(entries, dim, shards):
+          plan = _gathered_axes(entries, dim, shards, stage_dim, stage_axis)
+          buffers[t][dtype] = _restore_packed(buffers[t][dtype], block, (r, 0, offset), owner,
+                                              sizes, plan, part_bytes)
+          continue
         block = _from_stages(block, stage_dim, stage_axis, num_stages, owner=owner)
         piece = _block_to_piece(block, dim, whole, entries, shards, sizes).reshape(-1)
         # Only the owner's stage changes its buffer (in place: a slice updated).
@@ -476,41 +395,3 @@ def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_
   outs = _mapped(body, mesh, ([in_specs] * len(trees),),
                  [staged_specs] * len(trees))(list(trees))
   return outs if many else outs[0]
-
-
-def _check_blocks(layout, staged_specs, mesh) -> None:
-  """A device must hold exactly one block of each packed buffer."""
-  fsdp = dict(mesh.shape).get(mesh_lib.FSDP_AXIS, 1)
-  if layout.packed_shards > 1 and layout.packed_shards != fsdp:
-    raise ValueError(
-        f"the layout's packed buffers are in {layout.packed_shards} blocks for an fsdp axis of "
-        f"that size, but this mesh's fsdp axis has {fsdp} devices; convert on the mesh the "
-        "layout was built for.")
-  for dtype, spec in staged_specs[PACKED].items():
-    entries = tuple(spec)
-    split = len(entries) == 3 and mesh_lib.FSDP_AXIS in _axes(entries[2])
-    if split != (layout.packed_shards > 1):
-      raise ValueError(
-          f"the packed {dtype} buffer is laid out in {layout.packed_shards} fsdp blocks but "
-          f"its partition spec is {spec}; take the specs from the same layout's "
-          "partition_specs(mesh=...) as the layout was built for.")
-
-
-def _stacked_starts(layout, layer: int) -> dict[tuple[int, int], int]:
-  """``{(r, s): first copy}`` of the stacked copies of ``layer`` in each chunk slot."""
-  out = {}
-  for c, chunk in enumerate(layout.segments):
-    for seg in chunk:
-      if seg.stacked and seg.layer == layer:
-        out[layout.position(c)] = seg.first_copy
-  return out
-
-
-def _is_repeated(layout, name: str) -> bool:
-  index = int(name.split("_")[1])
-  return any(g.repeated and g.layer == index for chunk in layout.groups for g in chunk)
-
-
-def staged_specs_of(tree) -> Any:
-  """``tree``'s leaves' partition specs (abstract arrays with ``NamedSharding``)."""
-  return jax.tree.map(lambda a: a.sharding.spec, tree)

@@ -46,6 +46,7 @@ import tpipe
 from tpipe import spec as spec_lib
 from tpipe.core import engine
 from tpipe.core import layout as layout_lib
+from tpipe.core import checkpoint_form
 from tpipe.core import relayout
 from tpipe.train import cli
 from tpipe.train import tasks as tasks_lib
@@ -328,7 +329,7 @@ class Experiment:
 
   def _collections(self):
     """``(layout, staged specs)`` of the parameters and of BatchNorm's statistics (or None)."""
-    specs = relayout.staged_specs_of(self._abstract_state)
+    specs = checkpoint_form.staged_specs_of(self._abstract_state)
     stats = None
     if self.stats_layout is not None:
       stats = (self.stats_layout, specs.model_state)
@@ -370,7 +371,7 @@ class Experiment:
     # share of the state while a checkpoint is written or read, never the whole model.
     shapes = jax.eval_shape(self._to_logical, self._abstract_state)
     (layout, specs), stats = self._collections()
-    logical_specs = relayout.checkpoint_specs(layout, specs, self.mesh)
+    logical_specs = checkpoint_form.checkpoint_specs(layout, specs, self.mesh)
     logical_def = jax.tree.structure(layout.logical)
     placed = _map_param_trees(lambda _: logical_specs, shapes.replace(model_state=None),
                               logical_def)
@@ -378,7 +379,7 @@ class Experiment:
                           is_leaf=lambda a: isinstance(a, (P, jax.ShapeDtypeStruct)))
     model_state = None
     if stats is not None:
-      stats_specs = relayout.checkpoint_specs(stats[0], stats[1], self.mesh)
+      stats_specs = checkpoint_form.checkpoint_specs(stats[0], stats[1], self.mesh)
       model_state = {k: stats_specs[k] for k in shapes.model_state}
     return self._placed(shapes, placed.replace(model_state=model_state))
 
