@@ -29,6 +29,13 @@ def _tiny_config():
   return config
 
 
+def _tiny_3d_config():
+  config = lm.get_config("size=tiny")
+  config.num_stages, config.num_data = 2, 1
+  config.mesh.fsdp, config.mesh.tensor = 2, 2
+  return config
+
+
 def _circular_config():
   """The GPipe config's tiny size on the circular schedule: 2 stages x 2 chunks, bfloat16, with
   dropout (as its full size trains)."""
@@ -89,6 +96,30 @@ def test_parameter_bytes_follow_the_stage_split(tiny_report):
   assert tiny_report.opt_state_bytes >= 2 * tiny_report.params_bytes
   batch = 2 * config.batch_size // config.num_data * config.seq_len * 4  # inputs + targets.
   assert tiny_report.batch_bytes == batch
+
+
+def test_parameters_split_over_each_mesh_axis(tiny_report):
+  rows = {row["axis"]: row for row in tiny_report.state_split}
+  assert {a: r["devices"] for a, r in rows.items()} == {"data": 2, "stage": 4}
+  # Every staged leaf is split over stage, none over data (replicas hold the whole stage): a
+  # device holds a quarter of the parameters.
+  total = 4 * tiny_report.params_bytes
+  assert rows["stage"] == {"axis": "stage", "devices": 4, "split_bytes": total, "whole_bytes": 0}
+  assert rows["data"] == {"axis": "data", "devices": 2, "split_bytes": 0, "whole_bytes": total}
+  text = report_lib.format_report(tiny_report)
+  assert "mesh data=2 x fsdp=1 x stage=4 x tensor=1 (8 devices)" in text
+  assert "| stage | 4 | " in text and "(100.0%) | 0 B (0.0%) |" in text
+
+
+def test_3d_parameters_split_over_fsdp_and_tensor():
+  exp = experiment.build(_tiny_3d_config())
+  rows = {row["axis"]: row for row in report_lib.axis_split(exp.abstract_state().params,
+                                                            exp.mesh)}
+  assert set(rows) == {"fsdp", "stage", "tensor"}  # data has one device: left out.
+  total = rows["stage"]["split_bytes"] + rows["stage"]["whole_bytes"]
+  # fsdp splits every block weight and the packed buffers; tensor the annotated matrices only.
+  assert 0.9 * total < rows["fsdp"]["split_bytes"] < total
+  assert 0 < rows["tensor"]["split_bytes"] < rows["fsdp"]["split_bytes"]
 
 
 def test_flops_and_collectives(tiny_report):

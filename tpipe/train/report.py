@@ -98,6 +98,8 @@ class Report:
       its memory peak, by role), or None when not asked for.
     topology: the accelerator topology compiled for (``"v5p:2x2x2"``), or None for this
       machine's devices.
+    mesh_shape: the mesh's axis sizes, ``{"data": 2, "fsdp": 2, "stage": 2, "tensor": 2}``.
+    state_split: per mesh axis, how the parameters split over it (:func:`axis_split`).
   """
 
   config: Any
@@ -115,6 +117,8 @@ class Report:
   floor_seconds: float = 0.0
   peak: Any = None
   topology: str | None = None
+  mesh_shape: dict = dataclasses.field(default_factory=dict)
+  state_split: tuple = ()
 
   @property
   def floor(self):
@@ -212,6 +216,8 @@ class Report:
         "compile_seconds": self.compile_seconds,
         "compile_cpu_seconds": self.cpu_seconds,
         "topology": self.topology,
+        "mesh": dict(self.mesh_shape),
+        "parameters_split_per_axis": list(self.state_split),
         "live_at_peak_bytes_by_role": self.peak.by_role() if self.peak else None,
     }
 
@@ -355,6 +361,31 @@ def measure_stages(exp, schedule, unit_flops=None):
   return tuple(stages), stage_costs.ring_bytes(inputs)
 
 
+def axis_split(tree, mesh) -> tuple[dict[str, Any], ...]:
+  """Per mesh axis, how much of ``tree`` (arrays or abstract arrays with a ``NamedSharding``)
+  splits over it: ``{"axis", "devices", "split_bytes", "whole_bytes"}``, global bytes of the
+  leaves whose partition spec names the axis and of those every device along it holds whole.
+  Axes of one device are left out."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  leaves = jax.tree.leaves(tree)
+  sizes = [leaf.size * leaf.dtype.itemsize for leaf in leaves]
+  named = []
+  for leaf in leaves:
+    axes = set()
+    for entry in tuple(leaf.sharding.spec):
+      axes.update(entry if isinstance(entry, tuple) else (entry,))
+    named.append(axes)
+  rows = []
+  for axis, devices in mesh.shape.items():
+    if devices == 1:
+      continue
+    split = sum(n for n, axes in zip(sizes, named) if axis in axes)
+    rows.append({"axis": axis, "devices": int(devices), "split_bytes": split,
+                 "whole_bytes": sum(sizes) - split})
+  return tuple(rows)
+
+
 def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                    topology: str | None = None, breakdown: bool = False) -> Report:
   """Builds the experiment for ``config``, compiles its train step and measures it.
@@ -398,7 +429,8 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                 num_devices=int(exp.mesh.devices.size), schedule=schedule, analysis=result,
                 lower_seconds=lower_s, compile_seconds=compile_s, compiled=compiled,
                 cpu_seconds=cpu_s, stages=stages, layout=exp.layout, ring_bytes=ring,
-                floor_seconds=floor_s, peak=peak, topology=topology)
+                floor_seconds=floor_s, peak=peak, topology=topology,
+                mesh_shape=dict(exp.mesh.shape), state_split=axis_split(state.params, exp.mesh))
 
 
 def _flops(x: float) -> str:
@@ -423,7 +455,8 @@ def format_report(report: Report) -> str:
   lines = [
       f"## tpipe report: {c.get('size', '')} {sizes} params={report.num_params:,}",
       "",
-      f"mesh data={c.num_data} x stage={c.num_stages} ({report.num_devices} devices), "
+      f"mesh {' x '.join(f'{a}={n}' for a, n in report.mesh_shape.items())} "
+      f"({report.num_devices} devices), "
       f"schedule={c.schedule} M={c.num_microbatches} R={c.num_repeats} remat={c.remat} "
       f"remat_granularity={c.get('remat_granularity', 'chunk')}, "
       f"dtype={c.get('dtype', 'float32')}, "
@@ -458,6 +491,14 @@ def format_report(report: Report) -> str:
         f"| analytic bubble fraction ({report.schedule.num_ticks} ticks) | "
         f"{pipe.bubble_fraction:.1%} |",
     ]
+  if report.state_split:
+    lines += ["", "| parameters per mesh axis | devices | split over it | held whole along it |",
+              "|---|---:|---:|---:|"]
+    for row in report.state_split:
+      total = max(1, row["split_bytes"] + row["whole_bytes"])
+      lines.append(f"| {row['axis']} | {row['devices']} | {fb(row['split_bytes'])} "
+                   f"({row['split_bytes'] / total:.1%}) | {fb(row['whole_bytes'])} "
+                   f"({row['whole_bytes'] / total:.1%}) |")
   lines += [""] + format_schedule(report.schedule)
   if flops.loops_without_trip_count:
     lines += ["", f"Warning: XLA proved no trip count for loops "
