@@ -4,6 +4,10 @@ One persistent compilation cache per test session (a new temporary directory, re
 tests that compile the same program (a fixture's train step and a test's own build of it, the
 trainer subprocesses of one config, which inherit the directory through the environment) compile
 it once. XLA still compiles every distinct program; a cached one is the same executable.
+
+Where libtpu is installed (the test extra on Linux x86-64), tests compile for TPU topologies on
+this machine: each pytest-xdist worker loads libtpu, which by default allows one process at a
+time, and one host needs no slice discovery.
 """
 
 import atexit
@@ -12,6 +16,8 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix="tpipe-test-jax-cache-")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE

@@ -170,5 +170,9 @@ def topology_devices(topology: str, platform: str = "tpu") -> list:
   except Exception as error:  # The plugin raises RuntimeError/ValueError/XlaRuntimeError.
     hint = ("install the TPU compiler (libtpu) with pip install -e '.[tpu]'"
             if platform == "tpu" else f"install the {platform} plugin")
+    fix = f"{hint}, and name a topology as 'v5p:2x2x2' or 'v5e:4x4'"
+    if "lockfile" in str(error):
+      fix = ("another process has libtpu loaded: to compile from several processes at once, set "
+             "ALLOW_MULTIPLE_LIBTPU_LOAD=1 in each before it loads libtpu")
     raise ValueError(f"Cannot describe the {platform} topology {topology!r} ({error}); "
-                     f"{hint}, and name a topology as 'v5p:2x2x2' or 'v5e:4x4'.") from None
+                     f"{fix}.") from None

@@ -109,6 +109,9 @@ class Collective:
       over part of an axis (2 of 4 stages) counts as that axis, and ``()`` means every group is
       one device.
     op_name: the JAX op name from the metadata, e.g. ``"jit(step)/.../ppermute"``.
+    in_branch: whether it sits inside a ``conditional``'s branch (then only the devices that
+      take that branch run it: a collective whose groups span devices that take another branch
+      waits forever).
   """
 
   kind: str
@@ -119,6 +122,7 @@ class Collective:
   group_size: int
   axes: tuple[str, ...] | None
   op_name: str
+  in_branch: bool = False
 
   @property
   def total_bytes(self) -> int:
@@ -141,6 +145,7 @@ def collectives(compiled, mesh=None) -> list[Collective]:
   module = hlo_lib.module_of(compiled)
   mult = module.multipliers()
   inside = module.enclosing_loops()
+  branches = module.enclosing("conditional")
   mesh_shape = tuple(mesh.devices.shape) if mesh is not None else None
   axis_names = tuple(mesh.axis_names) if mesh is not None else None
   num_devices = module.num_partitions * module.num_replicas
@@ -164,7 +169,7 @@ def collectives(compiled, mesh=None) -> list[Collective]:
     found.append(Collective(
         kind=kind, name=ins.name, bytes=max(operand_bytes, result_bytes), count=mult[comp.name],
         in_loop=bool(inside.get(comp.name)), group_size=group_size, axes=axes,
-        op_name=op_name.group(1) if op_name else ""))
+        op_name=op_name.group(1) if op_name else "", in_branch=bool(branches.get(comp.name))))
   return found
 
 

@@ -296,12 +296,17 @@ class HloModule:
 
   def enclosing_loops(self) -> dict[str, tuple[str, ...]]:
     """For each computation: the names of the ``while`` instructions it runs inside."""
+    return self.enclosing("while")
+
+  def enclosing(self, opcode: str) -> dict[str, tuple[str, ...]]:
+    """For each computation: the names of the ``opcode`` instructions (``"while"``,
+    ``"conditional"``) it runs inside, outermost first."""
     inside: dict[str, tuple[str, ...]] = {self.entry: ()}
     for name in self._topological_order():
       if name not in inside:
         continue
       for ins in self.computations[name].instructions:
-        extra = (ins.name,) if ins.opcode == "while" else ()
+        extra = (ins.name,) if ins.opcode == opcode else ()
         for callee in ins.called:
           if callee in self.computations and callee not in inside:
             inside[callee] = inside[name] + extra

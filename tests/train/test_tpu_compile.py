@@ -1,0 +1,72 @@
+"""Compiling for a TPU slice on this CPU machine: the TPU compiler (libtpu, installed with the
+test extra on Linux x86-64) builds a small 3D pipeline's train step for ``v5p:2x2x2`` (8 chips:
+stage 2 x fsdp 2 x tensor 2), and its program keeps every collective where it belongs. Nothing
+runs on a TPU. Skips, saying why, where libtpu is not installed."""
+
+import collections
+import math
+
+import jax
+import pytest
+
+import tpipe
+from configs import lm
+from tpipe.tools import analysis
+from tpipe.train import experiment
+
+TOPOLOGY = "v5p:2x2x2"
+
+
+@pytest.fixture(scope="module")
+def tpu_step():
+  try:
+    devices = tpipe.topology_devices(TOPOLOGY)
+  except ValueError as error:
+    pytest.skip(f"the TPU compiler is not installed here: {error}")
+  config = lm.get_config("size=tiny")
+  # The Llama block: query heads over tensor, a grouped key/value head whole, every matrix
+  # named for fsdp; XLA's partitioner splits what runs inside a stage over tensor.
+  config.update(dict(num_stages=2, num_data=1, block="llama", num_kv_heads=1))
+  config.mesh.update(dict(fsdp=2, tensor=2))
+  exp = experiment.build(config, devices=devices)
+  state = exp.abstract_state()
+  compiled = exp.train_step.lower(state, exp.abstract_batch(), jax.random.key(0)).compile()
+  return exp, state, compiled
+
+
+def test_the_tpu_compiler_builds_the_step_for_the_slice(tpu_step):
+  exp, state, compiled = tpu_step
+  assert {d.platform for d in exp.mesh.devices.flat} == {"tpu"}
+  assert dict(exp.mesh.shape) == {"data": 1, "fsdp": 2, "stage": 2, "tensor": 2}
+  assert ":T(8,128)" in compiled.as_text()  # TPU tiled layouts: not XLA:CPU's program.
+  # Each device's arguments hold its share of the state (the TPU pads small arrays to tiles).
+  share = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+              for leaf in jax.tree.leaves(state))
+  memory = compiled.memory_analysis()
+  assert share <= memory.argument_size_in_bytes < 4 * share, (share, memory)
+
+
+def test_collectives_on_the_tpu_stay_where_they_belong(tpu_step):
+  exp, _, compiled = tpu_step
+  found = analysis.collectives(compiled, exp.mesh)
+  by_axis = collections.defaultdict(list)
+  for c in found:
+    by_axis[c.axes].append(c)
+  in_loop = lambda cs: {c.kind for c in cs if c.in_loop}
+  # Stage-to-stage sends are the tick loop's only collectives over stage, and no
+  # collective-permute sits inside a stage's branch (the devices of the stages that took
+  # another branch would never join it).
+  assert in_loop(by_axis[("stage",)]) == {"collective-permute"}, by_axis[("stage",)]
+  permutes = [c for c in found if c.kind == "collective-permute"]
+  assert permutes and all(c.axes == ("stage",) and not c.in_branch for c in permutes), permutes
+  # Inside the stage: fsdp gathers each unit's weights (the TPU compiler may reduce their
+  # gradients with an all-reduce where a reduce-scatter's blocks are not tile aligned), tensor
+  # works inside the layers; neither crosses stages.
+  assert "all-gather" in in_loop(by_axis[("fsdp",)]), by_axis[("fsdp",)]
+  assert any(c.in_branch for c in by_axis[("fsdp",)]), "the stage's branch gathers its weights"
+  assert in_loop(by_axis[("fsdp",)]) <= {"all-gather", "reduce-scatter", "all-reduce"}
+  assert in_loop(by_axis[("tensor",)]) and in_loop(by_axis[("tensor",)]) <= {
+      "all-gather", "reduce-scatter", "all-reduce", "all-to-all"}
+  # What spans several axes (the loss's sums over rows and stages) runs once, after the loop.
+  for axes in set(by_axis) - {("stage",), ("fsdp",), ("tensor",)}:
+    assert not in_loop(by_axis[axes]) and all(c.count == 1 for c in by_axis[axes]), axes
