@@ -19,8 +19,24 @@ abstract state and compiles it with the TPU compiler on this CPU machine; nothin
 Columns: the state a device holds (parameters and AdamW moments: the step's arguments), the
 temporaries, and the peak (arguments + outputs - aliased + temporaries), all per device from
 ``memory_analysis()``; "share" is 12 bytes per parameter (f32 parameter and two f32 moments)
-over stages x fsdp x tensor, the state's floor. ``--cpu`` compiles the 8B rows for 64 emulated
-CPU devices instead (XLA:CPU's figures; slow).
+over stages x fsdp x tensor, the state's floor. ``--cpu`` compiles the same rows for 64
+emulated CPU devices instead (XLA:CPU's figures; run with ``JAX_NUM_CPU_DEVICES=64``).
+
+A second table breaks each peak down by what is live there (:mod:`tpipe.tools.peak`, from the
+compiler's buffer assignment): state (parameters and moments), gradient sums, weight casts and
+copies (bfloat16 copies, gathered weights), stash (what the forward keeps for the backward, with
+the stage-to-stage mailboxes and boundary buffers), working set (forward, backward and remat
+intermediates, logits and loss) and what no role explains. Beside it the **floor**: what any
+pipeline must hold at this layout, per device:
+
+* state and gradients: 16 bytes per parameter (parameter, two moments, gradient; float32) over
+  the 64 devices, without padding;
+* stash: bfloat16 ``[rows, sequence, width]`` activations, the rows of a micro-batch split over
+  ``fsdp``: GPipe with per-layer remat keeps every layer's input of the fullest stage for all M
+  micro-batches (autodiff through the tick loop); a fused schedule (1F1B) keeps only each
+  in-flight micro-batch's chunk input, S of them, and recomputes the chunk in its backward;
+* working set: the one measured at the peak (one chunk's recomputed layer inputs and one
+  layer's forward and backward on a micro-batch, the weights gathered for it, the loss).
 
 Needs the TPU compiler: ``pip install -e '.[tpu]'`` (or ``pip install libtpu`` in an environment
 whose jax matches).
@@ -38,6 +54,7 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # One host: no slice
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top
+from tpipe.tools import peak  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.train import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:4x4x4"
@@ -86,19 +103,45 @@ def config_for(model: str, stages: int, fsdp: int, tensor: int, schedule: str,
   return c
 
 
+# Roles of tpipe.tools.peak, grouped into the breakdown's columns.
+PARTS = {
+    "state": ("parameters", "optimizer state"),
+    "gradient sums": ("gradient accumulators",),
+    "weight casts and copies": ("weight casts", "parameter copies"),
+    "stash": ("stash", "mailbox", "boundary buffers"),
+    "working set": ("logits and loss", "remat working set", "backward working set",
+                    "forward working set"),
+    "unexplained": ("other", "batch and other inputs"),
+}
+
+
 def compile_row(config, devices):
+  """``(experiment, memory_analysis, live-at-peak breakdown, seconds)`` of one row's step."""
   start = time.perf_counter()
   exp = experiment.build(config, devices=devices)
-  compiled = exp.train_step.lower(exp.abstract_state(), exp.abstract_batch(),
-                                  jax.random.key(0)).compile()
-  return exp, compiled.memory_analysis(), time.perf_counter() - start
+  lowered = exp.train_step.lower(exp.abstract_state(), exp.abstract_batch(), jax.random.key(0))
+  compiled, breakdown = peak.breakdown_of_lowered(lowered)
+  return exp, compiled.memory_analysis(), breakdown, time.perf_counter() - start
+
+
+def floor_parts(config, params: int, working_set: int) -> dict[str, float]:
+  """The floor's parts in bytes per device (see the module documentation)."""
+  devices = config.num_stages * config.mesh.fsdp * config.mesh.tensor * config.num_data
+  rows = config.batch_size // config.num_microbatches // (config.num_data * config.mesh.fsdp)
+  layer_input = rows * config.seq_len * config.width * 2  # bfloat16.
+  if config.schedule == "gpipe":  # Every layer input of the fullest stage, every micro-batch.
+    stash = config.num_microbatches * max(int(n) for n in config.balance.split(","))
+  else:  # A fused schedule: each in-flight micro-batch's chunk input.
+    stash = min(config.num_stages, config.num_microbatches)
+  return {"state and gradients": 16 * params / devices, "stash": stash * layer_input,
+          "working set": working_set}
 
 
 def main():
   run = _common.start(
       "scale_3d", __doc__, smoke="the 8B 1F1B row alone",
       arguments=lambda parser: parser.add_argument(
-          "--cpu", action="store_true", help="compile the 8B rows for 64 emulated CPU devices "
+          "--cpu", action="store_true", help="compile the rows for 64 emulated CPU devices "
           "(set JAX_NUM_CPU_DEVICES=64) instead of the TPU topology"))
   gib = lambda n: f"{n / 2**30:.2f}"
   if run.args.cpu:
@@ -108,25 +151,38 @@ def main():
   else:
     devices, target = tpipe.topology_devices(TOPOLOGY), f"`{TOPOLOGY}` (64 chips)"
   rows = SMOKE_ROWS if run.args.smoke else ROWS
-  if run.args.cpu:
-    rows = [row for row in rows if row[0] == "llama3-8b"]
   table = ["| model | stage x fsdp x tensor | schedule | M | parameters | share GiB | "
            "state (arguments) GiB | temporaries GiB | peak GiB | compile s |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  parts = ["| model | stage x fsdp x tensor | schedule | " + " | ".join(PARTS) +
+           " | live at peak | floor: state + grads | floor: stash | floor: working set | "
+           "**floor** | peak / floor |",
+           "|---|---|---|" + "---:|" * (len(PARTS) + 6)]
   for model, stages, fsdp, tensor, schedule, microbatches in rows:
     config = config_for(model, stages, fsdp, tensor, schedule, microbatches)
-    exp, memory, seconds = compile_row(config, devices)
+    exp, memory, breakdown, seconds = compile_row(config, devices)
     params = exp.num_params()
     share = 12 * params / (stages * fsdp * tensor)
+    peak_bytes = _common.peak_bytes(memory)
     table.append(
         f"| {model} | {stages} x {fsdp} x {tensor} | {schedule} | {microbatches} | "
         f"{params / 1e9:.2f} B | {gib(share)} | {gib(memory.argument_size_in_bytes)} | "
-        f"{gib(memory.temp_size_in_bytes)} | **{gib(_common.peak_bytes(memory))}** | "
+        f"{gib(memory.temp_size_in_bytes)} | **{gib(peak_bytes)}** | "
         f"{seconds:.0f} |")
-    print(table[-1], flush=True)
+    roles = breakdown.by_role()
+    sums = {name: sum(roles.get(r, 0) for r in members) for name, members in PARTS.items()}
+    floor = floor_parts(config, params, sums["working set"])
+    parts.append(
+        f"| {model} | {stages} x {fsdp} x {tensor} | {schedule} | "
+        + " | ".join(gib(n) for n in sums.values()) + f" | {gib(breakdown.total)} | "
+        + " | ".join(gib(n) for n in floor.values())
+        + f" | **{gib(sum(floor.values()))}** | {peak_bytes / sum(floor.values()):.2f} |")
+    print(table[-1], parts[-1], sep="\n", flush=True)
   lines = [f"Per device, compiled for {target}; global batch {GLOBAL_BATCH} sequences of "
            f"{SEQ} tokens, bfloat16 compute, float32 parameters and AdamW state, remat full in "
-           "per-layer pieces, the loss in 8 vocabulary slices.", ""] + table
+           "per-layer pieces, the loss in 8 vocabulary slices.", ""] + table + [
+               "", "What is live at each peak, by role (GiB per device; `tpipe.tools.peak`), "
+               "and the floor (see the script's documentation):", ""] + parts
   run.write("Pipeline x FSDP x tensor: Llama-shaped models on a TPU v5p slice", lines)
 
 
