@@ -16,6 +16,7 @@ from configs import transformer_gpipe
 from tests.helpers import blocks
 from tests.helpers import numerics
 from tpipe.core import layout as layout_lib
+from tpipe.tools import analysis
 from tpipe.tools import stage_costs
 from tpipe.train import experiment
 from tpipe.train import report as report_lib
@@ -113,8 +114,8 @@ def test_parameters_split_over_each_mesh_axis(tiny_report):
 
 def test_3d_parameters_split_over_fsdp_and_tensor():
   exp = experiment.build(_tiny_3d_config())
-  rows = {row["axis"]: row for row in report_lib.axis_split(exp.abstract_state().params,
-                                                            exp.mesh)}
+  split = analysis.axis_split(exp.abstract_state().params, exp.mesh)
+  rows = {row["axis"]: row for row in split}
   assert set(rows) == {"fsdp", "stage", "tensor"}  # data has one device: left out.
   total = rows["stage"]["split_bytes"] + rows["stage"]["whole_bytes"]
   # fsdp splits every block weight and the packed buffers; tensor the annotated matrices only.

@@ -372,3 +372,28 @@ __all__ = ["Analysis", "COLLECTIVE_KINDS", "Collective", "FlopCount", "FusedFlop
            "MemoryBreakdown", "PipelineFlops", "analyze", "collectives", "flop_count",
            "format_bytes", "fused_flops", "input_bytes", "memory_breakdown", "pipeline_flops",
            "summarize_collectives"]
+
+
+def axis_split(tree, mesh) -> tuple[dict[str, Any], ...]:
+  """Per mesh axis, how much of ``tree`` (arrays or abstract arrays with a ``NamedSharding``)
+  splits over it: ``{"axis", "devices", "split_bytes", "whole_bytes"}``, global bytes of the
+  leaves whose partition spec names the axis and of those every device along it holds whole.
+  Axes of one device are left out."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  leaves = jax.tree.leaves(tree)
+  sizes = [leaf.size * leaf.dtype.itemsize for leaf in leaves]
+  named = []
+  for leaf in leaves:
+    axes = set()
+    for entry in tuple(leaf.sharding.spec):
+      axes.update(entry if isinstance(entry, tuple) else (entry,))
+    named.append(axes)
+  rows = []
+  for axis, devices in mesh.shape.items():
+    if devices == 1:
+      continue
+    split = sum(n for n, axes in zip(sizes, named) if axis in axes)
+    rows.append({"axis": axis, "devices": int(devices), "split_bytes": split,
+                 "whole_bytes": sum(sizes) - split})
+  return tuple(rows)

@@ -99,7 +99,8 @@ class Report:
     topology: the accelerator topology compiled for (``"v5p:2x2x2"``), or None for this
       machine's devices.
     mesh_shape: the mesh's axis sizes, ``{"data": 2, "fsdp": 2, "stage": 2, "tensor": 2}``.
-    state_split: per mesh axis, how the parameters split over it (:func:`axis_split`).
+    state_split: per mesh axis, how the parameters split over it
+      (:func:`tpipe.tools.analysis.axis_split`).
   """
 
   config: Any
@@ -361,31 +362,6 @@ def measure_stages(exp, schedule, unit_flops=None):
   return tuple(stages), stage_costs.ring_bytes(inputs)
 
 
-def axis_split(tree, mesh) -> tuple[dict[str, Any], ...]:
-  """Per mesh axis, how much of ``tree`` (arrays or abstract arrays with a ``NamedSharding``)
-  splits over it: ``{"axis", "devices", "split_bytes", "whole_bytes"}``, global bytes of the
-  leaves whose partition spec names the axis and of those every device along it holds whole.
-  Axes of one device are left out."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  leaves = jax.tree.leaves(tree)
-  sizes = [leaf.size * leaf.dtype.itemsize for leaf in leaves]
-  named = []
-  for leaf in leaves:
-    axes = set()
-    for entry in tuple(leaf.sharding.spec):
-      axes.update(entry if isinstance(entry, tuple) else (entry,))
-    named.append(axes)
-  rows = []
-  for axis, devices in mesh.shape.items():
-    if devices == 1:
-      continue
-    split = sum(n for n, axes in zip(sizes, named) if axis in axes)
-    rows.append({"axis": axis, "devices": int(devices), "split_bytes": split,
-                 "whole_bytes": sum(sizes) - split})
-  return tuple(rows)
-
-
 def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                    topology: str | None = None, breakdown: bool = False) -> Report:
   """Builds the experiment for ``config``, compiles its train step and measures it.
@@ -430,7 +406,8 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                 lower_seconds=lower_s, compile_seconds=compile_s, compiled=compiled,
                 cpu_seconds=cpu_s, stages=stages, layout=exp.layout, ring_bytes=ring,
                 floor_seconds=floor_s, peak=peak, topology=topology,
-                mesh_shape=dict(exp.mesh.shape), state_split=axis_split(state.params, exp.mesh))
+                mesh_shape=dict(exp.mesh.shape),
+                state_split=analysis.axis_split(state.params, exp.mesh))
 
 
 def _flops(x: float) -> str:
