@@ -102,6 +102,18 @@ def test_conversions_in_small_parts_are_exact(name, part_bytes):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(staged))
 
 
+@pytest.mark.parametrize("part_bytes", [0, -5, 2.5, True])
+def test_a_bad_part_size_is_a_clear_error(part_bytes):
+  exp = _experiment("stage4_fsdp2")
+  staged = exp.abstract_state().params
+  specs = checkpoint_form.staged_specs_of(staged)
+  logical = jax.eval_shape(exp.layout.to_logical, staged)
+  with pytest.raises(ValueError, match=r"part_bytes=.* positive int"):
+    relayout.from_checkpoint(exp.layout, logical, specs, exp.mesh, part_bytes=part_bytes)
+  with pytest.raises(ValueError, match=r"part_bytes=.* positive int"):
+    relayout.to_checkpoint(exp.layout, staged, specs, exp.mesh, part_bytes=part_bytes)
+
+
 def test_every_block_weight_is_split_over_stages_fsdp_and_tensor():
   exp = _experiment("stage2_fsdp2_tensor2_circular")
   specs, _, _ = _convert(exp)

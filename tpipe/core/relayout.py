@@ -102,12 +102,8 @@ def _piece_to_block(piece, dim: int, whole_shape, entries, shards: int, sizes):
 
 
 def _block_to_piece(block, dim: int, whole_shape, entries, shards: int, sizes):
-  """The inverse of :func:`_piece_to_block`."""
-  if _lines_up(entries, dim, shards):
-    for d, axes in enumerate(entries):
-      rest = axes[1:] if (shards > 1 and d == dim) else axes
-      block = _gather_block(block, d, rest)
-    return block
+  """The inverse of :func:`_piece_to_block` for a leaf whose pieces do not line up with its
+  blocks (or a scalar): gathered whole, then cut (lined-up leaves: :func:`_restore_packed`)."""
   for d, axes in enumerate(entries):
     block = _gather_block(block, d, axes)
   if shards == 1:
@@ -160,9 +156,12 @@ def _after(value, state):
   return lax.optimization_barrier((value, state))
 
 
-def _prepare(layout, value, staged_specs, mesh, stage_axis):
+def _prepare(layout, value, staged_specs, mesh, stage_axis, part_bytes):
   """``(many, trees, placement, checkpoint specs)`` for one conversion of ``value`` (a tree or
   a list of them)."""
+  if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) or part_bytes < 1:
+    raise ValueError(f"part_bytes={part_bytes!r}: give the bytes a conversion may move per "
+                     f"collective as a positive int (default relayout.PART_BYTES = {PART_BYTES}).")
   form.check_blocks(layout, staged_specs, mesh)
   many = isinstance(value, list)
   return (many, value if many else [value], form.placement(layout, staged_specs, mesh),
@@ -209,7 +208,8 @@ def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib
   Returns:
     ``{"layers_i": tree}`` (or a list) equal to ``layout.to_logical(staged)``, bit for bit.
   """
-  many, trees, placement, out_specs = _prepare(layout, staged, staged_specs, mesh, stage_axis)
+  many, trees, placement, out_specs = _prepare(layout, staged, staged_specs, mesh, stage_axis,
+                                               part_bytes)
   sizes, num_stages, shards = dict(mesh.shape), layout.num_stages, layout.packed_shards
 
   def local_zeros(name, path, leaf):
@@ -304,16 +304,15 @@ def _restore_stacked(block, order, dim, stage_axis: str, num_stages: int, part_b
   return lax.fori_loop(0, k, move, out)
 
 
-def _restore_packed(buffer, block, start, owner, rest, plan, part_bytes: int):
+def _restore_packed(buffer, block, start, owner, me, sizes, plan, part_bytes: int):
   """``buffer`` (one dtype's packed block ``[R, 1, n]``) with one lined-up packed leaf's piece
   written at ``start = (r, 0, offset)`` on the owner stage, gathered from the checkpoint block
   over ``plan`` (per dimension, the axes, :func:`_gathered_axes`) a band of rows at a time.
-  ``rest`` is the mesh's axis sizes; ``owner`` the stage the piece belongs to."""
-  me = lax.axis_index(mesh_lib.STAGE_AXIS)
+  ``me`` is this device's stage, ``owner`` the piece's; ``sizes`` the mesh's axis sizes."""
   rows, row_size = block.shape[0], math.prod(block.shape[1:])
   for d in range(1, block.ndim):
-    row_size *= math.prod(rest[a] for a in plan[d])
-  groups = math.prod(rest[a] for a in plan[0])
+    row_size *= math.prod(sizes[a] for a in plan[d])
+  groups = math.prod(sizes[a] for a in plan[0])
   band = max(1, min(rows, part_bytes // max(1, groups * row_size * block.dtype.itemsize)))
   r, _, offset = start
 
@@ -347,7 +346,8 @@ def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_
   Each leaf moves in parts of at most about ``part_bytes`` per device where its shape allows
   (:data:`PART_BYTES`), so the program's temporaries stay near one part, not one leaf
   (or, for a packed leaf, one leaf on every stage)."""
-  many, trees, placement, in_specs = _prepare(layout, logical, staged_specs, mesh, stage_axis)
+  many, trees, placement, in_specs = _prepare(layout, logical, staged_specs, mesh, stage_axis,
+                                              part_bytes)
   sizes, num_stages, shards = dict(mesh.shape), layout.num_stages, layout.packed_shards
   lead = (layout.num_repeats, 1)
 
@@ -380,7 +380,7 @@ def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_
         if block.ndim and _lines_up(entries, dim, shards):
           plan = _gathered_axes(entries, dim, shards, stage_dim, stage_axis)
           buffers[t][dtype] = _restore_packed(buffers[t][dtype], block, (r, 0, offset), owner,
-                                              sizes, plan, part_bytes)
+                                              me, sizes, plan, part_bytes)
           continue
         block = _from_stages(block, stage_dim, stage_axis, num_stages, owner=owner)
         piece = _block_to_piece(block, dim, whole, entries, shards, sizes).reshape(-1)
