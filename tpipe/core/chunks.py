@@ -18,8 +18,8 @@ A branch applies its segments (:class:`tpipe.core.layout.Segment`) with
 :func:`tpipe.core.remat.apply_units`, runs of copies scanned, each unit with its keys from
 :func:`tpipe.core.layers.unit_rngs`. In the split form (:meth:`ChunkSet.tapped_branch`) each unit
 runs through :mod:`tpipe.core.taps`, and :meth:`ChunkSet.weight_branch` forms the weight
-gradients the taps deferred. :meth:`ChunkSet.backward_into` is a branch's backward one unit at a
-time (:meth:`ChunkSet.unit_steps`), each unit's parameter gradient added into running sums.
+gradients the taps deferred. :meth:`ChunkSet.unit_steps` are a branch's units one at a time, for
+the backward by units (:mod:`tpipe.core.unit_backward`).
 """
 
 from __future__ import annotations
@@ -292,7 +292,8 @@ class ChunkSet:
   # ------------------------------------------------------------------------------------------
   # The branch programs.
 
-  def _input(self, branch: int, chunk, fresh, incoming):
+  def input_of(self, branch: int, chunk, fresh, incoming):
+    """Branch ``branch``'s input on model ``chunk``: the fresh data, or the ring's message."""
     sig, rep = self.signatures[branch], self.chunks_of[branch][0]
     if sig.input_kind == "fresh":
       return fresh
@@ -300,7 +301,7 @@ class ChunkSet:
       return spmd.select(chunk == 0, fresh, incoming)
     return self.ring.unpack(incoming, rep - 1)
 
-  def _results(self, branch: int, h, rows: int):
+  def results_of(self, branch: int, h, rows: int):
     """``(to_next, output)`` for the chunk's result ``h``."""
     sig = self.signatures[branch]
     if sig.output_kind == "both":
@@ -369,13 +370,13 @@ class ChunkSet:
       stats = self.stats_layout.chunk_trees(self._slot(staged[STATS], r), rep)
     else:
       stats = [{} for _ in trees]
-    h = self._input(branch, chunk, fresh, incoming)
+    h = self.input_of(branch, chunk, fresh, incoming)
     runs = self._runs(branch, chunk, trees, stats, (broadcast, per_example), rngs, microbatch,
                       taps, tapped)
     h, outs = remat_lib.apply_units(h, runs, self.spec.remat, self.spec.remat_granularity,
                                     self.spec.unroll)
     rows = jax.tree.leaves(fresh)[0].shape[0]
-    results = self._results(branch, h, rows)
+    results = self.results_of(branch, h, rows)
     statistics = [out[0] for out in outs]
     records = [out[1] for out in outs]
     return results, statistics, records
@@ -448,16 +449,19 @@ class ChunkSet:
     return run
 
   def unit_steps(self, index: int) -> list:
-    """Branch ``index``'s units one at a time: per segment, ``(copies, fn)`` with
-    ``fn(staged, side, rngs, microbatch, chunk, h, copy) -> h`` applying the segment's unit
-    ``copy`` (0 for a single unit; a traced index into a run). Each reads its parameters from the
-    whole ``staged`` tree, so its VJP with respect to ``staged`` is zero outside that unit's
-    slice and adds into a running gradient sum in place (:meth:`backward_into`)."""
+    """Branch ``index``'s units one at a time: per segment, ``(copies, read, apply)``.
+
+    ``read(staged, chunk, copy) -> unit`` takes the variables of the segment's unit ``copy`` (0
+    for a single unit; a traced index into a run) from the whole ``staged`` tree, with the
+    unit's number; ``apply(unit, side, rngs, microbatch, h) -> h`` applies it. The VJP of
+    ``read`` is zero outside that unit's slice, so a unit's parameter gradient taken back
+    through it adds into a running gradient sum in place
+    (:func:`tpipe.core.unit_backward.backward_into`)."""
     rep = self.chunks_of[index][0]
     steps = []
     for k, seg in enumerate(self.layout.segments[rep]):
 
-      def fn(staged, side, rngs, microbatch, chunk, h, copy, k=k, seg=seg):
+      def read(staged, chunk, copy, k=k, seg=seg):
         r = self._local(index, chunk)
         params = self.layout.chunk_trees(self._param_slot(staged[PARAMS], r), rep)[k]
         if self.stats_layout is not None:
@@ -469,81 +473,16 @@ class ChunkSet:
           params, stats = jax.tree.map(
               lambda a: lax.dynamic_index_in_dim(a, copy, keepdims=False), (params, stats))
           unit = unit + copy
+        return params, stats, unit
+
+      def apply(unit, side, rngs, microbatch, h, k=k, seg=seg):
+        params, stats, number = unit
         step = self._unit(index, k, self.layers[seg.layer], side, rngs, microbatch, False)
-        h, _ = step(h, (params, stats, unit, None))
+        h, _ = step(h, (params, stats, number, None))
         return h
 
-      steps.append((seg.copies, fn))
+      steps.append((seg.copies, read, apply))
     return steps
-
-  def backward_into(self, index: int):
-    """Branch ``index``'s backward one unit at a time, its parameter gradients added into
-    running sums: ``fn(sums, staged, fresh, incoming, broadcast, per_example, rngs, microbatch,
-    chunk, outputs, cotangent) -> (sums, g_fresh, g_incoming, g_side)``.
-
-    ``sums`` are the float leaves of ``staged`` (:func:`float_leaves`) holding the gradients so
-    far; ``outputs((to_next, output))`` picks the differentiated outputs of the chunk's results
-    and ``cotangent(outputs)`` gives their cotangent. The gradients returned are those of the
-    float leaves of ``fresh``, ``incoming`` and ``(broadcast, per_example)``.
-
-    It recomputes the chunk's forward keeping each unit's input, then runs the units backwards,
-    each recomputed under ``jax.vjp`` and its parameter gradient added into ``sums`` inside the
-    loop over a run's copies: XLA updates the running sums in place, where differentiating the
-    whole chunk would first build the chunk's whole parameter gradient (the scan's stacked
-    output) and then add it. The FLOPs are those of ``remat_granularity="layer"``.
-    """
-    steps = self.unit_steps(index)
-    unroll = self.spec.unroll
-
-    def run(sums, staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk,
-            outputs, cotangent):
-      side = (broadcast, per_example)
-      apply = lambda fn, staged, side, h, copy: fn(staged, side, rngs, microbatch, chunk, h, copy)
-      h = self._input(index, chunk, fresh, incoming)
-      inputs = []
-      for copies, fn in steps:
-        if copies is None:
-          inputs.append(h)
-          h = apply(fn, staged, side, h, 0)
-        else:
-          body = lambda h, copy, fn=fn: (apply(fn, staged, side, h, copy), h)
-          h, stacked = lax.scan(body, h, jnp.arange(copies), unroll=unroll)
-          inputs.append(stacked)
-      rows = jax.tree.leaves(fresh)[0].shape[0]
-      tail = lambda hf: outputs(self._results(index, with_float_leaves(h, hf), rows))
-      out, tail_vjp = jax.vjp(tail, float_leaves(h))
-      (g_h,) = tail_vjp(cotangent(out))
-
-      def unit_backward(carry, fn, h_in, copy):
-        g_h, sums, g_side = carry
-
-        def f(staged_floats, h_floats, side_floats):
-          return float_leaves(apply(fn, with_float_leaves(staged, staged_floats),
-                                    with_float_leaves(side, side_floats),
-                                    with_float_leaves(h_in, h_floats), copy))
-
-        _, vjp = jax.vjp(f, float_leaves(staged), float_leaves(h_in), float_leaves(side))
-        d_staged, d_h, d_side = vjp(g_h)
-        add = lambda total, g: [t + d for t, d in zip(total, g)]
-        return d_h, add(sums, d_staged), add(g_side, d_side)
-
-      carry = (g_h, list(sums), [spmd.zeros_like_varying(a) for a in float_leaves(side)])
-      for (copies, fn), h_in in reversed(list(zip(steps, inputs))):
-        if copies is None:
-          carry = unit_backward(carry, fn, h_in, 0)
-        else:
-          body = lambda carry, xs, fn=fn: (unit_backward(carry, fn, xs[1], xs[0]), None)
-          carry, _ = lax.scan(body, carry, (jnp.arange(copies), h_in), reverse=True,
-                              unroll=unroll)
-      g_h, sums, g_side = carry
-      _, input_vjp = jax.vjp(
-          lambda f, i: float_leaves(self._input(index, chunk, with_float_leaves(fresh, f),
-                                                with_float_leaves(incoming, i))),
-          float_leaves(fresh), float_leaves(incoming))
-      g_fresh, g_incoming = input_vjp(g_h)
-      return sums, g_fresh, g_incoming, g_side
-
-    return run
 
 
 # jax.checkpoint's policy for remat="full" is None; this sentinel asks for that checkpoint, where

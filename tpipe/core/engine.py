@@ -13,7 +13,7 @@ chunks, :mod:`tpipe.core.plan`), and lays out its variables on the stages
 * :meth:`Pipeline.loss`: the mean over the global batch of the last layer's per-example losses,
   differentiable under every schedule; with a fused schedule one differentiated call runs forward
   and backward together (:func:`tpipe.core.fused.mean_loss`). So does a forward schedule under
-  ``remat="full"`` with ``remat_granularity="nested"``
+  ``remat="full"`` with ``remat_granularity`` ``"chunk"`` or ``"nested"``
   (:func:`tpipe.core.fused.backward_by_units`): its forward ticks and autodiff's backward ticks
   run as one fused table (:func:`tpipe.schedules.from_forward`), whose backward sums the
   parameter gradients in place.
@@ -139,7 +139,8 @@ class Pipeline:
     Differentiable under every schedule: a forward schedule differentiates through its tick
     loop; a fused schedule's backward runs inside the schedule (one differentiated call runs
     forward and backward together), as does a forward schedule's under ``remat="full"`` with
-    ``"nested"`` granularity (its table as :func:`tpipe.schedules.from_forward` writes it).
+    ``"chunk"`` or ``"nested"`` granularity (its table as :func:`tpipe.schedules.from_forward`
+    writes it).
     Arguments as for :meth:`apply`; the last layer must return one float loss per example
     (``[batch]``).
 

@@ -20,10 +20,10 @@ table as one SPMD program:
   seed ``1 / N`` per example of the mean loss), recomputes the chunk's forward under ``jax.vjp``
   and applies its VJP. That is ``remat="full"`` at the granularity of a chunk whatever the remat
   policy, which decides only what the chunk keeps *within* the ``B`` tick. Under
-  ``remat="full"`` with a granularity finer than a chunk (:func:`backward_by_units`), ``B`` runs
-  the chunk's units backwards one at a time instead and adds each unit's parameter gradient
-  into the running sums in place (:meth:`tpipe.core.chunks.ChunkSet.backward_into`), so no tick
-  builds its chunk's whole parameter gradient first.
+  ``remat="full"`` (:func:`backward_by_units`), ``B`` runs the chunk's units backwards one at a
+  time instead and adds each unit's parameter gradient into the running sums in place
+  (:func:`tpipe.core.unit_backward.backward_into`), so no tick builds its chunk's whole
+  parameter gradient first.
 * ``BI`` is ``B`` with the chunk's operations linear in a weight tapped (:mod:`tpipe.core.taps`):
   it yields the input gradient and those operations' output gradients, filed with their other
   operands in a **weight slot** (packed per stage, as many slots as the table's most
@@ -58,6 +58,7 @@ from tpipe import schedules
 from tpipe.core import chunks as chunks_lib
 from tpipe.core import packing
 from tpipe.core import spmd
+from tpipe.core import unit_backward
 
 Action = schedules.Action
 
@@ -106,15 +107,17 @@ def is_split(schedule: schedules.FusedSchedule) -> bool:
 def backward_by_units(spec) -> bool:
   """Whether the loss's backward ticks run their chunks' units backwards one at a time, adding
   each unit's parameter gradients into the running sums in place
-  (:meth:`tpipe.core.chunks.ChunkSet.backward_into`): wherever that costs no more FLOPs than
+  (:func:`tpipe.core.unit_backward.backward_into`): wherever that costs no more FLOPs than
   the setting asks for. Under ``remat="full"``, a fused schedule's ``B`` recomputes its chunk
-  from the stashed input anyway, so any granularity finer than a chunk qualifies; a forward
-  schedule qualifies with ``"nested"`` (one more forward per unit either way), where ``"layer"``
-  and ``k`` keep every piece's input across ticks instead and recompute one piece less.
+  from the stashed input anyway, so every granularity qualifies (``"chunk"`` keeping each
+  unit's residuals from that recompute, finer ones each unit's input); a forward schedule
+  qualifies with ``"chunk"`` (the backward of the chunk's checkpoint, its gradients summed in
+  place) and ``"nested"`` (one more forward per unit either way), where ``"layer"`` and ``k``
+  keep every piece's input across ticks instead and recompute one piece less.
   """
-  if spec.remat != "full" or spec.remat_granularity == "chunk":
+  if spec.remat != "full":
     return False
-  return spec.is_fused or spec.remat_granularity == "nested"
+  return spec.is_fused or spec.remat_granularity in ("nested", "chunk")
 
 
 def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarray, np.ndarray]:
@@ -225,8 +228,8 @@ class _Run:
     # B runs its units backwards one at a time, their parameter gradients added into the
     # running sums in place, without first building the chunk's whole parameter gradient.
     self.unitwise = backward_by_units(chunkset.spec)
-    self.backward_into = ([chunkset.backward_into(b) for b in range(count)] if self.unitwise
-                          else [])
+    self.backward_into = ([unit_backward.backward_into(chunkset, b) for b in range(count)]
+                          if self.unitwise else [])
     self.tapped = [chunkset.tapped_branch(b, inner) for b in range(count)] if self.split else []
     self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
 

@@ -1,0 +1,142 @@
+"""A chunk's backward one layer unit at a time, its parameter gradients summed in place.
+
+Differentiating a chunk whole (``jax.vjp`` of the chunk program) builds the chunk's whole
+parameter gradient, the stacked output of the backward scan over its units, before the tick adds
+it to the stage's running sum; on the TPU the compiler reserves about as much again. The backward
+here (:func:`backward_into`) runs the units backwards one at a time from
+:meth:`tpipe.core.chunks.ChunkSet.unit_steps` and adds each unit's parameter gradient into the
+running sums inside the loop over a run's copies, which XLA updates in place. The fused tick loop
+(:mod:`tpipe.core.fused`) runs its ``B`` actions this way under ``remat="full"``
+(:func:`tpipe.core.fused.backward_by_units`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tpipe.core import chunks as chunks_lib
+from tpipe.core import spmd
+
+_floats = chunks_lib.float_leaves
+_with_floats = chunks_lib.with_float_leaves
+
+
+def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
+  """Branch ``index`` of ``chunkset``: its backward one unit at a time, its parameter gradients
+  added into running sums: ``fn(sums, staged, fresh, incoming, broadcast, per_example, rngs,
+  microbatch, chunk, outputs, cotangent) -> (sums, g_fresh, g_incoming, g_side)``.
+
+  ``sums`` are the float leaves of ``staged`` (:func:`tpipe.core.chunks.float_leaves`) holding
+  the gradients so far; ``outputs((to_next, output))`` picks the differentiated outputs of the
+  chunk's results and ``cotangent(outputs)`` gives their cotangent. The gradients returned are
+  those of the float leaves of ``fresh``, ``incoming`` and ``(broadcast, per_example)``.
+
+  It recomputes the chunk's forward, then runs the units backwards, each unit's parameter
+  gradient added into ``sums`` inside the loop over a run's copies: XLA updates the running
+  sums in place, where differentiating the whole chunk would first build the chunk's whole
+  parameter gradient (the scan's stacked output) and then add it. With ``"chunk"``
+  granularity the recomputed forward keeps every unit's residuals (its VJP, less what the
+  backward reads again: the unit's variables and the side inputs), for the FLOPs of
+  differentiating the chunk's checkpoint; finer, it keeps each unit's input and recomputes the
+  unit under ``jax.vjp`` in the backward, for the FLOPs of ``remat_granularity="layer"``.
+  """
+  steps = chunkset.unit_steps(index)
+  unroll = chunkset.spec.unroll
+  keep_residuals = chunkset.spec.remat_granularity == "chunk"
+
+  def run(sums, staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk,
+          outputs, cotangent):
+    side = (broadcast, per_example)
+    staged_floats, side_floats = _floats(staged), _floats(side)
+
+    def unit_vjp(read, apply, h_in, copy):
+      """``(h_out, vjp, unit)``: the unit's variables read and applied to ``h_in``, and the
+      VJP from its output's float leaves to those of the unit, ``h_in`` and ``side``."""
+      unit = read(staged, chunk, copy)
+
+      def f(unit_floats, h_floats, side_floats):
+        h_out = apply(_with_floats(unit, unit_floats), _with_floats(side, side_floats),
+                      rngs, microbatch, _with_floats(h_in, h_floats))
+        return _floats(h_out), h_out
+
+      _, vjp, h_out = jax.vjp(f, _floats(unit), _floats(h_in), side_floats, has_aux=True)
+      return h_out, vjp, unit
+
+    def add_unit_grads(carry, vjp, read, copy):
+      g_h, sums, g_side = carry
+      d_unit, d_h, d_side = vjp(g_h)
+      _, read_vjp = jax.vjp(
+          lambda floats: _floats(read(_with_floats(staged, floats), chunk, copy)),
+          staged_floats)
+      (d_staged,) = read_vjp(d_unit)
+      add = lambda total, g: [t + d for t, d in zip(total, g)]
+      return d_h, add(sums, d_staged), add(g_side, d_side)
+
+    # A kept VJP's residuals without what the backward reads again (the unit's variables and
+    # the side inputs, the same every copy): per residual, its (source, index) there or None.
+    reread: dict[int, list] = {}
+
+    def keep(k, vjp, unit):
+      leaves, treedef = jax.tree.flatten(vjp)
+      again = {id(a): ("unit", i) for i, a in enumerate(_floats(unit))}
+      again.update({id(a): ("side", i) for i, a in enumerate(side_floats)})
+      reread[k] = (treedef, [again.get(id(a)) for a in leaves])
+      return [a for a in leaves if id(a) not in again]
+
+    def kept_vjp(k, read, kept, copy):
+      treedef, sources = reread[k]
+      unit_floats = _floats(read(staged, chunk, copy))
+      kept = iter(kept)
+      leaves = [next(kept) if where is None else
+                (unit_floats if where[0] == "unit" else side_floats)[where[1]]
+                for where in sources]
+      return jax.tree.unflatten(treedef, leaves)
+
+    # Forward: what each unit's backward starts from (its kept residuals, or its input).
+    h = chunkset.input_of(index, chunk, fresh, incoming)
+    records = []
+    for k, (copies, read, apply) in enumerate(steps):
+      if keep_residuals:
+        def body(h, copy, k=k, read=read, apply=apply):
+          h, vjp, unit = unit_vjp(read, apply, h, copy)
+          return h, keep(k, vjp, unit)
+      else:
+        body = lambda h, copy, read=read, apply=apply: (
+            apply(read(staged, chunk, copy), side, rngs, microbatch, h), h)
+      if copies is None:
+        h, record = body(h, 0)
+      else:
+        h, record = lax.scan(body, h, jnp.arange(copies), unroll=unroll)
+      records.append(record)
+    rows = jax.tree.leaves(fresh)[0].shape[0]
+    tail = lambda hf: outputs(chunkset.results_of(index, _with_floats(h, hf), rows))
+    out, tail_vjp = jax.vjp(tail, _floats(h))
+    (g_h,) = tail_vjp(cotangent(out))
+
+    def unit_backward(carry, k, record, copy):
+      _, read, apply = steps[k]
+      if keep_residuals:
+        vjp = kept_vjp(k, read, record, copy)
+      else:
+        vjp = unit_vjp(read, apply, record, copy)[1]
+      return add_unit_grads(carry, vjp, read, copy)
+
+    carry = (g_h, list(sums), [spmd.zeros_like_varying(a) for a in side_floats])
+    for k in reversed(range(len(steps))):
+      if steps[k][0] is None:
+        carry = unit_backward(carry, k, records[k], 0)
+      else:
+        body = lambda carry, xs, k=k: (unit_backward(carry, k, xs[1], xs[0]), None)
+        carry, _ = lax.scan(body, carry, (jnp.arange(steps[k][0]), records[k]),
+                            reverse=True, unroll=unroll)
+    g_h, sums, g_side = carry
+    _, input_vjp = jax.vjp(
+        lambda f, i: _floats(chunkset.input_of(index, chunk, _with_floats(fresh, f),
+                                               _with_floats(incoming, i))),
+        _floats(fresh), _floats(incoming))
+    g_fresh, g_incoming = input_vjp(g_h)
+    return sums, g_fresh, g_incoming, g_side
+
+  return run
