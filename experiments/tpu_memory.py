@@ -42,6 +42,7 @@ ROWS = [
     ("gpipe, remat nested (chunk, then each layer)", "gpipe", 16, "nested", 1, 1),
     ("gpipe, remat nested (chunk, then each layer)", "gpipe", 8, "nested", 1, 1),
     ("gpipe, remat nested, loss in 8 vocabulary slices", "gpipe", 16, "nested", 1, 8),
+    ("1f1b, remat chunk", "1f1b", 16, "chunk", 1, 1),
     ("1f1b, remat per layer", "1f1b", 16, "layer", 1, 1),
     ("1f1b, remat nested", "1f1b", 16, "nested", 1, 1),
     ("circular R=2, remat chunk", "circular", 16, "chunk", 2, 1),
