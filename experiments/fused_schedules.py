@@ -16,14 +16,17 @@ schedule runs its backward inside its table) ahead of time, and reports:
   which hold the activations kept between forward and backward. GPipe keeps one stage input per
   forward tick (M + S - 1 of them), so its temporaries grow with M; the fused schedules keep at
   most the table's peak of micro-batches in flight, bounded by S.
-* **FLOPs and bubble** (S = 8, 32 blocks, M = 8 and 32): from the compiled tick loop's branches
+* **FLOPs and bubble** (S = 8, 32 blocks, M = 8 and 32; every schedule, GPipe and circular
+  too: under remat full their loss runs its forward ticks and autodiff's backward ticks as one
+  fused table): from the compiled tick loop's branches
   (:func:`tpipe.tools.analysis.fused_flops`, given the pipeline's chunk programs): the FLOPs of
   one ``F``, ``B``, ``BI`` and ``W`` (mean over model chunks); the busiest device's executed
   FLOPs vs the useful FLOPs; the step's lockstep time in FLOPs (every tick lasts its costliest
-  action); the lockstep-simulated bubble of the table under the measured per-action costs
-  (``FusedSchedule.simulate``); and for the zero-bubble schedules ``(BI + W) / B``, the split
-  backward's FLOPs over a fused backward's (the B branches are compiled into the same program,
-  unused).
+  action); the table's bubble under the measured per-action costs in the three time models of
+  :mod:`tpipe.schedules.simulate` (dependency-driven, neighbour-synchronised: what the tick loop
+  takes, lockstep), and the neighbour-synchronised step over GPipe's at the same M; and for the
+  zero-bubble schedules ``(BI + W) / B``, the split backward's FLOPs over a fused backward's
+  (the B branches are compiled into the same program, unused).
 
 ZB-H1's analytic bubble with costs ``F``, ``BI``, ``W`` (Qi et al., 2024): the first stage idles
 ``(S - 1)(F + BI - W)`` per step of ``M (F + BI + W)`` work, a fraction
@@ -105,21 +108,25 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) 
            f"{sizes['rows']} x {sizes['seq']}, width {sizes['width']}; MFLOP per device)", "",
            "| schedule | M | F | B | BI | W | (BI + W) / B | executed (busiest device) | useful "
            "(mean) | lockstep | bubble, unit costs: table | ZB-H1 analytic | bubble, measured "
-           "costs: natural | ZB-H1 analytic | lockstep |",
-           "|---|" + "---|" * 14]
+           "costs: natural | ZB-H1 analytic | neighbour-synchronised | lockstep | "
+           "neighbour-synchronised step / GPipe's |",
+           "|---|" + "---|" * 16]
   mf = lambda v: f"{v / 1e6:.1f}" if np.isfinite(v) else "-"
   show = lambda v, digits=3: f"{v:.{digits}f}" if np.isfinite(v) else "-"
+  gpipe_step = {}
   for name, repeats in SCHEDULES:
-    if name not in FUSED:
-      continue
     for m in ms:
       model, pipeline, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
                                                num_layers=num_layers, **sizes)
+      # GPipe and circular under remat full run their loss as one fused table too (the forward
+      # ticks, then autodiff's backward ticks: tpipe.schedules.from_forward).
       table = model.spec.table
+      table = table if name in FUSED else tpipe.schedules.from_forward(table)
       found = analysis.fused_flops(compiled, table, pipeline.programs())
       mean = {k: float(np.mean(v)) for k, v in found.actions.items()}
       costs = found.costs()
       timing = table.simulate(costs)
+      gpipe_step.setdefault(m, timing.neighbour)
       split = (mean["BI"] + mean["W"]) / mean["B"] if np.isfinite(mean["BI"]) else float("nan")
       zb = name == "zb_h1"
       unit = zb_h1_analytic({"F": 1, "BI": 1, "W": 1}, stages, m) if zb else float("nan")
@@ -128,7 +135,8 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) 
           f"| {name} | {m} | {mf(mean['F'])} | {mf(mean['B'])} | {mf(mean['BI'])} | "
           f"{mf(mean['W'])} | {show(split, 4)} | {mf(found.executed)} | {mf(found.useful)} | "
           f"{mf(found.lockstep)} | {table.bubble_fraction:.3f} | {show(unit)} | "
-          f"{timing.natural_bubble:.3f} | {show(analytic)} | {timing.lockstep_bubble:.3f} |")
+          f"{timing.natural_bubble:.3f} | {show(analytic)} | {timing.neighbour_bubble:.3f} | "
+          f"{timing.lockstep_bubble:.3f} | {timing.neighbour / gpipe_step[m]:.3f} |")
   return lines
 
 

@@ -46,6 +46,21 @@ def test_fused_describe_draws_the_table():
   assert schedules.zbv(1, 1).describe() == "stage 0:  F0/0  F0/1 BI0/1  W0/1 BI0/0  W0/0"
 
 
+def test_actions_list_the_work_by_tick_then_stage():
+  assert schedules.zb_h1(2, 1).actions() == [
+      (0, 0, "F", 0, 0), (1, 1, "F", 0, 1), (2, 1, "BI", 0, 1), (3, 0, "BI", 0, 0),
+      (3, 1, "W", 0, 1), (4, 0, "W", 0, 0)]
+  # ZB-V on one stage: local chunk 1 is model chunk 1 here; on two stages stage 0 holds model
+  # chunks 0 and 3 (the V).
+  assert [a[4] for a in schedules.zbv(1, 1).actions()] == [0, 1, 1, 1, 0, 0]
+  table = schedules.zbv(2, 2)
+  listed = table.actions()
+  assert len(listed) == int(table.busy.sum())
+  assert {(s, v) for _, s, _, _, v in listed} == {(0, 0), (0, 3), (1, 1), (1, 2)}
+  for t, s, kind, m, _ in listed:
+    assert schedules.Action[kind] == table.action[t, s] and m == table.microbatch[t, s]
+
+
 # --------------------------------------------------------------------------------------------
 # from_forward: a forward schedule and autodiff's backward as one table.
 

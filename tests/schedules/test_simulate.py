@@ -1,5 +1,5 @@
-"""tpipe.schedules.simulate: a fused table's step time under per-action costs, lockstep (SPMD)
-and dependency-driven, worked out by hand."""
+"""tpipe.schedules.simulate: a fused table's step time under per-action costs, lockstep (SPMD),
+neighbour-synchronised and dependency-driven, worked out by hand."""
 
 import numpy as np
 import pytest
@@ -55,3 +55,45 @@ def test_a_forward_only_table_costs_its_forwards():
 def test_simulate_bad_costs(costs, match):
   with pytest.raises(ValueError, match=match):
     schedules.zb_h1(2, 2).simulate(costs)
+
+
+def test_neighbour_synchronised_time_by_hand():
+  # Three stages, two ticks; stage 2 exchanges with stage 1 only, unless the chunks wrap.
+  cost = np.array([[3.0, 0.0, 1.0],
+                   [1.0, 1.0, 3.0]])
+  straight = schedules.exchange_partners(3, wrap=False)
+  assert straight == [(1,), (0, 2), (1,)]
+  # Tick 0 ends at [3, 0, 1]. Tick 1: stage 0 waits for itself and stage 1 (3), stage 1 for all
+  # three (3), stage 2 for itself and stage 1 (1): ends [4, 4, 4].
+  assert schedules.neighbour_time(cost, straight) == 4
+  # Round the ring stage 2 also waits for stage 0 (3) and ends at 6: the lockstep time here.
+  ring = schedules.exchange_partners(3, wrap=True)
+  assert ring == [(1, 2), (0, 2), (0, 1)]
+  assert schedules.neighbour_time(cost, ring) == 6 == cost.max(axis=1).sum()
+
+
+def test_one_f_one_b_on_three_stages_by_hand():
+  s = schedules.one_f_one_b(3, 2)
+  # stage 0: F0 F1  .  .  . B0  . B1
+  # stage 1:  . F0 F1  . B0  . B1  .
+  # stage 2:  .  . F0 B0 F1 B1  .  .
+  timing = s.simulate({"F": 1, "B": 2})
+  # Neighbour ends per tick: [1,0,0] [2,2,0] [2,3,3] [3,3,5] [3,7,6] [9,7,9] [9,11,9] -> 13:
+  # tick 4's F1 on stage 2 waits for stage 1's B0, so nothing is gained over lockstep.
+  assert timing.neighbour == timing.lockstep == 13
+  assert timing.natural == 12
+  assert timing.neighbour_bubble == pytest.approx(1 - 18 / 39)
+
+
+@pytest.mark.parametrize("name,stages,microbatches,repeats", [
+    ("1f1b", 4, 8, 1), ("zb_h1", 8, 32, 1), ("zbv", 4, 8, 2), ("interleaved_1f1b", 4, 8, 2),
+    ("gpipe", 4, 8, 1), ("circular", 4, 8, 2),
+])
+@pytest.mark.parametrize("costs", [None, {"F": 1.0, "B": 3.3, "BI": 2.3, "W": 1.0}])
+def test_the_three_time_models_are_ordered(name, stages, microbatches, repeats, costs):
+  table = schedules.build(name, stages, microbatches, repeats)
+  table = table if isinstance(table, schedules.FusedSchedule) else schedules.from_forward(table)
+  timing = table.simulate(costs)
+  assert timing.natural <= timing.neighbour + 1e-9
+  assert timing.neighbour <= timing.lockstep + 1e-9
+  assert 0 <= timing.natural_bubble <= timing.neighbour_bubble <= timing.lockstep_bubble < 1

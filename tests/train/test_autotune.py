@@ -81,9 +81,14 @@ def test_schedule_is_a_search_dimension_with_the_fused_schedules():
   for name in names:  # Each valid one has a table, whose bubble the trials carry.
     table = autotune.schedule_table(name, 2, 2, 1)
     assert 0 < autotune.simulated_bubble(table) < 1
-  # 1F1B's lockstep (a tick lasts as long as its slowest stage) loses more than GPipe's.
-  assert (autotune.simulated_bubble(autotune.schedule_table("1f1b", 4, 8, 1))
+  # 1F1B's ticks (each as long as the slowest of a stage and its neighbours) lose more than
+  # GPipe's; the bubble is the neighbour-synchronised one, no larger than the lockstep one.
+  one_f_one_b = autotune.schedule_table("1f1b", 4, 8, 1)
+  assert (autotune.simulated_bubble(one_f_one_b)
           > autotune.simulated_bubble(autotune.schedule_table("gpipe", 4, 8, 1)))
+  timing = autotune.simulated_timing(one_f_one_b)
+  assert autotune.simulated_bubble(one_f_one_b) == timing.neighbour_bubble
+  assert timing.natural_bubble < timing.neighbour_bubble <= timing.lockstep_bubble
   with pytest.raises(ValueError, match="Unknown schedule 'pipedream'"):
     autotune.candidates(config, 2, schedules=["pipedream"])
   assert "--config.schedule=1f1b" in autotune.Candidate(2, 1, 2, "full", "1f1b").overrides()

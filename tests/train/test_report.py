@@ -179,7 +179,9 @@ def test_command_line_writes_report_and_timeline(tmp_path):
   assert numbers["config"]["remat"] == "full"  # the GPipe config's setting.
   assert numbers["config"]["remat_granularity"] == "chunk"
   assert "remat=full remat_granularity=chunk," in result.stdout
-  assert numbers["schedule"]["num_ticks"] == 3
+  # Under remat full GPipe's loss runs its forward ticks and autodiff's backward ticks as one
+  # fused table: 2 x (M + S - 1) ticks.
+  assert numbers["schedule"]["num_ticks"] == 6 and numbers["schedule"]["name"] == "gpipe"
   assert "peak / floor" in result.stdout
   # One chunk per stage: [embedding, blocks] and [blocks, head].
   assert [[len(c) for c in s["layers"]] for s in numbers["stages"]] == [[2], [2]]
@@ -251,12 +253,20 @@ def test_memory_floor_parts_add_up_and_stay_below_the_peak(which, request):
   assert floor.total < report.largest_device_bytes
   assert report.floor_ratio == pytest.approx(report.largest_device_bytes / floor.total)
   assert report.floor_ratio >= 1
-  # A stash slot per forward tick; past the first stage, a slot holds one device's micro-batch
-  # of activations [B / (data * M), seq, width] in the computation dtype.
+  # Differentiated through its tick loop (the tiny LM: remat none) GPipe keeps a stash slot per
+  # forward tick; under remat full (circular here) the step runs the forward and backward ticks
+  # as one fused table (tpipe.schedules.from_forward): a slot per micro-batch chunk the stage
+  # holds, R x M. Past the first stage, a slot holds one device's micro-batch of activations
+  # [B / (data * M), seq, width] in the computation dtype.
+  table, chunks = report.schedule, config.num_repeats * config.num_microbatches
+  assert table.name == config.schedule
+  fused = config.remat == "full"
+  assert isinstance(table, tpipe.schedules.FusedSchedule) == fused
+  assert table.num_ticks == (2 if fused else 1) * (chunks + config.num_stages - 1)
   rows = config.batch_size // (config.num_data * config.num_microbatches)
   activation = rows * config.seq_len * config.width * jnp.dtype(config.dtype).itemsize
   for s in report.stages:
-    assert s.stash_slots == report.schedule.num_ticks
+    assert s.stash_slots == (chunks if fused else table.num_ticks)
     if s.stage > 0 or config.num_repeats > 1:
       assert s.input_bytes == activation
   assert report.ring_bytes == activation
@@ -278,10 +288,13 @@ def test_fused_schedule_reports_its_table_in_flight_and_simulated_step(fused_rep
   assert out["in_flight_per_stage"] == [4, 3, 2, 1]
   assert out["stash_slots_per_stage"] == out["stashed_microbatches_per_stage"] == 4
   timing = table.simulate()
-  assert out["simulated_step"]["lockstep"] == timing.lockstep > timing.natural
-  assert out["simulated_step"]["lockstep_bubble"] == pytest.approx(timing.lockstep_bubble)
-  # The floor counts each stage's own in-flight inputs; the tiny GPipe report's 7 slots per stage
-  # (M + S - 1) shrink to 4, 3, 2, 1.
+  step = out["simulated_step"]
+  assert step["lockstep"] == timing.lockstep >= step["neighbour"] == timing.neighbour
+  assert timing.neighbour > step["natural"] == timing.natural
+  for model in ("lockstep", "neighbour", "natural"):
+    assert step[f"{model}_bubble"] == pytest.approx(getattr(timing, f"{model}_bubble"))
+  # The floor counts each stage's own in-flight inputs; the tiny GPipe report's 4 slots per stage
+  # (M) shrink to 4, 3, 2, 1.
   assert [s.stash_slots for s in report.stages] == [4, 3, 2, 1]
   stage = report.stages[report.floor.stage]
   assert report.floor.stash_bytes == stage.stash_slots * stage.input_bytes
@@ -294,7 +307,9 @@ def test_fused_schedule_reports_its_table_in_flight_and_simulated_step(fused_rep
   assert roles[("all-reduce", "data-parallel reduction")]["in_loop"] == 0
   text = report_lib.format_report(report)
   assert "in flight per stage at most [4, 3, 2, 1]" in text
-  assert f"lockstep (SPMD, each tick as long as its slowest stage) {timing.lockstep:g}" in text
+  assert f"lockstep (each tick as long as its slowest stage) {timing.lockstep:g}" in text
+  assert (f"neighbour-synchronised (each tick starts when the stage and its neighbours "
+          f"finished the last: the tick loop) {timing.neighbour:g}") in text
   assert "one per forward tick" not in text
   assert "each slot also keeps the chunk's saved activations" not in text  # remat='none' here.
   # The timeline draws the fused table as it is (forward and backward already in it).

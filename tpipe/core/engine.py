@@ -66,6 +66,19 @@ class Pipeline:
   owner: str
 
   @property
+  def loss_table(self):
+    """The table :meth:`loss` runs (what a training step runs): a fused schedule's own; a
+    forward schedule's forward ticks and autodiff's backward ticks as one fused table
+    (:func:`tpipe.schedules.from_forward`) where its backward goes by units
+    (:func:`tpipe.core.fused.backward_by_units`, layers without running statistics); else the
+    forward schedule, differentiated through its tick loop."""
+    table = self.spec.table
+    by_units = self.stats_layout is None and fused.backward_by_units(self.spec)
+    if not self.spec.is_fused and by_units:
+      return schedules.from_forward(table)
+    return table
+
+  @property
   def output(self):
     """The abstract output of the last layer on one micro-batch (planning's micro-batch)."""
     return self.plan.layer_inputs[-1]
@@ -149,13 +162,11 @@ class Pipeline:
       :meth:`apply` returns them.
     """
     self._check_losses()
-    table = self.spec.table
-    if not self.spec.is_fused and stats is None and fused.backward_by_units(self.spec):
-      # The forward schedule's ticks, then autodiff's backward ticks, as one fused table: its
-      # backward runs one unit at a time with the gradients summed in place, where autodiff
-      # through the tick loop would first build each tick's whole parameter gradient.
-      table = schedules.from_forward(table)
-    elif not self.spec.is_fused:
+    # A forward schedule's ticks, then autodiff's backward ticks, as one fused table where its
+    # backward runs one unit at a time with the gradients summed in place (autodiff through the
+    # tick loop would first build each tick's whole parameter gradient).
+    table = self.loss_table
+    if not isinstance(table, schedules.FusedSchedule):
       result = self.apply(params, x, kwargs, stats=stats, rngs=rngs, mesh=mesh)
       if stats is None:
         return jnp.mean(result)

@@ -8,7 +8,8 @@
   interleaved in one validated table, with derived message routing.
 * :mod:`~tpipe.schedules.orders`: the named fused schedules (1F1B, interleaved 1F1B, ZB-H1,
   ZB-V) as per-stage action orders.
-* :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep and natural).
+* :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep,
+  neighbour-synchronised and natural).
 
 :func:`build` is the one factory of tables by name; it caches them (tables are read-only).
 
@@ -44,6 +45,8 @@ from tpipe.schedules.orders import one_f_one_b
 from tpipe.schedules.orders import zb_h1
 from tpipe.schedules.orders import zbv
 from tpipe.schedules.simulate import Timing
+from tpipe.schedules.simulate import exchange_partners
+from tpipe.schedules.simulate import neighbour_time
 from tpipe.schedules.simulate import simulate
 from tpipe.schedules import forward as _forward
 from tpipe.schedules import orders as _orders
@@ -59,9 +62,10 @@ _FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
 
 __all__ = [
     "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
-    "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular", "from_forward",
-    "gpipe", "interleaved_1f1b", "is_fused", "make_fused_schedule", "make_schedule",
-    "one_f_one_b", "place", "placement", "simulate", "virtual_stages", "zb_h1", "zbv",
+    "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular",
+    "exchange_partners", "from_forward", "gpipe", "interleaved_1f1b", "is_fused",
+    "make_fused_schedule", "make_schedule", "neighbour_time", "one_f_one_b", "place",
+    "placement", "simulate", "virtual_stages", "zb_h1", "zbv",
 ]
 
 

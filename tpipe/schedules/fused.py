@@ -7,9 +7,9 @@ derived and validated on construction. :func:`place` lays per-stage action order
 (the named schedules in :mod:`tpipe.schedules.orders` are orders); :func:`from_forward` writes a
 forward schedule and autodiff's backward as one table, so every schedule can be analysed side by
 side and run by the fused tick loop (a forward schedule's loss under ``remat="full"`` with
-``"nested"`` granularity). :meth:`FusedSchedule.forward_pass` is the table's forward actions
-alone (what a call that is not differentiated runs). :mod:`tpipe.core.fused` runs these tables.
-Pure NumPy.
+``"chunk"`` or ``"nested"`` granularity). :meth:`FusedSchedule.forward_pass` is the table's
+forward actions alone (what a call that is not differentiated runs). :mod:`tpipe.core.fused`
+runs these tables. Pure NumPy.
 
 Example::
 
@@ -130,6 +130,15 @@ class FusedSchedule:
   def busy(self) -> np.ndarray:
     """Boolean ``[tick, stage]``: True where the stage does an action."""
     return self.action != IDLE
+
+  def actions(self) -> list[tuple[int, int, str, int, int]]:
+    """The table's work as ``(tick, stage, kind, microbatch, model_chunk)`` tuples, by tick and
+    then stage: ``kind`` is ``"F"``, ``"B"``, ``"BI"`` or ``"W"``, ``model_chunk`` the chunk of
+    the whole model it runs (:attr:`virtual_stage` of the stage's local chunk). Each stage runs
+    its actions in this order; idle entries are left out."""
+    vstage = self.virtual_stage
+    return [(int(t), int(s), Action(self.action[t, s]).name, int(self.microbatch[t, s]),
+             int(vstage[s, self.chunk[t, s]])) for t, s in zip(*np.nonzero(self.busy))]
 
   @property
   def bubble_fraction(self) -> float:

@@ -1,14 +1,19 @@
-"""How long a fused schedule's step takes under per-action costs: lockstep and dependency-driven.
-
-Two time models of one table:
+"""How long a fused schedule's step takes under per-action costs: three time models of one table.
 
 * **lockstep** (SPMD): every stage waits for the slowest action of each tick, so the step is the
-  sum over ticks of the most expensive action in the tick; this is what one SPMD program whose
-  ticks end together takes.
+  sum over ticks of the most expensive action in the tick; a program whose ticks all end
+  together (a barrier every tick) takes this long.
+* **neighbour-synchronised**: what one SPMD program with a send to each neighbour per tick
+  (:mod:`tpipe.core.fused`) takes: a stage starts tick ``t`` when it and the stages it exchanges
+  messages with (the stage before and after it, around the ring when chunks wrap) have finished
+  tick ``t - 1``; no other barrier. A slow action delays its neighbours one tick later, theirs
+  the tick after, so a tick's cost spreads only as far as the table lets it.
 * **natural** (dependency-driven): each stage runs its actions in the table's order, each as soon
-  as the stage is free and its inputs are done (no tick barrier, no transfer time).
+  as the stage is free and its inputs are done (no tick barrier, no transfer time); what an
+  MPMD runtime could reach.
 
-Pure NumPy. :meth:`tpipe.schedules.FusedSchedule.simulate` calls :func:`simulate`.
+For every table ``natural <= neighbour <= lockstep``. Pure NumPy.
+:meth:`tpipe.schedules.FusedSchedule.simulate` calls :func:`simulate`.
 """
 
 from __future__ import annotations
@@ -33,16 +38,24 @@ class Timing:
     natural: dependency-driven step time: each stage runs its actions in the table's order, each
       as soon as the stage is free and its inputs are done (no tick barrier, no transfer time).
     busy: ``[S]`` total cost of the actions of each stage.
+    neighbour: neighbour-synchronised step time: a stage starts each tick when it and the stages
+      it exchanges messages with have finished the previous one (:func:`exchange_partners`).
   """
 
   lockstep: float
   natural: float
   busy: np.ndarray
+  neighbour: float
 
   @property
   def lockstep_bubble(self) -> float:
     """Share of the stages' lockstep time spent idle or waiting for a slower stage."""
     return 1.0 - float(self.busy.sum()) / (self.busy.size * self.lockstep)
+
+  @property
+  def neighbour_bubble(self) -> float:
+    """Share of the stages' neighbour-synchronised time spent idle or waiting for a neighbour."""
+    return 1.0 - float(self.busy.sum()) / (self.busy.size * self.neighbour)
 
   @property
   def natural_bubble(self) -> float:
@@ -78,8 +91,31 @@ def action_costs(schedule, costs: Mapping[str, float] | None = None) -> np.ndarr
   return per_code[schedule.action]
 
 
+def exchange_partners(num_stages: int, wrap: bool) -> list[tuple[int, ...]]:
+  """Per stage, the stages it exchanges a message with every tick: the one before and the one
+  after it (the fused tick loop's two sends), around the ring when ``wrap`` (the model chunks
+  wrap from the last stage to the first: more than one chunk per stage)."""
+  out = []
+  for s in range(num_stages):
+    near = {s - 1, s + 1}
+    near = {n % num_stages for n in near} if wrap else {n for n in near if 0 <= n < num_stages}
+    out.append(tuple(sorted(near - {s})))
+  return out
+
+
+def neighbour_time(cost: np.ndarray, partners) -> float:
+  """The neighbour-synchronised step time of per-entry costs ``[T, S]``: stage ``s`` starts tick
+  ``t`` when it and ``partners[s]`` have finished tick ``t - 1``."""
+  end = np.zeros(cost.shape[1])
+  for row in cost:
+    start = np.array([max([end[s]] + [end[p] for p in partners[s]]) for s in range(len(end))])
+    end = start + row
+  return float(end.max(initial=0.0))
+
+
 def simulate(schedule, costs: Mapping[str, float] | None = None) -> Timing:
-  """Step time of ``schedule`` under per-action ``costs``, lockstep and natural.
+  """Step time of ``schedule`` under per-action ``costs``: lockstep, neighbour-synchronised and
+  natural.
 
   Args:
     schedule: a :class:`~tpipe.schedules.FusedSchedule`.
@@ -101,4 +137,6 @@ def simulate(schedule, costs: Mapping[str, float] | None = None) -> Timing:
                   default=0.0)
       start = max(stage_free[s], ready)
       stage_free[s] = finish[(actions_lib.EVENT[kind], m, v)] = start + cost[t, s]
-  return Timing(lockstep=lockstep, natural=float(stage_free.max()), busy=cost.sum(axis=0))
+  partners = exchange_partners(schedule.num_stages, schedule.num_chunks > 1)
+  return Timing(lockstep=lockstep, natural=float(stage_free.max()), busy=cost.sum(axis=0),
+                neighbour=neighbour_time(cost, partners))

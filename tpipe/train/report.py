@@ -45,6 +45,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from tpipe.train import cli
+from tpipe.train import schedule_summary
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -79,9 +80,10 @@ class Report:
     config: the experiment config.
     num_params: trainable parameters of the model.
     num_devices: devices in the mesh.
-    schedule: the table the step runs: a forward :class:`tpipe.schedules.Schedule` (GPipe,
-      circular; autodiff through its tick loop gives the backward) or a
-      :class:`tpipe.schedules.FusedSchedule` (1F1B, ...; forward and backward in one table).
+    schedule: the table the step runs (:attr:`tpipe.core.engine.Pipeline.loss_table`): a
+      :class:`tpipe.schedules.FusedSchedule` (1F1B, ...; or GPipe's and circular's forward and
+      backward ticks as one table under remat full) or a forward
+      :class:`tpipe.schedules.Schedule` (autodiff through its tick loop gives the backward).
     analysis: the :class:`tpipe.tools.analysis.Analysis` of the compiled step.
     lower_seconds: wall-clock time to trace and lower the step.
     compile_seconds: wall-clock time for XLA to compile it.
@@ -208,7 +210,7 @@ class Report:
             "gated_in_tick_loops": pipe.gated if pipe else 0.0,
             "transcendentals": flops.transcendentals,
         },
-        "schedule": schedule_json(self.schedule),
+        "schedule": schedule_summary.schedule_json(self.schedule),
         "collectives_per_step": self.collective_rows(),
         "stages": [stage.to_json() for stage in self.stages],
         "ring_bytes_per_microbatch": self.ring_bytes,
@@ -221,64 +223,6 @@ class Report:
         "parameters_split_per_axis": list(self.state_split),
         "live_at_peak_bytes_by_role": self.peak.by_role() if self.peak else None,
     }
-
-
-def _is_fused(schedule) -> bool:
-  from tpipe import schedules  # pylint: disable=g-import-not-at-top
-
-  return isinstance(schedule, schedules.FusedSchedule)
-
-
-def _simulated(schedule):
-  """The whole step (forward and backward) as a fused table, and its :class:`Timing` under the
-  default costs (F = 1, B = 2, BI = W = 1)."""
-  from tpipe import schedules  # pylint: disable=g-import-not-at-top
-
-  fused = schedule if _is_fused(schedule) else schedules.from_forward(schedule)
-  return fused, fused.simulate()
-
-
-def schedule_json(schedule) -> dict[str, Any]:
-  """The schedule's part of ``report.json``: ticks, bubble, stash, simulated step time.
-
-  ``stash_slots_per_stage`` is what the executor allocates per stage for the backward pass
-  (forward schedules: one slot per forward tick, bubble ticks included; fused: the table's peak
-  of micro-batches in flight); ``stashed_microbatches_per_stage`` how many hold micro-batches
-  at the peak. ``simulated_step`` is the lockstep (SPMD) and dependency-driven step time of the
-  whole step in units of one chunk forward (F = 1, B = 2, BI = W = 1).
-  """
-  from tpipe import schedules  # pylint: disable=g-import-not-at-top
-
-  fused, timing = _simulated(schedule)
-  out = {"name": schedule.name, "fused": _is_fused(schedule), "num_ticks": schedule.num_ticks,
-         "bubble_fraction": schedule.bubble_fraction,
-         "stash_slots_per_stage": int(schedule.stash_slots().max()),
-         "in_flight_per_stage": [int(n) for n in fused.peak_in_flight()],
-         "simulated_step": {"lockstep": timing.lockstep, "natural": timing.natural,
-                            "lockstep_bubble": timing.lockstep_bubble,
-                            "costs": dict(schedules.DEFAULT_COSTS)}}
-  out["stashed_microbatches_per_stage"] = (int(fused.peak_in_flight().max()) if out["fused"]
-                                           else int(schedule.stashed_microbatches().max()))
-  return out
-
-
-def format_schedule(schedule) -> list[str]:
-  """What the schedule keeps in flight and its simulated step time, as markdown lines."""
-  fused, timing = _simulated(schedule)
-  peaks = ", ".join(str(int(n)) for n in fused.peak_in_flight())
-  if _is_fused(schedule):
-    stash = (f"Fused schedule {schedule.name!r} ({schedule.num_ticks} ticks of forward and "
-             f"backward): micro-batch chunks in flight per stage at most [{peaks}] (stage 0 "
-             f"first), so {int(schedule.stash_slots().max())} stash slots per stage hold stage "
-             f"inputs, bounded by S and not by M={schedule.num_microbatches}.")
-  else:
-    stash = (f"Backward-pass stash per stage: {schedule.stash_slots().max()} slots (one per "
-             f"forward tick), {schedule.stashed_microbatches().max()} of them holding "
-             f"micro-batches (in flight per stage: [{peaks}]).")
-  return [stash, "", f"Simulated step time (F = 1, B = 2, BI = W = 1 per chunk and micro-batch): "
-          f"lockstep (SPMD, each tick as long as its slowest stage) {timing.lockstep:g}, "
-          f"dependency-driven {timing.natural:g}; lockstep bubble "
-          f"{timing.lockstep_bubble:.1%}."]
 
 
 def compile_train_step(exp, breakdown: bool = False):
@@ -391,7 +335,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   per_stage = per_stage and topology is None
   exp = experiment.build(config, devices=devices)
   compiled, state, batch, lower_s, compile_s, cpu_s, peak = compile_train_step(exp, breakdown)
-  schedule = exp.pipeline.spec.table  # Forward or fused: what the step runs.
+  schedule = exp.pipeline.loss_table  # Forward or fused: what the step runs.
   # The TPU compiler prints no trip counts, so there the tick loop's useful FLOPs cannot be
   # told from the bubble's: a topology report has no pipeline FLOPs (the memory is complete).
   result = analysis.analyze(
@@ -476,7 +420,7 @@ def format_report(report: Report) -> str:
       lines.append(f"| {row['axis']} | {row['devices']} | {fb(row['split_bytes'])} "
                    f"({row['split_bytes'] / total:.1%}) | {fb(row['whole_bytes'])} "
                    f"({row['whole_bytes'] / total:.1%}) |")
-  lines += [""] + format_schedule(report.schedule)
+  lines += [""] + schedule_summary.format_schedule(report.schedule)
   if flops.loops_without_trip_count:
     lines += ["", f"Warning: XLA proved no trip count for loops "
               f"{list(flops.loops_without_trip_count)}; each is counted once, so executed FLOPs "
@@ -532,7 +476,7 @@ def format_stages(report: Report) -> list[str]:
   ]
   # A fused schedule stashes only chunk inputs whatever the policy (its backward recomputes the
   # chunk's forward from them), so the note is about the forward schedules.
-  if report.config.get("remat") != "full" and not _is_fused(report.schedule):
+  if report.config.get("remat") != "full" and not schedule_summary.is_fused(report.schedule):
     lines += ["", f"remat={report.config.get('remat')!r}: the floor counts the stage inputs a "
               "stash slot keeps under remat='full'; with this policy each slot also keeps the "
               "chunk's saved activations, which the ratio then includes."]
@@ -541,7 +485,7 @@ def format_stages(report: Report) -> list[str]:
     lines += ["", f"remat_granularity={granularity!r}: the floor's working set is the chunk's "
               "forward and backward with its pieces checkpointed, as a tick runs it (each "
               "piece's input, and one piece's intermediates at a time)"
-              + ("." if _is_fused(report.schedule) else
+              + ("." if schedule_summary.is_fused(report.schedule) else
                  "; under gpipe/circular each stash slot also keeps the inputs of the chunk's "
                  "pieces, which the floor does not count.")]
   return lines
@@ -562,7 +506,7 @@ def write_report(report: Report, out_dir: str) -> dict[str, str]:
     json.dump(report.to_json(), f, indent=1, default=str)
   # A fused table holds its backward already; a forward one gets autodiff's, reversed.
   timeline.save_timeline(report.schedule, paths["timeline"],
-                         backward=not _is_fused(report.schedule))
+                         backward=not schedule_summary.is_fused(report.schedule))
   return paths
 
 

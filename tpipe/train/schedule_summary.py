@@ -1,0 +1,80 @@
+"""What the report says about the schedule a step runs: ticks, stash, simulated step time.
+
+:func:`schedule_json` is the schedule's part of ``report.json``, :func:`format_schedule` its
+lines of ``report.md`` (:mod:`tpipe.train.report`). The simulated step time is the table's under
+the default per-action costs in the three time models of :mod:`tpipe.schedules.simulate`.
+Imports of tpipe are deferred to the calls, like the report's own: the command line sets the
+emulated device count before JAX starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_fused(schedule) -> bool:
+  """Whether ``schedule`` is a fused table (forward and backward in one)."""
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  return isinstance(schedule, schedules.FusedSchedule)
+
+
+def _simulated(schedule):
+  """The whole step (forward and backward) as a fused table, and its :class:`Timing` under the
+  default costs (F = 1, B = 2, BI = W = 1)."""
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  fused = schedule if is_fused(schedule) else schedules.from_forward(schedule)
+  return fused, fused.simulate()
+
+
+def schedule_json(schedule) -> dict[str, Any]:
+  """The schedule's part of ``report.json``: ticks, bubble, stash, simulated step time.
+
+  ``stash_slots_per_stage`` is what the executor allocates per stage for the backward pass
+  (forward schedules: one slot per forward tick, bubble ticks included; fused: the table's peak
+  of micro-batches in flight); ``stashed_microbatches_per_stage`` how many hold micro-batches
+  at the peak. ``simulated_step`` is the step time of the whole step in units of one chunk
+  forward (F = 1, B = 2, BI = W = 1) under the three time models of
+  :mod:`tpipe.schedules.simulate`: lockstep, neighbour-synchronised (what the tick loop takes)
+  and dependency-driven, with their bubbles.
+  """
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  fused, timing = _simulated(schedule)
+  out = {"name": schedule.name, "fused": is_fused(schedule), "num_ticks": schedule.num_ticks,
+         "bubble_fraction": schedule.bubble_fraction,
+         "stash_slots_per_stage": int(schedule.stash_slots().max()),
+         "in_flight_per_stage": [int(n) for n in fused.peak_in_flight()],
+         "simulated_step": {**{f"{model}{part}": getattr(timing, f"{model}{part}")
+                               for model in ("lockstep", "neighbour", "natural")
+                               for part in ("", "_bubble")},
+                            "costs": dict(schedules.DEFAULT_COSTS)}}
+  out["stashed_microbatches_per_stage"] = (int(fused.peak_in_flight().max()) if out["fused"]
+                                           else int(schedule.stashed_microbatches().max()))
+  return out
+
+
+def format_schedule(schedule) -> list[str]:
+  """What the schedule keeps in flight and its simulated step time, as markdown lines."""
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  fused, timing = _simulated(schedule)
+  peaks = ", ".join(str(int(n)) for n in fused.peak_in_flight())
+  if is_fused(schedule):
+    bound = (f"bounded by S and not by M={schedule.num_microbatches}"
+             if schedule.name in schedules.FUSED_SCHEDULE_NAMES else "one per micro-batch chunk")
+    stash = (f"Fused schedule {schedule.name!r} ({schedule.num_ticks} ticks of forward and "
+             f"backward): micro-batch chunks in flight per stage at most [{peaks}] (stage 0 "
+             f"first), so {int(schedule.stash_slots().max())} stash slots per stage hold stage "
+             f"inputs, {bound}.")
+  else:
+    stash = (f"Backward-pass stash per stage: {schedule.stash_slots().max()} slots (one per "
+             f"forward tick), {schedule.stashed_microbatches().max()} of them holding "
+             f"micro-batches (in flight per stage: [{peaks}]).")
+  return [stash, "", f"Simulated step time (F = 1, B = 2, BI = W = 1 per chunk and micro-batch): "
+          f"neighbour-synchronised (each tick starts when the stage and its neighbours finished "
+          f"the last: the tick loop) {timing.neighbour:g}, bubble "
+          f"{timing.neighbour_bubble:.1%}; lockstep (each tick as long as its slowest stage) "
+          f"{timing.lockstep:g}, bubble {timing.lockstep_bubble:.1%}; dependency-driven "
+          f"{timing.natural:g}, bubble {timing.natural_bubble:.1%}."]
