@@ -14,8 +14,9 @@ schedule runs its backward inside its table) ahead of time, and reports:
 * **Memory** (S = 4, 16 blocks, M = 8 and 64 micro-batches of a fixed size, so the batch grows
   with M): the compiled step's per-device temporaries (``memory_analysis().temp_size_in_bytes``),
   which hold the activations kept between forward and backward. GPipe keeps one stage input per
-  forward tick (M + S - 1 of them), so its temporaries grow with M; the fused schedules keep at
-  most the table's peak of micro-batches in flight, bounded by S.
+  micro-batch (its loss runs its forward and backward ticks as one fused table under remat full;
+  circular one per micro-batch and chunk), so its temporaries grow with M; the fused schedules
+  keep at most the table's peak of micro-batches in flight, bounded by S.
 * **FLOPs and bubble** (S = 8, 32 blocks, M = 8 and 32; every schedule, GPipe and circular
   too: under remat full their loss runs its forward ticks and autodiff's backward ticks as one
   fused table): from the compiled tick loop's branches
@@ -52,7 +53,6 @@ HEADS = 4
 # (name, chunks per stage)
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2),
              ("zb_h1", 1), ("zbv", 2))
-FUSED = tpipe.schedules.FUSED_SCHEDULE_NAMES
 
 
 def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
@@ -90,14 +90,12 @@ def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict)
   for name, repeats in SCHEDULES:
     temps, peak = [], "-"
     for m in ms:
-      model, _, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
-                                        num_layers=num_layers, **sizes)
+      _, pipeline, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
+                                           num_layers=num_layers, **sizes)
       temps.append(compiled.memory_analysis().temp_size_in_bytes)
-      table = model.spec.table
-      if name in FUSED:
-        peak = str(table.peak_in_flight().tolist())
-      else:
-        peak = f"{int(table.stashed_microbatches().max())} (one per forward tick)"
+      # GPipe and circular under remat full run their forward and backward ticks as one table,
+      # whose stash holds one input per micro-batch chunk.
+      peak = str(pipeline.loss_table.peak_in_flight().tolist())
     lines.append(f"| {name} | " + " | ".join(analysis.format_bytes(t) for t in temps)
                  + f" | {temps[-1] / temps[0]:.2f} | {peak} |")
   return lines
@@ -116,12 +114,11 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) 
   gpipe_step = {}
   for name, repeats in SCHEDULES:
     for m in ms:
-      model, pipeline, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
-                                               num_layers=num_layers, **sizes)
+      _, pipeline, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
+                                           num_layers=num_layers, **sizes)
       # GPipe and circular under remat full run their loss as one fused table too (the forward
       # ticks, then autodiff's backward ticks: tpipe.schedules.from_forward).
-      table = model.spec.table
-      table = table if name in FUSED else tpipe.schedules.from_forward(table)
+      table = pipeline.loss_table
       found = analysis.fused_flops(compiled, table, pipeline.programs())
       mean = {k: float(np.mean(v)) for k, v in found.actions.items()}
       costs = found.costs()

@@ -79,7 +79,8 @@ def test_one_f_one_b_on_three_stages_by_hand():
   # stage 2:  .  . F0 B0 F1 B1  .  .
   timing = s.simulate({"F": 1, "B": 2})
   # Neighbour ends per tick: [1,0,0] [2,2,0] [2,3,3] [3,3,5] [3,7,6] [9,7,9] [9,11,9] -> 13:
-  # tick 4's F1 on stage 2 waits for stage 1's B0, so nothing is gained over lockstep.
+  # stage 1's B0 (tick 4, ending at 7) holds up both neighbours' tick 5, so nothing is gained
+  # over lockstep.
   assert timing.neighbour == timing.lockstep == 13
   assert timing.natural == 12
   assert timing.neighbour_bubble == pytest.approx(1 - 18 / 39)

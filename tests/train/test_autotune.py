@@ -4,6 +4,7 @@ import pytest
 
 from configs import lm
 from tpipe import schedules
+from tpipe.tools import flops as flops_lib
 from tpipe.train import autotune
 from tpipe.train import report as report_lib
 
@@ -92,6 +93,27 @@ def test_schedule_is_a_search_dimension_with_the_fused_schedules():
   with pytest.raises(ValueError, match="Unknown schedule 'pipedream'"):
     autotune.candidates(config, 2, schedules=["pipedream"])
   assert "--config.schedule=1f1b" in autotune.Candidate(2, 1, 2, "full", "1f1b").overrides()
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_the_step_lasts_the_tables_neighbour_synchronised_time():
+  zb = schedules.zb_h1(8, 32)
+  measured = lambda costs: flops_lib.PipelineFlops(
+      lockstep=1e5, executed=9e4, useful=8e4, in_tick_loops=9e4, gated=8e4, tick_loops=("w",),
+      bubble_fraction=zb.bubble_fraction, action_costs=costs, outside_actions=7.0)
+  costs = {"F": 100.0, "B": 330.0, "BI": 230.0, "W": 100.0}
+  timing = zb.simulate(costs)
+  # A fused table: simulated with the program's FLOPs per action, plus the FLOPs outside them;
+  # with these costs a stage waits less than for the slowest stage of every tick.
+  assert autotune.step_flops(zb, measured(costs), 9e4) == timing.neighbour + 7.0
+  assert timing.neighbour < 0.9 * timing.lockstep
+  # Costs without the actions the table runs, or no tick-loop analysis (a TPU topology's
+  # program): the executed FLOPs scaled by neighbour / lockstep under the default costs (equal
+  # for these tables: their default-cost ticks hold one kind of action or equal costs).
+  default = zb.simulate()
+  expected = 9e4 * default.neighbour / default.lockstep
+  assert autotune.step_flops(zb, measured({"F": 100.0}), 9e4) == pytest.approx(expected)
+  assert autotune.step_flops(schedules.gpipe(4, 8), None, 9e4) == pytest.approx(9e4)
 
 
 def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():

@@ -309,7 +309,7 @@ def test_fused_schedule_reports_its_table_in_flight_and_simulated_step(fused_rep
   assert "in flight per stage at most [4, 3, 2, 1]" in text
   assert f"lockstep (each tick as long as its slowest stage) {timing.lockstep:g}" in text
   assert (f"neighbour-synchronised (each tick starts when the stage and its neighbours "
-          f"finished the last: the tick loop) {timing.neighbour:g}") in text
+          f"finished the last: the tick loop's sends) {timing.neighbour:g}") in text
   assert "one per forward tick" not in text
   assert "each slot also keeps the chunk's saved activations" not in text  # remat='none' here.
   # The timeline draws the fused table as it is (forward and backward already in it).

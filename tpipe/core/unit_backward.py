@@ -37,8 +37,10 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
   gradient added into ``sums`` inside the loop over a run's copies: XLA updates the running
   sums in place, where differentiating the whole chunk would first build the chunk's whole
   parameter gradient (the scan's stacked output) and then add it. With ``"chunk"``
-  granularity the recomputed forward keeps every unit's residuals (its VJP, less what the
-  backward reads again: the unit's variables and the side inputs), for the FLOPs of
+  granularity the recomputed forward keeps every unit's residuals (its VJP, less the unit's
+  variables and the side inputs as they are, which the backward reads again; what is computed
+  from them, such as a weight's bfloat16 cast or an FSDP gather, stays a residual, as under
+  autodiff), for the FLOPs of
   differentiating the chunk's checkpoint; finer, it keeps each unit's input and recomputes the
   unit under ``jax.vjp`` in the backward, for the FLOPs of ``remat_granularity="layer"``.
   """

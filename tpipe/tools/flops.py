@@ -206,6 +206,11 @@ class PipelineFlops:
     gated: lockstep FLOPs inside the tick loops' conditionals (the stage's layers).
     tick_loops: names of the ``while`` loops identified as tick loops (trip count = ticks).
     bubble_fraction: the schedule's idle share of ticks on every stage.
+    action_costs: for a fused table, the FLOPs of one action of each kind, mean over the model
+      chunks (:meth:`FusedFlops.costs`: what :meth:`tpipe.schedules.FusedSchedule.simulate`
+      takes); empty for a forward schedule.
+    outside_actions: for a fused table, the FLOPs per device outside its actions (message
+      routing, the sums after the loop, the optimizer); 0 for a forward schedule.
   """
 
   lockstep: float
@@ -215,6 +220,8 @@ class PipelineFlops:
   gated: float
   tick_loops: tuple[str, ...]
   bubble_fraction: float
+  action_costs: dict[str, float] = dataclasses.field(default_factory=dict)
+  outside_actions: float = 0.0
 
   @property
   def useful_fraction(self) -> float:
@@ -278,7 +285,8 @@ def pipeline_flops(compiled, schedule, flops: FlopCount | None = None,
     return PipelineFlops(lockstep=found.lockstep, executed=found.executed, useful=found.useful,
                          in_tick_loops=found.lockstep - found.overhead,
                          gated=float(found.per_stage.max()), tick_loops=(found.tick_loop,),
-                         bubble_fraction=float(schedule.bubble_fraction))
+                         bubble_fraction=float(schedule.bubble_fraction),
+                         action_costs=found.costs(), outside_actions=found.overhead)
   module = hlo_lib.module_of(compiled)
   counter = _FlopCounter(module, executed=True)
   inside = module.enclosing_loops()

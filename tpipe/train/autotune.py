@@ -27,12 +27,15 @@ model charges a bubble (fewer useful ticks per executed tick) and recomputation 
 schedule enters both sides through the compiled program: a fused schedule (1F1B, ...) stashes at
 most its table's peak in flight (``min(S, M)`` stage inputs for 1F1B) instead of GPipe's one per
 forward tick, which the measured memory shows, and runs its table's ticks, each counted at its
-costliest action (the SPMD lockstep), which the FLOPs show. The tick loop does not wait for
-the slowest stage every tick, only for its neighbours' sends, so the compute term takes those
-FLOPs at the table's neighbour-synchronised time (:mod:`tpipe.schedules.simulate`; forward
-schedules via ``tpipe.schedules.from_forward``): executed FLOPs times neighbour / lockstep time
-of the table simulated under the compiled program's per-action FLOPs (the default costs where
-the program gives none). Each trial carries the table's neighbour-synchronised bubble. The
+costliest action (the SPMD lockstep), which the FLOPs show. A stage of the tick loop need not
+wait for the slowest stage every tick, only for the neighbours it exchanges sends with, so the
+compute term is the table's neighbour-synchronised time (:mod:`tpipe.schedules.simulate`, a
+model of that constraint): for a fused table (1F1B, ...; GPipe and circular under remat full)
+the table simulated with the compiled program's FLOPs per action, plus its FLOPs outside the
+actions; for a forward schedule differentiated through its tick loop, the executed FLOPs times
+neighbour / lockstep time under the default costs (1 for GPipe and circular, whose ticks are all
+forwards or all backwards). Each trial carries the table's neighbour-synchronised bubble under
+the default costs, comparable across trials. The
 defaults describe one TPU v4 chip (about 275 TFLOP/s bf16 peak, taken at 40% utilisation, and
 45 GB/s per ICI link); only the ratios matter for the ranking.
 
@@ -57,7 +60,6 @@ from ml_collections import config_flags
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.tools import analysis
-from tpipe.tools import flops as flops_lib
 from tpipe.train import cli
 
 REMAT_ORDER = ("none", "dots", "full")
@@ -83,6 +85,25 @@ def simulated_timing(table, costs=None) -> schedules.Timing:
   :func:`tpipe.schedules.from_forward` writes it."""
   fused = table if isinstance(table, schedules.FusedSchedule) else schedules.from_forward(table)
   return fused.simulate(costs)
+
+
+def step_flops(table, pipeline, executed: float) -> float:
+  """The step's duration in FLOPs per device at the table's neighbour-synchronised time.
+
+  Args:
+    table: the table the step runs (forward or fused).
+    pipeline: the step's :class:`tpipe.tools.flops.PipelineFlops`, or None (no tick-loop
+      analysis, as for a TPU topology's program).
+    executed: the step's executed FLOPs (:attr:`tpipe.tools.flops.FlopCount.executed`).
+  """
+  if pipeline is not None and pipeline.action_costs:
+    try:
+      timing = simulated_timing(table, pipeline.action_costs)
+      return timing.neighbour + pipeline.outside_actions
+    except ValueError:  # The program's FLOPs miss an action kind the table runs.
+      pass
+  timing = simulated_timing(table)
+  return executed * (timing.neighbour / timing.lockstep if timing.lockstep else 1.0)
 
 
 def simulated_bubble(table) -> float:
@@ -280,12 +301,7 @@ def measure(config, candidate: Candidate, budget_bytes: int,
   rep = report_lib.analyze_config(_apply(config, candidate), per_stage=False)
   a = rep.analysis
   memory = rep.largest_device_bytes
-  costs = a.pipeline.costs() if isinstance(a.pipeline, flops_lib.FusedFlops) else None
-  try:
-    timing = simulated_timing(rep.schedule, costs)
-  except ValueError:  # The program's FLOPs miss an action the table runs.
-    timing = simulated_timing(rep.schedule)
-  compute = a.flops.executed * (timing.neighbour / timing.lockstep if timing.lockstep else 1.0)
+  compute = step_flops(rep.schedule, a.pipeline, a.flops.executed)
   return Trial(
       candidate=candidate, memory_bytes=memory, executed_flops=a.flops.executed,
       useful_fraction=a.pipeline.lockstep_efficiency if a.pipeline else 1.0,

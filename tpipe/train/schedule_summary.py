@@ -36,7 +36,7 @@ def schedule_json(schedule) -> dict[str, Any]:
   of micro-batches in flight); ``stashed_microbatches_per_stage`` how many hold micro-batches
   at the peak. ``simulated_step`` is the step time of the whole step in units of one chunk
   forward (F = 1, B = 2, BI = W = 1) under the three time models of
-  :mod:`tpipe.schedules.simulate`: lockstep, neighbour-synchronised (what the tick loop takes)
+  :mod:`tpipe.schedules.simulate`: lockstep, neighbour-synchronised (the tick loop's constraint)
   and dependency-driven, with their bubbles.
   """
   from tpipe import schedules  # pylint: disable=g-import-not-at-top
@@ -74,7 +74,7 @@ def format_schedule(schedule) -> list[str]:
              f"micro-batches (in flight per stage: [{peaks}]).")
   return [stash, "", f"Simulated step time (F = 1, B = 2, BI = W = 1 per chunk and micro-batch): "
           f"neighbour-synchronised (each tick starts when the stage and its neighbours finished "
-          f"the last: the tick loop) {timing.neighbour:g}, bubble "
+          f"the last: the tick loop's sends) {timing.neighbour:g}, bubble "
           f"{timing.neighbour_bubble:.1%}; lockstep (each tick as long as its slowest stage) "
           f"{timing.lockstep:g}, bubble {timing.lockstep_bubble:.1%}; dependency-driven "
           f"{timing.natural:g}, bubble {timing.natural_bubble:.1%}."]
