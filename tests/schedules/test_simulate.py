@@ -93,8 +93,25 @@ def test_one_f_one_b_on_three_stages_by_hand():
 @pytest.mark.parametrize("costs", [None, {"F": 1.0, "B": 3.3, "BI": 2.3, "W": 1.0}])
 def test_the_three_time_models_are_ordered(name, stages, microbatches, repeats, costs):
   table = schedules.build(name, stages, microbatches, repeats)
-  table = table if isinstance(table, schedules.FusedSchedule) else schedules.from_forward(table)
-  timing = table.simulate(costs)
+  timing = schedules.whole_step(table).simulate(costs)
   assert timing.natural <= timing.neighbour + 1e-9
   assert timing.neighbour <= timing.lockstep + 1e-9
   assert 0 <= timing.natural_bubble <= timing.neighbour_bubble <= timing.lockstep_bubble < 1
+
+
+@pytest.mark.parametrize("cost,partners,match", [
+    (np.zeros(3), [(1,), (0, 2), (1,)], r"cost must be \[ticks, stages\]"),
+    (np.zeros((2, 3)), [(1,), (0,)], "for each of the 3 stages"),
+    (np.zeros((2, 3)), [(1,), (0, 3), (1,)], r"stages in range\(3\)"),
+])
+def test_neighbour_time_rejects_mismatched_costs_and_partners(cost, partners, match):
+  with pytest.raises(ValueError, match=match):
+    schedules.neighbour_time(cost, partners)
+
+
+def test_whole_step_is_a_fused_table_itself_or_a_forward_schedules_from_forward():
+  fused = schedules.one_f_one_b(2, 3)
+  assert schedules.whole_step(fused) is fused
+  gpipe = schedules.gpipe(2, 3)
+  np.testing.assert_array_equal(schedules.whole_step(gpipe).action,
+                                schedules.from_forward(gpipe).action)

@@ -40,9 +40,9 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
   granularity the recomputed forward keeps every unit's residuals (its VJP, less the unit's
   variables and the side inputs as they are, which the backward reads again; what is computed
   from them, such as a weight's bfloat16 cast or an FSDP gather, stays a residual, as under
-  autodiff), for the FLOPs of
-  differentiating the chunk's checkpoint; finer, it keeps each unit's input and recomputes the
-  unit under ``jax.vjp`` in the backward, for the FLOPs of ``remat_granularity="layer"``.
+  autodiff), for the FLOPs of differentiating the chunk's checkpoint; finer, it keeps each
+  unit's input and recomputes the unit under ``jax.vjp`` in the backward, for the FLOPs of
+  ``remat_granularity="layer"``.
   """
   steps = chunkset.unit_steps(index)
   unroll = chunkset.spec.unroll

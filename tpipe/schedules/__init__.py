@@ -40,6 +40,7 @@ from tpipe.schedules.forward import gpipe
 from tpipe.schedules.fused import FusedSchedule
 from tpipe.schedules.fused import from_forward
 from tpipe.schedules.fused import place
+from tpipe.schedules.fused import whole_step
 from tpipe.schedules.orders import interleaved_1f1b
 from tpipe.schedules.orders import one_f_one_b
 from tpipe.schedules.orders import zb_h1
@@ -65,7 +66,7 @@ __all__ = [
     "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular",
     "exchange_partners", "from_forward", "gpipe", "interleaved_1f1b", "is_fused",
     "make_fused_schedule", "make_schedule", "neighbour_time", "one_f_one_b", "place",
-    "placement", "simulate", "virtual_stages", "zb_h1", "zbv",
+    "placement", "simulate", "virtual_stages", "whole_step", "zb_h1", "zbv",
 ]
 
 

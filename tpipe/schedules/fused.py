@@ -456,6 +456,13 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, pl
                        forward_only=forward_only)
 
 
+def whole_step(schedule) -> FusedSchedule:
+  """A step's forward and backward as one :class:`FusedSchedule`: a fused table itself, a
+  forward schedule's as :func:`from_forward` writes it (what its simulation and in-flight
+  analytics read)."""
+  return schedule if isinstance(schedule, FusedSchedule) else from_forward(schedule)
+
+
 def from_forward(schedule: forward_lib.Schedule) -> FusedSchedule:
   """A forward schedule's whole step as a :class:`FusedSchedule`: its forward ticks, then
   autodiff's backward.

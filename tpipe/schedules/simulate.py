@@ -3,11 +3,11 @@
 * **lockstep** (SPMD): every stage waits for the slowest action of each tick, so the step is the
   sum over ticks of the most expensive action in the tick; a program whose ticks all end
   together (a barrier every tick) takes this long.
-* **neighbour-synchronised**: what one SPMD program with a send to each neighbour per tick
-  (:mod:`tpipe.core.fused`) takes: a stage starts tick ``t`` when it and the stages it exchanges
-  messages with (the stage before and after it, around the ring when chunks wrap) have finished
-  tick ``t - 1``; no other barrier. A slow action delays its neighbours one tick later, theirs
-  the tick after, so a tick's cost spreads only as far as the table lets it.
+* **neighbour-synchronised**: the constraint of one SPMD program with a send to each neighbour
+  per tick (:mod:`tpipe.core.fused`), as a model: a stage starts tick ``t`` when it and the
+  stages it exchanges messages with (the stage before and after it, around the ring when chunks
+  wrap) have finished tick ``t - 1``; no other barrier. A slow action delays its neighbours one
+  tick later, theirs the tick after, so a tick's cost spreads only as far as the table lets it.
 * **natural** (dependency-driven): each stage runs its actions in the table's order, each as soon
   as the stage is free and its inputs are done (no tick barrier, no transfer time); what an
   MPMD runtime could reach.
@@ -105,8 +105,20 @@ def exchange_partners(num_stages: int, wrap: bool) -> list[tuple[int, ...]]:
 
 def neighbour_time(cost: np.ndarray, partners) -> float:
   """The neighbour-synchronised step time of per-entry costs ``[T, S]``: stage ``s`` starts tick
-  ``t`` when it and ``partners[s]`` have finished tick ``t - 1``."""
-  end = np.zeros(cost.shape[1])
+  ``t`` when it and ``partners[s]`` have finished tick ``t - 1``.
+
+  Raises:
+    ValueError: ``cost`` is not ``[T, S]``, or ``partners`` does not list one tuple of stages
+      in ``range(S)`` per stage (:func:`exchange_partners` gives them).
+  """
+  cost = np.asarray(cost, np.float64)
+  if cost.ndim != 2:
+    raise ValueError(f"cost must be [ticks, stages], got shape {cost.shape}.")
+  num_stages = cost.shape[1]
+  if len(partners) != num_stages or any(not 0 <= p < num_stages for ps in partners for p in ps):
+    raise ValueError(f"partners must list, for each of the {num_stages} stages, stages in "
+                     f"range({num_stages}); got {partners!r}. Use exchange_partners(S, wrap).")
+  end = np.zeros(num_stages)
   for row in cost:
     start = np.array([max([end[s]] + [end[p] for p in partners[s]]) for s in range(len(end))])
     end = start + row

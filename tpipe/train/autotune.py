@@ -83,8 +83,7 @@ def simulated_timing(table, costs=None) -> schedules.Timing:
   """The whole step (forward and backward) of ``table`` simulated under per-action ``costs``
   (default :data:`tpipe.schedules.DEFAULT_COSTS`): a forward schedule as
   :func:`tpipe.schedules.from_forward` writes it."""
-  fused = table if isinstance(table, schedules.FusedSchedule) else schedules.from_forward(table)
-  return fused.simulate(costs)
+  return schedules.whole_step(table).simulate(costs)
 
 
 def step_flops(table, pipeline, executed: float) -> float:
@@ -159,8 +158,9 @@ class Trial:
   Attributes:
     candidate: the candidate.
     memory_bytes: peak bytes on the fullest device.
-    executed_flops: lockstep FLOPs per device per step (every tick counted as busy: what
-      the step's duration follows).
+    executed_flops: lockstep FLOPs per device per step (every tick counted as busy, at its
+      costliest branch; the prediction takes the neighbour-synchronised time instead,
+      :func:`step_flops`).
     useful_fraction: useful / lockstep FLOPs, the share of the step's time doing useful work.
     simulated_bubble: the schedule table's neighbour-synchronised bubble (see
       :func:`simulated_bubble`).

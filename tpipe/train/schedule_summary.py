@@ -24,7 +24,7 @@ def _simulated(schedule):
   default costs (F = 1, B = 2, BI = W = 1)."""
   from tpipe import schedules  # pylint: disable=g-import-not-at-top
 
-  fused = schedule if is_fused(schedule) else schedules.from_forward(schedule)
+  fused = schedules.whole_step(schedule)
   return fused, fused.simulate()
 
 
