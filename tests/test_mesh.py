@@ -1,12 +1,16 @@
-"""tpipe.mesh: make_mesh's shapes and errors, the mesh a pipeline runs on (resolve) and the
+"""tpipe.mesh: make_mesh's shapes and errors (one slice and several: stand-in TPU devices of
+2 and 4 slices, emulated slices of CPU devices), the mesh a pipeline runs on (resolve) and the
 stage-axis check, whose messages say where the mesh came from and which API was called."""
 
+import dataclasses
 import doctest
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -140,3 +144,111 @@ def test_an_unknown_or_uncompilable_topology_names_the_fix():
   with pytest.raises(ValueError, match=r"Cannot describe the tpu topology 'v9z:1x1' .*"
                                        r"pip install -e '\.\[tpu\]'.*'v5p:2x2x2'"):
     tpipe.topology_devices("v9z:1x1")
+
+
+# ------------------------------------------------------------------------------------------
+# Meshes over several slices.
+
+@dataclasses.dataclass(frozen=True)
+class _StandInTpu:
+  """What mesh building reads of a TPU device (not a tuple: numpy would unpack one)."""
+  id: int
+  platform: str
+  device_kind: str
+  process_index: int
+  coords: tuple
+  core_on_chip: int
+  slice_index: int
+
+
+def _stand_in_slices(num_slices: int, shape=(2, 2, 1)) -> list:
+  """TPU v4 chips (one device each) of ``num_slices`` slices of ``shape``, as the slices'
+  runtime reports them: ``slice_index`` and coordinates within the slice."""
+  per_slice = int(np.prod(shape))
+  devices = []
+  for sl in range(num_slices):
+    for i, coords in enumerate(np.ndindex(*shape[::-1])):
+      devices.append(_StandInTpu(id=sl * per_slice + i, platform="tpu", device_kind="TPU v4",
+                                 process_index=sl, coords=tuple(coords[::-1]), core_on_chip=0,
+                                 slice_index=sl))
+  return devices
+
+
+def _slices_along(mesh, axis):
+  """The slice of each position along ``axis``, or ValueError if it varies elsewhere."""
+  slice_of = np.moveaxis(np.vectorize(lambda d: d.slice_index)(mesh.devices),
+                         mesh.axis_names.index(axis), 0)
+  return [sorted(set(slice_of[i].flat)) for i in range(slice_of.shape[0])]
+
+
+@pytest.mark.parametrize("num_slices", [2, 4])
+def test_the_stage_axis_over_slices_comes_first_with_each_slice_one_block(num_slices):
+  devices = _stand_in_slices(num_slices)
+  mesh = tpipe.make_mesh(stages=2 * num_slices, data=2, devices=devices,
+                         dcn={"stage": num_slices})
+  assert mesh.axis_names == ("stage", "data", "fsdp", "tensor")
+  assert dict(mesh.shape) == {"stage": 2 * num_slices, "data": 2, "fsdp": 1, "tensor": 1}
+  # Stages 2k and 2k + 1 on slice k; inside a slice, the topology's order as mesh_utils has it.
+  assert _slices_along(mesh, "stage") == [[s // 2] for s in range(2 * num_slices)]
+  expected = mesh_utils.create_hybrid_device_mesh((2, 2, 1, 1), (num_slices, 1, 1, 1), devices)
+  assert [d.id for d in mesh.devices.flat] == [d.id for d in expected.flat]
+  links = mesh_lib.crossing_links(mesh)
+  assert links == tuple(s % 2 == 1 for s in range(2 * num_slices))
+
+
+@pytest.mark.parametrize("num_slices", [2, 4])
+def test_the_data_axis_over_slices_holds_one_replica_group_per_slice(num_slices):
+  devices = _stand_in_slices(num_slices)
+  mesh = tpipe.make_mesh(stages=4, data=num_slices, devices=devices,
+                         dcn={"data": num_slices})
+  assert mesh.axis_names == ("data", "fsdp", "stage", "tensor")
+  assert _slices_along(mesh, "data") == [[k] for k in range(num_slices)]
+  assert _slices_along(mesh, "stage") == [list(range(num_slices))] * 4  # all within slices
+  assert mesh_lib.crossing_links(mesh) == (False,) * 4
+
+
+def test_two_axes_over_slices_come_first_in_their_usual_order():
+  mesh = tpipe.make_mesh(stages=4, data=2, fsdp=2, devices=_stand_in_slices(4, (2, 2, 2)),
+                         dcn={"stage": 2, "data": 2})
+  assert mesh.axis_names == ("data", "stage", "fsdp", "tensor")
+  assert _slices_along(mesh, "data") == [[0, 1], [2, 3]]
+  assert _slices_along(mesh, "stage") == [[0, 2], [0, 2], [1, 3], [1, 3]]
+
+
+def test_emulated_slices_on_cpu_devices_are_remembered_for_the_mesh():
+  devices = jax.devices()[:8]
+  two = [devices[4:], devices[:4]]  # The second slice first: the grouping given is the order.
+  mesh = tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2}, slices=two)
+  assert mesh.axis_names[0] == "stage"
+  assert [d.id for d in mesh.devices[:2].flat] == [4, 5, 6, 7]
+  assert mesh_lib.slice_of_devices(mesh).tolist() == [[[[0]], [[0]]]] * 2 + [[[[1]], [[1]]]] * 2
+  assert mesh_lib.crossing_links(mesh) == (False, True, False, True)
+  # Without slices, one process: one slice, no link crosses.
+  assert mesh_lib.crossing_links(tpipe.make_mesh(stages=4, data=2)) == (False,) * 4
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(stages=4, data=2, dcn={"stage": 4}), ValueError,
+     r"dcn=\{'stage': 4\} spans 4 slice\(s\), but the devices are on 2; make the product"),
+    (dict(stages=4, data=2, dcn={"pipe": 2}), ValueError,
+     r"dcn names axis 'pipe', but the mesh's axes are \('data', 'fsdp', 'stage', 'tensor'\)"),
+    (dict(stages=3, data=2, dcn={"stage": 2}), ValueError,
+     r"dcn\['stage'\]=2 does not divide the 'stage' axis's size 3"),
+    (dict(stages=2, tensor=4, dcn={"tensor": 2}), ValueError,
+     r"tensor parallelism communicates inside every layer and must stay within a slice"),
+    (dict(stages=4, data=2, dcn={"stage": 0}), ValueError, r"dcn\['stage'\] must be an int >= 1"),
+    (dict(stages=4, data=2, dcn=[("stage", 2)]), TypeError, r"dcn must be a dict"),
+    (dict(stages=4, data=4, dcn={"stage": 2}), ValueError,
+     r"Each slice must hold 8 devices .* but slice 0 has 4"),
+    (dict(stages=8), ValueError, r"The devices span 2 slices but dcn=None puts the mesh on one; "
+                                 r"say which axis crosses slices"),
+])
+def test_bad_slice_layouts_name_the_value_and_the_fix(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    tpipe.make_mesh(devices=_stand_in_slices(2), **kwargs)
+
+
+def test_slices_given_twice_is_an_error():
+  devices = jax.devices()[:8]
+  with pytest.raises(ValueError, match="lists a device more than once"):
+    tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2}, slices=[devices[:4], devices[:4]])

@@ -13,7 +13,11 @@ the ambient one, or one device) and checks its stage axis, naming the API the us
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 STAGE_AXIS = "stage"
@@ -23,6 +27,7 @@ TENSOR_AXIS = "tensor"
 
 
 def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, devices=None,
+              dcn: Mapping[str, int] | None = None, slices=None,
               stage_axis: str = STAGE_AXIS, data_axis: str = DATA_AXIS) -> Mesh:
   """A ``(data, fsdp, stage, tensor)`` mesh over the first ``data * fsdp * stages * tensor``
   devices.
@@ -40,6 +45,19 @@ def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, dev
     fsdp: devices each stage's weights and optimizer state are split over (``fsdp`` axis).
     tensor: devices each layer's matrices are split over (``tensor`` axis).
     devices: devices to use; default ``jax.devices()``.
+    dcn: for a job over several slices (multislice TPU, several GPU hosts): how many slices each
+      axis spans, by axis name, e.g. ``{"stage": 2}`` (the pipeline's two halves on two slices,
+      only stage-boundary activations cross the data-centre network) or ``{"data": 4}``. The
+      product is the number of slices; each axis's size counts all its devices and must divide
+      by its entry. Axes that cross slices come first in the mesh, slowest-changing (XLA needs
+      the cross-slice axis outermost), and within each such axis the slice changes slowest, so
+      every slice holds one contiguous block of it. ``tensor`` never crosses slices. ``None``
+      or all ones: one slice.
+    slices: which devices form each slice, as a list of device lists; default: the devices'
+      ``slice_index`` (TPU), else their ``process_index`` (one granule per host, as
+      ``mesh_utils`` does for GPUs). Give it to emulate slices, e.g. 8 CPU devices as two
+      slices of 4; the grouping is remembered for the mesh (:func:`slice_of_devices`) until
+      ``make_mesh`` builds the same mesh (JAX hands out one object per mesh) without it.
     stage_axis: name of the stage axis.
     data_axis: name of the data axis.
 
@@ -51,6 +69,17 @@ def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, dev
     >>> mesh = make_mesh(stages=2, data=2, fsdp=2)
     >>> dict(mesh.shape)
     {'data': 2, 'fsdp': 2, 'stage': 2, 'tensor': 1}
+    >>> two = [jax.devices()[:4], jax.devices()[4:8]]   # two emulated slices
+    >>> mesh = make_mesh(stages=4, data=2, dcn={"stage": 2}, slices=two)
+    >>> mesh.axis_names
+    ('stage', 'data', 'fsdp', 'tensor')
+    >>> crossing_links(mesh)   # link s joins stage s to s + 1 (the last one wraps)
+    (False, True, False, True)
+
+  Raises:
+    TypeError / ValueError: a size is not a positive int, the devices are too few, ``dcn``
+      names an axis the mesh does not have or does not divide its size, or the devices span a
+      different number of slices than ``dcn`` says.
   """
   for name, value in (("stages", stages), ("data", data), ("fsdp", fsdp), ("tensor", tensor)):
     if isinstance(value, bool) or not isinstance(value, int):
@@ -64,6 +93,20 @@ def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, dev
                      f"data_axis={data_axis!r}.")
   devices = list(jax.devices() if devices is None else devices)
   needed = stages * data * fsdp * tensor
+  sizes = dict(zip(names, (data, fsdp, stages, tensor)))
+  spans = _check_dcn(dcn, sizes, stage_axis, data_axis)
+  if math.prod(spans.values()) > 1 or slices is not None:
+    mesh = _hybrid_mesh(sizes, spans, _slice_groups(devices, slices))
+    if slices is not None:
+      _DECLARED_SLICES[mesh] = {d.id: i for i, group in enumerate(slices) for d in group}
+    return mesh
+  spanned = {d.slice_index for d in devices[:needed] if hasattr(d, "slice_index")}
+  if len(spanned) > 1:
+    raise ValueError(
+        f"The devices span {len(spanned)} slices but dcn={dcn!r} puts "
+        "the mesh on one; say which axis crosses slices, e.g. "
+        f"tpipe.make_mesh(..., dcn={{{stage_axis!r}: <slices>}}) or "
+        f"dcn={{{data_axis!r}: <slices>}}.")
   if needed > len(devices):
     named = (("data", data), ("fsdp", fsdp), ("stages", stages), ("tensor", tensor))
     sizes = " x ".join(f"{n}={v}" for n, v in named if v > 1 or n in ("data", "stages"))
@@ -73,7 +116,7 @@ def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, dev
         "jax.config.update('jax_num_cpu_devices', 8) before the first JAX call).")
   shape, types = (data, fsdp, stages, tensor), (AxisType.Auto,) * 4
   try:
-    return jax.make_mesh(shape, names, axis_types=types, devices=devices[:needed])
+    mesh = jax.make_mesh(shape, names, axis_types=types, devices=devices[:needed])
   except NotImplementedError:
     # A TPU torus whose physical axes no product of mesh axes matches (tensor = 2 on a 4x4x4
     # slice): split physical axes, as mesh_utils allows when asked.
@@ -81,7 +124,123 @@ def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, dev
 
     grid = mesh_utils.create_device_mesh(shape, devices[:needed],
                                          allow_split_physical_axes=True)
-    return Mesh(grid, names, axis_types=types)
+    mesh = Mesh(grid, names, axis_types=types)
+  # JAX hands out one object per mesh: built here on one slice, it forgets emulated slices an
+  # earlier call declared for the same devices in the same order.
+  _DECLARED_SLICES.pop(mesh, None)
+  return mesh
+
+
+# Meshes whose slices were given explicitly (emulated): mesh -> {device id: slice}.
+_DECLARED_SLICES: dict = {}
+
+
+def _check_dcn(dcn, sizes: dict, stage_axis: str, data_axis: str) -> dict:
+  """``dcn`` as ``{axis: slices}`` for every axis (1 where absent), validated."""
+  if dcn is None:
+    dcn = {}
+  if not isinstance(dcn, Mapping):
+    raise TypeError(f"dcn must be a dict from axis name to slices, e.g. {{{stage_axis!r}: 2}}; "
+                    f"got {dcn!r}.")
+  spans = dict.fromkeys(sizes, 1)
+  for axis, count in dcn.items():
+    if axis not in sizes:
+      raise ValueError(f"dcn names axis {axis!r}, but the mesh's axes are {tuple(sizes)}; name "
+                       f"one of them, e.g. dcn={{{stage_axis!r}: 2}}.")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+      raise ValueError(f"dcn[{axis!r}] must be an int >= 1 (slices the axis spans), got "
+                       f"{count!r}.")
+    if axis == TENSOR_AXIS and count > 1:
+      raise ValueError(f"dcn[{TENSOR_AXIS!r}]={count}: tensor parallelism communicates inside "
+                       "every layer and must stay within a slice; span slices with "
+                       f"{stage_axis!r}, {data_axis!r} or {FSDP_AXIS!r} instead.")
+    if sizes[axis] % count:
+      raise ValueError(f"dcn[{axis!r}]={count} does not divide the {axis!r} axis's size "
+                       f"{sizes[axis]}; each slice must hold an equal share of it.")
+    spans[axis] = count
+  return spans
+
+
+def _slice_key(device):
+  """The slice a device is on: its ``slice_index`` (TPU), else its process (one host)."""
+  return device.slice_index if hasattr(device, "slice_index") else device.process_index
+
+
+def _slice_groups(devices: list, slices) -> list[list]:
+  """The devices grouped by slice: ``slices`` as given, else by :func:`_slice_key`."""
+  if slices is None:
+    groups: dict = {}
+    for device in devices:
+      groups.setdefault(_slice_key(device), []).append(device)
+    return [groups[key] for key in sorted(groups)]
+  groups = [list(group) for group in slices]
+  flat = [d for group in groups for d in group]
+  if len(set(flat)) != len(flat):
+    raise ValueError("slices lists a device more than once; give each slice its own devices.")
+  return groups
+
+
+def _hybrid_mesh(sizes: dict, spans: dict, groups: list[list]) -> Mesh:
+  """A mesh over several slices: in each slice a mesh of the per-slice sizes (the topology's
+  device order, as ``mesh_utils.create_device_mesh`` gives it), the slices laid out as blocks
+  along the axes that cross them, and those axes first."""
+  from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+
+  count = math.prod(spans.values())
+  if len(groups) != count:
+    raise ValueError(
+        f"dcn={ {a: n for a, n in spans.items() if n > 1} } spans {count} slice(s), but the "
+        f"devices are on {len(groups)}; make the product of the dcn entries equal the number of "
+        "slices (or pass slices= to group the devices yourself).")
+  order = sorted(sizes, key=lambda a: spans[a] == 1)  # Stable: crossing axes first, in order.
+  inner = [sizes[a] // spans[a] for a in order]
+  per_slice = math.prod(inner)
+  short = [i for i, group in enumerate(groups) if len(group) < per_slice]
+  if short:
+    raise ValueError(
+        f"Each slice must hold {per_slice} devices (the mesh's sizes "
+        f"{ {a: sizes[a] for a in order} } over dcn { {a: spans[a] for a in order} }), but "
+        f"slice {short[0]} has {len(groups[short[0]])}; use fewer devices per slice or more "
+        "slices.")
+  blocks = []
+  for group in groups:
+    try:
+      block = mesh_utils.create_device_mesh(inner, group[:per_slice])
+    except NotImplementedError:
+      block = mesh_utils.create_device_mesh(inner, group[:per_slice],
+                                            allow_split_physical_axes=True)
+    blocks.append(block)
+  grid = np.empty([spans[a] for a in order], object)
+  for index, block in zip(np.ndindex(grid.shape), blocks):
+    grid[index] = block
+  devices = np.block(grid.tolist()) if grid.ndim else blocks[0]
+  return Mesh(devices, tuple(order), axis_types=(AxisType.Auto,) * len(order))
+
+
+def slice_of_devices(mesh) -> np.ndarray:
+  """The slice of every device of ``mesh``, shaped like ``mesh.devices``: the grouping
+  :func:`make_mesh` was given (``slices=``), else each device's ``slice_index``, else its
+  process."""
+  declared = _DECLARED_SLICES.get(mesh)
+  if declared is not None:
+    return np.vectorize(lambda d: declared[d.id], otypes=[int])(mesh.devices)
+  keys = np.vectorize(_slice_key, otypes=[object])(mesh.devices)
+  ranks = {k: i for i, k in enumerate(sorted(set(keys.flat)))}
+  return np.vectorize(ranks.get, otypes=[int])(keys)
+
+
+def crossing_links(mesh, stage_axis: str = STAGE_AXIS) -> tuple[bool, ...]:
+  """Per link of the stage ring, whether it crosses slices (the data-centre network).
+
+  Link ``s`` joins stage ``s`` to stage ``s + 1``; the last joins stage ``S - 1`` to stage 0
+  (what circular and V-shaped schedules use). A link crosses when, anywhere along the other
+  axes, its two stages' devices are on different slices.
+  """
+  axis = tuple(mesh.axis_names).index(stage_axis)
+  slice_of = np.moveaxis(slice_of_devices(mesh), axis, 0)
+  num_stages = slice_of.shape[0]
+  return tuple(bool(np.any(slice_of[s] != slice_of[(s + 1) % num_stages]))
+               for s in range(num_stages))
 
 
 def batch_axes(mesh, data_axis: str = DATA_AXIS) -> tuple[str, ...]:
@@ -145,7 +304,7 @@ def resolve(mesh: Mesh | None, num_stages: int, stage_axis: str, owner: str):
   return mesh
 
 
-def topology_devices(topology: str, platform: str = "tpu") -> list:
+def topology_devices(topology: str, platform: str = "tpu", *, num_slices: int = 1) -> list:
   """The devices of an accelerator topology this machine need not have, to compile for it.
 
   ``jax.experimental.topologies`` describes a slice (``"v5p:2x2x2"``: 8 TPU v5p chips) with
@@ -157,6 +316,8 @@ def topology_devices(topology: str, platform: str = "tpu") -> list:
     topology: a topology name as ``get_topology_desc`` takes it, e.g. ``"v5p:2x2x2"``,
       ``"v5e:4x4"``, ``"v4:2x2x1"``.
     platform: the platform of the topology.
+    num_slices: how many such slices (a multislice job); their devices carry ``slice_index``,
+      so ``make_mesh(..., dcn=...)`` lays axes over them as on the real job.
 
   Raises:
     ValueError: the compiler for ``platform`` is not installed, or it does not know
@@ -165,8 +326,9 @@ def topology_devices(topology: str, platform: str = "tpu") -> list:
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
 
   try:
-    return list(topologies.get_topology_desc(platform=platform,
-                                             topology_name=topology).devices)
+    extra = {"num_slices": num_slices} if num_slices != 1 else {}
+    return list(topologies.get_topology_desc(platform=platform, topology_name=topology,
+                                             **extra).devices)
   except Exception as error:  # The plugin raises RuntimeError/ValueError/XlaRuntimeError.
     hint = ("install the TPU compiler (libtpu) with pip install -e '.[tpu]'"
             if platform == "tpu" else f"install the {platform} plugin")
