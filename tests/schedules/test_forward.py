@@ -126,13 +126,14 @@ def test_tables_are_read_only_copies():
 
 
 @pytest.mark.parametrize("microbatch,repeat,match", [
-    ([[0, 0]], [[0, 0]], "tick 0, stage 1: input was not produced by stage 0 at the previous "
-                         "tick"),
+    ([[0, 0]], [[0, 0]], "tick 0, stage 1: input was not produced by stage 0 at tick -1 "
+                         r"\(the value arrives 1 tick\(s\) after it is sent\)"),
     ([[0, _], [_, 1]], [[0, _], [_, 0]], "tick 1, stage 1: input was not produced"),
     ([[0], [_]], [[0], [0]], "tick 1, stage 0: idle slot with a repeat index"),
     ([[0], [0]], [[0], [0]], r"stage 0 does not run every \(micro-batch, repeat\) exactly once"),
     ([[0, _], [0, 0], [_, 0]], [[0, _], [1, 0], [_, 1]],
-     "tick 1: stage 0 starts repeat 1 of micro-batch 0 before the last stage finished repeat 0"),
+     "tick 1: stage 0 starts repeat 1 of micro-batch 0 before the last stage.s repeat 0 of it "
+     "arrived"),
     ([[0, _]], [[0, _]], r"tables must be \[ticks, 1\]"),
 ])
 def test_hand_written_table_with_broken_dataflow_is_rejected(microbatch, repeat, match):

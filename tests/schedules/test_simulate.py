@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from tpipe import schedules
+from tpipe.schedules.simulate import action_costs
 
 pytestmark = pytest.mark.unit
 
@@ -115,3 +116,52 @@ def test_whole_step_is_a_fused_table_itself_or_a_forward_schedules_from_forward(
   gpipe = schedules.gpipe(2, 3)
   np.testing.assert_array_equal(schedules.whole_step(gpipe).action,
                                 schedules.from_forward(gpipe).action)
+
+
+# ------------------------------------------------------------------------------------------
+# Transfer times per link, and delayed links.
+
+@pytest.mark.parametrize("name,repeats", [("gpipe", 1), ("1f1b", 1), ("zbv", 2),
+                                          ("circular", 2)])
+def test_instant_transfers_without_delays_are_the_neighbour_model(name, repeats):
+  step = schedules.whole_step(schedules.build(name, 4, 8, repeats))
+  cost = action_costs(step)
+  wrap = step.num_chunks > 1
+  assert schedules.linked_time(cost, schedules.ring_links(4, wrap)) == schedules.neighbour_time(
+      cost, schedules.exchange_partners(4, wrap))
+  assert step.simulate().exposed_transfer == 0
+
+
+def test_transfer_time_by_hand():
+  # Two stages over link 0: tick 0 costs [1, 0], tick 1 [0, 1].
+  cost = np.array([[1.0, 0.0], [0.0, 1.0]])
+  # Without delay the exchange starts when both ended tick 0 (at 1) and takes 0.5: tick 1 starts
+  # at 1.5 on both, stage 1 ends at 2.5.
+  assert schedules.linked_time(cost, [0], transfer=[0.5, 0.0]) == 2.5
+  # Delayed, it starts with tick 0 (at 0) and is done at 0.5, before stage 0 finishes tick 0:
+  # tick 1 starts at 1 on stage 0 and at 0.5 on stage 1, which ends at 1.5.
+  assert schedules.linked_time(cost, [0], transfer=[0.5, 0.0], delays=(1, 0)) == 1.5
+  # A send longer than the tick shows only by what exceeds it: 1.2 - 0 on stage 1.
+  assert schedules.linked_time(cost, [0], transfer=[1.2, 0.0], delays=(1, 0)) == 2.2
+  assert schedules.ring_links(4, wrap=False) == (0, 1, 2)
+  assert schedules.ring_links(4, wrap=True) == (0, 1, 2, 3)
+  assert schedules.ring_links(1, wrap=True) == ()
+
+
+@pytest.mark.parametrize("name,repeats", [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("zbv", 2)])
+def test_delaying_the_slow_links_hides_their_sends_behind_a_tick_of_compute(name, repeats):
+  slow = [0.0, 0.5, 0.0, 0.5]  # Links 1 and 3 cross slices; a send takes half a forward.
+  plain = schedules.whole_step(schedules.build(name, 4, 8, repeats)).simulate(transfer=slow)
+  delayed = schedules.whole_step(
+      schedules.build(name, 4, 8, repeats, delays=(0, 1, 0, 1))).simulate(transfer=slow)
+  assert plain.exposed_transfer > 4 * delayed.exposed_transfer > 0
+  assert delayed.neighbour < plain.neighbour
+
+
+@pytest.mark.parametrize("links,transfer,match", [
+    ([0, 2], None, r"links must be in range\(2\)"),
+    ([0], [-1.0, 0.0], "transfer times must be finite and >= 0"),
+])
+def test_linked_time_rejects_bad_links_and_transfers(links, transfer, match):
+  with pytest.raises(ValueError, match=match):
+    schedules.linked_time(np.zeros((2, 2)), links, transfer)

@@ -32,6 +32,7 @@ import functools
 from tpipe.schedules.actions import Action
 from tpipe.schedules.actions import DEFAULT_COSTS
 from tpipe.schedules.actions import PLACEMENTS
+from tpipe.schedules.actions import link_delays
 from tpipe.schedules.actions import virtual_stages
 from tpipe.schedules.forward import IDLE
 from tpipe.schedules.forward import Schedule
@@ -47,7 +48,9 @@ from tpipe.schedules.orders import zb_h1
 from tpipe.schedules.orders import zbv
 from tpipe.schedules.simulate import Timing
 from tpipe.schedules.simulate import exchange_partners
+from tpipe.schedules.simulate import linked_time
 from tpipe.schedules.simulate import neighbour_time
+from tpipe.schedules.simulate import ring_links
 from tpipe.schedules.simulate import simulate
 from tpipe.schedules import forward as _forward
 from tpipe.schedules import orders as _orders
@@ -64,9 +67,10 @@ _FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
 __all__ = [
     "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
     "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular",
-    "exchange_partners", "from_forward", "gpipe", "interleaved_1f1b", "is_fused",
+    "exchange_partners", "from_forward", "gpipe", "interleaved_1f1b", "is_fused", "link_delays",
+    "linked_time",
     "make_fused_schedule", "make_schedule", "neighbour_time", "one_f_one_b", "place",
-    "placement", "simulate", "virtual_stages", "whole_step", "zb_h1", "zbv",
+    "placement", "ring_links", "simulate", "virtual_stages", "whole_step", "zb_h1", "zbv",
 ]
 
 
@@ -89,7 +93,7 @@ def _check_name(name) -> None:
 
 
 def build(name: str, num_stages: int, num_microbatches: int,
-          num_repeats: int = 1) -> Schedule | FusedSchedule:
+          num_repeats: int = 1, delays=None) -> Schedule | FusedSchedule:
   """The table of schedule ``name``, cached: the one factory every caller uses.
 
   Args:
@@ -98,6 +102,9 @@ def build(name: str, num_stages: int, num_microbatches: int,
     num_microbatches: M.
     num_repeats: chunks per stage R: 1 for ``"gpipe"``, ``"1f1b"`` and ``"zb_h1"``; 2 for
       ``"zbv"``; any for ``"circular"``; at least 2 for ``"interleaved_1f1b"``.
+    delays: per link of the ring of stages, 0 or 1 extra tick a transfer takes (None or 0:
+      none; 1: every link; see :func:`tpipe.schedules.actions.link_delays`). A delayed transfer
+      overlaps a whole tick of compute, for links over a slow network (between TPU slices).
 
   Returns:
     A :class:`Schedule` (forward schedules) or a :class:`FusedSchedule`, read-only.
@@ -112,21 +119,22 @@ def build(name: str, num_stages: int, num_microbatches: int,
   for count_name, count in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                             ("num_repeats", num_repeats)):
     _forward.check_count(count_name, count)
-  return _build(name, num_stages, num_microbatches, num_repeats)
+  delays = link_delays(delays, num_stages)
+  return _build(name, num_stages, num_microbatches, num_repeats, delays)
 
 
 @functools.lru_cache(maxsize=None)
-def _build(name, num_stages, num_microbatches, num_repeats):
+def _build(name, num_stages, num_microbatches, num_repeats, delays):
   _check_name(name)
   if name == "gpipe":
     if num_repeats != 1:
       raise ValueError(f"schedule='gpipe' runs one chunk per stage, got num_repeats={num_repeats}; "
                        "use schedule='circular' for num_repeats > 1.")
-    table = gpipe(num_stages, num_microbatches)
+    table = gpipe(num_stages, num_microbatches, delays)
   elif name == "circular":
-    table = circular(num_stages, num_microbatches, num_repeats)
+    table = circular(num_stages, num_microbatches, num_repeats, delays)
   elif name == "interleaved_1f1b":
-    table = interleaved_1f1b(num_stages, num_microbatches, num_repeats)
+    table = interleaved_1f1b(num_stages, num_microbatches, num_repeats, delays)
   else:
     chunks = _FUSED_CHUNKS[name]
     if num_repeats != chunks:
@@ -134,12 +142,12 @@ def _build(name, num_stages, num_microbatches, num_repeats):
              "use schedule='interleaved_1f1b' for more")
       raise ValueError(f"schedule={name!r} runs {chunks} chunk(s) per stage, got "
                        f"num_repeats={num_repeats}; {fix}.")
-    table = _FUSED_BUILDERS[name](num_stages, num_microbatches)
+    table = _FUSED_BUILDERS[name](num_stages, num_microbatches, delays)
   return table
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int,
-                  num_repeats: int = 1) -> Schedule:
+                  num_repeats: int = 1, delays=None) -> Schedule:
   """A forward schedule by name (:data:`SCHEDULE_NAMES`); see :func:`build`.
 
   Raises:
@@ -148,11 +156,11 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
   if name in FUSED_SCHEDULE_NAMES:
     raise ValueError(f"schedule={name!r} is a fused schedule; build its table with "
                      f"make_fused_schedule() (make_schedule builds {SCHEDULE_NAMES}).")
-  return build(name, num_stages, num_microbatches, num_repeats)
+  return build(name, num_stages, num_microbatches, num_repeats, delays)
 
 
 def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
-                        num_repeats: int | None = None) -> FusedSchedule:
+                        num_repeats: int | None = None, delays=None) -> FusedSchedule:
   """A fused schedule by name (:data:`FUSED_SCHEDULE_NAMES`); see :func:`build`.
 
   Args:
@@ -161,6 +169,7 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
     num_microbatches: M.
     num_repeats: chunks per stage; None for the schedule's own (1, or 2 for ``"zbv"``);
       required (at least 2) for ``"interleaved_1f1b"``.
+    delays: per link, 0 or 1 extra tick; see :func:`build`.
 
   Raises:
     ValueError: for a forward or unknown name, or a chunk count the schedule does not use.
@@ -174,4 +183,4 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
     if num_repeats is None:
       raise ValueError("schedule='interleaved_1f1b' needs num_repeats >= 2 chunks per stage; "
                        "use schedule='1f1b' for one.")
-  return build(name, num_stages, num_microbatches, num_repeats)
+  return build(name, num_stages, num_microbatches, num_repeats, delays)

@@ -5,8 +5,11 @@ The model's layers are cut into ``V = S * C`` consecutive model chunks ("virtual
 per stage, placed by a **placement** (:func:`virtual_stages`). A micro-batch's forward goes
 through them in order and its backward in reverse; an :class:`Action` is one of those steps for
 one (micro-batch, model chunk). :func:`dependencies` says which actions must be done first.
-Pure NumPy; the tables (:mod:`tpipe.schedules.fused`) and the simulation
-(:mod:`tpipe.schedules.simulate`) build on it.
+A message between neighbouring stages crosses one **link** of the ring of stages; a link may be
+**delayed** (:func:`link_delays`, :func:`hop_delays`): what is sent over it at tick ``t`` arrives
+at ``t + 2`` instead of ``t + 1``, so its transfer overlaps a whole tick of compute (for links
+over a slow network, such as the data-centre network between TPU slices). Pure NumPy; the tables
+(:mod:`tpipe.schedules.fused`) and the simulation (:mod:`tpipe.schedules.simulate`) build on it.
 """
 
 from __future__ import annotations
@@ -91,3 +94,57 @@ def dependencies(kind: Action, m: int, v: int, num_virtual: int) -> list[tuple[s
   if kind == Action.W:
     return [("back", m, v)]
   return [("F", m, v)] + ([("back", m, v + 1)] if v < num_virtual - 1 else [])
+
+
+def link_delays(delays, num_stages: int) -> tuple[int, ...]:
+  """``delays`` as one delay (0 or 1 tick) per link of the ring of ``num_stages`` stages.
+
+  Link ``l`` joins stage ``l`` to stage ``(l + 1) % S``, in both directions (activations go
+  right over it, gradients left); the last link, ``S - 1``, closes the ring (circular and
+  interleaved schedules use it between chunks; with two stages it joins the same two devices as
+  link 0, but is a separate send). A one-stage pipeline sends nothing, so it has no delay.
+
+  Args:
+    delays: None or 0 (no delay), 1 (every link), or one 0/1 per link (a sequence of length S).
+    num_stages: S.
+
+  Raises:
+    TypeError, ValueError: not an int or a sequence of S ints each 0 or 1.
+  """
+  if delays is None:
+    return (0,) * num_stages
+  if isinstance(delays, (bool, np.bool_)):
+    raise TypeError(f"transfer_delay must be 0, 1 or one 0/1 per link, got {delays!r}.")
+  if isinstance(delays, (int, np.integer)):
+    if delays not in (0, 1):
+      raise ValueError(f"transfer_delay={delays}: a transfer is delayed by 0 or 1 tick (1 "
+                       "overlaps it with one whole tick of compute).")
+    return (int(delays) if num_stages > 1 else 0,) * num_stages
+  try:
+    values = tuple(delays)
+  except TypeError:
+    raise TypeError(f"transfer_delay must be 0, 1 or one 0/1 per link, got {delays!r}.") from None
+  bad = [v for v in values if isinstance(v, (bool, np.bool_))
+         or not isinstance(v, (int, np.integer)) or v not in (0, 1)]
+  if len(values) != num_stages or bad:
+    raise ValueError(f"transfer_delay={values!r}: give one 0 or 1 per link of the ring of "
+                     f"{num_stages} stages (link l joins stage l to stage (l + 1) % "
+                     f"{num_stages}), e.g. {(0,) * (num_stages - 1) + (1,)!r}.")
+  if num_stages == 1 and values[0]:
+    raise ValueError("transfer_delay=(1,): a one-stage pipeline sends nothing to delay; use 0.")
+  return tuple(int(v) for v in values)
+
+
+def link_of(sender: int, direction: int, num_stages: int) -> int:
+  """The link a message from stage ``sender`` in ``direction`` (+1 right, -1 left) crosses."""
+  return sender if direction == 1 else (sender - 1) % num_stages
+
+
+def hop_delays(placement: str, num_stages: int, num_chunks: int, delays) -> np.ndarray:
+  """``[V - 1]``: the delay of the hop between model chunks v and v + 1 (forward to v + 1,
+  backward from it): its link's delay, 0 where both chunks are on the same stage."""
+  delays = link_delays(delays, num_stages)
+  stage_of, _ = placement_of(virtual_stages(placement, num_stages, num_chunks))
+  directions = link_directions(placement, num_stages, num_chunks)
+  return np.array([0 if d == 0 else delays[link_of(int(stage_of[v]), int(d), num_stages)]
+                   for v, d in enumerate(directions)], np.int64)

@@ -29,6 +29,8 @@ import dataclasses
 
 import numpy as np
 
+from tpipe.schedules import actions as actions_lib
+
 IDLE = -1
 
 # The forward schedules, as :func:`tpipe.schedules.build` knows them.
@@ -54,6 +56,9 @@ class Schedule:
     num_repeats: R, the number of layer chunks each stage holds (1 for GPipe).
     microbatch: int32 array ``[num_ticks, S]``; micro-batch index or ``IDLE``.
     repeat: int32 array ``[num_ticks, S]``; chunk (repeat) index or ``IDLE``.
+    delays: per link of the ring of stages (link ``l``: stage ``l`` to ``(l + 1) % S``), 0 or 1
+      extra tick a value sent over it takes (:func:`~tpipe.schedules.actions.link_delays`);
+      None: no delays.
   """
 
   name: str
@@ -62,6 +67,7 @@ class Schedule:
   num_repeats: int
   microbatch: np.ndarray
   repeat: np.ndarray
+  delays: tuple[int, ...] | None = None
 
   def __post_init__(self):
     for field in ("microbatch", "repeat"):  # Own copies: the tables are made read-only below.
@@ -71,6 +77,7 @@ class Schedule:
     if self.microbatch.ndim != 2 or self.microbatch.shape[1] != self.num_stages:
       raise ValueError(
           f"tables must be [ticks, {self.num_stages}], got {self.microbatch.shape}.")
+    object.__setattr__(self, "delays", actions_lib.link_delays(self.delays, self.num_stages))
     _validate_dataflow(self)
     for table in (self.microbatch, self.repeat):
       table.setflags(write=False)  # Tables are shared (tpipe.schedules.build caches them).
@@ -157,11 +164,11 @@ def _validate_dataflow(schedule: Schedule) -> None:
 
   * Every (micro-batch, repeat) pair runs exactly once on every stage.
   * Stage ``s > 0`` runs at tick ``t`` what stage ``s - 1`` ran at tick ``t - 1`` (the value
-    arrives by a neighbour ``ppermute``).
-  * Stage 0 runs repeat ``r > 0`` of a micro-batch only after the last stage finished repeat
-    ``r - 1`` of it (the value waits in a loop-back buffer on stage 0).
+    arrives by a neighbour ``ppermute``), or ``t - 2`` when link ``s - 1`` is delayed.
+  * Stage 0 runs repeat ``r > 0`` of a micro-batch only after the last stage's value for
+    repeat ``r - 1`` arrived (it waits in a loop-back buffer on stage 0).
   """
-  mb, rep = schedule.microbatch, schedule.repeat
+  mb, rep, delays = schedule.microbatch, schedule.repeat, schedule.delays
   num_ticks, num_stages = mb.shape
   expected = {(m, r) for m in range(schedule.num_microbatches)
               for r in range(schedule.num_repeats)}
@@ -174,21 +181,24 @@ def _validate_dataflow(schedule: Schedule) -> None:
           raise ValueError(f"tick {t}, stage {s}: idle slot with a repeat index.")
         continue
       seen.append((int(mb[t, s]), int(rep[t, s])))
-      if s > 0 and (t == 0 or (mb[t - 1, s - 1], rep[t - 1, s - 1]) != (mb[t, s], rep[t, s])):
-        raise ValueError(f"tick {t}, stage {s}: input was not produced by stage {s - 1} at the "
-                         "previous tick.")
+      sent = t - 1 - (delays[s - 1] if s > 0 else 0)
+      if s > 0 and (sent < 0 or (mb[sent, s - 1], rep[sent, s - 1]) != (mb[t, s], rep[t, s])):
+        raise ValueError(f"tick {t}, stage {s}: input was not produced by stage {s - 1} at tick "
+                         f"{sent} (the value arrives {1 + delays[s - 1]} tick(s) after it is "
+                         "sent).")
       if s == num_stages - 1:
         finished_at[seen[-1]] = t
     if sorted(seen) != sorted(expected):
       raise ValueError(f"stage {s} does not run every (micro-batch, repeat) exactly once.")
   for t in range(num_ticks):
     m, r = int(mb[t, 0]), int(rep[t, 0])
-    if m != IDLE and r > 0 and finished_at[(m, r - 1)] >= t:
+    if m != IDLE and r > 0 and finished_at[(m, r - 1)] + delays[-1] >= t:
       raise ValueError(f"tick {t}: stage 0 starts repeat {r} of micro-batch {m} before the last "
-                       f"stage finished repeat {r - 1}.")
+                       f"stage's repeat {r - 1} of it arrived.")
 
 
-def circular(num_stages: int, num_microbatches: int, num_repeats: int) -> Schedule:
+def circular(num_stages: int, num_microbatches: int, num_repeats: int,
+             delays=None) -> Schedule:
   """The circular (looping) schedule: each stage holds ``num_repeats`` chunks of layers.
 
   Micro-batches enter stage 0 one per tick, pass through the S stages, loop back to stage 0 for
@@ -199,22 +209,30 @@ def circular(num_stages: int, num_microbatches: int, num_repeats: int) -> Schedu
 
   Chunk ``r`` of stage ``s`` holds layer chunk ``r * S + s``: the model's layers in order.
 
+  With delayed links (``delays``), a value takes one more tick over each: stage ``s`` starts
+  ``s + (delays of links 0..s-1)`` ticks after stage 0, and a lap takes ``S + sum(delays)``
+  ticks (the period when ``M`` is smaller).
+
   Args:
     num_stages: S.
     num_microbatches: M.
     num_repeats: R, chunks per stage. ``R = 1`` is GPipe.
+    delays: per link, 0 or 1 (:func:`~tpipe.schedules.actions.link_delays`); None: none.
 
   Returns:
-    A :class:`Schedule` with ``(R - 1) * P + M + S - 1`` ticks.
+    A :class:`Schedule` with ``(R - 1) * P + M + S - 1`` ticks without delays (each delayed link
+    between stages adds one).
   """
   check_count("num_stages", num_stages)
   check_count("num_microbatches", num_microbatches)
   check_count("num_repeats", num_repeats)
-  period = max(num_microbatches, num_stages)
-  num_ticks = (num_repeats - 1) * period + num_microbatches + num_stages - 1
+  delays = actions_lib.link_delays(delays, num_stages)
+  start = np.arange(num_stages) + np.concatenate([[0], np.cumsum(delays[:-1])])
+  period = max(num_microbatches, num_stages + sum(delays)) if num_repeats > 1 else (
+      num_microbatches)
+  num_ticks = (num_repeats - 1) * period + num_microbatches + int(start[-1])
   tick = np.arange(num_ticks)[:, None]
-  stage = np.arange(num_stages)[None, :]
-  i = tick - stage
+  i = tick - start[None, :]
   m, r = np.mod(i, period), np.floor_divide(i, period)
   busy = (i >= 0) & (m < num_microbatches) & (r < num_repeats)
   return Schedule(
@@ -224,13 +242,15 @@ def circular(num_stages: int, num_microbatches: int, num_repeats: int) -> Schedu
       num_repeats=num_repeats,
       microbatch=np.where(busy, m, IDLE).astype(np.int32),
       repeat=np.where(busy, r, IDLE).astype(np.int32),
+      delays=delays,
   )
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+def gpipe(num_stages: int, num_microbatches: int, delays=None) -> Schedule:
   """GPipe's fill-drain schedule: micro-batch ``m`` is on stage ``s`` at tick ``m + s``.
 
   ``M + S - 1`` ticks; bubble fraction ``(S - 1) / (M + S - 1)`` (Huang et al., 2019, sec. 2.3).
+  Each delayed link between stages (``delays``) adds a tick.
   """
-  schedule = circular(num_stages, num_microbatches, 1)
+  schedule = circular(num_stages, num_microbatches, 1, delays)
   return dataclasses.replace(schedule, name="gpipe")

@@ -45,15 +45,15 @@ class FusedSchedule:
   chunk). What an action produces for another model chunk is a message: a forward's output goes to
   the next model chunk, a backward's (``B`` or ``BI``) input gradient to the previous one. A
   message sent at tick ``t`` arrives at tick ``t + 1`` (also when it stays on the same stage, as in
-  ZB-V's turn at stage ``S - 1``), so:
+  ZB-V's turn at stage ``S - 1``), or at ``t + 2`` over a delayed link (:attr:`delays`), so:
 
   * ``F`` of (m, model chunk v) runs after ``F`` of (m, v - 1);
   * ``B``/``BI`` of (m, v) runs after ``B``/``BI`` of (m, v + 1), and after ``F`` of (m, v); the
     last model chunk's backward starts from its own loss and needs only its forward;
   * ``W`` of (m, v) runs after ``BI`` of (m, v), on the same stage;
 
-  each at a strictly earlier tick. Every (micro-batch, chunk) of every stage has exactly one ``F``
-  and either one ``B`` or one ``BI`` and one ``W``.
+  each at a strictly earlier tick (two ticks earlier across a delayed link). Every (micro-batch,
+  chunk) of every stage has exactly one ``F`` and either one ``B`` or one ``BI`` and one ``W``.
 
   **Stash ("in flight").** ``F`` writes what the backward needs (the chunk's input, or its layer
   inputs with per-layer remat) into ``stash_slot[t, s]``; the micro-batch is *in flight* on that
@@ -87,6 +87,8 @@ class FusedSchedule:
     stash_slot: int32 ``[T, S]``: the stash slot of (micro-batch, chunk) or ``IDLE``.
     forward_only: a table of forward actions only (:meth:`forward_pass`): no backward, no stash
       (``stash_slot`` all ``IDLE``).
+    delays: per link of the ring of stages, 0 or 1 extra tick a message over it takes (see
+      :func:`~tpipe.schedules.actions.link_delays`; None: no delays).
     send_dir, send_slot, recv_slot: int32 ``[T, S]`` routing tables, derived (see above).
   """
 
@@ -100,6 +102,7 @@ class FusedSchedule:
   chunk: np.ndarray
   stash_slot: np.ndarray
   forward_only: bool = False
+  delays: tuple[int, ...] | None = None
   send_dir: np.ndarray = dataclasses.field(init=False, repr=False)
   send_slot: np.ndarray = dataclasses.field(init=False, repr=False)
   recv_slot: np.ndarray = dataclasses.field(init=False, repr=False)
@@ -108,13 +111,16 @@ class FusedSchedule:
     for field in ("action", "microbatch", "chunk", "stash_slot"):
       value = np.asarray(getattr(self, field))
       object.__setattr__(self, field, value.astype(np.int8 if field == "action" else np.int32))
+    forward_lib.check_count("num_stages", self.num_stages)
+    object.__setattr__(self, "delays", actions_lib.link_delays(self.delays, self.num_stages))
     events = _validate(self)
-    send_dir, send_slot, recv_slot = _route(self, events)
+    send_dir, send_slot, recv_slot, arrival = _route(self, events)
     object.__setattr__(self, "send_dir", send_dir)
     object.__setattr__(self, "send_slot", send_slot)
     object.__setattr__(self, "recv_slot", recv_slot)
+    object.__setattr__(self, "_arrival", arrival)
     for field in ("action", "microbatch", "chunk", "stash_slot", "send_dir", "send_slot",
-                  "recv_slot"):
+                  "recv_slot", "_arrival"):
       getattr(self, field).setflags(write=False)  # Shared: tpipe.schedules.build caches tables.
 
   @property
@@ -184,31 +190,35 @@ class FusedSchedule:
     """``[T, S, 3]``: mailbox slot written at the start of each tick, ``IDLE`` if none.
 
     The last axis is the message's origin: the left neighbour (it sent right), the right
-    neighbour (it sent left), the stage itself. A message from tick ``t - 1`` arrives at ``t``.
+    neighbour (it sent left), the stage itself. A message from tick ``t - 1`` arrives at ``t``;
+    over a delayed link, one from ``t - 2``.
     """
-    out = np.full((self.num_ticks, self.num_stages, 3), IDLE, np.int32)
-    for k, direction in enumerate(actions_lib.ARRIVAL_DIRECTIONS):
-      for t, src in zip(*np.nonzero((self.send_dir[:-1] == direction) &
-                                    (self.send_slot[:-1] != IDLE))):
-        out[t + 1, (src + direction) % self.num_stages, k] = self.send_slot[t, src]
-    return out
+    return self._arrival.copy()
+
+  @property
+  def hop_delays(self) -> np.ndarray:
+    """``[V - 1]``: extra ticks of the hop between model chunks v and v + 1 (its link's delay)."""
+    return actions_lib.hop_delays(self.placement, self.num_stages, self.num_chunks, self.delays)
 
   def mailbox_slots(self) -> np.ndarray:
     """``[S]``: receive-buffer slots each stage needs (most messages waiting there at once)."""
     slots = np.maximum(self.arrival_slots().max(axis=(0, 2)), self.recv_slot.max(axis=0))
     return slots.astype(np.int64) + 1
 
-  def simulate(self, costs: Mapping[str, float] | None = None) -> simulate_lib.Timing:
+  def simulate(self, costs: Mapping[str, float] | None = None,
+               transfer=None) -> simulate_lib.Timing:
     """Step time under per-action costs, lockstep (SPMD) and dependency-driven.
 
     Args:
       costs: cost of each action kind that occurs, keyed by :class:`Action` name; defaults to
         ``{"F": 1, "B": 2, "BI": 1, "W": 1}`` (a backward costs two forwards, split evenly).
+      transfer: per link (or one number), the time one tick's exchange over it takes (see
+        :func:`~tpipe.schedules.simulate.linked_time`); None: instant.
 
     Returns:
       A :class:`~tpipe.schedules.simulate.Timing`.
     """
-    return simulate_lib.simulate(self, costs)
+    return simulate_lib.simulate(self, costs, transfer)
 
   def forward_pass(self) -> "FusedSchedule":
     """This table's forward actions alone, each stage running them in this table's order as
@@ -218,7 +228,7 @@ class FusedSchedule:
                for t in np.nonzero(self.action[:, s] == Action.F)[0]]
               for s in range(self.num_stages)]
     return place(self.name, self.num_stages, self.num_microbatches, self.num_chunks,
-                 self.placement, orders, forward_only=True)
+                 self.placement, orders, forward_only=True, delays=self.delays)
 
   def describe(self) -> str:
     """The table as text: one row per stage, one column per tick, ``.`` for idle.
@@ -336,15 +346,18 @@ def _check_dependencies(schedule: FusedSchedule, events: dict) -> None:
   """Every action runs at a later tick than the actions it needs."""
   num_virtual = schedule.num_stages * schedule.num_chunks
   stage_of, chunk_of = actions_lib.placement_of(schedule.virtual_stage)
+  hops = schedule.hop_delays
   for (name, m, v), t in events.items():
     kind = {"F": Action.F, "back": Action.B, "W": Action.W}[name]
     for dep in actions_lib.dependencies(kind, m, v, num_virtual):
-      if events[dep] >= t:
+      delay = 0 if dep[2] == v else int(hops[min(dep[2], v)])
+      if events[dep] + delay >= t:
         s, c, ds, dc = stage_of[v], chunk_of[v], stage_of[dep[2]], chunk_of[dep[2]]
         what = "BI/B" if name == "back" else name
         dwhat = "BI/B" if dep[0] == "back" else dep[0]
+        earlier = "an earlier tick" if not delay else f"tick {t - 2} or earlier (delayed link)"
         raise ValueError(f"tick {t}, stage {s}: {what} of micro-batch {m}, chunk {c} needs "
-                         f"{dwhat} of chunk {dc} on stage {ds} done at an earlier tick, but it "
+                         f"{dwhat} of chunk {dc} on stage {ds} done at {earlier}, but it "
                          f"runs at tick {events[dep]}.")
 
 
@@ -376,31 +389,36 @@ def _route(schedule: FusedSchedule, events: dict):
   links = actions_lib.link_directions(schedule.placement, num_stages, schedule.num_chunks)
   if np.any((stage_of[:-1] + links) % num_stages != stage_of[1:]):
     raise ValueError(f"placement {schedule.placement!r} needs hops beyond a neighbour.")
-  messages = []  # (arrival tick, read tick, sender, receiver, direction)
+  hops = schedule.hop_delays
+  messages = []  # (arrival tick, read tick, send tick, sender, receiver, direction)
   for (name, m, v), t in events.items():
     if name == "F" and v < num_virtual - 1:
-      messages.append((t + 1, events[("F", m, v + 1)], stage_of[v], stage_of[v + 1], links[v]))
+      messages.append((t + 1 + hops[v], events[("F", m, v + 1)], t, stage_of[v],
+                       stage_of[v + 1], links[v]))
     elif name == "back" and v > 0:
-      messages.append((t + 1, events[("back", m, v - 1)], stage_of[v], stage_of[v - 1],
-                       -links[v - 1]))
+      messages.append((t + 1 + hops[v - 1], events[("back", m, v - 1)], t, stage_of[v],
+                       stage_of[v - 1], -links[v - 1]))
   shape = schedule.action.shape
   send_dir = np.zeros(shape, np.int32)
   send_slot, recv_slot = np.full(shape, IDLE, np.int32), np.full(shape, IDLE, np.int32)
+  arrival = np.full(shape + (3,), IDLE, np.int32)
+  origin = {d: k for k, d in enumerate(actions_lib.ARRIVAL_DIRECTIONS)}
   free_at = [[] for _ in range(num_stages)]  # per receiver: tick each slot is free from.
-  for arrive, read, src, dst, direction in sorted(messages):
+  for arrive, read, sent, src, dst, direction in sorted(messages):
     slots = free_at[dst]
     k = next((i for i, free in enumerate(slots) if free <= arrive), len(slots))
     if k == len(slots):
       slots.append(0)
     slots[k] = read + 1
-    send_dir[arrive - 1, src], send_slot[arrive - 1, src] = direction, k
+    send_dir[sent, src], send_slot[sent, src] = direction, k
     recv_slot[read, dst] = k
-  return send_dir, send_slot, recv_slot
+    arrival[arrive, dst, origin[int(direction)]] = k
+  return send_dir, send_slot, recv_slot, arrival
 
 
 def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, placement: str,
           orders: list[list[tuple[Action, int, int]]], *,
-          forward_only: bool = False) -> FusedSchedule:
+          forward_only: bool = False, delays=None) -> FusedSchedule:
   """Lays per-stage action orders out on ticks and builds the schedule.
 
   Each tick, each stage runs the next action of its order if that action's inputs were done at an
@@ -415,12 +433,17 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, pl
     placement: ``"loop"`` or ``"v"`` (see :func:`~tpipe.schedules.actions.virtual_stages`).
     orders: per stage, its ``(action, micro-batch, local chunk)`` in the order it runs them.
     forward_only: the orders hold forwards only (see :attr:`FusedSchedule.forward_only`).
+    delays: per link, 0 or 1 extra tick (:func:`~tpipe.schedules.actions.link_delays`): an
+      action waits two ticks for an input that crosses a delayed link.
 
   Raises:
     ValueError: the orders deadlock, or the table they give fails validation.
   """
   vstage = actions_lib.virtual_stages(placement, num_stages, num_chunks)
   num_virtual = num_stages * num_chunks
+  hops = actions_lib.hop_delays(placement, num_stages, num_chunks, delays)
+  ready = lambda key, v, t: key in done and done[key] + (
+      0 if key[2] == v else int(hops[min(key[2], v)])) < t
   done, rows, position = {}, [], [0] * num_stages
   free = [[] for _ in range(num_stages)]  # per stage: slots released so far.
   held, used = {}, [0] * num_stages
@@ -432,7 +455,7 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, pl
         continue
       kind, m, c = orders[s][position[s]]
       v = int(vstage[s, c])
-      if all(done.get(key, t) < t for key in actions_lib.dependencies(kind, m, v, num_virtual)):
+      if all(ready(key, v, t) for key in actions_lib.dependencies(kind, m, v, num_virtual)):
         if kind == Action.F:
           k = min(free[s]) if free[s] else used[s]
           free[s] = [i for i in free[s] if i != k]
@@ -444,16 +467,18 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, pl
         row[s] = (kind, m, c, IDLE if forward_only else k)
         done[(actions_lib.EVENT[kind], m, v)] = t
         position[s] += 1
-    if all(r[0] == IDLE for r in row):
-      waiting = {s: orders[s][position[s]] for s in range(num_stages)
-                 if position[s] < len(orders[s])}
+    waiting = {s: orders[s][position[s]] for s in range(num_stages)
+               if position[s] < len(orders[s])}
+    in_transit = any(all(key in done for key in actions_lib.dependencies(
+        kind, m, int(vstage[s, c]), num_virtual)) for s, (kind, m, c) in waiting.items())
+    if all(r[0] == IDLE for r in row) and not in_transit:
       raise ValueError(f"{name}: the action orders deadlock at tick {t}; stages wait on {waiting}.")
     rows.append(row)
   table = np.array(rows, np.int32).transpose(2, 0, 1)
   return FusedSchedule(name=name, num_stages=num_stages, num_microbatches=num_microbatches,
                        num_chunks=num_chunks, placement=placement, action=table[0],
                        microbatch=table[1], chunk=table[2], stash_slot=table[3],
-                       forward_only=forward_only)
+                       forward_only=forward_only, delays=delays)
 
 
 def whole_step(schedule) -> FusedSchedule:
@@ -494,4 +519,5 @@ def from_forward(schedule: forward_lib.Schedule) -> FusedSchedule:
   return FusedSchedule(name=schedule.name, num_stages=schedule.num_stages,
                        num_microbatches=schedule.num_microbatches,
                        num_chunks=schedule.num_repeats, placement="loop", action=action,
-                       microbatch=microbatch, chunk=chunk, stash_slot=slot)
+                       microbatch=microbatch, chunk=chunk, stash_slot=slot,
+                       delays=schedule.delays)

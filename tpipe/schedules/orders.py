@@ -2,7 +2,9 @@
 
 Each schedule is written as the order in which every stage runs its actions; :func:`place` in
 :mod:`tpipe.schedules.fused` lays the orders out on ticks (a stage idles until an action's inputs
-are done) and validates the table. Pure NumPy.
+are done) and validates the table. Every builder takes ``delays`` (per link, 0 or 1 extra tick,
+:func:`~tpipe.schedules.actions.link_delays`): the same orders, laid out with the longer
+transfers (1F1B and ZB-H1 warm up with one more forward per delayed link ahead). Pure NumPy.
 """
 
 from __future__ import annotations
@@ -19,23 +21,32 @@ FusedSchedule = fused_lib.FusedSchedule
 NAMES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 
 
-def _order_1f1b(num_stages: int, num_microbatches: int, stage: int):
-  """PipeDream-Flush: ``S - 1 - s`` warm-up forwards, then one forward and one backward in turn."""
-  warmup = min(num_stages - 1 - stage, num_microbatches)
+def _warmup_delays(delays, num_stages: int, stage: int) -> int:
+  """Extra warm-up forwards stage ``s`` needs so delayed links do not idle its steady state:
+  each delayed link between it and the last stage adds two ticks to a micro-batch's round trip,
+  one forward-backward pair's worth."""
+  return sum(actions_lib.link_delays(delays, num_stages)[stage:num_stages - 1])
+
+
+def _order_1f1b(num_stages: int, num_microbatches: int, stage: int, delays=None):
+  """PipeDream-Flush: ``S - 1 - s`` warm-up forwards (one more per delayed link on the way to
+  the last stage), then one forward and one backward in turn."""
+  warmup = min(num_stages - 1 - stage + _warmup_delays(delays, num_stages, stage),
+               num_microbatches)
   order = [(Action.F, m, 0) for m in range(warmup)]
   for i in range(num_microbatches - warmup):
     order += [(Action.F, warmup + i, 0), (Action.B, i, 0)]
   return order + [(Action.B, m, 0) for m in range(num_microbatches - warmup, num_microbatches)]
 
 
-def _order_zb_h1(num_stages: int, num_microbatches: int, stage: int):
+def _order_zb_h1(num_stages: int, num_microbatches: int, stage: int, delays=None):
   """ZB-H1: 1F1B's order with ``B`` split into ``BI`` and ``W``, stage ``s`` deferring ``s`` W's.
 
   ``W`` of micro-batch ``k - s`` follows ``BI`` of ``k``, the last ``s`` come at the end: every
   stage holds up to ``S`` micro-batches (1F1B's stage 0), and the deferred ``W`` fill the tail.
   """
   order = []
-  for kind, m, c in _order_1f1b(num_stages, num_microbatches, stage):
+  for kind, m, c in _order_1f1b(num_stages, num_microbatches, stage, delays):
     if kind == Action.F:
       order.append((kind, m, c))
     else:
@@ -113,7 +124,7 @@ def _order_zbv(num_stages: int, num_microbatches: int, stage: int):
   return [(kind, m, c) for kind, m, c in order if m < num_microbatches]
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> FusedSchedule:
+def one_f_one_b(num_stages: int, num_microbatches: int, delays=None) -> FusedSchedule:
   """1F1B, PipeDream-Flush (Narayanan et al., ICML 2021): one forward, one backward in turn.
 
   Stage ``s`` runs ``S - 1 - s`` warm-up forwards, so at most ``min(S - s, M)`` micro-batches are
@@ -121,11 +132,12 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> FusedSchedule:
   """
   forward_lib.check_count("num_stages", num_stages)
   forward_lib.check_count("num_microbatches", num_microbatches)
-  orders = [_order_1f1b(num_stages, num_microbatches, s) for s in range(num_stages)]
-  return fused_lib.place("1f1b", num_stages, num_microbatches, 1, "loop", orders)
+  orders = [_order_1f1b(num_stages, num_microbatches, s, delays) for s in range(num_stages)]
+  return fused_lib.place("1f1b", num_stages, num_microbatches, 1, "loop", orders, delays=delays)
 
 
-def interleaved_1f1b(num_stages: int, num_microbatches: int, num_repeats: int) -> FusedSchedule:
+def interleaved_1f1b(num_stages: int, num_microbatches: int, num_repeats: int,
+                     delays=None) -> FusedSchedule:
   """Interleaved 1F1B (Narayanan et al., SC 2021): ``num_repeats`` chunks per stage.
 
   Chunks are placed as the circular schedule places them (``"loop"``). When S divides M:
@@ -142,10 +154,10 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_repeats: int) -
   orders = [_order_interleaved(num_stages, num_microbatches, num_repeats, s)
             for s in range(num_stages)]
   return fused_lib.place("interleaved_1f1b", num_stages, num_microbatches, num_repeats, "loop",
-                         orders)
+                         orders, delays=delays)
 
 
-def zb_h1(num_stages: int, num_microbatches: int) -> FusedSchedule:
+def zb_h1(num_stages: int, num_microbatches: int, delays=None) -> FusedSchedule:
   """ZB-H1 (Qi et al., ICLR 2024, sec. 2.1): 1F1B with the backward split into ``BI`` and ``W``.
 
   Every stage holds up to ``min(S, M)`` micro-batches. With ``M >= S``: ``3M + S - 1`` ticks, so
@@ -154,11 +166,11 @@ def zb_h1(num_stages: int, num_microbatches: int) -> FusedSchedule:
   """
   forward_lib.check_count("num_stages", num_stages)
   forward_lib.check_count("num_microbatches", num_microbatches)
-  orders = [_order_zb_h1(num_stages, num_microbatches, s) for s in range(num_stages)]
-  return fused_lib.place("zb_h1", num_stages, num_microbatches, 1, "loop", orders)
+  orders = [_order_zb_h1(num_stages, num_microbatches, s, delays) for s in range(num_stages)]
+  return fused_lib.place("zb_h1", num_stages, num_microbatches, 1, "loop", orders, delays=delays)
 
 
-def zbv(num_stages: int, num_microbatches: int) -> FusedSchedule:
+def zbv(num_stages: int, num_microbatches: int, delays=None) -> FusedSchedule:
   """ZB-V (Qi et al., 2024, sec. 6): two chunks per stage placed in a V, split backward.
 
   With ``M >= 2S``: ``6M + S - 1`` ticks, each stage idle ``S - 1`` of them whatever M (the
@@ -167,4 +179,4 @@ def zbv(num_stages: int, num_microbatches: int) -> FusedSchedule:
   forward_lib.check_count("num_stages", num_stages)
   forward_lib.check_count("num_microbatches", num_microbatches)
   orders = [_order_zbv(num_stages, num_microbatches, s) for s in range(num_stages)]
-  return fused_lib.place("zbv", num_stages, num_microbatches, 2, "v", orders)
+  return fused_lib.place("zbv", num_stages, num_microbatches, 2, "v", orders, delays=delays)

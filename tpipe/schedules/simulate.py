@@ -8,6 +8,10 @@
   stages it exchanges messages with (the stage before and after it, around the ring when chunks
   wrap) have finished tick ``t - 1``; no other barrier. A slow action delays its neighbours one
   tick later, theirs the tick after, so a tick's cost spreads only as far as the table lets it.
+  With transfer times per link (:func:`linked_time`), the exchange after tick ``t - 1`` also
+  takes its link's transfer time; over a delayed link the exchange runs during tick ``t - 1``
+  (it carries the tick before's message), from when both stages started that tick, so it
+  overlaps their compute and only what exceeds the tick shows.
 * **natural** (dependency-driven): each stage runs its actions in the table's order, each as soon
   as the stage is free and its inputs are done (no tick barrier, no transfer time); what an
   MPMD runtime could reach.
@@ -39,13 +43,18 @@ class Timing:
       as soon as the stage is free and its inputs are done (no tick barrier, no transfer time).
     busy: ``[S]`` total cost of the actions of each stage.
     neighbour: neighbour-synchronised step time: a stage starts each tick when it and the stages
-      it exchanges messages with have finished the previous one (:func:`exchange_partners`).
+      it exchanges messages with have finished the previous one (:func:`exchange_partners`),
+      and the messages have crossed their links (:func:`linked_time`; instant unless
+      :func:`simulate` is given transfer times).
+    exposed_transfer: how much of ``neighbour`` is transfer time: ``neighbour`` less the same
+      model with instant transfers (0 without transfer times).
   """
 
   lockstep: float
   natural: float
   busy: np.ndarray
   neighbour: float
+  exposed_transfer: float = 0.0
 
   @property
   def lockstep_bubble(self) -> float:
@@ -125,13 +134,70 @@ def neighbour_time(cost: np.ndarray, partners) -> float:
   return float(end.max(initial=0.0))
 
 
-def simulate(schedule, costs: Mapping[str, float] | None = None) -> Timing:
+def ring_links(num_stages: int, wrap: bool) -> tuple[int, ...]:
+  """The links of the ring of stages a tick loop sends over: ``0 .. S - 2`` (link ``l`` joins
+  stage ``l`` to ``l + 1``), and the closing link ``S - 1`` when chunks wrap round."""
+  if num_stages == 1:
+    return ()
+  return tuple(range(num_stages if wrap else num_stages - 1))
+
+
+def linked_time(cost: np.ndarray, links, transfer=None, delays=None) -> float:
+  """Neighbour-synchronised step time of per-entry costs ``[T, S]`` with a transfer time per link.
+
+  Stage ``s`` starts tick ``t`` when it finished tick ``t - 1`` and, for each of its ``links``,
+  the exchange that tick ``t`` reads is done: after tick ``t - 1`` ends on both sides plus the
+  link's transfer time; over a delayed link, from when both sides *started* tick ``t - 1`` plus
+  the transfer time (the send runs beside that tick's compute). Without transfer times and
+  delays this is :func:`neighbour_time` with :func:`exchange_partners`.
+
+  Args:
+    cost: ``[T, S]`` cost of each table entry, in the units of ``transfer``.
+    links: the link indices in use (:func:`ring_links`).
+    transfer: per link ``[S]`` (or one number for all): the time one tick's exchange over it
+      takes; None: instant.
+    delays: per link, 0 or 1 (:func:`~tpipe.schedules.actions.link_delays`); None: none.
+
+  Raises:
+    ValueError: ``cost`` is not ``[T, S]``, a link is out of range, or a transfer time is
+      negative.
+  """
+  cost = np.asarray(cost, np.float64)
+  if cost.ndim != 2:
+    raise ValueError(f"cost must be [ticks, stages], got shape {cost.shape}.")
+  num_stages = cost.shape[1]
+  links = tuple(int(link) for link in links)
+  if any(not 0 <= link < num_stages for link in links):
+    raise ValueError(f"links must be in range({num_stages}), got {links}; use "
+                     f"ring_links({num_stages}, wrap).")
+  transfer = np.broadcast_to(np.asarray(0.0 if transfer is None else transfer, np.float64),
+                             (num_stages,))
+  if np.any(transfer < 0) or not np.all(np.isfinite(transfer)):
+    raise ValueError(f"transfer times must be finite and >= 0, got {transfer.tolist()}.")
+  delays = actions_lib.link_delays(delays, num_stages)
+  start, end = np.zeros(num_stages), np.zeros(num_stages)
+  for t, row in enumerate(cost):
+    if t:
+      ready = end.copy()
+      for link in links:
+        a, b = link, (link + 1) % num_stages
+        base = max(start[a], start[b]) if delays[link] else max(end[a], end[b])
+        ready[a] = max(ready[a], base + transfer[link])
+        ready[b] = max(ready[b], base + transfer[link])
+      start = ready
+    end = start + row
+  return float(end.max(initial=0.0))
+
+
+def simulate(schedule, costs: Mapping[str, float] | None = None, transfer=None) -> Timing:
   """Step time of ``schedule`` under per-action ``costs``: lockstep, neighbour-synchronised and
   natural.
 
   Args:
     schedule: a :class:`~tpipe.schedules.FusedSchedule`.
     costs: see :func:`action_costs`.
+    transfer: per link (or one number): the time one tick's exchange over it takes, in the
+      units of ``costs`` (see :func:`linked_time`); None: instant.
 
   Returns:
     A :class:`Timing`.
@@ -149,6 +215,9 @@ def simulate(schedule, costs: Mapping[str, float] | None = None) -> Timing:
                   default=0.0)
       start = max(stage_free[s], ready)
       stage_free[s] = finish[(actions_lib.EVENT[kind], m, v)] = start + cost[t, s]
-  partners = exchange_partners(schedule.num_stages, schedule.num_chunks > 1)
+  links = ring_links(schedule.num_stages, schedule.num_chunks > 1)
+  instant = linked_time(cost, links, None, schedule.delays)
+  neighbour = linked_time(cost, links, transfer, schedule.delays) if transfer is not None else (
+      instant)
   return Timing(lockstep=lockstep, natural=float(stage_free.max()), busy=cost.sum(axis=0),
-                neighbour=neighbour_time(cost, partners))
+                neighbour=neighbour, exposed_transfer=neighbour - instant)
