@@ -19,7 +19,8 @@ from tpipe import spec as spec_lib
 unit = pytest.mark.unit
 
 SETTINGS = ("num_stages", "num_microbatches", "schedule", "num_repeats", "balance", "remat",
-            "remat_granularity", "per_example", "unroll", "mesh", "stage_axis", "data_axis")
+            "remat_granularity", "per_example", "unroll", "mesh", "transfer_delay", "stage_axis",
+            "data_axis")
 
 
 @unit
@@ -143,6 +144,10 @@ _BAD = [
     (dict(stage_axis="data"), ValueError, r"stage_axis and data_axis must differ, both are "
                                           r"'data'"),
     (dict(mesh="mesh"), TypeError, r"mesh must be a jax\.sharding\.Mesh or None, got str"),
+    (dict(transfer_delay=2), ValueError, r"transfer_delay=2: a transfer is delayed by 0 or 1 "
+                                         r"tick"),
+    (dict(transfer_delay=(0, 1, 0)), ValueError, r"transfer_delay=\(0, 1, 0\): give one 0 or 1 "
+                                                 r"per link of the ring of 2 stages"),
 ]
 
 
@@ -325,3 +330,19 @@ def test_stack_front_ends_prefix_their_own_checks():
 def test_module_doctests_pass():
   result = doctest.testmod(spec_lib)
   assert result.attempted >= 4 and result.failed == 0
+
+
+@unit
+def test_transfer_delay_defaults_to_the_links_that_cross_slices_of_the_mesh():
+  assert tpipe.PipelineSpec(4, 2).delays == (0, 0, 0, 0)  # No mesh: nothing to tell slices by.
+  one_slice = tpipe.make_mesh(stages=4, data=2)
+  assert tpipe.PipelineSpec(4, 2, mesh=one_slice).delays == (0, 0, 0, 0)
+  devices = jax.devices()[:8]
+  two = tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2}, slices=[devices[:4], devices[4:]])
+  spec = tpipe.PipelineSpec(4, 2, schedule="1f1b", mesh=two)
+  assert spec.delays == (0, 1, 0, 1)
+  assert spec.table is schedules.build("1f1b", 4, 2, delays=(0, 1, 0, 1))
+  # Given, it wins; a sequence is kept as a tuple (the spec stays hashable).
+  assert spec.replace(transfer_delay=0).delays == (0, 0, 0, 0)
+  assert spec.replace(transfer_delay=[1, 0, 0, 0]).transfer_delay == (1, 0, 0, 0)
+  assert tpipe.PipelineSpec(4, 2, transfer_delay=1).table.delays == (1, 1, 1, 1)

@@ -66,6 +66,13 @@ class PipelineSpec:
     unroll: layer units per iteration of a repeated layer's ``lax.scan`` (``True``: all), as in
       ``nn.scan``.
     mesh: the device mesh; ``None`` means the ambient mesh (``jax.set_mesh``), else one device.
+    transfer_delay: whether a value sent between neighbouring stages is read one tick later
+      than usual, so its transfer overlaps a whole tick of compute (for links over the slow
+      network between slices): ``None`` (default) delays exactly the links that cross slices
+      of ``mesh`` (:func:`tpipe.make_mesh` with ``dcn=``; none on one slice or without ``mesh``),
+      ``0`` none, ``1``
+      every link, or one 0/1 per link of the ring of stages (link ``l`` joins stage ``l`` to
+      ``(l + 1) % S``). Each delayed link between stages adds a tick to the step.
     stage_axis: the mesh axis of stages.
     data_axis: the mesh axis of data-parallel replicas (the batch is split over it).
   """
@@ -80,6 +87,7 @@ class PipelineSpec:
   per_example: Sequence[str] = ()
   unroll: int | bool = 1
   mesh: Mesh | None = None
+  transfer_delay: Any = None
   stage_axis: str = mesh_lib.STAGE_AXIS
   data_axis: str = mesh_lib.DATA_AXIS
 
@@ -89,23 +97,27 @@ class PipelineSpec:
     if not isinstance(self.schedule, str):
       raise TypeError(f"schedule must be a name, one of {schedules.NAMES}, got "
                       f"{self.schedule!r}.")
+    for name in ("stage_axis", "data_axis"):
+      if not isinstance(getattr(self, name), str):
+        raise TypeError(f"{name} must be a mesh axis name (a string), got "
+                        f"{getattr(self, name)!r}.")
+    if self.mesh is not None:
+      if not isinstance(self.mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got "
+                        f"{type(self.mesh).__name__}.")
+      mesh_lib.check_stage_axis(self.mesh, self.num_stages, self.stage_axis, "the mesh given")
+    if self.transfer_delay is not None:  # Raises for a bad value; a sequence kept as a tuple.
+      delays = schedules.link_delays(self.transfer_delay, self.num_stages)
+      if not isinstance(self.transfer_delay, (int, np.integer)):
+        object.__setattr__(self, "transfer_delay", delays)
     self.table  # Builds (and caches) the table: raises for unknown names or bad repeats.
     check_remat(self.remat)
     check_remat_granularity(self.remat_granularity)
     check_unroll(self.unroll)
     object.__setattr__(self, "balance", _check_balance_form(self.balance, self.num_chunks))
     object.__setattr__(self, "per_example", _check_per_example(self.per_example))
-    for name in ("stage_axis", "data_axis"):
-      if not isinstance(getattr(self, name), str):
-        raise TypeError(f"{name} must be a mesh axis name (a string), got "
-                        f"{getattr(self, name)!r}.")
     if self.stage_axis == self.data_axis:
       raise ValueError(f"stage_axis and data_axis must differ, both are {self.stage_axis!r}.")
-    if self.mesh is not None:
-      if not isinstance(self.mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got "
-                        f"{type(self.mesh).__name__}.")
-      mesh_lib.check_stage_axis(self.mesh, self.num_stages, self.stage_axis, "the mesh given")
 
   def replace(self, **changes) -> "PipelineSpec":
     """A copy with ``changes`` (setting names as keywords), validated again."""
@@ -118,7 +130,19 @@ class PipelineSpec:
   def table(self) -> schedules.Schedule | schedules.FusedSchedule:
     """The schedule's table, from the cached factory :func:`tpipe.schedules.build`."""
     return schedules.build(self.schedule, self.num_stages, self.num_microbatches,
-                           self.num_repeats)
+                           self.num_repeats, self.delays)
+
+  @property
+  def delays(self) -> tuple[int, ...]:
+    """Per link of the ring of stages, 0 or 1 extra tick: ``transfer_delay`` as given, or (None)
+    the links that cross slices of the spec's mesh (:func:`tpipe.mesh.crossing_links`). An
+    ambient mesh (``jax.set_mesh``) is abstract inside ``jit``, without devices to tell slices
+    apart: with one, give ``transfer_delay`` (or ``mesh=``) to delay links."""
+    if self.transfer_delay is not None:
+      return schedules.link_delays(self.transfer_delay, self.num_stages)
+    if self.mesh is None:
+      return (0,) * self.num_stages
+    return tuple(int(c) for c in mesh_lib.crossing_links(self.mesh, self.stage_axis))
 
   @property
   def is_fused(self) -> bool:

@@ -5,8 +5,10 @@ device looks up in the table which (micro-batch, repeat) it works on, chooses it
 micro-batch, one coming back for another lap on stage 0, or what its left neighbour sent last
 tick), runs the chunk's branch (:class:`tpipe.core.chunks.ChunkSet`) through a gated
 ``lax.switch`` (:mod:`tpipe.core.gated`: idle ticks compute nothing, forward or backward), and
-sends the result to its right neighbour with one ``lax.ppermute`` on the ring of stages. The last
-stage files finished micro-batches into an output buffer.
+sends the result to its right neighbour with one ``lax.ppermute`` on the ring of stages (over a
+delayed link, during the next tick: the transfer overlaps that tick's compute and the value is
+read a tick later, as the table says). The last stage files finished micro-batches into an
+output buffer.
 
 Autodiff through the scan gives the backward pass (forward ticks replayed in reverse), which
 accumulates parameter gradients over micro-batches in the scan's carry.
@@ -40,10 +42,13 @@ from tpipe.core import spmd
 
 
 def _tick_rows(schedule: schedules.Schedule, chunkset: chunks_lib.ChunkSet) -> dict:
-  """The per-tick rows the scan consumes: the table, what the last stage ran one tick ago, and
-  each (tick, stage)'s model chunk and branch (``-1`` when idle)."""
-  last_mb = np.concatenate([[schedules.IDLE], schedule.microbatch[:-1, -1]])
-  last_rep = np.concatenate([[schedules.IDLE], schedule.repeat[:-1, -1]])
+  """The per-tick rows the scan consumes: the table, what arrives from the last stage (what it
+  ran one tick ago, two over a delayed closing link), and each (tick, stage)'s model chunk and
+  branch (``-1`` when idle)."""
+  lag = 1 + schedule.delays[-1]
+  idle = np.full(lag, schedules.IDLE)
+  last_mb = np.concatenate([idle, schedule.microbatch[:-lag, -1]])
+  last_rep = np.concatenate([idle, schedule.repeat[:-lag, -1]])
   layout = chunkset.layout
   chunk_at = np.array([[layout.chunk_at(r, s) for s in range(schedule.num_stages)]
                        for r in range(schedule.num_repeats)], np.int32)
@@ -87,7 +92,9 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
   with_stats = chunkset.stats_layout is not None
   global_batch = jax.tree.leaves(x)[0].shape[0]
   over_stages = axes.splits_over_stages(global_batch)
-  ring_pairs = spmd.neighbour_pairs(schedule.num_stages, 1, wrap=num_repeats > 1)
+  now_pairs, late_pairs = spmd.split_by_delay(
+      spmd.neighbour_pairs(schedule.num_stages, 1, wrap=num_repeats > 1), schedule.delays, 1,
+      schedule.num_stages)
   rows_table = _tick_rows(schedule, chunkset)
   policy = chunks_lib.tick_policy(chunkset.spec)
   branches = [chunkset.branch(i, policy, tie_to_tick=True)
@@ -115,6 +122,8 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
     with jax.named_scope(spmd.MAILBOX_SCOPE):
       ring_zero = chunks_lib.zeros_with_rows(chunkset.ring.example, rows)
       carry = {"incoming": axes.vary(ring_zero)}
+      if late_pairs:  # Last tick's output, sent during this tick over the delayed links.
+        carry["pending"] = axes.vary(ring_zero)
     with jax.named_scope(spmd.BOUNDARY_SCOPE):
       carry["outputs"] = axes.vary(spmd.stacked_zeros(
           chunks_lib.zeros_with_rows(chunkset.output_example, rows), num_microbatches))
@@ -149,8 +158,13 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
       with jax.named_scope(spmd.BOUNDARY_SCOPE):
         carry["outputs"] = spmd.write_slot(carry["outputs"], mb, output, finished)
       with jax.named_scope(spmd.MAILBOX_SCOPE):
-        carry["incoming"] = (lax.ppermute(to_next, axes.stage, ring_pairs) if ring_pairs
-                             else to_next)
+        if now_pairs or late_pairs:
+          carry["incoming"] = spmd.permute_parts(to_next, axes.stage, now_pairs, late_pairs,
+                                                 carry.get("pending"))
+        else:
+          carry["incoming"] = to_next
+        if late_pairs:
+          carry["pending"] = to_next
       return carry, None
 
     carry, _ = lax.scan(tick, carry, rows_table)

@@ -215,9 +215,14 @@ class _Run:
     self.split = is_split(schedule)
     self.over_stages = False  # Whether the batch's rows split over stages: set per call.
     self.rows_table = _tick_rows(schedule, chunkset)
-    wrap = schedule.num_chunks > 1
-    self.right = spmd.neighbour_pairs(schedule.num_stages, 1, wrap)
-    self.left = spmd.neighbour_pairs(schedule.num_stages, -1, wrap)
+    wrap, num_stages, delays = schedule.num_chunks > 1, schedule.num_stages, schedule.delays
+    # Pairs over links without delay send at the end of a tick; over delayed links, during the
+    # next tick (what a delayed table expects: arrival two ticks after the send).
+    self.right = spmd.split_by_delay(spmd.neighbour_pairs(num_stages, 1, wrap), delays, 1,
+                                     num_stages)
+    self.left = spmd.split_by_delay(spmd.neighbour_pairs(num_stages, -1, wrap), delays, -1,
+                                    num_stages)
+    self.delayed = any(delays)
     policy = chunks_lib.tick_policy(chunkset.spec)
     # A backward tick recomputes its chunk's forward from the stashed input under jax.vjp: that
     # is remat="full" already, and checkpointing the chunk again inside the tick would run the
@@ -362,6 +367,8 @@ class _Run:
       carry["mailbox"] = axes.vary(spmd.stacked_zeros(
           device.ring_zero, max(1, int(schedule.mailbox_slots().max()))))
       carry["arrived"] = axes.vary((device.ring_zero,) * 3)
+      if self.delayed:  # What went to each side last tick, for the delayed links.
+        carry["pending"] = axes.vary((device.ring_zero,) * 2)
 
     def tick(carry, row):
       row = jax.tree.map(lambda a: a[device.stage], row)
@@ -377,9 +384,12 @@ class _Run:
           row["branch"], branches, carry["state"], carry["weights"], msg,
           spmd.read_slot(stash, row["stash"]), row["microbatch"], row["chunk"],
           row["weight_slot"])
-      arrived = self._send(send, row)
-      return {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,
-              "arrived": arrived}, None
+      arrived, pending = self._send(send, row, carry.get("pending"))
+      out = {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,
+             "arrived": arrived}
+      if self.delayed:
+        out["pending"] = pending
+      return out, None
 
     carry, _ = lax.scan(tick, carry, self.rows_table)
     return self._reduce(device, carry["state"], collect)
@@ -395,15 +405,19 @@ class _Run:
             "broadcast": zeros(device.broadcast), "x": zeros(device.x_mb),
             "per_example": zeros(device.pex_mb)}
 
-  def _send(self, send, row):
+  def _send(self, send, row, pending):
+    """``(arrived, pending)``: what reaches each stage from its left, its right and itself for
+    the next tick, and what this tick sent each way (the delayed links carry it next tick)."""
     direction, sends = row["send_dir"], row["sends"]
     pick = lambda cond: jax.tree.map(lambda a: jnp.where(cond, a, jnp.zeros_like(a)), send)
     to_right, to_left = pick(sends & (direction == 1)), pick(sends & (direction == -1))
     own = pick(sends & (direction == 0))
     stage = self.axes.stage
-    return (lax.ppermute(to_right, stage, self.right) if self.right else to_right,
-            lax.ppermute(to_left, stage, self.left) if self.left else to_left,
-            own)
+    if pending is None:
+      pending = (to_right, to_left)  # Unused: no link is delayed.
+    arrived = (spmd.permute_parts(to_right, stage, *self.right, pending[0]),
+               spmd.permute_parts(to_left, stage, *self.left, pending[1]), own)
+    return arrived, (to_right, to_left)
 
   def _reduce(self, device: _Device, state, collect: bool):
     """Once per step, outside the loop: sums over stages and replicas."""

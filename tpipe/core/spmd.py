@@ -25,6 +25,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from tpipe import mesh as mesh_lib
+from tpipe.schedules import actions as actions_lib
 
 
 # Named scopes around the tick loops' own buffers, which tpipe.tools.peak reads back from the
@@ -216,6 +217,24 @@ def neighbour_pairs(num_stages: int, direction: int, wrap: bool) -> list[tuple[i
   else:
     stages = range(0 if wrap else 1, num_stages)
   return [(s, (s + direction) % num_stages) for s in stages]
+
+
+def split_by_delay(pairs, delays, direction: int, num_stages: int):
+  """``(now, late)``: the ``pairs`` whose link is not delayed (sent at the end of a tick) and
+  those whose link is (sent during the next tick, overlapping its compute); see
+  :func:`tpipe.schedules.actions.link_delays`."""
+  late = [p for p in pairs if delays[actions_lib.link_of(p[0], direction, num_stages)]]
+  return [p for p in pairs if p not in late], late
+
+
+def permute_parts(value, axis: str, now, late, pending):
+  """What arrives when ``value`` goes over the ``now`` pairs and ``pending`` (what was sent a
+  tick earlier) over the ``late`` ones: each receiver gets one of them, the other part is zeros
+  (``lax.ppermute`` gives zeros where a device receives nothing)."""
+  arrived = lax.ppermute(value, axis, now) if now else jax.tree.map(jnp.zeros_like, value)
+  if late:
+    arrived = jax.tree.map(jnp.add, arrived, lax.ppermute(pending, axis, late))
+  return arrived
 
 
 def split_microbatches(tree, num_microbatches: int):

@@ -1,0 +1,63 @@
+"""Delayed transfers: a value sent over a delayed link is read two ticks later, its transfer
+overlapping a whole tick of compute; the pipeline still equals the layers in order.
+
+Eight CPU devices emulate two slices of four (``tpipe.make_mesh(..., dcn={"stage": 2},
+slices=...)``): stages 0-1 on one, 2-3 on the other, so links 1 (stage 1 to 2) and 3 (stage 3 back
+to 0) cross slices and are delayed by default. Forward schedules (autodiff backward, and the
+by-units backward of ``remat="full"``), the circular schedule's closing link, and fused schedules
+(1F1B, ZB-V whose turn stays on a stage, ZB-H1 and interleaved 1F1B with every link delayed) give
+the sequential model's loss and gradients (numerics rule: :mod:`tests.helpers.numerics`).
+"""
+
+import jax
+import pytest
+
+import tpipe
+from tests.helpers import linen_models as lm
+from tests.helpers import numerics
+
+CHUNKS_PER_STAGE = {"circular": 2, "interleaved_1f1b": 2, "zbv": 2}
+
+
+def _two_slice_mesh(stages=4, data=2):
+  devices = jax.devices()[:8]
+  return tpipe.make_mesh(stages=stages, data=data, dcn={"stage": 2},
+                         slices=[devices[:4], devices[4:]])
+
+
+def _model(name, schedule, mesh, microbatches, remat="full", **settings):
+  layers, _, _, _ = lm.loss_model(name)
+  return tpipe.Sequential(layers, num_stages=dict(mesh.shape)["stage"],
+                          num_microbatches=microbatches, schedule=schedule,
+                          num_repeats=CHUNKS_PER_STAGE.get(schedule, 1), remat=remat,
+                          per_example=("targets",), mesh=mesh, **settings)
+
+
+# (model, schedule, stages, micro-batches per replica, remat, transfer_delay): None is the
+# default, the links that cross the two slices (with 2 stages, one per slice: both links).
+CASES = [
+    ("mlp", "gpipe", 4, 3, "none", None),
+    ("lm", "gpipe", 4, 4, "full", None),
+    ("blocks", "circular", 4, 2, "dots", None),
+    ("mlp", "1f1b", 4, 4, "full", None),
+    ("lm", "zbv", 2, 3, "none", None),
+    ("blocks", "zb_h1", 4, 4, "full", 1),
+    ("mlp", "interleaved_1f1b", 2, 6, "dots", (0, 1)),
+]
+
+
+@pytest.mark.parametrize("name,schedule,stages,microbatches,remat,delay", CASES)
+def test_delayed_transfers_equal_sequential(name, schedule, stages, microbatches, remat, delay):
+  mesh = _two_slice_mesh(stages, 8 // stages)
+  model = _model(name, schedule, mesh, microbatches, remat, transfer_delay=delay)
+  crossing = (0, 1, 0, 1) if stages == 4 else (1, 1)
+  expected = crossing if delay is None else tpipe.schedules.link_delays(delay, stages)
+  assert model.spec.delays == expected and model.spec.table.delays == expected
+  _, x, targets, float_input = lm.loss_model(name)
+  x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
+  value, grads = jax.jit(lm.value_and_grad(lm.pipelined_loss(model), float_input))(
+      lm.random_params(name), x, targets)
+  plain_value, plain_grads = lm.plain(name, microbatches * (8 // stages))
+  ref_value, ref_grads = lm.reference(name)
+  numerics.assert_as_close_as_plain(value, plain_value, ref_value, what="loss")
+  numerics.assert_as_close_as_plain(grads, plain_grads, ref_grads, what="gradients")
