@@ -92,6 +92,13 @@ def get_config(arg=None):
   # each micro-batch's rows), the MLP's, embedding's and head's matrices over mesh.tensor devices
   # (as the layers' logical axis names say: tpipe.axis_rules.DEFAULT_RULES).
   config.mesh = ml_collections.ConfigDict({"fsdp": 1, "tensor": 1})
+  # Over several slices (multislice TPU): how many slices the stage, data and fsdp axes span
+  # (product = slices). emulate_slices cuts this machine's devices into that many to try it.
+  config.mesh.dcn = ml_collections.ConfigDict({"stage": 1, "data": 1, "fsdp": 1})
+  config.mesh.emulate_slices = False
+  # Read what crosses a link one tick late, so the send overlaps a tick of compute: "auto"
+  # (the links between slices), "0", "1" or one 0/1 per link of the stage ring ("0,1,0,1").
+  config.transfer_delay = "auto"
   config.num_microbatches = num_microbatches
   config.schedule = "gpipe"
   config.num_repeats = 1

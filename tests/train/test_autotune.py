@@ -6,6 +6,7 @@ from configs import lm
 from tpipe import schedules
 from tpipe.tools import flops as flops_lib
 from tpipe.train import autotune
+from tpipe.train import multislice
 from tpipe.train import report as report_lib
 
 
@@ -151,3 +152,32 @@ def test_nothing_fits_a_one_byte_budget():
   assert "Nothing fits" in autotune.format_result(result)
   with pytest.raises(ValueError, match="budget_bytes"):
     autotune.autotune(_config(), 0)
+
+
+def test_the_axis_over_dcn_is_chosen_from_the_priced_steps():
+  config = lm.get_config("size=tiny")
+  config.num_stages, config.num_data, config.num_microbatches = 2, 2, 2
+  config.mesh.fsdp = 2
+  options = multislice.compare(config, 2)
+  assert [o.axis for o in options] == ["stage", "data", "fsdp"]
+  assert all(o.communication is not None and o.peak_bytes > 0 for o in options)
+  for option in options:  # The axis spread over the slices is the one priced on DCN.
+    assert option.communication.links[option.axis] == "dcn"
+    assert {a for a, link in option.communication.links.items() if link == "dcn"} == {
+        option.axis}
+    assert option.communication.dcn_bytes > 0
+  best = multislice.best(options)
+  assert best.communication.step_seconds == min(o.communication.step_seconds for o in options)
+  # FSDP over DCN gathers every layer's weights there on every tick: the most DCN bytes.
+  by_axis = {o.axis: o.communication for o in options}
+  assert by_axis["fsdp"].dcn_bytes > max(by_axis["stage"].dcn_bytes, by_axis["data"].dcn_bytes)
+  text = multislice.format_choice(options)
+  assert f"| {best.axis} **(recommended)** |" in text
+  assert f"--config.mesh.dcn.{best.axis}=<slices>" in text
+  # An axis the slices do not divide is named, not compiled; fewer than 2 slices is an error.
+  options = multislice.compare(config, 4)
+  assert [o.reason for o in options] == ["its size 2 does not divide into 4 slices"] * 3
+  assert multislice.best(options) is None
+  assert "No option could be measured." in multislice.format_choice(options)
+  with pytest.raises(ValueError, match="num_slices must be an int >= 2"):
+    multislice.compare(config, 1)

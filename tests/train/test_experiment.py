@@ -9,6 +9,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import tpipe
 from configs import lm
 from tests.helpers import numerics
 from tests.helpers import train_runs
@@ -194,6 +195,15 @@ def test_init_state_and_steps(exp):
     (dict(balance="1,2"), ValueError, "has 2 entries"),
     (dict(remat_granularity="block"), ValueError, "config.remat_granularity: Unknown"),
     (dict(remat_granularity="0"), ValueError, "config.remat_granularity: .* must be >= 1"),
+    (dict(mesh=dict(dcn=dict(stage=3))), ValueError,
+     r"dcn\['stage'\]=3 does not divide the 'stage' axis's size 4"),
+    (dict(mesh=dict(dcn=dict(stage=2))), ValueError,
+     r"spans 2 slice\(s\), but the devices are on 1.*config.mesh.emulate_slices=True"),
+    (dict(mesh=dict(dcn=dict(tensor=2))), ValueError,
+     r"config.mesh.dcn has unknown axes \['tensor'\]; use stage, data or fsdp"),
+    (dict(mesh=dict(dcn=dict(data=0))), ValueError, r"config.mesh.dcn.data must be an int >= 1"),
+    (dict(transfer_delay="2"), ValueError, r"transfer_delay=2: a transfer is delayed by 0 or 1"),
+    (dict(transfer_delay="soon"), ValueError, r"config.transfer_delay='soon': write 'auto'"),
 ])
 def test_bad_config_raises_before_tracing(overrides, error, match):
   with pytest.raises(error, match=match):
@@ -302,3 +312,14 @@ def test_fused_schedule_trains_as_gpipe_does(exp):
     for name in ("loss", "grad_norm"):
       numerics.assert_as_close_as_plain(float(got[name]), float(want[name]), reference[name],
                                         what=f"step {step + 1} {name}")
+
+
+@pytest.mark.unit  # Builds meshes and tables only.
+def test_a_config_over_two_emulated_slices_delays_the_links_between_them():
+  config = _config(mesh=dict(fsdp=1, tensor=1, dcn=dict(stage=2), emulate_slices=True))
+  mesh = jax.devices()[:8]
+  spec = experiment.spec_from_config(config, tpipe.make_mesh(
+      stages=4, data=2, dcn={"stage": 2}, slices=[mesh[:4], mesh[4:]]))
+  assert spec.delays == (0, 1, 0, 1)
+  assert experiment.spec_from_config(_config(transfer_delay="1")).delays == (1, 1, 1, 1)
+  assert experiment.spec_from_config(_config(transfer_delay="0,0,1,0")).delays == (0, 0, 1, 0)

@@ -17,7 +17,9 @@ from tests.helpers import blocks
 from tests.helpers import numerics
 from tpipe.core import layout as layout_lib
 from tpipe.tools import analysis
+from tpipe.tools import links
 from tpipe.tools import stage_costs
+from tpipe.train import communication
 from tpipe.train import experiment
 from tpipe.train import report as report_lib
 
@@ -385,3 +387,61 @@ def test_chunk_programs_in_order_are_the_model():
   numerics.assert_as_close_as_plain(h, plain, exact, what="the chunk programs in order")
   numerics.assert_as_close_as_plain(model.apply(variables, x)[:2], plain, exact,
                                     what="the pipelined model")
+
+
+# --------------------------------------------------------------------------------------------
+# Communication priced on its links.
+
+
+def _two_slice_config(**overrides):
+  config = _tiny_config()
+  config.mesh.dcn.stage, config.mesh.emulate_slices = 2, True
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+@pytest.fixture(scope="module")
+def two_slice_reports():
+  """The tiny config with its stages over two emulated slices, with the default delay on the
+  links between them and without."""
+  return (report_lib.analyze_config(_two_slice_config(), per_stage=False),
+          report_lib.analyze_config(_two_slice_config(transfer_delay="0"), per_stage=False))
+
+
+def test_one_slice_prices_every_axis_on_ici(tiny_report):
+  comm = tiny_report.communication
+  assert set(comm.links.values()) == {"ici"} and comm.crossing == (False,) * 4
+  assert {row.link for row in comm.rows} == {"ici"}
+  assert comm.step_seconds == pytest.approx(comm.compute_seconds + comm.exposed_seconds)
+  assert comm.compute_seconds > 0
+
+
+def test_stages_over_two_slices_send_over_dcn_and_a_delay_hides_what_a_tick_outlasts(
+        two_slice_reports):
+  delayed, plain = two_slice_reports
+  for rep in (delayed, plain):
+    comm = rep.communication
+    assert comm.links == {"stage": "dcn", "data": "ici", "fsdp": "ici", "tensor": "ici"}
+    assert comm.crossing == (False, True, False, True)
+    stage = next(row for row in comm.rows if row.axes == ("stage",))
+    assert stage.link == "dcn" and 0 < stage.exposed_seconds <= stage.seconds
+    assert comm.stage_transfer_seconds[1] > 10 * comm.stage_transfer_seconds[0]
+  assert delayed.schedule.delays == delayed.communication.delays == (0, 1, 0, 1)
+  assert plain.schedule.delays == plain.communication.delays == (0, 0, 0, 0)
+  # The tiny model's tick computes far less than a DCN send takes: the delay hides nothing and
+  # its extra ticks add sends. On a chip a million times slower a tick outlasts the send, and
+  # the delayed links hide theirs.
+  assert delayed.communication.exposed_seconds > plain.communication.exposed_seconds
+  slow = links.interconnect("v5p", peak_tflops=459e-6)
+  priced = [communication.summarize(rep.mesh, rep.schedule, rep.analysis, slow)
+            for rep in (delayed, plain)]
+  assert priced[0].compute_seconds > 10 * priced[0].stage_transfer_seconds[1]
+  stage_exposed = [next(r for r in p.rows if r.axes == ("stage",)).exposed_seconds
+                   for p in priced]
+  assert stage_exposed[0] < 0.7 * stage_exposed[1]  # What is left: sends outside the loop.
+  out = delayed.to_json()["communication"]
+  assert out["stage_link_delays"] == [0, 1, 0, 1]
+  assert {row["axes"]: row["link"] for row in out["axes"]}["stage"] == "dcn"
+  text = report_lib.format_report(delayed)
+  assert "Communication priced on v5p links" in text and "stage DCN, data ICI" in text

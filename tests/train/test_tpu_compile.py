@@ -4,6 +4,7 @@ stage 2 x fsdp 2 x tensor 2), and its program keeps every collective where it be
 runs on a TPU. Skips, saying why, where libtpu is not installed."""
 
 import collections
+import re
 import math
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 
 import tpipe
 from configs import lm
+from tests.helpers import linen_models
 from tpipe.tools import analysis
 from tpipe.train import experiment
 
@@ -70,3 +72,57 @@ def test_collectives_on_the_tpu_stay_where_they_belong(tpu_step):
   # What spans several axes (the loss's sums over rows and stages) runs once, after the loop.
   for axes in set(by_axis) - {("stage",), ("fsdp",), ("tensor",)}:
     assert not in_loop(by_axis[axes]) and all(c.count == 1 for c in by_axis[axes]), axes
+
+
+def _tick_body_order(text: str) -> list[str]:
+  """In the fused tick loop's body (the computation whose conditional picks among the action
+  branches), the order of its DCN sends and receives (``send``/``recv`` to the megascale
+  runtime, with their rendezvous) and of the action conditional (``COMPUTE``)."""
+  for computation in re.split(r"\n(?=\S)", text):
+    order = []
+    for line in computation.split("\n"):
+      branches = re.search(r" conditional\(.*branch_computations=\{([^}]*)\}", line)
+      if branches and len(branches.group(1).split(",")) >= 5:
+        order.append("COMPUTE")
+        continue
+      op = re.search(r" (send|recv|send-done|recv-done)\(", line)
+      rendezvous = re.search(r'_xla_host_transfer_rendezvous="([^"]*)"', line)
+      if op and rendezvous:
+        order.append(f"{op.group(1)}:{rendezvous.group(1)}")
+      elif op:
+        order.append(op.group(1))
+    if "COMPUTE" in order:
+      return order
+  raise AssertionError("no tick loop with an action conditional in the program")
+
+
+@pytest.mark.parametrize("delay", [None, 0])
+def test_a_delayed_dcn_send_runs_beside_the_ticks_compute(delay):
+  """1F1B on two v5p:2x2x1 slices, stage over DCN: XLA turns the sends between slices into DCN
+  transfers (send/recv to the megascale runtime). Delayed (the default on those links) each is
+  issued before the tick's action conditional and waited for after it; without the delay each
+  is waited for before the compute that needs it."""
+  try:
+    devices = tpipe.topology_devices("v5p:2x2x1", num_slices=2)
+  except ValueError as error:
+    pytest.skip(f"the TPU compiler is not installed here: {error}")
+  mesh = tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2}, devices=devices)
+  layers, x, targets, _ = linen_models.loss_model("blocks")
+  model = tpipe.Sequential(layers, num_stages=4, num_microbatches=4, schedule="1f1b",
+                           per_example=("targets",), mesh=mesh, transfer_delay=delay)
+  assert model.spec.delays == ((0, 1, 0, 1) if delay is None else (0, 0, 0, 0))
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, targets=targets))["params"]
+  sharding = tpipe.data_sharding(mesh)
+  abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, targets)]
+  loss = lambda p, x, t: model.apply({"params": p}, x, targets=t, method="loss")
+  text = jax.jit(jax.grad(loss)).lower(params, *abstract).compile().as_text()
+  order = _tick_body_order(text)
+  compute = order.index("COMPUTE")
+  sends = [i for i, op in enumerate(order) if op.startswith("send:")]
+  waits = [i for i, op in enumerate(order) if op in ("send-done", "recv-done")]
+  assert len(sends) == 2 and len(waits) == 4, order  # One to each side, over link 1.
+  assert max(sends) < compute
+  if delay is None:
+    assert min(waits) > compute, order
+  else:
+    assert max(waits) < compute, order

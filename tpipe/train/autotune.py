@@ -7,6 +7,9 @@ Usage::
   python -m tpipe.train.autotune --config=configs/lm.py:size=tiny --budget_gib=0.002 \
       --microbatches=2,4,8 --remats=none,full --remat_granularities=chunk,layer \
       --schedules=gpipe,1f1b
+  # Which axis should cross the slices of a multislice job (tpipe.train.multislice):
+  python -m tpipe.train.autotune --config=configs/lm.py:size=tiny --config.num_data=2 \
+      --config.mesh.fsdp=2 --config.num_stages=2 --dcn_slices=2
 
 For every candidate (``num_stages`` dividing the device count and the layer count, ``num_data``
 the remaining devices, ``num_microbatches`` dividing the per-replica batch, ``schedule`` among
@@ -425,17 +428,34 @@ def define_flags() -> None:
                     "int k (layers per checkpoint).")
   flags.DEFINE_list("schedules", None, "Schedules to try (default: the forward ones and every "
                     "fused one tpipe.Sequential runs).")
+  flags.DEFINE_integer("dcn_slices", None, "Instead of the search: compare the stage, data and "
+                       "fsdp axes over this many slices (DCN) and recommend one "
+                       "(tpipe.train.multislice).")
+  flags.DEFINE_string("topology", None, "With --dcn_slices: compile for this TPU topology "
+                      "(that many slices of it) instead of emulated slices of CPU devices.")
+  cli.define_network_flags()
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
-  if f.config is None or f.budget_gib is None:
-    raise app.UsageError("--config and --budget_gib are required.")
   from tpipe.train import report as report_lib  # pylint: disable=g-import-not-at-top
 
   config = f.config
+  if config is not None and f.dcn_slices:
+    from tpipe.train import multislice  # pylint: disable=g-import-not-at-top
+
+    if not f.topology:
+      report_lib.setup_cpu_devices(num_devices=f.num_devices or cli.num_devices(config))
+    options = multislice.compare(config, f.dcn_slices, topology=f.topology,
+                                 network=cli.network_from_flags(f.topology),
+                                 efficiency=f.efficiency)
+    print(multislice.format_choice(options))
+    return
+  if config is None or f.budget_gib is None:
+    raise app.UsageError("--config and --budget_gib are required (or --config and "
+                         "--dcn_slices).")
   num_devices = f.num_devices or cli.num_devices(config)
   report_lib.setup_cpu_devices(num_devices=num_devices)
   result = autotune(

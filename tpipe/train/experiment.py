@@ -67,7 +67,8 @@ def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.Pipe
       "config", num_stages=config.num_stages, num_microbatches=config.num_microbatches,
       schedule=config.schedule, num_repeats=config.num_repeats,
       balance=parse_balance(config.balance), remat=config.remat,
-      remat_granularity=tasks_lib.remat_granularity(config), mesh=mesh)
+      remat_granularity=tasks_lib.remat_granularity(config), mesh=mesh,
+      transfer_delay=cli.parse_transfer_delay(config.get("transfer_delay", "auto")))
 
 
 def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
@@ -443,8 +444,17 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
   validate_config(config, devices)
   task = tasks_lib.get_task(config)
   fsdp, tensor = cli.mesh_sizes(config)
-  mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data, fsdp=fsdp,
-                         tensor=tensor, devices=devices)
+  devices = jax.devices() if devices is None else devices
+  try:
+    mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data, fsdp=fsdp,
+                           tensor=tensor, devices=devices, dcn=cli.mesh_dcn(config),
+                           slices=cli.slice_groups(config, devices))
+  except ValueError as error:
+    if "slice" not in str(error):
+      raise
+    raise ValueError(f"{error} In a config: set config.mesh.dcn to the slices each axis spans; "
+                     "to try a multislice layout on this machine's devices, "
+                     "config.mesh.emulate_slices=True.") from None
   x, kwargs = task.model_inputs(task.batch_shapes(config))
   model = make_model(config, mesh)
   pipeline = model.pipeline_for(x, rng_names=("dropout",), **kwargs)

@@ -103,6 +103,9 @@ class Report:
     mesh_shape: the mesh's axis sizes, ``{"data": 2, "fsdp": 2, "stage": 2, "tensor": 2}``.
     state_split: per mesh axis, how the parameters split over it
       (:func:`tpipe.tools.analysis.axis_split`).
+    communication: the step's collectives priced on their links (ICI, DCN) beside its compute
+      (:class:`tpipe.train.communication.Communication`).
+    mesh: the mesh the step was compiled for.
   """
 
   config: Any
@@ -122,6 +125,8 @@ class Report:
   topology: str | None = None
   mesh_shape: dict = dataclasses.field(default_factory=dict)
   state_split: tuple = ()
+  communication: Any = None
+  mesh: Any = dataclasses.field(repr=False, default=None)
 
   @property
   def floor(self):
@@ -222,6 +227,7 @@ class Report:
         "mesh": dict(self.mesh_shape),
         "parameters_split_per_axis": list(self.state_split),
         "live_at_peak_bytes_by_role": self.peak.by_role() if self.peak else None,
+        "communication": self.communication.to_json() if self.communication else None,
     }
 
 
@@ -307,7 +313,8 @@ def measure_stages(exp, schedule, unit_flops=None):
 
 
 def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
-                   topology: str | None = None, breakdown: bool = False) -> Report:
+                   topology: str | None = None, breakdown: bool = False, network=None,
+                   efficiency: float = 0.5) -> Report:
   """Builds the experiment for ``config``, compiles its train step and measures it.
 
   Args:
@@ -322,6 +329,9 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
       prints no loop trip counts, so the report then has no pipeline FLOPs (useful against
       bubble) and counts each loop's FLOPs once.
     breakdown: break the peak down by role (:mod:`tpipe.tools.peak`).
+    network: the :class:`tpipe.tools.links.Interconnect` to price communication with; default
+      the topology's chip, else v5p's.
+    efficiency: the share of the chip's peak FLOP/s the compute is taken to reach.
 
   Returns:
     A :class:`Report`.
@@ -329,9 +339,14 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   import tpipe  # pylint: disable=g-import-not-at-top
 
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import links  # pylint: disable=g-import-not-at-top
+  from tpipe.train import communication  # pylint: disable=g-import-not-at-top
   from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
 
-  devices = tpipe.topology_devices(topology) if topology else None
+  num_slices = 1
+  for count in cli.mesh_dcn(config).values():
+    num_slices *= count
+  devices = tpipe.topology_devices(topology, num_slices=num_slices) if topology else None
   per_stage = per_stage and topology is None
   exp = experiment.build(config, devices=devices)
   compiled, state, batch, lower_s, compile_s, cpu_s, peak = compile_train_step(exp, breakdown)
@@ -345,13 +360,17 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   start = time.perf_counter()
   stages, ring = measure_stages(exp, schedule, unit_flops) if per_stage else ((), 0)
   floor_s = time.perf_counter() - start
+  net = network or links.interconnect(topology or "v5p")
+  comm = communication.summarize(exp.mesh, schedule, result, net, efficiency=efficiency,
+                                 stage_axis=exp.pipeline.spec.stage_axis)
   return Report(config=config, num_params=exp.num_params(),
                 num_devices=int(exp.mesh.devices.size), schedule=schedule, analysis=result,
                 lower_seconds=lower_s, compile_seconds=compile_s, compiled=compiled,
                 cpu_seconds=cpu_s, stages=stages, layout=exp.layout, ring_bytes=ring,
                 floor_seconds=floor_s, peak=peak, topology=topology,
                 mesh_shape=dict(exp.mesh.shape),
-                state_split=analysis.axis_split(state.params, exp.mesh))
+                state_split=analysis.axis_split(state.params, exp.mesh), communication=comm,
+                mesh=exp.mesh)
 
 
 def _flops(x: float) -> str:
@@ -365,6 +384,7 @@ def _flops(x: float) -> str:
 def format_report(report: Report) -> str:
   """The report as a short markdown text (tables of memory, FLOPs and collectives)."""
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
+  from tpipe.train import communication  # pylint: disable=g-import-not-at-top
 
   fb = analysis.format_bytes
   c, mem, flops, pipe = report.config, report.analysis.memory, report.analysis.flops, \
@@ -430,6 +450,8 @@ def format_report(report: Report) -> str:
   for row in report.collective_rows():
     lines.append(f"| {row['kind']} | {row['axes']} | {row['role']} | {row['instructions']} | "
                  f"{row['count']} | {fb(row['bytes'])} | {row['in_loop']} |")
+  if report.communication is not None:
+    lines += [""] + communication.format_communication(report.communication)
   if report.stages:
     lines += [""] + format_stages(report)
   if report.peak is not None:
@@ -521,6 +543,7 @@ def define_flags() -> None:
   flags.DEFINE_string(
       "out_dir", None, "Directory for report.md, report.json and timeline.png (default: a new "
       "temporary directory).")
+  cli.define_network_flags()
 
 
 def main(argv):
@@ -531,7 +554,9 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/lm.py:size=tiny.")
   if not flags.FLAGS.topology:
     setup_cpu_devices(config)
-  report = analyze_config(config, topology=flags.FLAGS.topology, breakdown=True)
+  report = analyze_config(config, topology=flags.FLAGS.topology, breakdown=True,
+                          network=cli.network_from_flags(flags.FLAGS.topology),
+                          efficiency=flags.FLAGS.efficiency)
   out_dir = flags.FLAGS.out_dir or tempfile.mkdtemp(prefix="tpipe_report_")
   paths = write_report(report, out_dir)
   print(format_report(report))

@@ -243,6 +243,11 @@ def train(config, workdir: str) -> dict:
     logging.info("%d processes, %d devices (%s); mesh %s; %s parameters.", jax.process_count(),
                  jax.device_count(), jax.devices()[0].platform, dict(exp.mesh.shape),
                  f"{exp.num_params():,}")
+    slices = int(tpipe.mesh.slice_of_devices(exp.mesh).max()) + 1
+    if slices > 1 or any(exp.pipeline.spec.delays):
+      logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",
+                   slices, tpipe.mesh.crossing_links(exp.mesh, exp.pipeline.spec.stage_axis),
+                   exp.pipeline.spec.delays)
 
   # Data: every process builds the whole global batch; devices take their slices.
   task_data = exp.task.load_data(config)
