@@ -28,6 +28,10 @@ schedule runs its backward inside its table) ahead of time, and reports:
   takes, lockstep), and the neighbour-synchronised step over GPipe's at the same M; and for the
   zero-bubble schedules ``(BI + W) / B``, the split backward's FLOPs over a fused backward's
   (the B branches are compiled into the same program, unused).
+* **Every link delayed** (``transfer_delay=1``): the same measured costs on each schedule's
+  table built with delayed transfers, simulated: ticks, peak in flight, the natural and
+  neighbour-synchronised bubbles and the step over plain GPipe's. A delayed exchange runs beside
+  the next tick, so neighbours meet at the start of a tick instead of its end.
 
 ZB-H1's analytic bubble with costs ``F``, ``BI``, ``W`` (Qi et al., 2024): the first stage idles
 ``(S - 1)(F + BI - W)`` per step of ``M (F + BI + W)`` work, a fraction
@@ -111,7 +115,7 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) 
            "|---|" + "---|" * 16]
   mf = lambda v: f"{v / 1e6:.1f}" if np.isfinite(v) else "-"
   show = lambda v, digits=3: f"{v:.{digits}f}" if np.isfinite(v) else "-"
-  gpipe_step = {}
+  gpipe_step, measured = {}, []
   for name, repeats in SCHEDULES:
     for m in ms:
       _, pipeline, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
@@ -122,6 +126,7 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) 
       found = analysis.fused_flops(compiled, table, pipeline.programs())
       mean = {k: float(np.mean(v)) for k, v in found.actions.items()}
       costs = found.costs()
+      measured.append((name, repeats, m, costs))
       timing = table.simulate(costs)
       gpipe_step.setdefault(m, timing.neighbour)
       split = (mean["BI"] + mean["W"]) / mean["B"] if np.isfinite(mean["BI"]) else float("nan")
@@ -134,6 +139,25 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) 
           f"{mf(found.lockstep)} | {table.bubble_fraction:.3f} | {show(unit)} | "
           f"{timing.natural_bubble:.3f} | {show(analytic)} | {timing.neighbour_bubble:.3f} | "
           f"{timing.lockstep_bubble:.3f} | {timing.neighbour / gpipe_step[m]:.3f} |")
+  return lines + [""] + delayed_table(stages, measured, gpipe_step)
+
+
+def delayed_table(stages: int, measured, gpipe_step: dict) -> list[str]:
+  """Every link delayed (``transfer_delay=1``): the same measured costs on tables built with
+  the longer transfers. A delayed exchange runs beside the next tick's compute, so a stage waits
+  for its neighbours only at the start of a tick, not for their slowest action."""
+  lines = [f"### Every link delayed (transfer_delay=1; S = {stages}, the costs measured above)",
+           "", "| schedule | M | ticks | in flight per stage (peak) | bubble: natural | "
+           "neighbour-synchronised | neighbour / natural | step / GPipe's (no delay) |",
+           "|---|---|---|---|---|---|---|---|"]
+  for name, repeats, m, costs in measured:
+    table = tpipe.schedules.whole_step(
+        tpipe.schedules.build(name, stages, m, repeats, delays=1))
+    timing = table.simulate(costs)
+    lines.append(f"| {name} | {m} | {table.num_ticks} | {int(table.peak_in_flight().max())} | "
+                 f"{timing.natural_bubble:.3f} | {timing.neighbour_bubble:.3f} | "
+                 f"{timing.neighbour / timing.natural:.3f} | "
+                 f"{timing.neighbour / gpipe_step[m]:.3f} |")
   return lines
 
 

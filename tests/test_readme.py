@@ -194,3 +194,19 @@ def test_3d_example_splits_the_weights_and_equals_the_mlps_in_sequence(readme):
   plain = jax.jit(functools.partial(in_order, microbatches=8))(params, h)
   exact = numerics.float64_reference(jax.jit(in_order), params, h)
   numerics.assert_as_close_as_plain(readme["wide_out"], plain, exact, what="the 3D example")
+
+
+def test_multislice_example_equals_the_mlps_in_sequence_with_the_crossing_links_delayed(readme):
+  sliced, far = readme["sliced"], readme["far"]
+  assert sliced.axis_names == ("stage", "data", "fsdp", "tensor")
+  assert far.spec.delays == (0, 1, 0, 1)
+  mlp, params, h = readme["MLP"](), readme["wide_params"]["layers_0"], readme["h"]
+
+  def in_order(params, h, microbatches=1):
+    def run(h):
+      return jax.lax.scan(lambda h, p: (mlp.apply({"params": p}, h), None), h, params)[0]
+    return jax.lax.map(run, h.reshape(microbatches, -1, h.shape[-1])).reshape(h.shape)
+
+  plain = jax.jit(functools.partial(in_order, microbatches=8))(params, h)  # 4 x 2 replicas
+  exact = numerics.float64_reference(jax.jit(in_order), params, h)
+  numerics.assert_as_close_as_plain(readme["far_out"], plain, exact, what="the multislice example")
