@@ -226,3 +226,18 @@ def test_bad_config_is_a_clean_error(tmp_path, override, message):
   assert "error: " in proc.stderr and message in proc.stderr, proc.stderr[-4000:]
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_two_emulated_slices_train_as_one_slice_does(reference, single_device, tmp_path):
+  """The README's multislice command on this machine: the stages over two emulated slices, the
+  links between them delayed, logs the losses of the one-slice run."""
+  proc = train_runs.train(tmp_path / "ms", "--config.mesh.dcn.stage=2",
+                          "--config.mesh.emulate_slices=True")
+  train_runs.check_ok(proc)
+  assert ("2 slices; stage links crossing them (False, True, False, True); transfers delayed "
+          "per link (0, 1, 0, 1)") in proc.stderr
+  exact = train_runs.lm_float64_losses()
+  numerics.assert_as_close_as_plain(
+      train_runs.logged_losses(tmp_path / "ms", STEPS),
+      train_runs.logged_losses(single_device, STEPS), exact, what="the two-slice run's losses")
