@@ -445,3 +445,10 @@ def test_stages_over_two_slices_send_over_dcn_and_a_delay_hides_what_a_tick_outl
   assert {row["axes"]: row["link"] for row in out["axes"]}["stage"] == "dcn"
   text = report_lib.format_report(delayed)
   assert "Communication priced on v5p links" in text and "stage DCN, data ICI" in text
+
+
+@pytest.mark.unit  # Raises before anything is built or compiled.
+@pytest.mark.parametrize("efficiency", [0, 1.5, True, "half"])
+def test_a_bad_efficiency_is_an_error_before_the_compile(efficiency):
+  with pytest.raises(ValueError, match=r"efficiency must be in \(0, 1\]"):
+    report_lib.analyze_config(_two_slice_config(), efficiency=efficiency)

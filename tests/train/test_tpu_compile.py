@@ -74,10 +74,11 @@ def test_collectives_on_the_tpu_stay_where_they_belong(tpu_step):
     assert not in_loop(by_axis[axes]) and all(c.count == 1 for c in by_axis[axes]), axes
 
 
-def _tick_body_order(text: str) -> list[str]:
+def _tick_body_order(text: str, ops=("send", "recv", "send-done", "recv-done")) -> list[str]:
   """In the fused tick loop's body (the computation whose conditional picks among the action
-  branches), the order of its DCN sends and receives (``send``/``recv`` to the megascale
-  runtime, with their rendezvous) and of the action conditional (``COMPUTE``)."""
+  branches), the order of the instructions ``ops`` (by default its DCN sends and receives:
+  ``send``/``recv`` to the megascale runtime, with their rendezvous) and of the action
+  conditional (``COMPUTE``)."""
   for computation in re.split(r"\n(?=\S)", text):
     order = []
     for line in computation.split("\n"):
@@ -85,7 +86,7 @@ def _tick_body_order(text: str) -> list[str]:
       if branches and len(branches.group(1).split(",")) >= 5:
         order.append("COMPUTE")
         continue
-      op = re.search(r" (send|recv|send-done|recv-done)\(", line)
+      op = re.search(r" (" + "|".join(map(re.escape, ops)) + r")\(", line)
       rendezvous = re.search(r'_xla_host_transfer_rendezvous="([^"]*)"', line)
       if op and rendezvous:
         order.append(f"{op.group(1)}:{rendezvous.group(1)}")
@@ -94,6 +95,18 @@ def _tick_body_order(text: str) -> list[str]:
     if "COMPUTE" in order:
       return order
   raise AssertionError("no tick loop with an action conditional in the program")
+
+
+def _tpu_1f1b_program(mesh, delay) -> str:
+  """The compiled TPU program of 1F1B's loss gradient on ``mesh`` (4 stages)."""
+  layers, x, targets, _ = linen_models.loss_model("blocks")
+  model = tpipe.Sequential(layers, num_stages=4, num_microbatches=4, schedule="1f1b",
+                           per_example=("targets",), mesh=mesh, transfer_delay=delay)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, targets=targets))["params"]
+  sharding = tpipe.data_sharding(mesh)
+  abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, targets)]
+  loss = lambda p, x, t: model.apply({"params": p}, x, targets=t, method="loss")
+  return model.spec.delays, jax.jit(jax.grad(loss)).lower(params, *abstract).compile().as_text()
 
 
 @pytest.mark.parametrize("delay", [None, 0])
@@ -107,15 +120,8 @@ def test_a_delayed_dcn_send_runs_beside_the_ticks_compute(delay):
   except ValueError as error:
     pytest.skip(f"the TPU compiler is not installed here: {error}")
   mesh = tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2}, devices=devices)
-  layers, x, targets, _ = linen_models.loss_model("blocks")
-  model = tpipe.Sequential(layers, num_stages=4, num_microbatches=4, schedule="1f1b",
-                           per_example=("targets",), mesh=mesh, transfer_delay=delay)
-  assert model.spec.delays == ((0, 1, 0, 1) if delay is None else (0, 0, 0, 0))
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, targets=targets))["params"]
-  sharding = tpipe.data_sharding(mesh)
-  abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, targets)]
-  loss = lambda p, x, t: model.apply({"params": p}, x, targets=t, method="loss")
-  text = jax.jit(jax.grad(loss)).lower(params, *abstract).compile().as_text()
+  delays, text = _tpu_1f1b_program(mesh, delay)
+  assert delays == ((0, 1, 0, 1) if delay is None else (0, 0, 0, 0))
   order = _tick_body_order(text)
   compute = order.index("COMPUTE")
   sends = [i for i, op in enumerate(order) if op.startswith("send:")]
@@ -126,3 +132,22 @@ def test_a_delayed_dcn_send_runs_beside_the_ticks_compute(delay):
     assert min(waits) > compute, order
   else:
     assert max(waits) < compute, order
+
+
+def test_on_one_slice_the_compiler_starts_a_delayed_exchange_after_the_compute():
+  """What the README states as a limit: inside one slice (ICI) the TPU compiler starts a delayed
+  link's collective-permute after the tick's action conditional, as an undelayed one's, so the
+  exchange does not yet run beside the compute there. If this fails, the compiler overlaps it
+  now: update the README's fused-schedules note (issue 19)."""
+  try:
+    devices = tpipe.topology_devices("v5p:2x2x1")
+  except ValueError as error:
+    pytest.skip(f"the TPU compiler is not installed here: {error}")
+  mesh = tpipe.make_mesh(stages=4, devices=devices)
+  for delay in (1, 0):
+    delays, text = _tpu_1f1b_program(mesh, delay)
+    assert delays == (delay,) * 4
+    order = _tick_body_order(text, ops=("collective-permute-start", "collective-permute-done"))
+    compute = order.index("COMPUTE")
+    permutes = [i for i, op in enumerate(order) if op.startswith("collective-permute")]
+    assert permutes and min(permutes) > compute, order

@@ -413,8 +413,7 @@ class _Run:
     to_right, to_left = pick(sends & (direction == 1)), pick(sends & (direction == -1))
     own = pick(sends & (direction == 0))
     stage = self.axes.stage
-    if pending is None:
-      pending = (to_right, to_left)  # Unused: no link is delayed.
+    pending = pending or (None, None)  # None: no link is delayed, so none is read.
     arrived = (spmd.permute_parts(to_right, stage, *self.right, pending[0]),
                spmd.permute_parts(to_left, stage, *self.left, pending[1]), own)
     return arrived, (to_right, to_left)

@@ -70,23 +70,34 @@ class Communication:
 
 
 def _compute_and_stage_exposure(table, pipeline, executed: float, transfer, per_flop: float):
-  """``(compute seconds, exposed stage-send seconds)`` of ``table`` (see the module docstring);
-  without per-action FLOPs, the default costs scaled to the executed FLOPs."""
-  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+  """``(compute seconds, exposed stage-send seconds)`` of ``table`` (see the module docstring).
 
+  The compute is autotune's step in FLOPs (:func:`tpipe.train.autotune.step_flops`) at the
+  chip's rate; the exposure is the table simulated with and without the links' transfer times,
+  under the program's FLOPs per action (without them, the default costs scaled to the executed
+  FLOPs)."""
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+  from tpipe.train import autotune  # pylint: disable=g-import-not-at-top
+
+  compute = autotune.step_flops(table, pipeline, executed) * per_flop
   whole = schedules.whole_step(table)
   if pipeline is not None and pipeline.action_costs:
-    costs = {kind: flops * per_flop for kind, flops in pipeline.action_costs.items()}
     try:
-      timing = whole.simulate(costs, transfer)
-      return (timing.neighbour - timing.exposed_transfer + pipeline.outside_actions * per_flop,
-              timing.exposed_transfer)
+      timing = whole.simulate(pipeline.action_costs, transfer / per_flop)  # In FLOPs.
+      return compute, timing.exposed_transfer * per_flop
     except ValueError:  # The program's FLOPs miss an action kind the table runs.
       pass
   unit = executed * per_flop / whole.simulate().lockstep
   costs = {kind: cost * unit for kind, cost in schedules.DEFAULT_COSTS.items()}
-  timing = whole.simulate(costs, transfer)
-  return timing.neighbour - timing.exposed_transfer, timing.exposed_transfer
+  return compute, whole.simulate(costs, transfer).exposed_transfer
+
+
+def check_efficiency(efficiency) -> None:
+  """Raises ValueError unless ``efficiency`` (the share of peak FLOP/s reached) is in (0, 1]."""
+  number = isinstance(efficiency, (int, float)) and not isinstance(efficiency, bool)
+  if not (number and 0 < efficiency <= 1):
+    raise ValueError(f"efficiency must be in (0, 1] (the share of peak FLOP/s reached), got "
+                     f"{efficiency!r}.")
 
 
 def summarize(mesh, table, analysis_result, net, *, efficiency: float = 0.5,
@@ -107,9 +118,7 @@ def summarize(mesh, table, analysis_result, net, *, efficiency: float = 0.5,
   from tpipe import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from tpipe.tools import links as links_lib  # pylint: disable=g-import-not-at-top
 
-  if not 0 < efficiency <= 1:
-    raise ValueError(f"efficiency must be in (0, 1] (the share of peak FLOP/s reached), got "
-                     f"{efficiency!r}.")
+  check_efficiency(efficiency)
   per_flop = 1.0 / (net.flops_per_second * efficiency)
   crossing = mesh_lib.crossing_links(mesh, stage_axis)
   found = analysis_result.collectives

@@ -343,6 +343,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   from tpipe.train import communication  # pylint: disable=g-import-not-at-top
   from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
 
+  communication.check_efficiency(efficiency)  # Before the compile, not after.
   num_slices = 1
   for count in cli.mesh_dcn(config).values():
     num_slices *= count
