@@ -106,15 +106,15 @@ def test_the_step_lasts_the_tables_neighbour_synchronised_time():
   timing = zb.simulate(costs)
   # A fused table: simulated with the program's FLOPs per action, plus the FLOPs outside them;
   # with these costs a stage waits less than for the slowest stage of every tick.
-  assert autotune.step_flops(zb, measured(costs), 9e4) == timing.neighbour + 7.0
+  assert flops_lib.step_flops(zb, measured(costs), 9e4) == timing.neighbour + 7.0
   assert timing.neighbour < 0.9 * timing.lockstep
   # Costs without the actions the table runs, or no tick-loop analysis (a TPU topology's
   # program): the executed FLOPs scaled by neighbour / lockstep under the default costs (equal
   # for these tables: their default-cost ticks hold one kind of action or equal costs).
   default = zb.simulate()
   expected = 9e4 * default.neighbour / default.lockstep
-  assert autotune.step_flops(zb, measured({"F": 100.0}), 9e4) == pytest.approx(expected)
-  assert autotune.step_flops(schedules.gpipe(4, 8), None, 9e4) == pytest.approx(9e4)
+  assert flops_lib.step_flops(zb, measured({"F": 100.0}), 9e4) == pytest.approx(expected)
+  assert flops_lib.step_flops(schedules.gpipe(4, 8), None, 9e4) == pytest.approx(9e4)
 
 
 def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():

@@ -424,3 +424,35 @@ def fused_flops(compiled, schedule, programs=None,
                     lockstep=loop.outer * float(action_flops.max(axis=1).sum()) + overhead,
                     overhead=overhead, num_stages=schedule.num_stages,
                     tick_loop=loop.instruction.name)
+
+
+def simulated_timing(table, costs=None) -> schedules_lib.Timing:
+  """The whole step (forward and backward) of ``table`` simulated under per-action ``costs``
+  (default :data:`tpipe.schedules.DEFAULT_COSTS`): a forward schedule as
+  :func:`tpipe.schedules.from_forward` writes it."""
+  return schedules_lib.whole_step(table).simulate(costs)
+
+
+def step_flops(table, pipeline, executed: float) -> float:
+  """The step's duration in FLOPs per device at the table's neighbour-synchronised time.
+
+  Args:
+    table: the table the step runs (forward or fused).
+    pipeline: the step's :class:`PipelineFlops`, or None (no tick-loop
+      analysis, as for a TPU topology's program).
+    executed: the step's executed FLOPs (:attr:`FlopCount.executed`).
+  """
+  if pipeline is not None and pipeline.action_costs:
+    try:
+      timing = simulated_timing(table, pipeline.action_costs)
+      return timing.neighbour + pipeline.outside_actions
+    except ValueError:  # The program's FLOPs miss an action kind the table runs.
+      pass
+  timing = simulated_timing(table)
+  return executed * (timing.neighbour / timing.lockstep if timing.lockstep else 1.0)
+
+
+def simulated_bubble(table) -> float:
+  """The neighbour-synchronised bubble of the whole step under the default costs: the share of
+  the tick loop's time a stage is idle or waits for a neighbour."""
+  return simulated_timing(table).neighbour_bubble

@@ -63,6 +63,7 @@ from ml_collections import config_flags
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.tools import analysis
+from tpipe.tools import flops as flops_lib
 from tpipe.train import cli
 
 REMAT_ORDER = ("none", "dots", "full")
@@ -80,38 +81,6 @@ def schedule_table(name: str, num_stages: int, num_microbatches: int, num_repeat
   if name == "circular" and num_repeats == 1:
     raise ValueError("circular with num_repeats=1 is gpipe")
   return schedules.build(name, num_stages, num_microbatches, num_repeats)
-
-
-def simulated_timing(table, costs=None) -> schedules.Timing:
-  """The whole step (forward and backward) of ``table`` simulated under per-action ``costs``
-  (default :data:`tpipe.schedules.DEFAULT_COSTS`): a forward schedule as
-  :func:`tpipe.schedules.from_forward` writes it."""
-  return schedules.whole_step(table).simulate(costs)
-
-
-def step_flops(table, pipeline, executed: float) -> float:
-  """The step's duration in FLOPs per device at the table's neighbour-synchronised time.
-
-  Args:
-    table: the table the step runs (forward or fused).
-    pipeline: the step's :class:`tpipe.tools.flops.PipelineFlops`, or None (no tick-loop
-      analysis, as for a TPU topology's program).
-    executed: the step's executed FLOPs (:attr:`tpipe.tools.flops.FlopCount.executed`).
-  """
-  if pipeline is not None and pipeline.action_costs:
-    try:
-      timing = simulated_timing(table, pipeline.action_costs)
-      return timing.neighbour + pipeline.outside_actions
-    except ValueError:  # The program's FLOPs miss an action kind the table runs.
-      pass
-  timing = simulated_timing(table)
-  return executed * (timing.neighbour / timing.lockstep if timing.lockstep else 1.0)
-
-
-def simulated_bubble(table) -> float:
-  """The neighbour-synchronised bubble of the whole step under the default costs: the share of
-  the tick loop's time a stage is idle or waits for a neighbour."""
-  return simulated_timing(table).neighbour_bubble
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +132,10 @@ class Trial:
     memory_bytes: peak bytes on the fullest device.
     executed_flops: lockstep FLOPs per device per step (every tick counted as busy, at its
       costliest branch; the prediction takes the neighbour-synchronised time instead,
-      :func:`step_flops`).
+      :func:`tpipe.tools.flops.step_flops`).
     useful_fraction: useful / lockstep FLOPs, the share of the step's time doing useful work.
     simulated_bubble: the schedule table's neighbour-synchronised bubble (see
-      :func:`simulated_bubble`).
+      :func:`tpipe.tools.flops.simulated_bubble`).
     collective_bytes: bytes moved by collectives per device per step.
     predicted_seconds: the cost model's step time.
     compile_seconds: lowering plus compile time.
@@ -304,14 +273,14 @@ def measure(config, candidate: Candidate, budget_bytes: int,
   rep = report_lib.analyze_config(_apply(config, candidate), per_stage=False)
   a = rep.analysis
   memory = rep.largest_device_bytes
-  compute = step_flops(rep.schedule, a.pipeline, a.flops.executed)
+  compute = flops_lib.step_flops(rep.schedule, a.pipeline, a.flops.executed)
   return Trial(
       candidate=candidate, memory_bytes=memory, executed_flops=a.flops.executed,
       useful_fraction=a.pipeline.lockstep_efficiency if a.pipeline else 1.0,
       collective_bytes=sum(c.total_bytes for c in a.collectives),
       predicted_seconds=cost_model.step_time(compute, a.collectives),
       compile_seconds=rep.lower_seconds + rep.compile_seconds,
-      fits=memory <= budget_bytes, simulated_bubble=simulated_bubble(rep.schedule))
+      fits=memory <= budget_bytes, simulated_bubble=flops_lib.simulated_bubble(rep.schedule))
 
 
 def autotune(config, budget_bytes: int, *, num_devices: int | None = None,

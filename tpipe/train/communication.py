@@ -72,14 +72,14 @@ class Communication:
 def _compute_and_stage_exposure(table, pipeline, executed: float, transfer, per_flop: float):
   """``(compute seconds, exposed stage-send seconds)`` of ``table`` (see the module docstring).
 
-  The compute is autotune's step in FLOPs (:func:`tpipe.train.autotune.step_flops`) at the
+  The compute is the step in FLOPs (:func:`tpipe.tools.flops.step_flops`) at the
   chip's rate; the exposure is the table simulated with and without the links' transfer times,
   under the program's FLOPs per action (without them, the default costs scaled to the executed
   FLOPs)."""
   from tpipe import schedules  # pylint: disable=g-import-not-at-top
-  from tpipe.train import autotune  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
 
-  compute = autotune.step_flops(table, pipeline, executed) * per_flop
+  compute = flops_lib.step_flops(table, pipeline, executed) * per_flop
   whole = schedules.whole_step(table)
   if pipeline is not None and pipeline.action_costs:
     try:
