@@ -14,6 +14,7 @@ import tpipe
 from configs import lm
 from tests.helpers import linen_models
 from tpipe.tools import analysis
+from tpipe.tools import hlo
 from tpipe.train import experiment
 
 TOPOLOGY = "v5p:2x2x2"
@@ -97,10 +98,10 @@ def _tick_body_order(text: str, ops=("send", "recv", "send-done", "recv-done")) 
   raise AssertionError("no tick loop with an action conditional in the program")
 
 
-def _tpu_1f1b_program(mesh, delay) -> str:
+def _tpu_1f1b_program(mesh, delay, microbatches=4) -> str:
   """The compiled TPU program of 1F1B's loss gradient on ``mesh`` (4 stages)."""
   layers, x, targets, _ = linen_models.loss_model("blocks")
-  model = tpipe.Sequential(layers, num_stages=4, num_microbatches=4, schedule="1f1b",
+  model = tpipe.Sequential(layers, num_stages=4, num_microbatches=microbatches, schedule="1f1b",
                            per_example=("targets",), mesh=mesh, transfer_delay=delay)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, targets=targets))["params"]
   sharding = tpipe.data_sharding(mesh)
@@ -114,19 +115,21 @@ def test_a_delayed_dcn_send_runs_beside_the_ticks_compute(delay):
   """1F1B on two v5p:2x2x1 slices, stage over DCN: XLA turns the sends between slices into DCN
   transfers (send/recv to the megascale runtime). Delayed (the default on those links) each is
   issued before the tick's action conditional and waited for after it; without the delay each
-  is waited for before the compute that needs it."""
+  is waited for before the compute that needs it. Three cross link 1: activations right,
+  gradients left, and the inputs' conveyor left to stage 0 (M = 8: streamed with or without
+  the delay)."""
   try:
     devices = tpipe.topology_devices("v5p:2x2x1", num_slices=2)
   except ValueError as error:
     pytest.skip(f"the TPU compiler is not installed here: {error}")
   mesh = tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2}, devices=devices)
-  delays, text = _tpu_1f1b_program(mesh, delay)
+  delays, text = _tpu_1f1b_program(mesh, delay, microbatches=8)
   assert delays == ((0, 1, 0, 1) if delay is None else (0, 0, 0, 0))
   order = _tick_body_order(text)
   compute = order.index("COMPUTE")
   sends = [i for i, op in enumerate(order) if op.startswith("send:")]
   waits = [i for i, op in enumerate(order) if op in ("send-done", "recv-done")]
-  assert len(sends) == 2 and len(waits) == 4, order  # One to each side, over link 1.
+  assert len(sends) == 3 and len(waits) == 6, order
   assert max(sends) < compute
   if delay is None:
     assert min(waits) > compute, order
@@ -151,3 +154,33 @@ def test_on_one_slice_the_compiler_starts_a_delayed_exchange_after_the_compute()
     compute = order.index("COMPUTE")
     permutes = [i for i, op in enumerate(order) if op.startswith("collective-permute")]
     assert permutes and min(permutes) > compute, order
+
+
+def test_gradients_cross_slices_once_per_step_as_each_devices_share():
+  """Data over DCN: two v5p:2x2x1 slices, the data axis (4) spanning both, two of its devices in
+  each. The step's one gradient sum over data becomes, in the TPU compiler's multislice program,
+  a sum within each slice, a DCN exchange (send/recv to the megascale runtime) of each device's
+  half of it, and a gather within the slice: a gradient leaf of n bytes crosses DCN as n / 2 per
+  device, once per step, not whole. tpipe's part is one sum over the data axis per step, with
+  the axis's slices outermost (make_mesh's dcn=); the compiler makes it hierarchical."""
+  try:
+    devices = tpipe.topology_devices("v5p:2x2x1", num_slices=2)
+  except ValueError as error:
+    pytest.skip(f"the TPU compiler is not installed here: {error}")
+  config = lm.get_config("size=tiny")
+  config.update(dict(num_stages=2, num_data=4, num_microbatches=4))
+  config.mesh.dcn.update(dict(data=2))
+  exp = experiment.build(config, devices=devices)
+  assert tpipe.mesh.crossing_links(exp.mesh, "stage") == (False, False)  # Stages stay on ICI.
+  state = exp.abstract_state()
+  compiled = exp.train_step.lower(state, exp.abstract_batch(), jax.random.key(0)).compile()
+  module = hlo.module_of(compiled)
+  runs = module.multipliers()
+  sends = [(sum(a.nbytes for a in comp.operand_shape(ins, 0)), runs[comp.name])
+           for comp, ins in module.instructions()
+           if ins.opcode == "send" and "megascale" in ins.attrs]
+  leaves = [math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+            for leaf in jax.tree.leaves(state.params)]
+  assert sends and all(count == 1 for _, count in sends), sends
+  # The largest leaf (tile-aligned; smaller ones are halved after padding to TPU tiles).
+  assert max(size for size, _ in sends) == max(leaves) // 2, (sends, leaves)
