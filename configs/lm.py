@@ -99,6 +99,9 @@ def get_config(arg=None):
   # Read what crosses a link one tick late, so the send overlaps a tick of compute: "auto"
   # (the links between slices), "0", "1" or one 0/1 per link of the stage ring ("0,1,0,1").
   config.transfer_delay = "auto"
+  # Where the batch arrives split over the stages (M a multiple of S): each micro-batch's inputs
+  # reach stage 0 one per tick from the stage that holds them, not gathered before the step.
+  config.stream_inputs = True
   config.num_microbatches = num_microbatches
   config.schedule = "gpipe"
   config.num_repeats = 1

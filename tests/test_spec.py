@@ -8,6 +8,9 @@ import doctest
 import flax.linen as nn
 import jax
 import numpy as np
+import pathlib
+import re
+
 import pytest
 from flax import nnx
 
@@ -19,8 +22,15 @@ from tpipe import spec as spec_lib
 unit = pytest.mark.unit
 
 SETTINGS = ("num_stages", "num_microbatches", "schedule", "num_repeats", "balance", "remat",
-            "remat_granularity", "per_example", "unroll", "mesh", "transfer_delay", "stage_axis",
-            "data_axis")
+            "remat_granularity", "per_example", "unroll", "mesh", "transfer_delay",
+            "stream_inputs", "stage_axis", "data_axis")
+
+
+@unit
+def test_the_readme_lists_every_setting():
+  readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  listed = re.search(r"The settings: (.*?)\. Every bad value", readme, re.S).group(1)
+  assert tuple(re.findall(r"`(\w+)`", listed)) == SETTINGS
 
 
 @unit

@@ -73,6 +73,12 @@ class PipelineSpec:
       ``0`` none, ``1``
       every link, or one 0/1 per link of the ring of stages (link ``l`` joins stage ``l`` to
       ``(l + 1) % S``). Each delayed link between stages adds a tick to the step.
+    stream_inputs: where the batch enters split over the stages and M is a multiple of S,
+      whether each micro-batch's inputs reach stage 0 in the tick that reads them, sent one
+      stage per tick from the stage that holds them (:mod:`tpipe.core.streaming`: a stage holds
+      M/S micro-batches of inputs and every transfer overlaps a tick) rather than gathered onto
+      every stage in one blocking transfer before the first tick. Tables where a read comes
+      before its data could travel (M = S with every link delayed) gather.
     stage_axis: the mesh axis of stages.
     data_axis: the mesh axis of data-parallel replicas (the batch is split over it).
   """
@@ -88,6 +94,7 @@ class PipelineSpec:
   unroll: int | bool = 1
   mesh: Mesh | None = None
   transfer_delay: Any = None
+  stream_inputs: bool = True
   stage_axis: str = mesh_lib.STAGE_AXIS
   data_axis: str = mesh_lib.DATA_AXIS
 
@@ -110,6 +117,8 @@ class PipelineSpec:
       delays = schedules.link_delays(self.transfer_delay, self.num_stages)
       if not isinstance(self.transfer_delay, (int, np.integer)):
         object.__setattr__(self, "transfer_delay", delays)
+    if not isinstance(self.stream_inputs, (bool, np.bool_)):
+      raise TypeError(f"stream_inputs must be True or False, got {self.stream_inputs!r}.")
     self.table  # Builds (and caches) the table: raises for unknown names or bad repeats.
     check_remat(self.remat)
     check_remat_granularity(self.remat_granularity)

@@ -223,8 +223,10 @@ def test_collectives_are_neighbour_sends_every_tick_and_one_reduction_after_the_
   ticks = model.spec.table.num_ticks
   found = analysis.collectives(compiled, mesh)
   in_loop = [c for c in found if c.in_loop]
-  # Activations right, gradients left: two neighbour sends per tick, nothing else in the loop.
-  assert sorted(c.kind for c in in_loop) == ["collective-permute"] * 2, in_loop
+  # Activations right, gradients left, and the inputs' conveyor left to stage 0 (the batch is
+  # split over the stages and M is a multiple of S): three neighbour sends per tick, nothing
+  # else in the loop.
+  assert sorted(c.kind for c in in_loop) == ["collective-permute"] * 3, in_loop
   assert all(c.count == ticks and c.axes == ("stage",) for c in in_loop), in_loop
   assert any(c.kind == "all-reduce" and not c.in_loop and "data" in (c.axes or ())
              for c in found), found

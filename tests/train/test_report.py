@@ -143,8 +143,9 @@ def test_flops_and_collectives(tiny_report):
   assert out["schedule"]["stashed_microbatches_per_stage"] == 4
   roles = {(r["kind"], r["role"]): r for r in out["collectives_per_step"]}
   transfers = roles[("collective-permute", "stage-to-stage transfer")]
-  # One send per tick in the forward loop and one in the backward loop.
-  assert transfers["count"] == 2 * schedule.num_ticks
+  # One send per tick in the forward loop and one in the backward loop, and the inputs'
+  # conveyor to stage 0 in the forward loop (token inputs: no gradient goes back along it).
+  assert transfers["count"] == 3 * schedule.num_ticks
   assert transfers["in_loop"] == transfers["instructions"]
   reductions = roles[("all-reduce", "data-parallel reduction")]
   assert reductions["in_loop"] == 0  # once per step, not per micro-batch.

@@ -20,10 +20,13 @@ replica's share of the gradient), outside the tick loop. In the same way everyth
 vary over ``stage`` at entry, so no gradient is summed over stages inside the loop.
 
 The batch enters and leaves split over ``stage`` as well as over the row axes, where each row
-shard's batch divides among the stages (:meth:`tpipe.core.spmd.Axes.io_spec`): one all-gather
-over ``stage`` at entry gives every stage its row shard's whole batch, and one reduce-scatter at
-exit leaves each stage its part of the last stage's outputs, so no stage holds the whole batch
-outside the loop and whatever runs after the pipeline runs once, not once per stage.
+shard's batch divides among the stages (:meth:`tpipe.core.spmd.Axes.io_spec`). The inputs reach
+stage 0 one micro-batch per tick over a conveyor of sends from the stages that hold them
+(:mod:`tpipe.core.streaming`; where M is a multiple of S and ``stream_inputs`` is on), else one
+all-gather over ``stage`` at entry gives every stage its row shard's whole batch; per-example
+side inputs, which every stage reads, are gathered once. One reduce-scatter at exit leaves each
+stage its part of the last stage's outputs, so no stage holds the whole batch outside the loop
+and whatever runs after the pipeline runs once, not once per stage.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from tpipe import schedules
 from tpipe.core import chunks as chunks_lib
 from tpipe.core import gated
 from tpipe.core import spmd
+from tpipe.core import streaming
 
 
 def _tick_rows(schedule: schedules.Schedule, chunkset: chunks_lib.ChunkSet) -> dict:
@@ -96,6 +100,9 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
       spmd.neighbour_pairs(schedule.num_stages, 1, wrap=num_repeats > 1), schedule.delays, 1,
       schedule.num_stages)
   rows_table = _tick_rows(schedule, chunkset)
+  conveyor = streaming.plan(schedule, axes, global_batch, chunkset.spec.stream_inputs)
+  if conveyor is not None:
+    rows_table.update(conveyor.row())
   policy = chunks_lib.tick_policy(chunkset.spec)
   branches = [chunkset.branch(i, policy, tie_to_tick=True)
               for i in range(chunkset.num_branches)]
@@ -107,15 +114,18 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
     # over it, and its gathers' transposes sum over fsdp) and over stages (inputs, side inputs).
     if axes.rows:
       staged = jax.tree.map(lambda a: spmd.cast_to(a, frozenset(axes.rows)), staged)
-    if over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
+    if conveyor is not None:  # The inputs reach stage 0 one micro-batch per tick.
+      held = conveyor.hold(x)
+      per_example = axes.gather_stages(per_example)
+    elif over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
       x, per_example = axes.gather_stages((x, per_example))
     else:
       x, per_example = lax.pcast((x, per_example), (axes.stage,), to="varying")
     broadcast = lax.pcast(broadcast, axes.manual, to="varying")
     stage, data_index = axes.stage_index(), axes.data_index()
-    local_batch = jax.tree.leaves(x)[0].shape[0]
-    rows = local_batch // num_microbatches
-    microbatches = spmd.split_microbatches(x, num_microbatches)
+    rows = global_batch // (axes.replicas * num_microbatches)
+    if conveyor is None:
+      microbatches = spmd.split_microbatches(x, num_microbatches)
     per_example = spmd.split_microbatches(per_example, num_microbatches)
     # The buffers are made under named scopes so a memory breakdown (tpipe.tools.peak) can
     # tell what each one is.
@@ -132,6 +142,8 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
         carry["sums"] = axes.vary(spmd.stacked_zeros(slot, num_repeats))
       if num_repeats > 1:
         carry["loop_back"] = axes.vary(spmd.stacked_zeros(ring_zero, num_microbatches))
+    if conveyor is not None:
+      carry["conveyor"] = conveyor.start(held)
 
     def tick(carry, row):
       carry = dict(carry)
@@ -146,8 +158,13 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
                                              incoming, park)
         incoming = spmd.select((stage == 0) & (rep > 0), spmd.read_slot(carry["loop_back"], mb),
                                incoming)
+      if conveyor is not None:
+        fresh, carry["conveyor"] = conveyor.tick(held, carry["conveyor"],
+                                                 row[streaming.ROW])
+      else:
+        fresh = spmd.read_slot(microbatches, mb)
       results = gated.switch_call(
-          row["branch"], branches, staged, spmd.read_slot(microbatches, mb), incoming,
+          row["branch"], branches, staged, fresh, incoming,
           broadcast, spmd.read_slot(per_example, mb), rngs, data_index * num_microbatches + mb,
           row["chunk"])
       to_next, output = results[:2]

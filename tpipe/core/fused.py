@@ -29,6 +29,9 @@ table as one SPMD program:
   operands in a **weight slot** (packed per stage, as many slots as the table's most
   micro-batches awaiting ``W``); ``W`` forms the weight gradients from the slot. Nothing is
   computed twice.
+* Inputs: where the batch is split over the stages, each micro-batch's inputs reach stage 0 in
+  the ticks that read them (its ``F`` and backward of chunk 0) over a conveyor of one-stage sends
+  (:mod:`tpipe.core.streaming`), else the batch is gathered once before the loop.
 * Messages: a forward's output goes to the next model chunk, a backward's input gradient to the
   previous one. After the branch, every device issues the same two ``lax.ppermute`` every tick
   (one to each neighbour; zeros when the table sends nothing that way). A message arrives the
@@ -58,6 +61,7 @@ from tpipe import schedules
 from tpipe.core import chunks as chunks_lib
 from tpipe.core import packing
 from tpipe.core import spmd
+from tpipe.core import streaming
 from tpipe.core import unit_backward
 
 Action = schedules.Action
@@ -158,7 +162,12 @@ class _Device:
     self.run, axes, schedule = run, run.axes, run.schedule
     self.num_virtual = schedule.num_stages * schedule.num_chunks
     staged = jax.tree.map(lambda p: p[:, 0], staged)  # [C, ...]
-    if run.over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
+    m = schedule.num_microbatches
+    self.local_batch = run.global_batch // axes.replicas  # The row shard's batch.
+    self.rows = self.local_batch // m
+    if run.conveyor is not None:  # The inputs reach stage 0 one micro-batch per tick.
+      per_example = axes.gather_stages(per_example)
+    elif run.over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
       x, per_example = axes.gather_stages((x, per_example))
     # Everything varies over every manual axis from here on, so no vjp below needs a reduction
     # over a mesh axis (that would put a collective inside a branch); the sums are explicit,
@@ -167,19 +176,31 @@ class _Device:
         (staged, x, broadcast, per_example))
     self.rngs = rngs
     self.stage, self.data_index = axes.stage_index(), axes.data_index()
-    self.local_batch = jax.tree.leaves(x)[0].shape[0]
-    m = schedule.num_microbatches
-    self.rows = self.local_batch // m
-    self.x_mb = spmd.split_microbatches(self.x, m)
+    if run.conveyor is not None:
+      self.held, self.x_mb = run.conveyor.hold(self.x), None
+    else:
+      self.x_mb = spmd.split_microbatches(self.x, m)
+    # One micro-batch's inputs, as a branch sees them (for shapes).
+    self.x_example = jax.tree.map(lambda a: jnp.zeros((self.rows,) + a.shape[1:], a.dtype),
+                                  self.x)
     self.pex_mb = spmd.split_microbatches(self.per_example, m)
     self.seed = jnp.full((self.rows,), 1.0 / (self.local_batch * axes.replicas))
     self.ring_zero = chunks_lib.zeros_with_rows(run.chunkset.ring.example, self.rows)
     self.output_zero = chunks_lib.zeros_with_rows(run.chunkset.output_example, self.rows)
 
-  def inputs(self, mb, msg):
-    """A chunk program's arguments after the parameters, for micro-batch ``mb`` and the input
-    message ``msg``: ``(fresh, incoming, broadcast, per_example, rngs, global micro-batch)``."""
-    return (spmd.read_slot(self.x_mb, mb), msg, self.broadcast, spmd.read_slot(self.pex_mb, mb),
+  def fresh(self, carry: dict, row: dict):
+    """``(fresh, carry)``: micro-batch ``row["microbatch"]``'s inputs where this tick reads
+    them (over the conveyor when it streams; what other ticks get is not read)."""
+    if self.run.conveyor is None:
+      return spmd.read_slot(self.x_mb, row["microbatch"]), carry
+    fresh, conveyed = self.run.conveyor.tick(self.held, carry["conveyor"], row[streaming.ROW])
+    return fresh, dict(carry, conveyor=conveyed)
+
+  def inputs(self, mb, msg, fresh):
+    """A chunk program's arguments after the parameters, for micro-batch ``mb``, the input
+    message ``msg`` and the inputs ``fresh``: ``(fresh, incoming, broadcast, per_example, rngs,
+    global micro-batch)``."""
+    return (fresh, msg, self.broadcast, spmd.read_slot(self.pex_mb, mb),
             self.rngs, self.data_index * self.run.schedule.num_microbatches + mb)
 
   def is_last(self, chunk):
@@ -213,7 +234,8 @@ class _Run:
                axes: spmd.Axes):
     self.chunkset, self.schedule, self.axes = chunkset, schedule, axes
     self.split = is_split(schedule)
-    self.over_stages = False  # Whether the batch's rows split over stages: set per call.
+    # Set per call: the global batch, whether its rows split over stages, the inputs' conveyor.
+    self.global_batch, self.over_stages, self.conveyor = 0, False, None
     self.rows_table = _tick_rows(schedule, chunkset)
     wrap, num_stages, delays = schedule.num_chunks > 1, schedule.num_stages, schedule.delays
     # Pairs over links without delay send at the end of a tick; over delayed links, during the
@@ -239,14 +261,14 @@ class _Run:
     self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
 
   # ------------------------------------------------------------------------------------------
-  # Branches: fn(device, state, weights, msg, stashed, mb, chunk, weight_slot)
+  # Branches: fn(device, state, weights, msg, stashed, fresh, mb, chunk, weight_slot)
   #   -> (state, weights, send).
 
   def forward_branch(self, b: int, device: _Device, collect: bool):
 
-    def branch(state, weights, msg, stashed, mb, chunk, weight_slot):
+    def branch(state, weights, msg, stashed, fresh, mb, chunk, weight_slot):
       del stashed, weight_slot
-      to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg), chunk)
+      to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg, fresh), chunk)
       last = device.is_last(chunk)
       if collect:
         state = dict(state, outputs=spmd.write_slot(state["outputs"], mb, output, last))
@@ -260,8 +282,8 @@ class _Run:
 
   def backward_branch(self, b: int, device: _Device, tapped: bool):
 
-    def branch(state, weights, msg, stashed, mb, chunk, weight_slot):
-      fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg)
+    def branch(state, weights, msg, stashed, fresh, mb, chunk, weight_slot):
+      fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
       if self.unitwise and not tapped:
         outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
         cotangent = lambda out: device.cotangent(chunk, msg, *out)
@@ -302,8 +324,8 @@ class _Run:
 
   def weight_branch(self, b: int, device: _Device):
 
-    def branch(state, weights, msg, stashed, mb, chunk, weight_slot):
-      del msg, stashed, mb
+    def branch(state, weights, msg, stashed, fresh, mb, chunk, weight_slot):
+      del msg, stashed, fresh, mb
       records, output_grads = packing.unpack(spmd.read_slot(weights, weight_slot),
                                              self.weight_layouts[b])
       grads = self.weights[b](device.staged, chunk, records, output_grads)
@@ -333,7 +355,8 @@ class _Run:
     for b in range(self.chunkset.num_branches):
       chunk = self.chunkset.chunks_of[b][0]
       _, (records, outputs) = jax.eval_shape(
-          lambda: self.tapped[b](device.staged, *device.inputs(0, msg), chunk, None))
+          lambda: self.tapped[b](device.staged, *device.inputs(0, msg, device.x_example),
+                                 chunk, None))
       self.weight_layouts.append(packing.layout_of((records, outputs)))
       self.tap_shapes.append(outputs)
     self.weight_sizes = packing.buffer_sizes(self.weight_layouts)
@@ -369,6 +392,8 @@ class _Run:
       carry["arrived"] = axes.vary((device.ring_zero,) * 3)
       if self.delayed:  # What went to each side last tick, for the delayed links.
         carry["pending"] = axes.vary((device.ring_zero,) * 2)
+    if self.conveyor is not None:
+      carry["conveyor"] = self.conveyor.start(device.held)
 
     def tick(carry, row):
       row = jax.tree.map(lambda a: a[device.stage], row)
@@ -380,18 +405,21 @@ class _Run:
       stash = carry["stash"]
       if not collect:
         stash = spmd.write_slot(stash, row["stash"], msg, row["forward"])
+      fresh, carry = device.fresh(carry, row)
       state, weights, send = lax.switch(
           row["branch"], branches, carry["state"], carry["weights"], msg,
-          spmd.read_slot(stash, row["stash"]), row["microbatch"], row["chunk"],
+          spmd.read_slot(stash, row["stash"]), fresh, row["microbatch"], row["chunk"],
           row["weight_slot"])
       arrived, pending = self._send(send, row, carry.get("pending"))
       out = {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,
              "arrived": arrived}
       if self.delayed:
         out["pending"] = pending
+      if self.conveyor is not None:
+        out["conveyor"] = carry["conveyor"]
       return out, None
 
-    carry, _ = lax.scan(tick, carry, self.rows_table)
+    carry, _ = lax.scan(tick, carry, self.call_rows)
     return self._reduce(device, carry["state"], collect)
 
   def _initial_state(self, device: _Device, collect: bool):
@@ -402,7 +430,8 @@ class _Run:
     # per-example inputs per micro-batch.
     zeros = lambda tree: [jnp.zeros_like(a) for a in _floats(tree)]
     return {"loss": jnp.zeros((), jnp.float32), "params": zeros(device.staged),
-            "broadcast": zeros(device.broadcast), "x": zeros(device.x_mb),
+            "broadcast": zeros(device.broadcast),
+            "x": zeros(spmd.stacked_zeros(device.x_example, self.schedule.num_microbatches)),
             "per_example": zeros(device.pex_mb)}
 
   def _send(self, send, row, pending):
@@ -448,8 +477,15 @@ class _Run:
 
   def __call__(self, staged, x, broadcast, per_example, rngs):
     axes = self.axes
-    self.over_stages = axes.splits_over_stages(jax.tree.leaves(x)[0].shape[0])
-    io = axes.io_spec(jax.tree.leaves(x)[0].shape[0])
+    self.global_batch = jax.tree.leaves(x)[0].shape[0]
+    self.over_stages = axes.splits_over_stages(self.global_batch)
+    self.conveyor = streaming.plan(self.schedule, axes, self.global_batch,
+                                   self.chunkset.spec.stream_inputs)
+    rows_table = dict(self.rows_table)
+    if self.conveyor is not None:
+      rows_table.update(self.conveyor.row())
+    self.call_rows = rows_table
+    io = axes.io_spec(self.global_batch)
     in_specs = (self.chunkset.staged_specs(staged), io, P(), io, P())
     operands = (staged, x, tuple(broadcast), tuple(per_example), rngs)
     if self.schedule.forward_only:

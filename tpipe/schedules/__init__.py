@@ -8,6 +8,8 @@
   interleaved in one validated table, with derived message routing.
 * :mod:`~tpipe.schedules.orders`: the named fused schedules (1F1B, interleaved 1F1B, ZB-H1,
   ZB-V) as per-stage action orders.
+* :mod:`~tpipe.schedules.streaming`: how micro-batch inputs reach stage 0 one per tick from the
+  stages that hold them (the conveyor table).
 * :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep,
   neighbour-synchronised and natural).
 
@@ -52,6 +54,9 @@ from tpipe.schedules.simulate import linked_time
 from tpipe.schedules.simulate import neighbour_time
 from tpipe.schedules.simulate import ring_links
 from tpipe.schedules.simulate import simulate
+from tpipe.schedules.streaming import InputStream
+from tpipe.schedules.streaming import first_stage_reads
+from tpipe.schedules.streaming import input_stream
 from tpipe.schedules import forward as _forward
 from tpipe.schedules import orders as _orders
 
@@ -66,9 +71,9 @@ _FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
 
 __all__ = [
     "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
-    "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular",
-    "exchange_partners", "from_forward", "gpipe", "interleaved_1f1b", "is_fused", "link_delays",
-    "linked_time",
+    "InputStream", "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular",
+    "exchange_partners", "first_stage_reads", "from_forward", "gpipe", "input_stream",
+    "interleaved_1f1b", "is_fused", "link_delays", "linked_time",
     "make_fused_schedule", "make_schedule", "neighbour_time", "one_f_one_b", "place",
     "placement", "ring_links", "simulate", "virtual_stages", "whole_step", "zb_h1", "zbv",
 ]

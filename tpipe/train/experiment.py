@@ -68,7 +68,8 @@ def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.Pipe
       schedule=config.schedule, num_repeats=config.num_repeats,
       balance=parse_balance(config.balance), remat=config.remat,
       remat_granularity=tasks_lib.remat_granularity(config), mesh=mesh,
-      transfer_delay=cli.parse_transfer_delay(config.get("transfer_delay", "auto")))
+      transfer_delay=cli.parse_transfer_delay(config.get("transfer_delay", "auto")),
+      stream_inputs=config.get("stream_inputs", True))
 
 
 def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:

@@ -35,6 +35,8 @@ import jax
 from ml_collections import config_flags
 
 import tpipe
+from tpipe.core import spmd
+from tpipe.core import streaming
 from tpipe.train import checkpointing
 from tpipe.train import cli
 from tpipe.train import data
@@ -243,6 +245,10 @@ def train(config, workdir: str) -> dict:
     logging.info("%d processes, %d devices (%s); mesh %s; %s parameters.", jax.process_count(),
                  jax.device_count(), jax.devices()[0].platform, dict(exp.mesh.shape),
                  f"{exp.num_params():,}")
+    spec = exp.pipeline.spec
+    axes = spmd.Axes.of(exp.mesh, spec.stage_axis, spec.data_axis)
+    logging.info("Pipeline: %s.", streaming.describe(
+        exp.pipeline.loss_table, axes, config.batch_size, spec.stream_inputs))
     slices = int(tpipe.mesh.slice_of_devices(exp.mesh).max()) + 1
     if slices > 1 or any(exp.pipeline.spec.delays):
       logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",

@@ -1,0 +1,107 @@
+"""Streamed inputs: each micro-batch's inputs ride a conveyor of one-stage sends to stage 0 in the
+ticks that read them, from the stage that holds them, instead of one all-gather of the batch
+before the first tick. Forward schedules (their gradients by autodiff through the conveyor) and
+fused ones (inputs read at F and again at the backward of chunk 0), over plain and delayed links
+(two emulated slices), give the sequential model's loss and gradients, float inputs' gradients
+included (numerics rule: :mod:`tests.helpers.numerics`); the step holds no gather of the inputs.
+"""
+
+import re
+
+import jax
+import pytest
+
+import tpipe
+from tests.helpers import linen_models as lm
+from tests.helpers import numerics
+from tpipe.core import spmd
+from tpipe.core import streaming
+
+CHUNKS_PER_STAGE = {"circular": 2, "interleaved_1f1b": 2, "zbv": 2}
+
+
+def _mesh(stages, slices):
+  devices = jax.devices()[:8]
+  if slices == 1:
+    return tpipe.make_mesh(stages=stages, data=8 // stages)
+  return tpipe.make_mesh(stages=stages, data=8 // stages, dcn={"stage": 2},
+                         slices=[devices[:4], devices[4:]])
+
+
+def _model(name, schedule, mesh, microbatches, remat, stream=True):
+  layers, _, _, _ = lm.loss_model(name)
+  return tpipe.Sequential(layers, num_stages=dict(mesh.shape)["stage"],
+                          num_microbatches=microbatches, schedule=schedule,
+                          num_repeats=CHUNKS_PER_STAGE.get(schedule, 1), remat=remat,
+                          per_example=("targets",), mesh=mesh, stream_inputs=stream)
+
+
+# (model, schedule, stages, micro-batches per replica, remat, slices): on two slices the links
+# between them are delayed (with two stages, both links). "mlp" and "blocks" take float inputs,
+# whose gradients come back along the conveyor; "lm" takes tokens.
+CASES = [
+    ("mlp", "gpipe", 4, 4, "none", 1),
+    ("lm", "gpipe", 2, 6, "full", 2),
+    ("blocks", "circular", 4, 4, "dots", 1),
+    ("mlp", "1f1b", 2, 6, "full", 2),
+    ("blocks", "zbv", 2, 4, "none", 2),
+    ("lm", "zb_h1", 4, 4, "full", 1),
+    ("mlp", "interleaved_1f1b", 2, 6, "dots", 2),
+]
+
+
+@pytest.mark.parametrize("name,schedule,stages,microbatches,remat,slices", CASES)
+def test_streamed_inputs_equal_sequential(name, schedule, stages, microbatches, remat, slices):
+  mesh = _mesh(stages, slices)
+  model = _model(name, schedule, mesh, microbatches, remat)
+  _, x, targets, float_input = lm.loss_model(name)
+  axes = spmd.Axes.of(mesh, model.spec.stage_axis, model.spec.data_axis)
+  assert streaming.plan(model.spec.table, axes, x.shape[0], True) is not None
+  assert any(model.spec.delays) == (slices == 2)
+  x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
+  value, grads = jax.jit(lm.value_and_grad(lm.pipelined_loss(model), float_input))(
+      lm.random_params(name), x, targets)
+  plain_value, plain_grads = lm.plain(name, microbatches * (8 // stages))
+  ref_value, ref_grads = lm.reference(name)
+  numerics.assert_as_close_as_plain(value, plain_value, ref_value, what="loss")
+  numerics.assert_as_close_as_plain(grads, plain_grads, ref_grads, what="gradients")
+
+
+def _collectives(model, name):
+  _, x, targets, float_input = lm.loss_model(name)
+  mesh = model.spec.mesh
+  x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
+  text = jax.jit(lm.value_and_grad(lm.pipelined_loss(model), float_input)).lower(
+      lm.random_params(name), x, targets).as_text()
+  return (len(re.findall(r"stablehlo\.all_gather", text)),
+          len(re.findall(r"stablehlo\.collective_permute", text)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_streaming_replaces_the_gather_of_the_inputs_with_sends(schedule):
+  mesh = _mesh(4, 1)
+  gathers, sends = _collectives(_model("mlp", schedule, mesh, 4, "full"), "mlp")
+  gathers_off, sends_off = _collectives(_model("mlp", schedule, mesh, 4, "full", False), "mlp")
+  # One all-gather fewer (the inputs'; the per-example targets every stage reads are still
+  # gathered once), and one more send per tick: the conveyor's, one stage left (its transpose,
+  # by autodiff, sends gradients back right).
+  assert gathers == gathers_off - 1
+  assert sends > sends_off
+
+
+def test_stream_inputs_must_be_a_bool():
+  with pytest.raises(TypeError, match=r"stream_inputs must be True or False, got 'yes'"):
+    tpipe.PipelineSpec(num_stages=2, num_microbatches=2, stream_inputs="yes")
+
+
+@pytest.mark.parametrize("microbatches,delays,batch,stream,expected", [
+    (8, 0, 48, True, "streamed to stage 0 one micro-batch per tick (each stage holds 2 of 8)"),
+    (6, 0, 48, True, "gathered onto every stage once per step (M=6 is not a multiple of S=4)"),
+    (4, 1, 48, True, "before its inputs could travel over the delayed links"),
+    (8, 0, 48, False, "gathered onto every stage once per step (stream_inputs=False)"),
+    (8, 0, 36, True, "replicated over the stages"),
+])
+def test_describe_says_how_the_inputs_arrive(microbatches, delays, batch, stream, expected):
+  axes = spmd.Axes.of(_mesh(4, 1), "stage", "data")
+  table = tpipe.schedules.build("gpipe", 4, microbatches, delays=delays)
+  assert expected in streaming.describe(table, axes, batch, stream)
