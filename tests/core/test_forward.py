@@ -126,9 +126,11 @@ def test_gpipe_ring_has_no_wrap_around_edge():
       pairs |= {tuple(map(int, p)) for p in re.findall(r"\{?(\d+),(\d+)", found)}
     return pairs
 
-  # Devices: replica r holds stages 4r..4r+3.
+  # Devices: replica r holds stages 4r..4r+3. Activations go right; the inputs' conveyor to
+  # stage 0 goes left (the batch splits over the stages, M = S); neither wraps round.
   gpipe = permute_pairs("gpipe", 1)
-  assert gpipe == {(0, 1), (1, 2), (2, 3), (4, 5), (5, 6), (6, 7)}, gpipe
+  right = {(0, 1), (1, 2), (2, 3), (4, 5), (5, 6), (6, 7)}
+  assert gpipe == right | {(b, a) for a, b in right}, gpipe
   assert {(3, 0), (7, 4)} <= permute_pairs("circular", 2)
 
 

@@ -82,14 +82,14 @@ def test_schedule_is_a_search_dimension_with_the_fused_schedules():
   assert "num_repeats=1 is gpipe" in reasons["circular"]
   for name in names:  # Each valid one has a table, whose bubble the trials carry.
     table = autotune.schedule_table(name, 2, 2, 1)
-    assert 0 < autotune.simulated_bubble(table) < 1
+    assert 0 < flops_lib.simulated_bubble(table) < 1
   # 1F1B's ticks (each as long as the slowest of a stage and its neighbours) lose more than
   # GPipe's; the bubble is the neighbour-synchronised one, no larger than the lockstep one.
   one_f_one_b = autotune.schedule_table("1f1b", 4, 8, 1)
-  assert (autotune.simulated_bubble(one_f_one_b)
-          > autotune.simulated_bubble(autotune.schedule_table("gpipe", 4, 8, 1)))
-  timing = autotune.simulated_timing(one_f_one_b)
-  assert autotune.simulated_bubble(one_f_one_b) == timing.neighbour_bubble
+  assert (flops_lib.simulated_bubble(one_f_one_b)
+          > flops_lib.simulated_bubble(autotune.schedule_table("gpipe", 4, 8, 1)))
+  timing = flops_lib.simulated_timing(one_f_one_b)
+  assert flops_lib.simulated_bubble(one_f_one_b) == timing.neighbour_bubble
   assert timing.natural_bubble < timing.neighbour_bubble <= timing.lockstep_bubble
   with pytest.raises(ValueError, match="Unknown schedule 'pipedream'"):
     autotune.candidates(config, 2, schedules=["pipedream"])
@@ -146,7 +146,7 @@ def test_nothing_fits_a_one_byte_budget():
   assert len(result.trials) == 1 and not result.trials[0].fits
   trial = result.trials[0]
   assert trial.candidate.schedule == "1f1b" and trial.executed_flops > 0
-  assert trial.simulated_bubble == autotune.simulated_bubble(
+  assert trial.simulated_bubble == flops_lib.simulated_bubble(
       autotune.schedule_table("1f1b", 1, 2, 1))
   assert "| 1f1b | full | chunk |" in autotune.format_result(result)
   assert "Nothing fits" in autotune.format_result(result)
