@@ -2,7 +2,8 @@
 
 Balancing a layer sequence by ``"flops"`` or ``"time"`` needs one number per distinct layer: the
 cost of its forward and backward on one micro-batch. Both come from one ahead-of-time compile of
-that computation:
+that computation as a training step runs it (:func:`forward_backward`: the gradients of the
+parameters and of the input, for an output cotangent XLA cannot fold away):
 
 * ``"flops"``: XLA's ``cost_analysis()`` of the compiled program. It counts a loop body once and
   a conditional as its costliest branch.
@@ -92,8 +93,8 @@ def measure(kind: str, layer_apply: Callable, params, h, side) -> float:
   Safe to call while tracing (e.g. inside ``jax.jit``): the compile and the timed runs happen
   eagerly, on concrete example inputs.
   """
-  abstract = _abstract((params, h, side))
-  compiled = jax.jit(_forward_backward(layer_apply)).lower(*abstract).compile()
+  program, abstract = forward_backward(lambda p, x, s: layer_apply(p, x, *s), params, h, side)
+  compiled = program.lower(*abstract).compile()
   if kind == "flops":
     analysis = compiled.cost_analysis()
     if isinstance(analysis, (list, tuple)):
@@ -111,14 +112,36 @@ def measure(kind: str, layer_apply: Callable, params, h, side) -> float:
   return float(statistics.median(seconds))
 
 
-def _forward_backward(layer_apply: Callable) -> Callable:
-  """The unit's forward, then its backward with respect to the parameters (cotangent ones)."""
+def forward_backward(fn: Callable, *args) -> tuple[Callable, tuple]:
+  """``(program, abstract arguments)``: ``fn``'s forward and its VJP with respect to every
+  floating leaf of ``args`` (integer leaves, such as token ids, held fixed), as a training step
+  runs them, jitted, and the abstract arguments it takes.
 
-  def forward_backward(params, h, side):
-    out, vjp = jax.vjp(lambda p: layer_apply(p, h, *side), params)
-    return vjp(jax.tree.map(jnp.ones_like, out))
+  The output cotangent is an argument of the program, not a constant, so XLA cannot simplify
+  the backward pass (with a cotangent of ones, a weight gradient ``x^T g`` becomes sums of
+  ``x``'s columns); and the input's gradient is formed too, as a pipeline stage forms it for
+  the stage before.
 
-  return forward_backward
+  Args:
+    fn: a JAX-traceable function.
+    *args: its arguments as ``jax.ShapeDtypeStruct`` (or arrays).
+  """
+  leaves, treedef = jax.tree.flatten(args)
+  floating = [jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in leaves]
+  out_shapes = jax.eval_shape(fn, *args)
+
+  def program(diff, fixed, cotangent):
+    def f(diff):
+      it_diff, it_fixed = iter(diff), iter(fixed)
+      merged = [next(it_diff) if d else next(it_fixed) for d in floating]
+      return fn(*jax.tree.unflatten(treedef, merged))
+
+    out, vjp = jax.vjp(f, diff)
+    return out, vjp(cotangent)
+
+  diff = [leaf for leaf, d in zip(leaves, floating) if d]
+  fixed = [leaf for leaf, d in zip(leaves, floating) if not d]
+  return jax.jit(program), _abstract((diff, fixed, out_shapes))
 
 
 def _abstract(tree):

@@ -40,10 +40,10 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from tpipe.core import packing
+from tpipe.core import unit_cost
 from tpipe.tools import analysis
 
 
@@ -98,8 +98,9 @@ def compile_forward_backward(fn: Callable, *args):
   """AOT-compiles ``fn``'s forward and backward pass for abstract ``args``; runs nothing.
 
   The program computes ``fn(*args)`` and its VJP with respect to every floating leaf of
-  ``args`` (integer leaves, such as token ids, are held fixed). The output cotangent is an
-  argument of the program, not a constant, so XLA cannot fold the backward pass away.
+  ``args`` (integer leaves, such as token ids, are held fixed), for an output cotangent that is
+  an argument of the program, so XLA cannot fold the backward pass away
+  (:func:`tpipe.core.unit_cost.forward_backward`, what balancing by FLOPs measures).
 
   Args:
     fn: a JAX-traceable function.
@@ -108,23 +109,8 @@ def compile_forward_backward(fn: Callable, *args):
   Returns:
     The :class:`jax.stages.Compiled` program.
   """
-  leaves, treedef = jax.tree.flatten(args)
-  floating = [jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in leaves]
-  out_shapes = jax.eval_shape(fn, *args)
-
-  def forward_backward(diff, fixed, cotangent):
-    def f(diff):
-      it_diff, it_fixed = iter(diff), iter(fixed)
-      merged = [next(it_diff) if d else next(it_fixed) for d in floating]
-      return fn(*jax.tree.unflatten(treedef, merged))
-
-    out, vjp = jax.vjp(f, diff)
-    return out, vjp(cotangent)
-
-  diff = [leaf for leaf, d in zip(leaves, floating) if d]
-  fixed = [leaf for leaf, d in zip(leaves, floating) if not d]
-  shapes = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
-  return jax.jit(forward_backward).lower(shapes(diff), shapes(fixed), out_shapes).compile()
+  program, abstract = unit_cost.forward_backward(fn, *args)
+  return program.lower(*abstract).compile()
 
 
 def working_set_bytes(compiled) -> int:

@@ -1,0 +1,37 @@
+"""What balancing by FLOPs counts for one unit: the forward and the backward a training step runs
+(the weight gradient and the input gradient, for a cotangent XLA cannot fold away), checked
+against the analytic count of a matmul."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tpipe.core import unit_cost
+
+ROWS, IN, OUT = 16, 32, 64
+
+
+def _matmul(params, h, broadcast, per_example):
+  del broadcast, per_example
+  return h @ params["w"]
+
+
+def _flops(h_dtype):
+  params = {"w": jax.ShapeDtypeStruct((IN, OUT), jnp.float32)}
+  h = jax.ShapeDtypeStruct((ROWS, IN), h_dtype)
+  return unit_cost.measure("flops", _matmul, params, h, ((), ()))
+
+
+def test_a_matmul_counts_its_forward_and_both_gradients():
+  # 2 x rows x in x out each: the product, the input's gradient g w^T, the weight's h^T g.
+  assert _flops(jnp.float32) == 6 * ROWS * IN * OUT
+
+
+def test_integer_inputs_get_no_gradient():
+  # Token ids and indices are held fixed: the product and the weight's gradient only.
+  params = {"w": jax.ShapeDtypeStruct((IN, OUT), jnp.float32)}
+  ids = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
+  lookup = lambda params, h, broadcast, per_example: params["w"][h % IN] @ params["w"].T
+  flops = unit_cost.measure("flops", lookup, params, ids, ((), ()))
+  # Forward (rows x out x in), and for the weight both operands' gradients: 3 products.
+  assert flops == pytest.approx(3 * 2 * ROWS * IN * OUT, rel=0.05)
