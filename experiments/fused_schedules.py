@@ -28,6 +28,9 @@ schedule runs its backward inside its table) ahead of time, and reports:
   takes, lockstep), and the neighbour-synchronised step over GPipe's at the same M; and for the
   zero-bubble schedules ``(BI + W) / B``, the split backward's FLOPs over a fused backward's
   (the B branches are compiled into the same program, unused).
+* **Per-action costs as the TPU sees them**: one chunk's F, B and BI compiled alone for one v5p
+  chip, the TPU compiler's ``optimal_seconds`` for each (``W = B - BI``), and every table
+  simulated under them beside the FLOP-based costs.
 * **Every link delayed** (``transfer_delay=1``): the same measured costs on each schedule's
   table built with delayed transfers, simulated: ticks, peak in flight, the natural and
   neighbour-synchronised bubbles and the step over plain GPipe's. A delayed exchange runs beside
@@ -139,7 +142,11 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) 
           f"{mf(found.lockstep)} | {table.bubble_fraction:.3f} | {show(unit)} | "
           f"{timing.natural_bubble:.3f} | {show(analytic)} | {timing.neighbour_bubble:.3f} | "
           f"{timing.lockstep_bubble:.3f} | {timing.neighbour / gpipe_step[m]:.3f} |")
-  return lines + [""] + delayed_table(stages, measured, gpipe_step)
+  lines += [""] + delayed_table(stages, measured, gpipe_step)
+  try:
+    return lines + [""] + tpu_costs_table(stages, num_layers, ms, sizes, measured)
+  except ValueError as error:  # No TPU compiler here (libtpu comes with the test extra).
+    return lines + ["", f"(TPU per-action costs skipped: {error})"]
 
 
 def delayed_table(stages: int, measured, gpipe_step: dict) -> list[str]:
@@ -158,6 +165,76 @@ def delayed_table(stages: int, measured, gpipe_step: dict) -> list[str]:
                  f"{timing.natural_bubble:.3f} | {timing.neighbour_bubble:.3f} | "
                  f"{timing.neighbour / timing.natural:.3f} | "
                  f"{timing.neighbour / gpipe_step[m]:.3f} |")
+  return lines
+
+
+def tpu_action_seconds(blocks: int, rows: int, seq: int, width: int,
+                       topology: str = "v5p:2x2x1") -> dict[str, float]:
+  """Per-action costs as the TPU compiler sees them: ``cost_analysis()["optimal_seconds"]`` of
+  one chunk of ``blocks`` Transformer blocks on one micro-batch, each action compiled alone for
+  one chip of ``topology`` (nothing runs on a TPU). ``F`` is the chunk's forward; ``B`` its
+  forward again and the VJP for the weights and the input (a fused backward recomputes its chunk
+  from the stashed input); ``BI`` the forward again and the input's gradient alone (XLA drops
+  the weight gradients nobody reads); ``W = B - BI``, the weight-gradient products ``BI``
+  leaves to ``W``."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  device = tpipe.topology_devices(topology)[0]
+  on_chip = jax.sharding.SingleDeviceSharding(device)
+  block = models.TransformerBlock(width=width, num_heads=HEADS, mlp_dim=4 * width,
+                                  deterministic=True)
+  chunk = nn.Sequential([block.clone() for _ in range(blocks)])
+  h = jax.ShapeDtypeStruct((rows, seq, width), jnp.float32, sharding=on_chip)
+  params = jax.eval_shape(lambda h: chunk.init(jax.random.key(0), h), h)
+  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_chip),
+                        params)
+  forward = lambda p, h: chunk.apply(p, h)
+
+  def backward(p, h, g):
+    return jax.vjp(forward, p, h)[1](g)
+
+  def backward_input(p, h, g):
+    return jax.vjp(lambda h: forward(p, h), h)[1](g)
+
+  def seconds(fn, *args):
+    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    return float(analysis["optimal_seconds"])
+
+  f, b, bi = (seconds(forward, params, h), seconds(backward, params, h, h),
+              seconds(backward_input, params, h, h))
+  return {"F": f, "B": b, "BI": bi, "W": b - bi}
+
+
+def tpu_costs_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
+                    measured) -> list[str]:
+  """Every schedule simulated under the TPU compiler's per-action seconds beside the FLOP-based
+  costs measured above (same tables, same M)."""
+  # A chunk holds the blocks of one stage (one repeat) or of half a stage (two).
+  per_chunk = {r: max(1, num_layers // (stages * r)) for r in (1, 2)}
+  tpu = {r: tpu_action_seconds(per_chunk[r], **sizes) for r in (1, 2)}
+  us = lambda v: f"{v * 1e6:.1f}"
+  lines = [f"### Per-action costs as the TPU sees them (one v5p chip, micro-batch "
+           f"{sizes['rows']} x {sizes['seq']}, width {sizes['width']})", "",
+           "The TPU compiler's `optimal_seconds` per action of one chunk, us (`W = B - BI`; "
+           "the embedding and the head are left out, as the blocks dominate):", "",
+           "| blocks per chunk | F | B | BI | W | B / F |", "|---|---|---|---|---|---|"]
+  for r, c in tpu.items():
+    lines.append(f"| {per_chunk[r]} | {us(c['F'])} | {us(c['B'])} | "
+                 f"{us(c['BI'])} | {us(c['W'])} | {c['B'] / c['F']:.2f} |")
+  lines += ["", "| schedule | M | costs | bubble: natural | neighbour-synchronised | lockstep | "
+            "neighbour-synchronised step / GPipe's |", "|---|---|---|---|---|---|---|"]
+  gpipe = {}
+  for label, costs_of in (("FLOPs (measured above)", lambda c, r: c),
+                          ("TPU optimal_seconds", lambda c, r: tpu[r])):
+    for name, repeats, m, costs in measured:
+      table = tpipe.schedules.whole_step(tpipe.schedules.build(name, stages, m, repeats))
+      timing = table.simulate(costs_of(costs, repeats))
+      key = (label, m)
+      gpipe.setdefault(key, timing.neighbour)
+      lines.append(f"| {name} | {m} | {label} | {timing.natural_bubble:.3f} | "
+                   f"{timing.neighbour_bubble:.3f} | {timing.lockstep_bubble:.3f} | "
+                   f"{timing.neighbour / gpipe[key]:.3f} |")
   return lines
 
 
