@@ -171,12 +171,9 @@ def delayed_table(stages: int, measured, gpipe_step: dict) -> list[str]:
 def tpu_action_seconds(blocks: int, rows: int, seq: int, width: int,
                        topology: str = "v5p:2x2x1") -> dict[str, float]:
   """Per-action costs as the TPU compiler sees them: ``cost_analysis()["optimal_seconds"]`` of
-  one chunk of ``blocks`` Transformer blocks on one micro-batch, each action compiled alone for
-  one chip of ``topology`` (nothing runs on a TPU). ``F`` is the chunk's forward; ``B`` its
-  forward again and the VJP for the weights and the input (a fused backward recomputes its chunk
-  from the stashed input); ``BI`` the forward again and the input's gradient alone (XLA drops
-  the weight gradients nobody reads); ``W = B - BI``, the weight-gradient products ``BI``
-  leaves to ``W``."""
+  one chunk of ``blocks`` Transformer blocks on one micro-batch, each action
+  (:func:`chunk_actions`) compiled alone for one chip of ``topology`` (nothing runs on a TPU);
+  ``W = B - BI``, the weight-gradient products ``BI`` leaves to ``W``."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   device = tpipe.topology_devices(topology)[0]
@@ -188,22 +185,27 @@ def tpu_action_seconds(blocks: int, rows: int, seq: int, width: int,
   params = jax.eval_shape(lambda h: chunk.init(jax.random.key(0), h), h)
   params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_chip),
                         params)
-  forward = lambda p, h: chunk.apply(p, h)
 
-  def backward(p, h, g):
-    return jax.vjp(forward, p, h)[1](g)
-
-  def backward_input(p, h, g):
-    return jax.vjp(lambda h: forward(p, h), h)[1](g)
-
-  def seconds(fn, *args):
-    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+  def seconds(fn):
+    analysis = jax.jit(fn).lower(params, h, h).compile().cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     return float(analysis["optimal_seconds"])
 
-  f, b, bi = (seconds(forward, params, h), seconds(backward, params, h, h),
-              seconds(backward_input, params, h, h))
-  return {"F": f, "B": b, "BI": bi, "W": b - bi}
+  costs = {name: seconds(fn) for name, fn in chunk_actions(chunk).items()}
+  return dict(costs, W=costs["B"] - costs["BI"])
+
+
+def chunk_actions(chunk) -> dict:
+  """One chunk's actions, each ``fn(params, h, g)`` for its input ``h`` and output cotangent
+  ``g``: ``F`` its forward; ``B`` its forward again and the VJP for the weights and the input
+  (a fused backward under remat full); ``BI`` its forward again and the input's gradient alone
+  (XLA drops the weight gradients nobody reads). ``W`` is what ``B`` does beyond ``BI``."""
+  forward = lambda p, h: chunk.apply(p, h)
+  return {
+      "F": lambda p, h, g: forward(p, h),
+      "B": lambda p, h, g: jax.vjp(forward, p, h)[1](g),
+      "BI": lambda p, h, g: jax.vjp(lambda h: forward(p, h), h)[1](g),
+  }
 
 
 def tpu_costs_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,

@@ -19,15 +19,14 @@ simulated under these costs (:meth:`tpipe.schedules.FusedSchedule.simulate`), as
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 import tpipe
 from experiments import _common
+from experiments import fused_schedules
+from tpipe.core import unit_cost
 from tpipe.train import models
 
 SIZES = dict(width=2048, heads=16, mlp=8192, rows=4, seq=1024)
@@ -46,23 +45,10 @@ def action_seconds(blocks: int, width: int, heads: int, mlp: int, rows: int, seq
   key = jax.random.key(0)
   h = jax.random.normal(key, (rows, seq, width), jnp.bfloat16)
   params = jax.jit(chunk.init)(key, h)
-  forward = lambda p, h: chunk.apply(p, h)
-  actions = {
-      "F": (forward, (params, h)),
-      "B": (lambda p, h, g: jax.vjp(forward, p, h)[1](g), (params, h, h)),
-      "BI": (lambda p, h, g: jax.vjp(lambda h: forward(p, h), h)[1](g), (params, h, h)),
-  }
   seconds = {}
-  for name, (fn, args) in actions.items():
-    compiled = jax.jit(fn).lower(*args).compile()
-    for _ in range(WARMUP):
-      jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(RUNS):
-      start = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
-      times.append(time.perf_counter() - start)
-    seconds[name] = statistics.median(times)
+  for name, fn in fused_schedules.chunk_actions(chunk).items():
+    compiled = jax.jit(fn).lower(params, h, h).compile()
+    seconds[name] = unit_cost.median_seconds(compiled, (params, h, h), WARMUP, RUNS)
     print(f"{blocks} blocks, {name}: {seconds[name] * 1e6:.1f} us", flush=True)
   seconds["W"] = seconds["B"] - seconds["BI"]
   return seconds

@@ -238,3 +238,18 @@ def reference_losses(name):
   layers, x, targets, _ = loss_model(name)
   run = lambda p, x, t: losses_in_order(layers, p, x, t, 1)
   return numerics.float64_reference(jax.jit(run), random_params(name), x, targets)
+
+
+def assert_loss_equals_sequential(model, name, microbatches):
+  """Runs ``model``'s mean loss (``method="loss"``) and its gradients on loss model ``name``'s
+  batch, placed as :func:`tpipe.data_sharding` says on ``model.spec.mesh``, and asserts them as
+  close to the sequential model's as the plain float32 model is on the same ``microbatches``
+  (micro-batches of the whole batch, over every replica)."""
+  _, x, targets, float_input = loss_model(name)
+  x, targets = jax.device_put((x, targets), tpipe.data_sharding(model.spec.mesh))
+  value, grads = jax.jit(value_and_grad(pipelined_loss(model), float_input))(
+      random_params(name), x, targets)
+  plain_value, plain_grads = plain(name, microbatches)
+  ref_value, ref_grads = reference(name)
+  numerics.assert_as_close_as_plain(value, plain_value, ref_value, what="loss")
+  numerics.assert_as_close_as_plain(grads, plain_grads, ref_grads, what="gradients")

@@ -234,9 +234,11 @@ class _Run:
                axes: spmd.Axes):
     self.chunkset, self.schedule, self.axes = chunkset, schedule, axes
     self.split = is_split(schedule)
-    # Set per call: the global batch, whether its rows split over stages, the inputs' conveyor.
-    self.global_batch, self.over_stages, self.conveyor = 0, False, None
     self.rows_table = _tick_rows(schedule, chunkset)
+    # Set per call: the global batch, whether its rows split over stages, the inputs' conveyor
+    # and the scan's rows with its slots.
+    self.global_batch, self.over_stages, self.conveyor = 0, False, None
+    self.call_rows = self.rows_table
     wrap, num_stages, delays = schedule.num_chunks > 1, schedule.num_stages, schedule.delays
     # Pairs over links without delay send at the end of a tick; over delayed links, during the
     # next tick (what a delayed table expects: arrival two ticks after the send).
@@ -481,10 +483,8 @@ class _Run:
     self.over_stages = axes.splits_over_stages(self.global_batch)
     self.conveyor = streaming.plan(self.schedule, axes, self.global_batch,
                                    self.chunkset.spec.stream_inputs)
-    rows_table = dict(self.rows_table)
-    if self.conveyor is not None:
-      rows_table.update(self.conveyor.row())
-    self.call_rows = rows_table
+    self.call_rows = (self.rows_table if self.conveyor is None
+                      else dict(self.rows_table, **self.conveyor.row()))
     io = axes.io_spec(self.global_batch)
     in_specs = (self.chunkset.staged_specs(staged), io, P(), io, P())
     operands = (staged, x, tuple(broadcast), tuple(per_example), rngs)

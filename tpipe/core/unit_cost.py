@@ -101,14 +101,19 @@ def measure(kind: str, layer_apply: Callable, params, h, side) -> float:
       analysis = analysis[0] if analysis else {}
     return float((analysis or {}).get("flops", 0.0))
   with jax.ensure_compile_time_eval():
-    args = jax.device_put(_example_arrays(abstract))
-    for _ in range(WARMUP_RUNS):
-      jax.block_until_ready(compiled(*args))
-    seconds = []
-    for _ in range(TIMED_RUNS):
-      start = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
-      seconds.append(time.perf_counter() - start)
+    return median_seconds(compiled, jax.device_put(_example_arrays(abstract)))
+
+
+def median_seconds(compiled, args, warmup: int = WARMUP_RUNS, runs: int = TIMED_RUNS) -> float:
+  """The median wall time of ``compiled(*args)`` over ``runs`` timed runs, each waited for,
+  after ``warmup`` untimed ones."""
+  for _ in range(warmup):
+    jax.block_until_ready(compiled(*args))
+  seconds = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    seconds.append(time.perf_counter() - start)
   return float(statistics.median(seconds))
 
 
