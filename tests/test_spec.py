@@ -23,7 +23,7 @@ unit = pytest.mark.unit
 
 SETTINGS = ("num_stages", "num_microbatches", "schedule", "num_repeats", "balance", "remat",
             "remat_granularity", "per_example", "unroll", "mesh", "transfer_delay",
-            "stream_inputs", "stage_axis", "data_axis")
+            "stream_inputs", "tick_costs", "stage_axis", "data_axis")
 
 
 @unit
@@ -356,3 +356,23 @@ def test_transfer_delay_defaults_to_the_links_that_cross_slices_of_the_mesh():
   assert spec.replace(transfer_delay=0).delays == (0, 0, 0, 0)
   assert spec.replace(transfer_delay=[1, 0, 0, 0]).transfer_delay == (1, 0, 0, 0)
   assert tpipe.PipelineSpec(4, 2, transfer_delay=1).table.delays == (1, 1, 1, 1)
+
+
+@unit
+def test_tick_costs_build_compound_tables_and_are_checked():
+  costs = {"F": 1, "B": 3, "BI": 2, "W": 1}
+  spec = tpipe.PipelineSpec(num_stages=4, num_microbatches=8, schedule="1f1b", tick_costs=costs)
+  assert spec.tick_costs == (("B", 3.0), ("BI", 2.0), ("F", 1.0), ("W", 1.0))
+  assert spec.table is schedules.build("1f1b", 4, 8, 1, None, costs)
+  assert spec.table.is_compound and not spec.replace(tick_costs=None).table.is_compound
+  hash(spec)  # Held as a tuple: the spec stays hashable.
+  with pytest.raises(ValueError, match="forward schedule"):
+    spec.replace(schedule="gpipe")
+  with pytest.raises(ValueError, match=r"costs\['B'\] must be finite and > 0"):
+    spec.replace(tick_costs={"F": 1, "B": 0})
+  with pytest.raises(ValueError, match="unknown action 'X'"):
+    spec.replace(tick_costs={"F": 1, "X": 2})
+  with pytest.raises(TypeError, match="must map action names"):
+    spec.replace(tick_costs=[1, 3])
+  with pytest.raises(ValueError, match=r"needs \['F', 'BI', 'W'\]"):
+    spec.replace(schedule="zbv", num_repeats=2, tick_costs={"F": 1, "B": 3})

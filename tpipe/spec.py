@@ -79,6 +79,11 @@ class PipelineSpec:
       M/S micro-batches of inputs and every transfer overlaps a tick) rather than gathered onto
       every stage in one blocking transfer before the first tick. Tables where a read comes
       before its data could travel (M = S with every link delayed) gather.
+    tick_costs: fused schedules only: per-action costs of one chunk, ``{"F": .., "B": ..}``
+      (with ``"BI"`` and ``"W"`` for ``"zb_h1"`` and ``"zbv"``; relative costs do), for which
+      the table is laid out in compound ticks (a forward, a backward and weight work in one
+      tick, :mod:`tpipe.schedules.compound`) so that ticks cost the same on every stage; kept
+      as a sorted tuple of ``(action, cost)`` pairs. None (default): one action per tick.
     stage_axis: the mesh axis of stages.
     data_axis: the mesh axis of data-parallel replicas (the batch is split over it).
   """
@@ -95,6 +100,7 @@ class PipelineSpec:
   mesh: Mesh | None = None
   transfer_delay: Any = None
   stream_inputs: bool = True
+  tick_costs: Any = None
   stage_axis: str = mesh_lib.STAGE_AXIS
   data_axis: str = mesh_lib.DATA_AXIS
 
@@ -119,6 +125,7 @@ class PipelineSpec:
         object.__setattr__(self, "transfer_delay", delays)
     if not isinstance(self.stream_inputs, (bool, np.bool_)):
       raise TypeError(f"stream_inputs must be True or False, got {self.stream_inputs!r}.")
+    object.__setattr__(self, "tick_costs", schedules.check_costs(self.tick_costs))
     self.table  # Builds (and caches) the table: raises for unknown names or bad repeats.
     check_remat(self.remat)
     check_remat_granularity(self.remat_granularity)
@@ -139,7 +146,7 @@ class PipelineSpec:
   def table(self) -> schedules.Schedule | schedules.FusedSchedule:
     """The schedule's table, from the cached factory :func:`tpipe.schedules.build`."""
     return schedules.build(self.schedule, self.num_stages, self.num_microbatches,
-                           self.num_repeats, self.delays)
+                           self.num_repeats, self.delays, self.tick_costs)
 
   @property
   def delays(self) -> tuple[int, ...]:

@@ -49,42 +49,50 @@ def fused(text, slots, stages, microbatches, chunks=1, placement="loop", forward
 
 
 def replay_mailboxes(s):
-  """Runs a fused table's routing tick by tick; returns how many messages were delivered.
+  """Runs a fused table's routing row by row; returns how many messages were delivered.
 
-  Asserts that every message lands in a free mailbox slot of the right receiver, is read once by
-  the action that needs it, and that nothing is left over or sent by an action that sends
-  nothing.
+  Asserts that every message lands, at the first row of a tick, in a free mailbox slot of the
+  right receiver, sent in the tick before (two before over a delayed link), is read once by the
+  action that needs it, and that nothing is left over or sent by an action that sends nothing.
   """
   vstage = s.virtual_stage
+  first = s.first_rows()
   mailbox = [{} for _ in range(s.num_stages)]  # slot -> (kind, micro-batch, model chunk) held.
-  sent = {}  # (tick, stage) -> what the action there sent.
+  sent = {}  # (row, stage) -> what the action there sent.
   delivered = 0
-  for t in range(s.num_ticks):
-    arrivals = s.arrival_slots()[t]
+  for r in range(s.num_rows):
+    t = s.tick[r]
+    arrivals = s.arrival_slots()[r]
     for dst in range(s.num_stages):
       for k, direction in enumerate((1, -1, 0)):
         slot = arrivals[dst, k]
         if slot != IDLE:
+          assert r == first[t], "a message arrives inside a tick"
           src = (dst - direction) % s.num_stages
-          assert s.send_dir[t - 1, src] == direction and s.send_slot[t - 1, src] == slot
+          delay = s.delays[schedules.actions.link_of(src, direction, s.num_stages)] if (
+              direction) else 0
+          senders = [q for q in np.nonzero(s.tick == t - 1 - delay)[0]
+                     if s.send_dir[q, src] == direction and s.send_slot[q, src] == slot
+                     and (q, src) in sent]
+          assert len(senders) == 1, "no single sender in the tick the message left"
           assert slot not in mailbox[dst], "overwrote a message nobody read"
-          mailbox[dst][slot] = sent[(t - 1, src)]
-    for st in np.nonzero(s.busy[t])[0]:
-      kind, m = A(s.action[t, st]), int(s.microbatch[t, st])
-      v = int(vstage[st, s.chunk[t, st]])
+          mailbox[dst][slot] = sent[(senders[0], src)]
+    for st in np.nonzero(s.busy[r])[0]:
+      kind, m = A(s.action[r, st]), int(s.microbatch[r, st])
+      v = int(vstage[st, s.chunk[r, st]])
       if kind == A.F:
         expect = ("act", m, v - 1) if v > 0 else None
-        sent[(t, st)] = ("act", m, v) if v < vstage.size - 1 else None
+        sent[(r, st)] = ("act", m, v) if v < vstage.size - 1 else None
       elif kind == A.W:
         expect = None
       else:
         expect = ("grad", m, v + 1) if v < vstage.size - 1 else None
-        sent[(t, st)] = ("grad", m, v) if v > 0 else None
-      assert (s.send_slot[t, st] != IDLE) == (sent.get((t, st)) is not None and kind != A.W)
+        sent[(r, st)] = ("grad", m, v) if v > 0 else None
+      assert (s.send_slot[r, st] != IDLE) == (sent.get((r, st)) is not None and kind != A.W)
       if expect is None:
-        assert s.recv_slot[t, st] == IDLE
+        assert s.recv_slot[r, st] == IDLE
       else:
-        assert mailbox[st].pop(s.recv_slot[t, st]) == expect
+        assert mailbox[st].pop(s.recv_slot[r, st]) == expect
         delivered += 1
   assert all(not box for box in mailbox)
   assert all(len(box) <= n for box, n in zip(mailbox, s.mailbox_slots()))

@@ -84,7 +84,7 @@ def _split_grads(grads: list, trees) -> list[list]:
 
 
 def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
-  """``[T, S]``: the weight slot each ``BI`` fills and its ``W`` empties (0 elsewhere).
+  """``[R, S]``: the weight slot each ``BI`` fills and its ``W`` empties (0 elsewhere).
 
   A slot is taken from ``BI`` to ``W``, both ticks included, and reused from the next tick; each
   stage uses as many slots as its most micro-batches awaiting ``W``
@@ -93,7 +93,7 @@ def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
   slots = np.zeros(schedule.action.shape, np.int32)
   for s in range(schedule.num_stages):
     held: dict[tuple[int, int], int] = {}
-    for t in range(schedule.num_ticks):
+    for t in range(schedule.num_rows):
       key = (int(schedule.microbatch[t, s]), int(schedule.chunk[t, s]))
       if schedule.action[t, s] == Action.BI:
         busy = set(held.values())
@@ -125,7 +125,7 @@ def backward_by_units(spec) -> bool:
 
 
 def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarray, np.ndarray]:
-  """``([T, S] branch, [T, S] model chunk)``: the ``lax.switch`` branch of every table entry
+  """``([R, S] branch, [R, S] model chunk)``: the ``lax.switch`` branch of every table entry
   (0 idle, ``1 + a * B + b`` for action ``a`` (``F``, ``B``, ``BI``, ``W``) of chunk program
   ``b``, ``programs[v]`` being model chunk ``v``'s and ``B`` their number) and its model chunk."""
   vstage = schedule.virtual_stage
@@ -137,10 +137,22 @@ def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarr
   return branch.astype(np.int32), v.astype(np.int32)
 
 
+def by_lanes(schedule: schedules.FusedSchedule, table: np.ndarray, fill=0) -> np.ndarray:
+  """A per-row table ``[R, S, ...]`` as ``[T, L, S, ...]``: each tick's rows in its lanes (the
+  steps the loop runs in a tick), a tick with fewer rows than :attr:`lanes` padded with
+  ``fill`` (an idle step)."""
+  table = np.asarray(table)
+  lane = np.arange(schedule.num_rows) - schedule.first_rows()[schedule.tick]
+  out = np.full((schedule.num_ticks, schedule.lanes) + table.shape[1:], fill, table.dtype)
+  out[schedule.tick, lane] = table
+  return out
+
+
 def _tick_rows(schedule: schedules.FusedSchedule, chunkset: chunks_lib.ChunkSet) -> dict:
-  """The per-tick rows the scan consumes, each ``[T, S, ...]`` (see :func:`tick_branches`)."""
+  """The per-tick rows the scan consumes: ``lanes``, each ``[T, L, S]`` (one step of a tick per
+  lane, see :func:`by_lanes` and :func:`tick_branches`), and ``arrival``, ``[T, S, 3]``."""
   branch, v = tick_branches(schedule, chunkset.branch_of_chunk)
-  return {
+  lanes = {
       "branch": branch,
       "chunk": v,
       "microbatch": np.maximum(schedule.microbatch, 0),
@@ -150,9 +162,10 @@ def _tick_rows(schedule: schedules.FusedSchedule, chunkset: chunks_lib.ChunkSet)
       "sends": schedule.send_slot != schedules.IDLE,
       "send_slot": np.maximum(schedule.send_slot, 0),
       "recv_slot": np.maximum(schedule.recv_slot, 0),
-      "arrival": schedule.arrival_slots(),
       "weight_slot": weight_slots(schedule),
   }
+  return {"lanes": {key: by_lanes(schedule, value) for key, value in lanes.items()},
+          "arrival": schedule.arrival_slots()[schedule.first_rows()]}
 
 
 class _Device:
@@ -188,12 +201,13 @@ class _Device:
     self.ring_zero = chunks_lib.zeros_with_rows(run.chunkset.ring.example, self.rows)
     self.output_zero = chunks_lib.zeros_with_rows(run.chunkset.output_example, self.rows)
 
-  def fresh(self, carry: dict, row: dict):
-    """``(fresh, carry)``: micro-batch ``row["microbatch"]``'s inputs where this tick reads
-    them (over the conveyor when it streams; what other ticks get is not read)."""
+  def fresh(self, carry: dict, microbatch, conveyor_row):
+    """``(fresh, carry)``: micro-batch ``microbatch``'s inputs where this tick reads them (over
+    the conveyor when it streams, ``conveyor_row`` being its tick's row; what other ticks get
+    is not read)."""
     if self.run.conveyor is None:
-      return spmd.read_slot(self.x_mb, row["microbatch"]), carry
-    fresh, conveyed = self.run.conveyor.tick(self.held, carry["conveyor"], row[streaming.ROW])
+      return spmd.read_slot(self.x_mb, microbatch), carry
+    fresh, conveyed = self.run.conveyor.tick(self.held, carry["conveyor"], conveyor_row)
     return fresh, dict(carry, conveyor=conveyed)
 
   def inputs(self, mb, msg, fresh):
@@ -398,21 +412,24 @@ class _Run:
       carry["conveyor"] = self.conveyor.start(device.held)
 
     def tick(carry, row):
-      row = jax.tree.map(lambda a: a[device.stage], row)
+      stage = device.stage
       mailbox = carry["mailbox"]
       for k, message in enumerate(carry["arrived"]):  # from the left, from the right, own
-        slot = row["arrival"][k]
+        slot = row["arrival"][stage, k]
         mailbox = spmd.write_slot(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
-      msg = spmd.read_slot(mailbox, row["recv_slot"])
-      stash = carry["stash"]
-      if not collect:
-        stash = spmd.write_slot(stash, row["stash"], msg, row["forward"])
-      fresh, carry = device.fresh(carry, row)
-      state, weights, send = lax.switch(
-          row["branch"], branches, carry["state"], carry["weights"], msg,
-          spmd.read_slot(stash, row["stash"]), fresh, row["microbatch"], row["chunk"],
-          row["weight_slot"])
-      arrived, pending = self._send(send, row, carry.get("pending"))
+      state, stash, weights, sends = carry["state"], carry["stash"], carry["weights"], []
+      for lane in range(schedule.lanes):  # A compound tick's steps, in the table's order.
+        step = jax.tree.map(lambda a: a[lane, stage], row["lanes"])
+        msg = spmd.read_slot(mailbox, step["recv_slot"])
+        if not collect:
+          stash = spmd.write_slot(stash, step["stash"], msg, step["forward"])
+        fresh, carry = device.fresh(carry, step["microbatch"],
+                                    row[streaming.ROW][stage] if self.conveyor else None)
+        state, weights, send = lax.switch(
+            step["branch"], branches, state, weights, msg, spmd.read_slot(stash, step["stash"]),
+            fresh, step["microbatch"], step["chunk"], step["weight_slot"])
+        sends.append((send, step))
+      arrived, pending = self._send(sends, carry.get("pending"))
       out = {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,
              "arrived": arrived}
       if self.delayed:
@@ -436,13 +453,19 @@ class _Run:
             "x": zeros(spmd.stacked_zeros(device.x_example, self.schedule.num_microbatches)),
             "per_example": zeros(device.pex_mb)}
 
-  def _send(self, send, row, pending):
+  def _send(self, sends, pending):
     """``(arrived, pending)``: what reaches each stage from its left, its right and itself for
-    the next tick, and what this tick sent each way (the delayed links carry it next tick)."""
-    direction, sends = row["send_dir"], row["sends"]
-    pick = lambda cond: jax.tree.map(lambda a: jnp.where(cond, a, jnp.zeros_like(a)), send)
-    to_right, to_left = pick(sends & (direction == 1)), pick(sends & (direction == -1))
-    own = pick(sends & (direction == 0))
+    the next tick, and what this tick sent each way (the delayed links carry it next tick).
+    ``sends`` holds each step's ``(message, step row)``; a tick sends at most one message each
+    way (the table checks it), so each way takes the one step that sends there."""
+    zeros = jax.tree.map(jnp.zeros_like, sends[0][0])
+    to_right, to_left, own = zeros, zeros, zeros
+    for send, step in sends:
+      direction, on = step["send_dir"], step["sends"]
+      pick = lambda cond, now: jax.tree.map(lambda a, b: jnp.where(cond, a, b), send, now)
+      to_right = pick(on & (direction == 1), to_right)
+      to_left = pick(on & (direction == -1), to_left)
+      own = pick(on & (direction == 0), own)
     stage = self.axes.stage
     pending = pending or (None, None)  # None: no link is delayed, so none is read.
     arrived = (spmd.permute_parts(to_right, stage, *self.right, pending[0]),

@@ -28,9 +28,11 @@ ROW = "conveyor_slot"
 
 def plan(table, axes: spmd.Axes, global_batch: int, enabled: bool):
   """The :class:`Conveyor` for a call, or None where the batch is gathered once instead
-  (streaming off, the batch not split over the stages, or no feasible table:
+  (streaming off, the batch not split over the stages, a table with compound ticks, whose stage
+  0 can read two micro-batches' inputs in one tick, or no feasible table:
   :func:`tpipe.schedules.input_stream`)."""
-  if not enabled or not axes.splits_over_stages(global_batch):
+  if (not enabled or not axes.splits_over_stages(global_batch)
+      or getattr(table, "is_compound", False)):
     return None
   stream = schedules.input_stream(schedules.first_stage_reads(table), table.num_stages,
                                   table.num_microbatches, table.delays)
@@ -84,6 +86,8 @@ def describe(table, axes: spmd.Axes, global_batch: int, enabled: bool) -> str:
     return (f"inputs streamed to stage 0 one micro-batch per tick (each stage holds "
             f"{conveyor.stream.per_stage} of {table.num_microbatches})")
   why = ("stream_inputs=False" if not enabled
+         else "compound ticks: stage 0 can read two micro-batches in one tick"
+         if getattr(table, "is_compound", False)
          else f"M={table.num_microbatches} is not a multiple of S={table.num_stages}"
          if table.num_microbatches % table.num_stages
          else "a read comes before its inputs could travel over the delayed links")

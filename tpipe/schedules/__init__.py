@@ -8,6 +8,8 @@
   interleaved in one validated table, with derived message routing.
 * :mod:`~tpipe.schedules.orders`: the named fused schedules (1F1B, interleaved 1F1B, ZB-H1,
   ZB-V) as per-stage action orders.
+* :mod:`~tpipe.schedules.compound`: the same schedules in compound ticks (a forward, a backward
+  and weight work in one tick) for per-action costs, so ticks cost the same on every stage.
 * :mod:`~tpipe.schedules.streaming`: how micro-batch inputs reach stage 0 one per tick from the
   stages that hold them (the conveyor table).
 * :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep,
@@ -42,6 +44,7 @@ from tpipe.schedules.forward import circular
 from tpipe.schedules.forward import gpipe
 from tpipe.schedules.fused import FusedSchedule
 from tpipe.schedules.fused import from_forward
+from tpipe.schedules.fused import from_ticks
 from tpipe.schedules.fused import place
 from tpipe.schedules.fused import whole_step
 from tpipe.schedules.orders import interleaved_1f1b
@@ -57,6 +60,7 @@ from tpipe.schedules.simulate import simulate
 from tpipe.schedules.streaming import InputStream
 from tpipe.schedules.streaming import first_stage_reads
 from tpipe.schedules.streaming import input_stream
+from tpipe.schedules import compound as _compound
 from tpipe.schedules import forward as _forward
 from tpipe.schedules import orders as _orders
 
@@ -72,7 +76,8 @@ _FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
 __all__ = [
     "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
     "InputStream", "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular",
-    "exchange_partners", "first_stage_reads", "from_forward", "gpipe", "input_stream",
+    "check_costs", "exchange_partners", "first_stage_reads", "from_forward", "from_ticks",
+    "gpipe", "input_stream",
     "interleaved_1f1b", "is_fused", "link_delays", "linked_time",
     "make_fused_schedule", "make_schedule", "neighbour_time", "one_f_one_b", "place",
     "placement", "ring_links", "simulate", "virtual_stages", "whole_step", "zb_h1", "zbv",
@@ -91,6 +96,21 @@ def placement(name: str) -> str:
   return "v" if name == "zbv" else "loop"
 
 
+def check_costs(costs) -> tuple[tuple[str, float], ...] | None:
+  """Per-action costs for compound ticks as a sorted tuple of ``(action, cost)`` pairs (how
+  :func:`build` caches them and :class:`tpipe.PipelineSpec` holds them), None for None.
+
+  Raises:
+    TypeError, ValueError: not a mapping of ``"F"``, ``"B"``, ``"BI"``, ``"W"`` to finite
+      costs > 0 (:func:`tpipe.schedules.compound.check_costs`).
+  """
+  if costs is None:
+    return None
+  if isinstance(costs, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in costs):
+    costs = dict(costs)
+  return tuple(sorted(_compound.check_costs(costs).items()))
+
+
 def _check_name(name) -> None:
   if not isinstance(name, str) or name not in NAMES:
     raise ValueError(f"Unknown schedule {name!r}; choose one of {SCHEDULE_NAMES} (forward) or "
@@ -98,7 +118,7 @@ def _check_name(name) -> None:
 
 
 def build(name: str, num_stages: int, num_microbatches: int,
-          num_repeats: int = 1, delays=None) -> Schedule | FusedSchedule:
+          num_repeats: int = 1, delays=None, costs=None) -> Schedule | FusedSchedule:
   """The table of schedule ``name``, cached: the one factory every caller uses.
 
   Args:
@@ -110,6 +130,10 @@ def build(name: str, num_stages: int, num_microbatches: int,
     delays: per link of the ring of stages, 0 or 1 extra tick a transfer takes (None or 0:
       none; 1: every link; see :func:`tpipe.schedules.actions.link_delays`). A delayed transfer
       overlaps a whole tick of compute, for links over a slow network (between TPU slices).
+    costs: fused schedules only: per-action costs of one chunk (``{"F": .., "B": ..}``, with
+      ``"BI"`` and ``"W"`` for the zero-bubble schedules): the table in compound ticks with
+      the shortest neighbour-synchronised step under them (:func:`tpipe.schedules.compound.build`);
+      None: one action per tick, the papers' tables.
 
   Returns:
     A :class:`Schedule` (forward schedules) or a :class:`FusedSchedule`, read-only.
@@ -125,11 +149,15 @@ def build(name: str, num_stages: int, num_microbatches: int,
                             ("num_repeats", num_repeats)):
     _forward.check_count(count_name, count)
   delays = link_delays(delays, num_stages)
-  return _build(name, num_stages, num_microbatches, num_repeats, delays)
+  costs = check_costs(costs)
+  if costs is not None and name in SCHEDULE_NAMES:
+    raise ValueError(f"costs lay fused schedules out in compound ticks; schedule={name!r} is a "
+                     "forward schedule (its ticks cost the same already): pass costs=None.")
+  return _build(name, num_stages, num_microbatches, num_repeats, delays, costs)
 
 
 @functools.lru_cache(maxsize=None)
-def _build(name, num_stages, num_microbatches, num_repeats, delays):
+def _build(name, num_stages, num_microbatches, num_repeats, delays, costs=None):
   _check_name(name)
   if name == "gpipe":
     if num_repeats != 1:
@@ -148,6 +176,8 @@ def _build(name, num_stages, num_microbatches, num_repeats, delays):
       raise ValueError(f"schedule={name!r} runs {chunks} chunk(s) per stage, got "
                        f"num_repeats={num_repeats}; {fix}.")
     table = _FUSED_BUILDERS[name](num_stages, num_microbatches, delays)
+  if costs is not None:
+    table = _compound.build(name, num_stages, num_microbatches, dict(costs), num_repeats, delays)
   return table
 
 
@@ -165,7 +195,8 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
 
 
 def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
-                        num_repeats: int | None = None, delays=None) -> FusedSchedule:
+                        num_repeats: int | None = None, delays=None,
+                        costs=None) -> FusedSchedule:
   """A fused schedule by name (:data:`FUSED_SCHEDULE_NAMES`); see :func:`build`.
 
   Args:
@@ -175,6 +206,8 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
     num_repeats: chunks per stage; None for the schedule's own (1, or 2 for ``"zbv"``);
       required (at least 2) for ``"interleaved_1f1b"``.
     delays: per link, 0 or 1 extra tick; see :func:`build`.
+    costs: per-action costs of one chunk (``{"F", "B", "BI", "W"}``): the table in compound
+      ticks built for them; None: one action per tick. See :func:`build`.
 
   Raises:
     ValueError: for a forward or unknown name, or a chunk count the schedule does not use.
@@ -188,4 +221,4 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
     if num_repeats is None:
       raise ValueError("schedule='interleaved_1f1b' needs num_repeats >= 2 chunks per stage; "
                        "use schedule='1f1b' for one.")
-  return build(name, num_stages, num_microbatches, num_repeats, delays)
+  return build(name, num_stages, num_microbatches, num_repeats, delays, costs)

@@ -42,7 +42,7 @@ class FusedSchedule:
   """A fused pipeline schedule: ``[tick, stage]`` tables of actions, validated on construction.
 
   **Ticks.** Each tick every stage does at most one :class:`Action` on one (micro-batch, local
-  chunk). What an action produces for another model chunk is a message: a forward's output goes to
+  chunk), unless the tick is compound (below). What an action produces for another model chunk is a message: a forward's output goes to
   the next model chunk, a backward's (``B`` or ``BI``) input gradient to the previous one. A
   message sent at tick ``t`` arrives at tick ``t + 1`` (also when it stays on the same stage, as in
   ZB-V's turn at stage ``S - 1``), or at ``t + 2`` over a delayed link (:attr:`delays`), so:
@@ -75,6 +75,19 @@ class FusedSchedule:
   data or its own loss, and for ``W``); :meth:`mailbox_slots` gives the sizes,
   :meth:`arrival_slots` where each tick's arrivals go. Every message has exactly one reader.
 
+  **Compound ticks.** The tables are ``[R, S]``: one row per step of a tick, and :attr:`tick`
+  says which tick each row belongs to (consecutive rows, ticks numbered from 0). A tick of
+  several rows is *compound*: each stage runs its rows' actions one after the other and only
+  then exchanges messages, so a tick can hold, say, one ``F``, one ``BI`` and a ``W`` on every
+  stage and cost the same everywhere (:mod:`tpipe.schedules.compound` builds such tables for
+  per-action costs). Then a message still arrives at the start of the next tick (two ticks later
+  over a delayed link), so an action needing another stage's work (or its own, across the turn
+  of ZB-V's V) needs it from an earlier *tick*; one needing only its own stash (``W`` after
+  ``BI``, the last chunk's backward after its forward) needs it from an earlier *row*. A stage
+  sends at most one message each way (right, left, to itself) per tick. Stash slots, mailbox
+  slots and the in-flight counts are per row (a slot freed in a row is free from the next row).
+  Without :attr:`tick` every row is a tick of its own, and rows and ticks are the same thing.
+
   Attributes:
     name: the schedule's name.
     num_stages: S.
@@ -89,7 +102,9 @@ class FusedSchedule:
       (``stash_slot`` all ``IDLE``).
     delays: per link of the ring of stages, 0 or 1 extra tick a message over it takes (see
       :func:`~tpipe.schedules.actions.link_delays`; None: no delays).
-    send_dir, send_slot, recv_slot: int32 ``[T, S]`` routing tables, derived (see above).
+    tick: int32 ``[R]``: the tick each row belongs to (see *Compound ticks*); None: one row per
+      tick.
+    send_dir, send_slot, recv_slot: int32 ``[R, S]`` routing tables, derived (see above).
   """
 
   name: str
@@ -103,6 +118,7 @@ class FusedSchedule:
   stash_slot: np.ndarray
   forward_only: bool = False
   delays: tuple[int, ...] | None = None
+  tick: np.ndarray | None = None
   send_dir: np.ndarray = dataclasses.field(init=False, repr=False)
   send_slot: np.ndarray = dataclasses.field(init=False, repr=False)
   recv_slot: np.ndarray = dataclasses.field(init=False, repr=False)
@@ -113,19 +129,45 @@ class FusedSchedule:
       object.__setattr__(self, field, value.astype(np.int8 if field == "action" else np.int32))
     forward_lib.check_count("num_stages", self.num_stages)
     object.__setattr__(self, "delays", actions_lib.link_delays(self.delays, self.num_stages))
+    object.__setattr__(self, "tick", _check_ticks(self.tick, self.action.shape[0]))
     events = _validate(self)
     send_dir, send_slot, recv_slot, arrival = _route(self, events)
     object.__setattr__(self, "send_dir", send_dir)
     object.__setattr__(self, "send_slot", send_slot)
     object.__setattr__(self, "recv_slot", recv_slot)
     object.__setattr__(self, "_arrival", arrival)
-    for field in ("action", "microbatch", "chunk", "stash_slot", "send_dir", "send_slot",
+    for field in ("action", "microbatch", "chunk", "stash_slot", "tick", "send_dir", "send_slot",
                   "recv_slot", "_arrival"):
       getattr(self, field).setflags(write=False)  # Shared: tpipe.schedules.build caches tables.
 
   @property
   def num_ticks(self) -> int:
+    """Ticks: the trips of the tick loop (rows when no tick is compound)."""
+    return int(self.tick[-1]) + 1 if self.tick.size else 0
+
+  @property
+  def num_rows(self) -> int:
+    """Rows of the tables: steps of ticks (:attr:`num_ticks` when no tick is compound)."""
     return int(self.action.shape[0])
+
+  @property
+  def lanes(self) -> int:
+    """Most rows in one tick: the steps the tick loop runs each tick (1: no compound tick)."""
+    return int(np.bincount(self.tick).max()) if self.tick.size else 1
+
+  @property
+  def is_compound(self) -> bool:
+    """Whether some tick holds more than one row."""
+    return self.lanes > 1
+
+  def first_rows(self) -> np.ndarray:
+    """``[num_ticks]``: the first row of each tick."""
+    return np.searchsorted(self.tick, np.arange(self.num_ticks)).astype(np.int64)
+
+  def tick_costs(self, costs: Mapping[str, float] | None = None) -> np.ndarray:
+    """``[num_ticks, S]``: what each stage's actions cost in each tick, summed over its rows
+    (see :func:`~tpipe.schedules.simulate.action_costs` for ``costs``)."""
+    return simulate_lib.tick_costs(self, costs)
 
   @property
   def virtual_stage(self) -> np.ndarray:
@@ -138,29 +180,35 @@ class FusedSchedule:
     return self.action != IDLE
 
   def actions(self) -> list[tuple[int, int, str, int, int]]:
-    """The table's work as ``(tick, stage, kind, microbatch, model_chunk)`` tuples, by tick and
-    then stage: ``kind`` is ``"F"``, ``"B"``, ``"BI"`` or ``"W"``, ``model_chunk`` the chunk of
-    the whole model it runs (:attr:`virtual_stage` of the stage's local chunk). Each stage runs
-    its actions in this order; idle entries are left out."""
+    """The table's work as ``(tick, stage, kind, microbatch, model_chunk)`` tuples, by tick,
+    then stage, then the order the stage runs them in (several per (tick, stage) where a tick is
+    compound): ``kind`` is ``"F"``, ``"B"``, ``"BI"`` or ``"W"``, ``model_chunk`` the chunk of
+    the whole model it runs (:attr:`virtual_stage` of the stage's local chunk). Idle entries are
+    left out."""
     vstage = self.virtual_stage
-    return [(int(t), int(s), Action(self.action[t, s]).name, int(self.microbatch[t, s]),
-             int(vstage[s, self.chunk[t, s]])) for t, s in zip(*np.nonzero(self.busy))]
+    rows, stages = np.nonzero(self.busy)
+    order = np.lexsort((rows, stages, self.tick[rows]))
+    return [(int(self.tick[r]), int(s), Action(self.action[r, s]).name,
+             int(self.microbatch[r, s]), int(vstage[s, self.chunk[r, s]]))
+            for r, s in zip(rows[order], stages[order])]
 
   @property
   def bubble_fraction(self) -> float:
-    """Fraction of (tick, stage) slots that are idle: the bubble when every action costs the same.
+    """Fraction of (tick, stage) slots that are idle: the bubble when every action costs the same
+    (for compound ticks: when every action costs 1 and a tick lasts its busiest stage).
 
     For other costs, see :meth:`simulate`.
     """
-    return 1.0 - float(self.busy.sum()) / self.busy.size
+    per_tick = float(self.tick_costs({a.name: 1.0 for a in Action}).max(axis=1).sum())
+    return 1.0 - float(self.busy.sum()) / (self.num_stages * per_tick) if per_tick else 0.0
 
   @property
   def efficiency(self) -> float:
     return 1.0 - self.bubble_fraction
 
   def _intervals(self, start: Action, ends: tuple[Action, ...]) -> np.ndarray:
-    """``[T, S]`` count of (micro-batch, chunk) between a ``start`` and an ``ends`` action."""
-    delta = np.zeros((self.num_ticks + 1, self.num_stages), np.int64)
+    """``[R, S]`` count of (micro-batch, chunk) between a ``start`` and an ``ends`` action."""
+    delta = np.zeros((self.num_rows + 1, self.num_stages), np.int64)
     ticks, stages = np.nonzero(self.action == start)
     np.add.at(delta, (ticks, stages), 1)
     ticks, stages = np.nonzero(np.isin(self.action, ends))
@@ -168,7 +216,7 @@ class FusedSchedule:
     return np.cumsum(delta, axis=0)[:-1]
 
   def in_flight(self) -> np.ndarray:
-    """``[T, S]``: micro-batch chunks holding a stash slot during each tick (``F`` to release;
+    """``[R, S]``: micro-batch chunks holding a stash slot during each row (``F`` to release;
     none in a forward-only table)."""
     if self.forward_only:
       return np.zeros(self.action.shape, np.int64)
@@ -179,7 +227,7 @@ class FusedSchedule:
     return self.in_flight().max(axis=0)
 
   def awaiting_weight(self) -> np.ndarray:
-    """``[T, S]``: micro-batch chunks whose ``BI`` is done and ``W`` not (both ticks included)."""
+    """``[R, S]``: micro-batch chunks whose ``BI`` is done and ``W`` not (both ticks included)."""
     return self._intervals(Action.BI, (Action.W,))
 
   def stash_slots(self) -> np.ndarray:
@@ -187,7 +235,8 @@ class FusedSchedule:
     return self.peak_in_flight()
 
   def arrival_slots(self) -> np.ndarray:
-    """``[T, S, 3]``: mailbox slot written at the start of each tick, ``IDLE`` if none.
+    """``[R, S, 3]``: mailbox slot written at the start of each row, ``IDLE`` if none (only the
+    first row of a tick receives).
 
     The last axis is the message's origin: the left neighbour (it sent right), the right
     neighbour (it sent left), the stage itself. A message from tick ``t - 1`` arrives at ``t``;
@@ -234,12 +283,15 @@ class FusedSchedule:
     """The table as text: one row per stage, one column per tick, ``.`` for idle.
 
     Cells read ``F3``, ``B3``, ``BI3``, ``W3`` (action and micro-batch), with ``/c`` for the local
-    chunk when stages hold several: ``F3/1``.
+    chunk when stages hold several: ``F3/1``; a compound tick's actions are joined by ``+`` in
+    the order the stage runs them: ``F5+BI2+W1``.
     """
-    cells = np.full(self.action.shape, ".", dtype=object)
-    for t, s in zip(*np.nonzero(self.busy)):
-      text = f"{Action(self.action[t, s]).name}{self.microbatch[t, s]}"
-      cells[t, s] = text + (f"/{self.chunk[t, s]}" if self.num_chunks > 1 else "")
+    cells = np.full((self.num_ticks, self.num_stages), ".", dtype=object)
+    for r, s in zip(*np.nonzero(self.busy)):
+      text = f"{Action(self.action[r, s]).name}{self.microbatch[r, s]}"
+      text += f"/{self.chunk[r, s]}" if self.num_chunks > 1 else ""
+      t = self.tick[r]
+      cells[t, s] = text if cells[t, s] == "." else f"{cells[t, s]}+{text}"
     width = max(len(c) for c in cells.flat)
     return "\n".join(f"stage {s}: " + " ".join(c.rjust(width) for c in cells[:, s])
                      for s in range(self.num_stages))
@@ -343,22 +395,45 @@ def _events(schedule: FusedSchedule, ticks: dict, slots: dict) -> dict:
 
 
 def _check_dependencies(schedule: FusedSchedule, events: dict) -> None:
-  """Every action runs at a later tick than the actions it needs."""
+  """Every action runs after the actions it needs: at a later tick when their result is a
+  message (two ticks later across a delayed link), at a later row when it is the stage's own
+  stash (the same model chunk)."""
   num_virtual = schedule.num_stages * schedule.num_chunks
   stage_of, chunk_of = actions_lib.placement_of(schedule.virtual_stage)
-  hops = schedule.hop_delays
-  for (name, m, v), t in events.items():
+  hops, tick = schedule.hop_delays, schedule.tick
+  for (name, m, v), row in events.items():
     kind = {"F": Action.F, "back": Action.B, "W": Action.W}[name]
     for dep in actions_lib.dependencies(kind, m, v, num_virtual):
-      delay = 0 if dep[2] == v else int(hops[min(dep[2], v)])
-      if events[dep] + delay >= t:
+      if dep[2] == v:  # The stage's own stash: any earlier row.
+        late = events[dep] >= row
+      else:
+        late = tick[events[dep]] + int(hops[min(dep[2], v)]) >= tick[row]
+      if late:
         s, c, ds, dc = stage_of[v], chunk_of[v], stage_of[dep[2]], chunk_of[dep[2]]
         what = "BI/B" if name == "back" else name
         dwhat = "BI/B" if dep[0] == "back" else dep[0]
-        earlier = "an earlier tick" if not delay else f"tick {t - 2} or earlier (delayed link)"
-        raise ValueError(f"tick {t}, stage {s}: {what} of micro-batch {m}, chunk {c} needs "
-                         f"{dwhat} of chunk {dc} on stage {ds} done at {earlier}, but it "
-                         f"runs at tick {events[dep]}.")
+        delay = 0 if dep[2] == v else int(hops[min(dep[2], v)])
+        earlier = ("an earlier row" if dep[2] == v else "an earlier tick" if not delay
+                   else f"tick {tick[row] - 2} or earlier (delayed link)")
+        raise ValueError(f"tick {tick[row]}, stage {s}: {what} of micro-batch {m}, chunk {c} "
+                         f"needs {dwhat} of chunk {dc} on stage {ds} done at {earlier}, but it "
+                         f"runs at tick {tick[events[dep]]} (row {events[dep]}, this one row "
+                         f"{row}).")
+
+
+def _check_ticks(tick, num_rows: int) -> np.ndarray:
+  """``tick`` as int32 ``[R]``: rows grouped into consecutive ticks numbered from 0."""
+  if tick is None:
+    return np.arange(num_rows, dtype=np.int32)
+  tick = np.asarray(tick)
+  if tick.shape != (num_rows,) or not np.issubdtype(tick.dtype, np.integer):
+    raise ValueError(f"tick must give one integer tick per row ({num_rows}), got "
+                     f"{tick.dtype} {tick.shape}.")
+  steps = np.diff(tick)
+  if num_rows and (tick[0] != 0 or np.any((steps != 0) & (steps != 1))):
+    raise ValueError("tick must number rows' ticks from 0 in order, each row in the tick of the "
+                     f"row before or the next one; got {tick.tolist()}.")
+  return tick.astype(np.int32)
 
 
 def _check_stash(schedule: FusedSchedule, events: dict, slots: dict) -> None:
@@ -383,28 +458,43 @@ def _check_stash(schedule: FusedSchedule, events: dict, slots: dict) -> None:
 
 
 def _route(schedule: FusedSchedule, events: dict):
-  """Derives the send/receive tables and assigns each message a slot in its receiver's mailbox."""
+  """Derives the send/receive tables and assigns each message a slot in its receiver's mailbox.
+
+  A message sent in tick ``t`` arrives at the first row of tick ``t + 1`` (``t + 2`` over a
+  delayed link) and holds its mailbox slot until the row that reads it.
+  """
   num_stages, num_virtual = schedule.num_stages, schedule.num_stages * schedule.num_chunks
   stage_of, _ = actions_lib.placement_of(schedule.virtual_stage)
   links = actions_lib.link_directions(schedule.placement, num_stages, schedule.num_chunks)
   if np.any((stage_of[:-1] + links) % num_stages != stage_of[1:]):
     raise ValueError(f"placement {schedule.placement!r} needs hops beyond a neighbour.")
-  hops = schedule.hop_delays
-  messages = []  # (arrival tick, read tick, send tick, sender, receiver, direction)
-  for (name, m, v), t in events.items():
+  hops, tick, first = schedule.hop_delays, schedule.tick, schedule.first_rows()
+  messages = []  # (arrival row, read row, send row, sender, receiver, direction)
+  for (name, m, v), r in events.items():
     if name == "F" and v < num_virtual - 1:
-      messages.append((t + 1 + hops[v], events[("F", m, v + 1)], t, stage_of[v],
-                       stage_of[v + 1], links[v]))
+      to, direction, hop = v + 1, links[v], hops[v]
     elif name == "back" and v > 0:
-      messages.append((t + 1 + hops[v - 1], events[("back", m, v - 1)], t, stage_of[v],
-                       stage_of[v - 1], -links[v - 1]))
+      to, direction, hop = v - 1, -links[v - 1], hops[v - 1]
+    else:
+      continue
+    key = ("F" if name == "F" else "back", m, to)
+    messages.append((int(first[tick[r] + 1 + hop]), events[key], r, stage_of[v], stage_of[to],
+                     direction))
   shape = schedule.action.shape
   send_dir = np.zeros(shape, np.int32)
   send_slot, recv_slot = np.full(shape, IDLE, np.int32), np.full(shape, IDLE, np.int32)
   arrival = np.full(shape + (3,), IDLE, np.int32)
   origin = {d: k for k, d in enumerate(actions_lib.ARRIVAL_DIRECTIONS)}
-  free_at = [[] for _ in range(num_stages)]  # per receiver: tick each slot is free from.
+  sent_in = {}  # (tick, sender, direction) -> row: one message each way per tick.
+  free_at = [[] for _ in range(num_stages)]  # per receiver: row each slot is free from.
   for arrive, read, sent, src, dst, direction in sorted(messages):
+    way = (int(tick[sent]), int(src), int(direction))
+    if way in sent_in:
+      side = {1: "right", -1: "left", 0: "to itself"}[int(direction)]
+      raise ValueError(f"tick {way[0]}, stage {src}: two messages sent {side} (rows "
+                       f"{sent_in[way]} and {sent}); a stage sends at most one each way per "
+                       "tick.")
+    sent_in[way] = sent
     slots = free_at[dst]
     k = next((i for i, free in enumerate(slots) if free <= arrive), len(slots))
     if k == len(slots):
@@ -479,6 +569,52 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, pl
                        num_chunks=num_chunks, placement=placement, action=table[0],
                        microbatch=table[1], chunk=table[2], stash_slot=table[3],
                        forward_only=forward_only, delays=delays)
+
+
+def from_ticks(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
+               placement: str, ticks: list[list[list[tuple[Action, int, int]]]], *,
+               delays=None) -> FusedSchedule:
+  """Builds a table from its ticks: ``ticks[t][s]`` lists the ``(action, micro-batch, local
+  chunk)`` stage ``s`` runs in tick ``t``, in order (empty: idle). A tick gets as many rows as
+  its busiest stage has actions; a forward takes the stage's lowest free stash slot, and a slot
+  released by ``B`` or ``W`` is free from the next tick.
+
+  Raises:
+    ValueError: the table fails validation (see :class:`FusedSchedule`).
+  """
+  free = [[] for _ in range(num_stages)]
+  held, used = {}, [0] * num_stages
+  rows, tick = [], []
+  for t, work in enumerate(ticks):
+    if len(work) != num_stages:
+      raise ValueError(f"tick {t} lists {len(work)} stages, not {num_stages}.")
+    lanes = max(1, max(len(actions) for actions in work))
+    block = [[(IDLE, IDLE, IDLE, IDLE)] * num_stages for _ in range(lanes)]
+    released = []
+    for s, actions in enumerate(work):
+      for lane, (kind, m, c) in enumerate(actions):
+        kind = Action(kind)
+        if kind == Action.F:
+          k = min(free[s]) if free[s] else used[s]
+          free[s] = [i for i in free[s] if i != k]
+          used[s] = max(used[s], k + 1)
+          held[(s, m, c)] = k
+        if (s, m, c) not in held:
+          raise ValueError(f"tick {t}, stage {s}: {kind.name} of micro-batch {m}, chunk {c} "
+                           "before its forward.")
+        k = held[(s, m, c)]
+        if kind in (Action.B, Action.W):
+          released.append((s, k))
+        block[lane][s] = (kind, m, c, k)
+    for s, k in released:
+      free[s].append(k)
+    rows += block
+    tick += [t] * lanes
+  table = np.array(rows, np.int32).reshape(len(rows), num_stages, 4).transpose(2, 0, 1)
+  return FusedSchedule(name=name, num_stages=num_stages, num_microbatches=num_microbatches,
+                       num_chunks=num_chunks, placement=placement, action=table[0],
+                       microbatch=table[1], chunk=table[2], stash_slot=table[3],
+                       delays=delays, tick=np.array(tick, np.int32))
 
 
 def whole_step(schedule) -> FusedSchedule:

@@ -1,8 +1,9 @@
 """How long a fused schedule's step takes under per-action costs: three time models of one table.
 
-* **lockstep** (SPMD): every stage waits for the slowest action of each tick, so the step is the
-  sum over ticks of the most expensive action in the tick; a program whose ticks all end
-  together (a barrier every tick) takes this long.
+* **lockstep** (SPMD): every stage waits for the slowest stage of each tick, so the step is the
+  sum over ticks of the costliest stage's work in the tick (its one action, or a compound
+  tick's actions together); a program whose ticks all end together (a barrier every tick) takes
+  this long.
 * **neighbour-synchronised**: the constraint of one SPMD program with a send to each neighbour
   per tick (:mod:`tpipe.core.fused`), as a model: a stage starts tick ``t`` when it and the
   stages it exchanges messages with (the stage before and after it, around the ring when chunks
@@ -73,7 +74,7 @@ class Timing:
 
 
 def action_costs(schedule, costs: Mapping[str, float] | None = None) -> np.ndarray:
-  """``[T, S]``: the cost of each table entry (0 where idle).
+  """``[R, S]``: the cost of each table entry (0 where idle).
 
   Args:
     schedule: a :class:`~tpipe.schedules.FusedSchedule`.
@@ -98,6 +99,15 @@ def action_costs(schedule, costs: Mapping[str, float] | None = None) -> np.ndarr
         raise ValueError(f"costs[{a.name!r}] must be >= 0, got {costs[a.name]!r}.")
       per_code[a] = float(costs[a.name])
   return per_code[schedule.action]
+
+
+def tick_costs(schedule, costs: Mapping[str, float] | None = None) -> np.ndarray:
+  """``[T, S]``: each stage's cost in each tick: its rows' :func:`action_costs` summed (the
+  same thing where no tick is compound)."""
+  per_row = action_costs(schedule, costs)
+  out = np.zeros((schedule.num_ticks, schedule.num_stages))
+  np.add.at(out, schedule.tick, per_row)
+  return out
 
 
 def exchange_partners(num_stages: int, wrap: bool) -> list[tuple[int, ...]]:
@@ -203,11 +213,12 @@ def simulate(schedule, costs: Mapping[str, float] | None = None, transfer=None) 
     A :class:`Timing`.
   """
   cost = action_costs(schedule, costs)
-  lockstep = float(cost.max(axis=1).sum())
+  per_tick = tick_costs(schedule, costs)
+  lockstep = float(per_tick.max(axis=1).sum())
   finish, stage_free = {}, np.zeros(schedule.num_stages)
   vstage = schedule.virtual_stage
   num_virtual = schedule.num_stages * schedule.num_chunks
-  for t in range(schedule.num_ticks):
+  for t in range(schedule.num_rows):  # Rows in order: each stage's actions in its order.
     for s in np.nonzero(schedule.busy[t])[0]:
       kind, m = Action(schedule.action[t, s]), int(schedule.microbatch[t, s])
       v = int(vstage[s, schedule.chunk[t, s]])
@@ -216,8 +227,8 @@ def simulate(schedule, costs: Mapping[str, float] | None = None, transfer=None) 
       start = max(stage_free[s], ready)
       stage_free[s] = finish[(actions_lib.EVENT[kind], m, v)] = start + cost[t, s]
   links = ring_links(schedule.num_stages, schedule.num_chunks > 1)
-  instant = linked_time(cost, links, None, schedule.delays)
-  neighbour = linked_time(cost, links, transfer, schedule.delays) if transfer is not None else (
+  instant = linked_time(per_tick, links, None, schedule.delays)
+  neighbour = linked_time(per_tick, links, transfer, schedule.delays) if transfer is not None else (
       instant)
-  return Timing(lockstep=lockstep, natural=float(stage_free.max()), busy=cost.sum(axis=0),
+  return Timing(lockstep=lockstep, natural=float(stage_free.max()), busy=per_tick.sum(axis=0),
                 neighbour=neighbour, exposed_transfer=neighbour - instant)

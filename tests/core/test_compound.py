@@ -1,0 +1,75 @@
+"""Compound ticks run exactly: tables whose ticks hold a forward, a backward and weight work per
+stage (:mod:`tpipe.schedules.compound`, ``tick_costs=``) give the sequential model's loss and
+gradients (numerics rule: :mod:`tests.helpers.numerics`), float inputs' gradients included, for
+every fused schedule, over plain and delayed links (two emulated slices), with data replicas;
+each tick's steps run one after another and its messages leave once, after them.
+"""
+
+import re
+
+import jax
+import pytest
+
+import tpipe
+from tests.helpers import linen_models as lm
+
+CHUNKS_PER_STAGE = {"interleaved_1f1b": 2, "zbv": 2}
+# Per-action costs with the backward three forwards (a full-remat block): compound ticks pair
+# a forward with a backward.
+COSTS = {"F": 1.0, "B": 3.0, "BI": 2.0, "W": 1.0}
+
+
+def _mesh(stages, slices):
+  devices = jax.devices()[:8]
+  if slices == 1:
+    return tpipe.make_mesh(stages=stages, data=8 // stages)
+  return tpipe.make_mesh(stages=stages, data=8 // stages, dcn={"stage": 2},
+                         slices=[devices[:4], devices[4:]])
+
+
+def _model(name, schedule, mesh, microbatches, remat):
+  layers, _, _, _ = lm.loss_model(name)
+  return tpipe.Sequential(layers, num_stages=dict(mesh.shape)["stage"],
+                          num_microbatches=microbatches, schedule=schedule,
+                          num_repeats=CHUNKS_PER_STAGE.get(schedule, 1), remat=remat,
+                          per_example=("targets",), mesh=mesh, tick_costs=COSTS)
+
+
+# (model, schedule, stages, micro-batches per replica, remat, slices).
+CASES = [
+    ("mlp", "1f1b", 4, 4, "full", 1),
+    ("blocks", "1f1b", 2, 8, "none", 2),
+    ("lm", "zb_h1", 4, 4, "full", 1),
+    ("mlp", "zb_h1", 4, 4, "dots", 2),
+    ("blocks", "zbv", 2, 4, "full", 1),
+    ("blocks", "zbv", 4, 4, "none", 1),
+    ("lm", "interleaved_1f1b", 2, 6, "full", 1),
+]
+
+
+@pytest.mark.parametrize("name,schedule,stages,microbatches,remat,slices", CASES)
+def test_compound_ticks_equal_sequential(name, schedule, stages, microbatches, remat, slices):
+  mesh = _mesh(stages, slices)
+  model = _model(name, schedule, mesh, microbatches, remat)
+  table = model.spec.table
+  assert table.is_compound and table.num_ticks < table.num_rows
+  assert any(model.spec.delays) == (slices == 2)
+  lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))
+
+
+def test_compound_tick_sends_once_per_tick():
+  """The tick loop runs as many switches per tick as the table's lanes and still exchanges one
+  message each way per tick: two collective-permutes in the loop body, as with one action."""
+  mesh = _mesh(4, 1)
+  model = _model("mlp", "1f1b", mesh, 4, "full")
+  table = model.spec.table
+  _, x, targets, float_input = lm.loss_model("mlp")
+  x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
+  loss = jax.jit(lm.value_and_grad(lm.pipelined_loss(model), float_input))
+  text = loss.lower(lm.random_params("mlp"), x, targets).compile().as_text()
+  assert table.lanes == 2
+  loops = [body for body in re.split(r"\n(?=\S)", text) if "conditional(" in body
+           and body.count("conditional(") == table.lanes]
+  assert loops, "no loop body runs one conditional per lane"
+  assert all(body.count("collective-permute(") + body.count("collective-permute-start(") == 2
+             for body in loops)

@@ -1,0 +1,161 @@
+"""Compound ticks: hand-written tables with several actions per (tick, stage) validate, route and
+time as drawn; bad ones raise; :mod:`tpipe.schedules.compound` builds valid tables for every
+fused schedule that are never slower than the one-action tables under the costs they were built
+for, and 1F1B's equal GPipe's step (natural, neighbour-synchronised and lockstep alike).
+"""
+
+import doctest
+import importlib
+
+import numpy as np
+import pytest
+
+from tests.helpers import schedule_tables
+from tpipe import schedules
+from tpipe.schedules import compound
+
+pytestmark = pytest.mark.unit
+
+A = schedules.Action
+_ = schedules.IDLE
+COSTS = {"F": 1.0, "B": 3.0, "BI": 2.0, "W": 1.0}
+
+
+def _hand_1f1b(tick=None, **changes):
+  """1F1B on 2 stages and 2 micro-batches in 5 ticks, tick 2 of two rows (stage 1 runs B0 and
+  then F1 in it): one list per row of (action, micro-batch, stash slot) per stage."""
+  rows = [  # (stage 0, stage 1) per row; a row is (action, micro-batch, slot).
+      [(A.F, 0, 0), None],
+      [(A.F, 1, 1), (A.F, 0, 0)],
+      [None, (A.B, 0, 0)],          # tick 2 ...
+      [None, (A.F, 1, 0)],          # ... a stage-1 forward after its backward: row order
+      [(A.B, 0, 0), (A.B, 1, 0)],   # tick 3
+      [(A.B, 1, 1), None],          # tick 4
+  ]
+  table = np.full((3, len(rows), 2), _, np.int64)
+  for r, row in enumerate(rows):
+    for s, cell in enumerate(row):
+      if cell is not None:
+        table[:, r, s] = cell
+  args = dict(action=table[0], microbatch=table[1], chunk=np.where(table[0] >= 0, 0, _),
+              stash_slot=table[2], tick=[0, 1, 2, 2, 3, 4] if tick is None else tick)
+  args.update(changes)
+  return schedules.FusedSchedule("hand", 2, 2, 1, "loop", **args)
+
+
+def test_a_hand_drawn_compound_table_validates_routes_and_times():
+  f = _hand_1f1b()
+  assert (f.num_rows, f.num_ticks, f.lanes, f.is_compound) == (6, 5, 2, True)
+  assert f.first_rows().tolist() == [0, 1, 2, 4, 5]
+  assert f.describe() == ("stage 0:    F0    F1     .    B0    B1\n"
+                          "stage 1:     .    F0 B0+F1    B1     .")
+  assert f.actions() == [(0, 0, "F", 0, 0), (1, 0, "F", 1, 0), (1, 1, "F", 0, 1),
+                         (2, 1, "B", 0, 1), (2, 1, "F", 1, 1), (3, 0, "B", 0, 0),
+                         (3, 1, "B", 1, 1), (4, 0, "B", 1, 0)]
+  assert schedule_tables.replay_mailboxes(f) == 4
+  # Stage 1's B0 (row 2) goes left and arrives at the first row of tick 3.
+  assert f.send_dir[2, 1] == -1 and f.arrival_slots()[4, 0, 1] != _
+  # Per tick, the compound tick costs B + F on stage 1.
+  np.testing.assert_allclose(f.tick_costs(COSTS), [[1, 0], [1, 1], [0, 4], [3, 3], [3, 0]])
+  timing = f.simulate(COSTS)
+  assert timing.lockstep == 1 + 1 + 4 + 3 + 3
+  # Stage 1: F0 at 1, B0 2-5, F1 5-6, B1 6-9; stage 0: B0 5-8, B1 9-12.
+  assert timing.natural == 12.0
+  assert timing.natural <= timing.neighbour <= timing.lockstep
+
+
+def test_actions_list_a_compound_ticks_work_in_run_order():
+  f = _hand_1f1b()
+  on_stage_1 = [(t, kind, m) for t, s, kind, m, _ in f.actions() if s == 1]
+  assert on_stage_1 == [(1, "F", 0), (2, "B", 0), (2, "F", 1), (3, "B", 1)]
+
+
+def test_a_message_needs_an_earlier_tick_not_just_an_earlier_row():
+  # Stage 1's F0 in the same tick as stage 0's F0, a row later: the message is not there yet.
+  with pytest.raises(ValueError, match="needs F of chunk 0 on stage 0 done at an earlier tick"):
+    _hand_1f1b(tick=[0, 0, 1, 1, 2, 3])
+
+
+def test_own_stash_needs_only_an_earlier_row():
+  # The last chunk's backward right after its forward, in one tick: valid.
+  rows = np.array([[[A.F, 0, 0]], [[A.B, 0, 0]]]).transpose(2, 0, 1)
+  f = schedules.FusedSchedule("hand", 1, 1, 1, "loop", action=rows[0], microbatch=rows[1],
+                              chunk=np.zeros((2, 1)), stash_slot=rows[2], tick=[0, 0])
+  assert (f.num_ticks, f.lanes) == (1, 2)
+  with pytest.raises(ValueError, match="an earlier row"):
+    schedules.FusedSchedule("hand", 1, 1, 1, "loop", action=rows[0][::-1],
+                            microbatch=rows[1], chunk=np.zeros((2, 1)), stash_slot=rows[2],
+                            tick=[0, 0])
+
+
+def test_two_messages_the_same_way_in_one_tick_raise():
+  # Stage 0 runs F0 and F1 in tick 0: both go right, where one send per tick goes.
+  table = np.full((3, 7, 2), _, np.int64)
+  cells = [(0, 0, (A.F, 0, 0)), (1, 0, (A.F, 1, 1)), (2, 1, (A.F, 0, 0)), (3, 1, (A.B, 0, 0)),
+           (4, 1, (A.F, 1, 0)), (4, 0, (A.B, 0, 0)), (5, 1, (A.B, 1, 0)), (6, 0, (A.B, 1, 1))]
+  for r, stage, cell in cells:
+    table[:, r, stage] = cell
+  make = lambda tick: schedules.FusedSchedule(
+      "hand", 2, 2, 1, "loop", action=table[0], microbatch=table[1],
+      chunk=np.where(table[0] >= 0, 0, _), stash_slot=table[2], tick=tick)
+  with pytest.raises(ValueError, match="tick 0, stage 0: two messages sent right"):
+    make([0, 0, 1, 1, 2, 2, 3])
+  assert make([0, 1, 2, 2, 3, 3, 4]).num_ticks == 5  # F1 a tick later: valid.
+
+
+@pytest.mark.parametrize("tick,match", [([0, 1, 2, 2, 4, 5], "in order"),
+                                        ([1, 1, 2, 2, 3, 4], "from 0"),
+                                        ([0, 1, 2], "one integer tick per row")])
+def test_bad_tick_arrays_raise(tick, match):
+  with pytest.raises(ValueError, match=match):
+    _hand_1f1b(tick=tick)
+
+
+def test_compound_1f1b_takes_gpipes_step_with_memory_flat_in_m():
+  for stages, micro in ((4, 8), (4, 16), (3, 2)):
+    f = schedules.make_fused_schedule("1f1b", stages, micro, costs=COSTS)
+    timing = f.simulate(COSTS)
+    gpipe = (micro + stages - 1) * (COSTS["F"] + COSTS["B"])
+    assert timing.natural == timing.neighbour == timing.lockstep == gpipe
+    # A forward and a backward travel one stage per tick: up to 2 (S - s) - 1 in flight.
+    expected = [min(2 * (stages - s) - 1, micro) for s in range(stages)]
+    assert f.peak_in_flight().tolist() == expected
+    assert f.is_compound == (micro > 1)
+
+
+@pytest.mark.parametrize("name,repeats", [("1f1b", 1), ("zb_h1", 1), ("zbv", 2),
+                                          ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+@pytest.mark.parametrize("stages,micro", [(1, 3), (2, 2), (3, 5), (4, 8)])
+@pytest.mark.parametrize("costs", [COSTS, {"F": 1.0, "B": 2.0, "BI": 1.0, "W": 1.0},
+                                   {"F": 2.0, "B": 9.0, "BI": 5.0, "W": 4.0}])
+@pytest.mark.parametrize("delays", [None, 1])
+def test_built_tables_are_valid_and_never_slower(name, repeats, stages, micro, costs, delays):
+  f = schedules.build(name, stages, micro, repeats, delays, costs)
+  plain = schedules.build(name, stages, micro, repeats, delays)
+  assert schedule_tables.replay_mailboxes(f) == 2 * micro * (f.virtual_stage.size - 1)
+  assert f.simulate(costs).neighbour <= plain.simulate(costs).neighbour + 1e-9
+  assert f.peak_in_flight().max() <= repeats * micro
+  # Every action once, each stage's in the order it runs them.
+  kinds = [kind for _, _, kind, _, _ in f.actions()]
+  split = name in ("zb_h1", "zbv")
+  assert len(kinds) == stages * repeats * micro * (3 if split else 2)
+
+
+def test_costs_shape_the_table_and_are_checked():
+  flat = schedules.build("zb_h1", 4, 8, 1, None, {"F": 1, "BI": 1, "W": 1})
+  steep = schedules.build("zb_h1", 4, 8, 1, None, COSTS)
+  assert flat is not steep and steep.is_compound
+  assert schedules.build("zb_h1", 4, 8, 1, None, dict(COSTS)) is steep  # Cached by value.
+  with pytest.raises(ValueError, match="forward schedule"):
+    schedules.build("gpipe", 4, 8, 1, None, COSTS)
+  with pytest.raises(ValueError, match=r"needs \['F', 'B'\]"):
+    schedules.make_fused_schedule("1f1b", 4, 8, costs={"F": 1, "BI": 2, "W": 1})
+  with pytest.raises(TypeError, match=r"costs\['F'\] must be a number"):
+    schedules.make_fused_schedule("1f1b", 4, 8, costs={"F": "1", "B": 2})
+  with pytest.raises(ValueError, match="finite"):
+    schedules.make_fused_schedule("1f1b", 4, 8, costs={"F": float("nan"), "B": 2})
+
+
+def test_module_doctests_pass():
+  module = importlib.import_module("tpipe.schedules.compound")
+  assert doctest.testmod(module).failed == 0

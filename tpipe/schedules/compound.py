@@ -1,0 +1,239 @@
+"""Compound ticks: fused tables whose ticks cost about the same on every stage.
+
+In one SPMD program a tick lasts as long as the slowest of the stages it exchanges messages
+with, so a table of one action per tick (:mod:`tpipe.schedules.orders`) whose neighbours run an
+``F`` beside a ``B`` three times its cost wastes most of the ``F`` stage's tick. A *compound*
+tick (:class:`~tpipe.schedules.FusedSchedule`, *Compound ticks*) lets a stage run a forward
+*and* a backward of different micro-batches in one tick, and ``W`` work where it fits, so in the
+steady state every stage's tick costs ``F + B``: the ticks cost the same everywhere and the
+neighbour-synchronised step (:mod:`tpipe.schedules.simulate`) is close to the dependency-driven
+one.
+
+:func:`pack` lays a schedule out tick by tick for per-action costs. Each tick, each stage takes:
+
+* at most one backward (``B``, or ``BI`` when the backward is split): the earliest ready
+  micro-batch, then the deepest model chunk;
+* at most one forward, the next micro-batch of a chunk whose input is there, while the stage
+  holds fewer than its cap of micro-batch chunks in flight (deeper chunks first, or shallower
+  first), and never a second message the same way as the backward's;
+* ``W`` work (split backward): pending ``W`` while the stage's tick stays within the costliest
+  stage's tick, and more when more than ``weight_backlog`` wait (so memory stays bounded);
+  a stage with nothing else runs one.
+
+A message needs an earlier tick (two over a delayed link); the last chunk's backward can follow
+its own forward in the same tick. :func:`build` tries a few caps, backlogs and forward orders
+and keeps the table whose neighbour-synchronised step is shortest (then the fewest in flight),
+the one-action-per-tick table of :mod:`tpipe.schedules.orders` included. Pure NumPy.
+
+Example::
+
+  >>> from tpipe.schedules import compound
+  >>> f = compound.build("1f1b", 3, 4, costs={"F": 1, "B": 3})
+  >>> print(f.describe())
+  stage 0:    F0    F1    F2    F3    B0    B1    B2    B3
+  stage 1:     .    F0    F1 F2+B0 F3+B1    B2    B3     .
+  stage 2:     .     . F0+B0 F1+B1 F2+B2 F3+B3     .     .
+  >>> timing = f.simulate({"F": 1, "B": 3})   # GPipe's step, (M + S - 1)(F + B), in one SPMD
+  >>> timing.natural, timing.neighbour, timing.lockstep   # program: every tick costs the same
+  (24.0, 24.0, 24.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Mapping
+
+import numpy as np
+
+from tpipe.schedules import actions as actions_lib
+from tpipe.schedules import forward as forward_lib
+from tpipe.schedules import fused as fused_lib
+from tpipe.schedules import orders as orders_lib
+
+Action = actions_lib.Action
+IDLE = forward_lib.IDLE
+
+# Per fused schedule: (placement, whether the backward is split into BI and W).
+SHAPES = {"1f1b": ("loop", False), "interleaved_1f1b": ("loop", False),
+          "zb_h1": ("loop", True), "zbv": ("v", True)}
+
+
+def check_costs(costs, split: bool | None = None) -> dict[str, float]:
+  """``costs`` as ``{action name: float}``, each finite and > 0; ``split`` (when known) says
+  which actions the table runs: ``F`` and ``BI`` and ``W``, or ``F`` and ``B``.
+
+  Raises:
+    TypeError: not a mapping of action names to numbers.
+    ValueError: an unknown action, a cost that is not finite and > 0, or a missing one.
+  """
+  if not isinstance(costs, Mapping):
+    raise TypeError(f"costs must map action names {[a.name for a in Action]} to numbers, e.g. "
+                    f"{{'F': 1.0, 'B': 3.0, 'BI': 2.0, 'W': 1.0}}; got {costs!r}.")
+  out = {}
+  for name, value in costs.items():
+    if name not in Action.__members__:
+      raise ValueError(f"costs has unknown action {name!r}; use {[a.name for a in Action]}.")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+      raise TypeError(f"costs[{name!r}] must be a number, got {value!r}.")
+    if not (math.isfinite(float(value)) and float(value) > 0):
+      raise ValueError(f"costs[{name!r}] must be finite and > 0, got {value!r}.")
+    out[name] = float(value)
+  needed = ("F", "BI", "W") if split else ("F", "B") if split is not None else ()
+  missing = [name for name in needed if name not in out]
+  if missing:
+    raise ValueError(f"costs needs {list(needed)} for this schedule; missing {missing}.")
+  return out
+
+
+def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
+         costs: Mapping[str, float], *, in_flight: int | None = None,
+         weight_backlog: int = 1, deeper_first: bool = True,
+         delays=None) -> fused_lib.FusedSchedule:
+  """Schedule ``name`` laid out in compound ticks for ``costs`` (see the module docstring).
+
+  Args:
+    name: one of :data:`SHAPES`.
+    num_stages: S.
+    num_microbatches: M.
+    num_chunks: chunks per stage (1; 2 for ``"zbv"``; at least 2 for ``"interleaved_1f1b"``).
+    costs: per-action costs of one chunk (:func:`check_costs`).
+    in_flight: how many more micro-batch chunks than ``C (2 (S - s) - 1)`` (``"loop"``) or
+      ``2 S`` (``"v"``) stage ``s`` may hold between a forward and the action that releases its
+      stash before it takes no new micro-batch (one it holds goes on); None: no cap.
+    weight_backlog: ``W`` a stage may leave waiting before it must run one (split backward).
+    deeper_first: a stage with forwards of several chunks ready runs the deepest first.
+    delays: per link, 0 or 1 extra tick (:func:`~tpipe.schedules.actions.link_delays`).
+
+  Returns:
+    The validated :class:`~tpipe.schedules.FusedSchedule`.
+  """
+  placement, split = SHAPES[name]
+  costs = check_costs(costs, split)
+  vstage = actions_lib.virtual_stages(placement, num_stages, num_chunks)
+  num_virtual = num_stages * num_chunks
+  hops = actions_lib.hop_delays(placement, num_stages, num_chunks, delays)
+  links = actions_lib.link_directions(placement, num_stages, num_chunks)
+  back = Action.BI if split else Action.B
+  caps = [(num_chunks * (2 * (num_stages - s) - 1) if placement == "loop" else 2 * num_stages)
+          + (in_flight if in_flight is not None else num_chunks * num_microbatches)
+          for s in range(num_stages)]
+  done = {}  # (event, m, v) -> tick
+  next_forward = [[0] * num_chunks for _ in range(num_stages)]
+  forwarded = [[] for _ in range(num_stages)]  # (m, c) with F done, backward not.
+  pending_w = [[] for _ in range(num_stages)]
+  holding = [0] * num_stages
+  remaining = num_stages * num_chunks * num_microbatches * (3 if split else 2)
+  ticks = []
+
+  def arrived(key, v, t):  # A message's result, there by tick t.
+    return key in done and done[key] + 1 + int(hops[min(key[2], v)]) <= t
+
+  def direction(kind, v):
+    if kind == Action.F:
+      return int(links[v]) if v < num_virtual - 1 else None
+    return -int(links[v - 1]) if v > 0 else None
+
+  while remaining:
+    t = len(ticks)
+    if t > 4 * (num_virtual + 2) * (num_microbatches + num_virtual):
+      raise RuntimeError(f"{name}: compound packing made no progress by tick {t}.")
+    row = [[] for _ in range(num_stages)]
+    for s in range(num_stages):
+      forwards = []
+      for c in range(num_chunks):
+        m, v = next_forward[s][c], int(vstage[s, c])
+        # Over the cap, only a micro-batch the stage already holds goes on (so the oldest one
+        # in flight always can: the cap never deadlocks).
+        room = holding[s] < caps[s] or any(m == held for held, _ in forwarded[s])
+        if m < num_microbatches and room and (v == 0 or arrived(("F", m, v - 1), v, t)):
+          forwards.append((-v if deeper_first else v, m, c))
+      forwards.sort()
+      backs = []
+      for m, c in forwarded[s]:
+        v = int(vstage[s, c])
+        if v == num_virtual - 1 or arrived(("back", m, v + 1), v, t):
+          backs.append((m, -v, c))
+      backs += [(m, -num_virtual + 1, c) for _, m, c in forwards
+                if vstage[s, c] == num_virtual - 1]  # The loss chunk: after its forward.
+      backward = min(backs) if backs else None
+      taken = {direction(back, -backward[1])} if backward else set()
+      forward = next((f for f in forwards if direction(Action.F, int(vstage[s, f[2]]))
+                      not in taken or direction(Action.F, int(vstage[s, f[2]])) is None), None)
+      if backward and (backward[0], backward[2]) not in forwarded[s] and (
+          forward is None or (forward[1], forward[2]) != (backward[0], backward[2])):
+        backward = None  # The loss chunk's backward waits for its forward.
+      if forward:
+        row[s].append((Action.F, forward[1], forward[2]))
+      if backward:
+        row[s].append((back, backward[0], backward[2]))
+    spent = [sum(costs[kind.name] for kind, _, _ in work) for work in row]
+    busiest = max(spent)
+    for s, work in enumerate(row):
+      for kind, m, c in work:
+        v = int(vstage[s, c])
+        done[(actions_lib.EVENT[kind], m, v)] = t
+        remaining -= 1
+        if kind == Action.F:
+          next_forward[s][c] += 1
+          holding[s] += 1
+          forwarded[s].append((m, c))
+        else:
+          forwarded[s].remove((m, c))
+          if split:
+            pending_w[s].append((m, c))
+          else:
+            holding[s] -= 1
+      while pending_w[s] and (spent[s] + costs["W"] <= busiest * (1 + 1e-9)
+                              or len(pending_w[s]) > weight_backlog or not work):
+        m, c = pending_w[s].pop(0)
+        work.append((Action.W, m, c))
+        spent[s] += costs["W"]
+        done[("W", m, int(vstage[s, c]))] = t
+        holding[s] -= 1
+        remaining -= 1
+    ticks.append(row)
+  return fused_lib.from_ticks(name, num_stages, num_microbatches, num_chunks, placement, ticks,
+                              delays=delays)
+
+
+def candidates(name: str, num_stages: int):
+  """The settings :func:`build` tries: ``(in_flight, weight_backlog, deeper_first)``."""
+  _, split = SHAPES[name]
+  extra = sorted({0, 2, num_stages, 2 * num_stages})
+  backlog = (1, 4, 2 * num_stages) if split else (0,)
+  return list(itertools.product(extra, backlog, (True, False)))
+
+
+def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str, float],
+          num_repeats: int | None = None, delays=None) -> fused_lib.FusedSchedule:
+  """The table of fused schedule ``name`` with the shortest neighbour-synchronised step under
+  ``costs``: :func:`pack` with each of :func:`candidates`, and the one-action-per-tick table;
+  ties go to the fewest micro-batch chunks in flight, then the fewest ticks.
+
+  Args:
+    name: ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
+    num_stages: S.
+    num_microbatches: M.
+    costs: per-action costs of one chunk (:func:`check_costs`).
+    num_repeats: chunks per stage (None: the schedule's own; required for
+      ``"interleaved_1f1b"``).
+    delays: per link, 0 or 1 extra tick.
+  """
+  placement, split = SHAPES[name]
+  costs = check_costs(costs, split)
+  chunks = num_repeats or (2 if placement == "v" else 1)
+  if name == "interleaved_1f1b":
+    plain = orders_lib.interleaved_1f1b(num_stages, num_microbatches, chunks, delays)
+  else:
+    plain = {"1f1b": orders_lib.one_f_one_b, "zb_h1": orders_lib.zb_h1,
+             "zbv": orders_lib.zbv}[name](num_stages, num_microbatches, delays)
+  tables = [plain] + [pack(name, num_stages, num_microbatches, chunks, costs, in_flight=extra,
+                           weight_backlog=backlog, deeper_first=deeper, delays=delays)
+                      for extra, backlog, deeper in candidates(name, num_stages)]
+
+  def rank(table):
+    return (round(table.simulate(costs).neighbour, 9), int(table.peak_in_flight().max()),
+            table.num_ticks)
+
+  return min(tables, key=rank)
