@@ -12,7 +12,6 @@ import pytest
 
 from tests.helpers import schedule_tables
 from tpipe import schedules
-from tpipe.schedules import compound
 
 pytestmark = pytest.mark.unit
 

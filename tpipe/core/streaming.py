@@ -31,8 +31,8 @@ def plan(table, axes: spmd.Axes, global_batch: int, enabled: bool):
   (streaming off, the batch not split over the stages, a table with compound ticks, whose stage
   0 can read two micro-batches' inputs in one tick, or no feasible table:
   :func:`tpipe.schedules.input_stream`)."""
-  if (not enabled or not axes.splits_over_stages(global_batch)
-      or getattr(table, "is_compound", False)):
+  compound = getattr(table, "is_compound", False)
+  if not enabled or compound or not axes.splits_over_stages(global_batch):
     return None
   stream = schedules.input_stream(schedules.first_stage_reads(table), table.num_stages,
                                   table.num_microbatches, table.delays)

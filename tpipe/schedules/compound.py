@@ -158,10 +158,11 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
                 if vstage[s, c] == num_virtual - 1]  # The loss chunk: after its forward.
       backward = min(backs) if backs else None
       taken = {direction(back, -backward[1])} if backward else set()
-      forward = next((f for f in forwards if direction(Action.F, int(vstage[s, f[2]]))
-                      not in taken or direction(Action.F, int(vstage[s, f[2]])) is None), None)
-      if backward and (backward[0], backward[2]) not in forwarded[s] and (
-          forward is None or (forward[1], forward[2]) != (backward[0], backward[2])):
+      sends = lambda f: direction(Action.F, int(vstage[s, f[2]]))
+      forward = next((f for f in forwards if sends(f) is None or sends(f) not in taken), None)
+      loss_waits = backward and (backward[0], backward[2]) not in forwarded[s] and (
+          forward is None or (forward[1], forward[2]) != (backward[0], backward[2]))
+      if loss_waits:
         backward = None  # The loss chunk's backward waits for its forward.
       if forward:
         row[s].append((Action.F, forward[1], forward[2]))

@@ -39,13 +39,14 @@ IDLE = forward_lib.IDLE
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FusedSchedule:
-  """A fused pipeline schedule: ``[tick, stage]`` tables of actions, validated on construction.
+  """A fused pipeline schedule: ``[row, stage]`` tables of actions, validated on construction.
 
   **Ticks.** Each tick every stage does at most one :class:`Action` on one (micro-batch, local
-  chunk), unless the tick is compound (below). What an action produces for another model chunk is a message: a forward's output goes to
-  the next model chunk, a backward's (``B`` or ``BI``) input gradient to the previous one. A
-  message sent at tick ``t`` arrives at tick ``t + 1`` (also when it stays on the same stage, as in
-  ZB-V's turn at stage ``S - 1``), or at ``t + 2`` over a delayed link (:attr:`delays`), so:
+  chunk), unless the tick is compound (below). What an action produces for another model chunk
+  is a message: a forward's output goes to the next model chunk, a backward's (``B`` or ``BI``)
+  input gradient to the previous one. A message sent at tick ``t`` arrives at tick ``t + 1``
+  (also when it stays on the same stage, as in ZB-V's turn at stage ``S - 1``), or at ``t + 2``
+  over a delayed link (:attr:`delays`), so:
 
   * ``F`` of (m, model chunk v) runs after ``F`` of (m, v - 1);
   * ``B``/``BI`` of (m, v) runs after ``B``/``BI`` of (m, v + 1), and after ``F`` of (m, v); the
