@@ -102,6 +102,10 @@ def get_config(arg=None):
   # Where the batch arrives split over the stages (M a multiple of S): each micro-batch's inputs
   # reach stage 0 one per tick from the stage that holds them, not gathered before the step.
   config.stream_inputs = True
+  # Fused schedules: per-action costs of one chunk ("F=1,B=3,BI=2,W=1") to lay the table out in
+  # compound ticks (a forward, a backward and weight work per tick, so ticks cost the same on
+  # every stage); "" for one action per tick.
+  config.tick_costs = ""
   config.num_microbatches = num_microbatches
   config.schedule = "gpipe"
   config.num_repeats = 1

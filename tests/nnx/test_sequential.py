@@ -58,19 +58,25 @@ def test_outputs_and_gradients_equal_the_layers_in_order(name, schedule, stages,
 # M > S, S in {1, 2, 4}, data in {1, 2}.
 FUSED_CASES = [("1f1b", 1, 2, 2), ("interleaved_1f1b", 2, 4, 2), ("zb_h1", 4, 2, 1),
                ("zbv", 2, 2, 2)]
+# Compound ticks (tick_costs): a forward, a backward and weight work in one tick.
+COMPOUND_COSTS = {"F": 1.0, "B": 3.0, "BI": 2.0, "W": 1.0}
+COMPOUND_CASES = [("1f1b", 2, 4, 1), ("zbv", 2, 4, 2)]
 
 
 def test_the_fused_cases_cover_every_fused_schedule():
   assert {case[0] for case in FUSED_CASES} == set(FUSED)
 
 
-@pytest.mark.parametrize("schedule,stages,microbatches,data", FUSED_CASES)
+@pytest.mark.parametrize("schedule,stages,microbatches,data,costs",
+                         [case + (None,) for case in FUSED_CASES]
+                         + [case + (COMPOUND_COSTS,) for case in COMPOUND_CASES])
 def test_fused_schedules_give_the_mean_loss_and_its_gradients(schedule, stages, microbatches,
-                                                              data):
+                                                              data, costs):
   mesh = tpipe.make_mesh(stages=stages, data=data)
   model, x, kwargs = nnx_models.pipelined(
       "lm", num_stages=stages, num_microbatches=microbatches, schedule=schedule,
-      num_repeats=nnx_models.fused_repeats(schedule), mesh=mesh)
+      num_repeats=nnx_models.fused_repeats(schedule), mesh=mesh, tick_costs=costs)
+  assert model.spec.table.is_compound == (costs is not None)
   x, kwargs = jax.device_put((x, kwargs), tpipe.data_sharding(mesh))
 
   @nnx.jit

@@ -38,6 +38,11 @@ def test_search_space_and_invalid_points():
   assert [c.remat_granularity for c in valid] == [2, "chunk"]
   assert "--config.remat_granularity=2" in valid[0].overrides()
   assert autotune._apply(config, valid[0]).remat_granularity == "2"  # the field is a string.
+  # A base config's compound-tick costs go to fused candidates, not to forward ones.
+  config.tick_costs = "F=1,B=3"
+  assert autotune._apply(config, valid[0]).tick_costs == ""
+  fused = autotune.Candidate(2, 4, 2, "full", schedule="1f1b")
+  assert autotune._apply(config, fused).tick_costs == "F=1,B=3"
   with pytest.raises(ValueError, match="Unknown remat_granularity 'stage'"):
     autotune.candidates(config, 8, granularities=["chunk", "stage"])
   with pytest.raises(ValueError, match="remat_granularity must be >= 1"):

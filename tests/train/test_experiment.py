@@ -204,6 +204,10 @@ def test_init_state_and_steps(exp):
     (dict(mesh=dict(dcn=dict(data=0))), ValueError, r"config.mesh.dcn.data must be an int >= 1"),
     (dict(transfer_delay="2"), ValueError, r"transfer_delay=2: a transfer is delayed by 0 or 1"),
     (dict(transfer_delay="soon"), ValueError, r"config.transfer_delay='soon': write 'auto'"),
+    (dict(tick_costs="F=1,B=x"), ValueError, r"config.tick_costs='F=1,B=x': write"),
+    (dict(tick_costs="F=1,B=3"), ValueError, r"config: costs lay fused schedules out"),
+    (dict(schedule="1f1b", tick_costs="F=1,B=-3"), ValueError,
+     r"costs\['B'\] must be finite and > 0"),
 ])
 def test_bad_config_raises_before_tracing(overrides, error, match):
   with pytest.raises(error, match=match):
@@ -323,3 +327,12 @@ def test_a_config_over_two_emulated_slices_delays_the_links_between_them():
   assert spec.delays == (0, 1, 0, 1)
   assert experiment.spec_from_config(_config(transfer_delay="1")).delays == (1, 1, 1, 1)
   assert experiment.spec_from_config(_config(transfer_delay="0,0,1,0")).delays == (0, 0, 1, 0)
+
+
+@pytest.mark.unit  # Builds tables only.
+def test_config_tick_costs_give_compound_tables():
+  spec = experiment.spec_from_config(_config(schedule="zbv", num_repeats=2,
+                                             tick_costs="F=1, B=3, BI=2, W=1"))
+  assert spec.tick_costs == (("B", 3.0), ("BI", 2.0), ("F", 1.0), ("W", 1.0))
+  assert spec.table.is_compound
+  assert experiment.spec_from_config(_config(schedule="zbv", num_repeats=2)).tick_costs is None

@@ -173,6 +173,14 @@ def linked_time(cost: np.ndarray, links, transfer=None, delays=None) -> float:
       negative.
   """
   cost = np.asarray(cost, np.float64)
+  start = tick_starts(cost, links, transfer, delays)
+  return float((start + cost).max(initial=0.0))
+
+
+def tick_starts(cost: np.ndarray, links, transfer=None, delays=None) -> np.ndarray:
+  """``[T, S]``: when each stage starts each tick in the neighbour-synchronised model of
+  :func:`linked_time` (same arguments and errors); a timeline draws the ticks there."""
+  cost = np.asarray(cost, np.float64)
   if cost.ndim != 2:
     raise ValueError(f"cost must be [ticks, stages], got shape {cost.shape}.")
   num_stages = cost.shape[1]
@@ -185,6 +193,7 @@ def linked_time(cost: np.ndarray, links, transfer=None, delays=None) -> float:
   if np.any(transfer < 0) or not np.all(np.isfinite(transfer)):
     raise ValueError(f"transfer times must be finite and >= 0, got {transfer.tolist()}.")
   delays = actions_lib.link_delays(delays, num_stages)
+  starts = np.zeros(cost.shape)
   start, end = np.zeros(num_stages), np.zeros(num_stages)
   for t, row in enumerate(cost):
     if t:
@@ -195,8 +204,9 @@ def linked_time(cost: np.ndarray, links, transfer=None, delays=None) -> float:
         ready[a] = max(ready[a], base + transfer[link])
         ready[b] = max(ready[b], base + transfer[link])
       start = ready
+    starts[t] = start
     end = start + row
-  return float(end.max(initial=0.0))
+  return starts
 
 
 def simulate(schedule, costs: Mapping[str, float] | None = None, transfer=None) -> Timing:

@@ -369,9 +369,9 @@ def fused_flops(compiled, schedule, programs=None,
   """Per-action and per-stage FLOPs of a step compiled with a fused schedule.
 
   The tick loop is the ``while`` loop whose trip count is ``schedule.num_ticks``; its
-  conditional has ``1 + k * B`` branches (idle, then ``F``, ``B``, ``BI``, ``W`` for each of
-  the ``B`` distinct chunk programs, as :func:`tpipe.core.fused.tick_branches` numbers them; the
-  last two only for a split backward).
+  conditional (one per lane of a compound tick) has ``1 + k * B`` branches (idle, then ``F``,
+  ``B``, ``BI``, ``W`` for each of the ``B`` distinct chunk programs, as
+  :func:`tpipe.core.fused.tick_branches` numbers them; the last two only for a split backward).
 
   Args:
     compiled: a :class:`jax.stages.Compiled` (or its HLO text) of a step that differentiates a
@@ -400,7 +400,7 @@ def fused_flops(compiled, schedule, programs=None,
       if ins.opcode == "conditional":
         names = [n.strip().lstrip("%") for n in
                  (ins.attr("branch_computations") or "").strip("{}").split(",") if n.strip()]
-        if len(names) in (1 + 2 * count, 1 + 4 * count):
+        if len(names) in (1 + 2 * count, 1 + 4 * count) and found is None:
           found = (loop, ins, names)
   if found is None:
     raise ValueError(f"No tick loop of {schedule.num_ticks} trips with a conditional of "
@@ -415,13 +415,16 @@ def fused_flops(compiled, schedule, programs=None,
     actions[kind] = (part[programs] - branch[0] if part.size
                      else np.full(num_virtual, np.nan))
   table, _ = fused.tick_branches(schedule, programs)
-  action_flops = np.where(table > 0, branch[table] - branch[0], 0.0)
+  action_flops = np.where(table > 0, branch[table] - branch[0], 0.0)  # Per row.
+  per_tick = np.zeros((schedule.num_ticks, schedule.num_stages))
+  np.add.at(per_tick, schedule.tick, action_flops)
   total = (flops if flops is not None else flop_count(compiled)).executed
-  # The whole-program count takes the conditional's costliest branch on every trip; what is not
-  # an action is the rest (the idle branch's own FLOPs count as routing, like every tick's).
-  overhead = total - loop.outer * schedule.num_ticks * float(np.max(branch) - branch[0])
+  # The whole-program count takes each conditional's costliest branch on every trip; what is
+  # not an action is the rest (the idle branch's own FLOPs count as routing, like every tick's).
+  overhead = total - loop.outer * schedule.num_ticks * schedule.lanes * float(
+      np.max(branch) - branch[0])
   return FusedFlops(actions=actions, per_stage=loop.outer * action_flops.sum(axis=0),
-                    lockstep=loop.outer * float(action_flops.max(axis=1).sum()) + overhead,
+                    lockstep=loop.outer * float(per_tick.max(axis=1).sum()) + overhead,
                     overhead=overhead, num_stages=schedule.num_stages,
                     tick_loop=loop.instruction.name)
 

@@ -9,7 +9,12 @@ boxes, as in Figure 2(c) of the GPipe paper.
 A fused schedule (:class:`tpipe.schedules.FusedSchedule`: 1F1B, ZB-H1, ...) already holds its
 backward: its boxes are coloured by action (forward, full backward, backward-input,
 backward-weight), labelled with the micro-batch (``m/c`` with chunk ``c``, chunks also hatched),
-with a legend.
+with a legend. A compound tick (several actions of a stage in one tick,
+:mod:`tpipe.schedules.compound`) splits its box into the actions, in the order the stage runs
+them, inside a dark outline. Given per-action ``costs``, a fused schedule is drawn in time
+instead of ticks: each stage's tick starts where the neighbour-synchronised model starts it
+(:func:`tpipe.schedules.simulate.tick_starts`) and each action's box is as wide as its cost,
+so the waits a tick loop pays for unequal ticks show as gaps.
 
 matplotlib is imported only when a picture is drawn (Agg backend, no display needed)::
 
@@ -17,6 +22,9 @@ matplotlib is imported only when a picture is drawn (Agg backend, no display nee
   from tpipe.tools import timeline
   timeline.save_timeline(schedules.gpipe(4, 8), "/tmp/gpipe.png", backward=True)
   timeline.save_timeline(schedules.make_fused_schedule("zb_h1", 4, 8), "/tmp/zb_h1.png")
+  costs = {"F": 1, "B": 3, "BI": 2, "W": 1}
+  timeline.save_timeline(schedules.make_fused_schedule("zbv", 4, 8, costs=costs),
+                         "/tmp/zbv_compound.png", costs=costs)
 """
 
 from __future__ import annotations
@@ -99,27 +107,68 @@ def _finish_axes(ax, schedule, ticks: int, top: float) -> None:
     ax.spines[spine].set_visible(False)
 
 
-def _draw_fused(schedule: schedules_lib.FusedSchedule, ax):
+def _fused_boxes(schedule: schedules_lib.FusedSchedule, costs):
+  """``[(x, stage, width, action, micro-batch, chunk, tick)]``, and each compound (tick, stage)
+  cell as ``(x, stage, width)``: in ticks (``costs`` None; a tick's actions share its column)
+  or in neighbour-synchronised time (each action as wide as its cost)."""
+  cost = schedules_lib.action_costs(schedule, costs) if costs else None
+  if costs:
+    per_tick = schedule.tick_costs(costs)
+    links = schedules_lib.ring_links(schedule.num_stages, schedule.num_chunks > 1)
+    starts = schedules_lib.tick_starts(per_tick, links, None, schedule.delays)
+  boxes, cells = [], []
+  for t in range(schedule.num_ticks):
+    rows = np.nonzero(schedule.tick == t)[0]
+    for s in range(schedule.num_stages):
+      busy = [r for r in rows if schedule.busy[r, s]]
+      x = float(starts[t, s]) if costs else float(t)
+      for r in busy:
+        width = float(cost[r, s]) if costs else 1.0 / len(busy)
+        boxes.append((x, s, width, schedules_lib.Action(schedule.action[r, s]).name,
+                      int(schedule.microbatch[r, s]), int(schedule.chunk[r, s]), t))
+        x += width
+      if len(busy) > 1:
+        start = float(starts[t, s]) if costs else float(t)
+        cells.append((start, s, x - start))
+  return boxes, cells
+
+
+def _draw_fused(schedule: schedules_lib.FusedSchedule, ax, costs=None):
   """A fused schedule: boxes coloured by action, hatched by chunk, labelled by micro-batch."""
   plt = _pyplot()
   from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
   from matplotlib.patches import Rectangle  # pylint: disable=g-import-not-at-top
 
-  ticks, stages = schedule.action.shape
-  fig, ax, cell_w = _new_axes(plt, ticks, stages, ax)
+  boxes, cells = _fused_boxes(schedule, costs)
+  span = max((x + w for x, _, w, *_ in boxes), default=1.0)
+  unit = span / schedule.num_ticks if costs else 1.0  # Width of an average tick.
+  stages = schedule.num_stages
+  fig, ax, cell_w = _new_axes(plt, schedule.num_ticks, stages, ax)
   chunked = schedule.num_chunks > 1
-  for t, s in zip(*np.nonzero(schedule.busy)):
-    action = schedules_lib.Action(schedule.action[t, s]).name
-    m, c = int(schedule.microbatch[t, s]), int(schedule.chunk[t, s])
-    ax.add_patch(Rectangle((t, s), 1, 1, facecolor=_ACTION_COLOURS[action], edgecolor="white",
-                           linewidth=0.8, hatch=_HATCHES[c % len(_HATCHES)] if chunked else None))
-    if cell_w >= 0.22:
-      ax.text(t + 0.5, s + 0.5, f"{m}/{c}" if chunked else f"{m}", ha="center", va="center",
-              fontsize=7 if chunked else 8, color="white")
-  _finish_axes(ax, schedule, ticks, top=0)
+  for x, s, width, action, m, c, _ in boxes:
+    ax.add_patch(Rectangle((x, s), width, 1, facecolor=_ACTION_COLOURS[action],
+                           edgecolor="white", linewidth=0.8,
+                           hatch=_HATCHES[c % len(_HATCHES)] if chunked else None))
+    if cell_w * width / unit >= 0.22:
+      ax.text(x + width / 2, s + 0.5, f"{m}/{c}" if chunked else f"{m}", ha="center",
+              va="center", fontsize=7 if chunked else 8, color="white")
+  for x, s, width in cells:  # Compound ticks: one outline round the tick's actions.
+    ax.add_patch(Rectangle((x, s + 0.04), width, 0.92, fill=False, edgecolor="black",
+                           linewidth=1.1))
+  _finish_axes(ax, schedule, schedule.num_ticks, top=0)
+  if costs:
+    ax.set_xlim(0, span)
+    step = 10 ** np.floor(np.log10(max(span, 1e-12) / 4))
+    ticks = np.arange(0, span + step / 2, step)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{v:g}" for v in ticks], fontsize=7)
+    shown = ", ".join(f"{k}={v:g}" for k, v in sorted(dict(costs).items()))
+    ax.set_xlabel(f"time, neighbour-synchronised (costs {shown}; blank = waiting)")
   present = [a.name for a in schedules_lib.Action if np.any(schedule.action == a)]
   handles = [Patch(facecolor=_ACTION_COLOURS[a], label=f"{a}: {_ACTION_LABELS[a]}")
              for a in present]
+  if cells:
+    handles.append(Patch(facecolor="white", edgecolor="black", label="one compound tick"))
   if chunked:
     handles += [Patch(facecolor="white", edgecolor="grey", hatch=_HATCHES[c % len(_HATCHES)],
                       label=f"chunk {c}") for c in range(schedule.num_chunks)]
@@ -129,7 +178,7 @@ def _draw_fused(schedule: schedules_lib.FusedSchedule, ax):
   return fig
 
 
-def draw_timeline(schedule, *, backward: bool = False, ax=None):
+def draw_timeline(schedule, *, backward: bool = False, ax=None, costs=None):
   """Draws ``schedule`` on a matplotlib axes.
 
   Args:
@@ -138,6 +187,8 @@ def draw_timeline(schedule, *, backward: bool = False, ax=None):
     backward: also draw the backward ticks (the forward table reversed) after the forward ones;
       a fused schedule's table has them already, so it takes only ``False``.
     ax: axes to draw on; a new figure sized to the table is made when None.
+    costs: fused schedules only: per-action costs (``{"F": .., "B": .., ...}``) to draw the
+      schedule in neighbour-synchronised time instead of ticks.
 
   Returns:
     The matplotlib ``Figure``.
@@ -147,7 +198,12 @@ def draw_timeline(schedule, *, backward: bool = False, ax=None):
     if backward:
       raise ValueError(f"The fused schedule {schedule.name!r} already has its backward actions "
                        "in its table; drop backward=True.")
-    return _draw_fused(schedule, ax)
+    if costs is not None:
+      schedules_lib.action_costs(schedule, costs)  # Raises for bad costs.
+    return _draw_fused(schedule, ax, costs)
+  if costs is not None:
+    raise ValueError(f"costs draw a fused schedule in time; {schedule.name!r} is a forward "
+                     "schedule, whose ticks cost the same: drop costs.")
   plt = _pyplot()
   from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
   from matplotlib.patches import Rectangle  # pylint: disable=g-import-not-at-top
@@ -195,7 +251,7 @@ def draw_timeline(schedule, *, backward: bool = False, ax=None):
 
 
 def save_timeline(schedule, path: str | os.PathLike, *, backward: bool = False,
-                  dpi: int = 110) -> str:
+                  dpi: int = 110, costs=None) -> str:
   """Draws ``schedule`` and saves it as an image (PNG unless ``path`` names another format).
 
   Args:
@@ -204,6 +260,7 @@ def save_timeline(schedule, path: str | os.PathLike, *, backward: bool = False,
     path: output file, e.g. ``"timeline.png"``; its directory is created if missing.
     backward: also draw the backward ticks after the forward ones.
     dpi: resolution.
+    costs: draw a fused schedule in neighbour-synchronised time (see :func:`draw_timeline`).
 
   Returns:
     The path written, as a string.
@@ -216,7 +273,7 @@ def save_timeline(schedule, path: str | os.PathLike, *, backward: bool = False,
   if directory:
     os.makedirs(directory, exist_ok=True)
   plt = _pyplot()
-  fig = draw_timeline(schedule, backward=backward)
+  fig = draw_timeline(schedule, backward=backward, costs=costs)
   try:
     fig.savefig(path, dpi=dpi)
   finally:

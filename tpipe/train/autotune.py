@@ -261,6 +261,8 @@ def _apply(config, candidate: Candidate):
     # A string, as the flag gives it (the config field is a string; "2" is read as 2).
     new.remat_granularity = str(candidate.remat_granularity)
     new.schedule = candidate.schedule
+    if not schedules.is_fused(candidate.schedule) and new.get("tick_costs"):
+      new.tick_costs = ""  # Compound ticks lay out fused tables; forward tables have none.
   return new
 
 

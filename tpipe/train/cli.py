@@ -84,6 +84,25 @@ def parse_transfer_delay(value):
   return parts[0] if len(parts) == 1 else tuple(parts)
 
 
+def parse_tick_costs(value):
+  """``config.tick_costs``: ``""`` (one action per tick) or per-action costs of one chunk as
+  ``"F=1,B=3,BI=2,W=1"`` (compound ticks built for them); as :class:`tpipe.PipelineSpec` takes
+  it (a dict, or None)."""
+  if value is None or (isinstance(value, str) and not value.strip()):
+    return None
+  if not isinstance(value, str):
+    return value
+  costs = {}
+  for part in value.split(","):
+    name, _, number = part.partition("=")
+    try:
+      costs[name.strip()] = float(number)
+    except ValueError:
+      raise ValueError(f"config.tick_costs={value!r}: write per-action costs as "
+                       "'F=1,B=3,BI=2,W=1', or '' for one action per tick.") from None
+  return costs
+
+
 def define_network_flags() -> None:
   """The flags that price communication (the report's and autotune's): the chip and overrides
   of its link figures (:func:`tpipe.tools.links.interconnect`)."""

@@ -215,7 +215,7 @@ class Report:
             "gated_in_tick_loops": pipe.gated if pipe else 0.0,
             "transcendentals": flops.transcendentals,
         },
-        "schedule": schedule_summary.schedule_json(self.schedule),
+        "schedule": schedule_summary.schedule_json(self.schedule, tick_costs(self.config)),
         "collectives_per_step": self.collective_rows(),
         "stages": [stage.to_json() for stage in self.stages],
         "ring_bytes_per_microbatch": self.ring_bytes,
@@ -229,6 +229,12 @@ class Report:
         "live_at_peak_bytes_by_role": self.peak.by_role() if self.peak else None,
         "communication": self.communication.to_json() if self.communication else None,
     }
+
+
+def tick_costs(config):
+  """The per-action costs a config's compound table was built for (None: none,
+  ``config.tick_costs`` unset or empty)."""
+  return cli.parse_tick_costs(config.get("tick_costs", "")) if config is not None else None
 
 
 def compile_train_step(exp, breakdown: bool = False):
@@ -441,7 +447,7 @@ def format_report(report: Report) -> str:
       lines.append(f"| {row['axis']} | {row['devices']} | {fb(row['split_bytes'])} "
                    f"({row['split_bytes'] / total:.1%}) | {fb(row['whole_bytes'])} "
                    f"({row['whole_bytes'] / total:.1%}) |")
-  lines += [""] + schedule_summary.format_schedule(report.schedule)
+  lines += [""] + schedule_summary.format_schedule(report.schedule, tick_costs(report.config))
   if flops.loops_without_trip_count:
     lines += ["", f"Warning: XLA proved no trip count for loops "
               f"{list(flops.loops_without_trip_count)}; each is counted once, so executed FLOPs "
