@@ -44,6 +44,9 @@ ZB-H1's analytic bubble with costs ``F``, ``BI``, ``W`` (Qi et al., 2024): the f
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,8 +66,9 @@ SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2)
 
 
 def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
-                 num_layers: int, rows: int, seq: int, width: int):
-  """(model, its engine pipeline, compiled gradient step) of the LM for one schedule."""
+                 num_layers: int, rows: int, seq: int, width: int, tick_costs=None):
+  """(model, its engine pipeline, compiled gradient step) of the LM for one schedule (a fused
+  one in compound ticks for ``tick_costs``)."""
   mesh = tpipe.make_mesh(stages=stages)
   chunks = stages * repeats
   # Embedding with the first blocks, the head with the last: units split evenly.
@@ -73,7 +77,8 @@ def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
   model = models.decoder_lm(num_layers=num_layers, width=width, num_heads=HEADS,
                             mlp_dim=4 * width, max_len=seq, num_stages=stages,
                             num_microbatches=microbatches, schedule=schedule,
-                            num_repeats=repeats, remat="full", balance=counts, mesh=mesh)
+                            num_repeats=repeats, remat="full", balance=counts, mesh=mesh,
+                            tick_costs=tick_costs)
   batch = rows * microbatches
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   params = model.variable_shapes(tokens, targets=tokens)["params"]
@@ -88,27 +93,37 @@ def zb_h1_analytic(costs, stages: int, microbatches: int) -> float:
   return idle / (microbatches * (f + bi + w) + idle)
 
 
-def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) -> list[str]:
+def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
+                 measured=()) -> list[str]:
+  """Temporaries per device at each M; with ``measured`` costs (:func:`flops_table`), every
+  fused schedule also in compound ticks built for its measured costs."""
   lines = [f"### Activation memory in M (S = {stages}, {num_layers} blocks, micro-batch "
            f"{sizes['rows']} x {sizes['seq']}, width {sizes['width']})", "",
            "| schedule | " + " | ".join(f"temporaries at M = {m}" for m in ms)
            + f" | M = {ms[-1]} / M = {ms[0]} | in flight per stage (peak) |",
            "|---|" + "---|" * (len(ms) + 2)]
-  for name, repeats in SCHEDULES:
+  costs_of = {name: costs for name, _, _, costs in measured}
+  rows = [(name, repeats, None) for name, repeats in SCHEDULES]
+  rows += [(name, repeats, costs_of[name]) for name, repeats in SCHEDULES
+           if name in costs_of and tpipe.schedules.is_fused(name)]
+  for name, repeats, costs in rows:
     temps, peak = [], "-"
     for m in ms:
       _, pipeline, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
-                                           num_layers=num_layers, **sizes)
+                                           num_layers=num_layers, tick_costs=costs, **sizes)
       temps.append(compiled.memory_analysis().temp_size_in_bytes)
       # GPipe and circular under remat full run their forward and backward ticks as one table,
       # whose stash holds one input per micro-batch chunk.
       peak = str(pipeline.loss_table.peak_in_flight().tolist())
-    lines.append(f"| {name} | " + " | ".join(analysis.format_bytes(t) for t in temps)
+    label = f"{name}, compound ticks" if costs else name
+    lines.append(f"| {label} | " + " | ".join(analysis.format_bytes(t) for t in temps)
                  + f" | {temps[-1] / temps[0]:.2f} | {peak} |")
   return lines
 
 
-def flops_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) -> list[str]:
+def flops_table(stages: int, num_layers: int, ms: tuple[int, ...],
+                sizes: dict) -> tuple[list[str], list]:
+  """The FLOPs-and-bubble tables, and the measured ``(name, repeats, M, costs)`` per row."""
   lines = [f"### FLOPs and bubble (S = {stages}, {num_layers} blocks, micro-batch "
            f"{sizes['rows']} x {sizes['seq']}, width {sizes['width']}; MFLOP per device)", "",
            "| schedule | M | F | B | BI | W | (BI + W) / B | executed (busiest device) | useful "
@@ -144,9 +159,11 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict) 
           f"{timing.lockstep_bubble:.3f} | {timing.neighbour / gpipe_step[m]:.3f} |")
   lines += [""] + delayed_table(stages, measured, gpipe_step)
   try:
-    return lines + [""] + tpu_costs_table(stages, num_layers, ms, sizes, measured)
+    tpu_lines, tpu = tpu_costs_table(stages, num_layers, ms, sizes, measured)
   except ValueError as error:  # No TPU compiler here (libtpu comes with the test extra).
-    return lines + ["", f"(TPU per-action costs skipped: {error})"]
+    tpu_lines, tpu = [f"(TPU per-action costs skipped: {error})"], None
+  lines += [""] + tpu_lines + [""] + compound_table(stages, measured, tpu)
+  return lines, measured
 
 
 def delayed_table(stages: int, measured, gpipe_step: dict) -> list[str]:
@@ -209,9 +226,9 @@ def chunk_actions(chunk) -> dict:
 
 
 def tpu_costs_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
-                    measured) -> list[str]:
+                    measured) -> tuple[list[str], dict]:
   """Every schedule simulated under the TPU compiler's per-action seconds beside the FLOP-based
-  costs measured above (same tables, same M)."""
+  costs measured above (same tables, same M); and those seconds per chunks-per-stage."""
   # A chunk holds the blocks of one stage (one repeat) or of half a stage (two).
   per_chunk = {r: max(1, num_layers // (stages * r)) for r in (1, 2)}
   tpu = {r: tpu_action_seconds(per_chunk[r], **sizes) for r in (1, 2)}
@@ -237,17 +254,98 @@ def tpu_costs_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: di
       lines.append(f"| {name} | {m} | {label} | {timing.natural_bubble:.3f} | "
                    f"{timing.neighbour_bubble:.3f} | {timing.lockstep_bubble:.3f} | "
                    f"{timing.neighbour / gpipe[key]:.3f} |")
+  return lines, tpu
+
+
+# Per-action wall times of a 4-block chunk (width 2048, bf16, micro-batch 4 x 1024) timed on a
+# lent NVIDIA H200 by experiments/gpu_action_costs.py (results/gpu_action_costs.md), ms; the
+# 2-block chunk's row there for two chunks per stage.
+GPU_COSTS = {1: {"F": 4.2077, "B": 13.2811, "BI": 8.9954, "W": 4.2857},
+             2: {"F": 2.1729, "B": 6.5595, "BI": 4.5436, "W": 2.0159}}
+
+
+def cost_sets(measured, tpu) -> list[tuple[str, Any]]:
+  """``(label, costs_of(name, repeats, measured costs) -> (costs, GPipe's costs))``: the cost
+  sets the compound tables are built and timed for. Under ``remat="none"`` a fused tick still
+  recomputes its chunk's forward for the backward, while GPipe's autodiff backward does not:
+  its ``B`` is one forward less."""
+  sets = [("FLOPs, remat full", lambda c, r, g: (c, g)),
+          ("FLOPs, remat none", lambda c, r, g: (c, dict(g, B=g["B"] - g["F"])))]
+  if tpu is not None:
+    sets.append(("TPU v5p optimal_seconds", lambda c, r, g: (tpu[r], tpu[1])))
+  sets.append(("H200 wall time (width 2048)", lambda c, r, g: (GPU_COSTS[r], GPU_COSTS[1])))
+  return sets
+
+
+def ratio(timing) -> str:
+  """The neighbour-synchronised bubble over the natural one ("-" where both are 0)."""
+  if timing.natural_bubble <= 1e-12:
+    return "1.00" if timing.neighbour_bubble <= 1e-12 else "inf"
+  return f"{timing.neighbour_bubble / timing.natural_bubble:.2f}"
+
+
+def compound_table(stages: int, measured, tpu) -> list[str]:
+  """Every fused schedule laid out in compound ticks for each cost set (:func:`cost_sets`),
+  simulated beside its one-action table and GPipe under the same costs."""
+  lines = [f"### Compound ticks (S = {stages}): a forward, a backward and weight work per tick",
+           "", "Each fused table built by `tpipe.schedules.build(..., costs=)` for the cost set "
+           "and simulated under it; GPipe's step under the same costs (its own `B` under remat "
+           "none) is the reference.", "",
+           "| costs | schedule | M | ticks | actions per tick (most) | in flight (peak) | "
+           "bubble: natural | neighbour-synchronised | bubble ratio | step / GPipe's | "
+           "one action per tick: step / GPipe's |", "|---|" + "---|" * 10]
+  gpipe_costs = {m: c for name, _, m, c in measured if name == "gpipe"}
+  for label, costs_of in cost_sets(measured, tpu):
+    for name, repeats, m, measured_costs in measured:
+      costs, gpipe_c = costs_of(measured_costs, repeats, gpipe_costs[m])
+      gpipe = tpipe.schedules.whole_step(tpipe.schedules.build("gpipe", stages, m))
+      reference = gpipe.simulate(gpipe_c).neighbour
+      if not tpipe.schedules.is_fused(name):
+        table = tpipe.schedules.whole_step(tpipe.schedules.build(name, stages, m, repeats))
+        plain = None
+      else:
+        table = tpipe.schedules.build(name, stages, m, repeats, costs=costs)
+        plain = tpipe.schedules.build(name, stages, m, repeats).simulate(costs).neighbour
+      timing = table.simulate(costs if name != "gpipe" else gpipe_c)
+      lanes = table.lanes if tpipe.schedules.is_fused(name) else 1
+      lines.append(
+          f"| {label} | {name} | {m} | {table.num_ticks} | {lanes} | "
+          f"{int(table.peak_in_flight().max())} | {timing.natural_bubble:.3f} | "
+          f"{timing.neighbour_bubble:.3f} | {ratio(timing)} | "
+          f"{timing.neighbour / reference:.3f} | "
+          f"{'-' if plain is None else f'{plain / reference:.3f}'} |")
   return lines
+
+
+def save_pictures(out_dir: str, costs: dict) -> list[str]:
+  """ZB-V at S = 4, M = 8 drawn in neighbour-synchronised time under ``costs``: one action per
+  tick, and in compound ticks; returns the files' names."""
+  from tpipe.tools import timeline  # pylint: disable=g-import-not-at-top
+
+  names = []
+  for tag, table in (("one_action", tpipe.schedules.build("zbv", 4, 8, 2)),
+                     ("compound", tpipe.schedules.build("zbv", 4, 8, 2, costs=costs))):
+    name = f"fused_timeline_zbv_{tag}.png"
+    timeline.save_timeline(table, os.path.join(out_dir, name), costs=costs)
+    names.append(name)
+  return names
 
 
 def main(argv=None) -> None:
   run = _common.start("fused_schedules", __doc__, smoke="a tiny version (S = 2)", argv=argv)
   if run.smoke:
     sizes = SMOKE_MICROBATCH
-    lines = memory_table(2, 2, (2,), sizes) + [""] + flops_table(2, 2, (2,), sizes)
+    flops_lines, measured = flops_table(2, 2, (2,), sizes)
+    lines = memory_table(2, 2, (2,), sizes, measured) + [""] + flops_lines
   else:
     sizes = MICROBATCH
-    lines = memory_table(4, 16, (8, 64), sizes) + [""] + flops_table(8, 32, (8, 32), sizes)
+    flops_lines, measured = flops_table(8, 32, (8, 32), sizes)
+    lines = memory_table(4, 16, (8, 64), sizes, measured) + [""] + flops_lines
+    costs = next(c for name, _, m, c in measured if name == "zbv")
+    pictures = save_pictures(os.path.dirname(os.path.abspath(run.args.out)), costs)
+    lines += ["", "ZB-V (S = 4, M = 8) in neighbour-synchronised time under its measured costs, "
+              "one action per tick and in compound ticks:", ""]
+    lines += [f"![{name}]({name})" for name in pictures]
   run.write("Fused schedules: memory in M, FLOPs per action, bubbles", lines,
             "Compile only: every number is read from an ahead-of-time compile.")
 

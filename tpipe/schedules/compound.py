@@ -15,15 +15,17 @@ one.
   micro-batch, then the deepest model chunk;
 * at most one forward, the next micro-batch of a chunk whose input is there, while the stage
   holds fewer than its cap of micro-batch chunks in flight (deeper chunks first, or shallower
-  first), and never a second message the same way as the backward's;
+  first); where the forward and the backward would send the same way, one of them waits (the
+  forward, or the backward);
 * ``W`` work (split backward): pending ``W`` while the stage's tick stays within the costliest
   stage's tick, and more when more than ``weight_backlog`` wait (so memory stays bounded);
   a stage with nothing else runs one.
 
 A message needs an earlier tick (two over a delayed link); the last chunk's backward can follow
-its own forward in the same tick. :func:`build` tries a few caps, backlogs and forward orders
-and keeps the table whose neighbour-synchronised step is shortest (then the fewest in flight),
-the one-action-per-tick table of :mod:`tpipe.schedules.orders` included. Pure NumPy.
+its own forward in the same tick. :func:`build` tries a few caps, backlogs and orders
+(:func:`candidates`) and keeps the table whose neighbour-synchronised step is shortest (then the
+fewest in flight), the one-action-per-tick table of :mod:`tpipe.schedules.orders` included.
+Pure NumPy.
 
 Example::
 
@@ -88,8 +90,8 @@ def check_costs(costs, split: bool | None = None) -> dict[str, float]:
 
 def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
          costs: Mapping[str, float], *, in_flight: int | None = None,
-         weight_backlog: int = 1, deeper_first: bool = True,
-         delays=None) -> fused_lib.FusedSchedule:
+         weight_backlog: int = 1, deeper_first: bool = True, backward_first: bool = True,
+         weight_fill: float = 1.0, delays=None) -> fused_lib.FusedSchedule:
   """Schedule ``name`` laid out in compound ticks for ``costs`` (see the module docstring).
 
   Args:
@@ -103,6 +105,9 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
       stash before it takes no new micro-batch (one it holds goes on); None: no cap.
     weight_backlog: ``W`` a stage may leave waiting before it must run one (split backward).
     deeper_first: a stage with forwards of several chunks ready runs the deepest first.
+    backward_first: where a stage's forward and backward would send the same way, keep the
+      backward (else the forward).
+    weight_fill: ``W`` fills a stage's tick up to this times the costliest stage's tick.
     delays: per link, 0 or 1 extra tick (:func:`~tpipe.schedules.actions.link_delays`).
 
   Returns:
@@ -157,9 +162,15 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
       backs += [(m, -num_virtual + 1, c) for _, m, c in forwards
                 if vstage[s, c] == num_virtual - 1]  # The loss chunk: after its forward.
       backward = min(backs) if backs else None
-      taken = {direction(back, -backward[1])} if backward else set()
       sends = lambda f: direction(Action.F, int(vstage[s, f[2]]))
-      forward = next((f for f in forwards if sends(f) is None or sends(f) not in taken), None)
+      if backward_first or backward is None:
+        taken = {direction(back, -backward[1])} if backward else set()
+        forward = next((f for f in forwards if sends(f) is None or sends(f) not in taken), None)
+      else:
+        forward = forwards[0] if forwards else None
+        clash = lambda b: (forward is not None and sends(forward) is not None
+                           and direction(back, -b[1]) == sends(forward))
+        backward = min((b for b in backs if not clash(b)), default=None)
       loss_waits = backward and (backward[0], backward[2]) not in forwarded[s] and (
           forward is None or (forward[1], forward[2]) != (backward[0], backward[2]))
       if loss_waits:
@@ -185,7 +196,7 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
             pending_w[s].append((m, c))
           else:
             holding[s] -= 1
-      while pending_w[s] and (spent[s] + costs["W"] <= busiest * (1 + 1e-9)
+      while pending_w[s] and (spent[s] + costs["W"] <= busiest * weight_fill * (1 + 1e-9)
                               or len(pending_w[s]) > weight_backlog or not work):
         m, c = pending_w[s].pop(0)
         work.append((Action.W, m, c))
@@ -199,11 +210,13 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
 
 
 def candidates(name: str, num_stages: int):
-  """The settings :func:`build` tries: ``(in_flight, weight_backlog, deeper_first)``."""
+  """The settings :func:`build` tries, as :func:`pack` keywords. Every cap is set by S, so
+  whichever wins, memory stays flat in M."""
   _, split = SHAPES[name]
-  extra = sorted({0, 2, num_stages, 2 * num_stages})
-  backlog = (1, 4, 2 * num_stages) if split else (0,)
-  return list(itertools.product(extra, backlog, (True, False)))
+  extra = sorted({0, 2, max(1, num_stages // 2), num_stages})
+  backlog = sorted({1, 4, 2 * num_stages}) if split else [0]
+  return [dict(in_flight=e, weight_backlog=b, deeper_first=d, backward_first=f)
+          for e, b, d, f in itertools.product(extra, backlog, (True, False), (True, False))]
 
 
 def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str, float],
@@ -229,9 +242,8 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   else:
     plain = {"1f1b": orders_lib.one_f_one_b, "zb_h1": orders_lib.zb_h1,
              "zbv": orders_lib.zbv}[name](num_stages, num_microbatches, delays)
-  tables = [plain] + [pack(name, num_stages, num_microbatches, chunks, costs, in_flight=extra,
-                           weight_backlog=backlog, deeper_first=deeper, delays=delays)
-                      for extra, backlog, deeper in candidates(name, num_stages)]
+  tables = [plain] + [pack(name, num_stages, num_microbatches, chunks, costs, delays=delays,
+                           **settings) for settings in candidates(name, num_stages)]
 
   def rank(table):
     return (round(table.simulate(costs).neighbour, 9), int(table.peak_in_flight().max()),
