@@ -76,13 +76,13 @@ _FUSED_CHUNKS = {"1f1b": 1, "zb_h1": 1, "zbv": 2, "interleaved_1f1b": None}
 _FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
 
 __all__ = [
-    "Action", "DEFAULT_COSTS", "action_costs", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
-    "InputStream", "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular",
-    "check_costs", "exchange_partners", "first_stage_reads", "from_forward", "from_ticks",
-    "gpipe", "input_stream",
-    "interleaved_1f1b", "is_fused", "link_delays", "linked_time",
-    "make_fused_schedule", "make_schedule", "neighbour_time", "one_f_one_b", "place",
-    "placement", "ring_links", "simulate", "tick_starts", "virtual_stages", "whole_step", "zb_h1", "zbv",
+    "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
+    "InputStream", "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "action_costs", "build",
+    "check_costs", "circular", "exchange_partners", "first_stage_reads", "from_forward",
+    "from_ticks", "gpipe", "input_stream", "interleaved_1f1b", "is_fused", "link_delays",
+    "linked_time", "make_fused_schedule", "make_schedule", "neighbour_time", "one_f_one_b",
+    "place", "placement", "ring_links", "simulate", "tick_starts", "virtual_stages",
+    "whole_step", "zb_h1", "zbv",
 ]
 
 

@@ -73,9 +73,9 @@ def format_schedule(schedule, costs=None) -> list[str]:
     compound = (f", compound: up to {schedule.lanes} actions per stage in a tick"
                 if schedule.is_compound else "")
     stash = (f"Fused schedule {schedule.name!r} ({schedule.num_ticks} ticks of forward and "
-             f"backward{compound}): micro-batch chunks in flight per stage at most [{peaks}] (stage 0 "
-             f"first), so {int(schedule.stash_slots().max())} stash slots per stage hold stage "
-             f"inputs, {bound}.")
+             f"backward{compound}): micro-batch chunks in flight per stage at most [{peaks}] "
+             f"(stage 0 first), so {int(schedule.stash_slots().max())} stash slots per stage "
+             f"hold stage inputs, {bound}.")
   else:
     stash = (f"Backward-pass stash per stage: {schedule.stash_slots().max()} slots (one per "
              f"forward tick), {schedule.stashed_microbatches().max()} of them holding "
