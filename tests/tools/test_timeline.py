@@ -106,3 +106,38 @@ def test_forward_pass_draws_forward_boxes_only():
   assert legend == ["F: forward", "chunk 0", "chunk 1"]
   assert "zbv: S=2, M=2, 2 chunks/stage, 6 ticks" in fig.axes[0].get_title()
   plt.close(fig)
+
+
+def test_a_compound_tick_splits_its_box_into_its_actions_inside_an_outline():
+  costs = {"F": 1.0, "B": 3.0}
+  table = schedules.make_fused_schedule("1f1b", 3, 4, costs=costs)
+  fig = timeline.draw_timeline(table)
+  filled = [b for b in _boxes(fig) if b.get_fill()]
+  outlines = [b for b in _boxes(fig) if not b.get_fill()]
+  assert len(filled) == int(table.busy.sum()) == 2 * 3 * 4
+  compound = {(int(t), int(s)) for t, s, *_ in table.actions()
+              if sum(1 for u, v, *_ in table.actions() if (u, v) == (t, s)) > 1}
+  assert len(outlines) == len(compound) > 0
+  # Stage 2's tick 2 holds F0 then B0, each half a tick wide, in that order.
+  on_tick = sorted((b.get_x(), b.get_width()) for b in filled
+                   if int(b.get_y()) == 2 and 2 <= b.get_x() < 3)
+  assert on_tick == [(2.0, 0.5), (2.5, 0.5)]
+  plt.close(fig)
+
+
+def test_costs_draw_a_fused_table_in_neighbour_synchronised_time(tmp_path):
+  costs = {"F": 1.0, "B": 3.0}
+  table = schedules.make_fused_schedule("1f1b", 3, 4, costs=costs)
+  fig = timeline.draw_timeline(table, costs=costs)
+  widths = sorted({round(b.get_width(), 6) for b in _boxes(fig) if b.get_fill()})
+  assert widths == [1.0, 3.0]  # Each action as wide as its cost.
+  right = max(b.get_x() + b.get_width() for b in _boxes(fig))
+  assert right == table.simulate(costs).neighbour == 24.0
+  assert "neighbour-synchronised" in fig.axes[0].get_xlabel()
+  plt.close(fig)
+  path = timeline.save_timeline(table, tmp_path / "timed.png", costs=costs)
+  assert (tmp_path / "timed.png").stat().st_size > 0 and path.endswith("timed.png")
+  with pytest.raises(ValueError, match="forward schedule"):
+    timeline.draw_timeline(schedules.gpipe(2, 2), costs=costs)
+  with pytest.raises(ValueError, match="costs has no entry for 'B'"):
+    timeline.draw_timeline(table, costs={"F": 1.0})

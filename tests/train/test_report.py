@@ -453,3 +453,20 @@ def test_stages_over_two_slices_send_over_dcn_and_a_delay_hides_what_a_tick_outl
 def test_a_bad_efficiency_is_an_error_before_the_compile(efficiency):
   with pytest.raises(ValueError, match=r"efficiency must be in \(0, 1\]"):
     report_lib.analyze_config(_two_slice_config(), efficiency=efficiency)
+
+
+def test_a_compound_table_reports_its_costs_and_actions_per_tick():
+  """ZB-H1 in compound ticks (config.tick_costs): the report simulates the table under the costs
+  it was built for and reads the tick loop's lanes (one conditional per lane)."""
+  config = _tiny_config()
+  config.schedule, config.tick_costs = "zb_h1", "F=1,B=3,BI=2,W=1"
+  report = report_lib.analyze_config(config, per_stage=False)
+  table = report.schedule
+  out = report.to_json()["schedule"]
+  assert table.is_compound and out["steps_per_tick"] == table.lanes > 1
+  costs = {"F": 1.0, "B": 3.0, "BI": 2.0, "W": 1.0}
+  assert out["simulated_step"]["costs"] == costs
+  assert out["simulated_step"]["neighbour"] == table.simulate(costs).neighbour
+  assert f"compound: up to {table.lanes} actions per stage" in report_lib.format_report(report)
+  pipeline = report.analysis.pipeline
+  assert pipeline is not None and pipeline.useful <= pipeline.executed <= pipeline.lockstep
