@@ -106,6 +106,9 @@ def get_config(arg=None):
   # compound ticks (a forward, a backward and weight work per tick, so ticks cost the same on
   # every stage); "" for one action per tick.
   config.tick_costs = ""
+  # "zb_h1", "zbv": W runs the chunk forward again for its operations' inputs, so a micro-batch
+  # awaiting W holds only their output gradients (one more chunk forward per micro-batch).
+  config.weight_recompute = False
   config.num_microbatches = num_microbatches
   config.schedule = "gpipe"
   config.num_repeats = 1

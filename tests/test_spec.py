@@ -23,7 +23,8 @@ unit = pytest.mark.unit
 
 SETTINGS = ("num_stages", "num_microbatches", "schedule", "num_repeats", "balance", "remat",
             "remat_granularity", "per_example", "unroll", "mesh", "transfer_delay",
-            "stream_inputs", "tick_costs", "stage_axis", "data_axis")
+            "stream_inputs", "tick_costs", "weight_recompute",
+            "stage_axis", "data_axis")
 
 
 @unit
@@ -376,3 +377,14 @@ def test_tick_costs_build_compound_tables_and_are_checked():
     spec.replace(tick_costs=[1, 3])
   with pytest.raises(ValueError, match=r"needs \['F', 'BI', 'W'\]"):
     spec.replace(schedule="zbv", num_repeats=2, tick_costs={"F": 1, "B": 3})
+
+
+@unit
+def test_weight_recompute_is_for_a_split_backward():
+  spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=4, schedule="zb_h1",
+                            weight_recompute=True)
+  assert spec.weight_recompute and spec.replace(schedule="zbv", num_repeats=2).weight_recompute
+  with pytest.raises(ValueError, match="schedule='1f1b' has none"):
+    spec.replace(schedule="1f1b")
+  with pytest.raises(TypeError, match="weight_recompute must be True or False"):
+    spec.replace(weight_recompute="yes")

@@ -35,6 +35,8 @@ from tpipe import schedules
 BALANCE_NAMES = ("params", "flops", "time")
 REMAT_NAMES = ("none", "full", "dots")
 GRANULARITY_NAMES = ("chunk", "layer", "nested")
+# The schedules whose backward splits into BI and W.
+SPLIT_BACKWARD = ("zb_h1", "zbv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,11 @@ class PipelineSpec:
       the table is laid out in compound ticks (a forward, a backward and weight work in one
       tick, :mod:`tpipe.schedules.compound`) so that ticks cost the same on every stage; kept
       as a sorted tuple of ``(action, cost)`` pairs. None (default): one action per tick.
+    weight_recompute: split backward only (``"zb_h1"``, ``"zbv"``): ``W`` runs the chunk's
+      forward again from its stashed input to get the inputs of the operations whose weight
+      gradients it forms, instead of ``BI`` keeping them until ``W``: a micro-batch awaiting
+      ``W`` holds only those operations' output gradients, for one more chunk forward per
+      micro-batch.
     stage_axis: the mesh axis of stages.
     data_axis: the mesh axis of data-parallel replicas (the batch is split over it).
   """
@@ -101,6 +108,7 @@ class PipelineSpec:
   transfer_delay: Any = None
   stream_inputs: bool = True
   tick_costs: Any = None
+  weight_recompute: bool = False
   stage_axis: str = mesh_lib.STAGE_AXIS
   data_axis: str = mesh_lib.DATA_AXIS
 
@@ -126,6 +134,12 @@ class PipelineSpec:
     if not isinstance(self.stream_inputs, (bool, np.bool_)):
       raise TypeError(f"stream_inputs must be True or False, got {self.stream_inputs!r}.")
     object.__setattr__(self, "tick_costs", schedules.check_costs(self.tick_costs))
+    if not isinstance(self.weight_recompute, (bool, np.bool_)):
+      raise TypeError(f"weight_recompute must be True or False, got {self.weight_recompute!r}.")
+    if self.weight_recompute and self.schedule not in SPLIT_BACKWARD:
+      raise ValueError(f"weight_recompute=True recomputes what W needs in a split backward; "
+                       f"schedule={self.schedule!r} has none: use one of {SPLIT_BACKWARD} or "
+                       "weight_recompute=False.")
     self.table  # Builds (and caches) the table: raises for unknown names or bad repeats.
     check_remat(self.remat)
     check_remat_granularity(self.remat_granularity)

@@ -12,6 +12,8 @@ import pytest
 
 import tpipe
 from tests.helpers import linen_models as lm
+from tpipe.core import spmd
+from tpipe.core import streaming
 
 CHUNKS_PER_STAGE = {"interleaved_1f1b": 2, "zbv": 2}
 # Per-action costs with the backward three forwards (a full-remat block): compound ticks pair
@@ -73,3 +75,23 @@ def test_compound_tick_sends_once_per_tick():
   assert loops, "no loop body runs one conditional per lane"
   assert all(body.count("collective-permute(") + body.count("collective-permute-start(") == 2
              for body in loops)
+
+
+# (model, schedule, stages, micro-batches per replica, slices, tick costs): W runs the chunk's
+# forward again; on two slices ZB-V's one-action table streams its inputs, W reading them too.
+RECOMPUTE_CASES = [("lm", "zb_h1", 4, 4, 1, COSTS), ("blocks", "zbv", 2, 4, 2, None),
+                   ("mlp", "zbv", 2, 6, 1, COSTS)]
+
+
+@pytest.mark.parametrize("name,schedule,stages,microbatches,slices,costs", RECOMPUTE_CASES)
+def test_weight_recompute_equals_sequential(name, schedule, stages, microbatches, slices, costs):
+  mesh = _mesh(stages, slices)
+  layers, x, _, _ = lm.loss_model(name)
+  model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=microbatches,
+                           schedule=schedule, num_repeats=CHUNKS_PER_STAGE.get(schedule, 1),
+                           remat="full", per_example=("targets",), mesh=mesh, tick_costs=costs,
+                           weight_recompute=True)
+  axes = spmd.Axes.of(mesh, model.spec.stage_axis, model.spec.data_axis)
+  streams = streaming.plan(model.spec.table, axes, x.shape[0], True, reads_at_w=True)
+  assert (streams is not None) == (slices == 2)
+  lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))

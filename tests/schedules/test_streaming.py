@@ -75,3 +75,14 @@ def test_no_table_where_the_inputs_cannot_stream(stages, microbatches, delays):
   table = schedules.build("gpipe", stages, microbatches, delays=delays)
   assert schedules.input_stream(schedules.first_stage_reads(table), stages, microbatches,
                                 delays) is None
+
+
+def test_a_recomputing_w_reads_the_inputs_too():
+  table = schedules.build("zb_h1", 2, 4)
+  plain, with_w = schedules.first_stage_reads(table), schedules.first_stage_reads(table, True)
+  w_ticks = np.nonzero((table.action[:, 0] == schedules.Action.W))[0]
+  assert np.all(plain[w_ticks] == -1)
+  np.testing.assert_array_equal(with_w[w_ticks], table.microbatch[w_ticks, 0])
+  stream = schedules.input_stream(with_w, 2, 4, table.delays)
+  assert stream is not None
+  np.testing.assert_array_equal(stream.deliveries(), with_w)

@@ -274,6 +274,9 @@ class _Run:
     self.backward_into = ([unit_backward.backward_into(chunkset, b) for b in range(count)]
                           if self.unitwise else [])
     self.tapped = [chunkset.tapped_branch(b, inner) for b in range(count)] if self.split else []
+    # W runs the chunk forward again for the tapped operations' inputs (weight_recompute), so
+    # BI files only their output gradients.
+    self.recompute = self.split and bool(chunkset.spec.weight_recompute)
     self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
 
   # ------------------------------------------------------------------------------------------
@@ -331,8 +334,9 @@ class _Run:
       g_params, g_fresh, g_in, g_broadcast, g_pex, g_taps = _split_grads(grads, diff)
       state = self._file_grads(device, state, g_params, (g_fresh, g_broadcast, g_pex), mb)
       if tapped:
-        filed = packing.pack((records, _with_floats(taps, g_taps)), self.weight_layouts[b],
-                             self.weight_sizes)
+        output_grads = _with_floats(taps, g_taps)
+        filed = packing.pack(output_grads if self.recompute else (records, output_grads),
+                             self.weight_layouts[b], self.weight_sizes)
         weights = spmd.write_slot(weights, weight_slot, device.run.axes.vary(filed))
       return state, weights, device.send_of(stashed, g_in)
 
@@ -341,9 +345,14 @@ class _Run:
   def weight_branch(self, b: int, device: _Device):
 
     def branch(state, weights, msg, stashed, fresh, mb, chunk, weight_slot):
-      del msg, stashed, fresh, mb
-      records, output_grads = packing.unpack(spmd.read_slot(weights, weight_slot),
-                                             self.weight_layouts[b])
+      filed = packing.unpack(spmd.read_slot(weights, weight_slot), self.weight_layouts[b])
+      if self.recompute:  # The tapped operations' inputs again, from the stashed input.
+        fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
+        _, (records, _) = self.tapped[b](device.staged, fresh, stashed, broadcast, pex, rngs,
+                                         microbatch, chunk, None)
+        output_grads = filed
+      else:
+        records, output_grads = filed
       grads = self.weights[b](device.staged, chunk, records, output_grads)
       state = dict(state, params=[u + w for u, w in zip(state["params"], _floats(grads))])
       return state, weights, device.run.axes.vary(device.ring_zero)
@@ -365,7 +374,8 @@ class _Run:
 
   def _learn_taps(self, device: _Device):
     """The weight slots' layouts: per chunk program, what BI hands to W (the tapped operations'
-    other operands and output gradients), packed into buffers shared by all programs."""
+    other operands and output gradients; only the gradients with ``weight_recompute``), packed
+    into buffers shared by all programs."""
     self.weight_layouts, self.tap_shapes = [], []
     msg = device.run.axes.vary(device.ring_zero)
     for b in range(self.chunkset.num_branches):
@@ -373,7 +383,8 @@ class _Run:
       _, (records, outputs) = jax.eval_shape(
           lambda: self.tapped[b](device.staged, *device.inputs(0, msg, device.x_example),
                                  chunk, None))
-      self.weight_layouts.append(packing.layout_of((records, outputs)))
+      self.weight_layouts.append(packing.layout_of(outputs if self.recompute
+                                                   else (records, outputs)))
       self.tap_shapes.append(outputs)
     self.weight_sizes = packing.buffer_sizes(self.weight_layouts)
 
@@ -505,7 +516,7 @@ class _Run:
     self.global_batch = jax.tree.leaves(x)[0].shape[0]
     self.over_stages = axes.splits_over_stages(self.global_batch)
     self.conveyor = streaming.plan(self.schedule, axes, self.global_batch,
-                                   self.chunkset.spec.stream_inputs)
+                                   self.chunkset.spec.stream_inputs, self.recompute)
     self.call_rows = (self.rows_table if self.conveyor is None
                       else dict(self.rows_table, **self.conveyor.row()))
     io = axes.io_spec(self.global_batch)

@@ -26,15 +26,17 @@ from tpipe.core import spmd
 ROW = "conveyor_slot"
 
 
-def plan(table, axes: spmd.Axes, global_batch: int, enabled: bool):
+def plan(table, axes: spmd.Axes, global_batch: int, enabled: bool, reads_at_w: bool = False):
   """The :class:`Conveyor` for a call, or None where the batch is gathered once instead
   (streaming off, the batch not split over the stages, a table with compound ticks, whose stage
   0 can read two micro-batches' inputs in one tick, or no feasible table:
-  :func:`tpipe.schedules.input_stream`)."""
+  :func:`tpipe.schedules.input_stream`). ``reads_at_w``: ``W`` of chunk 0 reads the inputs
+  too (``weight_recompute``)."""
   compound = getattr(table, "is_compound", False)
   if not enabled or compound or not axes.splits_over_stages(global_batch):
     return None
-  stream = schedules.input_stream(schedules.first_stage_reads(table), table.num_stages,
+  stream = schedules.input_stream(schedules.first_stage_reads(table, reads_at_w),
+                                  table.num_stages,
                                   table.num_microbatches, table.delays)
   return None if stream is None else Conveyor(stream, axes)
 
@@ -77,11 +79,12 @@ class Conveyor:
     return value, carry
 
 
-def describe(table, axes: spmd.Axes, global_batch: int, enabled: bool) -> str:
+def describe(table, axes: spmd.Axes, global_batch: int, enabled: bool,
+             reads_at_w: bool = False) -> str:
   """How a call's inputs reach stage 0, in words (for logs and reports)."""
   if not axes.splits_over_stages(global_batch):
     return "inputs replicated over the stages (the batch does not split among them)"
-  conveyor = plan(table, axes, global_batch, enabled)
+  conveyor = plan(table, axes, global_batch, enabled, reads_at_w)
   if conveyor is not None:
     return (f"inputs streamed to stage 0 one micro-batch per tick (each stage holds "
             f"{conveyor.stream.per_stage} of {table.num_microbatches})")

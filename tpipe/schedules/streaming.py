@@ -40,20 +40,21 @@ from tpipe.schedules import forward as forward_lib
 PASS_ON = -1
 
 
-def first_stage_reads(table) -> np.ndarray:
+def first_stage_reads(table, reads_at_w: bool = False) -> np.ndarray:
   """``[T]``: the micro-batch whose inputs stage 0 reads at each tick of ``table``, or -1.
 
   A forward schedule (:class:`tpipe.schedules.Schedule`) reads them where stage 0 runs a
   micro-batch's first repeat; a fused one (:class:`tpipe.schedules.FusedSchedule`) where it runs
   ``F``, ``B`` or ``BI`` of model chunk 0 (a backward recomputes the chunk's forward from the
-  inputs).
+  inputs), and ``W`` too with ``reads_at_w`` (a ``W`` that recomputes the forward).
   """
   if isinstance(table, forward_lib.Schedule):
     reads = np.where(table.busy[:, 0] & (table.repeat[:, 0] == 0), table.microbatch[:, 0], -1)
     return reads.astype(np.int64)
   Action = actions_lib.Action
   kinds = table.action[:, 0]
-  uses_inputs = np.isin(kinds, (Action.F, Action.B, Action.BI)) & (table.chunk[:, 0] == 0)
+  readers = (Action.F, Action.B, Action.BI) + ((Action.W,) if reads_at_w else ())
+  uses_inputs = np.isin(kinds, readers) & (table.chunk[:, 0] == 0)
   return np.where(uses_inputs, table.microbatch[:, 0], -1).astype(np.int64)
 
 

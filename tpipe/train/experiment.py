@@ -70,7 +70,8 @@ def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.Pipe
       remat_granularity=tasks_lib.remat_granularity(config), mesh=mesh,
       transfer_delay=cli.parse_transfer_delay(config.get("transfer_delay", "auto")),
       stream_inputs=config.get("stream_inputs", True),
-      tick_costs=cli.parse_tick_costs(config.get("tick_costs", "")))
+      tick_costs=cli.parse_tick_costs(config.get("tick_costs", "")),
+      weight_recompute=config.get("weight_recompute", False))
 
 
 def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:

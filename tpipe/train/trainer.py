@@ -248,7 +248,8 @@ def train(config, workdir: str) -> dict:
     spec = exp.pipeline.spec
     axes = spmd.Axes.of(exp.mesh, spec.stage_axis, spec.data_axis)
     logging.info("Pipeline: %s.", streaming.describe(
-        exp.pipeline.loss_table, axes, config.batch_size, spec.stream_inputs))
+        exp.pipeline.loss_table, axes, config.batch_size, spec.stream_inputs,
+        spec.weight_recompute and spec.is_fused))
     slices = int(tpipe.mesh.slice_of_devices(exp.mesh).max()) + 1
     if slices > 1 or any(exp.pipeline.spec.delays):
       logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",
