@@ -66,9 +66,11 @@ SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2)
 
 
 def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
-                 num_layers: int, rows: int, seq: int, width: int, tick_costs=None):
+                 num_layers: int, rows: int, seq: int, width: int, tick_costs=None,
+                 weight_recompute: bool = False):
   """(model, its engine pipeline, compiled gradient step) of the LM for one schedule (a fused
-  one in compound ticks for ``tick_costs``)."""
+  one in compound ticks for ``tick_costs``; a split backward's W recomputing its inputs with
+  ``weight_recompute``)."""
   mesh = tpipe.make_mesh(stages=stages)
   chunks = stages * repeats
   # Embedding with the first blocks, the head with the last: units split evenly.
@@ -78,7 +80,7 @@ def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
                             mlp_dim=4 * width, max_len=seq, num_stages=stages,
                             num_microbatches=microbatches, schedule=schedule,
                             num_repeats=repeats, remat="full", balance=counts, mesh=mesh,
-                            tick_costs=tick_costs)
+                            tick_costs=tick_costs, weight_recompute=weight_recompute)
   batch = rows * microbatches
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   params = model.variable_shapes(tokens, targets=tokens)["params"]
@@ -96,28 +98,45 @@ def zb_h1_analytic(costs, stages: int, microbatches: int) -> float:
 def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
                  measured=()) -> list[str]:
   """Temporaries per device at each M; with ``measured`` costs (:func:`flops_table`), every
-  fused schedule also in compound ticks built for its measured costs."""
+  fused schedule also in compound ticks built for its measured costs; and the split backward's
+  schedules with ``weight_recompute``, with what that costs in FLOPs."""
   lines = [f"### Activation memory in M (S = {stages}, {num_layers} blocks, micro-batch "
            f"{sizes['rows']} x {sizes['seq']}, width {sizes['width']})", "",
            "| schedule | " + " | ".join(f"temporaries at M = {m}" for m in ms)
-           + f" | M = {ms[-1]} / M = {ms[0]} | in flight per stage (peak) |",
-           "|---|" + "---|" * (len(ms) + 2)]
+           + f" | M = {ms[-1]} / M = {ms[0]} | / 1F1B's at M = {ms[0]} | in flight per stage "
+           "(peak) |", "|---|" + "---|" * (len(ms) + 3)]
   costs_of = {name: costs for name, _, _, costs in measured}
-  rows = [(name, repeats, None) for name, repeats in SCHEDULES]
-  rows += [(name, repeats, costs_of[name]) for name, repeats in SCHEDULES
-           if name in costs_of and tpipe.schedules.is_fused(name)]
-  for name, repeats, costs in rows:
+  rows = [(name, name, repeats, None, False) for name, repeats in SCHEDULES]
+  rows += [(f"{name}, compound ticks", name, repeats, costs_of[name], False)
+           for name, repeats in SCHEDULES if name in costs_of and tpipe.schedules.is_fused(name)]
+  rows += [(f"{name}, weight_recompute", name, repeats, None, True)
+           for name, repeats in SCHEDULES if name in ("zb_h1", "zbv")]
+  one_f_one_b, flops = None, []
+  for label, name, repeats, costs, recompute in rows:
     temps, peak = [], "-"
     for m in ms:
       _, pipeline, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
-                                           num_layers=num_layers, tick_costs=costs, **sizes)
+                                           num_layers=num_layers, tick_costs=costs,
+                                           weight_recompute=recompute, **sizes)
       temps.append(compiled.memory_analysis().temp_size_in_bytes)
       # GPipe and circular under remat full run their forward and backward ticks as one table,
       # whose stash holds one input per micro-batch chunk.
       peak = str(pipeline.loss_table.peak_in_flight().tolist())
-    label = f"{name}, compound ticks" if costs else name
+      if name in ("zb_h1", "zbv") and costs is None and m == ms[0]:
+        found = analysis.fused_flops(compiled, pipeline.loss_table, pipeline.programs())
+        flops.append((label, {k: float(np.mean(v)) for k, v in found.actions.items()}))
+    if label == "1f1b":
+      one_f_one_b = temps[0]
+    versus = f"{temps[0] / one_f_one_b:.2f}" if one_f_one_b else "-"
     lines.append(f"| {label} | " + " | ".join(analysis.format_bytes(t) for t in temps)
-                 + f" | {temps[-1] / temps[0]:.2f} | {peak} |")
+                 + f" | {temps[-1] / temps[0]:.2f} | {versus} | {peak} |")
+  if flops:
+    lines += ["", "What `weight_recompute` costs: per action of one chunk, MFLOP (mean over "
+              "chunks), and the split backward over a fused one:", "",
+              "| schedule | F | BI | W | (BI + W) / B |", "|---|---|---|---|---|"]
+    for label, f in flops:
+      lines.append(f"| {label} | {f['F'] / 1e6:.1f} | {f['BI'] / 1e6:.1f} | "
+                   f"{f['W'] / 1e6:.1f} | {(f['BI'] + f['W']) / f['B']:.3f} |")
   return lines
 
 
