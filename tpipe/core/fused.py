@@ -11,7 +11,13 @@ table as one SPMD program:
 * One ``lax.scan`` over the table's ticks inside ``jax.shard_map``. Each tick every device looks
   up its action and runs it as one branch of a ``lax.switch`` (idle, or ``F``, ``B``, ``BI``,
   ``W`` of one chunk program, :class:`tpipe.core.chunks.ChunkSet`); the branches hold no
-  collective.
+  collective. A compound tick (several actions of a stage in one tick,
+  :mod:`tpipe.schedules.compound`) runs its rows as lanes: one switch per lane, one after
+  another, each reading its message from the mailbox and writing the stash as a tick of its
+  own would; the tick's messages leave once, after the last lane (a table sends at most one
+  each way per tick). The lanes are separate switches rather than one branch per combination
+  of actions: on one device the work is serial either way, and the switches share one set of
+  chunk programs where combinations would multiply them.
 * ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
   activation from the stage's mailbox) and keeps that input in a **stash slot** of the table. A
   stage allocates as many slots as the table's peak of micro-batches in flight (``min(S, M)``
@@ -28,7 +34,8 @@ table as one SPMD program:
   it yields the input gradient and those operations' output gradients, filed with their other
   operands in a **weight slot** (packed per stage, as many slots as the table's most
   micro-batches awaiting ``W``); ``W`` forms the weight gradients from the slot. Nothing is
-  computed twice.
+  computed twice. With ``weight_recompute`` the slot holds the output gradients only, and ``W``
+  runs the chunk's forward again from the stash for the other operands.
 * Inputs: where the batch is split over the stages, each micro-batch's inputs reach stage 0 in
   the ticks that read them (its ``F`` and backward of chunk 0) over a conveyor of one-stage sends
   (:mod:`tpipe.core.streaming`), else the batch is gathered once before the loop.
