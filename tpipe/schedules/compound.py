@@ -23,8 +23,9 @@ one.
 
 A message needs an earlier tick (two over a delayed link); the last chunk's backward can follow
 its own forward in the same tick. :func:`build` tries a few caps, backlogs and orders
-(:func:`candidates`) and keeps the table whose neighbour-synchronised step is shortest (then the
-fewest in flight), the one-action-per-tick table of :mod:`tpipe.schedules.orders` included.
+(:func:`candidates`) and keeps the table whose neighbour-synchronised step is shortest, the
+one-action-per-tick table of :mod:`tpipe.schedules.orders` included (within 1% of it, the one
+that holds the least).
 Pure NumPy.
 
 Example::
@@ -56,6 +57,8 @@ from tpipe.schedules import orders as orders_lib
 Action = actions_lib.Action
 IDLE = forward_lib.IDLE
 
+# How much longer than the shortest a table's step may be and still win on memory.
+TOLERANCE = 0.01
 # Per fused schedule: (placement, whether the backward is split into BI and W).
 SHAPES = {"1f1b": ("loop", False), "interleaved_1f1b": ("loop", False),
           "zb_h1": ("loop", True), "zbv": ("v", True)}
@@ -222,8 +225,10 @@ def candidates(name: str, num_stages: int):
 def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str, float],
           num_repeats: int | None = None, delays=None) -> fused_lib.FusedSchedule:
   """The table of fused schedule ``name`` with the shortest neighbour-synchronised step under
-  ``costs``: :func:`pack` with each of :func:`candidates`, and the one-action-per-tick table;
-  ties go to the fewest micro-batch chunks in flight, then the fewest ticks.
+  ``costs``, from :func:`pack` with each of :func:`candidates` and the one-action-per-tick
+  table; among the tables within :data:`TOLERANCE` of the shortest, the one with the fewest
+  weight slots (micro-batches awaiting ``W``), then the fewest micro-batch chunks in flight,
+  then the fewest ticks.
 
   Args:
     name: ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
@@ -245,8 +250,11 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   tables = [plain] + [pack(name, num_stages, num_microbatches, chunks, costs, delays=delays,
                            **settings) for settings in candidates(name, num_stages)]
 
-  def rank(table):
-    return (round(table.simulate(costs).neighbour, 9), int(table.peak_in_flight().max()),
-            table.num_ticks)
-
-  return min(tables, key=rank)
+  # Weight slots hold whole activations (a micro-batch awaiting W keeps its operations' inputs
+  # and output gradients): among tables within 1% of the shortest step, the fewest of them,
+  # then the fewest micro-batch chunks in flight, then the fewest ticks.
+  steps = [round(table.simulate(costs).neighbour, 9) for table in tables]
+  near = [(int(table.awaiting_weight().max()), int(table.peak_in_flight().max()),
+           table.num_ticks, step, i) for i, (table, step) in enumerate(zip(tables, steps))
+          if step <= min(steps) * (1 + TOLERANCE)]
+  return tables[min(near)[-1]]
