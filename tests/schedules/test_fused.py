@@ -262,16 +262,16 @@ def test_broken_forward_only_tables_are_rejected(text, slots, stages, match):
 
 
 # --------------------------------------------------------------------------------------------
-# Weight slots (the split backward's W buffers, tpipe.core.fused) on the named tables.
+# Weight slots (the split backward's W buffers, tpipe.core.tick_rows) on the named tables.
 
 
 @pytest.mark.parametrize("name,stages,microbatches", [("zb_h1", 4, 8), ("zbv", 4, 6),
                                                       ("zb_h1", 3, 2)])
 def test_weight_slots_are_never_shared_and_fit_the_peak_awaiting_w(name, stages, microbatches):
-  from tpipe.core import fused  # pylint: disable=g-import-not-at-top
+  from tpipe.core import tick_rows  # pylint: disable=g-import-not-at-top
 
   table = schedules.make_fused_schedule(name, stages, microbatches)
-  slots = fused.weight_slots(table)
+  slots = tick_rows.weight_slots(table)
   awaiting = table.awaiting_weight()
   for s in range(stages):
     held = {}

@@ -69,6 +69,7 @@ from tpipe.core import chunks as chunks_lib
 from tpipe.core import packing
 from tpipe.core import spmd
 from tpipe.core import streaming
+from tpipe.core import tick_rows
 from tpipe.core import unit_backward
 
 Action = schedules.Action
@@ -90,26 +91,6 @@ def _split_grads(grads: list, trees) -> list[list]:
   return parts
 
 
-def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
-  """``[R, S]``: the weight slot each ``BI`` fills and its ``W`` empties (0 elsewhere).
-
-  A slot is taken from ``BI`` to ``W``, both ticks included, and reused from the next tick; each
-  stage uses as many slots as its most micro-batches awaiting ``W``
-  (:meth:`~tpipe.schedules.FusedSchedule.awaiting_weight`).
-  """
-  slots = np.zeros(schedule.action.shape, np.int32)
-  for s in range(schedule.num_stages):
-    held: dict[tuple[int, int], int] = {}
-    for t in range(schedule.num_rows):
-      key = (int(schedule.microbatch[t, s]), int(schedule.chunk[t, s]))
-      if schedule.action[t, s] == Action.BI:
-        busy = set(held.values())
-        slots[t, s] = held[key] = min(k for k in range(len(busy) + 1) if k not in busy)
-      elif schedule.action[t, s] == Action.W:
-        slots[t, s] = held.pop(key)
-  return slots
-
-
 def is_split(schedule: schedules.FusedSchedule) -> bool:
   """Whether the table splits backwards into ``BI`` and ``W``."""
   return bool(np.any(np.isin(schedule.action, [Action.BI, Action.W])))
@@ -129,50 +110,6 @@ def backward_by_units(spec) -> bool:
   if spec.remat != "full":
     return False
   return spec.is_fused or spec.remat_granularity in ("nested", "chunk")
-
-
-def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarray, np.ndarray]:
-  """``([R, S] branch, [R, S] model chunk)``: the ``lax.switch`` branch of every table entry
-  (0 idle, ``1 + a * B + b`` for action ``a`` (``F``, ``B``, ``BI``, ``W``) of chunk program
-  ``b``, ``programs[v]`` being model chunk ``v``'s and ``B`` their number) and its model chunk."""
-  vstage = schedule.virtual_stage
-  v = vstage[np.arange(schedule.num_stages)[None, :], np.maximum(schedule.chunk, 0)]
-  program = np.asarray(programs, np.int64)[v]
-  count = int(max(programs)) + 1
-  branch = np.where(schedule.action >= 0,
-                    1 + schedule.action.astype(np.int64) * count + program, 0)
-  return branch.astype(np.int32), v.astype(np.int32)
-
-
-def by_lanes(schedule: schedules.FusedSchedule, table: np.ndarray, fill=0) -> np.ndarray:
-  """A per-row table ``[R, S, ...]`` as ``[T, L, S, ...]``: each tick's rows in its lanes (the
-  steps the loop runs in a tick), a tick with fewer rows than :attr:`lanes` padded with
-  ``fill`` (an idle step)."""
-  table = np.asarray(table)
-  lane = np.arange(schedule.num_rows) - schedule.first_rows()[schedule.tick]
-  out = np.full((schedule.num_ticks, schedule.lanes) + table.shape[1:], fill, table.dtype)
-  out[schedule.tick, lane] = table
-  return out
-
-
-def _tick_rows(schedule: schedules.FusedSchedule, chunkset: chunks_lib.ChunkSet) -> dict:
-  """The per-tick rows the scan consumes: ``lanes``, each ``[T, L, S]`` (one step of a tick per
-  lane, see :func:`by_lanes` and :func:`tick_branches`), and ``arrival``, ``[T, S, 3]``."""
-  branch, v = tick_branches(schedule, chunkset.branch_of_chunk)
-  lanes = {
-      "branch": branch,
-      "chunk": v,
-      "microbatch": np.maximum(schedule.microbatch, 0),
-      "stash": np.maximum(schedule.stash_slot, 0),
-      "forward": (schedule.action == Action.F),
-      "send_dir": schedule.send_dir,
-      "sends": schedule.send_slot != schedules.IDLE,
-      "send_slot": np.maximum(schedule.send_slot, 0),
-      "recv_slot": np.maximum(schedule.recv_slot, 0),
-      "weight_slot": weight_slots(schedule),
-  }
-  return {"lanes": {key: by_lanes(schedule, value) for key, value in lanes.items()},
-          "arrival": schedule.arrival_slots()[schedule.first_rows()]}
 
 
 class _Device:
@@ -255,7 +192,7 @@ class _Run:
                axes: spmd.Axes):
     self.chunkset, self.schedule, self.axes = chunkset, schedule, axes
     self.split = is_split(schedule)
-    self.rows_table = _tick_rows(schedule, chunkset)
+    self.rows_table = tick_rows.tick_rows(schedule, chunkset.branch_of_chunk)
     # Set per call: the global batch, whether its rows split over stages, the inputs' conveyor
     # and the scan's rows with its slots.
     self.global_batch, self.over_stages, self.conveyor = 0, False, None

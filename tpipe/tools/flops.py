@@ -26,7 +26,7 @@ import re
 import numpy as np
 
 from tpipe import schedules as schedules_lib
-from tpipe.core import fused
+from tpipe.core import tick_rows
 from tpipe.tools import hlo as hlo_lib
 
 # Elementwise ops XLA counts as one FLOP per output element.
@@ -371,7 +371,7 @@ def fused_flops(compiled, schedule, programs=None,
   The tick loop is the ``while`` loop whose trip count is ``schedule.num_ticks``; its
   conditional (one per lane of a compound tick) has ``1 + k * B`` branches (idle, then ``F``,
   ``B``, ``BI``, ``W`` for each of the ``B`` distinct chunk programs, as
-  :func:`tpipe.core.fused.tick_branches` numbers them; the last two only for a split backward).
+  :func:`tpipe.core.tick_rows.tick_branches` numbers them; the last two only for a split backward).
 
   Args:
     compiled: a :class:`jax.stages.Compiled` (or its HLO text) of a step that differentiates a
@@ -414,7 +414,7 @@ def fused_flops(compiled, schedule, programs=None,
     part = branch[1 + k * count:1 + (k + 1) * count]
     actions[kind] = (part[programs] - branch[0] if part.size
                      else np.full(num_virtual, np.nan))
-  table, _ = fused.tick_branches(schedule, programs)
+  table, _ = tick_rows.tick_branches(schedule, programs)
   action_flops = np.where(table > 0, branch[table] - branch[0], 0.0)  # Per row.
   per_tick = np.zeros((schedule.num_ticks, schedule.num_stages))
   np.add.at(per_tick, schedule.tick, action_flops)

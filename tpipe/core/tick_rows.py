@@ -1,0 +1,80 @@
+"""A fused table as the rows the tick loop scans over (NumPy).
+
+Per tick and lane (one step of a compound tick, :attr:`tpipe.schedules.FusedSchedule.lanes`),
+per stage: the ``lax.switch`` branch (:func:`tick_branches`), the micro-batch, the stash, weight
+(:func:`weight_slots`) and mailbox slots, and where the step sends; per tick, where arriving
+messages go. :mod:`tpipe.core.fused` runs them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpipe import schedules
+
+Action = schedules.Action
+
+
+def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
+  """``[R, S]``: the weight slot each ``BI`` fills and its ``W`` empties (0 elsewhere).
+
+  A slot is taken from ``BI`` to ``W``, both ticks included, and reused from the next tick; each
+  stage uses as many slots as its most micro-batches awaiting ``W``
+  (:meth:`~tpipe.schedules.FusedSchedule.awaiting_weight`).
+  """
+  slots = np.zeros(schedule.action.shape, np.int32)
+  for s in range(schedule.num_stages):
+    held: dict[tuple[int, int], int] = {}
+    for t in range(schedule.num_rows):
+      key = (int(schedule.microbatch[t, s]), int(schedule.chunk[t, s]))
+      if schedule.action[t, s] == Action.BI:
+        busy = set(held.values())
+        slots[t, s] = held[key] = min(k for k in range(len(busy) + 1) if k not in busy)
+      elif schedule.action[t, s] == Action.W:
+        slots[t, s] = held.pop(key)
+  return slots
+
+
+def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarray, np.ndarray]:
+  """``([R, S] branch, [R, S] model chunk)``: the ``lax.switch`` branch of every table entry
+  (0 idle, ``1 + a * B + b`` for action ``a`` (``F``, ``B``, ``BI``, ``W``) of chunk program
+  ``b``, ``programs[v]`` being model chunk ``v``'s and ``B`` their number) and its model chunk."""
+  vstage = schedule.virtual_stage
+  v = vstage[np.arange(schedule.num_stages)[None, :], np.maximum(schedule.chunk, 0)]
+  program = np.asarray(programs, np.int64)[v]
+  count = int(max(programs)) + 1
+  branch = np.where(schedule.action >= 0,
+                    1 + schedule.action.astype(np.int64) * count + program, 0)
+  return branch.astype(np.int32), v.astype(np.int32)
+
+
+def by_lanes(schedule: schedules.FusedSchedule, table: np.ndarray, fill=0) -> np.ndarray:
+  """A per-row table ``[R, S, ...]`` as ``[T, L, S, ...]``: each tick's rows in its lanes (the
+  steps the loop runs in a tick), a tick with fewer rows than :attr:`lanes` padded with
+  ``fill`` (an idle step)."""
+  table = np.asarray(table)
+  lane = np.arange(schedule.num_rows) - schedule.first_rows()[schedule.tick]
+  out = np.full((schedule.num_ticks, schedule.lanes) + table.shape[1:], fill, table.dtype)
+  out[schedule.tick, lane] = table
+  return out
+
+
+def tick_rows(schedule: schedules.FusedSchedule, branch_of_chunk) -> dict:
+  """The per-tick rows the scan consumes: ``lanes``, each ``[T, L, S]`` (one step of a tick per
+  lane, see :func:`by_lanes` and :func:`tick_branches`; ``branch_of_chunk`` is the chunk program
+  of each model chunk), and ``arrival``, ``[T, S, 3]``."""
+  branch, v = tick_branches(schedule, branch_of_chunk)
+  lanes = {
+      "branch": branch,
+      "chunk": v,
+      "microbatch": np.maximum(schedule.microbatch, 0),
+      "stash": np.maximum(schedule.stash_slot, 0),
+      "forward": (schedule.action == Action.F),
+      "send_dir": schedule.send_dir,
+      "sends": schedule.send_slot != schedules.IDLE,
+      "send_slot": np.maximum(schedule.send_slot, 0),
+      "recv_slot": np.maximum(schedule.recv_slot, 0),
+      "weight_slot": weight_slots(schedule),
+  }
+  return {"lanes": {key: by_lanes(schedule, value) for key, value in lanes.items()},
+          "arrival": schedule.arrival_slots()[schedule.first_rows()]}
