@@ -337,10 +337,11 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
 
 
 def save_pictures(out_dir: str, costs: dict) -> list[str]:
-  """ZB-V at S = 4, M = 8 drawn in neighbour-synchronised time under ``costs``: one action per
-  tick, and in compound ticks; returns the files' names."""
+  """ZB-V at S = 4, M = 8 drawn in neighbour-synchronised time under ``costs`` (in units of one
+  forward): one action per tick, and in compound ticks; returns the files' names."""
   from tpipe.tools import timeline  # pylint: disable=g-import-not-at-top
 
+  costs = {name: value / costs["F"] for name, value in costs.items()}
   names = []
   for tag, table in (("one_action", tpipe.schedules.build("zbv", 4, 8, 2)),
                      ("compound", tpipe.schedules.build("zbv", 4, 8, 2, costs=costs))):

@@ -162,7 +162,7 @@ def _draw_fused(schedule: schedules_lib.FusedSchedule, ax, costs=None):
     ticks = np.arange(0, span + step / 2, step)
     ax.set_xticks(ticks)
     ax.set_xticklabels([f"{v:g}" for v in ticks], fontsize=7)
-    shown = ", ".join(f"{k}={v:g}" for k, v in sorted(dict(costs).items()))
+    shown = ", ".join(f"{k}={v:.3g}" for k, v in sorted(dict(costs).items()))
     ax.set_xlabel(f"time, neighbour-synchronised (costs {shown}; blank = waiting)")
   present = [a.name for a in schedules_lib.Action if np.any(schedule.action == a)]
   handles = [Patch(facecolor=_ACTION_COLOURS[a], label=f"{a}: {_ACTION_LABELS[a]}")
