@@ -15,26 +15,9 @@ from tests.helpers import linen_models as lm
 from tpipe.core import spmd
 from tpipe.core import streaming
 
-CHUNKS_PER_STAGE = {"interleaved_1f1b": 2, "zbv": 2}
 # Per-action costs with the backward three forwards (a full-remat block): compound ticks pair
 # a forward with a backward.
 COSTS = {"F": 1.0, "B": 3.0, "BI": 2.0, "W": 1.0}
-
-
-def _mesh(stages, slices):
-  devices = jax.devices()[:8]
-  if slices == 1:
-    return tpipe.make_mesh(stages=stages, data=8 // stages)
-  return tpipe.make_mesh(stages=stages, data=8 // stages, dcn={"stage": 2},
-                         slices=[devices[:4], devices[4:]])
-
-
-def _model(name, schedule, mesh, microbatches, remat):
-  layers, _, _, _ = lm.loss_model(name)
-  return tpipe.Sequential(layers, num_stages=dict(mesh.shape)["stage"],
-                          num_microbatches=microbatches, schedule=schedule,
-                          num_repeats=CHUNKS_PER_STAGE.get(schedule, 1), remat=remat,
-                          per_example=("targets",), mesh=mesh, tick_costs=COSTS)
 
 
 # (model, schedule, stages, micro-batches per replica, remat, slices).
@@ -51,8 +34,8 @@ CASES = [
 
 @pytest.mark.parametrize("name,schedule,stages,microbatches,remat,slices", CASES)
 def test_compound_ticks_equal_sequential(name, schedule, stages, microbatches, remat, slices):
-  mesh = _mesh(stages, slices)
-  model = _model(name, schedule, mesh, microbatches, remat)
+  mesh = lm.emulated_mesh(stages, slices)
+  model = lm.loss_sequential(name, schedule, mesh, microbatches, remat, tick_costs=COSTS)
   table = model.spec.table
   assert table.is_compound and table.num_ticks < table.num_rows
   assert any(model.spec.delays) == (slices == 2)
@@ -62,8 +45,8 @@ def test_compound_ticks_equal_sequential(name, schedule, stages, microbatches, r
 def test_compound_tick_sends_once_per_tick():
   """The tick loop runs as many switches per tick as the table's lanes and still exchanges one
   message each way per tick: two collective-permutes in the loop body, as with one action."""
-  mesh = _mesh(4, 1)
-  model = _model("mlp", "1f1b", mesh, 4, "full")
+  mesh = lm.emulated_mesh(4)
+  model = lm.loss_sequential("mlp", "1f1b", mesh, 4, tick_costs=COSTS)
   table = model.spec.table
   _, x, targets, float_input = lm.loss_model("mlp")
   x, targets = jax.device_put((x, targets), tpipe.data_sharding(mesh))
@@ -85,12 +68,10 @@ RECOMPUTE_CASES = [("lm", "zb_h1", 4, 4, 1, COSTS), ("blocks", "zbv", 2, 4, 2, N
 
 @pytest.mark.parametrize("name,schedule,stages,microbatches,slices,costs", RECOMPUTE_CASES)
 def test_weight_recompute_equals_sequential(name, schedule, stages, microbatches, slices, costs):
-  mesh = _mesh(stages, slices)
-  layers, x, _, _ = lm.loss_model(name)
-  model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=microbatches,
-                           schedule=schedule, num_repeats=CHUNKS_PER_STAGE.get(schedule, 1),
-                           remat="full", per_example=("targets",), mesh=mesh, tick_costs=costs,
-                           weight_recompute=True)
+  mesh = lm.emulated_mesh(stages, slices)
+  _, x, _, _ = lm.loss_model(name)
+  model = lm.loss_sequential(name, schedule, mesh, microbatches, tick_costs=costs,
+                             weight_recompute=True)
   axes = spmd.Axes.of(mesh, model.spec.stage_axis, model.spec.data_axis)
   streams = streaming.plan(model.spec.table, axes, x.shape[0], True, reads_at_w=True)
   assert (streams is not None) == (slices == 2)

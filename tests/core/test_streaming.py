@@ -16,23 +16,9 @@ from tests.helpers import linen_models as lm
 from tpipe.core import spmd
 from tpipe.core import streaming
 
-CHUNKS_PER_STAGE = {"circular": 2, "interleaved_1f1b": 2, "zbv": 2}
-
-
-def _mesh(stages, slices):
-  devices = jax.devices()[:8]
-  if slices == 1:
-    return tpipe.make_mesh(stages=stages, data=8 // stages)
-  return tpipe.make_mesh(stages=stages, data=8 // stages, dcn={"stage": 2},
-                         slices=[devices[:4], devices[4:]])
-
 
 def _model(name, schedule, mesh, microbatches, remat, stream=True):
-  layers, _, _, _ = lm.loss_model(name)
-  return tpipe.Sequential(layers, num_stages=dict(mesh.shape)["stage"],
-                          num_microbatches=microbatches, schedule=schedule,
-                          num_repeats=CHUNKS_PER_STAGE.get(schedule, 1), remat=remat,
-                          per_example=("targets",), mesh=mesh, stream_inputs=stream)
+  return lm.loss_sequential(name, schedule, mesh, microbatches, remat, stream_inputs=stream)
 
 
 # (model, schedule, stages, micro-batches per replica, remat, slices): on two slices the links
@@ -51,7 +37,7 @@ CASES = [
 
 @pytest.mark.parametrize("name,schedule,stages,microbatches,remat,slices", CASES)
 def test_streamed_inputs_equal_sequential(name, schedule, stages, microbatches, remat, slices):
-  mesh = _mesh(stages, slices)
+  mesh = lm.emulated_mesh(stages, slices)
   model = _model(name, schedule, mesh, microbatches, remat)
   _, x, _, _ = lm.loss_model(name)
   axes = spmd.Axes.of(mesh, model.spec.stage_axis, model.spec.data_axis)
@@ -72,7 +58,7 @@ def _collectives(model, name):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_streaming_replaces_the_gather_of_the_inputs_with_sends(schedule):
-  mesh = _mesh(4, 1)
+  mesh = lm.emulated_mesh(4, 1)
   gathers, sends = _collectives(_model("mlp", schedule, mesh, 4, "full"), "mlp")
   gathers_off, sends_off = _collectives(_model("mlp", schedule, mesh, 4, "full", False), "mlp")
   # One all-gather fewer (the inputs'; the per-example targets every stage reads are still
@@ -95,6 +81,6 @@ def test_stream_inputs_must_be_a_bool():
     (8, 0, 36, True, "replicated over the stages"),
 ])
 def test_describe_says_how_the_inputs_arrive(microbatches, delays, batch, stream, expected):
-  axes = spmd.Axes.of(_mesh(4, 1), "stage", "data")
+  axes = spmd.Axes.of(lm.emulated_mesh(4, 1), "stage", "data")
   table = tpipe.schedules.build("gpipe", 4, microbatches, delays=delays)
   assert expected in streaming.describe(table, axes, batch, stream)

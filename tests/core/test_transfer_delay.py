@@ -9,27 +9,10 @@ by-units backward of ``remat="full"``), the circular schedule's closing link, an
 the sequential model's loss and gradients (numerics rule: :mod:`tests.helpers.numerics`).
 """
 
-import jax
 import pytest
 
 import tpipe
 from tests.helpers import linen_models as lm
-
-CHUNKS_PER_STAGE = {"circular": 2, "interleaved_1f1b": 2, "zbv": 2}
-
-
-def _two_slice_mesh(stages=4, data=2):
-  devices = jax.devices()[:8]
-  return tpipe.make_mesh(stages=stages, data=data, dcn={"stage": 2},
-                         slices=[devices[:4], devices[4:]])
-
-
-def _model(name, schedule, mesh, microbatches, remat="full", **settings):
-  layers, _, _, _ = lm.loss_model(name)
-  return tpipe.Sequential(layers, num_stages=dict(mesh.shape)["stage"],
-                          num_microbatches=microbatches, schedule=schedule,
-                          num_repeats=CHUNKS_PER_STAGE.get(schedule, 1), remat=remat,
-                          per_example=("targets",), mesh=mesh, **settings)
 
 
 # (model, schedule, stages, micro-batches per replica, remat, transfer_delay): None is the
@@ -47,8 +30,8 @@ CASES = [
 
 @pytest.mark.parametrize("name,schedule,stages,microbatches,remat,delay", CASES)
 def test_delayed_transfers_equal_sequential(name, schedule, stages, microbatches, remat, delay):
-  mesh = _two_slice_mesh(stages, 8 // stages)
-  model = _model(name, schedule, mesh, microbatches, remat, transfer_delay=delay)
+  mesh = lm.emulated_mesh(stages, slices=2)
+  model = lm.loss_sequential(name, schedule, mesh, microbatches, remat, transfer_delay=delay)
   crossing = (0, 1, 0, 1) if stages == 4 else (1, 1)
   expected = crossing if delay is None else tpipe.schedules.link_delays(delay, stages)
   assert model.spec.delays == expected and model.spec.table.delays == expected

@@ -240,6 +240,31 @@ def reference_losses(name):
   return numerics.float64_reference(jax.jit(run), random_params(name), x, targets)
 
 
+# Chunks per stage the tests give schedules that hold more than one (circular, interleaved 1F1B
+# and ZB-V run two).
+TWO_CHUNKS = ("circular", "interleaved_1f1b", "zbv")
+
+
+def emulated_mesh(stages, slices=1):
+  """A mesh of the 8 devices, ``stages`` x data ``8 // stages``; over two emulated slices of 4
+  devices (the stage axis across them) when ``slices == 2``."""
+  devices = jax.devices()[:8]
+  if slices == 1:
+    return tpipe.make_mesh(stages=stages, data=8 // stages)
+  return tpipe.make_mesh(stages=stages, data=8 // stages, dcn={"stage": 2},
+                         slices=[devices[:4], devices[4:]])
+
+
+def loss_sequential(name, schedule, mesh, microbatches, remat="full", **settings):
+  """Loss model ``name``'s layers in a ``tpipe.Sequential`` on ``mesh`` (its stages), with
+  ``targets`` per example, two chunks per stage for :data:`TWO_CHUNKS`, and ``settings``."""
+  layers, _, _, _ = loss_model(name)
+  return tpipe.Sequential(layers, num_stages=dict(mesh.shape)["stage"],
+                          num_microbatches=microbatches, schedule=schedule,
+                          num_repeats=2 if schedule in TWO_CHUNKS else 1, remat=remat,
+                          per_example=("targets",), mesh=mesh, **settings)
+
+
 def assert_loss_equals_sequential(model, name, microbatches):
   """Runs ``model``'s mean loss (``method="loss"``) and its gradients on loss model ``name``'s
   batch, placed as :func:`tpipe.data_sharding` says on ``model.spec.mesh``, and asserts them as
