@@ -20,7 +20,7 @@ _ = schedules.IDLE
 COSTS = {"F": 1.0, "B": 3.0, "BI": 2.0, "W": 1.0}
 
 
-def _hand_1f1b(tick=None, **changes):
+def _hand_1f1b(tick=None):
   """1F1B on 2 stages and 2 micro-batches in 5 ticks, tick 2 of two rows (stage 1 runs B0 and
   then F1 in it): one list per row of (action, micro-batch, stash slot) per stage."""
   rows = [  # (stage 0, stage 1) per row; a row is (action, micro-batch, slot).
@@ -38,7 +38,6 @@ def _hand_1f1b(tick=None, **changes):
         table[:, r, s] = cell
   args = dict(action=table[0], microbatch=table[1], chunk=np.where(table[0] >= 0, 0, _),
               stash_slot=table[2], tick=[0, 1, 2, 2, 3, 4] if tick is None else tick)
-  args.update(changes)
   return schedules.FusedSchedule("hand", 2, 2, 1, "loop", **args)
 
 

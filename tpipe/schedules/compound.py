@@ -94,7 +94,7 @@ def check_costs(costs, split: bool | None = None) -> dict[str, float]:
 def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
          costs: Mapping[str, float], *, in_flight: int | None = None,
          weight_backlog: int = 1, deeper_first: bool = True, backward_first: bool = True,
-         weight_fill: float = 1.0, delays=None) -> fused_lib.FusedSchedule:
+         delays=None) -> fused_lib.FusedSchedule:
   """Schedule ``name`` laid out in compound ticks for ``costs`` (see the module docstring).
 
   Args:
@@ -110,7 +110,6 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
     deeper_first: a stage with forwards of several chunks ready runs the deepest first.
     backward_first: where a stage's forward and backward would send the same way, keep the
       backward (else the forward).
-    weight_fill: ``W`` fills a stage's tick up to this times the costliest stage's tick.
     delays: per link, 0 or 1 extra tick (:func:`~tpipe.schedules.actions.link_delays`).
 
   Returns:
@@ -199,7 +198,7 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
             pending_w[s].append((m, c))
           else:
             holding[s] -= 1
-      while pending_w[s] and (spent[s] + costs["W"] <= busiest * weight_fill * (1 + 1e-9)
+      while pending_w[s] and (spent[s] + costs["W"] <= busiest * (1 + 1e-9)
                               or len(pending_w[s]) > weight_backlog or not work):
         m, c = pending_w[s].pop(0)
         work.append((Action.W, m, c))

@@ -327,50 +327,38 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, pl
   hops = actions_lib.hop_delays(placement, num_stages, num_chunks, delays)
   ready = lambda key, v, t: key in done and done[key] + (
       0 if key[2] == v else int(hops[min(key[2], v)])) < t
-  done, rows, position = {}, [], [0] * num_stages
-  free = [[] for _ in range(num_stages)]  # per stage: slots released so far.
-  held, used = {}, [0] * num_stages
+  done, ticks, position = {}, [], [0] * num_stages
   while any(position[s] < len(orders[s]) for s in range(num_stages)):
-    t = len(rows)
-    row = [(IDLE, IDLE, IDLE, IDLE)] * num_stages
+    t = len(ticks)
+    work = [[] for _ in range(num_stages)]
     for s in range(num_stages):
       if position[s] == len(orders[s]):
         continue
       kind, m, c = orders[s][position[s]]
       v = int(vstage[s, c])
       if all(ready(key, v, t) for key in actions_lib.dependencies(kind, m, v, num_virtual)):
-        if kind == Action.F:
-          k = min(free[s]) if free[s] else used[s]
-          free[s] = [i for i in free[s] if i != k]
-          used[s] = max(used[s], k + 1)
-          held[(s, m, c)] = k
-        k = held[(s, m, c)]
-        if kind in (Action.B, Action.W):
-          free[s].append(k)
-        row[s] = (kind, m, c, IDLE if forward_only else k)
+        work[s].append((kind, m, c))
         done[(actions_lib.EVENT[kind], m, v)] = t
         position[s] += 1
     waiting = {s: orders[s][position[s]] for s in range(num_stages)
                if position[s] < len(orders[s])}
     in_transit = any(all(key in done for key in actions_lib.dependencies(
         kind, m, int(vstage[s, c]), num_virtual)) for s, (kind, m, c) in waiting.items())
-    if all(r[0] == IDLE for r in row) and not in_transit:
+    if not any(work) and not in_transit:
       raise ValueError(f"{name}: the action orders deadlock at tick {t}; stages wait on {waiting}.")
-    rows.append(row)
-  table = np.array(rows, np.int32).transpose(2, 0, 1)
-  return FusedSchedule(name=name, num_stages=num_stages, num_microbatches=num_microbatches,
-                       num_chunks=num_chunks, placement=placement, action=table[0],
-                       microbatch=table[1], chunk=table[2], stash_slot=table[3],
-                       forward_only=forward_only, delays=delays)
+    ticks.append(work)
+  return from_ticks(name, num_stages, num_microbatches, num_chunks, placement, ticks,
+                    forward_only=forward_only, delays=delays)
 
 
 def from_ticks(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
                placement: str, ticks: list[list[list[tuple[Action, int, int]]]], *,
-               delays=None) -> FusedSchedule:
+               forward_only: bool = False, delays=None) -> FusedSchedule:
   """Builds a table from its ticks: ``ticks[t][s]`` lists the ``(action, micro-batch, local
   chunk)`` stage ``s`` runs in tick ``t``, in order (empty: idle). A tick gets as many rows as
-  its busiest stage has actions; a forward takes the stage's lowest free stash slot, and a slot
-  released by ``B`` or ``W`` is free from the next tick.
+  its busiest stage has actions (one row each where every stage runs at most one: no compound
+  tick); a forward takes the stage's lowest free stash slot (none in a ``forward_only``
+  table), and a slot released by ``B`` or ``W`` is free from the next tick.
 
   Raises:
     ValueError: the table fails validation (see :class:`FusedSchedule`).
@@ -398,7 +386,7 @@ def from_ticks(name: str, num_stages: int, num_microbatches: int, num_chunks: in
         k = held[(s, m, c)]
         if kind in (Action.B, Action.W):
           released.append((s, k))
-        block[lane][s] = (kind, m, c, k)
+        block[lane][s] = (kind, m, c, IDLE if forward_only else k)
     for s, k in released:
       free[s].append(k)
     rows += block
@@ -407,7 +395,7 @@ def from_ticks(name: str, num_stages: int, num_microbatches: int, num_chunks: in
   return FusedSchedule(name=name, num_stages=num_stages, num_microbatches=num_microbatches,
                        num_chunks=num_chunks, placement=placement, action=table[0],
                        microbatch=table[1], chunk=table[2], stash_slot=table[3],
-                       delays=delays, tick=np.array(tick, np.int32))
+                       forward_only=forward_only, delays=delays, tick=np.array(tick, np.int32))
 
 
 def whole_step(schedule) -> FusedSchedule:
