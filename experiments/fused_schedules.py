@@ -283,16 +283,17 @@ GPU_COSTS = {1: {"F": 4.2077, "B": 13.2811, "BI": 8.9954, "W": 4.2857},
              2: {"F": 2.1729, "B": 6.5595, "BI": 4.5436, "W": 2.0159}}
 
 
-def cost_sets(measured, tpu) -> list[tuple[str, Any]]:
-  """``(label, costs_of(name, repeats, measured costs) -> (costs, GPipe's costs))``: the cost
-  sets the compound tables are built and timed for. Under ``remat="none"`` a fused tick still
-  recomputes its chunk's forward for the backward, while GPipe's autodiff backward does not:
-  its ``B`` is one forward less."""
-  sets = [("FLOPs, remat full", lambda c, r, g: (c, g)),
-          ("FLOPs, remat none", lambda c, r, g: (c, dict(g, B=g["B"] - g["F"])))]
+def cost_sets(tpu) -> list[tuple[str, Any]]:
+  """``(label, costs_of(measured costs, chunks per stage, fused) -> costs)``: the cost sets the
+  compound tables are built and timed for. Under ``remat="none"`` a fused tick still recomputes
+  its chunk's forward for the backward, while a forward schedule's autodiff backward (GPipe,
+  circular) keeps the forward's residuals: its ``B`` is one forward less."""
+  without_recompute = lambda c, fused: c if fused else dict(c, B=c["B"] - c["F"])
+  sets = [("FLOPs, remat full", lambda c, r, fused: c),
+          ("FLOPs, remat none", lambda c, r, fused: without_recompute(c, fused))]
   if tpu is not None:
-    sets.append(("TPU v5p optimal_seconds", lambda c, r, g: (tpu[r], tpu[1])))
-  sets.append(("H200 wall time (width 2048)", lambda c, r, g: (GPU_COSTS[r], GPU_COSTS[1])))
+    sets.append(("TPU v5p optimal_seconds", lambda c, r, fused: tpu[r]))
+  sets.append(("H200 wall time (width 2048)", lambda c, r, fused: GPU_COSTS[r]))
   return sets
 
 
@@ -308,25 +309,27 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
   simulated beside its one-action table and GPipe under the same costs."""
   lines = [f"### Compound ticks (S = {stages}): a forward, a backward and weight work per tick",
            "", "Each fused table built by `tpipe.schedules.build(..., costs=)` for the cost set "
-           "and simulated under it; GPipe's step under the same costs (its own `B` under remat "
-           "none) is the reference.", "",
+           "and simulated under it; GPipe's step under the same costs is the reference (under "
+           "remat none GPipe's and circular's `B` keep the forward's residuals: one forward "
+           "less).", "",
            "| costs | schedule | M | ticks | actions per tick (most) | in flight (peak) | "
            "bubble: natural | neighbour-synchronised | bubble ratio | step / GPipe's | "
            "one action per tick: step / GPipe's |", "|---|" + "---|" * 10]
   gpipe_costs = {m: c for name, _, m, c in measured if name == "gpipe"}
-  for label, costs_of in cost_sets(measured, tpu):
+  for label, costs_of in cost_sets(tpu):
     for name, repeats, m, measured_costs in measured:
-      costs, gpipe_c = costs_of(measured_costs, repeats, gpipe_costs[m])
+      fused = tpipe.schedules.is_fused(name)
+      costs = costs_of(measured_costs, repeats, fused)
       gpipe = tpipe.schedules.whole_step(tpipe.schedules.build("gpipe", stages, m))
-      reference = gpipe.simulate(gpipe_c).neighbour
-      if not tpipe.schedules.is_fused(name):
+      reference = gpipe.simulate(costs_of(gpipe_costs[m], 1, False)).neighbour
+      if not fused:
         table = tpipe.schedules.whole_step(tpipe.schedules.build(name, stages, m, repeats))
         plain = None
       else:
         table = tpipe.schedules.build(name, stages, m, repeats, costs=costs)
         plain = tpipe.schedules.build(name, stages, m, repeats).simulate(costs).neighbour
-      timing = table.simulate(costs if name != "gpipe" else gpipe_c)
-      lanes = table.lanes if tpipe.schedules.is_fused(name) else 1
+      timing = table.simulate(costs)
+      lanes = table.lanes if fused else 1
       lines.append(
           f"| {label} | {name} | {m} | {table.num_ticks} | {lanes} | "
           f"{int(table.peak_in_flight().max())} | {timing.natural_bubble:.3f} | "
