@@ -27,7 +27,8 @@ schedule runs its backward inside its table) ahead of time, and reports:
   :mod:`tpipe.schedules.simulate` (dependency-driven, neighbour-synchronised: what the tick loop
   takes, lockstep), and the neighbour-synchronised step over GPipe's at the same M; and for the
   zero-bubble schedules ``(BI + W) / B``, the split backward's FLOPs over a fused backward's
-  (the B branches are compiled into the same program, unused).
+  (``B`` from the schedule that runs the same chunks unsplit, :data:`UNSPLIT`: the split
+  program compiles no ``B``).
 * **Per-action costs as the TPU sees them**: one chunk's F, B and BI compiled alone for one v5p
   chip, the TPU compiler's ``optimal_seconds`` for each (``W = B - BI``), and every table
   simulated under them beside the FLOP-based costs.
@@ -63,6 +64,9 @@ HEADS = 4
 # (name, chunks per stage)
 SCHEDULES = (("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved_1f1b", 2),
              ("zb_h1", 1), ("zbv", 2))
+# A split backward's program compiles no B (its table runs none): the fused B it is compared
+# with is the schedule that runs the same model chunks unsplit.
+UNSPLIT = {"zb_h1": "1f1b", "zbv": "interleaved_1f1b"}
 
 
 def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
@@ -124,7 +128,12 @@ def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
       peak = str(pipeline.loss_table.peak_in_flight().tolist())
       if name in ("zb_h1", "zbv") and costs is None and m == ms[0]:
         found = analysis.fused_flops(compiled, pipeline.loss_table, pipeline.programs())
-        flops.append((label, {k: float(np.mean(v)) for k, v in found.actions.items()}))
+        mean = {k: float(np.mean(v)) for k, v in found.actions.items()}
+        _, twin, twin_compiled = compile_step(UNSPLIT[name], repeats, stages=stages,
+                                              microbatches=m, num_layers=num_layers, **sizes)
+        mean["B"] = float(np.mean(analysis.fused_flops(
+            twin_compiled, twin.loss_table, twin.programs()).actions["B"]))
+        flops.append((label, mean))
     if label == "1f1b":
       one_f_one_b = temps[0]
     versus = f"{temps[0] / one_f_one_b:.2f}" if one_f_one_b else "-"
@@ -162,7 +171,9 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...],
       table = pipeline.loss_table
       found = analysis.fused_flops(compiled, table, pipeline.programs())
       mean = {k: float(np.mean(v)) for k, v in found.actions.items()}
-      costs = found.costs()
+      if name in UNSPLIT:  # B of the same chunks, from the unsplit schedule's program.
+        mean["B"] = next(c["B"] for n, _, mm, c in measured if (n, mm) == (UNSPLIT[name], m))
+      costs = dict(found.costs(), B=mean["B"])
       measured.append((name, repeats, m, costs))
       timing = table.simulate(costs)
       gpipe_step.setdefault(m, timing.neighbour)

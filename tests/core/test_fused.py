@@ -199,18 +199,22 @@ def test_fused_temporaries_stay_bounded_in_the_number_of_microbatches():
 
 
 def test_the_split_backward_does_the_work_of_one_backward():
-  """ZB-H1's BI and W together execute the FLOPs of one fused backward B (the program holds B's
-  branches too, unused), and BI alone saves the weight-gradient products W then forms."""
-  model, mesh = _model("blocks", "zb_h1", 2, 2)
-  x, targets = _inputs("blocks", mesh)
-  step = jax.jit(jax.grad(lm.pipelined_loss(model)))
-  compiled = step.lower(lm.random_params("blocks"), x, targets).compile()
-  programs = model.pipeline_for(x, targets=targets).programs()
-  found = analysis.fused_flops(compiled, model.spec.table, programs)
-  split, fused_backward = found.actions["BI"] + found.actions["W"], found.actions["B"]
-  np.testing.assert_allclose(split, fused_backward, rtol=0.05)
-  assert np.all(found.actions["W"] > 0.2 * fused_backward), found.actions
-  assert found.lockstep >= found.executed >= found.useful > 0, found
+  """ZB-H1's BI and W together execute the FLOPs of 1F1B's fused backward B, and BI alone saves
+  the weight-gradient products W then forms; its program compiles no B (the table runs none)."""
+  found = {}
+  for schedule in ("zb_h1", "1f1b"):
+    model, mesh = _model("blocks", schedule, 2, 2)
+    x, targets = _inputs("blocks", mesh)
+    step = jax.jit(jax.grad(lm.pipelined_loss(model)))
+    compiled = step.lower(lm.random_params("blocks"), x, targets).compile()
+    programs = model.pipeline_for(x, targets=targets).programs()
+    found[schedule] = analysis.fused_flops(compiled, model.spec.table, programs)
+  split, fused_backward = found["zb_h1"].actions, found["1f1b"].actions["B"]
+  assert np.isnan(split["B"]).all() and np.isnan(found["1f1b"].actions["BI"]).all()
+  np.testing.assert_allclose(split["F"], found["1f1b"].actions["F"], rtol=0.05)
+  np.testing.assert_allclose(split["BI"] + split["W"], fused_backward, rtol=0.05)
+  assert np.all(split["W"] > 0.2 * fused_backward), split
+  assert found["zb_h1"].lockstep >= found["zb_h1"].executed >= found["zb_h1"].useful > 0
 
 
 @pytest.mark.parametrize("schedule,stages", [("1f1b", 4), ("zbv", 2)])

@@ -11,13 +11,15 @@ table as one SPMD program:
 * One ``lax.scan`` over the table's ticks inside ``jax.shard_map``. Each tick every device looks
   up its action and runs it as one branch of a ``lax.switch`` (idle, or ``F``, ``B``, ``BI``,
   ``W`` of one chunk program, :class:`tpipe.core.chunks.ChunkSet`); the branches hold no
-  collective. A compound tick (several actions of a stage in one tick,
-  :mod:`tpipe.schedules.compound`) runs its rows as lanes: one switch per lane, one after
-  another, each reading its message from the mailbox and writing the stash as a tick of its
-  own would; the tick's messages leave once, after the last lane (a table sends at most one
-  each way per tick). The lanes are separate switches rather than one branch per combination
-  of actions: on one device the work is serial either way, and the switches share one set of
-  chunk programs where combinations would multiply them.
+  collective. A switch holds only the branches the table runs in it
+  (:func:`tpipe.core.tick_rows.lane_switches`): a split backward's program has no ``B``. A
+  compound tick (several actions of a stage in one tick, :mod:`tpipe.schedules.compound`) runs
+  its rows as lanes: one switch per lane, one after another, each reading its message from the
+  mailbox and writing the stash as a tick of its own would; the tick's messages leave once,
+  after the last lane (a table sends at most one each way per tick). The lanes are separate
+  switches rather than one branch per combination of actions: on one device the work is serial
+  either way, and the switches share one set of chunk programs where combinations would
+  multiply them.
 * ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
   activation from the stage's mailbox) and keeps that input in a **stash slot** of the table. A
   stage allocates as many slots as the table's peak of micro-batches in flight (``min(S, M)``
@@ -193,6 +195,7 @@ class _Run:
     self.chunkset, self.schedule, self.axes = chunkset, schedule, axes
     self.split = is_split(schedule)
     self.rows_table = tick_rows.tick_rows(schedule, chunkset.branch_of_chunk)
+    self.switches = tick_rows.lane_switches(schedule, chunkset.branch_of_chunk)
     # Set per call: the global batch, whether its rows split over stages, the inputs' conveyor
     # and the scan's rows with its slots.
     self.global_batch, self.over_stages, self.conveyor = 0, False, None
@@ -341,13 +344,20 @@ class _Run:
     collect = schedule.forward_only
     if self.split:
       self._learn_taps(device)
-    branches = [lambda state, weights, *a: (state, weights, axes.vary(device.ring_zero))]
-    branches += [self.forward_branch(b, device, collect) for b in range(count)]
-    if not collect:
-      branches += [self.backward_branch(b, device, False) for b in range(count)]
-    if self.split:
-      branches += [self.backward_branch(b, device, True) for b in range(count)]
-      branches += [self.weight_branch(b, device) for b in range(count)]
+
+    def branch(number):  # tick_rows.tick_branches' numbering: idle, then action * count + b.
+      if number == 0:
+        return lambda state, weights, *a: (state, weights, axes.vary(device.ring_zero))
+      action, b = divmod(number - 1, count)
+      if action == Action.F:
+        return self.forward_branch(b, device, collect)
+      if action == Action.W:
+        return self.weight_branch(b, device)
+      return self.backward_branch(b, device, tapped=action == Action.BI)
+
+    # Each lane switches over the branches the table runs in it only: a split table's B, or
+    # the kinds a compound tick runs in its other lanes, are never traced nor compiled.
+    switches = [[branch(n) for n in numbers] for numbers in self.switches]
     # Named scopes let a memory breakdown (tpipe.tools.peak) tell the buffers apart.
     with jax.named_scope(spmd.GRADIENTS_SCOPE):
       carry = {"state": axes.vary(self._initial_state(device, collect))}
@@ -381,8 +391,9 @@ class _Run:
         fresh, carry = device.fresh(carry, step["microbatch"],
                                     row[streaming.ROW][stage] if self.conveyor else None)
         state, weights, send = lax.switch(
-            step["branch"], branches, state, weights, msg, spmd.read_slot(stash, step["stash"]),
-            fresh, step["microbatch"], step["chunk"], step["weight_slot"])
+            step["branch"], switches[lane], state, weights, msg,
+            spmd.read_slot(stash, step["stash"]), fresh, step["microbatch"], step["chunk"],
+            step["weight_slot"])
         sends.append((send, step))
       arrived, pending = self._send(sends, carry.get("pending"))
       out = {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,

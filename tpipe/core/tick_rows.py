@@ -1,9 +1,9 @@
 """A fused table as the rows the tick loop scans over (NumPy).
 
 Per tick and lane (one step of a compound tick, :attr:`tpipe.schedules.FusedSchedule.lanes`),
-per stage: the ``lax.switch`` branch (:func:`tick_branches`), the micro-batch, the stash, weight
-(:func:`weight_slots`) and mailbox slots, and where the step sends; per tick, where arriving
-messages go. :mod:`tpipe.core.fused` runs them.
+per stage: the ``lax.switch`` branch (:func:`tick_branches`, :func:`lane_switches`), the
+micro-batch, the stash, weight (:func:`weight_slots`) and mailbox slots, and where the step
+sends; per tick, where arriving messages go. :mod:`tpipe.core.fused` runs them.
 """
 
 from __future__ import annotations
@@ -48,6 +48,17 @@ def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarr
   return branch.astype(np.int32), v.astype(np.int32)
 
 
+def lane_switches(schedule: schedules.FusedSchedule, programs) -> list[tuple[int, ...]]:
+  """Per lane (:func:`by_lanes`), the :func:`tick_branches` numbers its ``lax.switch`` holds,
+  ascending: idle (0) and the branches the table runs in that lane, on any tick and stage. A
+  branch no entry of the lane runs is left out of its switch (a split backward's table never
+  runs ``B``; a compound tick's lanes each run a few kinds), so the program compiles only what
+  the table runs."""
+  branch = by_lanes(schedule, tick_branches(schedule, programs)[0])
+  return [tuple(int(b) for b in np.union1d([0], branch[:, lane])) for lane in
+          range(schedule.lanes)]
+
+
 def by_lanes(schedule: schedules.FusedSchedule, table: np.ndarray, fill=0) -> np.ndarray:
   """A per-row table ``[R, S, ...]`` as ``[T, L, S, ...]``: each tick's rows in its lanes (the
   steps the loop runs in a tick), a tick with fewer rows than :attr:`lanes` padded with
@@ -61,11 +72,15 @@ def by_lanes(schedule: schedules.FusedSchedule, table: np.ndarray, fill=0) -> np
 
 def tick_rows(schedule: schedules.FusedSchedule, branch_of_chunk) -> dict:
   """The per-tick rows the scan consumes: ``lanes``, each ``[T, L, S]`` (one step of a tick per
-  lane, see :func:`by_lanes` and :func:`tick_branches`; ``branch_of_chunk`` is the chunk program
+  lane, see :func:`by_lanes`; ``branch`` is the position in the lane's switch of the
+  :func:`tick_branches` number, :func:`lane_switches`; ``branch_of_chunk`` is the chunk program
   of each model chunk), and ``arrival``, ``[T, S, 3]``."""
   branch, v = tick_branches(schedule, branch_of_chunk)
+  switches = lane_switches(schedule, branch_of_chunk)
+  branch = by_lanes(schedule, branch)
+  for lane, numbers in enumerate(switches):  # Each lane's position in its own switch.
+    branch[:, lane] = np.searchsorted(numbers, branch[:, lane])
   lanes = {
-      "branch": branch,
       "chunk": v,
       "microbatch": np.maximum(schedule.microbatch, 0),
       "stash": np.maximum(schedule.stash_slot, 0),
@@ -76,5 +91,6 @@ def tick_rows(schedule: schedules.FusedSchedule, branch_of_chunk) -> dict:
       "recv_slot": np.maximum(schedule.recv_slot, 0),
       "weight_slot": weight_slots(schedule),
   }
-  return {"lanes": {key: by_lanes(schedule, value) for key, value in lanes.items()},
-          "arrival": schedule.arrival_slots()[schedule.first_rows()]}
+  lanes = {key: by_lanes(schedule, value) for key, value in lanes.items()}
+  lanes["branch"] = branch
+  return {"lanes": lanes, "arrival": schedule.arrival_slots()[schedule.first_rows()]}

@@ -369,9 +369,10 @@ def fused_flops(compiled, schedule, programs=None,
   """Per-action and per-stage FLOPs of a step compiled with a fused schedule.
 
   The tick loop is the ``while`` loop whose trip count is ``schedule.num_ticks``; its
-  conditional (one per lane of a compound tick) has ``1 + k * B`` branches (idle, then ``F``,
-  ``B``, ``BI``, ``W`` for each of the ``B`` distinct chunk programs, as
-  :func:`tpipe.core.tick_rows.tick_branches` numbers them; the last two only for a split backward).
+  conditionals (one per lane of a compound tick) hold the idle branch and the actions the table
+  runs in that lane (:func:`tpipe.core.tick_rows.lane_switches`): ``F``, ``B``, ``BI``, ``W`` of
+  the distinct chunk programs. An action the table never runs is in no conditional, and its
+  FLOPs are NaN (``B`` of a split backward: compare with a table that runs it).
 
   Args:
     compiled: a :class:`jax.stages.Compiled` (or its HLO text) of a step that differentiates a
@@ -394,35 +395,44 @@ def fused_flops(compiled, schedule, programs=None,
   num_virtual = schedule.num_stages * schedule.num_chunks
   programs = list(range(num_virtual)) if programs is None else list(programs)
   count = max(programs) + 1
+  # The lanes' switches, in the order the body runs them (each lane's state feeds the next);
+  # a switch of the idle branch alone compiles to no conditional.
+  switches = [n for n in tick_rows.lane_switches(schedule, programs) if len(n) > 1]
+  sizes = [len(n) for n in switches]
   found = None
   for loop in loops:
+    conditionals = []
     for ins in module.computations[loop.body].instructions:
       if ins.opcode == "conditional":
-        names = [n.strip().lstrip("%") for n in
-                 (ins.attr("branch_computations") or "").strip("{}").split(",") if n.strip()]
-        if len(names) in (1 + 2 * count, 1 + 4 * count) and found is None:
-          found = (loop, ins, names)
+        conditionals.append([n.strip().lstrip("%") for n in
+                             (ins.attr("branch_computations") or "").strip("{}").split(",")
+                             if n.strip()])
+    if [len(names) for names in conditionals] == sizes and found is None:
+      found = (loop, conditionals)
   if found is None:
-    raise ValueError(f"No tick loop of {schedule.num_ticks} trips with a conditional of "
-                     f"{1 + 2 * count} or {1 + 4 * count} branches was found; pass the schedule "
-                     "the step was compiled with and its pipeline's programs().")
-  loop, _, names = found
-  branch = np.array([counter.computation(n)[0] for n in names])
+    raise ValueError(f"No tick loop of {schedule.num_ticks} trips with conditionals of "
+                     f"{sizes} branches was found; pass the schedule the step was compiled with "
+                     "and its pipeline's programs().")
+  loop, conditionals = found
+  # FLOPs of each branch number (tick_rows.tick_branches), less its lane's idle branch.
+  action_cost, busiest = {}, 0.0
+  for numbers, names in zip(switches, conditionals):
+    branch_flops = [counter.computation(n)[0] for n in names]
+    idle = branch_flops[0]
+    busiest += max(branch_flops) - idle
+    for number, value in zip(numbers[1:], branch_flops[1:]):
+      action_cost.setdefault(number, value - idle)
   kinds = ("F", "B", "BI", "W")
-  actions = {}
-  for k, kind in enumerate(kinds):
-    part = branch[1 + k * count:1 + (k + 1) * count]
-    actions[kind] = (part[programs] - branch[0] if part.size
-                     else np.full(num_virtual, np.nan))
+  actions = {kind: np.array([action_cost.get(1 + k * count + p, np.nan) for p in programs])
+             for k, kind in enumerate(kinds)}
   table, _ = tick_rows.tick_branches(schedule, programs)
-  action_flops = np.where(table > 0, branch[table] - branch[0], 0.0)  # Per row.
+  action_flops = np.array([[action_cost.get(int(n), 0.0) for n in row] for row in table])
   per_tick = np.zeros((schedule.num_ticks, schedule.num_stages))
   np.add.at(per_tick, schedule.tick, action_flops)
   total = (flops if flops is not None else flop_count(compiled)).executed
   # The whole-program count takes each conditional's costliest branch on every trip; what is
-  # not an action is the rest (the idle branch's own FLOPs count as routing, like every tick's).
-  overhead = total - loop.outer * schedule.num_ticks * schedule.lanes * float(
-      np.max(branch) - branch[0])
+  # not an action is the rest (the idle branches' own FLOPs count as routing, like every tick's).
+  overhead = total - loop.outer * schedule.num_ticks * busiest
   return FusedFlops(actions=actions, per_stage=loop.outer * action_flops.sum(axis=0),
                     lockstep=loop.outer * float(per_tick.max(axis=1).sum()) + overhead,
                     overhead=overhead, num_stages=schedule.num_stages,
