@@ -287,6 +287,31 @@ def test_weight_slots_are_never_shared_and_fit_the_peak_awaiting_w(name, stages,
     assert slots[:, s].max() + 1 == awaiting[:, s].max()
 
 
+@pytest.mark.parametrize("name,costs", [("1f1b", None), ("zb_h1", None), ("zbv", None),
+                                        ("1f1b", {"F": 1, "B": 3}),
+                                        ("zbv", {"F": 1, "BI": 2, "W": 1})])
+def test_each_lane_switches_over_the_branches_it_runs_only(name, costs):
+  """The tick loop's switch of each lane holds idle and exactly the branches the table runs in
+  that lane (a split table no B), and a row's position in it names the table's branch."""
+  from tpipe.core import tick_rows  # pylint: disable=g-import-not-at-top
+
+  table = schedules.make_fused_schedule(name, 3, 4, costs=costs)
+  programs = list(range(table.num_stages * table.num_chunks))
+  numbers, _ = tick_rows.tick_branches(table, programs)
+  by_lane = tick_rows.by_lanes(table, numbers)
+  switches = tick_rows.lane_switches(table, programs)
+  positions = tick_rows.tick_rows(table, programs)["lanes"]["branch"]
+  assert len(switches) == table.lanes == (2 if costs else 1)
+  for lane, switch in enumerate(switches):
+    assert switch == tuple(sorted({0} | set(by_lane[:, lane].ravel().tolist())))
+    np.testing.assert_array_equal(np.asarray(switch)[positions[:, lane]], by_lane[:, lane])
+  count = len(programs)
+  kinds = {schedules.Action((n - 1) // count).name for switch in switches for n in switch if n}
+  assert kinds == ({"F", "BI", "W"} if name != "1f1b" else {"F", "B"})
+  if costs:  # A compound table runs different kinds in its lanes: neither lane holds all.
+    assert all(len(switch) < 1 + len(kinds) * count for switch in switches), switches
+
+
 def test_module_doctests_pass():
   result = doctest.testmod(importlib.import_module("tpipe.schedules.fused"))
   assert result.attempted >= 7 and result.failed == 0
