@@ -115,7 +115,8 @@ def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
            for name, repeats in SCHEDULES if name in costs_of and tpipe.schedules.is_fused(name)]
   rows += [(f"{name}, weight_recompute", name, repeats, None, True)
            for name, repeats in SCHEDULES if name in ("zb_h1", "zbv")]
-  one_f_one_b, flops = None, []
+  # SCHEDULES lists the unsplit schedules first, so their B is there for the split rows.
+  one_f_one_b, flops, fused_backward = None, [], {}
   for label, name, repeats, costs, recompute in rows:
     temps, peak = [], "-"
     for m in ms:
@@ -126,14 +127,13 @@ def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
       # GPipe and circular under remat full run their forward and backward ticks as one table,
       # whose stash holds one input per micro-batch chunk.
       peak = str(pipeline.loss_table.peak_in_flight().tolist())
-      if name in ("zb_h1", "zbv") and costs is None and m == ms[0]:
+      if label in UNSPLIT.values() and m == ms[0]:  # B of the chunks the split rows run.
+        fused_backward[label] = float(np.mean(analysis.fused_flops(
+            compiled, pipeline.loss_table, pipeline.programs()).actions["B"]))
+      if name in UNSPLIT and costs is None and m == ms[0]:
         found = analysis.fused_flops(compiled, pipeline.loss_table, pipeline.programs())
         mean = {k: float(np.mean(v)) for k, v in found.actions.items()}
-        _, twin, twin_compiled = compile_step(UNSPLIT[name], repeats, stages=stages,
-                                              microbatches=m, num_layers=num_layers, **sizes)
-        mean["B"] = float(np.mean(analysis.fused_flops(
-            twin_compiled, twin.loss_table, twin.programs()).actions["B"]))
-        flops.append((label, mean))
+        flops.append((label, dict(mean, B=fused_backward[UNSPLIT[name]])))
     if label == "1f1b":
       one_f_one_b = temps[0]
     versus = f"{temps[0] / one_f_one_b:.2f}" if one_f_one_b else "-"

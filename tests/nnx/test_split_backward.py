@@ -67,31 +67,32 @@ def _flops(compiled, pipeline):
   return analysis.fused_flops(compiled, pipeline.spec.table, pipeline.programs())
 
 
-@functools.cache
-def _nnx(schedule):
-  """The NNX LM's compiled ``(objective(loss), gradients)`` step, its results and FLOPs."""
-  model, x, kwargs = nnx_models.pipelined("lm", **_settings(schedule))
+def _compiled(schedule, run=None):
+  """The case's NNX LM (run with ``run``, default its own schedule): its compiled
+  ``(objective(loss), gradients)`` step, the step's arguments and the pipeline's programs."""
+  model, x, kwargs = nnx_models.pipelined("lm", **_settings(schedule, run))
   graphdef, state = nnx.split(model)
 
   def objective(state, x, kwargs):
     return nnx_models.objective(nnx.merge(graphdef, state).loss(x, **kwargs))
 
   compiled = jax.jit(jax.value_and_grad(objective)).lower(state, x, kwargs).compile()
-  value, grads = compiled(state, x, kwargs)
-  return value, grads, _flops(compiled, model.pipeline_for(x, **kwargs))
+  return compiled, (state, x, kwargs), model.pipeline_for(x, **kwargs)
+
+
+@functools.cache
+def _nnx(schedule):
+  """The NNX LM's compiled ``(objective(loss), gradients)`` step, its results and FLOPs."""
+  compiled, arguments, pipeline = _compiled(schedule)
+  value, grads = compiled(*arguments)
+  return value, grads, _flops(compiled, pipeline)
 
 
 @functools.cache
 def _fused_backward(schedule):
   """Per model chunk, the FLOPs of B in the case's NNX LM run with its :data:`UNSPLIT` twin."""
-  model, x, kwargs = nnx_models.pipelined("lm", **_settings(schedule, UNSPLIT[schedule]))
-  graphdef, state = nnx.split(model)
-
-  def objective(state, x, kwargs):
-    return nnx_models.objective(nnx.merge(graphdef, state).loss(x, **kwargs))
-
-  compiled = jax.jit(jax.grad(objective)).lower(state, x, kwargs).compile()
-  return _flops(compiled, model.pipeline_for(x, **kwargs)).actions["B"]
+  compiled, _, pipeline = _compiled(schedule, UNSPLIT[schedule])
+  return _flops(compiled, pipeline).actions["B"]
 
 
 @functools.cache

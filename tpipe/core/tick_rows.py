@@ -54,9 +54,13 @@ def lane_switches(schedule: schedules.FusedSchedule, programs) -> list[tuple[int
   branch no entry of the lane runs is left out of its switch (a split backward's table never
   runs ``B``; a compound tick's lanes each run a few kinds), so the program compiles only what
   the table runs."""
-  branch = by_lanes(schedule, tick_branches(schedule, programs)[0])
-  return [tuple(int(b) for b in np.union1d([0], branch[:, lane])) for lane in
-          range(schedule.lanes)]
+  return _switches(by_lanes(schedule, tick_branches(schedule, programs)[0]))
+
+
+def _switches(branch: np.ndarray) -> list[tuple[int, ...]]:
+  """:func:`lane_switches` of the ``[T, L, S]`` branch numbers :func:`by_lanes` gives."""
+  return [tuple(int(b) for b in np.union1d([0], branch[:, lane]))
+          for lane in range(branch.shape[1])]
 
 
 def by_lanes(schedule: schedules.FusedSchedule, table: np.ndarray, fill=0) -> np.ndarray:
@@ -76,9 +80,8 @@ def tick_rows(schedule: schedules.FusedSchedule, branch_of_chunk) -> dict:
   :func:`tick_branches` number, :func:`lane_switches`; ``branch_of_chunk`` is the chunk program
   of each model chunk), and ``arrival``, ``[T, S, 3]``."""
   branch, v = tick_branches(schedule, branch_of_chunk)
-  switches = lane_switches(schedule, branch_of_chunk)
   branch = by_lanes(schedule, branch)
-  for lane, numbers in enumerate(switches):  # Each lane's position in its own switch.
+  for lane, numbers in enumerate(_switches(branch)):  # Each lane's position in its switch.
     branch[:, lane] = np.searchsorted(numbers, branch[:, lane])
   lanes = {
       "chunk": v,

@@ -395,9 +395,8 @@ def fused_flops(compiled, schedule, programs=None,
   num_virtual = schedule.num_stages * schedule.num_chunks
   programs = list(range(num_virtual)) if programs is None else list(programs)
   count = max(programs) + 1
-  # The lanes' switches, in the order the body runs them (each lane's state feeds the next);
-  # a switch of the idle branch alone compiles to no conditional.
-  switches = [n for n in tick_rows.lane_switches(schedule, programs) if len(n) > 1]
+  # The lanes' switches, in the order the body runs them (each lane's state feeds the next).
+  switches = tick_rows.lane_switches(schedule, programs)
   sizes = [len(n) for n in switches]
   found = None
   for loop in loops:
@@ -414,19 +413,18 @@ def fused_flops(compiled, schedule, programs=None,
                      f"{sizes} branches was found; pass the schedule the step was compiled with "
                      "and its pipeline's programs().")
   loop, conditionals = found
-  # FLOPs of each branch number (tick_rows.tick_branches), less its lane's idle branch.
-  action_cost, busiest = {}, 0.0
-  for numbers, names in zip(switches, conditionals):
-    branch_flops = [counter.computation(n)[0] for n in names]
-    idle = branch_flops[0]
-    busiest += max(branch_flops) - idle
-    for number, value in zip(numbers[1:], branch_flops[1:]):
-      action_cost.setdefault(number, value - idle)
+  # FLOPs of each branch number (tick_rows.tick_branches) less its lane's idle branch; NaN for
+  # a branch no lane holds.
   kinds = ("F", "B", "BI", "W")
-  actions = {kind: np.array([action_cost.get(1 + k * count + p, np.nan) for p in programs])
+  action_cost, busiest = np.full(1 + len(kinds) * count, np.nan), 0.0
+  for numbers, names in zip(switches, conditionals):
+    branch_flops = np.array([counter.computation(n)[0] for n in names])
+    busiest += float(branch_flops.max() - branch_flops[0])
+    action_cost[list(numbers)] = branch_flops - branch_flops[0]
+  actions = {kind: action_cost[1 + k * count + np.asarray(programs)]
              for k, kind in enumerate(kinds)}
   table, _ = tick_rows.tick_branches(schedule, programs)
-  action_flops = np.array([[action_cost.get(int(n), 0.0) for n in row] for row in table])
+  action_flops = np.where(table > 0, action_cost[table], 0.0)  # Per row.
   per_tick = np.zeros((schedule.num_ticks, schedule.num_stages))
   np.add.at(per_tick, schedule.tick, action_flops)
   total = (flops if flops is not None else flop_count(compiled)).executed
