@@ -227,13 +227,16 @@ class _Run:
     self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
 
   # ------------------------------------------------------------------------------------------
-  # Branches: fn(device, state, weights, msg, stashed, fresh, mb, chunk, weight_slot)
-  #   -> (state, weights, send).
+  # Branches: fn(state, filed, msg, stashed, fresh, mb, chunk) -> (state, filed, send), where
+  # ``filed`` is the content of the step's weight slot: BI returns what it files there, W reads
+  # it, every other branch hands it back. The loop reads and writes the slot outside the switch,
+  # so the weight slots' buffer never enters a branch (a branch that updated it in place would
+  # make XLA copy the whole buffer).
 
   def forward_branch(self, b: int, device: _Device, collect: bool):
 
-    def branch(state, weights, msg, stashed, fresh, mb, chunk, weight_slot):
-      del stashed, weight_slot
+    def branch(state, filed, msg, stashed, fresh, mb, chunk):
+      del stashed
       to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg, fresh), chunk)
       last = device.is_last(chunk)
       if collect:
@@ -242,13 +245,13 @@ class _Run:
         loss = jnp.where(last, jnp.sum(output).astype(jnp.float32), 0.0)
         state = dict(state, loss=state["loss"] + loss)
       # The last chunk sends nothing: the routing tables zero its message.
-      return state, weights, device.run.axes.vary(to_next)
+      return state, filed, device.run.axes.vary(to_next)
 
     return branch
 
   def backward_branch(self, b: int, device: _Device, tapped: bool):
 
-    def branch(state, weights, msg, stashed, fresh, mb, chunk, weight_slot):
+    def branch(state, filed, msg, stashed, fresh, mb, chunk):
       fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
       if self.unitwise and not tapped:
         outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
@@ -260,7 +263,7 @@ class _Run:
         g_pex = g_side[len(_floats(broadcast)):]
         state = self._file_grads(device, dict(state, params=sums), None,
                                  (g_fresh, g_broadcast, g_pex), mb)
-        return state, weights, device.send_of(stashed, g_in)
+        return state, filed, device.send_of(stashed, g_in)
       taps = self._zero_taps(b, device) if tapped else None
       diff = (device.staged, fresh, stashed, broadcast, pex, taps)
 
@@ -282,27 +285,27 @@ class _Run:
       state = self._file_grads(device, state, g_params, (g_fresh, g_broadcast, g_pex), mb)
       if tapped:
         output_grads = _with_floats(taps, g_taps)
-        filed = packing.pack(output_grads if self.recompute else (records, output_grads),
-                             self.weight_layouts[b], self.weight_sizes)
-        weights = spmd.write_slot(weights, weight_slot, device.run.axes.vary(filed))
-      return state, weights, device.send_of(stashed, g_in)
+        filed = device.run.axes.vary(packing.pack(
+            output_grads if self.recompute else (records, output_grads),
+            self.weight_layouts[b], self.weight_sizes))
+      return state, filed, device.send_of(stashed, g_in)
 
     return branch
 
   def weight_branch(self, b: int, device: _Device):
 
-    def branch(state, weights, msg, stashed, fresh, mb, chunk, weight_slot):
-      filed = packing.unpack(spmd.read_slot(weights, weight_slot), self.weight_layouts[b])
+    def branch(state, filed, msg, stashed, fresh, mb, chunk):
+      unpacked = packing.unpack(filed, self.weight_layouts[b])
       if self.recompute:  # The tapped operations' inputs again, from the stashed input.
         fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
         _, (records, _) = self.tapped[b](device.staged, fresh, stashed, broadcast, pex, rngs,
                                          microbatch, chunk, None)
-        output_grads = filed
+        output_grads = unpacked
       else:
-        records, output_grads = filed
+        records, output_grads = unpacked
       grads = self.weights[b](device.staged, chunk, records, output_grads)
       state = dict(state, params=[u + w for u, w in zip(state["params"], _floats(grads))])
-      return state, weights, device.run.axes.vary(device.ring_zero)
+      return state, filed, device.run.axes.vary(device.ring_zero)
 
     return branch
 
@@ -347,7 +350,7 @@ class _Run:
 
     def branch(number):  # tick_rows.tick_branches' numbering: idle, then action * count + b.
       if number == 0:
-        return lambda state, weights, *a: (state, weights, axes.vary(device.ring_zero))
+        return lambda state, filed, *a: (state, filed, axes.vary(device.ring_zero))
       action, b = divmod(number - 1, count)
       if action == Action.F:
         return self.forward_branch(b, device, collect)
@@ -390,10 +393,10 @@ class _Run:
           stash = spmd.write_slot(stash, step["stash"], msg, step["forward"])
         fresh, carry = device.fresh(carry, step["microbatch"],
                                     row[streaming.ROW][stage] if self.conveyor else None)
-        state, weights, send = lax.switch(
-            step["branch"], switches[lane], state, weights, msg,
-            spmd.read_slot(stash, step["stash"]), fresh, step["microbatch"], step["chunk"],
-            step["weight_slot"])
+        state, filed, send = lax.switch(
+            step["branch"], switches[lane], state, spmd.read_slot(weights, step["weight_slot"]),
+            msg, spmd.read_slot(stash, step["stash"]), fresh, step["microbatch"], step["chunk"])
+        weights = spmd.write_slot(weights, step["weight_slot"], filed)
         sends.append((send, step))
       arrived, pending = self._send(sends, carry.get("pending"))
       out = {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,
