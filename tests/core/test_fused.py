@@ -29,6 +29,7 @@ import pytest
 import tpipe
 from tests.helpers import linen_models as lm
 from tests.helpers import numerics
+from tpipe.core import spmd
 from tpipe.tools import analysis
 from tpipe.tools import hlo as hlo_lib
 
@@ -215,6 +216,25 @@ def test_the_split_backward_does_the_work_of_one_backward():
   np.testing.assert_allclose(split["BI"] + split["W"], fused_backward, rtol=0.05)
   assert np.all(split["W"] > 0.2 * fused_backward), split
   assert found["zb_h1"].lockstep >= found["zb_h1"].executed >= found["zb_h1"].useful > 0
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
+def test_bi_files_its_weight_slot_without_copying_the_slots_buffer(schedule):
+  """The weight slots (what BI hands to W, the largest buffer of the stash scope) are updated one
+  slot at a time: no copy of the whole buffer in the compiled step. (Going into the tick's
+  switch, the buffer was copied whole in every BI branch, in XLA's copies for updating a
+  conditional's operand in place: 131.7 instead of 98.0 MiB for ZB-H1 in fused_schedules.)"""
+  model, mesh = _model("blocks", schedule, 2, 4)  # 2 and 3 slots: one slot is the buffer
+  x, targets = _inputs("blocks", mesh)
+  step = jax.jit(jax.grad(lm.pipelined_loss(model)))
+  module = hlo_lib.module_of(step.lower(lm.random_params("blocks"), x, targets).compile())
+  dims = lambda ins: [(a.dtype, a.dims) for a in hlo_lib.parse_shape(ins.shape)]
+  stash = [ins for _, ins in module.instructions() if spmd.STASH_SCOPE in ins.attrs]
+  slots = max(stash, key=lambda ins: hlo_lib.shape_bytes(ins.shape))
+  assert dims(slots)[0][1][0] == model.spec.table.awaiting_weight().max(), slots.shape
+  copies = [ins.shape for _, ins in module.instructions()
+            if ins.opcode == "copy" and dims(ins) == dims(slots)]
+  assert not copies, (slots.shape, copies)
 
 
 @pytest.mark.parametrize("schedule,stages", [("1f1b", 4), ("zbv", 2)])
