@@ -227,16 +227,17 @@ class _Run:
     self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
 
   # ------------------------------------------------------------------------------------------
-  # Branches: fn(state, filed, msg, stashed, fresh, mb, chunk) -> (state, filed, send), where
-  # ``filed`` is the content of the step's weight slot: BI returns what it files there, W reads
-  # it, every other branch hands it back. The loop reads and writes the slot outside the switch,
-  # so the weight slots' buffer never enters a branch (a branch that updated it in place would
-  # make XLA copy the whole buffer).
+  # Branches: fn(state, weights, slot, msg, stashed, fresh, mb, chunk) -> (state, filed, send),
+  # where ``filed`` is what the step's weight slot ``weights[slot]`` holds after the step: BI
+  # returns what it files there, every other branch the slot as it is (W reads it). The loop
+  # writes it after the switch: a branch that updated the weight slots' buffer in place would
+  # make XLA copy the whole buffer.
 
   def forward_branch(self, b: int, device: _Device, collect: bool):
 
-    def branch(state, filed, msg, stashed, fresh, mb, chunk):
+    def branch(state, weights, slot, msg, stashed, fresh, mb, chunk):
       del stashed
+      filed = spmd.read_slot(weights, slot)
       to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg, fresh), chunk)
       last = device.is_last(chunk)
       if collect:
@@ -251,7 +252,7 @@ class _Run:
 
   def backward_branch(self, b: int, device: _Device, tapped: bool):
 
-    def branch(state, filed, msg, stashed, fresh, mb, chunk):
+    def branch(state, weights, slot, msg, stashed, fresh, mb, chunk):
       fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
       if self.unitwise and not tapped:
         outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
@@ -263,7 +264,7 @@ class _Run:
         g_pex = g_side[len(_floats(broadcast)):]
         state = self._file_grads(device, dict(state, params=sums), None,
                                  (g_fresh, g_broadcast, g_pex), mb)
-        return state, filed, device.send_of(stashed, g_in)
+        return state, spmd.read_slot(weights, slot), device.send_of(stashed, g_in)
       taps = self._zero_taps(b, device) if tapped else None
       diff = (device.staged, fresh, stashed, broadcast, pex, taps)
 
@@ -288,13 +289,16 @@ class _Run:
         filed = device.run.axes.vary(packing.pack(
             output_grads if self.recompute else (records, output_grads),
             self.weight_layouts[b], self.weight_sizes))
+      else:
+        filed = spmd.read_slot(weights, slot)
       return state, filed, device.send_of(stashed, g_in)
 
     return branch
 
   def weight_branch(self, b: int, device: _Device):
 
-    def branch(state, filed, msg, stashed, fresh, mb, chunk):
+    def branch(state, weights, slot, msg, stashed, fresh, mb, chunk):
+      filed = spmd.read_slot(weights, slot)
       unpacked = packing.unpack(filed, self.weight_layouts[b])
       if self.recompute:  # The tapped operations' inputs again, from the stashed input.
         fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
@@ -350,7 +354,8 @@ class _Run:
 
     def branch(number):  # tick_rows.tick_branches' numbering: idle, then action * count + b.
       if number == 0:
-        return lambda state, filed, *a: (state, filed, axes.vary(device.ring_zero))
+        return lambda state, weights, slot, *a: (state, spmd.read_slot(weights, slot),
+                                                 axes.vary(device.ring_zero))
       action, b = divmod(number - 1, count)
       if action == Action.F:
         return self.forward_branch(b, device, collect)
@@ -394,8 +399,8 @@ class _Run:
         fresh, carry = device.fresh(carry, step["microbatch"],
                                     row[streaming.ROW][stage] if self.conveyor else None)
         state, filed, send = lax.switch(
-            step["branch"], switches[lane], state, spmd.read_slot(weights, step["weight_slot"]),
-            msg, spmd.read_slot(stash, step["stash"]), fresh, step["microbatch"], step["chunk"])
+            step["branch"], switches[lane], state, weights, step["weight_slot"], msg,
+            spmd.read_slot(stash, step["stash"]), fresh, step["microbatch"], step["chunk"])
         weights = spmd.write_slot(weights, step["weight_slot"], filed)
         sends.append((send, step))
       arrived, pending = self._send(sends, carry.get("pending"))
