@@ -16,6 +16,10 @@ temporaries beside what the dumped buffer assignment reserves (:mod:`tpipe.tools
   busy-or-pass-through ``lax.cond``s (a switch of several branches whose loops update the same
   carried buffer gets a copy of it).
 
+A second table compiles the same programs for one chip of other TPU generations (:data:`CHIPS`):
+what ``memory_analysis()`` reports beyond the dumped buffer assignment differs by chip for the
+same program, so it comes from the target's compiler, not from the program alone.
+
 Needs the TPU compiler (``pip install -e '.[tpu]'``); nothing runs on a TPU. About a minute.
 """
 
@@ -35,6 +39,9 @@ import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import peak  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:2x2x2"
+# One small topology per TPU generation libtpu describes: v4 and v5p have two TensorCores per chip
+# (megacore), v5e and v6e one.
+CHIPS = ("v4:2x2x1", "v5p:2x2x1", "v5e:2x2", "v6e:2x2")
 LAYERS, WIDTH, MICROBATCH_ROWS, TICKS = 4, 2048, 1024, 8
 
 
@@ -121,24 +128,40 @@ WAYS = [
 ]
 
 
-def main():
-  run = _common.start("tpu_gradient_sums", __doc__)
-  sharding = jax.sharding.SingleDeviceSharding(tpipe.topology_devices(TOPOLOGY)[0])
+def temporaries(fn, topology: str) -> tuple[int, int]:
+  """``(memory_analysis() temporaries, what the dumped buffer assignment reserves)`` of ``fn``
+  compiled for one chip of ``topology``."""
+  sharding = jax.sharding.SingleDeviceSharding(tpipe.topology_devices(topology)[0])
   w = jax.ShapeDtypeStruct((LAYERS, WIDTH, WIDTH), jnp.float32, sharding=sharding)
   xs = jax.ShapeDtypeStruct((TICKS, MICROBATCH_ROWS, WIDTH), jnp.bfloat16, sharding=sharding)
+  compiled, breakdown = peak.breakdown_of_lowered(jax.jit(fn).lower(w, xs))
+  return compiled.memory_analysis().temp_size_in_bytes, breakdown.allocated_temporaries
+
+
+def main():
+  run = _common.start("tpu_gradient_sums", __doc__)
   mib = lambda n: f"{n / 2**20:.1f}"
   table = ["| how the weight gradient is summed | temporaries MiB | buffer assignment MiB "
            "| beyond it MiB |", "|---|---:|---:|---:|"]
+  by_chip = {}
   for label, fn in WAYS:
-    compiled, breakdown = peak.breakdown_of_lowered(jax.jit(fn).lower(w, xs))
-    temporaries = compiled.memory_analysis().temp_size_in_bytes
-    allocated = breakdown.allocated_temporaries
-    table.append(f"| {label} | {mib(temporaries)} | {mib(allocated)} "
-                 f"| {mib(temporaries - allocated)} |")
+    for topology in CHIPS:
+      by_chip[label, topology] = temporaries(fn, topology)
+    total, allocated = temporaries(fn, TOPOLOGY)
+    table.append(f"| {label} | {mib(total)} | {mib(allocated)} | {mib(total - allocated)} |")
     print(table[-1], flush=True)
+  chips = ["", "Beyond the buffer assignment, MiB, for one chip of each generation (the same "
+           "programs; temporaries / buffer assignment in brackets):", "",
+           "| how the weight gradient is summed | " + " | ".join(f"`{t}`" for t in CHIPS) + " |",
+           "|---|" + "---:|" * len(CHIPS)]
+  for label, _ in WAYS:
+    cells = [f"{mib(t - a)} ({mib(t)} / {mib(a)})"
+             for t, a in (by_chip[label, topology] for topology in CHIPS)]
+    chips.append(f"| {label} | " + " | ".join(cells) + " |")
+  print("\n".join(chips), flush=True)
   lines = [f"One chip of `{TOPOLOGY}`; float32 weights of {LAYERS} x {WIDTH} x {WIDTH} "
            f"({mib(LAYERS * WIDTH * WIDTH * 4)} MiB), {TICKS} ticks of {MICROBATCH_ROWS} rows.", ""]
-  run.write("Summing weight gradients in a tick loop, compiled for a TPU", lines + table)
+  run.write("Summing weight gradients in a tick loop, compiled for a TPU", lines + table + chips)
 
 
 if __name__ == "__main__":
