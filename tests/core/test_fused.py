@@ -218,6 +218,23 @@ def test_the_split_backward_does_the_work_of_one_backward():
   assert found["zb_h1"].lockstep >= found["zb_h1"].executed >= found["zb_h1"].useful > 0
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_under_remat_none_b_differentiates_without_running_the_forward_again(schedule):
+  """Under remat="none" F keeps its VJP's residuals for B (tpipe.core.residuals): B executes
+  remat full's B less about one forward (F itself under remat none: the linearized forward,
+  which also computes what the backward needs of each nonlinearity)."""
+  found = {}
+  for remat in ("none", "full"):
+    model, mesh = _model("blocks", schedule, 2, 4, remat=remat)
+    x, targets = _inputs("blocks", mesh)
+    step = jax.jit(jax.grad(lm.pipelined_loss(model)))
+    compiled = step.lower(lm.random_params("blocks"), x, targets).compile()
+    programs = model.pipeline_for(x, targets=targets).programs()
+    found[remat] = analysis.fused_flops(compiled, model.spec.table, programs).actions
+  none, full = found["none"], found["full"]
+  assert np.all(none["B"] + 0.7 * none["F"] < full["B"]), (none, full)
+
+
 @pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
 def test_bi_files_its_weight_slot_without_copying_the_slots_buffer(schedule):
   """The weight slots (what BI hands to W, the largest buffer of the stash scope) are updated one

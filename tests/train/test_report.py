@@ -314,7 +314,8 @@ def test_fused_schedule_reports_its_table_in_flight_and_simulated_step(fused_rep
   assert (f"neighbour-synchronised (each tick starts when the stage and its neighbours "
           f"finished the last: the tick loop's sends) {timing.neighbour:g}") in text
   assert "one per forward tick" not in text
-  assert "each slot also keeps the chunk's saved activations" not in text  # remat='none' here.
+  # remat='none': F keeps the chunk's VJP residuals in its slot beside the input.
+  assert "each slot also keeps the chunk's saved activations" in text
   # The timeline draws the fused table as it is (forward and backward already in it).
   paths = report_lib.write_report(report, str(tmp_path))
   with open(paths["timeline"], "rb") as f:

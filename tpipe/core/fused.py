@@ -10,24 +10,22 @@ table as one SPMD program:
 
 * One ``lax.scan`` over the table's ticks inside ``jax.shard_map``. Each tick every device looks
   up its action and runs it as one branch of a ``lax.switch`` (idle, or ``F``, ``B``, ``BI``,
-  ``W`` of one chunk program, :class:`tpipe.core.chunks.ChunkSet`); the branches hold no
-  collective. A switch holds only the branches the table runs in it
-  (:func:`tpipe.core.tick_rows.lane_switches`): a split backward's program has no ``B``. A
-  compound tick (several actions of a stage in one tick, :mod:`tpipe.schedules.compound`) runs
-  its rows as lanes: one switch per lane, one after another, each reading its message from the
-  mailbox and writing the stash as a tick of its own would; the tick's messages leave once,
-  after the last lane (a table sends at most one each way per tick). The lanes are separate
-  switches rather than one branch per combination of actions: on one device the work is serial
-  either way, and the switches share one set of chunk programs where combinations would
-  multiply them.
+  ``W`` of one chunk program, :class:`tpipe.core.chunks.ChunkSet`), holding only the branches
+  the table runs there (:func:`tpipe.core.tick_rows.lane_switches`) and no collective. A
+  compound tick (:mod:`tpipe.schedules.compound`) runs its rows as lanes, one switch after
+  another, each reading the mailbox and writing the stash as a tick of its own would; the
+  tick's messages leave once, after the last lane. (On one device the work is serial either
+  way, and the lanes share one set of chunk programs where combinations would multiply them.)
 * ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
   activation from the stage's mailbox) and keeps that input in a **stash slot** of the table. A
   stage allocates as many slots as the table's peak of micro-batches in flight (``min(S, M)``
   for 1F1B), never M.
 * ``B`` takes the stashed input and the output gradient (from the mailbox; for the last chunk the
   seed ``1 / N`` per example of the mean loss), recomputes the chunk's forward under ``jax.vjp``
-  and applies its VJP. That is ``remat="full"`` at the granularity of a chunk whatever the remat
-  policy, which decides only what the chunk keeps *within* the ``B`` tick. Under
+  and applies its VJP: ``remat="full"`` at the granularity of a chunk, the remat policy deciding
+  only what the chunk keeps *within* the ``B`` tick. Under ``remat="none"`` (an unsplit table)
+  ``F`` runs the VJP instead and keeps its residuals in a **residual slot** beside the stash
+  (:mod:`tpipe.core.residuals`), and ``B`` applies it without the forward. Under
   ``remat="full"`` (:func:`backward_by_units`), ``B`` runs the chunk's units backwards one at a
   time instead and adds each unit's parameter gradient into the running sums in place
   (:func:`tpipe.core.unit_backward.backward_into`), so no tick builds its chunk's whole
@@ -69,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 from tpipe import schedules
 from tpipe.core import chunks as chunks_lib
 from tpipe.core import packing
+from tpipe.core import residuals as residuals_lib
 from tpipe.core import spmd
 from tpipe.core import streaming
 from tpipe.core import tick_rows
@@ -93,6 +92,11 @@ def _split_grads(grads: list, trees) -> list[list]:
   return parts
 
 
+def _as_is(slots: dict, at: dict) -> dict:
+  """What the step's slot of each buffer in ``slots`` holds (``at``: the step's slot in each)."""
+  return {k: spmd.read_slot(buffer, at[k]) for k, buffer in slots.items()}
+
+
 def is_split(schedule: schedules.FusedSchedule) -> bool:
   """Whether the table splits backwards into ``BI`` and ``W``."""
   return bool(np.any(np.isin(schedule.action, [Action.BI, Action.W])))
@@ -101,14 +105,10 @@ def is_split(schedule: schedules.FusedSchedule) -> bool:
 def backward_by_units(spec) -> bool:
   """Whether the loss's backward ticks run their chunks' units backwards one at a time, adding
   each unit's parameter gradients into the running sums in place
-  (:func:`tpipe.core.unit_backward.backward_into`): wherever that costs no more FLOPs than
-  the setting asks for. Under ``remat="full"``, a fused schedule's ``B`` recomputes its chunk
-  from the stashed input anyway, so every granularity qualifies (``"chunk"`` keeping each
-  unit's residuals from that recompute, finer ones each unit's input); a forward schedule
-  qualifies with ``"chunk"`` (the backward of the chunk's checkpoint, its gradients summed in
-  place) and ``"nested"`` (one more forward per unit either way), where ``"layer"`` and ``k``
-  keep every piece's input across ticks instead and recompute one piece less.
-  """
+  (:func:`tpipe.core.unit_backward.backward_into`), where that costs no more FLOPs than the
+  setting asks for: under ``remat="full"``, a fused ``B`` at every granularity (it recomputes
+  its chunk anyway), a forward schedule with ``"chunk"`` or ``"nested"`` (``"layer"`` and
+  ``k`` keep every piece's input across ticks instead and recompute one piece less)."""
   if spec.remat != "full":
     return False
   return spec.is_fused or spec.remat_granularity in ("nested", "chunk")
@@ -225,20 +225,28 @@ class _Run:
     # BI files only their output gradients.
     self.recompute = self.split and bool(chunkset.spec.weight_recompute)
     self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
+    # Under remat="none" F keeps what B needs of its VJP, so B runs without the forward (not
+    # for BI, which needs the forward's records for W).
+    self.keeps_residuals = chunkset.spec.remat == "none" and not self.split
 
   # ------------------------------------------------------------------------------------------
-  # Branches: fn(state, weights, slot, msg, stashed, fresh, mb, chunk) -> (state, filed, send),
-  # where ``filed`` is what the step's weight slot ``weights[slot]`` holds after the step: BI
-  # returns what it files there, every other branch the slot as it is (W reads it). The loop
-  # writes it after the switch: a branch that updated the weight slots' buffer in place would
-  # make XLA copy the whole buffer.
+  # Branches: fn(state, slots, at, msg, stashed, fresh, mb, chunk) -> (state, written, send).
+  # ``slots``: buffers of slots ("weights": what BI hands to W, "residuals": what F keeps for
+  # B); ``at``: the step's slot in each; ``written``: what those slots hold after the step (BI's
+  # and F's filings, else the slot as it is). The loop writes them after the switch: a branch
+  # updating a buffer in place would make XLA copy all of it.
 
   def forward_branch(self, b: int, device: _Device, collect: bool):
 
-    def branch(state, weights, slot, msg, stashed, fresh, mb, chunk):
-      del stashed
-      filed = spmd.read_slot(weights, slot)
-      to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg, fresh), chunk)
+    def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
+      written = _as_is(slots, at)
+      if self.residual_plans:  # The chunk's VJP, keeping its residuals for B.
+        (_, output), vjp, (_, to_next), _ = self._vjp(b, device, mb, msg, msg, fresh, chunk)
+        written["residuals"] = device.run.axes.vary(residuals_lib.keep(
+            self.residual_plans[b], vjp, self.residual_sizes))
+      else:
+        to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg, fresh),
+                                           chunk)
       last = device.is_last(chunk)
       if collect:
         state = dict(state, outputs=spmd.write_slot(state["outputs"], mb, output, last))
@@ -246,15 +254,16 @@ class _Run:
         loss = jnp.where(last, jnp.sum(output).astype(jnp.float32), 0.0)
         state = dict(state, loss=state["loss"] + loss)
       # The last chunk sends nothing: the routing tables zero its message.
-      return state, filed, device.run.axes.vary(to_next)
+      return state, written, device.run.axes.vary(to_next)
 
     return branch
 
   def backward_branch(self, b: int, device: _Device, tapped: bool):
 
-    def branch(state, weights, slot, msg, stashed, fresh, mb, chunk):
-      fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
+    def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
+      written = _as_is(slots, at)
       if self.unitwise and not tapped:
+        fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
         outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
         cotangent = lambda out: device.cotangent(chunk, msg, *out)
         sums, g_fresh, g_in, g_side = self.backward_into[b](
@@ -264,42 +273,28 @@ class _Run:
         g_pex = g_side[len(_floats(broadcast)):]
         state = self._file_grads(device, dict(state, params=sums), None,
                                  (g_fresh, g_broadcast, g_pex), mb)
-        return state, spmd.read_slot(weights, slot), device.send_of(stashed, g_in)
-      taps = self._zero_taps(b, device) if tapped else None
-      diff = (device.staged, fresh, stashed, broadcast, pex, taps)
-
-      def fn(*floats):
-        p, f, s, bc, e, t = _with_floats(diff, floats)
-        if tapped:
-          (to_next, losses), (records, _) = self.tapped[b](p, f, s, bc, e, rngs, microbatch,
-                                                           chunk, t)
-        else:
-          (to_next, losses), records = self.programs[b](p, f, s, bc, e, rngs, microbatch,
-                                                        chunk), ()
-        # Every output varies over every manual axis (constant zeros included), inside the
-        # differentiated function, so the cotangents below have the outputs' types.
-        return device.run.axes.vary((_floats(to_next), losses)), records
-
-      (ring_out, losses), vjp, records = jax.vjp(fn, *_floats(diff), has_aux=True)
+        return state, written, device.send_of(stashed, g_in)
+      (ring_out, losses), vjp, (records, _), diff = self._vjp(b, device, mb, msg, stashed,
+                                                              fresh, chunk, tapped)
+      if self.residual_plans:  # F's residuals in place of this trace's: its forward is dead.
+        vjp = residuals_lib.restore(self.residual_plans[b], vjp, written["residuals"])
       grads = list(vjp(device.cotangent(chunk, msg, ring_out, losses)))
       g_params, g_fresh, g_in, g_broadcast, g_pex, g_taps = _split_grads(grads, diff)
       state = self._file_grads(device, state, g_params, (g_fresh, g_broadcast, g_pex), mb)
       if tapped:
-        output_grads = _with_floats(taps, g_taps)
-        filed = device.run.axes.vary(packing.pack(
+        output_grads = _with_floats(diff[-1], g_taps)
+        written["weights"] = device.run.axes.vary(packing.pack(
             output_grads if self.recompute else (records, output_grads),
             self.weight_layouts[b], self.weight_sizes))
-      else:
-        filed = spmd.read_slot(weights, slot)
-      return state, filed, device.send_of(stashed, g_in)
+      return state, written, device.send_of(stashed, g_in)
 
     return branch
 
   def weight_branch(self, b: int, device: _Device):
 
-    def branch(state, weights, slot, msg, stashed, fresh, mb, chunk):
-      filed = spmd.read_slot(weights, slot)
-      unpacked = packing.unpack(filed, self.weight_layouts[b])
+    def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
+      written = _as_is(slots, at)
+      unpacked = packing.unpack(written["weights"], self.weight_layouts[b])
       if self.recompute:  # The tapped operations' inputs again, from the stashed input.
         fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
         _, (records, _) = self.tapped[b](device.staged, fresh, stashed, broadcast, pex, rngs,
@@ -309,9 +304,49 @@ class _Run:
         records, output_grads = unpacked
       grads = self.weights[b](device.staged, chunk, records, output_grads)
       state = dict(state, params=[u + w for u, w in zip(state["params"], _floats(grads))])
-      return state, filed, device.run.axes.vary(device.ring_zero)
+      return state, written, device.run.axes.vary(device.ring_zero)
 
     return branch
+
+  def _chunk_fn(self, b: int, device: _Device, diff, rngs, microbatch, chunk, tapped: bool):
+    """Program ``b`` as a function of the float leaves of ``diff`` (parameters, fresh inputs,
+    message, broadcast, per-example, taps): ``(ring floats, losses), (records, to_next)``."""
+
+    def fn(*floats):
+      p, f, s, bc, e, t = _with_floats(diff, floats)
+      if tapped:
+        (to_next, losses), (records, _) = self.tapped[b](p, f, s, bc, e, rngs, microbatch,
+                                                         chunk, t)
+      else:
+        (to_next, losses), records = self.programs[b](p, f, s, bc, e, rngs, microbatch,
+                                                      chunk), ()
+      # Every output varies over every manual axis (zeros too), so cotangents have their types.
+      return device.run.axes.vary((_floats(to_next), losses)), (records, to_next)
+
+    return fn
+
+  def _vjp(self, b: int, device: _Device, mb, msg, incoming, fresh, chunk, tapped=False):
+    """``(outputs, vjp, (records, to_next), diff)``: ``jax.vjp`` of program ``b`` on ``mb``."""
+    fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
+    taps = self._zero_taps(b, device) if tapped else None
+    diff = (device.staged, fresh, incoming, broadcast, pex, taps)
+    fn = self._chunk_fn(b, device, diff, rngs, microbatch, chunk, tapped)
+    outputs, vjp, aux = jax.vjp(fn, *_floats(diff), has_aux=True)
+    return outputs, vjp, aux, diff
+
+  def _learn_residuals(self, device: _Device):
+    """Per chunk program, what F keeps of its VJP's residuals for B (those computed from the
+    micro-batch's inputs, :mod:`tpipe.core.residuals`), and the residual slots' sizes."""
+    msg = device.run.axes.vary(device.ring_zero)
+    for b in range(self.chunkset.num_branches):
+      chunk = device.stage * 0 + self.chunkset.chunks_of[b][0]  # Traced, as the loop's is.
+      fresh, _, broadcast, pex, rngs, microbatch = device.inputs(0, msg, device.x_example)
+      diff = (device.staged, fresh, msg, broadcast, pex, None)
+      fn_of = lambda tree, b=b, chunk=chunk, rngs=rngs, microbatch=microbatch: self._chunk_fn(
+          b, device, tree, rngs, microbatch, chunk, False)
+      self.residual_plans.append(residuals_lib.plan_of(
+          fn_of, diff, [False, True, True, False, True, False], has_aux=True))
+    self.residual_sizes = packing.buffer_sizes(p.layout for p in self.residual_plans)
 
   def _file_grads(self, device: _Device, state, g_params, inputs, mb):
     g_fresh, g_broadcast, g_pex = inputs
@@ -351,11 +386,14 @@ class _Run:
     collect = schedule.forward_only
     if self.split:
       self._learn_taps(device)
+    self.residual_plans, self.residual_sizes = [], {}
+    if self.keeps_residuals and not collect:
+      self._learn_residuals(device)
 
     def branch(number):  # tick_rows.tick_branches' numbering: idle, then action * count + b.
       if number == 0:
-        return lambda state, weights, slot, *a: (state, spmd.read_slot(weights, slot),
-                                                 axes.vary(device.ring_zero))
+        return lambda state, slots, at, *a: (state, _as_is(slots, at),
+                                             axes.vary(device.ring_zero))
       action, b = divmod(number - 1, count)
       if action == Action.F:
         return self.forward_branch(b, device, collect)
@@ -375,6 +413,9 @@ class _Run:
           max(1, int(schedule.awaiting_weight().max()))))
       carry["stash"] = axes.vary(spmd.stacked_zeros(
           device.ring_zero, max(1, int(schedule.stash_slots().max()))))
+      carry["residuals"] = axes.vary(spmd.stacked_zeros(
+          packing.empty(self.residual_sizes) if self.residual_plans else {},
+          max(1, int(schedule.stash_slots().max()))))
     with jax.named_scope(spmd.MAILBOX_SCOPE):
       carry["mailbox"] = axes.vary(spmd.stacked_zeros(
           device.ring_zero, max(1, int(schedule.mailbox_slots().max()))))
@@ -390,7 +431,8 @@ class _Run:
       for k, message in enumerate(carry["arrived"]):  # from the left, from the right, own
         slot = row["arrival"][stage, k]
         mailbox = spmd.write_slot(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
-      state, stash, weights, sends = carry["state"], carry["stash"], carry["weights"], []
+      state, stash, sends = carry["state"], carry["stash"], []
+      slots = {"weights": carry["weights"], "residuals": carry["residuals"]}
       for lane in range(schedule.lanes):  # A compound tick's steps, in the table's order.
         step = jax.tree.map(lambda a: a[lane, stage], row["lanes"])
         msg = spmd.read_slot(mailbox, step["recv_slot"])
@@ -398,14 +440,14 @@ class _Run:
           stash = spmd.write_slot(stash, step["stash"], msg, step["forward"])
         fresh, carry = device.fresh(carry, step["microbatch"],
                                     row[streaming.ROW][stage] if self.conveyor else None)
-        state, filed, send = lax.switch(
-            step["branch"], switches[lane], state, weights, step["weight_slot"], msg,
+        at = {"weights": step["weight_slot"], "residuals": step["stash"]}
+        state, written, send = lax.switch(
+            step["branch"], switches[lane], state, slots, at, msg,
             spmd.read_slot(stash, step["stash"]), fresh, step["microbatch"], step["chunk"])
-        weights = spmd.write_slot(weights, step["weight_slot"], filed)
+        slots = {k: spmd.write_slot(slots[k], at[k], written[k]) for k in slots}
         sends.append((send, step))
       arrived, pending = self._send(sends, carry.get("pending"))
-      out = {"state": state, "stash": stash, "weights": weights, "mailbox": mailbox,
-             "arrived": arrived}
+      out = {"state": state, "stash": stash, "mailbox": mailbox, "arrived": arrived, **slots}
       if self.delayed:
         out["pending"] = pending
       if self.conveyor is not None:
@@ -527,8 +569,7 @@ def mean_loss(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple, per_ex
     primal: ``primal(staged, x, broadcast, per_example, rngs)``, the same mean computed without
       gradients, for calls that are not differentiated; default: the table's forward pass.
 
-  Returns:
-    The scalar mean loss.
+  Returns the scalar mean loss.
   """
   run = _Run(chunkset, schedule, axes)
   if primal is None:

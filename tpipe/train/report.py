@@ -503,9 +503,11 @@ def format_stages(report: Report) -> list[str]:
       f"| real peak (largest device) | {fb(report.largest_device_bytes)} |",
       f"| **peak / floor** | **{report.floor_ratio:.2f}x** |",
   ]
-  # A fused schedule stashes only chunk inputs whatever the policy (its backward recomputes the
-  # chunk's forward from them), so the note is about the forward schedules.
-  if report.config.get("remat") != "full" and not schedule_summary.is_fused(report.schedule):
+  # A fused schedule stashes only chunk inputs (its backward recomputes the chunk's forward
+  # from them), except under remat="none" with an unsplit backward: F keeps the VJP's residuals.
+  remat, fused = report.config.get("remat"), schedule_summary.is_fused(report.schedule)
+  keeps_residuals = remat == "none" and fused and report.schedule.name not in ("zb_h1", "zbv")
+  if remat != "full" and (keeps_residuals or not fused):
     lines += ["", f"remat={report.config.get('remat')!r}: the floor counts the stage inputs a "
               "stash slot keeps under remat='full'; with this policy each slot also keeps the "
               "chunk's saved activations, which the ratio then includes."]

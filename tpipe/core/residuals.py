@@ -1,0 +1,119 @@
+"""A chunk's backward residuals kept from its forward tick to its backward tick (remat none).
+
+A fused schedule's ``B`` tick differentiates its chunk with ``jax.vjp``. Without a residual stash
+it recomputes the chunk's forward from the stashed input first: remat at the granularity of a
+chunk whatever the remat setting. Under ``remat="none"`` the ``F`` tick runs the same ``jax.vjp``
+instead and keeps the residuals that depend on the micro-batch in a slot; ``B`` traces the VJP
+again, puts the kept residuals in place of its own, and XLA drops the forward whose results
+nothing reads any more. What ``B`` still computes from its arguments is what depends on the
+parameters alone (the weights as the chunk reads them, their casts to the compute dtype): kept
+per micro-batch, those would be a copy of the stage's weights in every slot.
+
+Which residual depends on what is read once per chunk program, from the jaxpr of the VJP's
+residuals: dead-code elimination of the jaxpr for each residual alone names the inputs it needs.
+The choice is a cost choice only: ``B`` traces the same function on the same micro-batch, so a
+residual computed again equals the kept one.
+
+Example::
+
+  plan = residuals.plan_of(fn_of, trees, dynamic)    # once: fn_of(trees) = fn
+  _, vjp = jax.vjp(fn, *floats)                      # F tick
+  slot = residuals.keep(plan, vjp)                   # packed, one buffer per dtype
+  _, vjp = jax.vjp(fn, *floats)                      # B tick: the forward is dead code ...
+  vjp = residuals.restore(plan, vjp, slot)           # ... once the kept residuals replace its
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+from jax._src import core as jax_core
+from jax._src.interpreters import partial_eval as pe
+
+from tpipe.core import chunks as chunks_lib
+from tpipe.core import packing
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualPlan:
+  """Which of a VJP's residual leaves a slot keeps, and the slot's packed layout.
+
+  Attributes:
+    kept: per residual leaf (``jax.tree.leaves`` of the VJP), whether the slot keeps it.
+    layout: :func:`tpipe.core.packing.layout_of` the kept leaves.
+  """
+
+  kept: tuple[bool, ...]
+  layout: object
+
+
+def _needs(jaxpr, output: int) -> list[bool]:
+  """The inputs (constants first) that output ``output`` of ``jaxpr`` is computed from."""
+  used_outputs = [i == output for i in range(len(jaxpr.outvars))]
+  _, used_inputs = pe.dce_jaxpr(jaxpr, used_outputs)
+  return used_inputs
+
+
+def plan_of(fn_of: Callable, trees: tuple, dynamic: Sequence[bool],
+            has_aux: bool = False) -> ResidualPlan:
+  """The residual plan of ``jax.vjp(fn_of(trees), *float leaves of trees)``.
+
+  Args:
+    fn_of: ``fn_of(trees)`` is the differentiated function of the float leaves of ``trees``
+      (their other leaves, such as token ids, taken from ``trees``).
+    trees: example arguments (arrays or tracers of the shapes the ticks pass).
+    dynamic: per tree, whether it changes from micro-batch to micro-batch (the chunk's inputs;
+      not its parameters). A residual computed from any leaf of such a tree is kept; what
+      ``fn_of`` closes over counts as not changing.
+    has_aux: as for ``jax.vjp``.
+  """
+  if len(dynamic) != len(trees):
+    raise ValueError(f"dynamic has {len(dynamic)} entries for {len(trees)} trees.")
+  leaves, treedef = jax.tree.flatten(tuple(trees))
+  of_tree = [d for tree, d in zip(trees, dynamic) for _ in jax.tree.leaves(tree)]
+  is_float = [chunks_lib.is_float(a) for a in leaves]
+  # Every leaf an input of the traced function (the differentiated ones first), so that the
+  # jaxpr names what each residual is computed from.
+  order = ([i for i, f in enumerate(is_float) if f]
+           + [i for i, f in enumerate(is_float) if not f])
+
+  def residual_leaves(inputs):
+    by_leaf = dict(zip(order, inputs))
+    fn = fn_of(jax.tree.unflatten(treedef, [by_leaf[i] for i in range(len(leaves))]))
+    floats = [by_leaf[i] for i in order[:sum(is_float)]]
+    return jax.tree.leaves(jax.vjp(fn, *floats, has_aux=has_aux)[1])
+
+  inputs = [leaves[i] for i in order]
+  closed = jax.make_jaxpr(residual_leaves)(inputs)
+  jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+  constants, moving = len(closed.jaxpr.constvars), [of_tree[i] for i in order]
+  kept = []
+  for output, var in enumerate(jaxpr.outvars):
+    needs = _needs(jaxpr, output)[constants:]
+    kept.append(not isinstance(var, jax_core.Literal)
+                and any(n and d for n, d in zip(needs, moving)))
+  shapes = jax.eval_shape(residual_leaves, inputs)
+  return ResidualPlan(tuple(kept), packing.layout_of([s for s, k in zip(shapes, kept) if k]))
+
+
+def _leaves(plan: ResidualPlan, vjp):
+  leaves, treedef = jax.tree.flatten(vjp)
+  if len(leaves) != len(plan.kept):
+    raise RuntimeError(f"This VJP has {len(leaves)} residuals where its plan was made for "
+                       f"{len(plan.kept)}: the function traced differently from the plan's.")
+  return leaves, treedef
+
+
+def keep(plan: ResidualPlan, vjp, sizes) -> dict:
+  """The leaves of ``vjp`` the plan keeps, packed into buffers of ``sizes``."""
+  leaves, _ = _leaves(plan, vjp)
+  return packing.pack([a for a, k in zip(leaves, plan.kept) if k], plan.layout, sizes)
+
+
+def restore(plan: ResidualPlan, vjp, slot: dict):
+  """``vjp`` with the leaves the plan keeps taken from ``slot`` (what :func:`keep` packed)."""
+  leaves, treedef = _leaves(plan, vjp)
+  kept = iter(packing.unpack(slot, plan.layout))
+  return jax.tree.unflatten(treedef, [next(kept) if k else a for a, k in zip(leaves, plan.kept)])
