@@ -71,7 +71,7 @@ UNSPLIT = {"zb_h1": "1f1b", "zbv": "interleaved_1f1b"}
 
 def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
                  num_layers: int, rows: int, seq: int, width: int, tick_costs=None,
-                 weight_recompute: bool = False):
+                 weight_recompute: bool = False, remat: str = "full"):
   """(model, its engine pipeline, compiled gradient step) of the LM for one schedule (a fused
   one in compound ticks for ``tick_costs``; a split backward's W recomputing its inputs with
   ``weight_recompute``)."""
@@ -83,7 +83,7 @@ def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
   model = models.decoder_lm(num_layers=num_layers, width=width, num_heads=HEADS,
                             mlp_dim=4 * width, max_len=seq, num_stages=stages,
                             num_microbatches=microbatches, schedule=schedule,
-                            num_repeats=repeats, remat="full", balance=counts, mesh=mesh,
+                            num_repeats=repeats, remat=remat, balance=counts, mesh=mesh,
                             tick_costs=tick_costs, weight_recompute=weight_recompute)
   batch = rows * microbatches
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
@@ -102,31 +102,37 @@ def zb_h1_analytic(costs, stages: int, microbatches: int) -> float:
 def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
                  measured=()) -> list[str]:
   """Temporaries per device at each M; with ``measured`` costs (:func:`flops_table`), every
-  fused schedule also in compound ticks built for its measured costs; and the split backward's
-  schedules with ``weight_recompute``, with what that costs in FLOPs."""
+  fused schedule also in compound ticks built for its measured costs; the split backward's
+  schedules with ``weight_recompute``, with what that costs in FLOPs; and GPipe and 1F1B under
+  ``remat="none"`` (1F1B keeping each chunk's residuals in a slot per micro-batch in flight)."""
   lines = [f"### Activation memory in M (S = {stages}, {num_layers} blocks, micro-batch "
            f"{sizes['rows']} x {sizes['seq']}, width {sizes['width']})", "",
            "| schedule | " + " | ".join(f"temporaries at M = {m}" for m in ms)
            + f" | M = {ms[-1]} / M = {ms[0]} | / 1F1B's at M = {ms[0]} | in flight per stage "
            "(peak) |", "|---|" + "---|" * (len(ms) + 3)]
   costs_of = {name: costs for name, _, _, costs in measured}
-  rows = [(name, name, repeats, None, False) for name, repeats in SCHEDULES]
-  rows += [(f"{name}, compound ticks", name, repeats, costs_of[name], False)
+  rows = [(name, name, repeats, None, False, "full") for name, repeats in SCHEDULES]
+  rows += [(f"{name}, compound ticks", name, repeats, costs_of[name], False, "full")
            for name, repeats in SCHEDULES if name in costs_of and tpipe.schedules.is_fused(name)]
-  rows += [(f"{name}, weight_recompute", name, repeats, None, True)
+  rows += [(f"{name}, weight_recompute", name, repeats, None, True, "full")
            for name, repeats in SCHEDULES if name in ("zb_h1", "zbv")]
+  rows += [(f"{name}, remat none", name, 1, None, False, "none") for name in ("gpipe", "1f1b")]
   # SCHEDULES lists the unsplit schedules first, so their B is there for the split rows.
   one_f_one_b, flops, fused_backward = None, [], {}
-  for label, name, repeats, costs, recompute in rows:
+  for label, name, repeats, costs, recompute, remat in rows:
     temps, peak = [], "-"
     for m in ms:
       _, pipeline, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
                                            num_layers=num_layers, tick_costs=costs,
-                                           weight_recompute=recompute, **sizes)
+                                           weight_recompute=recompute, remat=remat, **sizes)
       temps.append(compiled.memory_analysis().temp_size_in_bytes)
       # GPipe and circular under remat full run their forward and backward ticks as one table,
-      # whose stash holds one input per micro-batch chunk.
-      peak = str(pipeline.loss_table.peak_in_flight().tolist())
+      # whose stash holds one input per micro-batch chunk; under remat none autodiff keeps
+      # every micro-batch's residuals (M in flight).
+      table = pipeline.loss_table
+      peak = (str(table.peak_in_flight().tolist())
+              if isinstance(table, tpipe.schedules.FusedSchedule)
+              else f"[{m}] * {stages}")
       if label in UNSPLIT.values() and m == ms[0]:  # B of the chunks the split rows run.
         fused_backward[label] = float(np.mean(analysis.fused_flops(
             compiled, pipeline.loss_table, pipeline.programs()).actions["B"]))
@@ -295,16 +301,17 @@ GPU_COSTS = {1: {"F": 4.2077, "B": 13.2811, "BI": 8.9954, "W": 4.2857},
 
 
 def cost_sets(tpu) -> list[tuple[str, Any]]:
-  """``(label, costs_of(measured costs, chunks per stage, fused) -> costs)``: the cost sets the
-  compound tables are built and timed for. Under ``remat="none"`` a fused tick still recomputes
-  its chunk's forward for the backward, while a forward schedule's autodiff backward (GPipe,
-  circular) keeps the forward's residuals: its ``B`` is one forward less."""
-  without_recompute = lambda c, fused: c if fused else dict(c, B=c["B"] - c["F"])
-  sets = [("FLOPs, remat full", lambda c, r, fused: c),
-          ("FLOPs, remat none", lambda c, r, fused: without_recompute(c, fused))]
+  """``(label, costs_of(measured costs, chunks per stage, split) -> costs)``: the cost sets the
+  compound tables are built and timed for. Under ``remat="none"`` an unsplit backward keeps the
+  forward's residuals (autodiff's in GPipe and circular, the residual slots of 1F1B and
+  interleaved 1F1B), so its ``B`` is one forward less; a split backward (``split``: ZB-H1,
+  ZB-V) still recomputes its chunk's forward for ``BI``."""
+  without_recompute = lambda c, split: c if split else dict(c, B=c["B"] - c["F"])
+  sets = [("FLOPs, remat full", lambda c, r, split: c),
+          ("FLOPs, remat none", lambda c, r, split: without_recompute(c, split))]
   if tpu is not None:
-    sets.append(("TPU v5p optimal_seconds", lambda c, r, fused: tpu[r]))
-  sets.append(("H200 wall time (width 2048)", lambda c, r, fused: GPU_COSTS[r]))
+    sets.append(("TPU v5p optimal_seconds", lambda c, r, split: tpu[r]))
+  sets.append(("H200 wall time (width 2048)", lambda c, r, split: GPU_COSTS[r]))
   return sets
 
 
@@ -321,8 +328,8 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
   lines = [f"### Compound ticks (S = {stages}): a forward, a backward and weight work per tick",
            "", "Each fused table built by `tpipe.schedules.build(..., costs=)` for the cost set "
            "and simulated under it; GPipe's step under the same costs is the reference (under "
-           "remat none GPipe's and circular's `B` keep the forward's residuals: one forward "
-           "less).", "",
+           "remat none every unsplit `B` keeps the forward's residuals: one forward less; "
+           "ZB-H1's and ZB-V's `BI` recomputes it).", "",
            "| costs | schedule | M | ticks | actions per tick (most) | in flight (peak) | "
            "bubble: natural | neighbour-synchronised | bubble ratio | step / GPipe's | "
            "one action per tick: step / GPipe's |", "|---|" + "---|" * 10]
@@ -330,7 +337,7 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
   for label, costs_of in cost_sets(tpu):
     for name, repeats, m, measured_costs in measured:
       fused = tpipe.schedules.is_fused(name)
-      costs = costs_of(measured_costs, repeats, fused)
+      costs = costs_of(measured_costs, repeats, name in UNSPLIT)
       gpipe = tpipe.schedules.whole_step(tpipe.schedules.build("gpipe", stages, m))
       reference = gpipe.simulate(costs_of(gpipe_costs[m], 1, False)).neighbour
       if not fused:
