@@ -13,6 +13,7 @@ From the bottom up:
 * :mod:`~tpipe.core.layout` - where variables live on the stages (per leaf, or packed).
 * :mod:`~tpipe.core.taps` - the split backward (``BI`` / ``W``) of any layer, from its jaxpr.
 * :mod:`~tpipe.core.chunks` - the chunk programs the tick loops run, one per signature.
+* :mod:`~tpipe.core.residuals` - a chunk's VJP residuals kept from its forward for its backward.
 * :mod:`~tpipe.core.statistics` - running statistics pooled over a step (BatchNorm).
 * :mod:`~tpipe.core.forward` - the forward tick loop (GPipe, circular).
 * :mod:`~tpipe.core.fused` - the fused tick loop (1F1B, interleaved, ZB-H1, ZB-V).
