@@ -337,7 +337,7 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
   for label, costs_of in cost_sets(tpu):
     for name, repeats, m, measured_costs in measured:
       fused = tpipe.schedules.is_fused(name)
-      costs = costs_of(measured_costs, repeats, name in UNSPLIT)
+      costs = costs_of(measured_costs, repeats, name in tpipe.spec.SPLIT_BACKWARD)
       gpipe = tpipe.schedules.whole_step(tpipe.schedules.build("gpipe", stages, m))
       reference = gpipe.simulate(costs_of(gpipe_costs[m], 1, False)).neighbour
       if not fused:

@@ -41,7 +41,7 @@ from tpipe.tools import peak  # noqa: E402  pylint: disable=g-import-not-at-top
 TOPOLOGY = "v5p:2x2x2"
 # One small topology per TPU generation libtpu describes: v4 and v5p have two TensorCores per chip
 # (megacore), v5e and v6e one.
-CHIPS = ("v4:2x2x1", "v5p:2x2x1", "v5e:2x2", "v6e:2x2")
+CHIPS = ("v4:2x2x1", TOPOLOGY, "v5e:2x2", "v6e:2x2")
 LAYERS, WIDTH, MICROBATCH_ROWS, TICKS = 4, 2048, 1024, 8
 
 
@@ -147,7 +147,7 @@ def main():
   for label, fn in WAYS:
     for topology in CHIPS:
       by_chip[label, topology] = temporaries(fn, topology)
-    total, allocated = temporaries(fn, TOPOLOGY)
+    total, allocated = by_chip[label, TOPOLOGY]
     table.append(f"| {label} | {mib(total)} | {mib(allocated)} | {mib(total - allocated)} |")
     print(table[-1], flush=True)
   chips = ["", "Beyond the buffer assignment, MiB, for one chip of each generation (the same "

@@ -39,11 +39,13 @@ BATCH = lm.BATCH
 # (model, schedule, stages, micro-batches per replica, data, remat): every fused schedule with
 # S in {1, 2, 4, 8} and M < S, M = S, M > S (4S), M not a multiple of S; interleaved 1F1B and ZB-V
 # hold 2 chunks per stage. The remat policy decides what a backward tick keeps between its
-# recomputed forward and its backward, never what is kept across ticks.
+# recomputed forward and its backward, except "none" with an unsplit backward: there F keeps the
+# chunk's residuals for B across ticks (tpipe.core.residuals).
 CASES = [
     ("mlp", "1f1b", 1, 3, 2, "full"),
     ("mlp", "1f1b", 4, 2, 1, "dots"),
     ("lm", "1f1b", 4, 3, 1, "none"),
+    ("mlp", "1f1b", 2, 4, 2, "none"),
     ("blocks", "1f1b", 8, 32, 1, "full"),
     ("mlp", "interleaved_1f1b", 2, 4, 2, "full"),
     ("lm", "interleaved_1f1b", 2, 1, 1, "dots"),

@@ -29,6 +29,7 @@ CASES = [
     ("lm", "gpipe", 2, 6, "full", 2),
     ("blocks", "circular", 4, 4, "dots", 1),
     ("mlp", "1f1b", 2, 6, "full", 2),
+    ("lm", "1f1b", 2, 6, "none", 1),
     ("blocks", "zbv", 2, 4, "none", 2),
     ("lm", "zb_h1", 4, 4, "full", 1),
     ("mlp", "interleaved_1f1b", 2, 6, "dots", 2),

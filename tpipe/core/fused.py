@@ -340,12 +340,13 @@ class _Run:
     msg = device.run.axes.vary(device.ring_zero)
     for b in range(self.chunkset.num_branches):
       chunk = device.stage * 0 + self.chunkset.chunks_of[b][0]  # Traced, as the loop's is.
-      fresh, _, broadcast, pex, rngs, microbatch = device.inputs(0, msg, device.x_example)
+      fresh, _, broadcast, pex, rngs, microbatch = device.inputs(  # Varying, as the loop's.
+          0, msg, device.run.axes.vary(device.x_example))
       diff = (device.staged, fresh, msg, broadcast, pex, None)
       fn_of = lambda tree, b=b, chunk=chunk, rngs=rngs, microbatch=microbatch: self._chunk_fn(
           b, device, tree, rngs, microbatch, chunk, False)
-      self.residual_plans.append(residuals_lib.plan_of(
-          fn_of, diff, [False, True, True, False, True, False], has_aux=True))
+      moving = [False, True, True, False, True, False]  # Per tree of diff: the micro-batch's.
+      self.residual_plans.append(residuals_lib.plan_of(fn_of, diff, moving, has_aux=True))
     self.residual_sizes = packing.buffer_sizes(p.layout for p in self.residual_plans)
 
   def _file_grads(self, device: _Device, state, g_params, inputs, mb):
@@ -568,8 +569,6 @@ def mean_loss(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple, per_ex
     axes: the mesh and its manual axes.
     primal: ``primal(staged, x, broadcast, per_example, rngs)``, the same mean computed without
       gradients, for calls that are not differentiated; default: the table's forward pass.
-
-  Returns the scalar mean loss.
   """
   run = _Run(chunkset, schedule, axes)
   if primal is None:

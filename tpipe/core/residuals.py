@@ -18,7 +18,7 @@ Example::
 
   plan = residuals.plan_of(fn_of, trees, dynamic)    # once: fn_of(trees) = fn
   _, vjp = jax.vjp(fn, *floats)                      # F tick
-  slot = residuals.keep(plan, vjp)                   # packed, one buffer per dtype
+  slot = residuals.keep(plan, vjp, sizes)            # packed, one buffer per dtype
   _, vjp = jax.vjp(fn, *floats)                      # B tick: the forward is dead code ...
   vjp = residuals.restore(plan, vjp, slot)           # ... once the kept residuals replace its
 """
@@ -43,10 +43,12 @@ class ResidualPlan:
   Attributes:
     kept: per residual leaf (``jax.tree.leaves`` of the VJP), whether the slot keeps it.
     layout: :func:`tpipe.core.packing.layout_of` the kept leaves.
+    leaves: every residual leaf's shape and dtype, as the plan saw them.
   """
 
   kept: tuple[bool, ...]
   layout: object
+  leaves: tuple = ()
 
 
 def _needs(jaxpr, output: int) -> list[bool]:
@@ -94,15 +96,18 @@ def plan_of(fn_of: Callable, trees: tuple, dynamic: Sequence[bool],
     needs = _needs(jaxpr, output)[constants:]
     kept.append(not isinstance(var, jax_core.Literal)
                 and any(n and d for n, d in zip(needs, moving)))
-  shapes = jax.eval_shape(residual_leaves, inputs)
-  return ResidualPlan(tuple(kept), packing.layout_of([s for s, k in zip(shapes, kept) if k]))
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]
+  return ResidualPlan(tuple(kept), packing.layout_of([s for s, k in zip(shapes, kept) if k]),
+                      tuple((s.shape, s.dtype) for s in shapes))
 
 
 def _leaves(plan: ResidualPlan, vjp):
   leaves, treedef = jax.tree.flatten(vjp)
-  if len(leaves) != len(plan.kept):
-    raise RuntimeError(f"This VJP has {len(leaves)} residuals where its plan was made for "
-                       f"{len(plan.kept)}: the function traced differently from the plan's.")
+  found = tuple((jax.numpy.shape(a), jax.numpy.result_type(a)) for a in leaves)
+  if found != plan.leaves:
+    raise RuntimeError(f"This VJP's residuals {[(s, str(d)) for s, d in found]} are not the "
+                       f"{[(s, str(d)) for s, d in plan.leaves]} its plan was made for: the "
+                       "function traced differently from the plan's.")
   return leaves, treedef
 
 

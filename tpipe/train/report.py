@@ -44,6 +44,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from tpipe.spec import SPLIT_BACKWARD
 from tpipe.train import cli
 from tpipe.train import schedule_summary
 
@@ -506,7 +507,7 @@ def format_stages(report: Report) -> list[str]:
   # A fused schedule stashes only chunk inputs (its backward recomputes the chunk's forward
   # from them), except under remat="none" with an unsplit backward: F keeps the VJP's residuals.
   remat, fused = report.config.get("remat"), schedule_summary.is_fused(report.schedule)
-  keeps_residuals = remat == "none" and fused and report.schedule.name not in ("zb_h1", "zbv")
+  keeps_residuals = remat == "none" and fused and report.schedule.name not in SPLIT_BACKWARD
   if remat != "full" and (keeps_residuals or not fused):
     lines += ["", f"remat={report.config.get('remat')!r}: the floor counts the stage inputs a "
               "stash slot keeps under remat='full'; with this policy each slot also keeps the "
