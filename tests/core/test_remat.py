@@ -25,7 +25,7 @@ import tpipe
 from tests.helpers import blocks
 from tests.helpers import linen_models as lm
 from tests.helpers import numerics
-from tpipe.core import fused
+from tpipe.core import unit_backward
 from tpipe.tools import flops as flops_lib
 
 # (model, schedule, granularity, remat, balance): a chunk of plain layers and Repeat units, the
@@ -197,7 +197,7 @@ def test_backward_by_units_sums_gradients_in_place():
 def test_which_settings_run_the_backward_by_units(schedule, repeats, remat, granularity, expected):
   spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=4, schedule=schedule,
                             num_repeats=repeats, remat=remat, remat_granularity=granularity)
-  assert fused.backward_by_units(spec) is expected
+  assert unit_backward.by_units(spec) is expected
 
 
 def _norm_relative(a, b):
@@ -265,7 +265,7 @@ def test_chunk_backward_by_units_reads_side_inputs_again_and_equals_sequential()
   model = tpipe.Sequential(layers, num_stages=2, num_microbatches=3, remat="full",
                            remat_granularity="chunk", per_example=("gate", "targets"),
                            mesh=tpipe.make_mesh(stages=2))
-  assert fused.backward_by_units(model.spec)
+  assert unit_backward.by_units(model.spec)
   params = model.init(jax.random.key(0), x, gate=gate, bias=bias, extras=extras,
                       targets=targets)["params"]
 

@@ -14,8 +14,10 @@ From the bottom up:
 * :mod:`~tpipe.core.taps` - the split backward (``BI`` / ``W``) of any layer, from its jaxpr.
 * :mod:`~tpipe.core.chunks` - the chunk programs the tick loops run, one per signature.
 * :mod:`~tpipe.core.residuals` - a chunk's VJP residuals kept from its forward for its backward.
+* :mod:`~tpipe.core.unit_backward` - a chunk's backward one unit at a time, summed in place.
 * :mod:`~tpipe.core.statistics` - running statistics pooled over a step (BatchNorm).
 * :mod:`~tpipe.core.forward` - the forward tick loop (GPipe, circular).
+* :mod:`~tpipe.core.branches` - what F, B, BI and W do on one device of a fused tick.
 * :mod:`~tpipe.core.fused` - the fused tick loop (1F1B, interleaved, ZB-H1, ZB-V).
 * :mod:`~tpipe.core.engine` - a planned, laid-out sequence and its runs.
 """

@@ -14,7 +14,7 @@ chunks, :mod:`tpipe.core.plan`), and lays out its variables on the stages
   differentiable under every schedule; with a fused schedule one differentiated call runs forward
   and backward together (:func:`tpipe.core.fused.mean_loss`). So does a forward schedule under
   ``remat="full"`` with ``remat_granularity`` ``"chunk"`` or ``"nested"``
-  (:func:`tpipe.core.fused.backward_by_units`): its forward ticks and autodiff's backward ticks
+  (:func:`tpipe.core.unit_backward.by_units`): its forward ticks and autodiff's backward ticks
   run as one fused table (:func:`tpipe.schedules.from_forward`), whose backward sums the
   parameter gradients in place.
 
@@ -43,6 +43,7 @@ from tpipe.core import plan as plan_lib
 from tpipe.core import remat as remat_lib
 from tpipe.core import spmd
 from tpipe.core import statistics
+from tpipe.core import unit_backward
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,10 +71,10 @@ class Pipeline:
     """The table :meth:`loss` runs (what a training step runs): a fused schedule's own; a
     forward schedule's forward ticks and autodiff's backward ticks as one fused table
     (:func:`tpipe.schedules.from_forward`) where its backward goes by units
-    (:func:`tpipe.core.fused.backward_by_units`, layers without running statistics); else the
+    (:func:`tpipe.core.unit_backward.by_units`, layers without running statistics); else the
     forward schedule, differentiated through its tick loop."""
     table = self.spec.table
-    by_units = self.stats_layout is None and fused.backward_by_units(self.spec)
+    by_units = self.stats_layout is None and unit_backward.by_units(self.spec)
     if not self.spec.is_fused and by_units:
       return schedules.from_forward(table)
     return table

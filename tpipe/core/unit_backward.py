@@ -7,7 +7,7 @@ here (:func:`backward_into`) runs the units backwards one at a time from
 :meth:`tpipe.core.chunks.ChunkSet.unit_steps` and adds each unit's parameter gradient into the
 running sums inside the loop over a run's copies, which XLA updates in place. The fused tick loop
 (:mod:`tpipe.core.fused`) runs its ``B`` actions this way under ``remat="full"``
-(:func:`tpipe.core.fused.backward_by_units`).
+(:func:`by_units`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,18 @@ from tpipe.core import spmd
 
 _floats = chunks_lib.float_leaves
 _with_floats = chunks_lib.with_float_leaves
+
+
+def by_units(spec) -> bool:
+  """Whether the loss's backward ticks run their chunks' units backwards one at a time, adding
+  each unit's parameter gradients into the running sums in place
+  (:func:`backward_into`), where that costs no more FLOPs than the
+  setting asks for: under ``remat="full"``, a fused ``B`` at every granularity (it recomputes
+  its chunk anyway), a forward schedule with ``"chunk"`` or ``"nested"`` (``"layer"`` and
+  ``k`` keep every piece's input across ticks instead and recompute one piece less)."""
+  if spec.remat != "full":
+    return False
+  return spec.is_fused or spec.remat_granularity in ("nested", "chunk")
 
 
 def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
