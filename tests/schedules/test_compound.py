@@ -4,6 +4,7 @@ fused schedule that are never slower than the one-action tables under the costs 
 for, and 1F1B's equal GPipe's step (natural, neighbour-synchronised and lockstep alike).
 """
 
+import collections
 import doctest
 import importlib
 
@@ -137,6 +138,21 @@ def test_built_tables_are_valid_and_never_slower(name, repeats, stages, micro, c
   kinds = [kind for _, _, kind, _, _ in f.actions()]
   split = name in ("zb_h1", "zbv")
   assert len(kinds) == stages * repeats * micro * (3 if split else 2)
+
+
+def test_zbv_stages_the_first_backward_has_not_reached_run_a_forward_of_each_chunk():
+  # Ahead of the first backward a ZB-V stage has only forwards to run; one of each chunk in a
+  # tick (they send opposite ways) keeps it nearer its neighbours' F + BI ticks.
+  compound = importlib.import_module("tpipe.schedules.compound")
+  f = schedules.build("zbv", 4, 8, 2, None, COSTS)
+  one_each = min(compound.pack("zbv", 4, 8, 2, COSTS, **dict(settings, second_forward=False))
+                 .simulate(COSTS).neighbour for settings in compound.candidates("zbv", 4))
+  assert f.simulate(COSTS).neighbour == 71 < one_each == 73
+  forwards = collections.Counter((t, s) for t, s, kind, _, _ in f.actions() if kind == "F")
+  assert max(forwards.values()) == 2
+  assert f.peak_in_flight().max() == 13  # As many as the best table of one forward a tick.
+  assert all(not settings["second_forward"] for name in ("1f1b", "zb_h1", "interleaved_1f1b")
+             for settings in compound.candidates(name, 4))  # Their chunks all send right.
 
 
 def test_costs_shape_the_table_and_are_checked():

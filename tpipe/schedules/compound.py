@@ -16,16 +16,18 @@ one.
 * at most one forward, the next micro-batch of a chunk whose input is there, while the stage
   holds fewer than its cap of micro-batch chunks in flight (deeper chunks first, or shallower
   first); where the forward and the backward would send the same way, one of them waits (the
-  forward, or the backward);
+  forward, or the backward); and, where it fits within the costliest stage's tick, a second
+  forward of another chunk that sends the other way (ZB-V: while the first backward travels
+  the V, the stages it has not reached yet run a forward of each chunk, not only one);
 * ``W`` work (split backward): pending ``W`` while the stage's tick stays within the costliest
   stage's tick, and more when more than ``weight_backlog`` wait (so memory stays bounded);
   a stage with nothing else runs one.
 
 A message needs an earlier tick (two over a delayed link); the last chunk's backward can follow
-its own forward in the same tick. :func:`build` tries a few caps, backlogs and orders
-(:func:`candidates`) and keeps the table whose neighbour-synchronised step is shortest, the
-one-action-per-tick table of :mod:`tpipe.schedules.orders` included (within 1% of it, the one
-that holds the least).
+its own forward in the same tick. :func:`build` tries a few caps, backlogs and orders, with
+and without second forwards (:func:`candidates`), and keeps the table whose
+neighbour-synchronised step is shortest, the one-action-per-tick table of
+:mod:`tpipe.schedules.orders` included (within 1% of it, the one that holds the least).
 Pure NumPy.
 
 Example::
@@ -94,7 +96,7 @@ def check_costs(costs, split: bool | None = None) -> dict[str, float]:
 def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
          costs: Mapping[str, float], *, in_flight: int | None = None,
          weight_backlog: int = 1, deeper_first: bool = True, backward_first: bool = True,
-         delays=None) -> fused_lib.FusedSchedule:
+         second_forward: bool = False, delays=None) -> fused_lib.FusedSchedule:
   """Schedule ``name`` laid out in compound ticks for ``costs`` (see the module docstring).
 
   Args:
@@ -110,6 +112,9 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
     deeper_first: a stage with forwards of several chunks ready runs the deepest first.
     backward_first: where a stage's forward and backward would send the same way, keep the
       backward (else the forward).
+    second_forward: a stage may also run a forward of another chunk, one its other actions
+      leave a way to send free, where it fits within the costliest stage's tick (only ZB-V's
+      two chunks send different ways).
     delays: per link, 0 or 1 extra tick (:func:`~tpipe.schedules.actions.link_delays`).
 
   Returns:
@@ -146,6 +151,7 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
     if t > 4 * (num_virtual + 2) * (num_microbatches + num_virtual):
       raise RuntimeError(f"{name}: compound packing made no progress by tick {t}.")
     row = [[] for _ in range(num_stages)]
+    spare = [None] * num_stages
     for s in range(num_stages):
       forwards = []
       for c in range(num_chunks):
@@ -181,6 +187,11 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
         row[s].append((Action.F, forward[1], forward[2]))
       if backward:
         row[s].append((back, backward[0], backward[2]))
+      if second_forward:  # Another chunk's, sent a way this tick's other messages leave free.
+        used = {sends(forward) if forward else None,
+                direction(back, -backward[1]) if backward else None}
+        spare[s] = next((f for f in forwards if f is not forward and sends(f) not in used
+                         and (forward is None or f[2] != forward[2])), None)
     spent = [sum(costs[kind.name] for kind, _, _ in work) for work in row]
     busiest = max(spent)
     for s, work in enumerate(row):
@@ -198,6 +209,15 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
             pending_w[s].append((m, c))
           else:
             holding[s] -= 1
+      if spare[s] and holding[s] < caps[s] and spent[s] + costs["F"] <= busiest * (1 + 1e-9):
+        _, m, c = spare[s]
+        work.append((Action.F, m, c))
+        spent[s] += costs["F"]
+        done[("F", m, int(vstage[s, c]))] = t
+        next_forward[s][c] += 1
+        holding[s] += 1
+        forwarded[s].append((m, c))
+        remaining -= 1
       while pending_w[s] and (spent[s] + costs["W"] <= busiest * (1 + 1e-9)
                               or len(pending_w[s]) > weight_backlog or not work):
         m, c = pending_w[s].pop(0)
@@ -214,11 +234,13 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
 def candidates(name: str, num_stages: int):
   """The settings :func:`build` tries, as :func:`pack` keywords. Every cap is set by S, so
   whichever wins, memory stays flat in M."""
-  _, split = SHAPES[name]
+  placement, split = SHAPES[name]
   extra = sorted({0, 2, max(1, num_stages // 2), num_stages})
   backlog = sorted({1, 4, 2 * num_stages}) if split else [0]
-  return [dict(in_flight=e, weight_backlog=b, deeper_first=d, backward_first=f)
-          for e, b, d, f in itertools.product(extra, backlog, (True, False), (True, False))]
+  second = (False, True) if placement == "v" else (False,)
+  return [dict(in_flight=e, weight_backlog=b, deeper_first=d, backward_first=f, second_forward=x)
+          for e, b, d, f, x in itertools.product(extra, backlog, (True, False), (True, False),
+                                                 second)]
 
 
 def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str, float],
