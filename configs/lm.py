@@ -106,9 +106,11 @@ def get_config(arg=None):
   # compound ticks (a forward, a backward and weight work per tick, so ticks cost the same on
   # every stage); "" for one action per tick.
   config.tick_costs = ""
-  # "zb_h1", "zbv": W runs the chunk forward again for its operations' inputs, so a micro-batch
-  # awaiting W holds only their output gradients (one more chunk forward per micro-batch).
-  config.weight_recompute = False
+  # "zb_h1", "zbv": what W computes again so that a micro-batch awaiting it holds less. "none";
+  # "forward": the chunk's forward, for its operations' inputs (it holds their output
+  # gradients; one more chunk forward per micro-batch); "backward": the chunk's forward and
+  # backward (it holds the chunk's output gradient; about one more fused backward).
+  config.weight_recompute = "none"
   config.num_microbatches = num_microbatches
   config.schedule = "gpipe"
   config.num_repeats = 1

@@ -383,8 +383,13 @@ def test_tick_costs_build_compound_tables_and_are_checked():
 def test_weight_recompute_is_for_a_split_backward():
   spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=4, schedule="zb_h1",
                             weight_recompute=True)
-  assert spec.weight_recompute and spec.replace(schedule="zbv", num_repeats=2).weight_recompute
+  assert spec.weight_recompute == "forward"
+  assert spec.replace(schedule="zbv", num_repeats=2).weight_recompute == "forward"
+  assert spec.replace(weight_recompute="backward").weight_recompute == "backward"
+  assert spec.replace(weight_recompute="none").weight_recompute is False
   with pytest.raises(ValueError, match="schedule='1f1b' has none"):
     spec.replace(schedule="1f1b")
-  with pytest.raises(TypeError, match="weight_recompute must be True or False"):
+  with pytest.raises(ValueError, match=r"weight_recompute must be True, False or one of \('none'"):
     spec.replace(weight_recompute="yes")
+  with pytest.raises(TypeError, match="weight_recompute must be"):
+    spec.replace(weight_recompute=1)

@@ -37,6 +37,8 @@ REMAT_NAMES = ("none", "full", "dots")
 GRANULARITY_NAMES = ("chunk", "layer", "nested")
 # The schedules whose backward splits into BI and W.
 SPLIT_BACKWARD = ("zb_h1", "zbv")
+# What W may compute again in a split backward (PipelineSpec.weight_recompute).
+WEIGHT_RECOMPUTE_NAMES = ("none", "forward", "backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +88,16 @@ class PipelineSpec:
       the table is laid out in compound ticks (a forward, a backward and weight work in one
       tick, :mod:`tpipe.schedules.compound`) so that ticks cost the same on every stage; kept
       as a sorted tuple of ``(action, cost)`` pairs. None (default): one action per tick.
-    weight_recompute: split backward only (``"zb_h1"``, ``"zbv"``): ``W`` runs the chunk's
-      forward again from its stashed input to get the inputs of the operations whose weight
-      gradients it forms, instead of ``BI`` keeping them until ``W``: a micro-batch awaiting
-      ``W`` holds only those operations' output gradients, for one more chunk forward per
-      micro-batch.
+    weight_recompute: split backward only (``"zb_h1"``, ``"zbv"``): what ``W`` computes again
+      rather than a micro-batch awaiting it keeping it. False (or ``"none"``): nothing; ``BI``
+      files its weight operations' inputs and output gradients. ``"forward"`` (or True): ``W``
+      runs the chunk's forward again from the stashed input for the operations' inputs; a
+      micro-batch awaiting ``W`` holds their output gradients, for one more chunk forward.
+      ``"backward"``: ``BI`` forms only the input gradients and ``W`` runs the chunk's forward
+      and backward again from the stashed input and the chunk's output gradient, keeping the
+      weight gradients; a micro-batch awaiting ``W`` holds that one gradient (the size of a
+      stashed input), for about one more fused backward per micro-batch. Kept as False,
+      ``"forward"`` or ``"backward"``.
     stage_axis: the mesh axis of stages.
     data_axis: the mesh axis of data-parallel replicas (the batch is split over it).
   """
@@ -108,7 +115,7 @@ class PipelineSpec:
   transfer_delay: Any = None
   stream_inputs: bool = True
   tick_costs: Any = None
-  weight_recompute: bool = False
+  weight_recompute: bool | str = False
   stage_axis: str = mesh_lib.STAGE_AXIS
   data_axis: str = mesh_lib.DATA_AXIS
 
@@ -134,12 +141,11 @@ class PipelineSpec:
     if not isinstance(self.stream_inputs, (bool, np.bool_)):
       raise TypeError(f"stream_inputs must be True or False, got {self.stream_inputs!r}.")
     object.__setattr__(self, "tick_costs", schedules.check_costs(self.tick_costs))
-    if not isinstance(self.weight_recompute, (bool, np.bool_)):
-      raise TypeError(f"weight_recompute must be True or False, got {self.weight_recompute!r}.")
+    object.__setattr__(self, "weight_recompute", check_weight_recompute(self.weight_recompute))
     if self.weight_recompute and self.schedule not in SPLIT_BACKWARD:
-      raise ValueError(f"weight_recompute=True recomputes what W needs in a split backward; "
-                       f"schedule={self.schedule!r} has none: use one of {SPLIT_BACKWARD} or "
-                       "weight_recompute=False.")
+      raise ValueError(f"weight_recompute={self.weight_recompute!r} recomputes what W needs in a "
+                       f"split backward; schedule={self.schedule!r} has none: use one of "
+                       f"{SPLIT_BACKWARD} or weight_recompute=False.")
     self.table  # Builds (and caches) the table: raises for unknown names or bad repeats.
     check_remat(self.remat)
     check_remat_granularity(self.remat_granularity)
@@ -235,6 +241,18 @@ def check_remat(remat) -> None:
   elif not callable(remat):
     raise TypeError(f"remat must be one of {REMAT_NAMES} or a jax.checkpoint policy callable, "
                     f"got {remat!r} of type {type(remat).__name__}.")
+
+
+def check_weight_recompute(value) -> bool | str:
+  """Validates a ``weight_recompute`` option and returns it as False, ``"forward"`` or
+  ``"backward"`` (True is ``"forward"``, ``"none"`` is False)."""
+  if isinstance(value, (bool, np.bool_)):
+    return "forward" if value else False
+  if isinstance(value, str) and value in WEIGHT_RECOMPUTE_NAMES:
+    return False if value == "none" else value
+  raise (ValueError if isinstance(value, str) else TypeError)(
+      f"weight_recompute must be True, False or one of {WEIGHT_RECOMPUTE_NAMES}, got "
+      f"{value!r}.")
 
 
 def check_remat_granularity(granularity) -> int | None:

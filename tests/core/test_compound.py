@@ -60,19 +60,28 @@ def test_compound_tick_sends_once_per_tick():
              for body in loops)
 
 
-# (model, schedule, stages, micro-batches per replica, slices, tick costs): W runs the chunk's
-# forward again; on two slices ZB-V's one-action table streams its inputs, W reading them too.
-RECOMPUTE_CASES = [("lm", "zb_h1", 4, 4, 1, COSTS), ("blocks", "zbv", 2, 4, 2, None),
-                   ("mlp", "zbv", 2, 6, 1, COSTS)]
+# (model, schedule, stages, micro-batches per replica, slices, tick costs, what W recomputes,
+# remat, whether the inputs stream): "forward", W runs the chunk's forward again; "backward",
+# its forward and backward (BI forms input gradients only). Where the one-action table streams
+# its inputs (the batch split over the stages), W reads them too.
+RECOMPUTE_CASES = [("lm", "zb_h1", 4, 4, 1, COSTS, "forward", "full", False),
+                   ("blocks", "zbv", 2, 4, 2, None, "forward", "full", True),
+                   ("mlp", "zbv", 2, 6, 1, COSTS, "forward", "full", False),
+                   ("lm", "zb_h1", 4, 4, 1, None, "backward", "full", True),
+                   ("blocks", "zbv", 2, 4, 2, COSTS, "backward", "none", False),
+                   ("mlp", "zb_h1", 4, 4, 1, COSTS, "backward", "dots", False)]
 
 
-@pytest.mark.parametrize("name,schedule,stages,microbatches,slices,costs", RECOMPUTE_CASES)
-def test_weight_recompute_equals_sequential(name, schedule, stages, microbatches, slices, costs):
+@pytest.mark.parametrize(
+    "name,schedule,stages,microbatches,slices,costs,recompute,remat,streams", RECOMPUTE_CASES)
+def test_weight_recompute_equals_sequential(name, schedule, stages, microbatches, slices, costs,
+                                            recompute, remat, streams):
   mesh = lm.emulated_mesh(stages, slices)
   _, x, _, _ = lm.loss_model(name)
-  model = lm.loss_sequential(name, schedule, mesh, microbatches, tick_costs=costs,
-                             weight_recompute=True)
+  model = lm.loss_sequential(name, schedule, mesh, microbatches, remat, tick_costs=costs,
+                             weight_recompute=recompute)
+  assert model.spec.weight_recompute == recompute
   axes = spmd.Axes.of(mesh, model.spec.stage_axis, model.spec.data_axis)
-  streams = streaming.plan(model.spec.table, axes, x.shape[0], True, reads_at_w=True)
-  assert (streams is not None) == (slices == 2)
+  conveyor = streaming.plan(model.spec.table, axes, x.shape[0], True, reads_at_w=True)
+  assert (conveyor is not None) == streams
   lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))

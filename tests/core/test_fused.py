@@ -220,11 +220,12 @@ def test_the_split_backward_does_the_work_of_one_backward():
   assert found["zb_h1"].lockstep >= found["zb_h1"].executed >= found["zb_h1"].useful > 0
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1", "zbv"])
 def test_under_remat_none_b_differentiates_without_running_the_forward_again(schedule):
-  """Under remat="none" F keeps its VJP's residuals for B (tpipe.core.residuals): B executes
-  remat full's B less about one forward (F itself under remat none: the linearized forward,
-  which also computes what the backward needs of each nonlinearity)."""
+  """Under remat="none" F keeps its VJP's residuals for B or BI (tpipe.core.residuals): the
+  backward executes remat full's less about one forward (F itself under remat none: the
+  linearized forward, which also computes what the backward needs of each nonlinearity). A
+  split table's F files its weight operations' inputs too, so W runs no forward either."""
   found = {}
   for remat in ("none", "full"):
     model, mesh = _model("blocks", schedule, 2, 4, remat=remat)
@@ -234,7 +235,10 @@ def test_under_remat_none_b_differentiates_without_running_the_forward_again(sch
     programs = model.pipeline_for(x, targets=targets).programs()
     found[remat] = analysis.fused_flops(compiled, model.spec.table, programs).actions
   none, full = found["none"], found["full"]
-  assert np.all(none["B"] + 0.7 * none["F"] < full["B"]), (none, full)
+  backward = "BI" if schedule in tpipe.spec.SPLIT_BACKWARD else "B"
+  assert np.all(none[backward] + 0.7 * none["F"] < full[backward]), (none, full)
+  if backward == "BI":
+    assert np.all(none["W"] <= full["W"]), (none, full)
 
 
 @pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
@@ -254,6 +258,26 @@ def test_bi_files_its_weight_slot_without_copying_the_slots_buffer(schedule):
   copies = [ins.shape for _, ins in module.instructions()
             if ins.opcode == "copy" and dims(ins) == dims(slots)]
   assert not copies, (slots.shape, copies)
+
+
+@pytest.mark.parametrize("name", ["blocks", "lm"])
+def test_weight_recompute_trades_weight_slots_for_flops(name):
+  """What a micro-batch awaiting W holds: its tapped operations' inputs and output gradients
+  (nothing recomputed), their output gradients ("forward"), or the chunk's output gradient
+  alone ("backward"): ZB-H1's temporaries fall in that order, the last within 1.25x of
+  1F1B's."""
+  x, targets = _inputs(name, _model(name, "1f1b", 2, 4)[1])
+  temporaries = {}
+  for schedule, recompute in [("1f1b", False), ("zb_h1", False), ("zb_h1", "forward"),
+                              ("zb_h1", "backward")]:
+    model, _ = _model(name, schedule, 2, 4, weight_recompute=recompute) if recompute else (
+        _model(name, schedule, 2, 4))
+    step = jax.jit(jax.grad(lm.pipelined_loss(model)))
+    compiled = step.lower(lm.random_params(name), x, targets).compile()
+    temporaries[schedule, recompute] = compiled.memory_analysis().temp_size_in_bytes
+  kept, forward, backward = (temporaries["zb_h1", r] for r in (False, "forward", "backward"))
+  assert kept > forward > backward, temporaries
+  assert backward <= 1.25 * temporaries["1f1b", False], temporaries
 
 
 @pytest.mark.parametrize("schedule,stages", [("1f1b", 4), ("zbv", 2)])

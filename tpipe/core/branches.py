@@ -6,15 +6,17 @@ it reads the running sums ``state``, the message ``msg`` from the mailbox, the s
 input ``stashed`` and the micro-batch's inputs ``fresh``, and returns the new sums, what its
 slot of each slot buffer holds after the step (``written``) and the message it sends.
 
-* ``F`` runs the chunk program (:class:`tpipe.core.chunks.ChunkSet`); under ``remat="none"`` in
-  an unsplit table it runs the chunk's VJP and files the residuals that depend on the
-  micro-batch in its residual slot (:mod:`tpipe.core.residuals`).
+* ``F`` runs the chunk program (:class:`tpipe.core.chunks.ChunkSet`); under ``remat="none"`` it
+  runs the chunk's VJP and files the residuals that depend on the micro-batch in its residual
+  slot (:mod:`tpipe.core.residuals`), in a split table with the tapped operations' inputs.
 * ``B`` differentiates the chunk at the stashed input: by units under ``remat="full"``
   (:func:`tpipe.core.unit_backward.backward_into`), else by one ``jax.vjp`` (with ``F``'s
   residuals in place of its own forward's, where ``F`` kept them).
 * ``BI`` is ``B`` with the operations linear in a weight tapped (:mod:`tpipe.core.taps`): it
-  files their output gradients (and their other operands) in a weight slot; ``W`` forms the
-  weight gradients from the slot.
+  files their output gradients (and their other operands, unless ``F`` filed them or ``W``
+  recomputes them) in a weight slot; ``W`` forms the weight gradients from the slot. Under
+  ``weight_recompute="backward"`` ``BI`` forms input gradients only and files the chunk's
+  output gradient, and ``W`` runs the chunk's backward again for the weight gradients.
 """
 
 from __future__ import annotations
@@ -145,14 +147,23 @@ class Branches:
     self.unitwise = unit_backward.by_units(chunkset.spec)
     self.backward_into = ([unit_backward.backward_into(chunkset, b) for b in range(count)]
                           if self.unitwise else [])
-    self.tapped = [chunkset.tapped_branch(b, inner) for b in range(count)] if self.split else []
-    # W runs the chunk forward again for the tapped operations' inputs (weight_recompute), so
-    # BI files only their output gradients.
-    self.recompute = self.split and bool(chunkset.spec.weight_recompute)
-    self.weights = [chunkset.weight_branch(b) for b in range(count)] if self.split else []
-    # Under remat="none" F keeps what B needs of its VJP, so B runs without the forward (not
-    # for BI, which needs the forward's records for W).
-    self.keeps_residuals = chunkset.spec.remat == "none" and not self.split
+    recompute = chunkset.spec.weight_recompute if self.split else False
+    # W reads the micro-batch's inputs and stashed input again (weight_recompute): "forward"
+    # for the tapped operations' inputs, so BI files only their output gradients; "backward"
+    # for the whole chunk backward, so BI forms input gradients only and files the chunk's
+    # output gradient.
+    self.recompute = bool(recompute)
+    self.rerun_backward = recompute == "backward"
+    taps = self.split and not self.rerun_backward
+    self.tapped = [chunkset.tapped_branch(b, inner) for b in range(count)] if taps else []
+    self.weights = [chunkset.weight_branch(b) for b in range(count)] if taps else []
+    # Under remat="none" F keeps what B (or BI) needs of its VJP, so the backward runs without
+    # the forward; a split table's F also files its weight operations' inputs for W, so W runs
+    # no forward either (unless weight_recompute asks W to recompute).
+    self.keeps_residuals = chunkset.spec.remat == "none" and not self.recompute
+    # Whether BI files its weight operations' inputs for W (else W recomputes them, or F filed
+    # them beside its residuals).
+    self.files_records = taps and not self.recompute and not self.keeps_residuals
 
   # ------------------------------------------------------------------------------------------
   # Branches: fn(state, slots, at, msg, stashed, fresh, mb, chunk) -> (state, written, send).
@@ -165,10 +176,13 @@ class Branches:
 
     def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
       written = as_is(slots, at)
-      if self.residual_plans:  # The chunk's VJP, keeping its residuals for B.
-        (_, output), vjp, (_, to_next), _ = self._vjp(b, device, mb, msg, msg, fresh, chunk)
-        written["residuals"] = device.run.axes.vary(residuals_lib.keep(
-            self.residual_plans[b], vjp, self.residual_sizes))
+      if self.residual_plans:  # The chunk's VJP, keeping its residuals for the backward.
+        (_, output), vjp, (records, to_next), _ = self._vjp(b, device, mb, msg, msg, fresh,
+                                                            chunk, tapped=self.split)
+        kept = residuals_lib.kept(self.residual_plans[b], vjp)
+        written["residuals"] = device.run.axes.vary(packing.pack(
+            (kept, records) if self.split else kept, self.residual_layouts[b],
+            self.residual_sizes))
       else:
         to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg, fresh),
                                            chunk)
@@ -184,6 +198,8 @@ class Branches:
     return branch
 
   def backward_branch(self, b: int, device: Device, tapped: bool):
+    if tapped and self.rerun_backward:
+      return self.input_backward_branch(b, device)
 
     def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
       written = as_is(slots, at)
@@ -202,20 +218,65 @@ class Branches:
       (ring_out, losses), vjp, (records, _), diff = self._vjp(b, device, mb, msg, stashed,
                                                               fresh, chunk, tapped)
       if self.residual_plans:  # F's residuals in place of this trace's: its forward is dead.
-        vjp = residuals_lib.restore(self.residual_plans[b], vjp, written["residuals"])
+        kept = packing.unpack(written["residuals"], self.residual_layouts[b])
+        vjp = residuals_lib.substitute(self.residual_plans[b], vjp,
+                                       kept[0] if self.split else kept)
       grads = list(vjp(device.cotangent(chunk, msg, ring_out, losses)))
       g_params, g_fresh, g_in, g_broadcast, g_pex, g_taps = _split_grads(grads, diff)
       state = self._file_grads(device, state, g_params, (g_fresh, g_broadcast, g_pex), mb)
       if tapped:
         output_grads = _with_floats(diff[-1], g_taps)
         written["weights"] = device.run.axes.vary(packing.pack(
-            output_grads if self.recompute else (records, output_grads),
+            (records, output_grads) if self.files_records else output_grads,
             self.weight_layouts[b], self.weight_sizes))
       return state, written, device.send_of(stashed, g_in)
 
     return branch
 
+  def input_backward_branch(self, b: int, device: Device):
+    """``BI`` under ``weight_recompute="backward"``: the chunk's VJP in its inputs alone (no
+    weight gradient is formed), the chunk's output gradient filed for ``W``."""
+
+    def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
+      written = as_is(slots, at)
+      (ring_out, losses), vjp, _, diff = self._vjp(b, device, mb, msg, stashed, fresh, chunk,
+                                                   wrt="inputs")
+      grads = list(vjp(device.cotangent(chunk, msg, ring_out, losses)))
+      g_fresh, g_in, g_broadcast, g_pex, _ = _split_grads(grads, diff[1:])
+      state = self._file_grads(device, state, None, (g_fresh, g_broadcast, g_pex), mb)
+      written["weights"] = device.run.axes.vary(packing.pack(
+          _floats(msg), self.weight_layouts[b], self.weight_sizes))
+      return state, written, device.send_of(stashed, g_in)
+
+    return branch
+
+  def weight_backward_branch(self, b: int, device: Device):
+    """``W`` under ``weight_recompute="backward"``: the chunk's backward again from the stashed
+    input and the filed output gradient, keeping the parameter gradients only (by units under
+    ``remat="full"``, as ``B`` runs)."""
+
+    def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
+      written = as_is(slots, at)
+      msg = _with_floats(msg, packing.unpack(written["weights"], self.weight_layouts[b]))
+      if self.unitwise:
+        fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
+        outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
+        cotangent = lambda out: device.cotangent(chunk, msg, *out)
+        sums, *_ = self.backward_into[b](state["params"], device.staged, fresh, stashed,
+                                         broadcast, pex, rngs, microbatch, chunk, outputs,
+                                         cotangent)
+        state = dict(state, params=sums)
+      else:
+        outputs, vjp, _, _ = self._vjp(b, device, mb, msg, stashed, fresh, chunk, wrt="params")
+        g_params = vjp(device.cotangent(chunk, msg, *outputs))
+        state = dict(state, params=[u + w for u, w in zip(state["params"], g_params)])
+      return state, written, device.run.axes.vary(device.ring_zero)
+
+    return branch
+
   def weight_branch(self, b: int, device: Device):
+    if self.rerun_backward:
+      return self.weight_backward_branch(b, device)
 
     def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
       written = as_is(slots, at)
@@ -224,6 +285,9 @@ class Branches:
         fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
         _, (records, _) = self.tapped[b](device.staged, fresh, stashed, broadcast, pex, rngs,
                                          microbatch, chunk, None)
+        output_grads = unpacked
+      elif self.residual_plans:  # F filed them beside its residuals.
+        _, records = packing.unpack(written["residuals"], self.residual_layouts[b])
         output_grads = unpacked
       else:
         records, output_grads = unpacked
@@ -250,29 +314,47 @@ class Branches:
 
     return fn
 
-  def _vjp(self, b: int, device: Device, mb, msg, incoming, fresh, chunk, tapped=False):
-    """``(outputs, vjp, (records, to_next), diff)``: ``jax.vjp`` of program ``b`` on ``mb``."""
+  def _vjp(self, b: int, device: Device, mb, msg, incoming, fresh, chunk, tapped=False,
+           wrt="all"):
+    """``(outputs, vjp, (records, to_next), diff)``: ``jax.vjp`` of program ``b`` on ``mb`` in
+    the float leaves of ``diff``: all of them, the ``"params"`` only or the ``"inputs"`` only
+    (the others held constant, so no gradient of theirs is formed)."""
     fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
     taps = self._zero_taps(b, device) if tapped else None
     diff = (device.staged, fresh, incoming, broadcast, pex, taps)
     fn = self._chunk_fn(b, device, diff, rngs, microbatch, chunk, tapped)
-    outputs, vjp, aux = jax.vjp(fn, *_floats(diff), has_aux=True)
+    floats = _floats(diff)
+    num_params = len(_floats(device.staged))
+    params, inputs = floats[:num_params], floats[num_params:]
+    if wrt == "params":
+      outputs, vjp, aux = jax.vjp(lambda *p: fn(*p, *inputs), *params, has_aux=True)
+    elif wrt == "inputs":
+      outputs, vjp, aux = jax.vjp(lambda *i: fn(*params, *i), *inputs, has_aux=True)
+    else:
+      outputs, vjp, aux = jax.vjp(fn, *floats, has_aux=True)
     return outputs, vjp, aux, diff
 
   def learn_residuals(self, device: Device):
-    """Per chunk program, what F keeps of its VJP's residuals for B (those computed from the
-    micro-batch's inputs, :mod:`tpipe.core.residuals`), and the residual slots' sizes."""
+    """Per chunk program, what F keeps of its VJP's residuals for B or BI (those computed from
+    the micro-batch's inputs, :mod:`tpipe.core.residuals`; a split table's also the tapped
+    operations' inputs for W), and the residual slots' layouts and sizes."""
     msg = device.run.axes.vary(device.ring_zero)
     for b in range(self.chunkset.num_branches):
       chunk = device.stage * 0 + self.chunkset.chunks_of[b][0]  # Traced, as the loop's is.
       fresh, _, broadcast, pex, rngs, microbatch = device.inputs(  # Varying, as the loop's.
           0, msg, device.run.axes.vary(device.x_example))
-      diff = (device.staged, fresh, msg, broadcast, pex, None)
+      taps = self._zero_taps(b, device) if self.split else None
+      diff = (device.staged, fresh, msg, broadcast, pex, taps)
       fn_of = lambda tree, b=b, chunk=chunk, rngs=rngs, microbatch=microbatch: self._chunk_fn(
-          b, device, tree, rngs, microbatch, chunk, False)
+          b, device, tree, rngs, microbatch, chunk, self.split)
       moving = [False, True, True, False, True, False]  # Per tree of diff: the micro-batch's.
-      self.residual_plans.append(residuals_lib.plan_of(fn_of, diff, moving, has_aux=True))
-    self.residual_sizes = packing.buffer_sizes(p.layout for p in self.residual_plans)
+      plan = residuals_lib.plan_of(fn_of, diff, moving, has_aux=True)
+      self.residual_plans.append(plan)
+      # A split table's F also files its weight operations' inputs (the records) for W.
+      self.residual_layouts.append(packing.layout_of(
+          (residuals_lib.kept_shapes(plan), self.record_shapes[b]) if self.split else
+          residuals_lib.kept_shapes(plan)))
+    self.residual_sizes = packing.buffer_sizes(self.residual_layouts)
 
   def _file_grads(self, device: Device, state, g_params, inputs, mb):
     g_fresh, g_broadcast, g_pex = inputs
@@ -289,25 +371,31 @@ class Branches:
 
   def learn_taps(self, device: Device):
     """The weight slots' layouts: per chunk program, what BI hands to W (the tapped operations'
-    other operands and output gradients; only the gradients with ``weight_recompute``), packed
+    other operands and output gradients; only the gradients with ``weight_recompute="forward"``
+    or where F files the operands; the chunk's output gradient with ``"backward"``), packed
     into buffers shared by all programs."""
-    self.weight_layouts, self.tap_shapes = [], []
+    self.weight_layouts, self.tap_shapes, self.record_shapes = [], [], []
     msg = device.run.axes.vary(device.ring_zero)
+    if self.rerun_backward:  # The chunk's output gradient: a message's float leaves.
+      self.weight_layouts = [packing.layout_of(_floats(msg))] * self.chunkset.num_branches
+      self.weight_sizes = packing.buffer_sizes(self.weight_layouts)
+      return
     for b in range(self.chunkset.num_branches):
       chunk = self.chunkset.chunks_of[b][0]
       _, (records, outputs) = jax.eval_shape(
           lambda: self.tapped[b](device.staged, *device.inputs(0, msg, device.x_example),
                                  chunk, None))
-      self.weight_layouts.append(packing.layout_of(outputs if self.recompute
-                                                   else (records, outputs)))
+      self.weight_layouts.append(packing.layout_of((records, outputs) if self.files_records
+                                                   else outputs))
       self.tap_shapes.append(outputs)
+      self.record_shapes.append(records)
     self.weight_sizes = packing.buffer_sizes(self.weight_layouts)
 
   def learn(self, device: Device, collect: bool) -> None:
     """The slots' layouts for this call (see the class docstring); ``collect``: a forward-only
     table, which keeps nothing for a backward."""
-    self.residual_plans, self.residual_sizes = [], {}
-    self.weight_layouts, self.weight_sizes, self.tap_shapes = [], {}, []
+    self.residual_plans, self.residual_layouts, self.residual_sizes = [], [], {}
+    self.weight_layouts, self.weight_sizes, self.tap_shapes, self.record_shapes = [], {}, [], []
     if self.split:
       self.learn_taps(device)
     if self.keeps_residuals and not collect:

@@ -23,9 +23,9 @@ table as one SPMD program:
 * ``B`` takes the stashed input and the output gradient (from the mailbox; for the last chunk the
   seed ``1 / N`` per example of the mean loss), recomputes the chunk's forward under ``jax.vjp``
   and applies its VJP: ``remat="full"`` at the granularity of a chunk, the remat policy deciding
-  only what the chunk keeps *within* the ``B`` tick. Under ``remat="none"`` (an unsplit table)
-  ``F`` runs the VJP instead and keeps its residuals in a **residual slot** beside the stash
-  (:mod:`tpipe.core.residuals`), and ``B`` applies it without the forward. Under
+  only what the chunk keeps *within* the ``B`` tick. Under ``remat="none"`` ``F`` runs the VJP
+  instead and keeps its residuals in a **residual slot** beside the stash
+  (:mod:`tpipe.core.residuals`), and ``B`` (or ``BI``) applies it without the forward. Under
   ``remat="full"`` (:func:`tpipe.core.unit_backward.by_units`), ``B`` runs the chunk's units
   backwards one at a time instead and adds each unit's parameter gradient into the running sums
   in place (:func:`tpipe.core.unit_backward.backward_into`), so no tick builds its chunk's whole
@@ -34,8 +34,11 @@ table as one SPMD program:
   it yields the input gradient and those operations' output gradients, filed with their other
   operands in a **weight slot** (packed per stage, as many slots as the table's most
   micro-batches awaiting ``W``); ``W`` forms the weight gradients from the slot. Nothing is
-  computed twice. With ``weight_recompute`` the slot holds the output gradients only, and ``W``
-  runs the chunk's forward again from the stash for the other operands.
+  computed twice. Under ``remat="none"`` ``F`` files the other operands beside its residuals
+  instead, so neither ``BI`` nor ``W`` runs the forward. With ``weight_recompute="forward"`` the
+  slot holds the output gradients only, and ``W`` runs the chunk's forward again from the stash
+  for the other operands; with ``"backward"`` ``BI`` forms input gradients only, the slot holds
+  the chunk's output gradient, and ``W`` runs the chunk's forward and backward again.
 * Inputs: where the batch is split over the stages, each micro-batch's inputs reach stage 0 in
   the ticks that read them (its ``F`` and backward of chunk 0) over a conveyor of one-stage sends
   (:mod:`tpipe.core.streaming`), else the batch is gathered once before the loop.

@@ -111,14 +111,32 @@ def _leaves(plan: ResidualPlan, vjp):
   return leaves, treedef
 
 
+def kept(plan: ResidualPlan, vjp) -> list:
+  """The leaves of ``vjp`` the plan keeps, in order (their layout is ``plan.layout``)."""
+  leaves, _ = _leaves(plan, vjp)
+  return [a for a, k in zip(leaves, plan.kept) if k]
+
+
+def substitute(plan: ResidualPlan, vjp, kept_leaves: Sequence):
+  """``vjp`` with the leaves the plan keeps replaced by ``kept_leaves`` (what :func:`kept`
+  gave)."""
+  leaves, treedef = _leaves(plan, vjp)
+  kept_leaves = iter(kept_leaves)
+  return jax.tree.unflatten(treedef, [next(kept_leaves) if k else a
+                                      for a, k in zip(leaves, plan.kept)])
+
+
 def keep(plan: ResidualPlan, vjp, sizes) -> dict:
   """The leaves of ``vjp`` the plan keeps, packed into buffers of ``sizes``."""
-  leaves, _ = _leaves(plan, vjp)
-  return packing.pack([a for a, k in zip(leaves, plan.kept) if k], plan.layout, sizes)
+  return packing.pack(kept(plan, vjp), plan.layout, sizes)
 
 
 def restore(plan: ResidualPlan, vjp, slot: dict):
   """``vjp`` with the leaves the plan keeps taken from ``slot`` (what :func:`keep` packed)."""
-  leaves, treedef = _leaves(plan, vjp)
-  kept = iter(packing.unpack(slot, plan.layout))
-  return jax.tree.unflatten(treedef, [next(kept) if k else a for a, k in zip(leaves, plan.kept)])
+  return substitute(plan, vjp, packing.unpack(slot, plan.layout))
+
+
+def kept_shapes(plan: ResidualPlan) -> list[jax.ShapeDtypeStruct]:
+  """The shapes and dtypes of the leaves the plan keeps, in order."""
+  return [jax.ShapeDtypeStruct(shape, dtype) for (shape, dtype), k in zip(plan.leaves, plan.kept)
+          if k]

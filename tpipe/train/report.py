@@ -45,6 +45,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from tpipe.spec import SPLIT_BACKWARD
+from tpipe.spec import check_weight_recompute
 from tpipe.train import cli
 from tpipe.train import schedule_summary
 
@@ -505,9 +506,11 @@ def format_stages(report: Report) -> list[str]:
       f"| **peak / floor** | **{report.floor_ratio:.2f}x** |",
   ]
   # A fused schedule stashes only chunk inputs (its backward recomputes the chunk's forward
-  # from them), except under remat="none" with an unsplit backward: F keeps the VJP's residuals.
+  # from them), except under remat="none": F keeps the VJP's residuals (unless W recomputes).
   remat, fused = report.config.get("remat"), schedule_summary.is_fused(report.schedule)
-  keeps_residuals = remat == "none" and fused and report.schedule.name not in SPLIT_BACKWARD
+  recomputes = (report.schedule.name in SPLIT_BACKWARD
+                and check_weight_recompute(report.config.get("weight_recompute", False)))
+  keeps_residuals = remat == "none" and fused and not recomputes
   if remat != "full" and (keeps_residuals or not fused):
     lines += ["", f"remat={report.config.get('remat')!r}: the floor counts the stage inputs a "
               "stash slot keeps under remat='full'; with this policy each slot also keeps the "

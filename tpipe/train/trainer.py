@@ -249,7 +249,7 @@ def train(config, workdir: str) -> dict:
     axes = spmd.Axes.of(exp.mesh, spec.stage_axis, spec.data_axis)
     logging.info("Pipeline: %s.", streaming.describe(
         exp.pipeline.loss_table, axes, config.batch_size, spec.stream_inputs,
-        spec.weight_recompute and spec.is_fused))
+        bool(spec.weight_recompute) and spec.is_fused))
     slices = int(tpipe.mesh.slice_of_devices(exp.mesh).max()) + 1
     if slices > 1 or any(exp.pipeline.spec.delays):
       logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",
