@@ -190,6 +190,16 @@ def test_zbv_ticks_stay_light_until_the_first_backward_is_back_at_chunk_0():
   assert (f.peak_in_flight().max(), f.awaiting_weight().max()) == (13, 8)
 
 
+def test_costs_that_nearly_tie_pack_as_those_that_tie():
+  # A W that costs 3% more than F no longer fits beside a BI where F does (F + BI against
+  # BI + W): without the fill slack ZB-V's table fell apart (S = 4, M = 8: 80.5 against 67).
+  exact, near = {"F": 1.0, "BI": 2.0, "W": 1.0}, {"F": 1.0, "BI": 2.0, "W": 1.03}
+  tied = schedules.build("zbv", 4, 8, 2, None, exact).simulate(exact).neighbour
+  assert tied == 67
+  step = schedules.build("zbv", 4, 8, 2, None, near).simulate(near).neighbour
+  assert step <= tied * 1.03, step
+
+
 def test_costs_shape_the_table_and_are_checked():
   flat = schedules.build("zb_h1", 4, 8, 1, None, {"F": 1, "BI": 1, "W": 1})
   steep = schedules.build("zb_h1", 4, 8, 1, None, COSTS)
