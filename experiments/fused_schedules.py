@@ -71,10 +71,10 @@ UNSPLIT = {"zb_h1": "1f1b", "zbv": "interleaved_1f1b"}
 
 def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
                  num_layers: int, rows: int, seq: int, width: int, tick_costs=None,
-                 weight_recompute: bool = False, remat: str = "full"):
+                 weight_recompute: bool | str = False, remat: str = "full"):
   """(model, its engine pipeline, compiled gradient step) of the LM for one schedule (a fused
-  one in compound ticks for ``tick_costs``; a split backward's W recomputing its inputs with
-  ``weight_recompute``)."""
+  one in compound ticks for ``tick_costs``; a split backward's W recomputing what
+  ``weight_recompute`` says)."""
   mesh = tpipe.make_mesh(stages=stages)
   chunks = stages * repeats
   # Embedding with the first blocks, the head with the last: units split evenly.
@@ -103,8 +103,10 @@ def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
                  measured=()) -> list[str]:
   """Temporaries per device at each M; with ``measured`` costs (:func:`flops_table`), every
   fused schedule also in compound ticks built for its measured costs; the split backward's
-  schedules with ``weight_recompute``, with what that costs in FLOPs; and GPipe and 1F1B under
-  ``remat="none"`` (1F1B keeping each chunk's residuals in a slot per micro-batch in flight)."""
+  schedules with ``weight_recompute`` "forward" and "backward", with what that costs in FLOPs;
+  and GPipe, 1F1B, ZB-H1 and ZB-V under ``remat="none"`` (the fused ones keeping each chunk's
+  residuals in a slot per micro-batch in flight; the split ones also the weight operations'
+  inputs, until ``W``)."""
   lines = [f"### Activation memory in M (S = {stages}, {num_layers} blocks, micro-batch "
            f"{sizes['rows']} x {sizes['seq']}, width {sizes['width']})", "",
            "| schedule | " + " | ".join(f"temporaries at M = {m}" for m in ms)
@@ -114,10 +116,13 @@ def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
   rows = [(name, name, repeats, None, False, "full") for name, repeats in SCHEDULES]
   rows += [(f"{name}, compound ticks", name, repeats, costs_of[name], False, "full")
            for name, repeats in SCHEDULES if name in costs_of and tpipe.schedules.is_fused(name)]
-  rows += [(f"{name}, weight_recompute", name, repeats, None, True, "full")
+  rows += [(f"{name}, weight_recompute {what}", name, repeats, None, what, "full")
+           for what in ("forward", "backward")
            for name, repeats in SCHEDULES if name in ("zb_h1", "zbv")]
-  rows += [(f"{name}, remat none", name, 1, None, False, "none") for name in ("gpipe", "1f1b")]
-  # SCHEDULES lists the unsplit schedules first, so their B is there for the split rows.
+  rows += [(f"{name}, remat none", name, repeats, None, False, "none")
+           for name, repeats in SCHEDULES if name != "circular"]
+  # SCHEDULES lists the unsplit schedules first, so their B is there for the split rows
+  # (remat none's rows come in the same order).
   one_f_one_b, flops, fused_backward = None, [], {}
   for label, name, repeats, costs, recompute, remat in rows:
     temps, peak = [], "-"
@@ -133,21 +138,22 @@ def memory_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
       peak = (str(table.peak_in_flight().tolist())
               if isinstance(table, tpipe.schedules.FusedSchedule)
               else f"[{m}] * {stages}")
-      if label in UNSPLIT.values() and m == ms[0]:  # B of the chunks the split rows run.
-        fused_backward[label] = float(np.mean(analysis.fused_flops(
+      if name in UNSPLIT.values() and costs is None and m == ms[0]:  # The split rows' B.
+        fused_backward[name, remat] = float(np.mean(analysis.fused_flops(
             compiled, pipeline.loss_table, pipeline.programs()).actions["B"]))
       if name in UNSPLIT and costs is None and m == ms[0]:
         found = analysis.fused_flops(compiled, pipeline.loss_table, pipeline.programs())
         mean = {k: float(np.mean(v)) for k, v in found.actions.items()}
-        flops.append((label, dict(mean, B=fused_backward[UNSPLIT[name]])))
+        flops.append((label, dict(mean, B=fused_backward[UNSPLIT[name], remat])))
     if label == "1f1b":
       one_f_one_b = temps[0]
     versus = f"{temps[0] / one_f_one_b:.2f}" if one_f_one_b else "-"
     lines.append(f"| {label} | " + " | ".join(analysis.format_bytes(t) for t in temps)
                  + f" | {temps[-1] / temps[0]:.2f} | {versus} | {peak} |")
   if flops:
-    lines += ["", "What `weight_recompute` costs: per action of one chunk, MFLOP (mean over "
-              "chunks), and the split backward over a fused one:", "",
+    lines += ["", "What the split backward costs, with `weight_recompute` and under remat none: "
+              "per action of one chunk, MFLOP (mean over chunks), and the split backward over "
+              "the fused `B` of the same chunks and remat (1F1B's, interleaved 1F1B's):", "",
               "| schedule | F | BI | W | (BI + W) / B |", "|---|---|---|---|---|"]
     for label, f in flops:
       lines.append(f"| {label} | {f['F'] / 1e6:.1f} | {f['BI'] / 1e6:.1f} | "
@@ -261,6 +267,26 @@ def chunk_actions(chunk) -> dict:
   }
 
 
+def chunk_actions_keeping_residuals(chunk) -> tuple:
+  """One chunk's actions under ``remat="none"``, where the forward keeps its VJP's residuals
+  for the backward: ``(linearize, actions)``. ``linearize(params, h)`` is that forward, returning
+  the output and the two VJPs (their residuals are arrays); ``actions`` maps ``"F"`` to
+  ``fn(params, h, g)`` (the same forward), ``"B"`` and ``"BI"`` to ``fn(vjps, g)``: the VJP for
+  the weights and the input, and for the input alone, from the kept residuals."""
+  forward = lambda p, h: chunk.apply(p, h)
+
+  def linearize(p, h):
+    out, both = jax.vjp(forward, p, h)
+    _, inputs = jax.vjp(lambda h: forward(p, h), h)
+    return out, (both, inputs)
+
+  return linearize, {
+      "F": lambda p, h, g: jax.vjp(forward, p, h),
+      "B": lambda vjps, g: vjps[0](g),
+      "BI": lambda vjps, g: vjps[1](g),
+  }
+
+
 def tpu_costs_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: dict,
                     measured) -> tuple[list[str], dict]:
   """Every schedule simulated under the TPU compiler's per-action seconds beside the FLOP-based
@@ -295,31 +321,41 @@ def tpu_costs_table(stages: int, num_layers: int, ms: tuple[int, ...], sizes: di
 
 # Per-action wall times of a 4-block chunk (width 2048, bf16, micro-batch 4 x 1024) timed on a
 # lent NVIDIA H200 by experiments/gpu_action_costs.py (results/gpu_action_costs.md), ms; the
-# 2-block chunk's row there for two chunks per stage.
-GPU_COSTS = {1: {"F": 4.2077, "B": 13.2811, "BI": 8.9954, "W": 4.2857},
-             2: {"F": 2.1729, "B": 6.5595, "BI": 4.5436, "W": 2.0159}}
+# 2-block chunk's row there for two chunks per stage. Under remat none the forward keeps its
+# VJP's residuals and the backward starts from them.
+GPU_COSTS = {"full": {1: {"F": 4.3143, "B": 13.5065, "BI": 9.0592, "W": 4.4473},
+                      2: {"F": 2.2336, "B": 6.8166, "BI": 4.5136, "W": 2.303}},
+             "none": {1: {"F": 6.7852, "B": 10.0734, "BI": 5.6441, "W": 4.4293},
+                      2: {"F": 3.567, "B": 5.3716, "BI": 3.0104, "W": 2.3612}}}
 
 
 def cost_sets(tpu) -> list[tuple[str, Any]]:
   """``(label, costs_of(measured costs, chunks per stage, split) -> costs)``: the cost sets the
-  compound tables are built and timed for. Under ``remat="none"`` an unsplit backward keeps the
-  forward's residuals (autodiff's in GPipe and circular, the residual slots of 1F1B and
-  interleaved 1F1B), so its ``B`` is one forward less; a split backward (``split``: ZB-H1,
-  ZB-V) still recomputes its chunk's forward for ``BI``."""
-  without_recompute = lambda c, split: c if split else dict(c, B=c["B"] - c["F"])
+  compound tables are built and timed for. Under ``remat="none"`` every backward keeps the
+  forward's residuals (autodiff's in GPipe and circular, the residual slots of the fused
+  schedules), so its ``B`` or ``BI`` is one forward less (``split``: the table runs ``BI``).
+  From FLOPs this is a model (the forward that keeps its residuals also costs more: the memory
+  table's remat-none rows measure both); the H200's remat-none set is timed."""
+  without_recompute = lambda c, split: dict(
+      c, **{k: c[k] - c["F"] for k in ("B", "BI") if k in c})
   sets = [("FLOPs, remat full", lambda c, r, split: c),
           ("FLOPs, remat none", lambda c, r, split: without_recompute(c, split))]
   if tpu is not None:
     sets.append(("TPU v5p optimal_seconds", lambda c, r, split: tpu[r]))
-  sets.append(("H200 wall time (width 2048)", lambda c, r, split: GPU_COSTS[r]))
+  sets.append(("H200 wall time (width 2048), remat full",
+               lambda c, r, split: GPU_COSTS["full"][r]))
+  sets.append(("H200 wall time (width 2048), remat none",
+               lambda c, r, split: GPU_COSTS["none"][r]))
   return sets
 
 
-def ratio(timing) -> str:
-  """The neighbour-synchronised bubble over the natural one ("-" where both are 0)."""
-  if timing.natural_bubble <= 1e-12:
+def ratio(timing, natural=None) -> str:
+  """The neighbour-synchronised bubble over the natural one (``natural``'s, another table's
+  timing, where given; "inf" where only the natural one is 0)."""
+  natural = (natural or timing).natural_bubble
+  if natural <= 1e-12:
     return "1.00" if timing.neighbour_bubble <= 1e-12 else "inf"
-  return f"{timing.neighbour_bubble / timing.natural_bubble:.2f}"
+  return f"{timing.neighbour_bubble / natural:.2f}"
 
 
 def compound_table(stages: int, measured, tpu) -> list[str]:
@@ -328,11 +364,14 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
   lines = [f"### Compound ticks (S = {stages}): a forward, a backward and weight work per tick",
            "", "Each fused table built by `tpipe.schedules.build(..., costs=)` for the cost set "
            "and simulated under it; GPipe's step under the same costs is the reference (under "
-           "remat none every unsplit `B` keeps the forward's residuals: one forward less; "
-           "ZB-H1's and ZB-V's `BI` recomputes it).", "",
+           "remat none every `B` and `BI` keeps the forward's residuals: one forward less). "
+           "Bubble ratios: the neighbour-synchronised bubble over the compound table's own "
+           "natural (dependency-driven) bubble, and over the schedule's: its one-action "
+           "table's.", "",
            "| costs | schedule | M | ticks | actions per tick (most) | in flight (peak) | "
-           "bubble: natural | neighbour-synchronised | bubble ratio | step / GPipe's | "
-           "one action per tick: step / GPipe's |", "|---|" + "---|" * 10]
+           "weight slots | bubble: natural | neighbour-synchronised | bubble ratio: own | "
+           "schedule's | step / GPipe's | one action per tick: step / GPipe's |",
+           "|---|" + "---|" * 12]
   gpipe_costs = {m: c for name, _, m, c in measured if name == "gpipe"}
   for label, costs_of in cost_sets(tpu):
     for name, repeats, m, measured_costs in measured:
@@ -345,15 +384,16 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
         plain = None
       else:
         table = tpipe.schedules.build(name, stages, m, repeats, costs=costs)
-        plain = tpipe.schedules.build(name, stages, m, repeats).simulate(costs).neighbour
+        plain = tpipe.schedules.build(name, stages, m, repeats).simulate(costs)
       timing = table.simulate(costs)
       lanes = table.lanes if fused else 1
+      slots = int(table.awaiting_weight().max()) if fused else 0
       lines.append(
           f"| {label} | {name} | {m} | {table.num_ticks} | {lanes} | "
-          f"{int(table.peak_in_flight().max())} | {timing.natural_bubble:.3f} | "
-          f"{timing.neighbour_bubble:.3f} | {ratio(timing)} | "
+          f"{int(table.peak_in_flight().max())} | {slots} | {timing.natural_bubble:.3f} | "
+          f"{timing.neighbour_bubble:.3f} | {ratio(timing)} | {ratio(timing, plain)} | "
           f"{timing.neighbour / reference:.3f} | "
-          f"{'-' if plain is None else f'{plain / reference:.3f}'} |")
+          f"{'-' if plain is None else f'{plain.neighbour / reference:.3f}'} |")
   return lines
 
 
