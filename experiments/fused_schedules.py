@@ -330,22 +330,19 @@ GPU_COSTS = {"full": {1: {"F": 4.3143, "B": 13.5065, "BI": 9.0592, "W": 4.4473},
 
 
 def cost_sets(tpu) -> list[tuple[str, Any]]:
-  """``(label, costs_of(measured costs, chunks per stage, split) -> costs)``: the cost sets the
+  """``(label, costs_of(measured costs, chunks per stage) -> costs)``: the cost sets the
   compound tables are built and timed for. Under ``remat="none"`` every backward keeps the
   forward's residuals (autodiff's in GPipe and circular, the residual slots of the fused
-  schedules), so its ``B`` or ``BI`` is one forward less (``split``: the table runs ``BI``).
-  From FLOPs this is a model (the forward that keeps its residuals also costs more: the memory
-  table's remat-none rows measure both); the H200's remat-none set is timed."""
-  without_recompute = lambda c, split: dict(
-      c, **{k: c[k] - c["F"] for k in ("B", "BI") if k in c})
-  sets = [("FLOPs, remat full", lambda c, r, split: c),
-          ("FLOPs, remat none", lambda c, r, split: without_recompute(c, split))]
+  schedules), so its ``B`` or ``BI`` is one forward less. From FLOPs this is a model (the
+  forward that keeps its residuals also costs more: the memory table's remat-none rows measure
+  both); the H200's remat-none set is timed."""
+  without_recompute = lambda c: dict(c, **{k: c[k] - c["F"] for k in ("B", "BI") if k in c})
+  sets = [("FLOPs, remat full", lambda c, r: c),
+          ("FLOPs, remat none", lambda c, r: without_recompute(c))]
   if tpu is not None:
-    sets.append(("TPU v5p optimal_seconds", lambda c, r, split: tpu[r]))
-  sets.append(("H200 wall time (width 2048), remat full",
-               lambda c, r, split: GPU_COSTS["full"][r]))
-  sets.append(("H200 wall time (width 2048), remat none",
-               lambda c, r, split: GPU_COSTS["none"][r]))
+    sets.append(("TPU v5p optimal_seconds", lambda c, r: tpu[r]))
+  sets.append(("H200 wall time (width 2048), remat full", lambda c, r: GPU_COSTS["full"][r]))
+  sets.append(("H200 wall time (width 2048), remat none", lambda c, r: GPU_COSTS["none"][r]))
   return sets
 
 
@@ -376,9 +373,9 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
   for label, costs_of in cost_sets(tpu):
     for name, repeats, m, measured_costs in measured:
       fused = tpipe.schedules.is_fused(name)
-      costs = costs_of(measured_costs, repeats, name in tpipe.spec.SPLIT_BACKWARD)
+      costs = costs_of(measured_costs, repeats)
       gpipe = tpipe.schedules.whole_step(tpipe.schedules.build("gpipe", stages, m))
-      reference = gpipe.simulate(costs_of(gpipe_costs[m], 1, False)).neighbour
+      reference = gpipe.simulate(costs_of(gpipe_costs[m], 1)).neighbour
       if not fused:
         table = tpipe.schedules.whole_step(tpipe.schedules.build(name, stages, m, repeats))
         plain = None

@@ -204,14 +204,8 @@ class Branches:
     def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
       written = as_is(slots, at)
       if self.unitwise and not tapped:
-        fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
-        outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
-        cotangent = lambda out: device.cotangent(chunk, msg, *out)
-        sums, g_fresh, g_in, g_side = self.backward_into[b](
-            state["params"], device.staged, fresh, stashed, broadcast, pex, rngs, microbatch,
-            chunk, outputs, cotangent)
-        g_broadcast = g_side[:len(_floats(broadcast))]
-        g_pex = g_side[len(_floats(broadcast)):]
+        sums, g_fresh, g_in, g_broadcast, g_pex = self._by_units(b, device, state, msg,
+                                                                 stashed, fresh, mb, chunk)
         state = self._file_grads(device, dict(state, params=sums), None,
                                  (g_fresh, g_broadcast, g_pex), mb)
         return state, written, device.send_of(stashed, g_in)
@@ -258,13 +252,8 @@ class Branches:
     def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
       written = as_is(slots, at)
       msg = _with_floats(msg, packing.unpack(written["weights"], self.weight_layouts[b]))
-      if self.unitwise:
-        fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
-        outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
-        cotangent = lambda out: device.cotangent(chunk, msg, *out)
-        sums, *_ = self.backward_into[b](state["params"], device.staged, fresh, stashed,
-                                         broadcast, pex, rngs, microbatch, chunk, outputs,
-                                         cotangent)
+      if self.unitwise:  # The other gradients are BI's: only the sums are kept.
+        sums, *_ = self._by_units(b, device, state, msg, stashed, fresh, mb, chunk)
         state = dict(state, params=sums)
       else:
         outputs, vjp, _, _ = self._vjp(b, device, mb, msg, stashed, fresh, chunk, wrt="params")
@@ -296,6 +285,19 @@ class Branches:
       return state, written, device.run.axes.vary(device.ring_zero)
 
     return branch
+
+  def _by_units(self, b: int, device: Device, state, msg, stashed, fresh, mb, chunk):
+    """Program ``b``'s backward one unit at a time (:func:`tpipe.core.unit_backward.backward_into`)
+    from the stashed input and the output gradient ``msg`` carries: ``(parameter gradient sums
+    with this micro-batch's added, g_fresh, g_in, g_broadcast, g_per_example)``."""
+    fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
+    outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
+    cotangent = lambda out: device.cotangent(chunk, msg, *out)
+    sums, g_fresh, g_in, g_side = self.backward_into[b](
+        state["params"], device.staged, fresh, stashed, broadcast, pex, rngs, microbatch, chunk,
+        outputs, cotangent)
+    count = len(_floats(broadcast))
+    return sums, g_fresh, g_in, g_side[:count], g_side[count:]
 
   def _chunk_fn(self, b: int, device: Device, diff, rngs, microbatch, chunk, tapped: bool):
     """Program ``b`` as a function of the float leaves of ``diff`` (parameters, fresh inputs,
@@ -352,8 +354,7 @@ class Branches:
       self.residual_plans.append(plan)
       # A split table's F also files its weight operations' inputs (the records) for W.
       self.residual_layouts.append(packing.layout_of(
-          (residuals_lib.kept_shapes(plan), self.record_shapes[b]) if self.split else
-          residuals_lib.kept_shapes(plan)))
+          (plan.kept_shapes, self.record_shapes[b]) if self.split else plan.kept_shapes))
     self.residual_sizes = packing.buffer_sizes(self.residual_layouts)
 
   def _file_grads(self, device: Device, state, g_params, inputs, mb):

@@ -38,17 +38,26 @@ from tpipe.core import packing
 
 @dataclasses.dataclass(frozen=True)
 class ResidualPlan:
-  """Which of a VJP's residual leaves a slot keeps, and the slot's packed layout.
+  """Which of a VJP's residual leaves a slot keeps.
 
   Attributes:
     kept: per residual leaf (``jax.tree.leaves`` of the VJP), whether the slot keeps it.
-    layout: :func:`tpipe.core.packing.layout_of` the kept leaves.
     leaves: every residual leaf's shape and dtype, as the plan saw them.
   """
 
   kept: tuple[bool, ...]
-  layout: object
   leaves: tuple = ()
+
+  @property
+  def kept_shapes(self) -> list[jax.ShapeDtypeStruct]:
+    """The shapes and dtypes of the leaves the plan keeps, in order."""
+    return [jax.ShapeDtypeStruct(shape, dtype)
+            for (shape, dtype), k in zip(self.leaves, self.kept) if k]
+
+  @property
+  def layout(self):
+    """:func:`tpipe.core.packing.layout_of` the kept leaves: what :func:`keep` packs."""
+    return packing.layout_of(self.kept_shapes)
 
 
 def _needs(jaxpr, output: int) -> list[bool]:
@@ -96,9 +105,7 @@ def plan_of(fn_of: Callable, trees: tuple, dynamic: Sequence[bool],
     needs = _needs(jaxpr, output)[constants:]
     kept.append(not isinstance(var, jax_core.Literal)
                 and any(n and d for n, d in zip(needs, moving)))
-  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.out_avals]
-  return ResidualPlan(tuple(kept), packing.layout_of([s for s, k in zip(shapes, kept) if k]),
-                      tuple((s.shape, s.dtype) for s in shapes))
+  return ResidualPlan(tuple(kept), tuple((a.shape, a.dtype) for a in closed.out_avals))
 
 
 def _leaves(plan: ResidualPlan, vjp):
@@ -134,9 +141,3 @@ def keep(plan: ResidualPlan, vjp, sizes) -> dict:
 def restore(plan: ResidualPlan, vjp, slot: dict):
   """``vjp`` with the leaves the plan keeps taken from ``slot`` (what :func:`keep` packed)."""
   return substitute(plan, vjp, packing.unpack(slot, plan.layout))
-
-
-def kept_shapes(plan: ResidualPlan) -> list[jax.ShapeDtypeStruct]:
-  """The shapes and dtypes of the leaves the plan keeps, in order."""
-  return [jax.ShapeDtypeStruct(shape, dtype) for (shape, dtype), k in zip(plan.leaves, plan.kept)
-          if k]
