@@ -18,6 +18,7 @@ from jax import lax
 
 from tpipe.core import chunks as chunks_lib
 from tpipe.core import spmd
+from tpipe.core import weight_casts
 
 _floats = chunks_lib.float_leaves
 _with_floats = chunks_lib.with_float_leaves
@@ -50,8 +51,9 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
   sums in place, where differentiating the whole chunk would first build the chunk's whole
   parameter gradient (the scan's stacked output) and then add it. With ``"chunk"``
   granularity the recomputed forward keeps every unit's residuals (its VJP, less the unit's
-  variables and the side inputs as they are, which the backward reads again; what is computed
-  from them, such as a weight's bfloat16 cast or an FSDP gather, stays a residual, as under
+  variables and the side inputs as they are, which the backward reads again, and less the casts
+  of the variables the unit only casts, which it casts again: :mod:`tpipe.core.weight_casts`;
+  what else is computed from them, such as an FSDP gather, stays a residual, as under
   autodiff), for the FLOPs of differentiating the chunk's checkpoint; finer, it keeps each
   unit's input and recomputes the unit under ``jax.vjp`` in the backward, for the FLOPs of
   ``remat_granularity="layer"``.
@@ -65,9 +67,10 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
     side = (broadcast, per_example)
     staged_floats, side_floats = _floats(staged), _floats(side)
 
-    def unit_vjp(read, apply, h_in, copy):
-      """``(h_out, vjp, unit)``: the unit's variables read and applied to ``h_in``, and the
-      VJP from its output's float leaves to those of the unit, ``h_in`` and ``side``."""
+    def unit_vjp(k, read, apply, h_in, copy):
+      """``(h_out, vjp, floats)``: the unit's variables read and applied to ``h_in``, and the
+      VJP from its output's float leaves to ``floats`` (the unit's float leaves, those it only
+      casts as cast: :mod:`tpipe.core.weight_casts`), ``h_in``'s and ``side``'s."""
       unit = read(staged, chunk, copy)
 
       def f(unit_floats, h_floats, side_floats):
@@ -75,12 +78,20 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
                       rngs, microbatch, _with_floats(h_in, h_floats))
         return _floats(h_out), h_out
 
-      _, vjp, h_out = jax.vjp(f, _floats(unit), _floats(h_in), side_floats, has_aux=True)
-      return h_out, vjp, unit
+      unit_floats = _floats(unit)
+      if keep_residuals and k not in casts:  # Traced once per segment.
+        casts[k] = weight_casts.only_cast_dtypes(
+            lambda floats, h_floats, side_floats: f(floats, h_floats, side_floats)[0],
+            unit_floats, _floats(h_in), side_floats)
+      unit_floats = weight_casts.cast(unit_floats, casts.get(k, [None] * len(unit_floats)))
+      _, vjp, h_out = jax.vjp(f, unit_floats, _floats(h_in), side_floats, has_aux=True)
+      return h_out, vjp, unit_floats
 
     def add_unit_grads(carry, vjp, read, copy):
       g_h, sums, g_side = carry
       d_unit, d_h, d_side = vjp(g_h)
+      unit = read(staged, chunk, copy)
+      d_unit = weight_casts.uncast(d_unit, _floats(unit))
       _, read_vjp = jax.vjp(
           lambda floats: _floats(read(_with_floats(staged, floats), chunk, copy)),
           staged_floats)
@@ -90,18 +101,20 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
 
     # A kept VJP's residuals without what the backward reads again (the unit's variables and
     # the side inputs, the same every copy): per residual, its (source, index) there or None.
+    # The casts of the unit's variables (those it only casts) are cast again, not kept.
     reread: dict[int, list] = {}
+    casts: dict[int, list] = {}
 
-    def keep(k, vjp, unit):
+    def keep(k, vjp, unit):  # ``unit``: the float leaves the VJP was taken in.
       leaves, treedef = jax.tree.flatten(vjp)
-      again = {id(a): ("unit", i) for i, a in enumerate(_floats(unit))}
+      again = {id(a): ("unit", i) for i, a in enumerate(unit)}
       again.update({id(a): ("side", i) for i, a in enumerate(side_floats)})
       reread[k] = (treedef, [again.get(id(a)) for a in leaves])
       return [a for a in leaves if id(a) not in again]
 
     def kept_vjp(k, read, kept, copy):
       treedef, sources = reread[k]
-      unit_floats = _floats(read(staged, chunk, copy))
+      unit_floats = weight_casts.cast(_floats(read(staged, chunk, copy)), casts[k])
       kept = iter(kept)
       leaves = [next(kept) if where is None else
                 (unit_floats if where[0] == "unit" else side_floats)[where[1]]
@@ -114,7 +127,7 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
     for k, (copies, read, apply) in enumerate(steps):
       if keep_residuals:
         def body(h, copy, k=k, read=read, apply=apply):
-          h, vjp, unit = unit_vjp(read, apply, h, copy)
+          h, vjp, unit = unit_vjp(k, read, apply, h, copy)
           return h, keep(k, vjp, unit)
       else:
         body = lambda h, copy, read=read, apply=apply: (
@@ -134,7 +147,7 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
       if keep_residuals:
         vjp = kept_vjp(k, read, record, copy)
       else:
-        vjp = unit_vjp(read, apply, record, copy)[1]
+        vjp = unit_vjp(k, read, apply, record, copy)[1]
       return add_unit_grads(carry, vjp, read, copy)
 
     carry = (g_h, list(sums), [spmd.zeros_like_varying(a) for a in side_floats])

@@ -1,0 +1,51 @@
+"""``tpipe.core.weight_casts``: which of a unit's variables it only casts, read from its program."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from tpipe.core import weight_casts
+
+
+def _leaves():
+  return [jnp.ones((4, 4), jnp.float32), jnp.ones((4,), jnp.float32),
+          jnp.ones((4, 4), jnp.float32)]
+
+
+def test_names_the_dtype_of_a_leaf_used_only_through_casts():
+  def unit(leaves, x):
+    w, b, v = leaves
+    y = x @ w.astype(jnp.bfloat16) + b.astype(jnp.bfloat16) + b.astype(jnp.bfloat16)
+    return y.astype(jnp.float32) @ v  # ``v`` is used as it is.
+
+  x = jnp.ones((2, 4), jnp.bfloat16)
+  assert weight_casts.only_cast_dtypes(unit, _leaves(), x) == [
+      np.dtype(jnp.bfloat16), np.dtype(jnp.bfloat16), None]
+
+
+def test_a_leaf_used_as_it_is_anywhere_is_not_only_cast():
+  def unit(leaves, x):
+    w, b, v = leaves
+    y = x @ w.astype(jnp.bfloat16)           # ``w``: a cast, and also summed as float32.
+    z = b.astype(jnp.bfloat16) * 2 + b.astype(jnp.float16).astype(jnp.bfloat16)  # two dtypes
+    return y + z, jnp.sum(w), v                # ``v`` reaches an output as it is.
+
+  x = jnp.ones((2, 4), jnp.bfloat16)
+  assert weight_casts.only_cast_dtypes(unit, _leaves(), x) == [None, None, None]
+
+
+def test_a_cast_to_its_own_dtype_or_no_use_names_nothing():
+  def unit(leaves, x):
+    w, _, _ = leaves
+    return x @ w.astype(jnp.float32)
+
+  assert weight_casts.only_cast_dtypes(unit, _leaves(), jnp.ones((2, 4))) == [None, None, None]
+
+
+def test_cast_and_uncast_round_trip_dtypes():
+  leaves = _leaves()
+  dtypes = [np.dtype(jnp.bfloat16), None, None]
+  cast = weight_casts.cast(leaves, dtypes)
+  assert [a.dtype for a in cast] == [jnp.bfloat16, jnp.float32, jnp.float32]
+  assert cast[1] is leaves[1]
+  back = weight_casts.uncast(cast, leaves)
+  assert [a.dtype for a in back] == [jnp.float32] * 3

@@ -1,0 +1,83 @@
+"""``tpipe.train.attention``: Flax's attention with a softmax whose backward keeps only the
+probabilities. Outputs bit for bit Flax's; gradients Flax's to float64 rounding; the residuals
+of the backward one score-sized array instead of four."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tpipe.train import attention
+
+
+def _flax_masked_softmax(scores, mask):
+  return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min))
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1, 6, 6), (2, 3, 6, 6)])
+def test_masked_softmax_equals_flax_and_its_gradient_in_float64(mask_shape):
+  with jax.enable_x64(True):
+    _check_masked_softmax(mask_shape)
+
+
+def _check_masked_softmax(mask_shape):
+  keys = jax.random.split(jax.random.key(0), 3)
+  scores = jax.random.normal(keys[0], (2, 3, 6, 6), jnp.float64)
+  cotangent = jax.random.normal(keys[1], scores.shape, jnp.float64)
+  mask = jax.random.bernoulli(keys[2], 0.6, mask_shape)
+  mask = mask.at[..., 0, :].set(False)  # A row with every entry masked (uniform output).
+  mine = lambda s: jnp.sum(attention.masked_softmax(s, mask) * cotangent)
+  flax = lambda s: jnp.sum(_flax_masked_softmax(s, mask) * cotangent)
+  np.testing.assert_array_equal(attention.masked_softmax(scores, mask),
+                                _flax_masked_softmax(scores, mask))
+  np.testing.assert_allclose(jax.grad(mine)(scores), jax.grad(flax)(scores), atol=1e-14)
+  assert np.all(np.asarray(jax.grad(mine)(scores))[np.broadcast_to(~mask, scores.shape)] == 0)
+
+
+@jax.enable_x64(True)
+def test_without_a_mask_the_gradient_is_softmaxs():
+  scores = jax.random.normal(jax.random.key(1), (3, 5), jnp.float64)
+  cotangent = jax.random.normal(jax.random.key(2), (3, 5), jnp.float64)
+  mine = jax.grad(lambda s: jnp.sum(attention.masked_softmax(s) * cotangent))(scores)
+  plain = jax.grad(lambda s: jnp.sum(jax.nn.softmax(s) * cotangent))(scores)
+  np.testing.assert_allclose(mine, plain, atol=1e-14)
+
+
+def _residual_bytes(fn, *args):
+  """Bytes of the residuals ``jax.vjp`` keeps (its closure's array leaves)."""
+  _, vjp = jax.vjp(fn, *args)
+  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(vjp) if hasattr(a, "dtype"))
+
+
+def test_the_backward_keeps_the_probabilities_alone():
+  scores = jnp.ones((2, 4, 64, 64), jnp.bfloat16)
+  mask = jnp.tril(jnp.ones((64, 64), bool))[None, None]
+  score_bytes = scores.size * 2
+  mine = _residual_bytes(lambda s: attention.masked_softmax(s, mask), scores)
+  flax = _residual_bytes(lambda s: _flax_masked_softmax(s, mask), scores)
+  assert mine <= score_bytes + mask.size, mine
+  assert flax >= 2 * score_bytes, flax
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_multi_head_attention_equals_flaxs(deterministic):
+  with jax.enable_x64(True):
+    _check_multi_head_attention(deterministic)
+
+
+def _check_multi_head_attention(deterministic):
+  x = jax.random.normal(jax.random.key(3), (2, 8, 16), jnp.float64)
+  mask = jnp.tril(jnp.ones((8, 8), bool))[None, None]
+  make = lambda fn: nn.MultiHeadDotProductAttention(num_heads=4, dropout_rate=0.25,
+                                                    deterministic=deterministic,
+                                                    param_dtype=jnp.float64, attention_fn=fn)
+  params = make(nn.dot_product_attention).init(jax.random.key(4), x, x, mask=mask)
+  rngs = {"dropout": jax.random.key(5)}
+  run = lambda fn: lambda p, x: make(fn).apply(p, x, x, mask=mask, rngs=rngs)
+  ours, flax = run(attention.dot_product_attention), run(nn.dot_product_attention)
+  np.testing.assert_array_equal(ours(params, x), flax(params, x))
+  cotangent = jax.random.normal(jax.random.key(6), x.shape, jnp.float64)
+  grad = lambda fn: jax.grad(lambda p, x: jnp.sum(fn(p, x) * cotangent), argnums=(0, 1))
+  for a, b in zip(jax.tree.leaves(grad(ours)(params, x)), jax.tree.leaves(grad(flax)(params, x))):
+    np.testing.assert_allclose(a, b, atol=1e-12)

@@ -1,0 +1,81 @@
+"""Which of a unit's weights it only ever casts, so a backward can cast them again instead of
+keeping the casts.
+
+A mixed-precision layer stores float32 weights and computes in bfloat16: Flax's ``Dense`` casts
+its kernel on every call. Differentiated whole, a unit keeps those casts for its backward (the
+matmul's transpose reads the bfloat16 kernel): one bfloat16 copy of every weight per unit whose
+residuals are kept, which under ``remat_granularity="chunk"`` is every unit of the chunk at once.
+The cast is recomputed from the float32 weight for the price of reading it.
+
+:func:`only_cast_dtypes` reads a unit's program (its jaxpr, traced once) and names, per float
+leaf, the one dtype the program converts it to where every use of the leaf is such a cast, else
+None. :func:`tpipe.core.unit_backward.backward_into` then casts those leaves itself before the
+unit's VJP, so the VJP's residuals hold the cast as an input, which the backward casts again
+from the weight instead of keeping. The gradient is the same: a cast's transpose casts the
+cotangent back, the same operation whether the layer or tpipe does the cast.
+
+Example::
+
+  def unit(w, x):                     # w float32, used only as bfloat16
+    return x @ w.astype(jnp.bfloat16)
+  only_cast_dtypes(unit, [w], x)      # [dtype('bfloat16')]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+
+def only_cast_dtypes(fn: Callable[..., Any], leaves: Sequence[Any], *args) -> list:
+  """Per leaf of ``leaves``, the dtype ``fn(leaves, *args)`` casts it to where every use of the
+  leaf in the traced program is ``convert_element_type`` to that one dtype (none reaches an
+  output or a nested call as it is), else None.
+
+  Args:
+    fn: ``fn(leaves, *args)``, any JAX function; traced once (nothing runs).
+    leaves: a list of arrays (or abstract values).
+    *args: the other arguments, as ``fn`` takes them.
+  """
+  closed = jax.make_jaxpr(lambda leaves: fn(leaves, *args))(list(leaves))
+  jaxpr = closed.jaxpr
+  position = {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])}
+  targets: list[set | None] = [set() for _ in leaves]
+
+  def used_as_is(var):
+    i = position.get(id(var))
+    if i is not None:
+      targets[i] = None
+
+  for eqn in jaxpr.eqns:
+    cast = eqn.primitive is jax.lax.convert_element_type_p
+    for var in eqn.invars:
+      i = position.get(id(var))
+      if i is None or targets[i] is None:
+        continue
+      if cast:
+        targets[i].add(np.dtype(eqn.params["new_dtype"]))
+      else:
+        targets[i] = None
+  for var in jaxpr.outvars:
+    used_as_is(var)
+  result = []
+  for leaf, dtypes in zip(leaves, targets):
+    if dtypes is not None and len(dtypes) == 1:
+      (dtype,) = dtypes
+      result.append(dtype if dtype != np.dtype(leaf.dtype) else None)
+    else:
+      result.append(None)
+  return result
+
+
+def cast(leaves: Sequence[Any], dtypes: Sequence[Any]) -> list:
+  """``leaves`` with those that have a dtype in ``dtypes`` cast to it."""
+  return [a if d is None else a.astype(d) for a, d in zip(leaves, dtypes)]
+
+
+def uncast(grads: Sequence[Any], leaves: Sequence[Any]) -> list:
+  """Gradients of cast leaves back in their leaves' dtypes (the transpose of :func:`cast`)."""
+  return [g.astype(a.dtype) if g.dtype != a.dtype else g for g, a in zip(grads, leaves)]
