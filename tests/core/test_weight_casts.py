@@ -1,5 +1,6 @@
 """``tpipe.core.weight_casts``: which of a unit's variables it only casts, read from its program."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -49,3 +50,15 @@ def test_cast_and_uncast_round_trip_dtypes():
   assert cast[1] is leaves[1]
   back = weight_casts.uncast(cast, leaves)
   assert [a.dtype for a in back] == [jnp.float32] * 3
+
+
+def test_casts_inside_a_checkpoint_or_jit_count_as_the_leafs_uses():
+  def unit(leaves, x):
+    w, b, v = leaves
+    y = jax.checkpoint(lambda w, x: x @ w.astype(jnp.bfloat16))(w, x)
+    z = jax.jit(lambda b, v: b.astype(jnp.bfloat16) + v[0].astype(jnp.bfloat16))(b, v)
+    return y + z, v  # ``v`` is sliced inside the jit (and reaches an output).
+
+  x = jnp.ones((2, 4), jnp.bfloat16)
+  assert weight_casts.only_cast_dtypes(unit, _leaves(), x) == [
+      np.dtype(jnp.bfloat16), np.dtype(jnp.bfloat16), None]

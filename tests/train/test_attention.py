@@ -1,6 +1,6 @@
-"""``tpipe.train.attention``: Flax's attention with a softmax whose backward keeps only the
-probabilities. Outputs bit for bit Flax's; gradients Flax's to float64 rounding; the residuals
-of the backward one score-sized array instead of four."""
+"""``tpipe.train.attention``: Flax's attention whose backward keeps no score-sized array (or,
+with dropout, only the probabilities). Outputs bit for bit Flax's; gradients Flax's to float64
+rounding, rows masked everywhere included."""
 
 import flax.linen as nn
 import jax
@@ -12,7 +12,9 @@ from tpipe.train import attention
 
 
 def _flax_masked_softmax(scores, mask):
-  return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min))
+  if mask is not None:
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+  return jax.nn.softmax(scores)
 
 
 @pytest.mark.parametrize("mask_shape", [(1, 1, 6, 6), (2, 3, 6, 6)])
@@ -81,3 +83,36 @@ def _check_multi_head_attention(deterministic):
   grad = lambda fn: jax.grad(lambda p, x: jnp.sum(fn(p, x) * cotangent), argnums=(0, 1))
   for a, b in zip(jax.tree.leaves(grad(ours)(params, x)), jax.tree.leaves(grad(flax)(params, x))):
     np.testing.assert_allclose(a, b, atol=1e-12)
+
+
+def _flax_attend(query, key, value, mask):
+  scores = jnp.einsum("...qhd,...khd->...hqk", query, key)
+  return jnp.einsum("...hqk,...khd->...qhd", _flax_masked_softmax(scores, mask), value)
+
+
+@jax.enable_x64(True)
+def test_attend_equals_flax_and_its_gradients_in_float64():
+  keys = jax.random.split(jax.random.key(7), 5)
+  query, key, value = (jax.random.normal(k, (2, 6, 3, 4), jnp.float64) for k in keys[:3])
+  cotangent = jax.random.normal(keys[3], (2, 6, 3, 4), jnp.float64)
+  mask = jax.random.bernoulli(keys[4], 0.6, (2, 1, 6, 6)).at[:, :, 2, :].set(False)
+  for m in (mask, None):
+    np.testing.assert_array_equal(attention.attend(query, key, value, m),
+                                  _flax_attend(query, key, value, m))
+    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, m) * cotangent)
+    got = jax.grad(loss(attention.attend), argnums=(0, 1, 2))(query, key, value)
+    want = jax.grad(loss(_flax_attend), argnums=(0, 1, 2))(query, key, value)
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, atol=1e-13)
+
+
+def test_attend_keeps_no_score_sized_array():
+  query = jnp.ones((2, 64, 4, 8), jnp.bfloat16)
+  mask = jnp.tril(jnp.ones((64, 64), bool))[None, None]
+  score_bytes = 2 * 4 * 64 * 64 * 2
+  mine = _residual_bytes(lambda q, k, v: attention.attend(q, k, v, mask), query, query, query)
+  flax = _residual_bytes(lambda q, k, v: _flax_attend(q, k, v, mask), query, query, query)
+  rows = 2 * 4 * 64
+  assert mine <= 3 * query.nbytes + mask.size + 2 * 4 * rows, mine  # q, k, v, mask, 2 per row
+  assert mine <= score_bytes / 2, mine
+  assert flax >= 2 * score_bytes, flax

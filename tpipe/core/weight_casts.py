@@ -29,10 +29,16 @@ import jax
 import numpy as np
 
 
+# Calls whose body sees its operands as they are (no rule of its own for derivatives): a leaf
+# passed to one is only cast if the body only casts it.
+_PLAIN_CALLS = ("remat2", "checkpoint", "jit", "pjit", "closed_call", "core_call")
+
+
 def only_cast_dtypes(fn: Callable[..., Any], leaves: Sequence[Any], *args) -> list:
   """Per leaf of ``leaves``, the dtype ``fn(leaves, *args)`` casts it to where every use of the
-  leaf in the traced program is ``convert_element_type`` to that one dtype (none reaches an
-  output or a nested call as it is), else None.
+  leaf in the traced program is ``convert_element_type`` to that one dtype, else None. Uses
+  inside a checkpoint or jit count as the body's uses; any other use (an output, another
+  operation or call) means the leaf is used as it is.
 
   Args:
     fn: ``fn(leaves, *args)``, any JAX function; traced once (nothing runs).
@@ -40,27 +46,7 @@ def only_cast_dtypes(fn: Callable[..., Any], leaves: Sequence[Any], *args) -> li
     *args: the other arguments, as ``fn`` takes them.
   """
   closed = jax.make_jaxpr(lambda leaves: fn(leaves, *args))(list(leaves))
-  jaxpr = closed.jaxpr
-  position = {id(v): i for i, v in enumerate(jaxpr.invars[:len(leaves)])}
-  targets: list[set | None] = [set() for _ in leaves]
-
-  def used_as_is(var):
-    i = position.get(id(var))
-    if i is not None:
-      targets[i] = None
-
-  for eqn in jaxpr.eqns:
-    cast = eqn.primitive is jax.lax.convert_element_type_p
-    for var in eqn.invars:
-      i = position.get(id(var))
-      if i is None or targets[i] is None:
-        continue
-      if cast:
-        targets[i].add(np.dtype(eqn.params["new_dtype"]))
-      else:
-        targets[i] = None
-  for var in jaxpr.outvars:
-    used_as_is(var)
+  targets = _cast_targets(closed.jaxpr, len(leaves))
   result = []
   for leaf, dtypes in zip(leaves, targets):
     if dtypes is not None and len(dtypes) == 1:
@@ -69,6 +55,39 @@ def only_cast_dtypes(fn: Callable[..., Any], leaves: Sequence[Any], *args) -> li
     else:
       result.append(None)
   return result
+
+
+def _cast_targets(jaxpr, count: int) -> list:
+  """Per one of ``jaxpr``'s first ``count`` inputs, the set of dtypes every use casts it to, or
+  None where some use takes it as it is."""
+  position = {id(v): i for i, v in enumerate(jaxpr.invars[:count])}
+  targets: list[set | None] = [set() for _ in range(count)]
+
+  def use(i, dtypes):
+    if targets[i] is not None:
+      targets[i] = None if dtypes is None else targets[i] | dtypes
+
+  for eqn in jaxpr.eqns:
+    used = [(k, position[id(v)]) for k, v in enumerate(eqn.invars) if id(v) in position]
+    if not used:
+      continue
+    if eqn.primitive is jax.lax.convert_element_type_p:
+      for _, i in used:
+        use(i, {np.dtype(eqn.params["new_dtype"])})
+      continue
+    body = eqn.params.get("jaxpr") if eqn.primitive.name in _PLAIN_CALLS else None
+    body = getattr(body, "jaxpr", body)  # A ClosedJaxpr's Jaxpr.
+    if body is None or len(body.invars) != len(eqn.invars):
+      for _, i in used:
+        use(i, None)
+      continue
+    inner = _cast_targets(body, len(body.invars))
+    for k, i in used:
+      use(i, inner[k])
+  for var in jaxpr.outvars:
+    if id(var) in position:
+      use(position[id(var)], None)
+  return targets
 
 
 def cast(leaves: Sequence[Any], dtypes: Sequence[Any]) -> list:

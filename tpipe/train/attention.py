@@ -1,19 +1,22 @@
-"""Dot-product attention whose backward keeps one score-sized array: the probabilities.
+"""Dot-product attention whose backward keeps no score-sized array.
 
-Differentiating ``softmax(where(mask, scores, -inf))`` the plain way keeps, for the backward,
+Differentiating ``softmax(where(mask, q k^T, -inf)) v`` the plain way keeps, for the backward,
 the mask broadcast to every head, the masked scores, their exponentials and the probabilities:
 four ``[batch, heads, seq, seq]`` arrays per layer, the largest residuals of a Transformer
-block. The softmax's gradient needs only the probabilities ``p``::
+block. :func:`attend` keeps none: it keeps ``q``, ``k``, ``v`` and, per row, the scores'
+maximum and the sum of their exponentials, and its backward forms the probabilities again from
+``q k^T`` (the recomputation a flash attention's backward makes, one more matmul of that size):
 
-  d scores = p * (d p - sum(d p * p, axis=-1))     (zero where the mask is False)
+  d v = p^T d o,   d p = d o v^T,   d s = p * (d p - sum(d p * p, axis=-1)),
+  d q = d s k,     d k = d s^T q    (d s zero where the mask is False).
 
-so :func:`masked_softmax` is a ``jax.custom_vjp`` that keeps ``p`` and the mask as given (not
-broadcast). Its forward is the same operations as Flax's, so outputs are bit for bit Flax's;
-the gradient is the same math, summed in at least float32.
+With dropout on the attention weights, :func:`masked_softmax` keeps the probabilities alone
+(and the dropout mask, as Flax does). Forwards are Flax's operations, so outputs are bit for
+bit Flax's; gradients are the same math, the softmax's summed in at least float32.
 
 :func:`dot_product_attention` is a drop-in ``attention_fn`` for
-``flax.linen.MultiHeadDotProductAttention`` built on it (same parameters, same outputs, dropout
-as Flax's), used by :class:`tpipe.train.models.TransformerBlock`.
+``flax.linen.MultiHeadDotProductAttention`` (same parameters, same outputs, dropout as Flax's),
+used by :class:`tpipe.train.models.TransformerBlock`.
 
 Example::
 
@@ -21,6 +24,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -61,21 +66,77 @@ def _masked_softmax_backward(saved, cotangent):
 masked_softmax.defvjp(_masked_softmax_forward, _masked_softmax_backward)
 
 
+def _scores(query, key, mask, precision):
+  scores = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+  if mask is not None:
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+  return scores
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attend(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
+           precision=None) -> jax.Array:
+  """``softmax(where(mask, q k^T, lowest)) v`` for ``query [..., q, heads, depth]`` (already
+  scaled), ``key`` and ``value [..., k, heads, depth]``; ``mask`` broadcasts against
+  ``[..., heads, q, k]``. The operations are Flax's, so the output is bit for bit Flax's.
+
+  The backward keeps no score-sized array: it keeps the inputs and each row's maximum and sum
+  of exponentials, and forms the probabilities again from ``q k^T`` (one more matmul of the
+  two, the cost of a flash attention's backward) instead of keeping them.
+  """
+  return jnp.einsum("...hqk,...khd->...qhd",
+                    jax.nn.softmax(_scores(query, key, mask, precision), axis=-1), value,
+                    precision=precision)
+
+
+def _attend_forward(query, key, value, mask, precision):
+  scores = _scores(query, key, mask, precision)
+  out = jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(scores, axis=-1), value,
+                   precision=precision)
+  accumulate = jnp.promote_types(scores.dtype, jnp.float32)
+  scores = scores.astype(accumulate)
+  peak = jnp.max(scores, axis=-1, keepdims=True)
+  total = jnp.sum(jnp.exp(scores - peak), axis=-1, keepdims=True)
+  return out, (query, key, value, mask, peak, total)
+
+
+def _attend_backward(precision, saved, cotangent):
+  query, key, value, mask, peak, total = saved
+  scores = _scores(query, key, mask, precision).astype(peak.dtype)
+  p = jnp.exp(scores - peak) / total  # A row masked everywhere: uniform, as in the forward.
+  d_value = jnp.einsum("...hqk,...qhd->...khd", p.astype(value.dtype), cotangent,
+                       precision=precision)
+  d_p = jnp.einsum("...qhd,...khd->...hqk", cotangent, value,
+                   precision=precision).astype(p.dtype)
+  d_scores = p * (d_p - jnp.sum(d_p * p, axis=-1, keepdims=True))
+  if mask is not None:
+    d_scores = jnp.where(mask, d_scores, 0.0)
+  d_scores = d_scores.astype(query.dtype)
+  d_query = jnp.einsum("...hqk,...khd->...qhd", d_scores, key, precision=precision)
+  d_key = jnp.einsum("...hqk,...qhd->...khd", d_scores, query, precision=precision)
+  return d_query, d_key, d_value, None
+
+
+attend.defvjp(_attend_forward, _attend_backward)
+
+
 def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                           mask: jax.Array | None = None, *, dropout_rng=None,
                           dropout_rate: float = 0.0, broadcast_dropout: bool = True,
                           deterministic: bool = False, dtype=None, precision=None) -> jax.Array:
-  """Flax's ``nn.dot_product_attention`` (``[batch, seq, heads, depth]`` in and out) with
-  :func:`masked_softmax`, so its backward keeps the probabilities and not three more
-  score-sized arrays. Takes the arguments ``MultiHeadDotProductAttention`` passes."""
+  """Flax's ``nn.dot_product_attention`` (``[batch, seq, heads, depth]`` in and out; the
+  arguments ``MultiHeadDotProductAttention`` passes) whose backward keeps no score-sized array
+  (:func:`attend`), or, with dropout on the attention weights, only the probabilities
+  (:func:`masked_softmax`; the dropout mask is kept as Flax keeps it)."""
   query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
   dtype = query.dtype
   query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+  if deterministic or dropout_rate == 0.0:
+    return attend(query, key, value, mask, precision)
   scores = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
   weights = masked_softmax(scores, mask).astype(dtype)
-  if not deterministic and dropout_rate > 0.0:
-    keep_prob = 1.0 - dropout_rate
-    shape = ((1,) * (key.ndim - 2) + weights.shape[-2:]) if broadcast_dropout else weights.shape
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-    weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
+  keep_prob = 1.0 - dropout_rate
+  shape = ((1,) * (key.ndim - 2) + weights.shape[-2:]) if broadcast_dropout else weights.shape
+  keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+  weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
   return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)

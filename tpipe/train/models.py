@@ -29,6 +29,7 @@ float32 in any case (Flax computes them in at least float32).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -94,10 +95,16 @@ def _named(init, names):
   return nn.with_logical_partitioning(init, names)
 
 
+# The recomputed pieces' checkpoints leave out prevent_cse's barriers: tpipe runs blocks inside
+# scans, where XLA cannot merge a recomputation with the forward, and the barriers cost memory
+# (0.06 GiB at the v5p peak of experiments/tpu_memory.py's gpipe row, remat chunk, M = 8).
+_recomputed = functools.partial(nn.remat, prevent_cse=False)
+
+
 def _lean_layer_norm(dtype, param_dtype, name: str) -> nn.Module:
   """Flax's LayerNorm (same parameters, same outputs) recomputed in the backward from its input,
   so the backward keeps its input and output, not three float32 intermediates as well."""
-  return nn.remat(nn.LayerNorm)(dtype=dtype, param_dtype=param_dtype, name=name)
+  return _recomputed(nn.LayerNorm)(dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 class _GeluThenDense(nn.Dense):
@@ -121,10 +128,11 @@ class TransformerBlock(nn.Module):
   the default: FSDP over their largest axis.
 
   The backward keeps little per block (the block's math and parameters are Flax's): the
-  attention's softmax keeps only its probabilities (:mod:`tpipe.train.attention`), the two
-  LayerNorms and the GELU are recomputed from their inputs. Compiled for a TPU v5p at width
-  2048, sequence 1024, this cut what a chunk of 4 blocks keeps for its backward from 2.08 to
-  0.77 GiB per 2 sequences (``experiments/tpu_memory.py``).
+  attention keeps no score-sized array (:mod:`tpipe.train.attention`), the two LayerNorms and
+  the GELU are recomputed from their inputs. Compiled for a TPU v5p at width 2048, sequence
+  1024, 2 sequences per micro-batch, this cut what a chunk of 4 blocks keeps for its backward
+  (with GPipe's stash of 16 micro-batch inputs) from 2.08 to 0.52 GiB
+  (``experiments/tpu_memory.py``).
 
   Attributes:
     width: model width (the last axis of the activations).
@@ -198,9 +206,9 @@ class TransformerBlock(nn.Module):
     h = nn.Dense(self.mlp_dim, dtype=dtype, param_dtype=param_dtype,
                  kernel_init=_named(kernel_init, ("embed", "mlp")),
                  bias_init=_named(nn.initializers.zeros_init(), ("mlp",)), name="mlp_in")(h)
-    h = nn.remat(_GeluThenDense)(self.width, dtype=dtype, param_dtype=param_dtype,
-                                 kernel_init=_named(kernel_init, ("mlp", "embed")),
-                                 name="mlp_out")(h)
+    h = _recomputed(_GeluThenDense)(self.width, dtype=dtype, param_dtype=param_dtype,
+                                    kernel_init=_named(kernel_init, ("mlp", "embed")),
+                                    name="mlp_out")(h)
     h = nn.Dropout(self.dropout_rate, deterministic=deterministic)(h)
     return (y + h).astype(residual_dtype)
 
