@@ -4,8 +4,9 @@ A linen layer mixing every tapped kind of operation (``nn.Embed``'s lookup, a ga
 ``nn.DenseGeneral``, ``nn.Einsum`` (a nested ``jit``), ``nn.Dense`` and a tied embedding's
 ``attend``, dot_generals; ``nn.Conv``, a convolution), an untapped module (LayerNorm: a product
 with its scale), a parameter also used directly (a slice of the embedding table added to the
-activations) and a tapped module inside the layer's own ``nn.scan`` (one ``scan`` equation in the
-jaxpr, so not tapped) is traced with :func:`tpipe.core.taps.trace` and differentiated three
+activations), a tapped module inside the layer's own ``nn.scan`` (one ``scan`` equation in the
+jaxpr, so not tapped) and one inside a ``jax.checkpoint`` (``nn.remat``, whose body is
+followed) is traced with :func:`tpipe.core.taps.trace` and differentiated three
 ways: plainly; as BI (:meth:`~tpipe.core.taps.Program.forward` with zero taps, differentiated by
 the float input, the taps and the parameters through untapped uses); and as W (the VJP of
 :meth:`~tpipe.core.taps.Program.weight_outputs` at the taps' gradients, from the recorded
@@ -42,6 +43,7 @@ class Mixed(nn.Module):
     h = nn.Conv(6, (3,), param_dtype=jnp.float64)(jax.nn.gelu(h))      # [b, t, 6]
     h, _ = nn.scan(ScannedDense, variable_broadcast="params", split_rngs={"params": False},
                    length=2)(name="scanned")(h, None)
+    h = nn.remat(nn.Dense)(6, param_dtype=jnp.float64, name="recomputed")(jnp.tanh(h))
     h = nn.Dense(6, param_dtype=jnp.float64)(h)
     return embed.attend(h)                                             # tied: [b, t, 11]
 
@@ -51,6 +53,7 @@ TAPPED = [("gather", "['Embed_0']['embedding']"),
           ("dot_general", "['DenseGeneral_0']['kernel']"),
           ("dot_general", "['Einsum_0']['kernel']"),
           ("conv_general_dilated", "['Conv_0']['kernel']"),
+          ("dot_general", "['recomputed']['kernel']"),  # inside a jax.checkpoint
           ("dot_general", "['Dense_0']['kernel']"),
           ("dot_general", "['Embed_0']['embedding']")]
 

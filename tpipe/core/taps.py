@@ -22,9 +22,10 @@ function is traced to a jaxpr, and every operation that is linear in one paramet
   ``x^T dy``); its primal output is unused and compiled away.
 
 Everything else (a norm's scale, an addition of a bias, an operation inside a layer's own
-``lax.scan`` or ``jax.checkpoint``, which the jaxpr holds as one equation) keeps its weight
-gradient in ``BI``, so the split is always exact and only the share of the backward that moves
-to ``W`` depends on the layers. Nested ``jit`` calls are followed.
+``lax.scan``, which the jaxpr holds as one equation) keeps its weight gradient in ``BI``, so the
+split is always exact and only the share of the backward that moves to ``W`` depends on the
+layers. Nested ``jit`` calls and ``jax.checkpoint`` bodies are followed (a checkpoint's body then
+keeps its intermediates for the tapped VJP instead of recomputing them).
 
 :func:`trace` builds a :class:`Program` for one function and argument types; its
 :meth:`Program.forward` runs the tapped forward and :meth:`Program.weight_outputs` the function
@@ -46,8 +47,10 @@ PASS_THROUGH = frozenset({"convert_element_type", "reshape", "transpose", "broad
                           "squeeze", "expand_dims", "rev", "copy", "copy_p"})
 # Operations linear in a parameter operand at these positions, the others being data.
 TAPPABLE = {"dot_general": (0, 1), "conv_general_dilated": (0, 1), "gather": (0,)}
-# Nested calls whose body is inlined so that its operations can be tapped.
-INLINED = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# Nested calls whose body is inlined so that its operations can be tapped. A checkpoint's body
+# inlined keeps its intermediates for the tapped VJP instead of recomputing them: a weight a layer
+# multiplies inside its own checkpoint (a recomputed activation, say) still moves to W.
+INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,6 +81,8 @@ def _bind(equation, values):
 
 def _inner_jaxpr(equation):
   jaxpr = equation.params.get("jaxpr", equation.params.get("call_jaxpr"))
+  if isinstance(jaxpr, jex_core.Jaxpr):  # A checkpoint's body: no constants of its own.
+    return jex_core.ClosedJaxpr(jaxpr, ())
   return jaxpr if isinstance(jaxpr, jex_core.ClosedJaxpr) else None
 
 
