@@ -116,3 +116,29 @@ def test_attend_keeps_no_score_sized_array():
   assert mine <= 3 * query.nbytes + mask.size + 2 * 4 * rows, mine  # q, k, v, mask, 2 per row
   assert mine <= score_bytes / 2, mine
   assert flax >= 2 * score_bytes, flax
+
+
+@jax.enable_x64(True)
+def test_sown_weights_are_flaxs():
+  x = jax.random.normal(jax.random.key(8), (2, 8, 16), jnp.float64)
+  make = lambda fn: nn.MultiHeadDotProductAttention(num_heads=4, param_dtype=jnp.float64,
+                                                    attention_fn=fn)
+  params = make(nn.dot_product_attention).init(jax.random.key(4), x, x)
+  sown = lambda fn: make(fn).apply(params, x, x, sow_weights=True, mutable="intermediates")
+  (out, ours), (flax_out, flax) = sown(attention.dot_product_attention), sown(
+      nn.dot_product_attention)
+  np.testing.assert_array_equal(out, flax_out)
+  np.testing.assert_array_equal(jax.tree.leaves(ours)[0], jax.tree.leaves(flax)[0])
+
+
+@jax.enable_x64(True)
+def test_is_causal_adds_the_causal_mask():
+  keys = jax.random.split(jax.random.key(9), 4)
+  query, key, value = (jax.random.normal(k, (2, 6, 3, 4), jnp.float64) for k in keys[:3])
+  mask = jax.random.bernoulli(keys[3], 0.7, (2, 1, 6, 6))
+  causal = jnp.tril(jnp.ones((6, 6), bool))
+  for m, combined in ((mask, mask & causal), (None, causal)):
+    ours = attention.dot_product_attention(query, key, value, m, deterministic=True,
+                                           is_causal=True)
+    np.testing.assert_array_equal(
+        ours, nn.dot_product_attention(query, key, value, mask=combined))

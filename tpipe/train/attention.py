@@ -123,18 +123,29 @@ attend.defvjp(_attend_forward, _attend_backward)
 def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                           mask: jax.Array | None = None, *, dropout_rng=None,
                           dropout_rate: float = 0.0, broadcast_dropout: bool = True,
-                          deterministic: bool = False, dtype=None, precision=None) -> jax.Array:
+                          deterministic: bool = False, dtype=None, precision=None,
+                          module=None, is_causal: bool = False) -> jax.Array:
   """Flax's ``nn.dot_product_attention`` (``[batch, seq, heads, depth]`` in and out; the
-  arguments ``MultiHeadDotProductAttention`` passes) whose backward keeps no score-sized array
-  (:func:`attend`), or, with dropout on the attention weights, only the probabilities
-  (:func:`masked_softmax`; the dropout mask is kept as Flax keeps it)."""
+  arguments linen's ``MultiHeadDotProductAttention`` and NNX's ``MultiHeadAttention`` pass)
+  whose backward keeps no score-sized array (:func:`attend`), or, with dropout on the attention
+  weights or a ``module`` to sow them into (``sow_weights``), only the probabilities
+  (:func:`masked_softmax`; the dropout mask is kept as Flax keeps it). ``is_causal`` adds the
+  causal mask (query i attends to keys j <= i) to ``mask``, as NNX's attention does."""
+  if is_causal:
+    causal = jnp.tril(jnp.ones((query.shape[-3], key.shape[-3]), bool))
+    mask = causal if mask is None else jnp.logical_and(mask, causal)
   query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
   dtype = query.dtype
   query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
-  if deterministic or dropout_rate == 0.0:
+  dropout = not deterministic and dropout_rate > 0.0
+  if not dropout and module is None:
     return attend(query, key, value, mask, precision)
   scores = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
   weights = masked_softmax(scores, mask).astype(dtype)
+  if module is not None:
+    module.sow("intermediates", "attention_weights", weights)
+  if not dropout:
+    return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
   keep_prob = 1.0 - dropout_rate
   shape = ((1,) * (key.ndim - 2) + weights.shape[-2:]) if broadcast_dropout else weights.shape
   keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)

@@ -23,7 +23,7 @@ from flax import nnx
 
 import tpipe
 from tpipe import nnx as tnnx
-from tpipe.train import losses, models
+from tpipe.train import attention, losses, models
 
 
 def _deterministic(module, deterministic: bool | None) -> bool:
@@ -46,7 +46,7 @@ class TransformerBlock(nnx.Module):
     self.attn = nnx.MultiHeadAttention(
         num_heads=num_heads, in_features=width, qkv_features=width, out_features=width,
         dropout_rate=dropout_rate, deterministic=deterministic, decode=False, dtype=dtype,
-        param_dtype=param_dtype, rngs=rngs)
+        param_dtype=param_dtype, attention_fn=attention.dot_product_attention, rngs=rngs)
     self.attn_dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
     self.mlp_norm = nnx.LayerNorm(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.mlp_in = nnx.Linear(width, mlp_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
