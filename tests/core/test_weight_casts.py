@@ -48,7 +48,7 @@ def test_cast_and_uncast_round_trip_dtypes():
   cast = weight_casts.cast(leaves, dtypes)
   assert [a.dtype for a in cast] == [jnp.bfloat16, jnp.float32, jnp.float32]
   assert cast[1] is leaves[1]
-  back = weight_casts.uncast(cast, leaves)
+  back = weight_casts.uncast(cast, [a.dtype for a in leaves])
   assert [a.dtype for a in back] == [jnp.float32] * 3
 
 

@@ -79,7 +79,11 @@ def _bind(equation, values):
   return list(out) if equation.primitive.multiple_results else [out]
 
 
-def _inner_jaxpr(equation):
+def inlined_body(equation):
+  """The body of an :data:`INLINED` call equation, as a ``ClosedJaxpr`` whose inputs are the
+  equation's operands; None for any other equation."""
+  if equation.primitive.name not in INLINED:
+    return None
   jaxpr = equation.params.get("jaxpr", equation.params.get("call_jaxpr"))
   if isinstance(jaxpr, jex_core.Jaxpr):  # A checkpoint's body: no constants of its own.
     return jex_core.ClosedJaxpr(jaxpr, ())
@@ -121,7 +125,7 @@ class _Interpreter:
 
   def equation(self, equation, invals, how):
     name = equation.primitive.name
-    inner = _inner_jaxpr(equation) if name in INLINED else None
+    inner = inlined_body(equation)
     if inner is not None:
       return self.run(inner, invals, how)
     if name in PASS_THROUGH and len(invals) == 1 and how[0] is not None:

@@ -79,6 +79,7 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
         return _floats(h_out), h_out
 
       unit_floats = _floats(unit)
+      dtypes[k] = [a.dtype for a in unit_floats]
       if keep_residuals and k not in casts:  # Traced once per segment.
         casts[k] = weight_casts.only_cast_dtypes(
             lambda floats, h_floats, side_floats: f(floats, h_floats, side_floats)[0],
@@ -87,11 +88,10 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
       _, vjp, h_out = jax.vjp(f, unit_floats, _floats(h_in), side_floats, has_aux=True)
       return h_out, vjp, unit_floats
 
-    def add_unit_grads(carry, vjp, read, copy):
+    def add_unit_grads(carry, k, vjp, read, copy):
       g_h, sums, g_side = carry
       d_unit, d_h, d_side = vjp(g_h)
-      unit = read(staged, chunk, copy)
-      d_unit = weight_casts.uncast(d_unit, _floats(unit))
+      d_unit = weight_casts.uncast(d_unit, dtypes[k])
       _, read_vjp = jax.vjp(
           lambda floats: _floats(read(_with_floats(staged, floats), chunk, copy)),
           staged_floats)
@@ -104,6 +104,7 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
     # The casts of the unit's variables (those it only casts) are cast again, not kept.
     reread: dict[int, list] = {}
     casts: dict[int, list] = {}
+    dtypes: dict[int, list] = {}  # Per segment, its unit's float leaves' own dtypes.
 
     def keep(k, vjp, unit):  # ``unit``: the float leaves the VJP was taken in.
       leaves, treedef = jax.tree.flatten(vjp)
@@ -148,7 +149,7 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
         vjp = kept_vjp(k, read, record, copy)
       else:
         vjp = unit_vjp(k, read, apply, record, copy)[1]
-      return add_unit_grads(carry, vjp, read, copy)
+      return add_unit_grads(carry, k, vjp, read, copy)
 
     carry = (g_h, list(sums), [spmd.zeros_like_varying(a) for a in side_floats])
     for k in reversed(range(len(steps))):

@@ -28,10 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-
-# Calls whose body sees its operands as they are (no rule of its own for derivatives): a leaf
-# passed to one is only cast if the body only casts it.
-_PLAIN_CALLS = ("remat2", "checkpoint", "jit", "pjit", "closed_call", "core_call")
+from tpipe.core import taps
 
 
 def only_cast_dtypes(fn: Callable[..., Any], leaves: Sequence[Any], *args) -> list:
@@ -75,8 +72,10 @@ def _cast_targets(jaxpr, count: int) -> list:
       for _, i in used:
         use(i, {np.dtype(eqn.params["new_dtype"])})
       continue
-    body = eqn.params.get("jaxpr") if eqn.primitive.name in _PLAIN_CALLS else None
-    body = getattr(body, "jaxpr", body)  # A ClosedJaxpr's Jaxpr.
+    # A call whose body sees its operands as they are (a jit, a checkpoint: the calls the
+    # split backward's taps follow): a leaf passed to one is only cast if the body only casts it.
+    body = taps.inlined_body(eqn)
+    body = None if body is None else body.jaxpr
     if body is None or len(body.invars) != len(eqn.invars):
       for _, i in used:
         use(i, None)
@@ -95,6 +94,7 @@ def cast(leaves: Sequence[Any], dtypes: Sequence[Any]) -> list:
   return [a if d is None else a.astype(d) for a, d in zip(leaves, dtypes)]
 
 
-def uncast(grads: Sequence[Any], leaves: Sequence[Any]) -> list:
-  """Gradients of cast leaves back in their leaves' dtypes (the transpose of :func:`cast`)."""
-  return [g.astype(a.dtype) if g.dtype != a.dtype else g for g, a in zip(grads, leaves)]
+def uncast(grads: Sequence[Any], dtypes: Sequence[Any]) -> list:
+  """Gradients of cast leaves back in the leaves' own ``dtypes`` (the transpose of
+  :func:`cast`)."""
+  return [g.astype(d) if g.dtype != d else g for g, d in zip(grads, dtypes)]

@@ -32,10 +32,20 @@ import jax
 import jax.numpy as jnp
 
 
-def _masked_probabilities(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
-  if mask is not None:
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-  return jax.nn.softmax(scores, axis=-1)
+def _masked(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
+  """``scores`` with masked-out entries (``mask`` False) at the dtype's lowest value, as Flax's
+  attention masks them."""
+  if mask is None:
+    return scores
+  return jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+
+
+def _scores(query, key, mask, precision):
+  return _masked(jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision), mask)
+
+
+def _attended(weights, value, precision):
+  return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
 
 
 @jax.custom_vjp
@@ -45,11 +55,11 @@ def masked_softmax(scores: jax.Array, mask: jax.Array | None = None) -> jax.Arra
 
   The backward keeps only the probabilities and ``mask`` (module docstring).
   """
-  return _masked_probabilities(scores, mask)
+  return jax.nn.softmax(_masked(scores, mask), axis=-1)
 
 
 def _masked_softmax_forward(scores, mask):
-  probabilities = _masked_probabilities(scores, mask)
+  probabilities = masked_softmax(scores, mask)
   return probabilities, (probabilities, mask)
 
 
@@ -66,13 +76,6 @@ def _masked_softmax_backward(saved, cotangent):
 masked_softmax.defvjp(_masked_softmax_forward, _masked_softmax_backward)
 
 
-def _scores(query, key, mask, precision):
-  scores = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
-  if mask is not None:
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-  return scores
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None,
            precision=None) -> jax.Array:
@@ -84,15 +87,13 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array |
   of exponentials, and forms the probabilities again from ``q k^T`` (one more matmul of the
   two, the cost of a flash attention's backward) instead of keeping them.
   """
-  return jnp.einsum("...hqk,...khd->...qhd",
-                    jax.nn.softmax(_scores(query, key, mask, precision), axis=-1), value,
-                    precision=precision)
+  return _attended(jax.nn.softmax(_scores(query, key, mask, precision), axis=-1), value,
+                   precision)
 
 
 def _attend_forward(query, key, value, mask, precision):
   scores = _scores(query, key, mask, precision)
-  out = jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(scores, axis=-1), value,
-                   precision=precision)
+  out = _attended(jax.nn.softmax(scores, axis=-1), value, precision)
   accumulate = jnp.promote_types(scores.dtype, jnp.float32)
   scores = scores.astype(accumulate)
   peak = jnp.max(scores, axis=-1, keepdims=True)
@@ -112,7 +113,7 @@ def _attend_backward(precision, saved, cotangent):
   if mask is not None:
     d_scores = jnp.where(mask, d_scores, 0.0)
   d_scores = d_scores.astype(query.dtype)
-  d_query = jnp.einsum("...hqk,...khd->...qhd", d_scores, key, precision=precision)
+  d_query = _attended(d_scores, key, precision)
   d_key = jnp.einsum("...hqk,...qhd->...khd", d_scores, query, precision=precision)
   return d_query, d_key, d_value, None
 
@@ -144,10 +145,10 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   weights = masked_softmax(scores, mask).astype(dtype)
   if module is not None:
     module.sow("intermediates", "attention_weights", weights)
-  if not dropout:
-    return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
-  keep_prob = 1.0 - dropout_rate
-  shape = ((1,) * (key.ndim - 2) + weights.shape[-2:]) if broadcast_dropout else weights.shape
-  keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-  weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
-  return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+  if dropout:
+    keep_prob = 1.0 - dropout_rate
+    shape = (((1,) * (key.ndim - 2) + weights.shape[-2:]) if broadcast_dropout
+             else weights.shape)
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
+  return _attended(weights, value, precision)
