@@ -14,6 +14,7 @@ import tpipe
 from tests.helpers import linen_models as lm
 from tpipe.core import spmd
 from tpipe.core import streaming
+from tpipe.core import tick_rows
 
 # Per-action costs with the backward three forwards (a full-remat block): compound ticks pair
 # a forward with a backward.
@@ -43,8 +44,10 @@ def test_compound_ticks_equal_sequential(name, schedule, stages, microbatches, r
 
 
 def test_compound_tick_sends_once_per_tick():
-  """The tick loop runs as many switches per tick as the table's lanes and still exchanges one
-  message each way per tick: two collective-permutes in the loop body, as with one action."""
+  """The tick loop runs one switch per lane of the table (and a conditional of its own per
+  backward adding into the sums by units where a lane holds several,
+  tpipe.core.tick_rows.lane_groups) and still exchanges one message each way per tick: two
+  collective-permutes in the loop body, as with one action."""
   mesh = lm.emulated_mesh(4)
   model = lm.loss_sequential("mlp", "1f1b", mesh, 4, tick_costs=COSTS)
   table = model.spec.table
@@ -53,9 +56,17 @@ def test_compound_tick_sends_once_per_tick():
   loss = jax.jit(lm.value_and_grad(lm.pipelined_loss(model), float_input))
   text = loss.lower(lm.random_params("mlp"), x, targets).compile().as_text()
   assert table.lanes == 2
+  programs = model.pipeline_for(x, targets=targets).programs()
+  count = max(programs) + 1
+  groups = [tick_rows.lane_groups([n > 0 and (n - 1) // count == tpipe.schedules.Action.B
+                                   for n in numbers])
+            for numbers in tick_rows.lane_switches(table, programs)]
+  assert all(len(apart) >= 2 for _, apart in groups), groups  # The programs' B run apart.
+  # A switch left with idle alone is no conditional.
+  conditionals = sum((len(together) > 1) + len(apart) for together, apart in groups)
   loops = [body for body in re.split(r"\n(?=\S)", text) if "conditional(" in body
-           and body.count("conditional(") == table.lanes]
-  assert loops, "no loop body runs one conditional per lane"
+           and body.count("conditional(") == conditionals]
+  assert loops, f"no loop body runs {conditionals} conditionals"
   assert all(body.count("collective-permute(") + body.count("collective-permute-start(") == 2
              for body in loops)
 

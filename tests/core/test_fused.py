@@ -201,6 +201,29 @@ def test_fused_temporaries_stay_bounded_in_the_number_of_microbatches():
   assert one_f_one_b[16] < gpipe[16], (one_f_one_b, gpipe)
 
 
+def test_backwards_by_units_add_into_the_sums_without_copying_them():
+  """Under remat="full" B adds each unit's parameter gradients into the running sums inside a
+  loop over units. Here two chunk programs run B by units in one lane (the last stage's program
+  holds the loss); each runs in a conditional of its own (tpipe.core.tick_rows.lane_groups), so
+  XLA updates the sums where they lie: no copy of a gradient sum anywhere inside the step's
+  computations but the entry. (In one switch XLA copied the loops' sums in and out of every
+  iteration.)"""
+  model, mesh = _model("blocks", "1f1b", 4, 4)
+  x, targets = _inputs("blocks", mesh)
+  pipeline = model.pipeline_for(x, targets=targets)
+  assert len(set(pipeline.programs())) == 2
+  step = jax.jit(jax.grad(lm.pipelined_loss(model)))
+  module = hlo_lib.module_of(step.lower(lm.random_params("blocks"), x, targets).compile())
+  strip = lambda dims: tuple(dims[next((i for i, d in enumerate(dims) if d != 1), len(dims)):])
+  sums = {strip(tuple(a.shape)) for a in jax.tree.leaves(pipeline.layout.local_shapes())
+          if jnp.issubdtype(a.dtype, jnp.floating) and a.size > 1}
+  copied = [(name, ins.shape) for name, computation in module.computations.items()
+            if name != module.entry for ins in computation.instructions
+            if ins.opcode == "copy" and ins.shape.startswith("f32[")
+            and strip(hlo_lib.parse_shape(ins.shape)[0].dims) in sums]
+  assert sums and not copied, (sums, copied)
+
+
 def test_the_split_backward_does_the_work_of_one_backward():
   """ZB-H1's BI and W together execute the FLOPs of 1F1B's fused backward B, and BI alone saves
   the weight-gradient products W then forms; its program compiles no B (the table runs none)."""

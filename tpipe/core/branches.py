@@ -402,6 +402,15 @@ class Branches:
     if self.keeps_residuals and not collect:
       self.learn_residuals(device)
 
+  def adds_in_place(self, number: int) -> bool:
+    """Whether branch ``number`` (numbered as :meth:`branch`) adds its parameter gradients into
+    the running sums inside a loop over units (:func:`tpipe.core.unit_backward.backward_into`):
+    ``B`` by units, and ``W`` running the backward again by units."""
+    if number == 0 or not self.unitwise:
+      return False
+    action = (number - 1) // self.chunkset.num_branches
+    return action == Action.B or (action == Action.W and self.rerun_backward)
+
   def branch(self, number: int, device: Device, collect: bool):
     """Branch ``number`` (:func:`tpipe.core.tick_rows.tick_branches`' numbering: idle, then
     ``action * count + program``) as ``fn(state, slots, at, msg, stashed, fresh, mb, chunk) ->

@@ -11,10 +11,12 @@ table as one SPMD program:
 * One ``lax.scan`` over the table's ticks inside ``jax.shard_map``. Each tick every device looks
   up its action and runs it as one branch of a ``lax.switch`` (idle, or ``F``, ``B``, ``BI``,
   ``W`` of one chunk program, :class:`tpipe.core.chunks.ChunkSet`), holding only the branches
-  the table runs there (:func:`tpipe.core.tick_rows.lane_switches`) and no collective. A
-  compound tick (:mod:`tpipe.schedules.compound`) runs its rows as lanes, one switch after
-  another, each reading the mailbox and writing the stash as a tick of its own would; the
-  tick's messages leave once, after the last lane. (On one device the work is serial either
+  the table runs there (:func:`tpipe.core.tick_rows.lane_switches`) and no collective; a
+  lane's backwards that add into the running sums by units run each in a conditional of their
+  own after it where a lane holds several (:func:`_lane_runner`). A compound tick
+  (:mod:`tpipe.schedules.compound`) runs its rows as lanes, one switch after another, each
+  reading the mailbox and writing the stash as a tick of its own would; the tick's messages
+  leave once, after the last lane. (On one device the work is serial either
   way, and the lanes share one set of chunk programs where combinations would multiply them.)
 * ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
   activation from the stage's mailbox) and keeps that input in a **stash slot** of the table. A
@@ -89,6 +91,32 @@ def is_split(schedule: schedules.FusedSchedule) -> bool:
   return bool(np.any(np.isin(schedule.action, [Action.BI, Action.W])))
 
 
+def _lane_runner(branches: list[Callable], in_place: list[bool]) -> Callable:
+  """``run(position, state, *operands) -> (state, written, send)``: the lane's branch at
+  ``position`` (idle at 0). Branches that add into the running sums inside a loop over units
+  (``in_place``: :meth:`~tpipe.core.branches.Branches.adds_in_place`) run each in a conditional
+  of their own after the lane's switch (which idles for them) where the lane holds two or more
+  (:func:`tpipe.core.tick_rows.lane_groups`). Two such loops in branches of one conditional
+  (``B`` of the first, middle and last stages' chunk programs) make XLA copy each updated sum
+  in and out of every iteration: on the TPU, the stage's largest gradient leaf once more at the
+  peak. Alone in its conditional, a loop updates the sums where they lie."""
+  together, apart = tick_rows.lane_groups(in_place)
+  if not apart:
+    return lambda position, *operands: lax.switch(position, branches, *operands)
+  index = np.zeros(len(branches), np.int32)  # Position in the switch; idle for the apart.
+  index[together] = np.arange(len(together))
+
+  def run(position, state, *operands):
+    out = lax.switch(jnp.asarray(index)[position], [branches[p] for p in together], state,
+                     *operands)
+    for p in apart:
+      out = lax.cond(position == p, lambda out, *a, p=p: branches[p](out[0], *a),
+                     lambda out, *a: out, out, *operands)
+    return out
+
+  return run
+
+
 class _Run:
   """``run(staged, x, broadcast, per_example, rngs)``: a fused table in ``shard_map``.
 
@@ -130,8 +158,9 @@ class _Run:
 
     # Each lane switches over the branches the table runs in it only: a split table's B, or
     # the kinds a compound tick runs in its other lanes, are never traced nor compiled.
-    switches = [[branches.branch(n, device, collect) for n in numbers]
-                for numbers in self.switches]
+    lanes = [_lane_runner([branches.branch(n, device, collect) for n in numbers],
+                          [branches.adds_in_place(n) for n in numbers])
+             for numbers in self.switches]
     # Named scopes let a memory breakdown (tpipe.tools.peak) tell the buffers apart.
     with jax.named_scope(spmd.GRADIENTS_SCOPE):
       carry = {"state": axes.vary(self._initial_state(device, collect))}
@@ -169,8 +198,8 @@ class _Run:
         fresh, carry = device.fresh(carry, step["microbatch"],
                                     row[streaming.ROW][stage] if self.conveyor else None)
         at = {"weights": step["weight_slot"], "residuals": step["stash"]}
-        state, written, send = lax.switch(
-            step["branch"], switches[lane], state, slots, at, msg,
+        state, written, send = lanes[lane](
+            step["branch"], state, slots, at, msg,
             spmd.read_slot(stash, step["stash"]), fresh, step["microbatch"], step["chunk"])
         slots = {k: spmd.write_slot(slots[k], at[k], written[k]) for k in slots}
         sends.append((send, step))

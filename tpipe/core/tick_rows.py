@@ -57,6 +57,18 @@ def lane_switches(schedule: schedules.FusedSchedule, programs) -> list[tuple[int
   return _switches(by_lanes(schedule, tick_branches(schedule, programs)[0]))
 
 
+def lane_groups(in_place) -> tuple[list[int], list[int]]:
+  """``(together, apart)``: how a lane runs the branches of its switch (:func:`lane_switches`),
+  given per position whether the branch adds into the running sums inside a loop over units.
+  ``together`` (idle, position 0, among them) share one ``lax.switch``; each of ``apart`` runs
+  in a two-way conditional of its own after it (false: pass through; true: the branch), in
+  order. Apart are the adding branches where a lane holds two or more of them: XLA copies the
+  sums in and out of every iteration of such loops when they share one conditional."""
+  in_place = [bool(flag) for flag in in_place]
+  apart = [p for p, flag in enumerate(in_place) if flag] if sum(in_place) > 1 else []
+  return [p for p in range(len(in_place)) if p not in apart], apart
+
+
 def _switches(branch: np.ndarray) -> list[tuple[int, ...]]:
   """:func:`lane_switches` of the ``[T, L, S]`` branch numbers :func:`by_lanes` gives."""
   return [tuple(int(b) for b in np.union1d([0], branch[:, lane]))

@@ -364,6 +364,14 @@ class FusedFlops:
     return {name: float(np.mean(f)) for name, f in self.actions.items() if np.all(np.isfinite(f))}
 
 
+def _branch_names(conditional) -> list[str]:
+  """A ``conditional``'s branch computations by index (a predicated one's: false, then true)."""
+  listed = conditional.attr("branch_computations")
+  if listed is None:
+    listed = ",".join(conditional.attr(k) or "" for k in ("false_computation", "true_computation"))
+  return [n.strip().lstrip("%") for n in listed.strip("{}").split(",") if n.strip()]
+
+
 def fused_flops(compiled, schedule, programs=None,
                 flops: FlopCount | None = None) -> FusedFlops:
   """Per-action and per-stage FLOPs of a step compiled with a fused schedule.
@@ -396,31 +404,44 @@ def fused_flops(compiled, schedule, programs=None,
   programs = list(range(num_virtual)) if programs is None else list(programs)
   count = max(programs) + 1
   # The lanes' switches, in the order the body runs them (each lane's state feeds the next).
+  # A lane whose backwards add into the running sums by units runs each of those in a two-way
+  # conditional of its own after its switch (tick_rows.lane_groups); whether they do is the
+  # step's remat setting, so both layouts are tried.
   switches = tick_rows.lane_switches(schedule, programs)
-  sizes = [len(n) for n in switches]
+  adding = lambda n: n > 0 and (n - 1) // count in (schedules_lib.Action.B,
+                                                    schedules_lib.Action.W)
+  layouts = [[tick_rows.lane_groups([flag(n) for n in numbers]) for numbers in switches]
+             for flag in (lambda n: False, adding)]
+  # A switch left with idle alone is no conditional (lax.switch calls a lone branch).
+  sizes = lambda layout: [size for together, apart in layout
+                          for size in [len(together)] * (len(together) > 1) + [2] * len(apart)]
   found = None
   for loop in loops:
-    conditionals = []
-    for ins in module.computations[loop.body].instructions:
-      if ins.opcode == "conditional":
-        conditionals.append([n.strip().lstrip("%") for n in
-                             (ins.attr("branch_computations") or "").strip("{}").split(",")
-                             if n.strip()])
-    if [len(names) for names in conditionals] == sizes and found is None:
-      found = (loop, conditionals)
+    conditionals = [_branch_names(ins) for ins in module.computations[loop.body].instructions
+                    if ins.opcode == "conditional"]
+    for layout in layouts:
+      if [len(names) for names in conditionals] == sizes(layout) and found is None:
+        found = (loop, conditionals, layout)
   if found is None:
     raise ValueError(f"No tick loop of {schedule.num_ticks} trips with conditionals of "
-                     f"{sizes} branches was found; pass the schedule the step was compiled with "
-                     "and its pipeline's programs().")
-  loop, conditionals = found
-  # FLOPs of each branch number (tick_rows.tick_branches) less its lane's idle branch; NaN for
-  # a branch no lane holds.
+                     f"{sizes(layouts[0])} branches was found; pass the schedule the step was "
+                     "compiled with and its pipeline's programs().")
+  loop, conditionals, layout = found
+  # FLOPs of each branch number (tick_rows.tick_branches) less its lane's idle branch (for one
+  # run apart, less its conditional's other branch, which passes the sums through); NaN for a
+  # branch no lane holds.
   kinds = ("F", "B", "BI", "W")
   action_cost, busiest = np.full(1 + len(kinds) * count, np.nan), 0.0
-  for numbers, names in zip(switches, conditionals):
-    branch_flops = np.array([counter.computation(n)[0] for n in names])
-    busiest += float(branch_flops.max() - branch_flops[0])
-    action_cost[list(numbers)] = branch_flops - branch_flops[0]
+  conditionals = iter(conditionals)
+  for numbers, (together, apart) in zip(switches, layout):
+    if len(together) > 1:
+      branch_flops = np.array([counter.computation(n)[0] for n in next(conditionals)])
+      busiest += float(branch_flops.max() - branch_flops[0])
+      action_cost[[numbers[p] for p in together]] = branch_flops - branch_flops[0]
+    for p in apart:  # lax.cond's branches: false (pass through), then true.
+      passing, running = (counter.computation(n)[0] for n in next(conditionals))
+      busiest += max(running, passing) - passing
+      action_cost[numbers[p]] = running - passing
   actions = {kind: action_cost[1 + k * count + np.asarray(programs)]
              for k, kind in enumerate(kinds)}
   table, _ = tick_rows.tick_branches(schedule, programs)
