@@ -61,7 +61,8 @@ class Device:
   def __init__(self, run, staged, x, broadcast, per_example, rngs):
     self.run, axes, schedule = run, run.axes, run.schedule
     self.num_virtual = schedule.num_stages * schedule.num_chunks
-    staged = jax.tree.map(lambda p: p[:, 0], staged)  # [C, ...]
+    self.staged_leaves = _floats(staged)  # [C, 1, ...]: where the view drops the stage axis.
+    staged = chunks_lib.device_view(staged)  # [C, ...]; packed parameters [C, 1, n]
     m = schedule.num_microbatches
     self.local_batch = run.global_batch // axes.replicas  # The row shard's batch.
     self.rows = self.local_batch // m

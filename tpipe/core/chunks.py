@@ -272,8 +272,10 @@ class ChunkSet:
     return spmd.read_slot(staged, r)
 
   def _param_slot(self, params, r):
-    """The parameters of local chunk ``r``, packed buffers whole (gathered under FSDP)."""
+    """The parameters of local chunk ``r``, packed buffers whole (gathered under FSDP), from
+    the per-device parameters (:func:`device_view`: packed buffers ``[R, 1, n]``)."""
     slot = self._slot(params, r)
+    slot = {**slot, layout_lib.PACKED: {k: a[0] for k, a in slot[layout_lib.PACKED].items()}}
     whole = lambda slot: slot
     if spmd.auto_axes_here():
       # Whole on every device of the auto axes (tensor) too. The buffer's leaves start anywhere
@@ -483,6 +485,27 @@ class ChunkSet:
 
       steps.append((seg.copies, read, apply))
     return steps
+
+
+def device_view(staged: dict) -> dict:
+  """A device's part of ``staged`` (``{"params": tree[, "stats": tree]}``, every leaf
+  ``[R, 1, ...]`` inside ``shard_map``) as the tick loops read it: without the stage axis,
+  ``[R, ...]``, except the parameters' packed buffers, which keep it (``[R, 1, n]``; a slot is
+  read as ``[1, n]``, :meth:`ChunkSet._param_slot`). Squeezed, ``[R, n]`` with ``R > 1`` takes
+  the TPU a relayout of the whole buffer (its tiles span rows), which the tick loop then held
+  for the whole step: one float32 copy of every chunk's packed parameters (0.50 GiB for the
+  issue's circular R = 2 on v5p)."""
+  squeeze = lambda tree: jax.tree.map(lambda a: a[:, 0], tree)
+  return {collection: {part: sub if (collection, part) == (PARAMS, layout_lib.PACKED)
+                       else squeeze(sub) for part, sub in tree.items()}
+          for collection, tree in staged.items()}
+
+
+def with_stage_axis(view_leaves: list, staged_leaves: list) -> list:
+  """Per-device leaves (:func:`device_view`'s, or values shaped like them) with the stage axis
+  back, ``[R, 1, ...]``, where the view dropped it; ``staged_leaves`` are the same leaves of
+  the staged tree."""
+  return [a if a.ndim == b.ndim else a[:, None] for a, b in zip(view_leaves, staged_leaves)]
 
 
 # jax.checkpoint's policy for remat="full" is None; this sentinel asks for that checkpoint, where

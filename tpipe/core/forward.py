@@ -108,7 +108,7 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
               for i in range(chunkset.num_branches)]
 
   def per_device(staged, x, per_example, broadcast, rngs):
-    staged = jax.tree.map(lambda p: p[:, 0], staged)  # [R, ...]
+    staged = chunks_lib.device_view(staged)  # [R, ...]; packed parameters [R, 1, n]
     # Once per step, outside the tick loop: the transposes of these casts are the gradient sums
     # over row shards (parameters, broadcast arrays; a parameter split over fsdp already varies
     # over it, and its gathers' transposes sum over fsdp) and over stages (inputs, side inputs).

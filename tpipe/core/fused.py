@@ -264,7 +264,7 @@ class _Run:
 
     g_params = [over_rows(g, is_split) for g, is_split in
                 zip(g_params, self.chunkset.split_over_fsdp(device.staged))]
-    g_params = [a[:, None] for a in g_params]
+    g_params = chunks_lib.with_stage_axis(g_params, device.staged_leaves)
     joined = lambda leaves: [a.reshape((device.local_batch,) + a.shape[2:]) for a in leaves]
     g_x, g_pex = joined(state["x"]), joined(state["per_example"])
     if self.over_stages:  # Each stage's part of the inputs' gradients, as its inputs came.
