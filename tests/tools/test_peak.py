@@ -85,6 +85,39 @@ def test_values_sharing_a_buffer_count_once_at_the_allocated_size():
   assert "| stash | 512 B | 69.6% |" in breakdown.format()
 
 
+# The same program's values with their schedule positions; the dump's own (peak) section names
+# position 3, where fewer bytes are in use than at 5.
+RANGES = '''HloLiveRange (max 9):
+  BufferLiveRange:
+    w{}:0-9
+    o{}:0-9
+    z{}:2-4
+    c16{}:3-3
+    p{1}:4-8
+    g{}:5-6
+  Live ranges at 3 (peak):
+    w{}: 64 bytes (cumulative: 64 bytes)
+    o{}: 64 bytes (cumulative: 128 bytes)
+    z{}: 128 bytes (cumulative: 256 bytes)
+    c16{}: 32 bytes (cumulative: 288 bytes)'''
+
+
+@pytest.mark.unit  # Text only.
+def test_the_peak_is_where_the_assigned_buffers_hold_the_most_bytes():
+  ranges = peak.parse_live_ranges(RANGES)
+  assert ranges[3] == ("c16", (), 3, 3) and ranges[4] == ("p", (1,), 4, 8)
+  placed = peak.parse_assignment(ASSIGNMENT)
+  # At 3: w, o, z and c16 (672 bytes); at 4, z and the loop's p{1} are one buffer (640); at 5:
+  # w, o, p{1} and g (704).
+  assert peak.busiest_time(ranges, placed) == 5
+  values = peak.peak_values(RANGES, HLO, assignment_text=ASSIGNMENT)
+  assert [(v.name, v.bytes) for v in values] == [
+      ("p{1}", 512), ("w{}", 64), ("o{}", 64), ("g{}", 64)]
+  # Without the assignment, the dump's own list.
+  assert [v.name for v in peak.peak_values(RANGES, HLO)] == ["z{}", "w{}", "o{}", "c16{}"]
+  assert peak.busiest_time(ranges, {}) is None
+
+
 @pytest.mark.unit  # Text only.
 def test_a_dump_without_a_peak_section_is_refused():
   with pytest.raises(ValueError, match="no 'Live ranges at N \\(peak\\):' section"):

@@ -1,10 +1,13 @@
 """What is live at a compiled program's memory peak, and why: every buffer with a role.
 
-XLA's buffer assignment knows, for the optimised per-device program, which values are live at
-the point where memory use peaks. With ``--xla_dump_to`` it writes that list (the
-``*-live-range.txt`` file: ``Live ranges at N (peak):``, one ``value{index}: bytes`` line per
-value) next to the optimised HLO text (``*after_optimizations.txt``). This module reads both and
-gives every live value a **role**:
+XLA's buffer assignment knows, for the optimised per-device program, where each value lives
+(``*-buffer-assignment.txt``: allocation, offset, size) and when (``*-live-range.txt``: each
+value's first and last position in the flattened schedule), next to the optimised HLO text
+(``*after_optimizations.txt``), all written with ``--xla_dump_to``. The **peak** is the position
+where the most bytes are in use, values that share a buffer counted once
+(:func:`busiest_time`); without the assignment, the live-range file's own ``Live ranges at N
+(peak):`` list, which sums values one by one and can miss the real peak (a loop's in-place
+updates). This module reads them and gives every value live at the peak a **role**:
 
 ========================  ==================================================================
 role                      what it is
@@ -59,6 +62,8 @@ import re
 import tempfile
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from tpipe.tools import hlo as hlo_lib
 
 ROLES = ("parameters", "optimizer state", "batch and other inputs", "gradient accumulators",
@@ -75,6 +80,8 @@ SCOPE_ROLES = {"tpipe_stash": "stash", "tpipe_mailbox": "mailbox",
 DEFAULT_HEAD_SCOPES = ("LMHead", "PoolHead", "log_softmax", "logsumexp", "cross_entropy")
 
 _PEAK = re.compile(r"Live ranges at \d+ \(peak\):")
+_BUFFER_RANGES = re.compile(r"^\s*BufferLiveRange:\s*$", re.M)
+_RANGE = re.compile(r"^\s*([\w.\-]+)\{([\d,]*)\}:(\d+)-(\d+)\s*$")
 _LIVE_VALUE = re.compile(r"^\s*([\w.\-]+)\{([\d,]*)\}:\s*(\d+) bytes")
 _ALLOCATION = re.compile(r"^allocation (\d+):")
 _ASSIGNED = re.compile(r"value: <\d+ ([\w.\-]+)(?:\{([\d,]*)\})?[^>]*> \(size=(\d+),offset=(\d+)\)")
@@ -189,6 +196,58 @@ def parse_peak(live_range_text: str) -> list[tuple[str, tuple[int, ...], int]]:
     name, index, size = found.groups()
     values.append((name, tuple(int(i) for i in index.split(",") if i), int(size)))
   return values
+
+
+def parse_live_ranges(live_range_text: str) -> list[tuple[str, tuple[int, ...], int, int]]:
+  """``(instruction, tuple index, first, last)`` of every value in the ``BufferLiveRange``
+  section of a ``*-live-range.txt`` dump: the positions in the flattened schedule where the
+  value is defined and last used; empty if the section is missing."""
+  match = _BUFFER_RANGES.search(live_range_text)
+  if match is None:
+    return []
+  ranges = []
+  for line in live_range_text[match.end():].splitlines()[1:]:
+    found = _RANGE.match(line)
+    if found is None:
+      break
+    name, index, first, last = found.groups()
+    ranges.append((name, tuple(int(i) for i in index.split(",") if i), int(first), int(last)))
+  return ranges
+
+
+def busiest_time(ranges, placed: dict) -> int | None:
+  """The schedule position at which the most bytes are in use, and None without placed values.
+
+  At a position, what is in use is, per allocation, the union of the byte ranges
+  ``[offset, offset + size)`` of the values live there (``ranges``: :func:`parse_live_ranges`;
+  ``placed``: :func:`parse_assignment`), so values that share a buffer (a loop's carried value
+  and its updates) count once. This is where the buffer assignment's reservation is filled most;
+  the dump's own ``(peak)`` section sums values one by one and can miss it by far (a loop's
+  in-place updates).
+  """
+  rows = [(placed[(name, index)], first, last) for name, index, first, last in ranges
+          if (name, index) in placed]
+  if not rows:
+    return None
+  # One number line for all allocations, each far past the one before (sizes < 2**40), so a
+  # running maximum of range ends never carries from one allocation into the next.
+  base = np.array([where[0] for where, _, _ in rows], np.int64) << 42
+  lo = base + np.array([where[1] for where, _, _ in rows], np.int64)
+  hi = lo + np.array([where[2] for where, _, _ in rows], np.int64)
+  first = np.array([r[1] for r in rows])
+  last = np.array([r[2] for r in rows])
+  order = np.argsort(lo, kind="stable")
+  lo, hi, first, last = lo[order], hi[order], first[order], last[order]
+  best, best_time = -1, None
+  for t in np.unique(first):  # What is in use only grows where a value starts.
+    live = (first <= t) & (last >= t)
+    a, b = lo[live], hi[live]
+    # Each range counts past the furthest end of the ranges before it: the union's length.
+    reach = np.maximum.accumulate(np.r_[a[:1], b[:-1]])
+    used = int(np.maximum(b - np.maximum(a, reach), 0).sum())
+    if used > best:
+      best, best_time = used, int(t)
+  return best_time
 
 
 def temporary_allocation(buffer_assignment_text: str) -> int:
@@ -348,10 +407,11 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
     live_range_text: a ``*-live-range.txt`` dump.
     hlo_text: the same module's optimised HLO (``*after_optimizations.txt`` of the dump, or
       ``compiled.as_text()``).
-    assignment_text: the same module's ``*-buffer-assignment.txt``. With it, values that share
-      one buffer (a loop's initial value, its body parameter and its result) count once, at the
-      size the target allocates (with its padding); without it every live value counts at its
-      logical size.
+    assignment_text: the same module's ``*-buffer-assignment.txt``. With it, the peak is the
+      schedule position where the most bytes are in use (:func:`busiest_time`), and values
+      that share one buffer (a loop's initial value, its body parameter and its result) count
+      once, at the size the target allocates (with its padding); without it, the peak is the
+      live-range dump's own ``(peak)`` section, every live value at its logical size.
     param_dtype: the HLO element type parameters are stored in; parameter-shaped values made in
       it are gradients, in other float types weight casts.
     head_scopes: name-stack fragments marking the head and its loss.
@@ -374,7 +434,13 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
   param_dims.discard(())
   placed = parse_assignment(assignment_text) if assignment_text else {}
   buffers: dict = {}  # one entry per buffer: the values that share it
-  for name, index, size in parse_peak(live_range_text):
+  live = parse_peak(live_range_text)
+  when = busiest_time(parse_live_ranges(live_range_text), placed) if placed else None
+  if when is not None:
+    live = [(name, index, placed[(name, index)][2])
+            for name, index, first, last in parse_live_ranges(live_range_text)
+            if first <= when <= last and (name, index) in placed]
+  for name, index, size in live:
     where = placed.get((name, index))
     key = where[:2] if where is not None else (name, index)
     size = where[2] if where is not None else size
