@@ -16,7 +16,8 @@ parameters                the step's parameter arguments (``state.params``)
 optimizer state           the optimizer's arguments (``state.opt_state``)
 batch and other inputs    every other argument
 gradient accumulators     parameter-shaped values in the parameters' dtype that the program
-                          computes: the running gradient sums and each tick's gradient
+                          computes: the running gradient sums and each tick's gradient; and
+                          the sums over devices after the loop (all-reduce, reduce-scatter)
 weight casts              parameter-shaped values in another float dtype (bfloat16 copies),
                           and any cast, slice or re-shaping of a parameter argument
 parameter copies          slices, re-shapings and copies of a parameter argument in its own
@@ -88,6 +89,8 @@ _ASSIGNED = re.compile(r"value: <\d+ ([\w.\-]+)(?:\{([\d,]*)\})?[^>]*> \(size=(\
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _GTE_INDEX = re.compile(r"index=(\d+)")
 _FLOAT_TYPES = ("f64", "f32", "bf16", "f16", "f8e4m3fn", "f8e5m2")
+# Collectives that sum over devices (a step's gradient reductions).
+_REDUCING = ("all-reduce", "reduce-scatter")
 # Instructions that copy, cast, slice or re-shape their one non-constant input.
 _COPYING = ("convert", "copy", "bitcast", "reshape", "slice", "dynamic-slice", "transpose",
             "broadcast", "fusion", "get-tuple-element")
@@ -286,12 +289,40 @@ class _Origins:
   def __init__(self, module: hlo_lib.HloModule):
     self.by_name: dict[str, tuple[str, hlo_lib.Instruction]] = {}
     self.callers: dict[str, list[hlo_lib.Instruction]] = {}
+    self.users: dict[str, list[hlo_lib.Instruction]] = {}
     for comp_name, comp in module.computations.items():
       for ins in comp.instructions:
         self.by_name[ins.name] = (comp_name, ins)
         for called in ins.called:
           self.callers.setdefault(called, []).append(ins)
+        for operand in ins.operands:
+          self.users.setdefault(operand, []).append(ins)
     self.entry = module.entry
+
+  def named(self, ins: hlo_lib.Instruction | None) -> str:
+    """The ``op_name`` of ``ins``, or where it has none (a layout copy XLA inserted), of the
+    value it copies or re-shapes; ``""`` if none is found."""
+    for _ in range(16):
+      if ins is None:
+        return ""
+      found = _OP_NAME.search(ins.attrs)
+      if found:
+        return found.group(1)
+      if ins.opcode not in ("copy", "bitcast", "reshape", "transpose", "copy-done"):
+        return ""
+      ins, _ = self.trace(ins.operands[0], ()) if ins.operands else (None, False)
+    return ""
+
+  def reduced(self, ins: hlo_lib.Instruction | None, depth: int = 0) -> bool:
+    """Whether ``ins`` is a sum over devices (all-reduce, reduce-scatter) or a copy or
+    re-shaping of a value on its way to one: a step's gradient reduction, whose buffers carry
+    no name stack of their own."""
+    if ins is None or depth > 8:
+      return False
+    if ins.opcode.split("-start")[0] in _REDUCING:
+      return True
+    return ins.opcode in ("copy", "bitcast", "reshape") and any(
+        self.reduced(user, depth + 1) for user in self.users.get(ins.name, ()))
 
   def instruction(self, name: str) -> hlo_lib.Instruction | None:
     found = self.by_name.get(name)
@@ -446,10 +477,7 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
     size = where[2] if where is not None else size
     made_by, loop_carried = origins.trace(name, index)
     array = _array(origins.instruction(name), index)
-    origin = ""
-    if made_by is not None:
-      found = _OP_NAME.search(made_by.attrs)
-      origin = found.group(1) if found else ""
+    origin = origins.named(made_by)
     is_argument = made_by is not None and made_by.opcode == "parameter" and (
         origins.by_name[made_by.name][0] == module.entry)
     source = None if is_argument else origins.copied_from_argument(made_by)
@@ -459,6 +487,9 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
       copied_from = found.group(1) if found else None
     role = _role(origin, array, loop_carried, is_argument, param_dtype, param_dims,
                  head_scopes, copied_from)
+    if (role == "other" and array is not None and array.dtype == param_dtype
+        and origins.reduced(origins.instruction(name))):
+      role = "gradient accumulators"
     shape = f"{array.dtype}[{','.join(map(str, array.dims))}]" if array is not None else ""
     value = LiveValue(name=f"{name}{{{','.join(map(str, index))}}}", bytes=size, shape=shape,
                       origin=origin, role=role)
