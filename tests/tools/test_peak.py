@@ -118,6 +118,34 @@ def test_the_peak_is_where_the_assigned_buffers_hold_the_most_bytes():
   assert peak.busiest_time(ranges, {}) is None
 
 
+# After the loop: the head's weight gradient copied by a layout copy XLA inserted (no name of
+# its own), and a gradient summed over devices, copied on its way.
+UNNAMED_HLO = '''HloModule m
+
+ENTRY %main (w: f32[8,4], x: f32[64]) -> f32[64] {
+  %w = f32[8,4]{1,0} parameter(0), metadata={op_name="state.params['kernel']"}
+  %x = f32[64]{0} parameter(1), metadata={op_name="batch['inputs']"}
+  %a = f32[8,4]{1,0} add(f32[8,4]{1,0} %w, f32[8,4]{1,0} %w)
+  %h = f32[4,8]{1,0} transpose(%a), dimensions={1,0}, metadata={op_name="f/LMHead/dot"}
+  %hc = f32[4,8]{0,1} copy(f32[4,8]{1,0} %h)
+  %g = f32[64]{0} negate(f32[64]{0} %x)
+  %gc = f32[64]{0} copy(f32[64]{0} %g)
+  ROOT %s = f32[64]{0} all-reduce(f32[64]{0} %gc), replica_groups={{0,1}}, to_apply=%add
+}'''
+
+UNNAMED_LIVE = '''  Live ranges at 5 (peak):
+    hc{}: 128 bytes (cumulative: 128 bytes)
+    gc{}: 256 bytes (cumulative: 384 bytes)
+    s{}: 256 bytes (cumulative: 640 bytes)'''
+
+
+@pytest.mark.unit  # Text only.
+def test_unnamed_copies_take_their_sources_name_and_device_sums_are_gradients():
+  roles = {v.name: v.role for v in peak.peak_values(UNNAMED_LIVE, UNNAMED_HLO)}
+  assert roles == {"hc{}": "logits and loss", "gc{}": "gradient accumulators",
+                   "s{}": "gradient accumulators"}
+
+
 @pytest.mark.unit  # Text only.
 def test_a_dump_without_a_peak_section_is_refused():
   with pytest.raises(ValueError, match="no 'Live ranges at N \\(peak\\):' section"):

@@ -487,8 +487,8 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
       copied_from = found.group(1) if found else None
     role = _role(origin, array, loop_carried, is_argument, param_dtype, param_dims,
                  head_scopes, copied_from)
-    if (role == "other" and array is not None and array.dtype == param_dtype
-        and origins.reduced(origins.instruction(name))):
+    summed = origins.reduced(origins.instruction(name))
+    if role == "other" and array is not None and array.dtype == param_dtype and summed:
       role = "gradient accumulators"
     shape = f"{array.dtype}[{','.join(map(str, array.dims))}]" if array is not None else ""
     value = LiveValue(name=f"{name}{{{','.join(map(str, index))}}}", bytes=size, shape=shape,
