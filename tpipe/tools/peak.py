@@ -466,10 +466,10 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
   placed = parse_assignment(assignment_text) if assignment_text else {}
   buffers: dict = {}  # one entry per buffer: the values that share it
   live = parse_peak(live_range_text)
-  when = busiest_time(parse_live_ranges(live_range_text), placed) if placed else None
+  ranges = parse_live_ranges(live_range_text) if placed else []
+  when = busiest_time(ranges, placed) if ranges else None
   if when is not None:
-    live = [(name, index, placed[(name, index)][2])
-            for name, index, first, last in parse_live_ranges(live_range_text)
+    live = [(name, index, placed[(name, index)][2]) for name, index, first, last in ranges
             if first <= when <= last and (name, index) in placed]
   for name, index, size in live:
     where = placed.get((name, index))
@@ -487,9 +487,10 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
       copied_from = found.group(1) if found else None
     role = _role(origin, array, loop_carried, is_argument, param_dtype, param_dims,
                  head_scopes, copied_from)
-    summed = origins.reduced(origins.instruction(name))
-    if role == "other" and array is not None and array.dtype == param_dtype and summed:
-      role = "gradient accumulators"
+    if role == "other" and array is not None and array.dtype == param_dtype:
+      # A sum over devices after the loop, or a copy on its way to one: no name of its own.
+      if origins.reduced(origins.instruction(name)):
+        role = "gradient accumulators"
     shape = f"{array.dtype}[{','.join(map(str, array.dims))}]" if array is not None else ""
     value = LiveValue(name=f"{name}{{{','.join(map(str, index))}}}", bytes=size, shape=shape,
                       origin=origin, role=role)
