@@ -42,6 +42,10 @@ CASES = [(mesh, "gpipe", {}) for mesh in MESHES] + [
     ("stage4-fsdp2", "1f1b", dict(remat="full", remat_granularity="layer")),
     ("stage2-tensor2-data2", "zb_h1", {}),
     ("stage2-fsdp2-tensor2", "gpipe", dict(remat="full", remat_granularity="nested")),
+    # Two chunks per stage read windows of one packed buffer per stage (the embedding's chunk
+    # and the head's on different stages), each window's fsdp blocks gathered.
+    ("stage2-fsdp2-tensor2", "circular", dict(num_repeats=2)),
+    ("stage2-fsdp2-tensor2", "zbv", dict(num_repeats=2)),
 ]
 
 

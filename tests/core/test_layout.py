@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tpipe.core import layout as layout_lib
+from tpipe.core import packed_places as places
 from tpipe.core import plan as plan_lib
 from tests.helpers.shapes import abstract_shapes
 
@@ -69,18 +70,21 @@ def _fsdp_mesh(fsdp, num_stages):
   return jax.sharding.AbstractMesh((1, fsdp, num_stages, 1), ("data", "fsdp", "stage", "tensor"))
 
 
-def _case(name, stacked=None, fsdp=1):
+def _case(name, stacked=None, fsdp=1, packing="stage"):
   layers, repeated, counts, num_stages, num_repeats, placement = CASES[name]
   copies = [repeated.get(i) for i in range(len(layers))]
   groups = plan_lib.group_units(copies, counts)
   shapes = abstract_shapes(layers)
   layout = StageLayout.build(groups, shapes, num_stages, num_repeats, placement=placement,
-                             stacked=stacked, mesh=_fsdp_mesh(fsdp, num_stages))
+                             stacked=stacked, mesh=_fsdp_mesh(fsdp, num_stages),
+                             packing=packing)
   return layout, shapes
 
 
 # fsdp 2 cuts the test leaves along a dimension; fsdp 3 divides none of them (flat pieces).
 FSDP = [1, 2, 3]
+# A stage's chunks in one packed buffer (parameters), or a buffer per chunk slot (statistics).
+PACKINGS = list(layout_lib.PACKINGS)
 
 
 def _assert_equal(got, want):
@@ -145,6 +149,33 @@ def test_plain_layers_and_a_repeat_some_chunk_lacks_are_packed():
 
 
 @pytest.mark.unit
+def test_a_stage_packs_its_chunks_one_after_the_other_in_one_buffer():
+  # Circular R = 2: chunk 0 (stage 0) packs the embedding (20 floats, 3 ints), chunks 1 and 2
+  # one copy each (20 floats), chunk 3 (stage 1) the head (10 floats).
+  layout, _ = _case("circular_r2")
+  assert [lay.sizes() for lay in layout.packed_layouts] == [
+      {"float32": 20, "int32": 3}, {"float32": 20}, {"float32": 20}, {"float32": 10}]
+  # Stage 0 holds chunks 0 then 2 (40 floats, 3 ints), stage 1 chunks 1 then 3 (30 floats).
+  assert layout.packed_slots == 1 and layout.packed_sizes == {"float32": 40, "int32": 3}
+  assert layout.packed_offsets == ({"float32": 0, "int32": 0}, {"float32": 0},
+                                   {"float32": 20}, {"float32": 20})
+  assert layout.packed_windows == ({"float32": 20, "int32": 3}, {"float32": 20},
+                                   {"float32": 20}, {"float32": 10})
+  assert [layout.packed_place(c) for c in range(4)] == [(0, 0), (0, 1), (0, 0), (0, 1)]
+  # A buffer per slot pads each of the R slots to the fullest chunk: 2 x (20 floats, 3 ints).
+  per_slot, _ = _case("circular_r2", packing="slot")
+  assert per_slot.packed_slots == 2 and per_slot.packed_sizes == {"float32": 20, "int32": 3}
+  assert [per_slot.packed_place(c) for c in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+  shapes = lambda lay: {k: a.shape for k, a in lay.staged_shapes()["packed"].items()}
+  assert shapes(layout) == {"float32": (1, 2, 40), "int32": (1, 2, 3)}
+  assert shapes(per_slot) == {"float32": (2, 2, 20), "int32": (2, 2, 3)}
+  assert layout.stage_bytes() == 2 * 20 * 4 + (40 + 3) * 4
+  assert per_slot.stage_bytes() == 2 * 20 * 4 + 2 * (20 + 3) * 4
+  with pytest.raises(ValueError, match=r"packing must be one of \('stage', 'slot'\), got 'x'"):
+    _case("circular_r2", packing="x")
+
+
+@pytest.mark.unit
 def test_positions_of_the_loop_and_v_placements():
   loop, _ = _case("circular_r2")
   assert [loop.position(c) for c in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -166,18 +197,18 @@ def test_partition_specs_split_every_leaf_over_the_stage_axis():
 
 
 @pytest.mark.unit
-def test_chunk_bytes_slot_bytes_and_elements():
+def test_chunk_bytes_stage_bytes_and_elements():
   layout, _ = _case("uneven_repeat")
   # Chunk 0: embedding 20 floats + 3 ints, 2 copies of 20 floats; chunk 1: 3 copies and the head.
   assert layout.chunk_bytes() == [(20 + 3 + 2 * 20) * 4, (3 * 20 + 10) * 4]
-  # A slot: 2 stacked copies, 30 packed floats and 3 packed ints, whatever the chunk.
-  assert layout.slot_bytes() == (2 * 20 + 30 + 3) * 4
+  # A stage: 2 stacked copies, 30 packed floats and 3 packed ints, whatever its chunk.
+  assert layout.stage_bytes() == (2 * 20 + 30 + 3) * 4
   block = {"Dense_0": {"kernel": 32, "bias": 8}}
   assert layout.chunk_elements() == [
       {"stacked": {"layers_1": block}, "packed": {"float32": 20, "int32": 3}},
       {"stacked": {"layers_1": block}, "packed": {"float32": 30, "int32": 0}}]
   even, _ = _case("even_repeat")
-  assert even.chunk_bytes() == [2 * 20 * 4] * 4 == [even.slot_bytes()] * 4
+  assert even.chunk_bytes() == [2 * 20 * 4] * 4 and even.stage_bytes() == 2 * 2 * 20 * 4
 
 
 @pytest.mark.unit
@@ -196,10 +227,11 @@ def test_build_errors():
 # Values: exact round trips.
 
 
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("fsdp", FSDP)
 @pytest.mark.parametrize("name", list(CASES))
-def test_round_trip_is_exact(name, fsdp):
-  layout, shapes = _case(name, fsdp=fsdp)
+def test_round_trip_is_exact(name, fsdp, packing):
+  layout, shapes = _case(name, fsdp=fsdp, packing=packing)
   logical = _values(shapes)
   staged = layout.to_staged(_drop_empty(logical))  # Flax omits a layer without variables.
   assert jax.tree.map(lambda a: (a.shape, a.dtype), staged) == jax.tree.map(
@@ -244,19 +276,21 @@ def test_zbv_puts_chunk_3_on_stage_0():
   np.testing.assert_array_equal(kernel[1, 1, 0], block[3])  # chunk 2: stage 1, local chunk 1
   np.testing.assert_array_equal(kernel[1, 0, 0], block[5])  # chunk 3: stage 0, local chunk 1
   # The head is in chunk 3's packed slot: stage 0, local chunk 1.
-  head = layout.chunk_trees(jax.tree.map(lambda a: a[1, 0], staged), 3)[-1]
+  head = layout.chunk_trees(layout.chunk_local(staged, 3), 3)[-1]
   _assert_equal(head, logical["layers_2"])
 
 
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("fsdp", FSDP)
 @pytest.mark.parametrize("name", list(CASES))
-def test_chunk_trees_and_chunk_slot_are_inverse(name, fsdp):
-  layout, shapes = _case(name, fsdp=fsdp)
+def test_chunk_trees_and_chunk_slot_are_inverse(name, fsdp, packing):
+  layout, shapes = _case(name, fsdp=fsdp, packing=packing)
   logical = _values(shapes)
   staged = layout.to_staged(_drop_empty(logical))
   for c in range(layout.num_chunks):
-    r, s = layout.position(c)
-    local = jax.tree.map(lambda a, r=r, s=s: a[r, s], staged)
+    local = layout.chunk_local(staged, c)
+    assert jax.tree.map(lambda a: a.shape, local) == jax.tree.map(lambda a: a.shape,
+                                                                  layout.chunk_shapes(c))
     trees = layout.chunk_trees(local, c)
     assert len(trees) == len(layout.segments[c])
     for seg, tree in zip(layout.segments[c], trees):
@@ -278,10 +312,11 @@ def test_a_collection_can_reuse_another_layouts_stacked_copies():
   _assert_equal(everything_packed.to_logical(everything_packed.to_staged(logical)), logical)
 
 
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("fsdp", FSDP)
-def test_packed_mask_selects_exactly_the_elements_of_the_chosen_leaves(fsdp):
+def test_packed_mask_selects_exactly_the_elements_of_the_chosen_leaves(fsdp, packing):
   for name in CASES:
-    layout, shapes = _case(name, fsdp=fsdp)
+    layout, shapes = _case(name, fsdp=fsdp, packing=packing)
     seen = set()
 
     def is_kernel(path, seen=seen):
@@ -319,7 +354,7 @@ def test_packed_blocks_hold_whole_rows_of_each_leaf_on_an_fsdp_mesh():
     assert set(embedding[:, 2 * f:2 * f + 2].ravel()) <= set(blocks[f].tolist())
     assert not set(embedding[:, 2 * (1 - f):2 * (1 - f) + 2].ravel()) & set(blocks[f].tolist())
   dims = dict(zip(["count", "embedding"], layout.packed_dims[0][:2]))
-  assert dims == {"count": layout_lib.FLAT, "embedding": 1}
+  assert dims == {"count": places.FLAT, "embedding": 1}
 
 
 def test_check_staged_names_the_fix():

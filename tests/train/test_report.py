@@ -208,17 +208,17 @@ def test_stage_bytes_add_up_to_the_model_and_padding_follows_the_layout(which, r
   # Parameter bytes: each stage's own, summing to the model's (float32 parameters).
   logical = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layout.logical))
   assert sum(s.param_bytes for s in stages) == logical == 4 * report.num_params
-  # Each stage holds R chunk slots, each padded to the fullest chunk: what the compiled step's
-  # parameter arguments occupy on a device.
+  # Each stage's buffers are padded to the fullest stage's: what the compiled step's parameter
+  # arguments occupy on a device.
   for s in stages:
     assert s.chunks == tuple(range(s.stage, layout.num_chunks, layout.num_stages))
-    assert s.buffer_bytes == layout.num_repeats * layout.slot_bytes() == report.params_bytes
+    assert s.buffer_bytes == layout.stage_bytes() == report.params_bytes
     assert s.padding_bytes == s.buffer_bytes - sum(layout.chunk_bytes()[c] for c in s.chunks)
     assert s.padding_bytes >= 0
-  # Slots are padded to the largest chunk, which itself needs none.
   assert sum(s.padding_bytes for s in stages) == (
-      layout.num_chunks * layout.slot_bytes() - sum(layout.chunk_bytes()))
-  assert max(layout.chunk_bytes()) == layout.slot_bytes()
+      layout.num_stages * layout.stage_bytes() - sum(layout.chunk_bytes()))
+  if layout.num_repeats == 1:  # A stage is one chunk: the fullest needs no padding.
+    assert max(layout.chunk_bytes()) == layout.stage_bytes()
   # Adam's two float32 moments per own parameter, and nothing else (no stored decay mask).
   assert [s.optimizer_bytes for s in stages] == [2 * s.param_bytes for s in stages]
 
@@ -382,8 +382,7 @@ def test_chunk_programs_in_order_are_the_model():
   for c in range(layout.num_chunks):
     fn, (trees, h_shape, side) = model.chunk_program(layout, c, x)
     assert (h_shape.shape, h_shape.dtype) == (h.shape, h.dtype)
-    r, s = layout.position(c)
-    h = fn(layout.chunk_trees(jax.tree.map(lambda a, r=r, s=s: a[r, s], staged), c), h, side)
+    h = fn(layout.chunk_trees(layout.chunk_local(staged, c), c), h, side)
   plain = jax.jit(_layers_in_order)(variables["params"], x[:2])
   exact = numerics.float64_reference(jax.jit(_layers_in_order), variables["params"], x[:2])
   numerics.assert_as_close_as_plain(h, plain, exact, what="the chunk programs in order")

@@ -186,32 +186,3 @@ def test_gradients_cross_slices_once_per_step_as_each_devices_share():
   assert sends and all(count == 1 for _, count in sends), sends
   # The largest leaf (tile-aligned; smaller ones are halved after padding to TPU tiles).
   assert max(size for size, _ in sends) == max(leaves) // 2, (sends, leaves)
-
-
-def test_circular_reads_its_packed_parameters_without_relaying_them_out():
-  """Circular R = 2 on v5p:2x2x1 (stage 2 x data 2), the LM's embedding and head packed
-  (``[R, S, n]``). A device reads a chunk's packed slot from its ``[R, 1, n]`` part
-  (tpipe.core.chunks.device_view); squeezed to ``[R, n]`` first, the TPU compiler tiled that
-  by two rows and relaid out the whole buffer, its gradient sums with it, and held the copy for
-  the whole step (0.50 GiB of float32 for experiments/tpu_memory.py's circular rows). No value
-  of the program has that shape now."""
-  try:
-    devices = tpipe.topology_devices("v5p:2x2x1")
-  except ValueError as error:
-    pytest.skip(f"the TPU compiler is not installed here: {error}")
-  mesh = tpipe.make_mesh(stages=2, data=2, devices=devices)
-  layers, x, targets, _ = linen_models.loss_model("lm")
-  model = tpipe.Sequential(layers, num_stages=2, num_microbatches=4, schedule="circular",
-                           num_repeats=2, per_example=("targets",), mesh=mesh)
-  packed = model.stage_layout(x, targets=targets).staged_shapes()["packed"]
-  assert packed and all(a.shape[:2] == (2, 2) for a in packed.values()), packed
-  hlo_type = {"float32": "f32", "bfloat16": "bf16"}
-  squeezed = {f"{hlo_type[a.dtype.name]}[2,{a.shape[-1]}]" for a in packed.values()}
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, targets=targets))["params"]
-  sharding = tpipe.data_sharding(mesh)
-  abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, targets)]
-  loss = lambda p, x, t: model.apply({"params": p}, x, targets=t, method="loss")
-  text = jax.jit(jax.grad(loss)).lower(params, *abstract).compile().as_text()
-  found = [line.strip()[:120] for line in text.splitlines()
-           if any(f"= {shape}{{" in line for shape in squeezed)]
-  assert not found, found

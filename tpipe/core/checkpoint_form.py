@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from tpipe import axis_rules
 from tpipe import mesh as mesh_lib
 from tpipe.core import layout as layout_lib
+from tpipe.core import packed_places as places
 
 STACKED, PACKED = layout_lib.STACKED, layout_lib.PACKED
 
@@ -74,11 +75,11 @@ def _stage_free(layout, staged_specs, mesh) -> dict[str, dict[str, list]]:
       copy_axis = int(is_repeated(layout, name))
       for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         entries = [()] * len(leaf.shape)
-        dim = dims.get(leaf_path(path), layout_lib.FLAT)
-        if shards > 1 and dim != layout_lib.FLAT:
+        dim = dims.get(leaf_path(path), places.FLAT)
+        if shards > 1 and dim != places.FLAT:
           entries[dim] = (mesh_lib.FSDP_AXIS,)
         tensor = _tensor_dim(leaf.shape[copy_axis:], names.get(leaf_path(path)), mesh,
-                             avoid=None if dim == layout_lib.FLAT else dim - copy_axis)
+                             avoid=None if dim == places.FLAT else dim - copy_axis)
         if tensor is not None:
           entries[tensor + copy_axis] = (mesh_lib.TENSOR_AXIS,)
         leaves[leaf_path(path)] = entries
@@ -195,19 +196,20 @@ def _packed_leaves(layout, chunk: int):
     shapes = layout_lib.segment_shapes(layout.logical, seg)
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
       shape, key, offset = next(found)
+      offset += layout.packed_offsets[chunk][key]  # From the chunk's window to its block.
       out.append((seg, path, tuple(leaf.shape), next(dims), shape, key, offset))
   return out
 
 
 def packed_work(layout, placement):
-  """Every packed leaf of every chunk, as both directions walk them: ``(r, owner stage, layer
-  name, segment, key path, whole shape, cut dim, piece shape, dtype key, offset, (stage-free
-  entries, stage dim))``."""
+  """Every packed leaf of every chunk, as both directions walk them: ``(packed slot, owner
+  stage, layer name, segment, key path, whole shape, cut dim, piece shape, dtype key, offset in
+  its block, (stage-free entries, stage dim))``."""
   for c in range(layout.num_chunks):
-    r, owner = layout.position(c)
+    slot, owner = layout.packed_place(c)
     for seg, path, *rest in _packed_leaves(layout, c):
       name = f"layers_{seg.layer}"
-      yield (r, owner, name, seg, path, *rest, placement[name][leaf_path(path)])
+      yield (slot, owner, name, seg, path, *rest, placement[name][leaf_path(path)])
 
 
 def check_blocks(layout, staged_specs, mesh) -> None:

@@ -205,6 +205,12 @@ class ChunkSet:
     # Per model chunk: its local chunk index, and each segment's first unit.
     num_chunks = plan.num_chunks
     self.local_index = np.array([layout.position(c)[0] for c in range(num_chunks)], np.int32)
+    # Per model chunk: its packed slot, and per dtype its window's start in a block.
+    self.packed_slot = np.array([layout.packed_place(c)[0] for c in range(num_chunks)],
+                                np.int32)
+    self.packed_offsets = {k: np.array([layout.packed_offsets[c].get(k, 0)
+                                        for c in range(num_chunks)], np.int32)
+                           for k in layout.packed_sizes}
     self.first_units = [np.array([seg.first_unit for seg in layout.segments[c]], np.int32)
                         for c in range(num_chunks)]
     # Filled while tracing tapped branches: each segment's traced program, for W.
@@ -217,12 +223,15 @@ class ChunkSet:
   # ------------------------------------------------------------------------------------------
   # Traced lookups: a Python value when the branch serves one chunk (or R is 1).
 
-  def _local(self, branch: int, chunk):
-    chunks = self.chunks_of[branch]
-    values = self.local_index[chunks]
+  def _per_chunk(self, branch: int, chunk, table: np.ndarray):
+    """``table[chunk]``: a Python int when every chunk of the branch has the same value."""
+    values = table[self.chunks_of[branch]]
     if np.all(values == values[0]):
       return int(values[0])
-    return jnp.asarray(self.local_index)[chunk]
+    return jnp.asarray(table)[chunk]
+
+  def _local(self, branch: int, chunk):
+    return self._per_chunk(branch, chunk, self.local_index)
 
   def _first_unit(self, branch: int, chunk, segment: int):
     chunks = self.chunks_of[branch]
@@ -271,24 +280,33 @@ class ChunkSet:
       return jax.tree.map(lambda a: a[r], staged)
     return spmd.read_slot(staged, r)
 
-  def _param_slot(self, params, r):
-    """The parameters of local chunk ``r``, packed buffers whole (gathered under FSDP), from
-    the per-device parameters (:func:`device_view`: packed buffers ``[R, 1, n]``)."""
-    slot = self._slot(params, r)
-    slot = {**slot, layout_lib.PACKED: {k: a[0] for k, a in slot[layout_lib.PACKED].items()}}
-    whole = lambda slot: slot
+  def _param_slot(self, params, branch: int, chunk):
+    """What model ``chunk`` (one of branch ``branch``'s) reads of the per-device parameters
+    (:func:`device_view`: packed buffers ``[P, 1, n]``): its stacked slot and its packed
+    window, whole (gathered under FSDP)."""
+    rep = self.chunks_of[branch][0]
+    stacked = self._slot(params[layout_lib.STACKED], self._local(branch, chunk))
+    p = self._per_chunk(branch, chunk, self.packed_slot)
+    buffers = {k: self._slot(a, p)[0] for k, a in params[layout_lib.PACKED].items()}
+    offsets = {k: self._per_chunk(branch, chunk, table)
+               for k, table in self.packed_offsets.items()}
+    # A device holds one fsdp block of each buffer where the buffers are split, else all.
+    blocks = {k: 1 if self.fsdp is not None and self.fsdp.packed[k] else
+              self.layout.packed_shards for k in buffers}
+    whole = lambda buffers: buffers
     if spmd.auto_axes_here():
       # Whole on every device of the auto axes (tensor) too. The buffer's leaves start anywhere
       # in it, and XLA's partitioner, left free, splits it over tensor as some leaf's use
       # suggests; slicing the other leaves out of that split (and packing their gradients back)
       # then moves pieces between devices with collective-permutes inside the stage's branch,
       # which the devices of the other stages never join.
-      replicated = lambda a: lax.with_sharding_constraint(a, P())
-      whole = lambda slot: {
-          **slot, layout_lib.PACKED: jax.tree.map(replicated, slot[layout_lib.PACKED])}
-    slot = whole(slot)
+      whole = lambda buffers: jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()),
+                                           buffers)
+    packed = whole(self.layout.window(whole(buffers), rep, offsets, blocks))
+    slot = {layout_lib.STACKED: stacked, layout_lib.PACKED: packed}
     if self.fsdp is not None:
-      slot = whole(self.fsdp.gather_packed(slot))
+      slot = self.fsdp.gather_packed(slot)
+      slot = {**slot, layout_lib.PACKED: whole(slot[layout_lib.PACKED])}
     return slot
 
   # ------------------------------------------------------------------------------------------
@@ -360,7 +378,7 @@ class ChunkSet:
              microbatch, chunk, taps=None, tapped=False, tie_to_tick=False):
     rep = self.chunks_of[branch][0]
     r = self._local(branch, chunk)
-    local = self._param_slot(staged[PARAMS], r)
+    local = self._param_slot(staged[PARAMS], branch, chunk)
     if tie_to_tick:
       # Tied to this tick's micro-batch, the slice varies with the tick loop, so XLA cannot
       # hoist what the layers compute from it alone (their bfloat16 casts of the stage's
@@ -427,7 +445,7 @@ class ChunkSet:
     def run(staged, chunk, records, output_grads):
 
       def outputs(params):
-        local = self._param_slot(params, self._local(index, chunk))
+        local = self._param_slot(params, index, chunk)
         trees = self.layout.chunk_trees(local, rep)
         outs = []
         for k, seg in enumerate(self.layout.segments[rep]):
@@ -465,7 +483,7 @@ class ChunkSet:
 
       def read(staged, chunk, copy, k=k, seg=seg):
         r = self._local(index, chunk)
-        params = self.layout.chunk_trees(self._param_slot(staged[PARAMS], r), rep)[k]
+        params = self.layout.chunk_trees(self._param_slot(staged[PARAMS], index, chunk), rep)[k]
         if self.stats_layout is not None:
           stats = self.stats_layout.chunk_trees(self._slot(staged[STATS], r), rep)[k]
         else:
@@ -489,12 +507,11 @@ class ChunkSet:
 
 def device_view(staged: dict) -> dict:
   """A device's part of ``staged`` (``{"params": tree[, "stats": tree]}``, every leaf
-  ``[R, 1, ...]`` inside ``shard_map``) as the tick loops read it: without the stage axis,
-  ``[R, ...]``, except the parameters' packed buffers, which keep it (``[R, 1, n]``; a slot is
-  read as ``[1, n]``, :meth:`ChunkSet._param_slot`). Squeezed, ``[R, n]`` with ``R > 1`` takes
-  the TPU a relayout of the whole buffer (its tiles span rows), which the tick loop then held
-  for the whole step: one float32 copy of every chunk's packed parameters (0.50 GiB for the
-  issue's circular R = 2 on v5p)."""
+  ``[R, 1, ...]`` or ``[P, 1, n]`` inside ``shard_map``) as the tick loops read it: without the
+  stage axis, except the parameters' packed buffers, which keep it (``[P, 1, n]``; a slot is
+  read as ``[1, n]``, :meth:`ChunkSet._param_slot`). Squeezed, ``[P, n]`` with ``P > 1`` (a
+  buffer per chunk slot) takes the TPU a relayout of the whole buffer (its tiles span rows),
+  which the tick loop then held for the whole step."""
   squeeze = lambda tree: jax.tree.map(lambda a: a[:, 0], tree)
   return {collection: {part: sub if (collection, part) == (PARAMS, layout_lib.PACKED)
                        else squeeze(sub) for part, sub in tree.items()}

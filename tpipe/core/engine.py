@@ -259,7 +259,7 @@ class Pipeline:
     split = arguments.split_keywords(dict(kwargs or {}), per_example=self.spec.per_example,
                                      batch_size=batch, owner=self.owner)
     _, side = micro_inputs(x, split, batch, self.spec.num_microbatches)
-    local = self.layout.local_shapes()
+    local = self.layout.chunk_shapes(chunk)
     trees = jax.eval_shape(lambda local: self.layout.chunk_trees(local, chunk), local)
     rngs = {name: jax.random.key(0) for name in rng_names}
     segments = self.layout.segments[chunk]
@@ -361,7 +361,7 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
   if jax.tree.leaves(stats_shapes):
     stats_layout = layout_lib.StageLayout.build(plan.groups, stats_shapes, spec.num_stages,
                                                 spec.num_repeats, spec.placement,
-                                                stacked=layout.stacked)
+                                                stacked=layout.stacked, packing="slot")
   return Pipeline(layers=layers, spec=spec, plan=plan, layout=layout, stats_layout=stats_layout,
                   owner=owner)
 

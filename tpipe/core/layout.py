@@ -8,7 +8,7 @@ axis, so each device holds its own chunks only. A :class:`StageLayout` describes
 of one collection (parameters, or BatchNorm's statistics) for one split::
 
   {"stacked": {"layers_i": tree of [R, S, k_i, ...]},   # per leaf, a repeated layer's copies
-   "packed": {dtype: [R, S, n]}}                        # everything else, one buffer per dtype
+   "packed": {dtype: [P, S, n]}}                        # everything else, one buffer per dtype
 
 * **Stacked, per leaf.** A repeated layer with copies in every chunk keeps ``k_i`` copies per
   chunk (the fewest any chunk has) as real leaves, with the layer's own names and shapes, so
@@ -16,13 +16,21 @@ of one collection (parameters, or BatchNorm's statistics) for one split::
   chunk the same number of copies, ``tpipe.pipeline``) that is all of them and the staged leaf is
   the logical one reshaped, ``[L, ...] -> [R, S, L / (S R), ...]``.
 * **Packed.** Plain layers (an embedding, a head), a chunk's copies beyond ``k_i``, and repeated
-  layers that some chunk lacks, packed per dtype (:mod:`tpipe.core.packing`) and padded to the
-  fullest chunk: the one buffer a ``lax.switch`` branch can read whatever its layers are. Splitting
-  a chunk's copies this way pads no stage beyond the fullest chunk. On a mesh with ``fsdp``
+  layers that some chunk lacks, packed per dtype (:mod:`tpipe.core.packing`): the one buffer a
+  ``lax.switch`` branch can read whatever its layers are. Each chunk reads a **window** of its
+  stage's buffer: its own elements, at its own offset. With ``packing="stage"`` (parameters) a
+  stage's R chunks lie one after the other in one buffer (``P = 1``), padded to the fullest
+  stage's: circular repeats with the embedding on stage 0's first chunk and the head on the last
+  stage's last chunk hold each once, where a buffer per slot would pad every slot to the
+  embedding. With ``packing="slot"`` (running statistics, which a branch hands back as a whole
+  slot) each chunk has a slot of its own (``P = R``) padded to the fullest chunk. With R = 1 the
+  two are the same. Splitting a chunk's copies this way pads no stage beyond the fullest. On a
+  mesh with ``fsdp``
   devices a buffer is ``fsdp`` equal blocks, and block ``f`` holds piece ``f`` of every leaf: the
   leaf cut evenly along one of its own dimensions (the one its partition spec splits over
   ``fsdp``, else its largest divisible one; the flattened elements, padded, where none divides),
-  so the device holding block ``f`` holds whole rows or columns of each weight.
+  so the device holding block ``f`` holds whole rows or columns of each weight; a chunk's window
+  is the same range of every block.
 
 Every conversion is exact (slices, reshapes, concatenations; no arithmetic).
 
@@ -48,11 +56,13 @@ from tpipe import axis_rules
 from tpipe import mesh as mesh_lib
 from tpipe import schedules
 from tpipe.core import layers as layers_lib
-from tpipe.core import packing
+from tpipe.core import packed_places as places
+from tpipe.core import packing as packing_lib
 from tpipe.core import plan as plan_lib
 
 STACKED = "stacked"
 PACKED = "packed"
+PACKINGS = ("stage", "slot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +124,16 @@ class StageLayout:
     segments: per model chunk, its :class:`Segment` s in order.
     packed_layouts: per model chunk, the packing of its packed segments' trees (a list).
     packed_sizes: per dtype, the packed buffer's length: ``packed_shards`` blocks of the fullest
-      chunk's need.
+      stage's need (``packing="stage"``) or chunk's (``"slot"``).
+    packing: ``"stage"``: a stage's chunks share one packed buffer per dtype; ``"slot"``: each
+      chunk slot has its own (see the module documentation).
+    packed_offsets: per model chunk, per dtype, where its window starts in each block.
+    packed_windows: per model chunk, per dtype, its window's length in each block (its own need
+      with ``"stage"``; the whole block with ``"slot"``).
     packed_shards: the blocks a packed buffer is cut into (the mesh's ``fsdp`` size).
     packed_dims: per model chunk, per leaf of its packing, the dimension a leaf is cut along
-      into ``packed_shards`` pieces, or :data:`FLAT` (its flattened elements, padded). The
-      packing (``packed_layouts``) describes one piece of each leaf.
+      into ``packed_shards`` pieces, or :data:`tpipe.core.packed_places.FLAT` (its flattened
+      elements, padded). The packing (``packed_layouts``) describes one piece of each leaf.
     axes: per layer ``"layers_i"``, the logical axis names its own annotations give each leaf
       (``{jax.tree_util.keystr(path): names}``, one name or None per dimension of one copy), or
       None for a leaf without annotation; layers or leaves absent have none. Read by
@@ -132,17 +147,20 @@ class StageLayout:
   logical: Any
   stacked: dict[int, int]
   segments: tuple[tuple[Segment, ...], ...]
-  packed_layouts: tuple[packing.Layout, ...]
+  packed_layouts: tuple[packing_lib.Layout, ...]
   packed_sizes: dict[str, int]
   axes: Mapping[str, Mapping[str, tuple | None]] = dataclasses.field(default_factory=dict)
   packed_shards: int = 1
   packed_dims: tuple[tuple[int, ...], ...] = ()
+  packing: str = "stage"
+  packed_offsets: tuple[dict[str, int], ...] = ()
+  packed_windows: tuple[dict[str, int], ...] = ()
 
   @classmethod
   def build(cls, groups, logical_shapes: Mapping[str, Any], num_stages: int, num_repeats: int,
             placement: str = "loop", stacked: Mapping[int, int] | None = None, *,
             axes: Mapping[str, Mapping[str, tuple | None]] | None = None,
-            mesh=None, rules=None) -> "StageLayout":
+            mesh=None, rules=None, packing: str = "stage") -> "StageLayout":
     """The layout of ``logical_shapes`` (arrays or ShapeDtypeStructs) cut by ``groups``.
 
     Args:
@@ -159,7 +177,11 @@ class StageLayout:
         ``fsdp`` axis of more than one device the packed buffers are cut in that many blocks.
       rules: logical-name rules, for where a packed leaf is cut (default
         :func:`tpipe.axis_rules.resolve_rules`'s).
+      packing: ``"stage"`` (a stage's chunks in one buffer) or ``"slot"`` (a buffer per chunk
+        slot, for a collection the branches hand back a slot of).
     """
+    if packing not in PACKINGS:
+      raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}.")
     if len(groups) != num_stages * num_repeats:
       raise ValueError(f"{len(groups)} chunks for {num_stages} stages x {num_repeats} repeats.")
     schedules.virtual_stages(placement, num_stages, num_repeats)  # Raises if unknown.
@@ -185,20 +207,22 @@ class StageLayout:
         copy_axis = int(seg.copies is not None)
 
         def piece(path, a, names=names, copy_axis=copy_axis):
-          dim = _cut_dim(a.shape[copy_axis:], names.get(jax.tree_util.keystr(path)), shards,
-                         mesh, rules)
-          dim = dim if dim == FLAT else dim + copy_axis
+          dim = places.cut_dim(a.shape[copy_axis:], names.get(jax.tree_util.keystr(path)),
+                               shards, mesh, rules)
+          dim = dim if dim == places.FLAT else dim + copy_axis
           chunk_dims.append(dim)
-          return jax.ShapeDtypeStruct(_piece_shape(a.shape, dim, shards), a.dtype)
+          return jax.ShapeDtypeStruct(places.piece_shape(a.shape, dim, shards), a.dtype)
 
         pieces.append(jax.tree_util.tree_map_with_path(piece, segment_shapes(logical, seg)))
-      layouts.append(packing.layout_of(pieces))
+      layouts.append(packing_lib.layout_of(pieces))
       dims.append(tuple(chunk_dims))
-    sizes = {k: n * shards for k, n in packing.buffer_sizes(layouts).items()}
+    offsets, windows, block = places.windows(layouts, num_stages, num_repeats, placement, packing)
     return cls(groups=tuple(groups), num_stages=num_stages, num_repeats=num_repeats,
                placement=placement, logical=logical, stacked=stacked, segments=segments,
-               packed_layouts=tuple(layouts), packed_sizes=sizes, axes=axes,
-               packed_shards=shards, packed_dims=tuple(dims))
+               packed_layouts=tuple(layouts),
+               packed_sizes={k: n * shards for k, n in block.items()}, axes=axes,
+               packed_shards=shards, packed_dims=tuple(dims), packing=packing,
+               packed_offsets=offsets, packed_windows=windows)
 
   @property
   def num_chunks(self) -> int:
@@ -206,30 +230,67 @@ class StageLayout:
 
   def position(self, chunk: int) -> tuple[int, int]:
     """``(r, s)``: model chunk ``chunk``'s local chunk index and stage."""
-    r, s = divmod(chunk, self.num_stages)
-    if self.placement == "v" and r == 1:
-      s = self.num_stages - 1 - s
-    return r, s
+    return places.position(chunk, self.num_stages, self.placement)
 
   def chunk_at(self, r: int, s: int) -> int:
     """The model chunk at local chunk ``r`` of stage ``s``."""
     return next(c for c in range(self.num_chunks) if self.position(c) == (r, s))
 
+  @property
+  def packed_slots(self) -> int:
+    """P: packed buffers per stage and dtype (1 with ``packing="stage"``, else R)."""
+    return 1 if self.packing == "stage" else self.num_repeats
+
+  def packed_place(self, chunk: int) -> tuple[int, int]:
+    """``(p, s)``: the packed slot and stage whose buffers hold model chunk ``chunk``'s
+    window."""
+    r, s = self.position(chunk)
+    return (0 if self.packing == "stage" else r), s
+
+  def window(self, buffers: Mapping[str, jax.Array], chunk: int, offsets=None,
+             blocks: int | Mapping[str, int] | None = None) -> dict[str, jax.Array]:
+    """Model chunk ``chunk``'s window ``{dtype: [blocks * w]}`` of one packed slot's buffers
+    ``{dtype: [blocks * n]}`` (:func:`tpipe.core.packed_places.window`): at ``offsets`` (per
+    dtype, ints or traced; default the chunk's own), ``blocks`` blocks (default
+    ``packed_shards``: whole buffers; 1 for a device's own fsdp block)."""
+    blocks = self.packed_shards if blocks is None else blocks
+    offsets = self.packed_offsets[chunk] if offsets is None else offsets
+    return places.window(buffers, offsets, self.packed_windows[chunk], blocks)
+
+  def chunk_local(self, staged, chunk: int) -> dict[str, Any]:
+    """What model chunk ``chunk`` reads (:meth:`chunk_trees`) from a whole staged tree: its
+    stacked slot and its packed window."""
+    r, s = self.position(chunk)
+    p, _ = self.packed_place(chunk)
+    stacked = jax.tree.map(lambda a: a[r, s], staged[STACKED])
+    packed = self.window({k: a[p, s] for k, a in staged[PACKED].items()}, chunk)
+    return {STACKED: stacked, PACKED: packed}
+
   # ------------------------------------------------------------------------------------------
   # Shapes.
 
   def local_shapes(self) -> dict[str, Any]:
-    """One chunk slot's abstract tree (the staged tree without ``[R, S]``)."""
+    """The staged tree without its leading axes: one chunk slot's stacked leaves and one packed
+    slot's buffers (``[n]``; with ``packing="slot"`` the whole tree is one chunk slot)."""
     stacked = {f"layers_{i}": _slice_shapes(self.logical[f"layers_{i}"], 0, k)
                for i, k in self.stacked.items()}
     packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in self.packed_sizes.items()}
     return {STACKED: stacked, PACKED: packed}
 
+  def chunk_shapes(self, chunk: int) -> dict[str, Any]:
+    """What model chunk ``chunk`` reads (:meth:`chunk_local`), abstract."""
+    local = self.local_shapes()
+    packed = {k: jax.ShapeDtypeStruct((w * self.packed_shards,), jnp.dtype(k))
+              for k, w in self.packed_windows[chunk].items()}
+    return {STACKED: local[STACKED], PACKED: packed}
+
   def staged_shapes(self) -> dict[str, Any]:
-    """The staged tree's abstract shapes (every leaf ``[R, S, ...]``)."""
-    lead = (self.num_repeats, self.num_stages)
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(lead + tuple(a.shape), a.dtype),
-                        self.local_shapes())
+    """The staged tree's abstract shapes (stacked leaves ``[R, S, ...]``, packed ``[P, S, n]``)."""
+    lead = lambda n: lambda a: jax.ShapeDtypeStruct((n, self.num_stages) + tuple(a.shape),
+                                                    a.dtype)
+    local = self.local_shapes()
+    return {STACKED: jax.tree.map(lead(self.num_repeats), local[STACKED]),
+            PACKED: jax.tree.map(lead(self.packed_slots), local[PACKED])}
 
   def partition_specs(self, stage_axis: str = "stage", mesh=None, rules=None):
     """Where the staged tree lives: every leaf split over ``stage_axis`` on its stage axis.
@@ -288,8 +349,8 @@ class StageLayout:
   # One chunk.
 
   def chunk_trees(self, local, chunk: int) -> list:
-    """Model chunk ``chunk``'s variables, one tree per segment, from its slot ``local`` (the
-    staged tree at its ``[r, s]``)."""
+    """Model chunk ``chunk``'s variables, one tree per segment, from what it reads ``local``
+    (:meth:`chunk_local`: its stacked slot and packed window)."""
     packed = iter(self.unpack_chunk(local[PACKED], chunk))
     return [local[STACKED][f"layers_{seg.layer}"] if seg.stacked else next(packed)
             for seg in self.segments[chunk]]
@@ -307,27 +368,29 @@ class StageLayout:
             if not seg.stacked]
 
   def pack_chunk(self, trees: Sequence[Any], chunk: int) -> dict[str, jax.Array]:
-    """Model chunk ``chunk``'s packed buffers ``{dtype: [n]}`` holding ``trees`` (its packed
-    segments' trees, whole): ``packed_shards`` blocks, block ``f`` piece ``f`` of every leaf."""
+    """Model chunk ``chunk``'s packed window ``{dtype: [packed_shards * w]}`` holding ``trees``
+    (its packed segments' trees, whole): block ``f`` holds piece ``f`` of every leaf."""
     leaves, treedef = jax.tree.flatten(list(trees))
-    cut = [cut_pieces(a, d, self.packed_shards) for a, d in zip(leaves, self.packed_dims[chunk])]
+    cut = [places.cut_pieces(a, d, self.packed_shards)
+           for a, d in zip(leaves, self.packed_dims[chunk])]
     layout = dataclasses.replace(self.packed_layouts[chunk], batch_dims=1)
-    block = {k: n // self.packed_shards for k, n in self.packed_sizes.items()}
-    if not cut and not block:
+    window = self.packed_windows[chunk]
+    if not cut and not window:
       return {}
     if not cut:
-      return packing.empty(self.packed_sizes)
-    buffers = packing.pack(jax.tree.unflatten(treedef, cut), layout, block)
+      return packing_lib.empty({k: w * self.packed_shards for k, w in window.items()})
+    buffers = packing_lib.pack(jax.tree.unflatten(treedef, cut), layout, window)
     return {k: v.reshape(-1) for k, v in buffers.items()}
 
   def unpack_chunk(self, buffers: Mapping[str, jax.Array], chunk: int) -> list:
-    """The inverse of :meth:`pack_chunk`: the packed segments' trees from whole buffers."""
+    """The inverse of :meth:`pack_chunk`: the packed segments' trees from a whole window."""
     layout = dataclasses.replace(self.packed_layouts[chunk], batch_dims=1)
     blocks = {k: v.reshape(self.packed_shards, -1) for k, v in buffers.items()}
-    pieces, treedef = jax.tree.flatten(packing.unpack(blocks, layout))
+    pieces, treedef = jax.tree.flatten(packing_lib.unpack(blocks, layout))
     whole = jax.tree.leaves(self.packed_shapes(chunk))
     return jax.tree.unflatten(treedef, [
-        join_pieces(p, d, a.shape) for p, d, a in zip(pieces, self.packed_dims[chunk], whole)])
+        places.join_pieces(p, d, a.shape)
+        for p, d, a in zip(pieces, self.packed_dims[chunk], whole)])
 
   def chunk_bytes(self) -> list[int]:
     """Per model chunk, the bytes of variables it holds (without padding)."""
@@ -342,22 +405,25 @@ class StageLayout:
     return out
 
   def chunk_elements(self) -> list[Any]:
-    """Per model chunk, a tree shaped like one slot (:meth:`local_shapes`) holding how many of
-    each leaf's elements are the chunk's own (the rest is padding)."""
+    """Per model chunk, a tree shaped like :meth:`local_shapes` holding how many of each leaf's
+    elements are the chunk's own (the rest is other chunks' or padding)."""
     out = []
     for c, chunk in enumerate(self.segments):
       stacked = {f"layers_{seg.layer}": jax.tree.map(lambda a: int(np.prod(a.shape)),
                                                      segment_shapes(self.logical, seg))
                  for seg in chunk if seg.stacked}
-      sizes = packing.layout_of(self.packed_shapes(c)).sizes()
+      sizes = packing_lib.layout_of(self.packed_shapes(c)).sizes()
       packed = {k: sizes.get(k, 0) for k in self.packed_sizes}
       out.append({STACKED: stacked, PACKED: packed})
     return out
 
-  def slot_bytes(self) -> int:
-    """Bytes of one chunk slot, padding included (what every chunk occupies)."""
-    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
-               for a in jax.tree.leaves(self.local_shapes()))
+  def stage_bytes(self) -> int:
+    """Bytes of one stage's variables, padding included (what every stage occupies): R chunk
+    slots of stacked leaves and P packed slots."""
+    nbytes = lambda tree: sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                              for a in jax.tree.leaves(tree))
+    local = self.local_shapes()
+    return self.num_repeats * nbytes(local[STACKED]) + self.packed_slots * nbytes(local[PACKED])
 
   def packed_mask(self, predicate):
     """Which elements of the packed buffers belong to leaves ``predicate(path)`` selects.
@@ -367,7 +433,7 @@ class StageLayout:
         ``DictKey("kernel")``) and returns whether to select it.
 
     Returns:
-      Per dtype, ``mask(shape) -> bool array`` of the staged buffer's shape ``[R, S, n]``,
+      Per dtype, ``mask(shape) -> bool array`` of the staged buffer's shape ``[P, S, n]``,
       computed from the elements' positions (a few comparisons per selected range; no stored
       mask).
     """
@@ -375,7 +441,7 @@ class StageLayout:
     for c, layout in enumerate(self.packed_layouts):
       paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(
           jax.tree.unflatten(layout.treedef, list(range(len(layout.shapes)))))[0]]
-      slot = self.position(c)
+      slot = self.packed_place(c)
       whole = [int(np.prod(a.shape)) for a in jax.tree.leaves(self.packed_shapes(c))]
       for f in range(self.packed_shards):  # Block f holds piece f of every leaf.
         leaves = zip(paths, layout.shapes, layout.dtypes, layout.offsets, self.packed_dims[c],
@@ -383,17 +449,18 @@ class StageLayout:
         for path, shape, key, offset, dim, size in leaves:
           if predicate(path):
             found = ranges[key].setdefault(slot, [])
-            start = f * self.packed_sizes[key] // self.packed_shards + offset
+            start = (f * self.packed_sizes[key] // self.packed_shards
+                     + self.packed_offsets[c][key] + offset)
             piece = int(np.prod(shape))
             # A flat cut's last pieces end in padding, which is no leaf's.
-            stop = start + (min(piece, max(0, size - f * piece)) if dim == FLAT else piece)
+            stop = start + (min(piece, max(0, size - f * piece)) if dim == places.FLAT else piece)
             if stop == start:
               continue
             if found and found[-1][1] == start:
               found[-1] = (found[-1][0], stop)
             else:
               found.append((start, stop))
-    return {k: _range_mask(found, self.num_repeats, self.num_stages)
+    return {k: places.range_mask(found, self.packed_slots, self.num_stages)
             for k, found in ranges.items()}
 
   # ------------------------------------------------------------------------------------------
@@ -432,10 +499,29 @@ class StageLayout:
       stacked[name] = jax.tree.map(lambda *a: jnp.stack(a).reshape(lead + a[0].shape), *parts)
     if mesh is not None and self.packed_sizes:
       return {STACKED: stacked, PACKED: self._packed_per_stage(logical, mesh, stage_axis)}
-    packed = [self._pack_chunk(logical, c) for c in order]
-    packed = {k: jnp.stack([p[k] for p in packed]).reshape(lead + (n,))
-              for k, n in self.packed_sizes.items()}
+    per_stage = [self._stage_buffers(logical, s) for s in range(self.num_stages)]
+    packed = {k: jnp.stack([b[k] for b in per_stage], axis=1) for k in self.packed_sizes}
     return {STACKED: stacked, PACKED: packed}
+
+  def _stage_buffers(self, logical, s: int) -> dict[str, jax.Array]:
+    """Stage ``s``'s packed buffers ``{dtype: [P, n]}`` from logical trees: each slot's
+    chunks' windows block by block at their offsets (in the order of their local index, which
+    is the order of their offsets), padded to the block."""
+    shards = self.packed_shards
+    slots = [[] for _ in range(self.packed_slots)]
+    for r in range(self.num_repeats):
+      c = self.chunk_at(r, s)
+      slots[self.packed_place(c)[0]].append((c, self._pack_chunk(logical, c)))
+    out = {}
+    for k, n in self.packed_sizes.items():
+      per_slot = []
+      for windows in slots:
+        parts = [w[k].reshape(shards, -1) for c, w in windows if k in w]
+        used = sum(p.shape[1] for p in parts)
+        parts.append(jnp.zeros((shards, n // shards - used), jnp.dtype(k)))
+        per_slot.append(jnp.concatenate(parts, axis=1).reshape(-1))
+      out[k] = jnp.stack(per_slot)
+    return out
 
   def _pack_chunk(self, logical, chunk: int) -> dict[str, jax.Array]:
     """Chunk ``chunk``'s packed buffers ``{dtype: [n]}`` from logical trees."""
@@ -444,17 +530,13 @@ class StageLayout:
     return self.pack_chunk(trees, chunk)
 
   def _packed_per_stage(self, logical, mesh, stage_axis: str) -> dict[str, jax.Array]:
-    """The packed buffers ``{dtype: [R, S, n]}``, stage ``s``'s built on its own devices."""
+    """The packed buffers ``{dtype: [P, S, n]}``, stage ``s``'s built on its own devices."""
     names = sorted({f"layers_{seg.layer}" for chunk in self.segments for seg in chunk
                     if not seg.stacked and f"layers_{seg.layer}" in logical})
     shared = {name: logical[name] for name in names}
 
     def stage_buffers(s):
-      def pack(shared):
-        per_repeat = [self._pack_chunk(shared, self.chunk_at(r, s))
-                      for r in range(self.num_repeats)]
-        return {k: jnp.stack([p[k] for p in per_repeat]) for k in self.packed_sizes}
-      return pack
+      return lambda shared: self._stage_buffers(shared, s)
 
     def build(shared):
       # From here the shared trees vary per stage (each packs its own chunks); the transpose of
@@ -472,9 +554,7 @@ class StageLayout:
     self.check_staged(staged)
     pieces: dict[int, list] = {}
     for c in range(self.num_chunks):
-      r, s = self.position(c)
-      local = jax.tree.map(lambda a, r=r, s=s: a[r, s], staged)
-      for seg, tree in zip(self.segments[c], self.chunk_trees(local, c)):
+      for seg, tree in zip(self.segments[c], self.chunk_trees(self.chunk_local(staged, c), c)):
         pieces.setdefault(seg.layer, []).append((seg.first_copy, seg.copies, tree))
     logical = {}
     for layer, tree in self.logical.items():
@@ -512,65 +592,3 @@ def _segment_values(values, logical, seg: Segment):
   if seg.copies is None:
     return tree
   return _slice(tree, seg.first_copy, seg.first_copy + seg.copies)
-
-
-def _range_mask(ranges: dict, num_repeats: int, num_stages: int):
-  """``mask(shape)``: True at ``[r, s, i]`` where ``i`` is in one of ``ranges[(r, s)]``."""
-  count = max([len(v) for v in ranges.values()], default=0)
-  bounds = np.zeros((num_repeats, num_stages, max(count, 1), 2), np.int32)
-  for (r, s), found in ranges.items():
-    bounds[r, s, :len(found)] = found
-
-  def mask(shape):
-    position = lax.broadcasted_iota(jnp.int32, shape, 2)
-    selected = jnp.zeros(shape, bool)
-    for k in range(count):
-      start, stop = bounds[:, :, k:k + 1, 0], bounds[:, :, k:k + 1, 1]
-      selected = selected | ((position >= start) & (position < stop))
-    return selected
-
-  return mask
-
-
-FLAT = -1  # A packed leaf cut as its flattened elements (no dimension divides evenly).
-
-
-def _cut_dim(shape, names, shards: int, mesh, rules) -> int:
-  """The dimension of a weight of ``shape`` that a packed buffer's ``shards`` blocks cut: the
-  one its partition spec splits over ``fsdp``, else its largest divisible one, else FLAT."""
-  if shards == 1:
-    return 0 if shape else FLAT
-  spec = axis_rules.weight_spec(shape, names, mesh, rules,
-                                reserved=(mesh_lib.STAGE_AXIS, mesh_lib.DATA_AXIS))
-  for dim, entry in enumerate(tuple(spec)):
-    if mesh_lib.FSDP_AXIS in (entry if isinstance(entry, tuple) else (entry,)):
-      return dim
-  fits = [d for d in range(len(shape)) if shape[d] % shards == 0]
-  return max(fits, key=lambda d: (shape[d], -d)) if fits else FLAT
-
-
-def _piece_shape(shape, dim: int, shards: int) -> tuple[int, ...]:
-  """One of ``shards`` pieces of a leaf of ``shape`` cut along ``dim`` (or FLAT)."""
-  if dim == FLAT:
-    return (-(-int(np.prod(shape)) // shards),)
-  return tuple(n // shards if i == dim else n for i, n in enumerate(shape))
-
-
-def cut_pieces(leaf, dim: int, shards: int):
-  """``leaf`` as ``[shards, *piece]``: piece ``f`` is the ``f``-th even part along ``dim`` (or
-  of the flattened, zero-padded elements for FLAT)."""
-  if dim == FLAT:
-    flat = jnp.reshape(leaf, (-1,))
-    piece = -(-flat.shape[0] // shards)
-    flat = jnp.pad(flat, (0, piece * shards - flat.shape[0]))
-    return flat.reshape(shards, piece)
-  shape = leaf.shape
-  split = shape[:dim] + (shards, shape[dim] // shards) + shape[dim + 1:]
-  return jnp.moveaxis(jnp.reshape(leaf, split), dim, 0)
-
-
-def join_pieces(pieces, dim: int, shape):
-  """The inverse of :func:`cut_pieces`: a leaf of ``shape`` from ``[shards, *piece]``."""
-  if dim == FLAT:
-    return jnp.reshape(jnp.reshape(pieces, (-1,))[:int(np.prod(shape))], shape)
-  return jnp.reshape(jnp.moveaxis(pieces, 0, dim), shape)

@@ -40,6 +40,7 @@ from jax import lax
 from tpipe import mesh as mesh_lib
 from tpipe.core import checkpoint_form as form
 from tpipe.core import layout as layout_lib
+from tpipe.core import packed_places as places
 
 STACKED, PACKED = layout_lib.STACKED, layout_lib.PACKED
 
@@ -79,7 +80,7 @@ def _lines_up(entries, dim: int, shards: int) -> bool:
     if mesh_lib.FSDP_AXIS in axes and (shards == 1 or d != dim or
                                        axes[0] != mesh_lib.FSDP_AXIS):
       return False
-  if shards > 1 and (dim == layout_lib.FLAT or mesh_lib.FSDP_AXIS not in entries[dim]):
+  if shards > 1 and (dim == places.FLAT or mesh_lib.FSDP_AXIS not in entries[dim]):
     return False
   return True
 
@@ -95,7 +96,7 @@ def _piece_to_block(piece, dim: int, whole_shape, entries, shards: int, sizes):
     return piece
   if shards > 1:  # Whole over fsdp first (one leaf).
     pieces = lax.all_gather(piece, mesh_lib.FSDP_AXIS, axis=0, tiled=False)
-    piece = layout_lib.join_pieces(pieces, dim, whole_shape)
+    piece = places.join_pieces(pieces, dim, whole_shape)
   for d, axes in enumerate(entries):
     piece = _slice_block(piece, d, axes, sizes)
   return piece
@@ -108,7 +109,7 @@ def _block_to_piece(block, dim: int, whole_shape, entries, shards: int, sizes):
     block = _gather_block(block, d, axes)
   if shards == 1:
     return block
-  pieces = layout_lib.cut_pieces(block, dim, shards)
+  pieces = places.cut_pieces(block, dim, shards)
   return lax.dynamic_index_in_dim(pieces, lax.axis_index(mesh_lib.FSDP_AXIS), 0, keepdims=False)
 
 
@@ -305,9 +306,10 @@ def _restore_stacked(block, order, dim, stage_axis: str, num_stages: int, part_b
 
 
 def _restore_packed(buffer, block, start, owner, me, sizes, plan, part_bytes: int):
-  """``buffer`` (one dtype's packed block ``[R, 1, n]``) with one lined-up packed leaf's piece
-  written at ``start = (r, 0, offset)`` on the owner stage, gathered from the checkpoint block
-  over ``plan`` (per dimension, the axes, :func:`_gathered_axes`) a band of rows at a time.
+  """``buffer`` (one dtype's packed block ``[P, 1, n]``) with one lined-up packed leaf's piece
+  written at ``start = (packed slot, 0, offset)`` on the owner stage, gathered from the
+  checkpoint block over ``plan`` (per dimension, the axes, :func:`_gathered_axes`) a band of
+  rows at a time.
   ``me`` is this device's stage, ``owner`` the piece's; ``sizes`` the mesh's axis sizes."""
   rows, row_size = block.shape[0], math.prod(block.shape[1:])
   for d in range(1, block.ndim):
@@ -349,7 +351,7 @@ def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_
   many, trees, placement, in_specs = _prepare(layout, logical, staged_specs, mesh, stage_axis,
                                               part_bytes)
   sizes, num_stages, shards = dict(mesh.shape), layout.num_stages, layout.packed_shards
-  lead = (layout.num_repeats, 1)
+  lead = (layout.packed_slots, 1)
 
   def body(trees):
     me = lax.axis_index(stage_axis)

@@ -5,10 +5,10 @@ sequence. Per stage this module gathers:
 
 * the layers it holds, named by groups (``layers_1[0..5] TransformerBlock``: copies 0 to 5 of the
   repeated layer 1, both ends included);
-* its parameter bytes, and what its parameter slots occupy: every chunk's slot holds the copies a
-  repeated layer keeps per leaf and the packed buffers padded to the fullest chunk
-  (:meth:`tpipe.core.layout.StageLayout.slot_bytes`), so a stage lighter than the heaviest pays
-  the difference as padding;
+* its parameter bytes, and what its parameter buffers occupy: every chunk's slot holds the copies
+  a repeated layer keeps per leaf, and the stage's packed buffers are padded to the fullest
+  stage's (:meth:`tpipe.core.layout.StageLayout.stage_bytes`), so a stage lighter than the
+  heaviest pays the difference as padding;
 * its optimizer state (the stage's share of every optimizer leaf laid out like the staged
   parameters, e.g. Adam's moments) and its FLOPs (forward and backward of one micro-batch);
 * what its backward pass keeps in flight: the schedule's stash slots times the stage's input
@@ -179,8 +179,8 @@ class StageCost:
     chunks: its chunk indices ``r * S + s``.
     chunk_layers: per chunk, the layer groups it holds, in order (see :func:`group_names`).
     param_bytes: its own parameters' bytes.
-    buffer_bytes: what its parameter slots occupy: ``R`` chunk slots, each as large as the
-      fullest chunk needs (:meth:`tpipe.core.layout.StageLayout.slot_bytes`).
+    buffer_bytes: what its parameter buffers occupy, as large as the fullest stage's
+      (:meth:`tpipe.core.layout.StageLayout.stage_bytes`).
     optimizer_bytes: its own share of the optimizer state.
     flops: forward and backward FLOPs of one micro-batch through all its chunks (per-unit costs,
       without remat's recomputation).
@@ -281,7 +281,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
     rows.append(StageCost(
         stage=s, chunks=chunks, chunk_layers=tuple(names[c] for c in chunks),
         param_bytes=sum(own[c] for c in chunks),
-        buffer_bytes=len(chunks) * layout.slot_bytes(),
+        buffer_bytes=layout.stage_bytes(),
         optimizer_bytes=sum(optimizer[c] for c in chunks),
         flops=sum(chunk_flops[c] for c in chunks),
         input_bytes=max(tree_bytes(chunk_inputs[c]) for c in chunks),
