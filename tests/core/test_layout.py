@@ -300,6 +300,11 @@ def test_chunk_trees_and_chunk_slot_are_inverse(name, fsdp, packing):
                             want)
       _assert_equal(tree, want)
     _assert_equal(layout.chunk_slot(trees, c), local)
+    # The same trees from the slot's whole buffers, the window's start given.
+    p, s = layout.packed_place(c)
+    whole = {k: a[p, s] for k, a in staged["packed"].items()}
+    at_start = layout.chunk_trees({**local, "packed": whole}, c, at=layout.packed_offsets[c])
+    _assert_equal(at_start, trees)
 
 
 def test_a_collection_can_reuse_another_layouts_stacked_copies():

@@ -280,16 +280,28 @@ class ChunkSet:
       return jax.tree.map(lambda a: a[r], staged)
     return spmd.read_slot(staged, r)
 
+  def _packed_at(self, branch: int, chunk):
+    """Per dtype, where model ``chunk``'s packed window starts in each block, when that is the
+    same for every chunk of the branch (static); else None."""
+    offsets = {k: self._per_chunk(branch, chunk, table)
+               for k, table in self.packed_offsets.items()}
+    return offsets if all(isinstance(o, int) for o in offsets.values()) else None
+
+  def _chunk_trees(self, local, branch: int, chunk) -> list:
+    """Model ``chunk``'s variables per segment from :meth:`_param_slot`'s ``local``."""
+    return self.layout.chunk_trees(local, self.chunks_of[branch][0],
+                                   self._packed_at(branch, chunk))
+
   def _param_slot(self, params, branch: int, chunk):
     """What model ``chunk`` (one of branch ``branch``'s) reads of the per-device parameters
-    (:func:`device_view`: packed buffers ``[P, 1, n]``): its stacked slot and its packed
-    window, whole (gathered under FSDP)."""
+    (:func:`device_view`: packed buffers ``[P, 1, n]``), gathered whole under FSDP: its stacked
+    slot, and the whole packed buffers where the chunk's window starts at a static offset
+    (:meth:`_packed_at`; its leaves are sliced from them as from one buffer per chunk), else
+    its window cut at the traced offset."""
     rep = self.chunks_of[branch][0]
     stacked = self._slot(params[layout_lib.STACKED], self._local(branch, chunk))
     p = self._per_chunk(branch, chunk, self.packed_slot)
     buffers = {k: self._slot(a, p)[0] for k, a in params[layout_lib.PACKED].items()}
-    offsets = {k: self._per_chunk(branch, chunk, table)
-               for k, table in self.packed_offsets.items()}
     # A device holds one fsdp block of each buffer where the buffers are split, else all.
     blocks = {k: 1 if self.fsdp is not None and self.fsdp.packed[k] else
               self.layout.packed_shards for k in buffers}
@@ -302,7 +314,12 @@ class ChunkSet:
       # which the devices of the other stages never join.
       whole = lambda buffers: jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()),
                                            buffers)
-    packed = whole(self.layout.window(whole(buffers), rep, offsets, blocks))
+    if self._packed_at(branch, chunk) is not None:
+      packed = whole(buffers)
+    else:
+      offsets = {k: self._per_chunk(branch, chunk, table)
+                 for k, table in self.packed_offsets.items()}
+      packed = whole(self.layout.window(whole(buffers), rep, offsets, blocks))
     slot = {layout_lib.STACKED: stacked, layout_lib.PACKED: packed}
     if self.fsdp is not None:
       slot = self.fsdp.gather_packed(slot)
@@ -385,7 +402,7 @@ class ChunkSet:
       # weights) out of the loop, where it would stay live for the whole step.
       local, _ = lax.optimization_barrier((local, jnp.asarray(microbatch, jnp.float32)))
     local = checkpoint_name(local, remat_lib.CHUNK_PARAMS_NAME)
-    trees = self.layout.chunk_trees(local, rep)
+    trees = self._chunk_trees(local, branch, chunk)
     if self.stats_layout is not None:
       stats = self.stats_layout.chunk_trees(self._slot(staged[STATS], r), rep)
     else:
@@ -445,8 +462,7 @@ class ChunkSet:
     def run(staged, chunk, records, output_grads):
 
       def outputs(params):
-        local = self._param_slot(params, index, chunk)
-        trees = self.layout.chunk_trees(local, rep)
+        trees = self._chunk_trees(self._param_slot(params, index, chunk), index, chunk)
         outs = []
         for k, seg in enumerate(self.layout.segments[rep]):
           program = self._programs.get((index, k))
@@ -483,7 +499,8 @@ class ChunkSet:
 
       def read(staged, chunk, copy, k=k, seg=seg):
         r = self._local(index, chunk)
-        params = self.layout.chunk_trees(self._param_slot(staged[PARAMS], index, chunk), rep)[k]
+        params = self._chunk_trees(self._param_slot(staged[PARAMS], index, chunk), index,
+                                   chunk)[k]
         if self.stats_layout is not None:
           stats = self.stats_layout.chunk_trees(self._slot(staged[STATS], r), rep)[k]
         else:

@@ -348,10 +348,11 @@ class StageLayout:
   # ------------------------------------------------------------------------------------------
   # One chunk.
 
-  def chunk_trees(self, local, chunk: int) -> list:
+  def chunk_trees(self, local, chunk: int, at: Mapping[str, int] | None = None) -> list:
     """Model chunk ``chunk``'s variables, one tree per segment, from what it reads ``local``
-    (:meth:`chunk_local`: its stacked slot and packed window)."""
-    packed = iter(self.unpack_chunk(local[PACKED], chunk))
+    (:meth:`chunk_local`: its stacked slot and packed window; with ``at``, per dtype where the
+    window starts in each block of the whole packed buffers ``local`` holds instead)."""
+    packed = iter(self.unpack_chunk(local[PACKED], chunk, at))
     return [local[STACKED][f"layers_{seg.layer}"] if seg.stacked else next(packed)
             for seg in self.segments[chunk]]
 
@@ -382,9 +383,14 @@ class StageLayout:
     buffers = packing_lib.pack(jax.tree.unflatten(treedef, cut), layout, window)
     return {k: v.reshape(-1) for k, v in buffers.items()}
 
-  def unpack_chunk(self, buffers: Mapping[str, jax.Array], chunk: int) -> list:
-    """The inverse of :meth:`pack_chunk`: the packed segments' trees from a whole window."""
+  def unpack_chunk(self, buffers: Mapping[str, jax.Array], chunk: int,
+                   at: Mapping[str, int] | None = None) -> list:
+    """The inverse of :meth:`pack_chunk`: the packed segments' trees from a whole window, or
+    from whole buffers whose blocks hold the window at ``at`` (per dtype)."""
     layout = dataclasses.replace(self.packed_layouts[chunk], batch_dims=1)
+    if at is not None:
+      layout = dataclasses.replace(layout, offsets=tuple(
+          offset + at[key] for offset, key in zip(layout.offsets, layout.dtypes)))
     blocks = {k: v.reshape(self.packed_shards, -1) for k, v in buffers.items()}
     pieces, treedef = jax.tree.flatten(packing_lib.unpack(blocks, layout))
     whole = jax.tree.leaves(self.packed_shapes(chunk))
