@@ -146,6 +146,30 @@ def test_unnamed_copies_take_their_sources_name_and_device_sums_are_gradients():
                    "s{}": "gradient accumulators"}
 
 
+# Circular R = 2: a stacked weight's staged argument is [R, 1, k, ...] on a device; the tick loop
+# reads it, and sums its gradient, without the stage axis, [R, k, ...].
+VIEW_HLO = '''HloModule m
+
+ENTRY %main (w: f32[2,1,3,4]) -> f32[2,3,4] {
+  %w = f32[2,1,3,4]{3,2,1,0} parameter(0), metadata={op_name="state.params['stacked']['kernel']"}
+  %v = f32[2,3,4]{2,1,0} bitcast(f32[2,1,3,4]{3,2,1,0} %w)
+  ROOT %g = f32[2,3,4]{2,1,0} add(f32[2,3,4]{2,1,0} %v, f32[2,3,4]{2,1,0} %v),
+    metadata={op_name="jit(step)/while/body/cond"}
+}'''
+
+VIEW_LIVE = '''HloLiveRange (max 3):
+  Live ranges at 2 (peak):
+    w{}: 96 bytes (cumulative: 96 bytes)
+    g{}: 96 bytes (cumulative: 192 bytes)
+  Stack trace breakdown for peak usage: 192 bytes'''
+
+
+@pytest.mark.unit  # Text only.
+def test_a_gradient_shaped_like_a_devices_view_of_its_weight_is_an_accumulator():
+  roles = {v.name: v.role for v in peak.peak_values(VIEW_LIVE, VIEW_HLO)}
+  assert roles == {"w{}": "parameters", "g{}": "gradient accumulators"}
+
+
 @pytest.mark.unit  # Text only.
 def test_a_dump_without_a_peak_section_is_refused():
   with pytest.raises(ValueError, match="no 'Live ranges at N \\(peak\\):' section"):

@@ -462,6 +462,8 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
       param_dims.add(dims)
       if len(dims) > 1:
         param_dims.add(_dims(hlo_lib.ArrayShape(shape.dtype, dims[1:])))  # one unit's slice
+      if len(dims) > 2 and dims[1] == 1:  # [R, 1, ...]: a device's view drops the stage axis.
+        param_dims.add(_dims(hlo_lib.ArrayShape(shape.dtype, dims[:1] + dims[2:])))
   param_dims.discard(())
   placed = parse_assignment(assignment_text) if assignment_text else {}
   buffers: dict = {}  # one entry per buffer: the values that share it
