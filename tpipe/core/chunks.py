@@ -235,12 +235,9 @@ class ChunkSet:
 
   def _first_unit(self, branch: int, chunk, segment: int):
     chunks = self.chunks_of[branch]
-    values = np.array([self.first_units[c][segment] for c in chunks])
-    if np.all(values == values[0]):
-      return int(values[0])
-    table = np.zeros(self.plan.num_chunks, np.int32)
-    table[chunks] = values
-    return jnp.asarray(table)[chunk]
+    table = np.zeros(self.plan.num_chunks, np.int32)  # Segment indices are the branch's own.
+    table[chunks] = [self.first_units[c][segment] for c in chunks]
+    return self._per_chunk(branch, chunk, table)
 
   def staged_specs(self, staged) -> dict:
     """``shard_map`` in-specs of ``staged`` (``{"params": ..., "stats": ...}``): parameters as
@@ -280,11 +277,14 @@ class ChunkSet:
       return jax.tree.map(lambda a: a[r], staged)
     return spmd.read_slot(staged, r)
 
+  def _packed_offsets(self, branch: int, chunk) -> dict:
+    """Per dtype, where model ``chunk``'s packed window starts in each block: ints when that
+    is the same for every chunk of the branch, else traced."""
+    return {k: self._per_chunk(branch, chunk, table) for k, table in self.packed_offsets.items()}
+
   def _packed_at(self, branch: int, chunk):
-    """Per dtype, where model ``chunk``'s packed window starts in each block, when that is the
-    same for every chunk of the branch (static); else None."""
-    offsets = {k: self._per_chunk(branch, chunk, table)
-               for k, table in self.packed_offsets.items()}
+    """:meth:`_packed_offsets` when they are all static, else None."""
+    offsets = self._packed_offsets(branch, chunk)
     return offsets if all(isinstance(o, int) for o in offsets.values()) else None
 
   def _chunk_trees(self, local, branch: int, chunk) -> list:
@@ -298,13 +298,9 @@ class ChunkSet:
     slot, and the whole packed buffers where the chunk's window starts at a static offset
     (:meth:`_packed_at`; its leaves are sliced from them as from one buffer per chunk), else
     its window cut at the traced offset."""
-    rep = self.chunks_of[branch][0]
     stacked = self._slot(params[layout_lib.STACKED], self._local(branch, chunk))
     p = self._per_chunk(branch, chunk, self.packed_slot)
     buffers = {k: self._slot(a, p)[0] for k, a in params[layout_lib.PACKED].items()}
-    # A device holds one fsdp block of each buffer where the buffers are split, else all.
-    blocks = {k: 1 if self.fsdp is not None and self.fsdp.packed[k] else
-              self.layout.packed_shards for k in buffers}
     whole = lambda buffers: buffers
     if spmd.auto_axes_here():
       # Whole on every device of the auto axes (tensor) too. The buffer's leaves start anywhere
@@ -317,9 +313,11 @@ class ChunkSet:
     if self._packed_at(branch, chunk) is not None:
       packed = whole(buffers)
     else:
-      offsets = {k: self._per_chunk(branch, chunk, table)
-                 for k, table in self.packed_offsets.items()}
-      packed = whole(self.layout.window(whole(buffers), rep, offsets, blocks))
+      # A device holds one fsdp block of each buffer where the buffers are split, else all.
+      blocks = {k: 1 if self.fsdp is not None and self.fsdp.packed[k] else
+                self.layout.packed_shards for k in buffers}
+      packed = whole(self.layout.window(whole(buffers), self.chunks_of[branch][0],
+                                        self._packed_offsets(branch, chunk), blocks))
     slot = {layout_lib.STACKED: stacked, layout_lib.PACKED: packed}
     if self.fsdp is not None:
       slot = self.fsdp.gather_packed(slot)

@@ -309,8 +309,8 @@ def _restore_packed(buffer, block, start, owner, me, sizes, plan, part_bytes: in
   """``buffer`` (one dtype's packed block ``[P, 1, n]``) with one lined-up packed leaf's piece
   written at ``start = (packed slot, 0, offset)`` on the owner stage, gathered from the
   checkpoint block over ``plan`` (per dimension, the axes, :func:`_gathered_axes`) a band of
-  rows at a time.
-  ``me`` is this device's stage, ``owner`` the piece's; ``sizes`` the mesh's axis sizes."""
+  rows at a time. ``me`` is this device's stage, ``owner`` the piece's; ``sizes`` the mesh's
+  axis sizes."""
   rows, row_size = block.shape[0], math.prod(block.shape[1:])
   for d in range(1, block.ndim):
     row_size *= math.prod(sizes[a] for a in plan[d])
