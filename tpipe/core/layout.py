@@ -475,8 +475,7 @@ class StageLayout:
   def _uniform(self, layer: int) -> bool:
     """Whether repeated ``layer`` is cut evenly in loop placement (staged = a reshape)."""
     k = self.stacked[layer]
-    n = self.logical[f"layers_{layer}"]
-    n = jax.tree.leaves(n)[0].shape[0]
+    n = jax.tree.leaves(self.logical[f"layers_{layer}"])[0].shape[0]
     return (self.placement == "loop" and n == k * self.num_chunks and
             all(seg.first_copy == c * k for c, chunk in enumerate(self.segments)
                 for seg in chunk if seg.stacked and seg.layer == layer))
@@ -499,34 +498,34 @@ class StageLayout:
         stacked[name] = jax.tree.map(lambda a: a.reshape(lead + (k,) + a.shape[1:]),
                                      logical[name])
         continue
-      parts = [next(_slice(logical[name], seg.first_copy, seg.first_copy + k)
-                    for seg in self.segments[c] if seg.stacked and seg.layer == layer)
-               for c in order]
-      stacked[name] = jax.tree.map(lambda *a: jnp.stack(a).reshape(lead + a[0].shape), *parts)
+      # One gather: a stack of slices keeps a padded copy of the whole per slice (XLA CPU).
+      rows = np.concatenate([np.arange(seg.first_copy, seg.first_copy + k) for c in order
+                             for seg in self.segments[c] if seg.stacked and seg.layer == layer])
+      stacked[name] = jax.tree.map(lambda a: jnp.take(a, rows, axis=0, unique_indices=True).reshape(
+          lead + (k,) + a.shape[1:]), logical[name])
     if mesh is not None and self.packed_sizes:
       return {STACKED: stacked, PACKED: self._packed_per_stage(logical, mesh, stage_axis)}
-    per_stage = [self._stage_buffers(logical, s) for s in range(self.num_stages)]
-    packed = {k: jnp.stack([b[k] for b in per_stage], axis=1) for k in self.packed_sizes}
+    places_ = [(p, s) for p in range(self.packed_slots) for s in range(self.num_stages)]
+    packed = {k: v.reshape(self.packed_slots, self.num_stages, -1)
+              for k, v in self._packed_buffers(logical, places_).items()}
     return {STACKED: stacked, PACKED: packed}
 
-  def _stage_buffers(self, logical, s: int) -> dict[str, jax.Array]:
-    """Stage ``s``'s packed buffers ``{dtype: [P, n]}`` from logical trees: each slot's
-    chunks' windows block by block at their offsets (in the order of their local index, which
-    is the order of their offsets), padded to the block."""
+  def _packed_buffers(self, logical, slots) -> dict[str, jax.Array]:
+    """Per dtype, the packed buffers of ``slots`` (``(packed slot, stage)``) flat, one after the
+    other: each slot's chunks' windows (in local order) block by block, each block padded with
+    zeros. One concatenation: stacked per-slot buffers, XLA pads each to the whole and adds."""
     shards = self.packed_shards
-    slots = [[] for _ in range(self.packed_slots)]
-    for r in range(self.num_repeats):
-      c = self.chunk_at(r, s)
-      slots[self.packed_place(c)[0]].append((c, self._pack_chunk(logical, c)))
+    chunks = {(p, s): [c for c in (self.chunk_at(r, s) for r in range(self.num_repeats))
+                       if self.packed_place(c)[0] == p] for p, s in slots}
+    windows = {c: self._pack_chunk(logical, c) for c in sorted(set(sum(chunks.values(), [])))}
     out = {}
     for k, n in self.packed_sizes.items():
-      per_slot = []
-      for windows in slots:
-        parts = [w[k].reshape(shards, -1) for c, w in windows if k in w]
-        used = sum(p.shape[1] for p in parts)
-        parts.append(jnp.zeros((shards, n // shards - used), jnp.dtype(k)))
-        per_slot.append(jnp.concatenate(parts, axis=1).reshape(-1))
-      out[k] = jnp.stack(per_slot)
+      pieces = []
+      for place in slots:
+        rows = [windows[c][k].reshape(shards, -1) for c in chunks[place] if k in windows[c]]
+        pad = [jnp.zeros((n // shards - sum(row.shape[1] for row in rows),), jnp.dtype(k))]
+        pieces += [piece for b in range(shards) for piece in [row[b] for row in rows] + pad]
+      out[k] = jnp.concatenate(pieces)
     return out
 
   def _pack_chunk(self, logical, chunk: int) -> dict[str, jax.Array]:
@@ -542,7 +541,8 @@ class StageLayout:
     shared = {name: logical[name] for name in names}
 
     def stage_buffers(s):
-      return lambda shared: self._stage_buffers(shared, s)
+      return lambda shared: {k: v.reshape(self.packed_slots, -1) for k, v in self._packed_buffers(
+          shared, [(p, s) for p in range(self.packed_slots)]).items()}
 
     def build(shared):
       # From here the shared trees vary per stage (each packs its own chunks); the transpose of
