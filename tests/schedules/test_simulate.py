@@ -165,3 +165,59 @@ def test_delaying_the_slow_links_hides_their_sends_behind_a_tick_of_compute(name
 def test_linked_time_rejects_bad_links_and_transfers(links, transfer, match):
   with pytest.raises(ValueError, match=match):
     schedules.linked_time(np.zeros((2, 2)), links, transfer)
+
+
+# ------------------------------------------------------------------------------------------
+# The chain of ticks that sets the neighbour-synchronised step.
+
+def test_critical_path_by_hand():
+  # Three stages, links 0 and 1. Tick 0 costs [1, 0, 3]; tick 1 [2, 1, 0]; tick 2 [0, 0, 1].
+  cost = np.array([[1.0, 0.0, 3.0], [2.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+  # Tick 1 starts at 1 on stage 0 (it and stage 1 are done at 1) and at 3 on stages 1 and 2
+  # (stage 2 ends tick 0 at 3); tick 2 starts at max(3, 4) = 4 on stage 2 (stage 1 ends tick 1
+  # at 4) and ends at 5: the chain is stage 2's tick 0, stage 1's tick 1, stage 2's tick 2.
+  assert schedules.linked_time(cost, [0, 1]) == 5
+  assert schedules.critical_path(cost, [0, 1]) == [(0, 2), (1, 1), (2, 2)]
+  # With a transfer of 0.5 on link 1 the chain is the same and crosses link 1 twice: 5 + 1.
+  assert schedules.linked_time(cost, [0, 1], transfer=[0.0, 0.5, 0.0]) == 6
+  assert schedules.critical_path(cost, [0, 1], transfer=[0.0, 0.5, 0.0]) == [
+      (0, 2), (1, 1), (2, 2)]
+  # Link 1 delayed: tick 1 on stage 1 waits only for stage 2 to *start* tick 0 (at 0), so it
+  # runs 1-2 beside stage 2's tick 0; stage 2 starts tick 2 at max(3, start of stage 1's tick
+  # 1 = 1) = 3: its own ticks alone set the step, 3 + 1.
+  assert schedules.linked_time(cost, [0, 1], delays=(0, 1, 0)) == 4
+  assert schedules.critical_path(cost, [0, 1], delays=(0, 1, 0)) == [(0, 2), (2, 2)]
+  assert schedules.critical_path(np.zeros((0, 3)), [0, 1]) == []
+  # Over a delayed link a tick waits for the neighbour's *start* of the tick before, so that
+  # tick's cost is not on the chain. Stage 0 runs 0-5 (tick 1) and 5-9 (tick 2); stage 1 starts
+  # tick 3 when stage 0 started tick 2, at 5, and ends at 11: stage 0's tick 1, stage 1's tick 3.
+  cost = np.array([[0.0, 1.0], [5.0, 0.0], [4.0, 0.0], [0.0, 6.0]])
+  assert schedules.linked_time(cost, [0], delays=(1, 0)) == 11
+  assert schedules.critical_path(cost, [0], delays=(1, 0)) == [(1, 0), (3, 1)]
+
+
+@pytest.mark.parametrize("name,repeats,delays,transfer", [
+    ("1f1b", 1, None, None), ("zb_h1", 1, None, 0.3), ("zbv", 2, None, None),
+    ("zbv", 2, (0, 1, 0, 1), 0.5), ("interleaved_1f1b", 2, None, 0.2)])
+def test_the_critical_path_adds_up_to_the_step(name, repeats, delays, transfer):
+  costs = {"F": 1.0, "B": 3.1, "BI": 2.3, "W": 0.9}
+  table = schedules.build(name, 4, 8, repeats, delays=delays,
+                          costs={k: costs[k] for k in (("F", "BI", "W") if name in ("zb_h1", "zbv")
+                                                       else ("F", "B"))})
+  per_tick = table.tick_costs(costs)
+  chain = table.critical_path(costs, transfer)
+  timing = table.simulate(costs, transfer)
+  ticks = [t for t, _ in chain]
+  assert ticks == sorted(set(ticks))  # One entry per tick at most, in tick order.
+  assert all(per_tick[t, s] > 0 for t, s in chain)
+  # A tick waits only for its neighbours: over k ticks the chain moves k stages at most.
+  for (t, a), (u, b) in zip(chain, chain[1:]):
+    apart = abs(a - b) if table.num_chunks == 1 else min(abs(a - b), 4 - abs(a - b))
+    assert apart <= u - t
+  compute = sum(per_tick[t, s] for t, s in chain)
+  if transfer is None:
+    assert compute == pytest.approx(timing.neighbour)
+  else:  # The rest of the step is whole transfers, one per link the chain crosses.
+    crossings = (timing.neighbour - compute) / transfer
+    assert crossings == pytest.approx(round(crossings), abs=1e-6)
+    assert 0 <= round(crossings) <= len(chain)

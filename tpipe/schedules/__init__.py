@@ -13,7 +13,7 @@
 * :mod:`~tpipe.schedules.streaming`: how micro-batch inputs reach stage 0 one per tick from the
   stages that hold them (the conveyor table).
 * :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep,
-  neighbour-synchronised and natural).
+  neighbour-synchronised and natural), and the chain of ticks that sets the step.
 
 :func:`build` is the one factory of tables by name; it caches them (tables are read-only).
 
@@ -53,6 +53,7 @@ from tpipe.schedules.orders import zb_h1
 from tpipe.schedules.orders import zbv
 from tpipe.schedules.simulate import Timing
 from tpipe.schedules.simulate import action_costs
+from tpipe.schedules.simulate import critical_path
 from tpipe.schedules.simulate import exchange_partners
 from tpipe.schedules.simulate import linked_time
 from tpipe.schedules.simulate import neighbour_time
@@ -78,10 +79,10 @@ _FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
 __all__ = [
     "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
     "InputStream", "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "action_costs", "build",
-    "check_costs", "circular", "exchange_partners", "first_stage_reads", "from_forward",
-    "from_ticks", "gpipe", "input_stream", "interleaved_1f1b", "is_fused", "link_delays",
-    "linked_time", "make_fused_schedule", "make_schedule", "neighbour_time", "one_f_one_b",
-    "place", "placement", "ring_links", "simulate", "tick_starts", "virtual_stages",
+    "check_costs", "circular", "critical_path", "exchange_partners", "first_stage_reads",
+    "from_forward", "from_ticks", "gpipe", "input_stream", "interleaved_1f1b", "is_fused",
+    "link_delays", "linked_time", "make_fused_schedule", "make_schedule", "neighbour_time",
+    "one_f_one_b", "place", "placement", "ring_links", "simulate", "tick_starts", "virtual_stages",
     "whole_step", "zb_h1", "zbv",
 ]
 

@@ -271,6 +271,14 @@ class FusedSchedule:
     """
     return simulate_lib.simulate(self, costs, transfer)
 
+  def critical_path(self, costs: Mapping[str, float] | None = None,
+                    transfer=None) -> list[tuple[int, int]]:
+    """The ``(tick, stage)`` entries whose costs (with the transfers between them) make up the
+    neighbour-synchronised step under ``costs`` and ``transfer`` (as for :meth:`simulate`), in
+    tick order: :func:`~tpipe.schedules.simulate.critical_path`."""
+    links = simulate_lib.ring_links(self.num_stages, self.num_chunks > 1)
+    return simulate_lib.critical_path(self.tick_costs(costs), links, transfer, self.delays)
+
   def forward_pass(self) -> "FusedSchedule":
     """This table's forward actions alone, each stage running them in this table's order as
     soon as their inputs are there: the forward pass of a call that is not differentiated

@@ -209,6 +209,50 @@ def tick_starts(cost: np.ndarray, links, transfer=None, delays=None) -> np.ndarr
   return starts
 
 
+def critical_path(cost: np.ndarray, links, transfer=None, delays=None) -> list[tuple[int, int]]:
+  """One chain of ``(tick, stage)`` entries that sets the step time of :func:`linked_time` (same
+  arguments and errors), in tick order: their costs, with the transfer times of the links the
+  chain crosses, add up to the step. It ends at the entry that finishes last and walks back, at
+  each tick start, to what it waited for: the stage's own previous tick, or the neighbour's
+  (the neighbour's start, over a delayed link, whose cost then is not on the chain); zero-cost
+  entries are left out. Where a step is longer than the work of any one stage, the chain shows
+  what adds up: which ticks, on which stages, the step waits for."""
+  cost = np.asarray(cost, np.float64)
+  starts = tick_starts(cost, links, transfer, delays)
+  if cost.size == 0:
+    return []
+  num_stages = cost.shape[1]
+  links = tuple(int(link) for link in links)
+  transfer = np.broadcast_to(np.asarray(0.0 if transfer is None else transfer, np.float64),
+                             (num_stages,))
+  delays = actions_lib.link_delays(delays, num_stages)
+  ends = starts + cost
+  tolerance = 1e-9 * max(1.0, float(ends.max()))
+  t, s = cost.shape[0] - 1, int(np.argmax(ends[-1]))
+  chain, counted = [], True
+  while True:
+    if counted and cost[t, s] > 0:
+      chain.append((t, s))
+    if t == 0:
+      break
+    now = starts[t, s]
+    if abs(ends[t - 1, s] - now) <= tolerance:  # Its own previous tick (first, on a tie).
+      t, s, counted = t - 1, s, True
+      continue
+    for link in links:
+      a, b = link, (link + 1) % num_stages
+      if s not in (a, b):
+        continue
+      side = starts[t - 1] if delays[link] else ends[t - 1]
+      waited = max((a, b), key=lambda q: (side[q], q == s))
+      if abs(side[waited] + transfer[link] - now) <= tolerance:
+        t, s, counted = t - 1, waited, not delays[link]
+        break
+    else:  # tick_starts sets every start from one of the entries above.
+      raise AssertionError(f"tick {t}, stage {s}: nothing before it ends at its start {now}.")
+  return chain[::-1]
+
+
 def simulate(schedule, costs: Mapping[str, float] | None = None, transfer=None) -> Timing:
   """Step time of ``schedule`` under per-action ``costs``: lockstep, neighbour-synchronised and
   natural.
