@@ -13,7 +13,9 @@ schedule runs its backward inside its table) ahead of time, and reports:
 
 * **Memory** (S = 4, 16 blocks, M = 8 and 64 micro-batches of a fixed size, so the batch grows
   with M): the compiled step's per-device temporaries (``memory_analysis().temp_size_in_bytes``),
-  which hold the activations kept between forward and backward. GPipe keeps one stage input per
+  which hold the activations kept between forward and backward; the logical parameters and the
+  batch come in whole on every device (``in_shardings``), so the compiler cannot trade
+  arguments for temporaries. GPipe keeps one stage input per
   micro-batch (its loss runs its forward and backward ticks as one fused table under remat full;
   circular one per micro-batch and chunk), so its temporaries grow with M; the fused schedules
   keep at most the table's peak of micro-batches in flight, bounded by S.
@@ -89,7 +91,12 @@ def compile_step(schedule: str, repeats: int, *, stages: int, microbatches: int,
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   params = model.variable_shapes(tokens, targets=tokens)["params"]
   loss = lambda p, x, t: model.apply({"params": p}, x, targets=t, method="loss")
-  compiled = jax.jit(jax.grad(loss)).lower(params, tokens, tokens).compile()
+  # The logical parameters and the batch whole on every device, as a caller holds them (left
+  # to the compiler, it may shard them to save arguments for temporaries).
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  shardings = (jax.tree.map(lambda _: whole, params), whole, whole)
+  step = jax.jit(jax.grad(loss), in_shardings=shardings)
+  compiled = step.lower(params, tokens, tokens).compile()
   return model, model.pipeline_for(tokens, targets=tokens), compiled
 
 
@@ -364,11 +371,16 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
            "remat none every `B` and `BI` keeps the forward's residuals: one forward less). "
            "Bubble ratios: the neighbour-synchronised bubble over the compound table's own "
            "natural (dependency-driven) bubble, and over the schedule's: its one-action "
-           "table's.", "",
+           "table's. The critical chain (`FusedSchedule.critical_path`) is the run of ticks, "
+           "hopping between neighbours, whose costs make up the neighbour-synchronised step; "
+           "its time in forwards, backwards (`B` or `BI`) and `W` is given over one stage's own "
+           "(the chain's excess over a stage's work is the bubble; in steady ticks the chain "
+           "runs what a stage runs).", "",
            "| costs | schedule | M | ticks | actions per tick (most) | in flight (peak) | "
            "weight slots | bubble: natural | neighbour-synchronised | bubble ratio: own | "
-           "schedule's | step / GPipe's | one action per tick: step / GPipe's |",
-           "|---|" + "---|" * 12]
+           "schedule's | step / GPipe's | one action per tick: step / GPipe's | "
+           "critical chain over a stage's work: F / B / W |",
+           "|---|" + "---|" * 13]
   gpipe_costs = {m: c for name, _, m, c in measured if name == "gpipe"}
   for label, costs_of in cost_sets(tpu):
     for name, repeats, m, measured_costs in measured:
@@ -390,8 +402,23 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
           f"{int(table.peak_in_flight().max())} | {slots} | {timing.natural_bubble:.3f} | "
           f"{timing.neighbour_bubble:.3f} | {ratio(timing)} | {ratio(timing, plain)} | "
           f"{timing.neighbour / reference:.3f} | "
-          f"{'-' if plain is None else f'{plain.neighbour / reference:.3f}'} |")
+          f"{'-' if plain is None else f'{plain.neighbour / reference:.3f}'} | "
+          f"{chain_by_kind(table, costs) if fused else '-'} |")
   return lines
+
+
+def chain_by_kind(table, costs) -> str:
+  """The critical chain's time in forwards, backwards (``B`` or ``BI``) and ``W``, each over a
+  stage's own time in them (every stage runs each action once per micro-batch chunk)."""
+  chain = set(table.critical_path(costs))
+  spent = {"F": 0.0, "B": 0.0, "W": 0.0}
+  for t, s, kind, _, _ in table.actions():
+    if (t, s) in chain:
+      spent["B" if kind in ("B", "BI") else kind] += costs[kind]
+  per_stage = table.num_microbatches * table.num_chunks
+  own = {"F": costs["F"], "B": costs.get("BI", costs.get("B")), "W": costs.get("W", 0.0)}
+  return " / ".join(f"{spent[k] / (per_stage * own[k]):.2f}" if own[k] else "-"
+                    for k in ("F", "B", "W"))
 
 
 def save_pictures(out_dir: str, costs: dict) -> list[str]:
