@@ -513,7 +513,7 @@ class StageLayout:
   def _packed_buffers(self, logical, slots) -> dict[str, jax.Array]:
     """Per dtype, the packed buffers of ``slots`` (``(packed slot, stage)``) flat, one after the
     other: each slot's chunks' windows (in local order) block by block, each block padded with
-    zeros. One concatenation: stacked per-slot buffers, XLA pads each to the whole and adds."""
+    zeros. One concatenation: XLA padded stacked per-slot buffers to the whole, S copies live."""
     shards = self.packed_shards
     chunks = {(p, s): [c for c in (self.chunk_at(r, s) for r in range(self.num_repeats))
                        if self.packed_place(c)[0] == p] for p, s in slots}
