@@ -109,11 +109,12 @@ def place_weights(table, costs, *, slots=WEIGHT_SLOTS, time_limit=TIME_LIMIT, ex
     lower.append(lo)
     upper.append(hi)
 
-  at = {}  # (tick, stage) -> the x placing a W there.
+  at, ticks_of = {}, {}  # (tick, stage) -> the x placing a W there; W -> its x.
   for (w, t), i in x.items():
     at.setdefault((t, weights[w][2]), []).append(i)
-  for w in range(len(weights)):
-    constrain([(i, 1.0) for (v, _), i in x.items() if v == w], 1, 1)
+    ticks_of.setdefault(w, []).append(i)
+  for placements in ticks_of.values():  # Every W runs once.
+    constrain([(i, 1.0) for i in placements], 1, 1)
   partners = tpipe.schedules.exchange_partners(num_stages, num_chunks > 1)
   cost = lambda t, s: [(i, -costs["W"]) for i in at.get((t, s), [])]
   for t in range(1, num_ticks):

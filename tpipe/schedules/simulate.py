@@ -180,6 +180,36 @@ def linked_time(cost: np.ndarray, links, transfer=None, delays=None) -> float:
 def tick_starts(cost: np.ndarray, links, transfer=None, delays=None) -> np.ndarray:
   """``[T, S]``: when each stage starts each tick in the neighbour-synchronised model of
   :func:`linked_time` (same arguments and errors); a timeline draws the ticks there."""
+  return _timeline(cost, links, transfer, delays)[0]
+
+
+def critical_path(cost: np.ndarray, links, transfer=None, delays=None) -> list[tuple[int, int]]:
+  """One chain of ``(tick, stage)`` entries that sets the step time of :func:`linked_time` (same
+  arguments and errors), in tick order: their costs, with the transfer times of the links the
+  chain crosses, add up to the step. It ends at the entry that finishes last and walks back, at
+  each tick start, to what it waited for: the stage's own previous tick, or the neighbour's
+  (the neighbour's start, over a delayed link, whose cost then is not on the chain); zero-cost
+  entries are left out. Where a step is longer than the work of any one stage, the chain shows
+  what adds up: which ticks, on which stages, the step waits for."""
+  starts, waited = _timeline(cost, links, transfer, delays, record=True)
+  cost = np.asarray(cost, np.float64)
+  if cost.size == 0:
+    return []
+  t, s = cost.shape[0] - 1, int(np.argmax(starts[-1] + cost[-1]))
+  chain, counted = [], True
+  while True:
+    if counted and cost[t, s] > 0:
+      chain.append((t, s))
+    if t == 0:
+      return chain[::-1]
+    s, counted = int(waited[t, s, 0]), bool(waited[t, s, 1])
+    t -= 1
+
+
+def _timeline(cost, links, transfer=None, delays=None, record: bool = False):
+  """``(starts [T, S], waited)``: :func:`tick_starts`, and with ``record`` what each start
+  waited for, ``[T, S, 2]``: the stage whose tick before set it (the stage itself on a tie)
+  and 1 where that tick's end set it, 0 where its start did (a delayed link); else None."""
   cost = np.asarray(cost, np.float64)
   if cost.ndim != 2:
     raise ValueError(f"cost must be [ticks, stages], got shape {cost.shape}.")
@@ -194,63 +224,27 @@ def tick_starts(cost: np.ndarray, links, transfer=None, delays=None) -> np.ndarr
     raise ValueError(f"transfer times must be finite and >= 0, got {transfer.tolist()}.")
   delays = actions_lib.link_delays(delays, num_stages)
   starts = np.zeros(cost.shape)
+  waited = np.zeros(cost.shape + (2,), np.int64) if record else None
   start, end = np.zeros(num_stages), np.zeros(num_stages)
   for t, row in enumerate(cost):
     if t:
       ready = end.copy()
+      if record:
+        waited[t, :, 0], waited[t, :, 1] = np.arange(num_stages), 1
       for link in links:
         a, b = link, (link + 1) % num_stages
-        base = max(start[a], start[b]) if delays[link] else max(end[a], end[b])
-        ready[a] = max(ready[a], base + transfer[link])
-        ready[b] = max(ready[b], base + transfer[link])
+        side = start if delays[link] else end
+        arrive = max(side[a], side[b]) + transfer[link]
+        for me in (a, b):
+          if arrive > ready[me]:
+            ready[me] = arrive
+            if record:
+              other = b if me == a else a
+              waited[t, me] = (other if side[other] > side[me] else me, not delays[link])
       start = ready
     starts[t] = start
     end = start + row
-  return starts
-
-
-def critical_path(cost: np.ndarray, links, transfer=None, delays=None) -> list[tuple[int, int]]:
-  """One chain of ``(tick, stage)`` entries that sets the step time of :func:`linked_time` (same
-  arguments and errors), in tick order: their costs, with the transfer times of the links the
-  chain crosses, add up to the step. It ends at the entry that finishes last and walks back, at
-  each tick start, to what it waited for: the stage's own previous tick, or the neighbour's
-  (the neighbour's start, over a delayed link, whose cost then is not on the chain); zero-cost
-  entries are left out. Where a step is longer than the work of any one stage, the chain shows
-  what adds up: which ticks, on which stages, the step waits for."""
-  cost = np.asarray(cost, np.float64)
-  starts = tick_starts(cost, links, transfer, delays)
-  if cost.size == 0:
-    return []
-  num_stages = cost.shape[1]
-  links = tuple(int(link) for link in links)
-  transfer = np.broadcast_to(np.asarray(0.0 if transfer is None else transfer, np.float64),
-                             (num_stages,))
-  delays = actions_lib.link_delays(delays, num_stages)
-  ends = starts + cost
-  tolerance = 1e-9 * max(1.0, float(ends.max()))
-  t, s = cost.shape[0] - 1, int(np.argmax(ends[-1]))
-  chain, counted = [], True
-  while True:
-    if counted and cost[t, s] > 0:
-      chain.append((t, s))
-    if t == 0:
-      break
-    now = starts[t, s]
-    if abs(ends[t - 1, s] - now) <= tolerance:  # Its own previous tick (first, on a tie).
-      t, s, counted = t - 1, s, True
-      continue
-    for link in links:
-      a, b = link, (link + 1) % num_stages
-      if s not in (a, b):
-        continue
-      side = starts[t - 1] if delays[link] else ends[t - 1]
-      waited = max((a, b), key=lambda q: (side[q], q == s))
-      if abs(side[waited] + transfer[link] - now) <= tolerance:
-        t, s, counted = t - 1, waited, not delays[link]
-        break
-    else:  # tick_starts sets every start from one of the entries above.
-      raise AssertionError(f"tick {t}, stage {s}: nothing before it ends at its start {now}.")
-  return chain[::-1]
+  return starts, waited
 
 
 def simulate(schedule, costs: Mapping[str, float] | None = None, transfer=None) -> Timing:
