@@ -221,3 +221,46 @@ def test_the_critical_path_adds_up_to_the_step(name, repeats, delays, transfer):
     crossings = (timing.neighbour - compute) / transfer
     assert crossings == pytest.approx(round(crossings), abs=1e-6)
     assert 0 <= round(crossings) <= len(chain)
+
+
+def test_tick_slack_by_hand():
+  # Two stages, one link. Tick 0 costs [1, 3], tick 1 [2, 1]: both start tick 1 at 3 and the
+  # step is 5 (stage 0). Stage 0's tick 0 could end at 3, when tick 1 starts anyway (2 to
+  # spare); stage 1's tick 1 ends at 4 (1 to spare); the other two set the step.
+  cost = np.array([[1.0, 3.0], [2.0, 1.0]])
+  np.testing.assert_allclose(schedules.tick_slack(cost, [0]), [[2.0, 0.0], [0.0, 1.0]])
+  # A transfer on the link delays both ticks 1 alike: the same slack.
+  np.testing.assert_allclose(schedules.tick_slack(cost, [0], transfer=0.5),
+                             [[2.0, 0.0], [0.0, 1.0]])
+  # Delayed link: tick 1 waits for the neighbour's *start* of tick 0. Stage 0 runs 1-3, stage 1
+  # 3-4 (its own tick 0 ends at 3): step 4. Stage 0 has 1 to spare in each tick: its tick 0 may
+  # end at 2, so its tick 1 still ends at 4.
+  np.testing.assert_allclose(schedules.tick_slack(cost, [0], delays=(1, 0)),
+                             [[1.0, 0.0], [1.0, 0.0]])
+  assert schedules.tick_slack(np.zeros((0, 2)), [0]).shape == (0, 2)
+  with pytest.raises(ValueError, match="links must be in range"):
+    schedules.tick_slack(cost, [2])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tick_slack_is_exactly_what_an_entry_may_add(seed):
+  # Adding an entry's slack to its cost leaves the step; adding a little more lengthens it; the
+  # critical path has none. Random tables, rings and lines, transfers and delayed links.
+  rng = np.random.default_rng(seed)
+  for _ in range(8):
+    ticks, stages = int(rng.integers(1, 7)), int(rng.integers(2, 6))
+    cost = rng.integers(0, 5, (ticks, stages)).astype(float)
+    links = schedules.ring_links(stages, bool(rng.integers(2)) and stages > 2)
+    delays = tuple(int(d) for d in rng.integers(0, 2, stages)) if rng.integers(2) else None
+    transfer = rng.random(stages) if rng.integers(2) else None
+    step = schedules.linked_time(cost, links, transfer, delays)
+    slack = schedules.tick_slack(cost, links, transfer, delays)
+    assert (slack >= -1e-12).all()
+    for t, s in np.ndindex(cost.shape):
+      more = cost.copy()
+      more[t, s] += slack[t, s]
+      assert schedules.linked_time(more, links, transfer, delays) == pytest.approx(step)
+      more[t, s] += 0.01
+      assert schedules.linked_time(more, links, transfer, delays) > step
+    for t, s in schedules.critical_path(cost, links, transfer, delays):
+      assert slack[t, s] == pytest.approx(0.0, abs=1e-12)

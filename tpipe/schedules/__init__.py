@@ -13,7 +13,8 @@
 * :mod:`~tpipe.schedules.streaming`: how micro-batch inputs reach stage 0 one per tick from the
   stages that hold them (the conveyor table).
 * :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep,
-  neighbour-synchronised and natural), and the chain of ticks that sets the step.
+  neighbour-synchronised and natural), the chain of ticks that sets the step, and how much each
+  tick could grow without lengthening it (slack).
 
 :func:`build` is the one factory of tables by name; it caches them (tables are read-only).
 
@@ -59,6 +60,7 @@ from tpipe.schedules.simulate import linked_time
 from tpipe.schedules.simulate import neighbour_time
 from tpipe.schedules.simulate import ring_links
 from tpipe.schedules.simulate import simulate
+from tpipe.schedules.simulate import tick_slack
 from tpipe.schedules.simulate import tick_starts
 from tpipe.schedules.streaming import InputStream
 from tpipe.schedules.streaming import first_stage_reads

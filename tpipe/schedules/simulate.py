@@ -206,10 +206,35 @@ def critical_path(cost: np.ndarray, links, transfer=None, delays=None) -> list[t
     t -= 1
 
 
-def _timeline(cost, links, transfer=None, delays=None, record: bool = False):
-  """``(starts [T, S], waited)``: :func:`tick_starts`, and with ``record`` what each start
-  waited for, ``[T, S, 2]``: the stage whose tick before set it (the stage itself on a tie)
-  and 1 where that tick's end set it, 0 where its start did (a delayed link); else None."""
+def tick_slack(cost: np.ndarray, links, transfer=None, delays=None) -> np.ndarray:
+  """``[T, S]``: how much longer each entry could take without lengthening the step of
+  :func:`linked_time` (same arguments and errors): its latest end less its end, the latest ends
+  and starts walked back from the step through the same waits. Entries on a
+  :func:`critical_path` have none; adding at most its slack to one entry's cost leaves the step
+  as it is (where a scheduler can put movable work, such as ``W``, for free)."""
+  cost, links, transfer, delays = _checked(cost, links, transfer, delays)
+  starts = _timeline(cost, links, transfer, delays)[0]
+  if cost.size == 0:
+    return np.zeros(cost.shape)
+  num_stages = cost.shape[1]
+  latest_end = np.empty(cost.shape)  # The latest each entry may end, and start (below).
+  latest_end[-1] = (starts[-1] + cost[-1]).max()
+  latest_start = latest_end[-1] - cost[-1]
+  for t in range(cost.shape[0] - 2, -1, -1):
+    end_by = latest_start.copy()  # Each stage's own next tick waits for this one's end.
+    start_by = np.full(num_stages, np.inf)  # A delayed link's exchange, for its start.
+    for link in links:
+      a, b = link, (link + 1) % num_stages
+      bound = min(latest_start[a], latest_start[b]) - transfer[link]
+      side = start_by if delays[link] else end_by
+      side[[a, b]] = np.minimum(side[[a, b]], bound)
+    latest_end[t] = end_by
+    latest_start = np.minimum(end_by - cost[t], start_by)
+  return latest_end - (starts + cost)
+
+
+def _checked(cost, links, transfer, delays):
+  """The arguments of :func:`linked_time` as arrays, checked."""
   cost = np.asarray(cost, np.float64)
   if cost.ndim != 2:
     raise ValueError(f"cost must be [ticks, stages], got shape {cost.shape}.")
@@ -222,7 +247,15 @@ def _timeline(cost, links, transfer=None, delays=None, record: bool = False):
                              (num_stages,))
   if np.any(transfer < 0) or not np.all(np.isfinite(transfer)):
     raise ValueError(f"transfer times must be finite and >= 0, got {transfer.tolist()}.")
-  delays = actions_lib.link_delays(delays, num_stages)
+  return cost, links, transfer, actions_lib.link_delays(delays, num_stages)
+
+
+def _timeline(cost, links, transfer=None, delays=None, record: bool = False):
+  """``(starts [T, S], waited)``: :func:`tick_starts`, and with ``record`` what each start
+  waited for, ``[T, S, 2]``: the stage whose tick before set it (the stage itself on a tie)
+  and 1 where that tick's end set it, 0 where its start did (a delayed link); else None."""
+  cost, links, transfer, delays = _checked(cost, links, transfer, delays)
+  num_stages = cost.shape[1]
   starts = np.zeros(cost.shape)
   waited = np.zeros(cost.shape + (2,), np.int64) if record else None
   start, end = np.zeros(num_stages), np.zeros(num_stages)
