@@ -84,8 +84,8 @@ __all__ = [
     "check_costs", "circular", "critical_path", "exchange_partners", "first_stage_reads",
     "from_forward", "from_ticks", "gpipe", "input_stream", "interleaved_1f1b", "is_fused",
     "link_delays", "linked_time", "make_fused_schedule", "make_schedule", "neighbour_time",
-    "one_f_one_b", "place", "placement", "ring_links", "simulate", "tick_starts", "virtual_stages",
-    "whole_step", "zb_h1", "zbv",
+    "one_f_one_b", "place", "placement", "ring_links", "simulate", "tick_slack", "tick_starts",
+    "virtual_stages", "whole_step", "zb_h1", "zbv",
 ]
 
 

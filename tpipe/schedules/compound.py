@@ -29,12 +29,26 @@ run only forwards, two a tick at most, so a backward alone, two forwards or a fo
 keep every stage's tick about as long as theirs, where ``F + BI`` behind the backward made them
 wait (S = 8, M = 32, measured LM costs: neighbour-synchronised bubble 0.071 -> 0.054).
 
+Where ``W`` goes sets most of what a split backward loses to neighbour synchronisation:
+
+* *Held weights* (``weight_hold``): no stage runs ``W`` beside its other work until a number of
+  ticks after the first backward reached model chunk 0, and from then on every stage runs one
+  each tick. All stages switch in the same tick, so the steady ticks cost ``F + BI + W``
+  everywhere at once; switched on stage by stage, each stage's first such tick waits for its
+  neighbour's, a wave that costs a ``W`` per hop (ZB-H1, S = 8, M = 32, measured LM costs: the
+  step is the one-action table's natural one, where the weight backlog's way made it 1.23x).
+* *Settled weights* (:func:`settle_weights`): after packing, each ``W`` on the chain of ticks
+  that sets the step moves to the tick of its stage with the most slack
+  (:func:`tpipe.schedules.simulate.tick_slack`), which never lengthens the step (ZB-H1,
+  S = 8, M = 8: bubble 1.24x -> 1.12x its natural one, the optimum of an exact placement).
+
 A message needs an earlier tick (two over a delayed link); the last chunk's backward can follow
-its own forward in the same tick. :func:`build` tries a few caps, backlogs and orders, with
-and without second forwards and the light ramp (:func:`candidates`; for the V, the fastest of
-them again with smaller weight backlogs), and keeps the table whose neighbour-synchronised step
-is shortest, the one-action-per-tick table of :mod:`tpipe.schedules.orders` included (within
-1% of it, the one that holds the least). Pure NumPy.
+its own forward in the same tick. :func:`build` tries a few caps, backlogs, orders and weight
+holds, with and without second forwards and the light ramp (:func:`candidates`; for the V, the
+fastest of them again with smaller weight backlogs), settles the weights of the fastest
+distinct tables, and keeps the table whose neighbour-synchronised step is shortest, the
+one-action-per-tick table of :mod:`tpipe.schedules.orders` included (within 1% of it and 5% of
+its bubble, the one that holds the least). Pure NumPy.
 
 Example::
 
@@ -61,16 +75,28 @@ from tpipe.schedules import actions as actions_lib
 from tpipe.schedules import forward as forward_lib
 from tpipe.schedules import fused as fused_lib
 from tpipe.schedules import orders as orders_lib
+from tpipe.schedules.simulate import ring_links
+from tpipe.schedules.simulate import tick_costs
+from tpipe.schedules.simulate import tick_slack
 
 Action = actions_lib.Action
 IDLE = forward_lib.IDLE
 
-# How much longer than the shortest a table's step may be and still win on memory.
+# How much longer than the shortest a table's step may be and still win on memory: 1% of the
+# step, and at most 5% of the shortest table's bubble (the step less a stage's work), so a table
+# that holds less never wins by a bubble much larger than the best one's.
 TOLERANCE = 0.01
+BUBBLE_TOLERANCE = 0.05
 # How much longer than the costliest stage's tick a stage's may grow to fit a W or a second
 # forward: sums of measured costs that nearly tie (a GPU's F + BI and BI + W) should not flip
 # the packing (S = 8, M = 32 under an H200's timed costs: ZB-V 0.957 -> 0.872x GPipe's step).
 FILL_SLACK = 0.05
+# Micro-batch chunks per stage a table settled by settle_weights may leave awaiting W, per stage
+# of the pipeline (2 S; S = 8: 16, what the compound ZB-V tables hold already).
+WEIGHT_SLOTS = 2
+# How many of the fastest distinct tables build() settles, per placement: about all of a loop's
+# (each settles in milliseconds); a V's eight (S = 8, M = 32: 200 distinct tables of 512 W).
+SETTLED = {"loop": 64, "v": 8}
 # Per fused schedule: (placement, whether the backward is split into BI and W).
 SHAPES = {"1f1b": ("loop", False), "interleaved_1f1b": ("loop", False),
           "zb_h1": ("loop", True), "zbv": ("v", True)}
@@ -107,7 +133,7 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
          costs: Mapping[str, float], *, in_flight: int | None = None,
          weight_backlog: int = 1, deeper_first: bool = True, backward_first: bool = True,
          second_forward: bool = False, light_ramp: bool = False,
-         delays=None) -> fused_lib.FusedSchedule:
+         weight_hold: int | None = None, delays=None) -> fused_lib.FusedSchedule:
   """Schedule ``name`` laid out in compound ticks for ``costs`` (see the module docstring).
 
   Args:
@@ -131,6 +157,13 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
       other forward waits for the backward), so a backward alone, two forwards, or a forward
       and ``W`` make every stage's tick cost about the same while the stages ahead of the
       backward can run only forwards.
+    weight_hold: split backward only: a stage runs no ``W`` beside an ``F`` or a backward
+      (unless more than ``weight_backlog`` wait) until ``weight_hold`` ticks after the first
+      backward reached model chunk 0; from that tick on, every stage runs one ``W`` with them
+      each tick, and fills as before. Every stage switches in the same tick, so the steady
+      ticks cost ``F + BI + W`` on all stages at once. (Switched on stage by stage, each
+      stage's first such tick waits for its neighbour's: a wave that costs a ``W`` per hop.)
+      None: ``W`` as the fill rule and ``weight_backlog`` say from the start.
     delays: per link, 0 or 1 extra tick (:func:`~tpipe.schedules.actions.link_delays`).
 
   Returns:
@@ -154,6 +187,7 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
   remaining = num_stages * num_chunks * num_microbatches * (3 if split else 2)
   ticks = []
   ramp = light_ramp  # Until the first backward is back at model chunk 0.
+  release = None  # With weight_hold: the first tick every stage runs W beside its other work.
 
   def arrived(key, v, t):  # A message's result, there by tick t.
     return key in done and done[key] + 1 + int(hops[min(key[2], v)]) <= t
@@ -162,6 +196,15 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
     if kind == Action.F:
       return int(links[v]) if v < num_virtual - 1 else None
     return -int(links[v - 1]) if v > 0 else None
+
+  def run_weight(s):  # Stage s runs its oldest pending W in this tick.
+    nonlocal remaining
+    m, c = pending_w[s].pop(0)
+    row[s].append((Action.W, m, c))
+    spent[s] += costs["W"]
+    done[("W", m, int(vstage[s, c]))] = t
+    holding[s] -= 1
+    remaining -= 1
 
   while remaining:
     t = len(ticks)
@@ -222,6 +265,8 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
         done[(actions_lib.EVENT[kind], m, v)] = t
         remaining -= 1
         ramp = ramp and not (kind == back and v == 0)
+        if weight_hold is not None and release is None and kind == back and v == 0:
+          release = t + 1 + weight_hold
         if kind == Action.F:
           next_forward[s][c] += 1
           holding[s] += 1
@@ -241,31 +286,123 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
         holding[s] += 1
         forwarded[s].append((m, c))
         remaining -= 1
-      while pending_w[s] and (spent[s] + costs["W"] <= busiest * (1 + FILL_SLACK)
+
+    worked = [bool(work) for work in row]
+    held = weight_hold is not None and (release is None or t < release)
+    if weight_hold is not None and not held:
+      for s in range(num_stages):
+        if worked[s] and pending_w[s]:
+          run_weight(s)
+      busiest = max(spent)
+    for s, work in enumerate(row):
+      while pending_w[s] and ((spent[s] + costs["W"] <= busiest * (1 + FILL_SLACK)
+                               and not (held and worked[s]))
                               or len(pending_w[s]) > weight_backlog or not work):
-        m, c = pending_w[s].pop(0)
-        work.append((Action.W, m, c))
-        spent[s] += costs["W"]
-        done[("W", m, int(vstage[s, c]))] = t
-        holding[s] -= 1
-        remaining -= 1
+        run_weight(s)
     ticks.append(row)
   return fused_lib.from_ticks(name, num_stages, num_microbatches, num_chunks, placement, ticks,
                               delays=delays)
 
 
+def settle_weights(table: fused_lib.FusedSchedule, costs: Mapping[str, float],
+                   weight_slots: int | None = None, transfer=None) -> fused_lib.FusedSchedule:
+  """``table`` with its ``W`` moved where they cost the step nothing: one at a time, from an
+  entry that sets the neighbour-synchronised step (no slack) to the entry of the same stage
+  with the most slack that fits it (:func:`tpipe.schedules.simulate.tick_slack`), never before
+  its ``BI``, and never so late that a stage would hold more micro-batch chunks awaiting ``W``
+  than ``weight_slots`` or the table's busiest stage does (nor more in flight than the table's
+  peak and those extra slots); a tick after the last is free to take them. Each move leaves
+  the step as long or shorter (the ``W`` fits its new entry's slack, and taking work off an
+  entry lengthens nothing), so the result is never slower. Each ``W`` moves
+  once at most (the costliest entries' first); it stops when no ``W`` on the chain can move.
+
+  Args:
+    table: a split-backward :class:`~tpipe.schedules.FusedSchedule` (``BI`` and ``W``).
+    costs: per-action costs (:func:`check_costs`).
+    weight_slots: how many micro-batch chunks awaiting ``W`` a stage may hold; None: as many as
+      the table's busiest stage does.
+    transfer: per link (or one number): the exchange time, as in
+      :func:`~tpipe.schedules.simulate.linked_time`; None: instant.
+  """
+  costs = check_costs(costs, split=True)
+  num_stages, num_ticks = table.num_stages, table.num_ticks + 1
+  local = {(s, int(v)): c for s in range(num_stages)
+           for c, v in enumerate(table.virtual_stage[s])}
+  ticks = [[[] for _ in range(num_stages)] for _ in range(num_ticks)]
+  first, back, at = {}, {}, {}  # (s, m, c) -> the tick of its F, its BI, its W.
+  for t, s, kind, m, v in table.actions():
+    key = (s, m, local[(s, v)])
+    ticks[t][s].append((Action[kind], m, key[2]))
+    {"F": first, "BI": back, "W": at}[kind][key] = t
+  weights = list(at)
+  held = np.zeros((num_ticks, num_stages), np.int64)  # In flight (F .. W), ticks included.
+  waiting = np.zeros((num_ticks, num_stages), np.int64)  # Awaiting W (BI .. W).
+  for key, t in at.items():
+    held[first[key]:t + 1, key[0]] += 1
+    waiting[back[key]:t + 1, key[0]] += 1
+  waiting_cap = max(int(waiting.max()), weight_slots or 0)
+  held_cap = held.max() + waiting_cap - waiting.max()
+  cost = tick_costs(table, costs)
+  cost = np.concatenate([cost, np.zeros((1, num_stages))])
+  links = ring_links(num_stages, table.num_chunks > 1)
+  weight, moved = costs["W"], set()
+  while True:
+    slack = tick_slack(cost, links, transfer, table.delays)
+    move = None
+    for key in sorted(weights, key=lambda k: (-cost[at[k], k[0]], at[k], k)):
+      s, t = key[0], at[key]
+      if slack[t, s] > 1e-9 * weight or key in moved:
+        continue  # Not on the step's chain, or moved already.
+      fits = []
+      for u in range(back[key], num_ticks):
+        if u == t or slack[u, s] < weight * (1 - 1e-9):
+          continue
+        later = slice(t + 1, u + 1)  # Moved later, the chunk stays held through tick u.
+        if u < t or (held[later, s].max() < held_cap and waiting[later, s].max() < waiting_cap):
+          fits.append((slack[u, s], -u))
+      if fits:
+        move = key, t, -max(fits)[1]
+        break
+    if move is None:
+      break
+    key, t, u = move
+    s, entry = key[0], (Action.W,) + key[1:]
+    ticks[t][s].remove(entry)
+    ticks[u][s].append(entry)
+    ticks[u][s].sort(key=lambda action: action[0] == Action.W)  # W after the tick's BI.
+    cost[t, s] -= weight
+    cost[u, s] += weight
+    step, span = (1, slice(t + 1, u + 1)) if u > t else (-1, slice(u + 1, t + 1))
+    held[span, s] += step
+    waiting[span, s] += step
+    at[key] = u
+    moved.add(key)
+  while not any(ticks[-1]):
+    ticks.pop()
+  return fused_lib.from_ticks(table.name, num_stages, table.num_microbatches, table.num_chunks,
+                              table.placement, ticks, delays=table.delays)
+
+
 def candidates(name: str, num_stages: int):
   """The settings :func:`build` tries, as :func:`pack` keywords (second forwards and the light
-  ramp for the V placement only). Every cap is set by S, so whichever wins, memory stays flat
-  in M."""
+  ramp for the V placement only; weight holds of 0 and V - 1 ticks, V the model's chunks, for
+  a split backward). Every cap is set by S, so whichever wins, memory stays flat in M."""
   placement, split = SHAPES[name]
   extra = sorted({0, 2, max(1, num_stages // 2), num_stages})
   backlog = sorted({1, 4, 2 * num_stages}) if split else [0]
   v_only = (False, True) if placement == "v" else (False,)
-  return [dict(in_flight=e, weight_backlog=b, deeper_first=d, backward_first=f, second_forward=x,
-               light_ramp=r)
-          for e, b, d, f, x, r in itertools.product(extra, backlog, (True, False), (True, False),
-                                                    v_only, v_only)]
+  out = [dict(in_flight=e, weight_backlog=b, deeper_first=d, backward_first=f, second_forward=x,
+              light_ramp=r)
+         for e, b, d, f, x, r in itertools.product(extra, backlog, (True, False), (True, False),
+                                                   v_only, v_only)]
+  if split:  # W held for 0 or V - 1 ticks after the ramp (V: chunks of the model).
+    chunks = num_stages * (2 if placement == "v" else 1)
+    out += [dict(in_flight=e, weight_backlog=2 * chunks + h, deeper_first=d, backward_first=f,
+                 second_forward=x, light_ramp=r, weight_hold=h)
+            for h, e, d, f, x, r in itertools.product(
+                (0, chunks - 1), (chunks, 2 * chunks), (True, False), (True, False), v_only,
+                v_only)]
+  return out
 
 
 def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str, float],
@@ -273,9 +410,11 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   """The table of fused schedule ``name`` with the shortest neighbour-synchronised step under
   ``costs``, from :func:`pack` with each of :func:`candidates` (for the V, the fastest of them
   again with each smaller weight backlog down to the next one tried) and the one-action-per-tick
-  table; among the tables within :data:`TOLERANCE` of the shortest, the one with the fewest
-  weight slots (micro-batches awaiting ``W``), then the fewest micro-batch chunks in flight,
-  then the fewest ticks.
+  table, and (split backward) the :data:`SETTLED` fastest distinct of them again with their
+  weights settled (:func:`settle_weights`, at most :data:`WEIGHT_SLOTS` S awaiting ``W``);
+  among the tables within :data:`TOLERANCE` of the shortest step and
+  :data:`BUBBLE_TOLERANCE` of its bubble, the one with the fewest weight slots (micro-batches
+  awaiting ``W``), then the fewest micro-batch chunks in flight, then the fewest ticks.
 
   Args:
     name: ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
@@ -310,11 +449,22 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
       steps.append(round(tables[-1].simulate(costs).neighbour, 9))
   tables.insert(0, plain)
   steps.insert(0, round(plain.simulate(costs).neighbour, 9))
+  if split:  # The fastest distinct tables again with their W settled.
+    distinct = {}
+    for i in sorted(range(len(tables)), key=lambda i: (steps[i], i)):
+      distinct.setdefault(tuple(tables[i].actions()), i)
+    fastest = list(distinct.values())[:SETTLED[placement]]
+    settled = [settle_weights(tables[i], costs, WEIGHT_SLOTS * num_stages) for i in fastest]
+    tables += settled
+    steps += [round(table.simulate(costs).neighbour, 9) for table in settled]
 
   # Weight slots hold whole activations (a micro-batch awaiting W keeps its operations' inputs
   # and output gradients): among tables within 1% of the shortest step, the fewest of them,
   # then the fewest micro-batch chunks in flight, then the fewest ticks.
+  shortest = min(steps)
+  work = float(plain.simulate(costs).busy.max())
+  limit = shortest + min(TOLERANCE * shortest, BUBBLE_TOLERANCE * (shortest - work))
   near = [(int(table.awaiting_weight().max()), int(table.peak_in_flight().max()),
            table.num_ticks, step, i) for i, (table, step) in enumerate(zip(tables, steps))
-          if step <= min(steps) * (1 + TOLERANCE)]
+          if step <= limit + 1e-9 * shortest]
   return tables[min(near)[-1]]
