@@ -8,8 +8,10 @@ Run from the repository root (pure NumPy and SciPy; nothing compiles)::
 Issue 19 asks that, at S = 8 and M in {8, 32}, the neighbour-synchronised bubble of every fused
 schedule's table built for measured per-action costs come within 1.15x of the schedule's
 dependency-driven (natural) bubble. The builder (:mod:`tpipe.schedules.compound`) lays forwards
-and backwards out tick by tick and fills ``W`` where a stage's tick stays within the costliest
-stage's. This script asks how much of the gap is where the ``W`` run: for each table the builder
+and backwards out tick by tick, fills ``W`` where a stage's tick stays within the costliest
+stage's (or holds them until every stage can run one each tick), and then moves the ``W`` on
+the step's chain into slack. This script asks how much is left in where the ``W`` run: for each
+table the builder
 considers (its one-action table and its distinct compound packings, the three with the shortest
 step), it keeps every ``F`` and ``BI`` at its tick, drops the ticks left without one, and places
 every ``W`` anew by a mixed-integer program (``scipy.optimize.milp``, HiGHS): each ``W`` at or
