@@ -36,7 +36,8 @@ Where ``W`` goes sets most of what a split backward loses to neighbour synchroni
   each tick. All stages switch in the same tick, so the steady ticks cost ``F + BI + W``
   everywhere at once; switched on stage by stage, each stage's first such tick waits for its
   neighbour's, a wave that costs a ``W`` per hop (ZB-H1, S = 8, M = 32, measured LM costs: the
-  step is the one-action table's natural one, where the weight backlog's way made it 1.23x).
+  step is the one-action table's natural one; switched by the weight backlog, the bubble was
+  1.23x the natural one).
 * *Settled weights* (:func:`settle_weights`): after packing, each ``W`` on the chain of ticks
   that sets the step moves to the tick of its stage with the most slack
   (:func:`tpipe.schedules.simulate.tick_slack`), which never lengthens the step (ZB-H1,
