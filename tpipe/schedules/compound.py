@@ -31,7 +31,7 @@ wait (S = 8, M = 32, measured LM costs: neighbour-synchronised bubble 0.071 -> 0
 
 Where ``W`` goes sets most of what a split backward loses to neighbour synchronisation:
 
-* *Held weights* (``weight_hold``): no stage runs ``W`` beside its other work until a number of
+* *Held weights* (``weight_hold``): no stage runs ``W`` beside its other work until some
   ticks after the first backward reached model chunk 0, and from then on every stage runs one
   each tick. All stages switch in the same tick, so the steady ticks cost ``F + BI + W``
   everywhere at once; switched on stage by stage, each stage's first such tick waits for its
@@ -93,10 +93,11 @@ BUBBLE_TOLERANCE = 0.05
 # the packing (S = 8, M = 32 under an H200's timed costs: ZB-V 0.957 -> 0.872x GPipe's step).
 FILL_SLACK = 0.05
 # Micro-batch chunks per stage a table settled by settle_weights may leave awaiting W, per stage
-# of the pipeline (2 S; S = 8: 16, what the compound ZB-V tables hold already).
+# of the pipeline, unless the table holds more already (2 S; S = 8: 16).
 WEIGHT_SLOTS = 2
 # How many of the fastest distinct tables build() settles, per placement: about all of a loop's
-# (each settles in milliseconds); a V's eight (S = 8, M = 32: 200 distinct tables of 512 W).
+# (S = 8, M = 32: 0.04 s each, 1.9 s the whole build); a V's eight (S = 8, M = 32: 200 distinct
+# tables of 512 W, about 0.5 s each).
 SETTLED = {"loop": 64, "v": 8}
 # Per fused schedule: (placement, whether the backward is split into BI and W).
 SHAPES = {"1f1b": ("loop", False), "interleaved_1f1b": ("loop", False),
@@ -159,12 +160,13 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
       and ``W`` make every stage's tick cost about the same while the stages ahead of the
       backward can run only forwards.
     weight_hold: split backward only: a stage runs no ``W`` beside an ``F`` or a backward
-      (unless more than ``weight_backlog`` wait) until ``weight_hold`` ticks after the first
-      backward reached model chunk 0; from that tick on, every stage runs one ``W`` with them
-      each tick, and fills as before. Every stage switches in the same tick, so the steady
-      ticks cost ``F + BI + W`` on all stages at once. (Switched on stage by stage, each
-      stage's first such tick waits for its neighbour's: a wave that costs a ``W`` per hop.)
-      None: ``W`` as the fill rule and ``weight_backlog`` say from the start.
+      (unless more than ``weight_backlog`` wait) until the ``weight_hold + 1``-th tick after
+      the one in which the first backward reached model chunk 0; from that tick on, every
+      stage runs one ``W`` with them each tick, and fills as before. Every stage switches in
+      the same tick, so the steady ticks cost ``F + BI + W`` on all stages at once. (Switched
+      on stage by stage, each stage's first such tick waits for its neighbour's: a wave that
+      costs a ``W`` per hop.) None: ``W`` as the fill rule and ``weight_backlog`` say from the
+      start.
     delays: per link, 0 or 1 extra tick (:func:`~tpipe.schedules.actions.link_delays`).
 
   Returns:
@@ -320,8 +322,8 @@ def settle_weights(table: fused_lib.FusedSchedule, costs: Mapping[str, float],
   Args:
     table: a split-backward :class:`~tpipe.schedules.FusedSchedule` (``BI`` and ``W``).
     costs: per-action costs (:func:`check_costs`).
-    weight_slots: how many micro-batch chunks awaiting ``W`` a stage may hold; None: as many as
-      the table's busiest stage does.
+    weight_slots: how many micro-batch chunks awaiting ``W`` a stage may hold where the
+      table's busiest stage holds fewer (else as many as it does); None: as many as it does.
     transfer: per link (or one number): the exchange time, as in
       :func:`~tpipe.schedules.simulate.linked_time`; None: instant.
   """
@@ -412,7 +414,8 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   ``costs``, from :func:`pack` with each of :func:`candidates` (for the V, the fastest of them
   again with each smaller weight backlog down to the next one tried) and the one-action-per-tick
   table, and (split backward) the :data:`SETTLED` fastest distinct of them again with their
-  weights settled (:func:`settle_weights`, at most :data:`WEIGHT_SLOTS` S awaiting ``W``);
+  weights settled (:func:`settle_weights`, with up to :data:`WEIGHT_SLOTS` S awaiting ``W``
+  where the table held fewer);
   among the tables within :data:`TOLERANCE` of the shortest step and
   :data:`BUBBLE_TOLERANCE` of its bubble, the one with the fewest weight slots (micro-batches
   awaiting ``W``), then the fewest micro-batch chunks in flight, then the fewest ticks.
@@ -460,8 +463,8 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
     steps += [round(table.simulate(costs).neighbour, 9) for table in settled]
 
   # Weight slots hold whole activations (a micro-batch awaiting W keeps its operations' inputs
-  # and output gradients): among tables within 1% of the shortest step, the fewest of them,
-  # then the fewest micro-batch chunks in flight, then the fewest ticks.
+  # and output gradients): among tables within 1% of the shortest step and 5% of its bubble,
+  # the fewest of them, then the fewest micro-batch chunks in flight, then the fewest ticks.
   shortest = min(steps)
   work = float(plain.simulate(costs).busy.max())
   limit = shortest + min(TOLERANCE * shortest, BUBBLE_TOLERANCE * (shortest - work))

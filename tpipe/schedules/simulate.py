@@ -218,7 +218,7 @@ def tick_slack(cost: np.ndarray, links, transfer=None, delays=None) -> np.ndarra
     return np.zeros(cost.shape)
   num_stages = cost.shape[1]
   latest_end = np.empty(cost.shape)  # The latest each entry may end, and start (below).
-  latest_end[-1] = (starts[-1] + cost[-1]).max()
+  latest_end[-1] = (starts + cost).max()  # The step (the last tick's end, costs being >= 0).
   latest_start = latest_end[-1] - cost[-1]
   for t in range(cost.shape[0] - 2, -1, -1):
     end_by = latest_start.copy()  # Each stage's own next tick waits for this one's end.
