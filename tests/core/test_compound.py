@@ -43,6 +43,24 @@ def test_compound_ticks_equal_sequential(name, schedule, stages, microbatches, r
   lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))
 
 
+def test_held_and_settled_weights_equal_sequential():
+  """A ZB-H1 table whose W the builder held (weight_hold) and then moved into slack
+  (settle_weights) runs exactly: costs with BI 2.3 forwards build one at S = 4, M = 4, its W in
+  ticks the packing rules alone never put them in."""
+  compound = tpipe.schedules.compound
+  costs = {"F": 1.0, "BI": 2.3, "W": 1.0}
+  mesh = lm.emulated_mesh(4)
+  model = lm.loss_sequential("mlp", "zb_h1", mesh, 4, "full", tick_costs=costs)
+  table = model.spec.table
+  packed = [compound.pack("zb_h1", 4, 4, 1, costs, **settings)
+            for settings in compound.candidates("zb_h1", 4)]
+  assert all(p.actions() != table.actions() for p in packed)  # Settled, not packed.
+  assert any(settings.get("weight_hold") is not None
+             and compound.settle_weights(p, costs, 8).actions() == table.actions()
+             for settings, p in zip(compound.candidates("zb_h1", 4), packed))
+  lm.assert_loss_equals_sequential(model, "mlp", 4 * 2)
+
+
 def test_compound_tick_sends_once_per_tick():
   """The tick loop runs one switch per lane of the table (and a conditional of its own per
   backward adding into the sums by units where a lane holds several,

@@ -223,6 +223,9 @@ def test_weights_held_until_every_stage_can_run_one_each_tick(costs):
                  if t < release)
   steady = [kinds for (t, _), kinds in work.items() if t >= release and {"F", "BI"} <= kinds]
   assert steady and all("W" in kinds for kinds in steady)
+  for bad, name in ((-1, "zb_h1"), (1.5, "zb_h1"), (2, "1f1b")):
+    with pytest.raises(ValueError, match="weight_hold must be None or an int >= 0"):
+      compound.pack(name, 4, 4, 1, costs if name == "zb_h1" else COSTS, weight_hold=bad)
 
 
 def test_settled_weights_never_lengthen_the_step_nor_raise_memory():

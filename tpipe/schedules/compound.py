@@ -174,6 +174,10 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
   """
   placement, split = SHAPES[name]
   costs = check_costs(costs, split)
+  if weight_hold is not None and (isinstance(weight_hold, bool) or not isinstance(weight_hold, int)
+                                  or weight_hold < 0 or not split):
+    raise ValueError(f"weight_hold must be None or an int >= 0, for a split backward (zb_h1, "
+                     f"zbv); got weight_hold={weight_hold!r} for {name!r}.")
   vstage = actions_lib.virtual_stages(placement, num_stages, num_chunks)
   num_virtual = num_stages * num_chunks
   hops = actions_lib.hop_delays(placement, num_stages, num_chunks, delays)
@@ -316,8 +320,8 @@ def settle_weights(table: fused_lib.FusedSchedule, costs: Mapping[str, float],
   than ``weight_slots`` or the table's busiest stage does (nor more in flight than the table's
   peak and those extra slots); a tick after the last is free to take them. Each move leaves
   the step as long or shorter (the ``W`` fits its new entry's slack, and taking work off an
-  entry lengthens nothing), so the result is never slower. Each ``W`` moves
-  once at most (the costliest entries' first); it stops when no ``W`` on the chain can move.
+  entry lengthens nothing), so the result is never slower. Each ``W`` moves once at most (the
+  costliest entries' first); it stops when no ``W`` on the chain can move.
 
   Args:
     table: a split-backward :class:`~tpipe.schedules.FusedSchedule` (``BI`` and ``W``).
@@ -329,12 +333,11 @@ def settle_weights(table: fused_lib.FusedSchedule, costs: Mapping[str, float],
   """
   costs = check_costs(costs, split=True)
   num_stages, num_ticks = table.num_stages, table.num_ticks + 1
-  local = {(s, int(v)): c for s in range(num_stages)
-           for c, v in enumerate(table.virtual_stage[s])}
+  _, chunk_of = actions_lib.placement_of(table.virtual_stage)
   ticks = [[[] for _ in range(num_stages)] for _ in range(num_ticks)]
   first, back, at = {}, {}, {}  # (s, m, c) -> the tick of its F, its BI, its W.
   for t, s, kind, m, v in table.actions():
-    key = (s, m, local[(s, v)])
+    key = (s, m, int(chunk_of[v]))
     ticks[t][s].append((Action[kind], m, key[2]))
     {"F": first, "BI": back, "W": at}[kind][key] = t
   weights = list(at)
@@ -351,11 +354,11 @@ def settle_weights(table: fused_lib.FusedSchedule, costs: Mapping[str, float],
   weight, moved = costs["W"], set()
   while True:
     slack = tick_slack(cost, links, transfer, table.delays)
+    on_chain = [key for key in weights  # Not moved yet, in an entry with no slack.
+                if key not in moved and slack[at[key], key[0]] <= 1e-9 * weight]
     move = None
-    for key in sorted(weights, key=lambda k: (-cost[at[k], k[0]], at[k], k)):
+    for key in sorted(on_chain, key=lambda k: (-cost[at[k], k[0]], at[k], k)):
       s, t = key[0], at[key]
-      if slack[t, s] > 1e-9 * weight or key in moved:
-        continue  # Not on the step's chain, or moved already.
       fits = []
       for u in range(back[key], num_ticks):
         if u == t or slack[u, s] < weight * (1 - 1e-9):
@@ -415,10 +418,10 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   again with each smaller weight backlog down to the next one tried) and the one-action-per-tick
   table, and (split backward) the :data:`SETTLED` fastest distinct of them again with their
   weights settled (:func:`settle_weights`, with up to :data:`WEIGHT_SLOTS` S awaiting ``W``
-  where the table held fewer);
-  among the tables within :data:`TOLERANCE` of the shortest step and
-  :data:`BUBBLE_TOLERANCE` of its bubble, the one with the fewest weight slots (micro-batches
-  awaiting ``W``), then the fewest micro-batch chunks in flight, then the fewest ticks.
+  where the table held fewer); among the tables within :data:`TOLERANCE` of the shortest step
+  and :data:`BUBBLE_TOLERANCE` of its bubble, the one with the fewest weight slots
+  (micro-batches awaiting ``W``), then the fewest micro-batch chunks in flight, then the fewest
+  ticks.
 
   Args:
     name: ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
@@ -451,8 +454,9 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
       tables.append(pack(name, num_stages, num_microbatches, chunks, costs, delays=delays,
                          **dict(fastest, weight_backlog=backlog)))
       steps.append(round(tables[-1].simulate(costs).neighbour, 9))
+  plain_timing = plain.simulate(costs)
   tables.insert(0, plain)
-  steps.insert(0, round(plain.simulate(costs).neighbour, 9))
+  steps.insert(0, round(plain_timing.neighbour, 9))
   if split:  # The fastest distinct tables again with their W settled.
     distinct = {}
     for i in sorted(range(len(tables)), key=lambda i: (steps[i], i)):
@@ -466,7 +470,7 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   # and output gradients): among tables within 1% of the shortest step and 5% of its bubble,
   # the fewest of them, then the fewest micro-batch chunks in flight, then the fewest ticks.
   shortest = min(steps)
-  work = float(plain.simulate(costs).busy.max())
+  work = float(plain_timing.busy.max())  # A stage's work: the same in every table.
   limit = shortest + min(TOLERANCE * shortest, BUBBLE_TOLERANCE * (shortest - work))
   near = [(int(table.awaiting_weight().max()), int(table.peak_in_flight().max()),
            table.num_ticks, step, i) for i, (table, step) in enumerate(zip(tables, steps))

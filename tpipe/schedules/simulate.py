@@ -180,7 +180,7 @@ def linked_time(cost: np.ndarray, links, transfer=None, delays=None) -> float:
 def tick_starts(cost: np.ndarray, links, transfer=None, delays=None) -> np.ndarray:
   """``[T, S]``: when each stage starts each tick in the neighbour-synchronised model of
   :func:`linked_time` (same arguments and errors); a timeline draws the ticks there."""
-  return _timeline(cost, links, transfer, delays)[0]
+  return _timeline(*_checked(cost, links, transfer, delays))[0]
 
 
 def critical_path(cost: np.ndarray, links, transfer=None, delays=None) -> list[tuple[int, int]]:
@@ -191,8 +191,8 @@ def critical_path(cost: np.ndarray, links, transfer=None, delays=None) -> list[t
   (the neighbour's start, over a delayed link, whose cost then is not on the chain); zero-cost
   entries are left out. Where a step is longer than the work of any one stage, the chain shows
   what adds up: which ticks, on which stages, the step waits for."""
+  cost, links, transfer, delays = _checked(cost, links, transfer, delays)
   starts, waited = _timeline(cost, links, transfer, delays, record=True)
-  cost = np.asarray(cost, np.float64)
   if cost.size == 0:
     return []
   t, s = cost.shape[0] - 1, int(np.argmax(starts[-1] + cost[-1]))
@@ -250,11 +250,11 @@ def _checked(cost, links, transfer, delays):
   return cost, links, transfer, actions_lib.link_delays(delays, num_stages)
 
 
-def _timeline(cost, links, transfer=None, delays=None, record: bool = False):
-  """``(starts [T, S], waited)``: :func:`tick_starts`, and with ``record`` what each start
-  waited for, ``[T, S, 2]``: the stage whose tick before set it (the stage itself on a tie)
-  and 1 where that tick's end set it, 0 where its start did (a delayed link); else None."""
-  cost, links, transfer, delays = _checked(cost, links, transfer, delays)
+def _timeline(cost, links, transfer, delays, record: bool = False):
+  """``(starts [T, S], waited)``: :func:`tick_starts` of arguments :func:`_checked` gave, and
+  with ``record`` what each start waited for, ``[T, S, 2]``: the stage whose tick before set it
+  (the stage itself on a tie) and 1 where that tick's end set it, 0 where its start did (a
+  delayed link); else None."""
   num_stages = cost.shape[1]
   starts = np.zeros(cost.shape)
   waited = np.zeros(cost.shape + (2,), np.int64) if record else None
