@@ -48,6 +48,7 @@ ZB-H1's analytic bubble with costs ``F``, ``BI``, ``W`` (Qi et al., 2024): the f
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import jax
@@ -212,6 +213,7 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...],
   except ValueError as error:  # No TPU compiler here (libtpu comes with the test extra).
     tpu_lines, tpu = [f"(TPU per-action costs skipped: {error})"], None
   lines += [""] + tpu_lines + [""] + compound_table(stages, measured, tpu)
+  lines += [""] + search_table(stages, measured, tpu)
   return lines, measured
 
 
@@ -404,6 +406,45 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
           f"{timing.neighbour / reference:.3f} | "
           f"{'-' if plain is None else f'{plain.neighbour / reference:.3f}'} | "
           f"{chain_by_kind(table, costs) if fused else '-'} |")
+  return lines
+
+
+def search_table(stages: int, measured, tpu) -> list[str]:
+  """The compound tables again with the exact window search (``tick_search``,
+  :mod:`tpipe.schedules.refine`): 1F1B and ZB-H1 under every cost set, ZB-V at M = 8 under the
+  FLOP-based ones (a V table's windows hold twice the actions: minutes each)."""
+  lines = [f"### Exact window search (S = {stages}): `tick_search=1`", "",
+           "Each table above searched again (`tpipe.schedules.build(..., costs=, search=1)`: "
+           "the actions of six ticks at a time re-placed by a mixed-integer program, one round "
+           "of windows after another while a round finds a shorter step or, as long, one whose "
+           "ticks end earlier; never longer, never more stash or weight slots on any stage). "
+           "Bubble ratio: the neighbour-synchronised bubble over the schedule's natural one "
+           "(its one-action table's), before and after; seconds: the search's wall time on "
+           "this 2-core machine.", "",
+           "| costs | schedule | M | bubble ratio: builder | searched | step / GPipe's: builder "
+           "| searched | in flight (peak): builder / searched | weight slots | seconds |",
+           "|---|" + "---|" * 9]
+  gpipe_costs = {m: c for name, _, m, c in measured if name == "gpipe"}
+  for label, costs_of in cost_sets(tpu):
+    for name, repeats, m, measured_costs in measured:
+      v_skipped = name == "zbv" and (m != min(gpipe_costs) or not label.startswith("FLOPs"))
+      if name not in ("1f1b", "zb_h1", "zbv") or v_skipped:
+        continue
+      costs = costs_of(measured_costs, repeats)
+      gpipe = tpipe.schedules.whole_step(tpipe.schedules.build("gpipe", stages, m))
+      reference = gpipe.simulate(costs_of(gpipe_costs[m], 1)).neighbour
+      plain = tpipe.schedules.build(name, stages, m, repeats).simulate(costs)
+      built = tpipe.schedules.build(name, stages, m, repeats, costs=costs)
+      start = time.perf_counter()
+      searched = tpipe.schedules.build(name, stages, m, repeats, costs=costs, search=1)
+      seconds = time.perf_counter() - start
+      before, after = built.simulate(costs), searched.simulate(costs)
+      slots = lambda t: int(t.awaiting_weight().max())
+      lines.append(
+          f"| {label} | {name} | {m} | {ratio(before, plain)} | {ratio(after, plain)} | "
+          f"{before.neighbour / reference:.3f} | {after.neighbour / reference:.3f} | "
+          f"{int(built.peak_in_flight().max())} / {int(searched.peak_in_flight().max())} | "
+          f"{slots(built)} / {slots(searched)} | {seconds:.0f} |")
   return lines
 
 

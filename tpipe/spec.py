@@ -88,6 +88,11 @@ class PipelineSpec:
       the table is laid out in compound ticks (a forward, a backward and weight work in one
       tick, :mod:`tpipe.schedules.compound`) so that ticks cost the same on every stage; kept
       as a sorted tuple of ``(action, cost)`` pairs. None (default): one action per tick.
+    tick_search: with ``tick_costs``: sweeps of exact window search over the compound table
+      (:func:`tpipe.schedules.refine.refine`: the actions of six ticks at a time re-placed by a
+      mixed-integer program for a shorter neighbour-synchronised step, in no more memory).
+      It finds tables the builder's rules miss, at seconds (ZB-H1) to minutes (ZB-V) at S = 8,
+      once per process (tables are cached), the same on every host. 0 (default): none.
     weight_recompute: split backward only (``"zb_h1"``, ``"zbv"``): what ``W`` computes again
       rather than a micro-batch awaiting it keeping it. False (or ``"none"``): nothing; ``BI``
       files its weight operations' inputs and output gradients. ``"forward"`` (or True): ``W``
@@ -115,6 +120,7 @@ class PipelineSpec:
   transfer_delay: Any = None
   stream_inputs: bool = True
   tick_costs: Any = None
+  tick_search: int = 0
   weight_recompute: bool | str = False
   stage_axis: str = mesh_lib.STAGE_AXIS
   data_axis: str = mesh_lib.DATA_AXIS
@@ -141,6 +147,8 @@ class PipelineSpec:
     if not isinstance(self.stream_inputs, (bool, np.bool_)):
       raise TypeError(f"stream_inputs must be True or False, got {self.stream_inputs!r}.")
     object.__setattr__(self, "tick_costs", schedules.check_costs(self.tick_costs))
+    object.__setattr__(self, "tick_search",
+                       schedules.check_search(self.tick_search, self.tick_costs))
     object.__setattr__(self, "weight_recompute", check_weight_recompute(self.weight_recompute))
     if self.weight_recompute and self.schedule not in SPLIT_BACKWARD:
       raise ValueError(f"weight_recompute={self.weight_recompute!r} recomputes what W needs in a "
@@ -166,7 +174,7 @@ class PipelineSpec:
   def table(self) -> schedules.Schedule | schedules.FusedSchedule:
     """The schedule's table, from the cached factory :func:`tpipe.schedules.build`."""
     return schedules.build(self.schedule, self.num_stages, self.num_microbatches,
-                           self.num_repeats, self.delays, self.tick_costs)
+                           self.num_repeats, self.delays, self.tick_costs, self.tick_search)
 
   @property
   def delays(self) -> tuple[int, ...]:

@@ -43,6 +43,9 @@ def test_search_space_and_invalid_points():
   assert autotune._apply(config, valid[0]).tick_costs == ""
   fused = autotune.Candidate(2, 4, 2, "full", schedule="1f1b")
   assert autotune._apply(config, fused).tick_costs == "F=1,B=3"
+  config.tick_search = 1  # Nor a search over them.
+  assert autotune._apply(config, valid[0]).tick_search == 0
+  assert autotune._apply(config, fused).tick_search == 1
   with pytest.raises(ValueError, match="Unknown remat_granularity 'stage'"):
     autotune.candidates(config, 8, granularities=["chunk", "stage"])
   with pytest.raises(ValueError, match="remat_granularity must be >= 1"):

@@ -208,6 +208,10 @@ def test_init_state_and_steps(exp):
     (dict(tick_costs="F=1,B=3"), ValueError, r"config: costs lay fused schedules out"),
     (dict(schedule="1f1b", tick_costs="F=1,B=-3"), ValueError,
      r"costs\['B'\] must be finite and > 0"),
+    (dict(schedule="1f1b", tick_search=1), ValueError,
+     r"config: search=1 re-places .* pass costs \(tick_costs\) too"),
+    (dict(schedule="1f1b", tick_costs="F=1,B=3", tick_search=-1), ValueError,
+     r"must be >= 0 sweeps, got -1"),
 ])
 def test_bad_config_raises_before_tracing(overrides, error, match):
   with pytest.raises(error, match=match):
@@ -336,3 +340,10 @@ def test_config_tick_costs_give_compound_tables():
   assert spec.tick_costs == (("B", 3.0), ("BI", 2.0), ("F", 1.0), ("W", 1.0))
   assert spec.table.is_compound
   assert experiment.spec_from_config(_config(schedule="zbv", num_repeats=2)).tick_costs is None
+  costs = "F=403.4, BI=528.9, W=407.5"  # ZB-H1's measured costs under remat none.
+  searched = experiment.spec_from_config(_config(schedule="zb_h1", tick_costs=costs,
+                                                 tick_search=1))
+  assert searched.tick_search == 1
+  assert searched.table is tpipe.schedules.build("zb_h1", searched.num_stages,
+                                                 searched.num_microbatches, 1, None,
+                                                 searched.tick_costs, search=1)

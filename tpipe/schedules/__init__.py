@@ -10,6 +10,9 @@
   ZB-V) as per-stage action orders.
 * :mod:`~tpipe.schedules.compound`: the same schedules in compound ticks (a forward, a backward
   and weight work in one tick) for per-action costs, so ticks cost the same on every stage.
+* :mod:`~tpipe.schedules.refine`: exact search for a shorter neighbour-synchronised step, the
+  actions of a window of ticks re-placed at a time by a mixed-integer program (opt-in; seconds
+  to minutes).
 * :mod:`~tpipe.schedules.streaming`: how micro-batch inputs reach stage 0 one per tick from the
   stages that hold them (the conveyor table).
 * :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep,
@@ -33,6 +36,8 @@ Example::
 from __future__ import annotations
 
 import functools
+
+import numpy as np
 
 from tpipe.schedules.actions import Action
 from tpipe.schedules.actions import DEFAULT_COSTS
@@ -66,6 +71,7 @@ from tpipe.schedules.streaming import InputStream
 from tpipe.schedules.streaming import first_stage_reads
 from tpipe.schedules.streaming import input_stream
 from tpipe.schedules import compound as _compound
+from tpipe.schedules import refine as _refine
 from tpipe.schedules import forward as _forward
 from tpipe.schedules import orders as _orders
 
@@ -81,11 +87,11 @@ _FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
 __all__ = [
     "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
     "InputStream", "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "action_costs", "build",
-    "check_costs", "circular", "critical_path", "exchange_partners", "first_stage_reads",
-    "from_forward", "from_ticks", "gpipe", "input_stream", "interleaved_1f1b", "is_fused",
-    "link_delays", "linked_time", "make_fused_schedule", "make_schedule", "neighbour_time",
-    "one_f_one_b", "place", "placement", "ring_links", "simulate", "tick_slack", "tick_starts",
-    "virtual_stages", "whole_step", "zb_h1", "zbv",
+    "check_costs", "check_search", "circular", "critical_path", "exchange_partners",
+    "first_stage_reads", "from_forward", "from_ticks", "gpipe", "input_stream",
+    "interleaved_1f1b", "is_fused", "link_delays", "linked_time", "make_fused_schedule",
+    "make_schedule", "neighbour_time", "one_f_one_b", "place", "placement", "ring_links",
+    "simulate", "tick_slack", "tick_starts", "virtual_stages", "whole_step", "zb_h1", "zbv",
 ]
 
 
@@ -116,6 +122,25 @@ def check_costs(costs) -> tuple[tuple[str, float], ...] | None:
   return tuple(sorted(_compound.check_costs(costs).items()))
 
 
+def check_search(search, costs) -> int:
+  """``search`` (sweeps of :func:`tpipe.schedules.refine.refine` over a compound table) as an
+  int >= 0.
+
+  Raises:
+    TypeError: not an int.
+    ValueError: negative, or > 0 without costs (the search minimises the step under them).
+  """
+  if isinstance(search, bool) or not isinstance(search, (int, np.integer)):
+    raise TypeError(f"search (tick_search) must be an int >= 0, sweeps of exact window search; "
+                    f"got {search!r}.")
+  if search < 0:
+    raise ValueError(f"search (tick_search) must be >= 0 sweeps, got {search}.")
+  if search and costs is None:
+    raise ValueError(f"search={search} re-places a compound table's actions for a shorter step "
+                     "under its per-action costs; pass costs (tick_costs) too, or search=0.")
+  return int(search)
+
+
 def _check_name(name) -> None:
   if not isinstance(name, str) or name not in NAMES:
     raise ValueError(f"Unknown schedule {name!r}; choose one of {SCHEDULE_NAMES} (forward) or "
@@ -123,7 +148,8 @@ def _check_name(name) -> None:
 
 
 def build(name: str, num_stages: int, num_microbatches: int,
-          num_repeats: int = 1, delays=None, costs=None) -> Schedule | FusedSchedule:
+          num_repeats: int = 1, delays=None, costs=None, search: int = 0
+          ) -> Schedule | FusedSchedule:
   """The table of schedule ``name``, cached: the one factory every caller uses.
 
   Args:
@@ -139,6 +165,10 @@ def build(name: str, num_stages: int, num_microbatches: int,
       ``"BI"`` and ``"W"`` for the zero-bubble schedules): the table in compound ticks with
       the shortest neighbour-synchronised step under them (:func:`tpipe.schedules.compound.build`);
       None: one action per tick, the papers' tables.
+    search: with ``costs``: sweeps of exact window search over that table
+      (:func:`tpipe.schedules.refine.refine`), which can shorten its neighbour-synchronised
+      step where no rule of the builder's finds the table (seconds to minutes at S = 8); 0:
+      none.
 
   Returns:
     A :class:`Schedule` (forward schedules) or a :class:`FusedSchedule`, read-only.
@@ -158,11 +188,12 @@ def build(name: str, num_stages: int, num_microbatches: int,
   if costs is not None and name in SCHEDULE_NAMES:
     raise ValueError(f"costs lay fused schedules out in compound ticks; schedule={name!r} is a "
                      "forward schedule (its ticks cost the same already): pass costs=None.")
-  return _build(name, num_stages, num_microbatches, num_repeats, delays, costs)
+  search = check_search(search, costs)
+  return _build(name, num_stages, num_microbatches, num_repeats, delays, costs, search)
 
 
 @functools.lru_cache(maxsize=None)
-def _build(name, num_stages, num_microbatches, num_repeats, delays, costs=None):
+def _build(name, num_stages, num_microbatches, num_repeats, delays, costs=None, search=0):
   _check_name(name)
   if name == "gpipe":
     if num_repeats != 1:
@@ -183,6 +214,8 @@ def _build(name, num_stages, num_microbatches, num_repeats, delays, costs=None):
     table = _FUSED_BUILDERS[name](num_stages, num_microbatches, delays)
   if costs is not None:
     table = _compound.build(name, num_stages, num_microbatches, dict(costs), num_repeats, delays)
+  if search:
+    table = _refine.refine(table, dict(costs), sweeps=search)
   return table
 
 
@@ -201,7 +234,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
 
 def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
                         num_repeats: int | None = None, delays=None,
-                        costs=None) -> FusedSchedule:
+                        costs=None, search: int = 0) -> FusedSchedule:
   """A fused schedule by name (:data:`FUSED_SCHEDULE_NAMES`); see :func:`build`.
 
   Args:
@@ -213,6 +246,7 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
     delays: per link, 0 or 1 extra tick; see :func:`build`.
     costs: per-action costs of one chunk (``{"F", "B", "BI", "W"}``): the table in compound
       ticks built for them; None: one action per tick. See :func:`build`.
+    search: with ``costs``: sweeps of exact window search over the table; see :func:`build`.
 
   Raises:
     ValueError: for a forward or unknown name, or a chunk count the schedule does not use.
@@ -226,4 +260,4 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
     if num_repeats is None:
       raise ValueError("schedule='interleaved_1f1b' needs num_repeats >= 2 chunks per stage; "
                        "use schedule='1f1b' for one.")
-  return build(name, num_stages, num_microbatches, num_repeats, delays, costs)
+  return build(name, num_stages, num_microbatches, num_repeats, delays, costs, search)

@@ -263,6 +263,8 @@ def _apply(config, candidate: Candidate):
     new.schedule = candidate.schedule
     if not schedules.is_fused(candidate.schedule) and new.get("tick_costs"):
       new.tick_costs = ""  # Compound ticks lay out fused tables; forward tables have none.
+      if new.get("tick_search"):
+        new.tick_search = 0  # Nor a search over them.
   return new
 
 

@@ -71,6 +71,7 @@ def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.Pipe
       transfer_delay=cli.parse_transfer_delay(config.get("transfer_delay", "auto")),
       stream_inputs=config.get("stream_inputs", True),
       tick_costs=cli.parse_tick_costs(config.get("tick_costs", "")),
+      tick_search=config.get("tick_search", 0),
       weight_recompute=config.get("weight_recompute", False))
 
 

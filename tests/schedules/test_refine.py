@@ -1,0 +1,107 @@
+"""Exact window search (:mod:`tpipe.schedules.refine`): it finds a ZB-H1 table shorter than the
+compound builder's under neighbour synchronisation, in no more memory and the same on every
+call; over every fused schedule, with delayed links too, it never lengthens the step or grows a
+stage's memory; bad input raises; the factory and the spec run it only when asked, and cache it.
+"""
+
+import numpy as np
+import pytest
+
+import tpipe
+from tpipe import schedules
+from tpipe.schedules import compound
+from tpipe.schedules import refine
+
+pytestmark = pytest.mark.unit
+
+# ZB-H1's per-chunk MFLOP from experiments/fused_schedules.py, remat none: BI about 1.3 F, so a
+# stage's F, BI and W nearly tie and neither one action per tick nor compound ticks fit well.
+MEASURED = {"F": 403.4, "BI": 528.9, "W": 407.5}
+
+
+def _memory(table):
+  return table.peak_in_flight(), table.awaiting_weight().max(axis=0, initial=0)
+
+
+def test_finds_a_shorter_zb_h1_table_than_the_builder():
+  """S = 4, M = 4: the builder's best table (the one-action table) takes 7310.1; the search
+  finds 7188.7 (the last backward runs right behind the one before on every stage, and stage 0
+  runs it beside its W), 1.7% shorter, in the same stash and weight slots."""
+  built = compound.build("zb_h1", 4, 4, MEASURED)
+  found = refine.refine(built, MEASURED)
+  before, after = built.simulate(MEASURED), found.simulate(MEASURED)
+  assert after.neighbour < 0.985 * before.neighbour, (before.neighbour, after.neighbour)
+  assert after.natural <= after.neighbour
+  for was, now in zip(_memory(built), _memory(found)):
+    np.testing.assert_array_less(now - 1, was)  # now <= was, stage by stage.
+  assert refine.refine(built, MEASURED).actions() == found.actions()  # The same every time.
+  assert refine.refine(found, MEASURED).actions() == found.actions()  # Nothing left there.
+
+
+@pytest.mark.parametrize("name, stages, microbatches, delays", [
+    ("1f1b", 3, 4, None), ("zb_h1", 3, 3, None), ("zb_h1", 3, 4, (0, 1, 0)),
+    ("zbv", 2, 3, None), ("interleaved_1f1b", 2, 4, None)])
+def test_never_longer_and_never_more_memory(name, stages, microbatches, delays):
+  """Random costs, the builder's compound table and the one-action table: the search's table is
+  valid (it is constructed, so it passed the table checks), runs every action once, and its
+  step and each stage's stash and weight slots are at most the source's."""
+  rng = np.random.default_rng(len(name) + stages + microbatches)
+  repeats = 2 if name in ("zbv", "interleaved_1f1b") else 1
+  split = name in ("zb_h1", "zbv")
+  for _ in range(2):
+    costs = {k: float(v) for k, v in zip(("F", "BI", "W") if split else ("F", "B"),
+                                         rng.uniform(0.5, 3.0, 3 if split else 2))}
+    plain = schedules.build(name, stages, microbatches, repeats, delays)
+    built = schedules.build(name, stages, microbatches, repeats, delays, costs)
+    for source in (plain, built):
+      found = refine.refine(source, costs, windows=(4,), sweeps=2)
+      assert sorted(a[2:] for a in found.actions()) == sorted(a[2:] for a in source.actions())
+      assert found.delays == source.delays
+      step = found.simulate(costs).neighbour
+      assert step <= source.simulate(costs).neighbour * (1 + 1e-9)
+      for was, now in zip(_memory(source), _memory(found)):
+        assert np.all(now <= was), (now, was)
+
+
+def test_bad_input_raises():
+  table = schedules.build("zb_h1", 2, 2)
+  with pytest.raises(TypeError, match="takes a FusedSchedule"):
+    refine.refine(schedules.build("gpipe", 2, 2), MEASURED)
+  with pytest.raises(ValueError, match="forward-only"):
+    refine.refine(_forward_only(), MEASURED)
+  with pytest.raises(ValueError, match=r"windows must be ints >= 2, got \(1,\)"):
+    refine.refine(table, MEASURED, windows=(1,))
+  with pytest.raises(ValueError, match="sweeps must be an int >= 1, got 0"):
+    refine.refine(table, MEASURED, sweeps=0)
+  with pytest.raises(ValueError, match="node_limit must be an int >= 1"):
+    refine.refine(table, MEASURED, node_limit=True)
+  with pytest.raises(ValueError, match=r"needs \['F', 'BI', 'W'\]"):
+    refine.refine(table, {"F": 1.0, "B": 2.0})
+
+
+def _forward_only():
+  """A forward-only fused table (the forward of GPipe as one)."""
+  rows = [[(schedules.Action.F, 0, 0)], [(schedules.Action.F, 1, 0)]]
+  return schedules.from_ticks("gpipe", 1, 2, 1, "loop", [[row] for row in rows],
+                              forward_only=True)
+
+
+def test_the_factory_and_the_spec_search_only_when_asked():
+  costs = MEASURED
+  built = schedules.build("zb_h1", 4, 4, 1, None, costs)
+  searched = schedules.build("zb_h1", 4, 4, 1, None, costs, search=1)
+  assert searched is schedules.build("zb_h1", 4, 4, 1, None, costs, search=1)  # Cached.
+  assert searched.actions() == refine.refine(built, costs, sweeps=1).actions()
+  assert searched.actions() != built.actions()
+  assert schedules.make_fused_schedule("zb_h1", 4, 4, costs=costs, search=1) is searched
+  spec = tpipe.PipelineSpec(num_stages=4, num_microbatches=4, schedule="zb_h1",
+                            tick_costs=costs, tick_search=1)
+  assert spec.table is searched and spec.replace(tick_search=0).table is built
+  with pytest.raises(ValueError, match=r"search=1 re-places .* pass costs \(tick_costs\)"):
+    spec.replace(tick_costs=None)
+  with pytest.raises(ValueError, match="must be >= 0 sweeps, got -1"):
+    spec.replace(tick_search=-1)
+  with pytest.raises(TypeError, match="must be an int >= 0"):
+    spec.replace(tick_search=True)
+  with pytest.raises(TypeError, match="must be an int >= 0"):
+    schedules.build("zb_h1", 4, 4, 1, None, costs, search=1.0)

@@ -1,0 +1,374 @@
+"""Exact window search: a fused table's actions re-placed a window of ticks at a time.
+
+The compound builder (:mod:`tpipe.schedules.compound`) lays tables out by rules, tick by tick,
+and the best of its rules can still miss a table that is shorter under neighbour
+synchronisation: where stages must move together (the last backward travelling one tick
+earlier on every stage, a stage's weight work deferred so its neighbour's backward can run
+beside its own), no rule that looks at one tick sees it. :func:`refine` searches for such
+tables exactly, a window at a time: it frees every action in ``window`` consecutive ticks,
+keeps every other action at its tick, and places the freed ones anew by a mixed-integer
+program that minimises the neighbour-synchronised step (the model of
+:func:`tpipe.schedules.simulate.linked_time`, with instant transfers: a stage starts a tick when
+it and the stages it exchanges with have finished the last, or, over a delayed link, started
+it). The program keeps what the table must (:class:`~tpipe.schedules.FusedSchedule`'s checks):
+every action after what it needs (an earlier tick for a message, two over a delayed link; the
+same tick, after it, for the stage's own stash), one message each way per stage and tick; and
+it holds each stage's micro-batch chunks in flight and awaiting ``W`` to the table's own peaks,
+so the refined table needs no more memory.
+
+The windows slide over the table in sweeps, half a window apart, forward then backward. A
+window's program minimises the step and, a thousandth as much, the sum of every tick's end, so
+that among equal steps it takes the table whose ticks end earliest. A re-placement is kept when
+the step is shorter, or as long with that sum smaller (a move along a plateau, from which a
+later window can gain); the search stops after a sweep that keeps none, or after ``sweeps``.
+The step never grows. Each solve runs HiGHS (``scipy.optimize.milp``; SciPy comes with JAX)
+within a limit of branch-and-bound nodes, never of time, so every host builds the same table.
+
+It costs seconds for a ZB-H1 table at S = 8, M = 8 and about two minutes for a ZB-V one (two
+chunks per stage: twice the actions per window), so the builder runs it only when asked
+(``tick_search`` in :class:`tpipe.PipelineSpec`, ``search`` in
+:func:`tpipe.schedules.build`). Under the measured costs of ``experiments/fused_schedules.py``
+(ZB-H1, remat none, S = 8, M = 8) it takes the neighbour-synchronised bubble from 1.16x the
+schedule's natural bubble to 1.14x, in the same memory, in 6 s.
+
+Example::
+
+  >>> from tpipe.schedules import orders, refine
+  >>> costs = {"F": 1.0, "BI": 1.3, "W": 1.0}
+  >>> table = orders.zb_h1(4, 4)
+  >>> better = refine.refine(table, costs)
+  >>> better.simulate(costs).neighbour < table.simulate(costs).neighbour
+  True
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from tpipe.schedules import actions as actions_lib
+from tpipe.schedules import compound
+from tpipe.schedules import fused as fused_lib
+from tpipe.schedules.simulate import ring_links
+from tpipe.schedules.simulate import tick_starts
+
+Action = actions_lib.Action
+
+# Branch-and-bound nodes one window's solve may take: a bound on the work, not on the time, so
+# the result is the same on every host (a window of S = 8, M = 8 closes in a few hundred).
+NODE_LIMIT = 20000
+# Window lengths in ticks, one sweep of each per round: six re-places a ZB-H1 table at S = 8,
+# M = 8 in seconds and finds what ten finds there (which takes minutes; eight finds less at
+# S = 4, M = 4).
+WINDOWS = (6,)
+# Weight of the mean tick end beside the step in a window's objective: it breaks ties along a
+# plateau (ticks ending earlier) and can trade at most a thousandth of the step.
+PLATEAU_WEIGHT = 1e-3
+# Relative tolerance when comparing steps.
+_TOLERANCE = 1e-9
+# Order of a stage's actions inside one tick: a backward reads its own forward's stash, W its
+# backward's.
+_ORDER = {Action.F: 0, Action.B: 1, Action.BI: 1, Action.W: 2}
+
+
+def refine(table: fused_lib.FusedSchedule, costs: Mapping[str, float], *,
+           windows: Sequence[int] = WINDOWS, sweeps: int = 4,
+           node_limit: int = NODE_LIMIT) -> fused_lib.FusedSchedule:
+  """``table`` with its actions re-placed, a window of ticks at a time, for a shorter
+  neighbour-synchronised step under ``costs`` (see the module docstring); never longer, and
+  never more micro-batch chunks in flight or awaiting ``W`` on any stage than ``table`` has.
+
+  Args:
+    table: a :class:`~tpipe.schedules.FusedSchedule` with a backward (not forward-only).
+    costs: per-action costs of one chunk, for the actions the table runs (``F`` and ``B``, or
+      ``F``, ``BI`` and ``W``).
+    windows: the window lengths in ticks (each >= 2), one sweep of each per round: a short
+      window moves little and solves fast, a long one finds moves a short one cannot make.
+    sweeps: most rounds (>= 1).
+    node_limit: branch-and-bound nodes per window solve (>= 1): with fewer, a window may stop
+      short of its best placement.
+
+  Raises:
+    TypeError: ``table`` is not a FusedSchedule.
+    ValueError: a forward-only table, a cost missing or not > 0, or a bad count.
+  """
+  if not isinstance(table, fused_lib.FusedSchedule):
+    raise TypeError(f"refine takes a FusedSchedule (tpipe.schedules.make_fused_schedule), got "
+                    f"{type(table).__name__}.")
+  if table.forward_only:
+    raise ValueError("refine re-places forward and backward actions; this table is forward-only.")
+  windows = tuple(windows) if isinstance(windows, (tuple, list)) else (windows,)
+  for name, values, low in (("windows", windows, 2), ("sweeps", (sweeps,), 1),
+                            ("node_limit", (node_limit,), 1)):
+    if not values or any(isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                         or value < low for value in values):
+      raise ValueError(f"{name} must be {'ints' if name == 'windows' else 'an int'} >= {low}, "
+                       f"got {values if name == 'windows' else values[0]!r}.")
+  problem = _Problem(table, _checked_costs(table, costs))
+  placed = problem.initial
+  best = problem.score(placed)
+  for sweep in range(sweeps):
+    kept = False
+    for window in windows:
+      last = max(0, problem.num_ticks(placed) + 1 - window)  # Windows reach one tick past.
+      starts = sorted(set(range(0, last + 1, max(1, window // 2))) | {last})
+      for start in starts if sweep % 2 == 0 else starts[::-1]:
+        found = problem.solve(placed, start, start + window, node_limit)
+        score = None if found is None else problem.score(found)
+        if score is not None and _better(score, best):
+          placed, best, kept = found, score, True
+    if not kept:
+      break
+  if placed is problem.initial:
+    return table
+  return problem.table(placed)
+
+
+def _checked_costs(table, costs) -> dict[str, float]:
+  kinds = {Action(int(a)).name for a in np.unique(table.action) if a >= 0}
+  return compound.check_costs(costs, split="BI" in kinds or "W" in kinds)
+
+
+def _better(score, best) -> bool:
+  step, spread = score
+  best_step, best_spread = best
+  if step < best_step * (1 - _TOLERANCE):
+    return True
+  return step <= best_step * (1 + _TOLERANCE) and spread < best_spread * (1 - _TOLERANCE)
+
+
+class _Problem:
+  """One table's actions, what each needs, and the window programs over them."""
+
+  def __init__(self, table: fused_lib.FusedSchedule, costs: dict[str, float]):
+    self.source, self.costs = table, costs
+    self.num_stages, self.num_chunks = table.num_stages, table.num_chunks
+    self.num_virtual = self.num_stages * self.num_chunks
+    self.stage_of, self.chunk_of = actions_lib.placement_of(table.virtual_stage)
+    self.hops = table.hop_delays
+    self.links = actions_lib.link_directions(table.placement, self.num_stages, self.num_chunks)
+    self.ring = ring_links(self.num_stages, self.num_chunks > 1)
+    self.delays = actions_lib.link_delays(table.delays, self.num_stages)
+    self.initial = {}  # (Action, m, v) -> tick.
+    for t, _, kind, m, v in table.actions():
+      self.initial[(Action[kind], m, v)] = t
+    backward = {key[1:]: key[0] for key in self.initial if key[0] in (Action.B, Action.BI)}
+    self.needs = {}  # action -> [(action it needs, ticks after it: 0 in the same tick)].
+    for key in self.initial:
+      kind, m, v = key
+      needs = []
+      for name, dm, dv in actions_lib.dependencies(kind, m, v, self.num_virtual):
+        dep = (Action.F, dm, dv) if name == "F" else (
+            (Action.W, dm, dv) if name == "W" else (backward[(dm, dv)], dm, dv))
+        gap = 0 if dv == v else 1 + int(self.hops[min(dv, v)])
+        needs.append((dep, gap))
+      self.needs[key] = needs
+    self.users = {}
+    for key, needs in self.needs.items():
+      for dep, gap in needs:
+        self.users.setdefault(dep, []).append((key, gap))
+    # Memory: (opening action, closing action) of each micro-batch chunk's stash, and of its
+    # wait for W; each stage's caps are the table's own most per tick.
+    self.held = [(key, self._release(key)) for key in self.initial if key[0] == Action.F]
+    self.waiting = [(key, (Action.W,) + key[1:]) for key in self.initial if key[0] == Action.BI]
+    self.held_cap = self._peaks(self.initial, self.held)
+    self.waiting_cap = self._peaks(self.initial, self.waiting)
+
+  def _release(self, forward):
+    m, v = forward[1:]
+    return (Action.W, m, v) if (Action.W, m, v) in self.initial else (Action.B, m, v)
+
+  def stage(self, key) -> int:
+    return int(self.stage_of[key[2]])
+
+  def way(self, key):
+    """The direction ``key`` sends its message (+1, -1, 0 to itself), or None."""
+    kind, _, v = key
+    if kind == Action.F:
+      return int(self.links[v]) if v < self.num_virtual - 1 else None
+    if kind in (Action.B, Action.BI):
+      return -int(self.links[v - 1]) if v > 0 else None
+    return None
+
+  @staticmethod
+  def num_ticks(placed) -> int:
+    return max(placed.values()) + 1
+
+  def _peaks(self, placed, spans) -> np.ndarray:
+    count = np.zeros((self.num_ticks(placed) + 1, self.num_stages), np.int64)
+    for opening, closing in spans:
+      s = self.stage(opening)
+      count[placed[opening]:placed[closing] + 1, s] += 1
+    return count.max(axis=0)
+
+  def cost_grid(self, placed) -> np.ndarray:
+    grid = np.zeros((self.num_ticks(placed), self.num_stages))
+    for key, t in placed.items():
+      grid[t, self.stage(key)] += self.costs[key[0].name]
+    return grid
+
+  def score(self, placed):
+    """``(step, the sum of every tick's end)`` of ``placed`` as a table, or None where
+    a stage would hold more micro-batch chunks in flight or awaiting ``W`` than the source."""
+    table = self.table(placed)
+    source = self.source
+    waiting = lambda t: t.awaiting_weight().max(axis=0, initial=0)
+    grew = np.any(table.peak_in_flight() > source.peak_in_flight()) or np.any(
+        waiting(table) > waiting(source))
+    if grew:
+      return None
+    grid = self.cost_grid(placed)
+    ends = tick_starts(grid, self.ring, None, self.delays) + grid
+    return float(table.simulate(self.costs).neighbour), float(ends.sum())
+
+  def solve(self, placed, first: int, stop: int, node_limit: int):
+    """``placed`` with the actions in ticks ``[first, stop)`` re-placed there optimally, or None
+    where the program found nothing."""
+    import scipy.sparse as sparse  # SciPy comes with JAX; only this search needs it.
+    from scipy import optimize
+
+    num_ticks = self.num_ticks(placed) + 1  # One free tick after the last.
+    stop = min(stop, num_ticks)
+    free = [key for key, t in placed.items() if first <= t < stop]
+    if not free:
+      return None
+    fixed = {key: t for key, t in placed.items() if not first <= t < stop}
+    freed = set(free)
+    column = {}  # (action, tick) -> variable.
+    for key in free:
+      low, high = first, stop - 1
+      for dep, gap in self.needs[key]:
+        if dep not in freed:
+          low = max(low, fixed[dep] + gap)
+      for user, gap in self.users.get(key, ()):
+        if user not in freed:
+          high = min(high, fixed[user] - gap)
+      if low > high:
+        return None
+      for t in range(low, high + 1):
+        column[(key, t)] = len(column)
+    num_x, num_stages = len(column), self.num_stages
+    start = lambda t, s: num_x + t * num_stages + s
+    step = num_x + num_ticks * num_stages
+    num_vars = step + 1
+    entries, lower, upper = [], [], []
+
+    def constrain(terms, low, high):
+      entries.extend((len(lower), i, value) for i, value in terms)
+      lower.append(low)
+      upper.append(high)
+
+    ticks_of = {}
+    for (key, t), i in column.items():
+      ticks_of.setdefault(key, []).append((t, i))
+    for key in free:  # Each freed action runs once.
+      constrain([(i, 1.0) for _, i in ticks_of[key]], 1, 1)
+    tick_of = lambda key, sign=1.0: [(i, sign * t) for t, i in ticks_of[key]]
+    for key in free:  # After what it needs (freed on both sides; the rest bounded the ticks).
+      for dep, gap in self.needs[key]:
+        if dep in freed:
+          constrain(tick_of(key) + tick_of(dep, -1.0), gap, np.inf)
+    at = {}  # (tick, stage) -> [(variable, action)].
+    for (key, t), i in column.items():
+      at.setdefault((t, self.stage(key)), []).append((i, key))
+    sent = {}
+    for key, t in fixed.items():
+      way = self.way(key)
+      if way is not None:
+        sent[(t, self.stage(key), way)] = sent.get((t, self.stage(key), way), 0) + 1
+    ways = {}
+    for (t, s), items in at.items():
+      for i, key in items:
+        way = self.way(key)
+        if way is not None:
+          ways.setdefault((t, s, way), []).append(i)
+    for where, variables in ways.items():  # One message each way per stage and tick.
+      constrain([(i, 1.0) for i in variables], 0, 1 - sent.get(where, 0))
+    base = np.zeros((num_ticks, num_stages))
+    for key, t in fixed.items():
+      base[t, self.stage(key)] += self.costs[key[0].name]
+    cost = lambda t, s: [(i, -self.costs[key[0].name]) for i, key in at.get((t, s), ())]
+    for t in range(1, num_ticks):  # The neighbour-synchronised starts.
+      for s in range(num_stages):
+        constrain([(start(t, s), 1.0), (start(t - 1, s), -1.0)] + cost(t - 1, s),
+                  base[t - 1, s], np.inf)
+      for link in self.ring:
+        a, b = link, (link + 1) % num_stages
+        for me, other in ((a, b), (b, a)):
+          if self.delays[link]:
+            constrain([(start(t, me), 1.0), (start(t - 1, other), -1.0)], 0, np.inf)
+          else:
+            constrain([(start(t, me), 1.0), (start(t - 1, other), -1.0)] + cost(t - 1, other),
+                      base[t - 1, other], np.inf)
+    for s in range(num_stages):  # The step.
+      constrain([(step, 1.0), (start(num_ticks - 1, s), -1.0)] + cost(num_ticks - 1, s),
+                base[num_ticks - 1, s], np.inf)
+    for spans, caps in ((self.held, self.held_cap), (self.waiting, self.waiting_cap)):
+      self._memory(spans, caps, placed, fixed, ticks_of, first, stop, constrain)
+
+    rows, cols, values = zip(*entries)
+    matrix = sparse.csr_matrix((values, (rows, cols)), shape=(len(lower), num_vars))
+    objective = np.zeros(num_vars)
+    objective[step] = 1.0
+    objective[num_x:step] = PLATEAU_WEIGHT / (num_ticks * num_stages)
+    integrality = np.zeros(num_vars)
+    integrality[:num_x] = 1
+    upper_bound = np.full(num_vars, np.inf)
+    upper_bound[:num_x] = 1
+    result = optimize.milp(objective, integrality=integrality,
+                           bounds=optimize.Bounds(np.zeros(num_vars), upper_bound),
+                           constraints=optimize.LinearConstraint(matrix, lower, upper),
+                           options={"node_limit": int(node_limit), "presolve": True})
+    if result.x is None:
+      return None
+    out = dict(fixed)
+    for (key, t), i in column.items():
+      if result.x[i] > 0.5:
+        out[key] = t
+    return self._compact(out)
+
+  def _memory(self, spans, caps, placed, fixed, ticks_of, first, stop, constrain):
+    """Per stage and freed tick: chunks opened by then less those closed before, at most the
+    cap."""
+    for s in range(self.num_stages):
+      mine = [(o, c) for o, c in spans if self.stage(o) == s]
+      if not any(o in ticks_of or c in ticks_of for o, c in mine):
+        continue
+      for t in range(first, stop):
+        terms, constant = [], 0
+        for opening, closing in mine:
+          if opening in ticks_of:
+            terms += [(i, 1.0) for u, i in ticks_of[opening] if u <= t]
+          elif fixed[opening] <= t:
+            constant += 1
+          if closing in ticks_of:
+            terms += [(i, -1.0) for u, i in ticks_of[closing] if u < t]
+          elif fixed[closing] < t:
+            constant -= 1
+        if terms:
+          constrain(terms, -np.inf, int(caps[s]) - constant)
+
+  def _compact(self, placed):
+    """``placed`` without its empty ticks, save those a message over a delayed link needs
+    between its send and its read (dropping one never lengthens the step: costs are >= 0)."""
+    used = set(placed.values())
+    empty = [t for t in range(max(used) + 1) if t not in used]
+    spans = [(placed[dep], placed[key], gap) for key, needs in self.needs.items()
+             for dep, gap in needs if gap > 1]
+    dropped = []
+    for t in empty:
+      if all(not lo < t < hi or hi - lo - 1 - sum(lo < d < hi for d in dropped) >= gap
+             for lo, hi, gap in spans):  # Each span still as long as its message needs.
+        dropped.append(t)
+    shift = np.cumsum([t in dropped for t in range(max(used) + 1)])
+    return {key: t - int(shift[t]) for key, t in placed.items()}
+
+  def table(self, placed) -> fused_lib.FusedSchedule:
+    ticks = [[[] for _ in range(self.num_stages)] for _ in range(self.num_ticks(placed))]
+    for key, t in sorted(placed.items(), key=lambda item: (_ORDER[item[0][0]], item[0][1:])):
+      kind, m, v = key
+      ticks[t][self.stage(key)].append((kind, m, int(self.chunk_of[v])))
+    source = self.source
+    return fused_lib.from_ticks(source.name, source.num_stages, source.num_microbatches,
+                                source.num_chunks, source.placement, ticks, delays=source.delays)
