@@ -5,7 +5,7 @@ and the best of its rules can still miss a table that is shorter under neighbour
 synchronisation: where stages must move together (the last backward travelling one tick
 earlier on every stage, a stage's weight work deferred so its neighbour's backward can run
 beside its own), no rule that looks at one tick sees it. :func:`refine` searches for such
-tables exactly, a window at a time: it frees every action in ``window`` consecutive ticks,
+tables exactly, a window at a time: it frees every action in a window of consecutive ticks,
 keeps every other action at its tick, and places the freed ones anew by a mixed-integer
 program that minimises the neighbour-synchronised step (the model of
 :func:`tpipe.schedules.simulate.linked_time`, with instant transfers: a stage starts a tick when
@@ -20,23 +20,31 @@ The windows slide over the table in sweeps, half a window apart, forward then ba
 window's program minimises the step and, a thousandth as much, the sum of every tick's end, so
 that among equal steps it takes the table whose ticks end earliest. A re-placement is kept when
 the step is shorter, or as long with that sum smaller (a move along a plateau, from which a
-later window can gain); the search stops after a sweep that keeps none, or after ``sweeps``.
-The step never grows. Each solve runs HiGHS (``scipy.optimize.milp``; SciPy comes with JAX)
-within a limit of branch-and-bound nodes, never of time, so every host builds the same table.
+later window can gain); a search stops after a sweep that keeps none, or after ``sweeps``.
+Which plateau moves a window takes decides what later windows can reach, so one search from
+one table finds a shorter step for some costs and misses it for costs a hair away. The search
+therefore also starts from the table re-timed with the last one, and the last two,
+micro-batches' backward of the last model chunk in their forward's tick (:data:`KICKS`): that
+moves the last backwards' trips a tick earlier on every stage, which no window shorter than a
+trip can, and the windows mend what it breaks. The shortest table found wins; the step never
+grows. Each solve runs HiGHS (``scipy.optimize.milp``; SciPy comes with JAX) within a limit of
+branch-and-bound nodes, never of time, so every host builds the same table.
 
-It costs seconds for a ZB-H1 table at S = 8, M = 8 and about two minutes for a ZB-V one (two
+It costs tens of seconds for a ZB-H1 table at S = 8, M = 8 and minutes for a ZB-V one (two
 chunks per stage: twice the actions per window), so the builder runs it only when asked
 (``tick_search`` in :class:`tpipe.PipelineSpec`, ``search`` in
-:func:`tpipe.schedules.build`). Under the measured costs of ``experiments/fused_schedules.py``
-(ZB-H1, remat none, S = 8, M = 8) it takes the neighbour-synchronised bubble from 1.16x the
-schedule's natural bubble to 1.14x, in the same memory, in 6 s.
+:func:`tpipe.schedules.build`). ZB-H1 at S = 8, M = 8 under costs near the measured remat-none
+ones of ``experiments/fused_schedules.py`` (BI about 1.3 F, W about F): the
+neighbour-synchronised bubble goes from 1.16x the schedule's natural bubble to 1.14x, in the
+same memory, for each of six cost sets a twentieth of a percent apart (the table alone reached
+it for two).
 
 Example::
 
   >>> from tpipe.schedules import orders, refine
   >>> costs = {"F": 1.0, "BI": 1.3, "W": 1.0}
-  >>> table = orders.zb_h1(4, 4)
-  >>> better = refine.refine(table, costs)
+  >>> table = orders.zb_h1(3, 3)
+  >>> better = refine.refine(table, costs, sweeps=1)
   >>> better.simulate(costs).neighbour < table.simulate(costs).neighbour
   True
 """
