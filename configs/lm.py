@@ -108,7 +108,7 @@ def get_config(arg=None):
   config.tick_costs = ""
   # With tick_costs: sweeps of exact window search over the compound table
   # (tpipe.schedules.refine: a shorter step where the builder's rules miss one; seconds to
-  # minutes at S = 8, once per run); 0 for none.
+  # minutes at S = 8, once per run; 4 sweeps is what the experiments use); 0 for none.
   config.tick_search = 0
   # "zb_h1", "zbv": what W computes again so that a micro-batch awaiting it holds less. "none";
   # "forward": the chunk's forward, for its operations' inputs (it holds their output

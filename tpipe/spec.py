@@ -92,7 +92,8 @@ class PipelineSpec:
       (:func:`tpipe.schedules.refine.refine`: the actions of six ticks at a time re-placed by a
       mixed-integer program for a shorter neighbour-synchronised step, in no more memory).
       It finds tables the builder's rules miss, at seconds (ZB-H1) to minutes (ZB-V) at S = 8,
-      once per process (tables are cached), the same on every host. 0 (default): none.
+      once per process (tables are cached), the same on every host. 0 (default): none; 4 is
+      what ``experiments/fused_schedules.py`` uses (one sweep can stop short).
     weight_recompute: split backward only (``"zb_h1"``, ``"zbv"``): what ``W`` computes again
       rather than a micro-batch awaiting it keeping it. False (or ``"none"``): nothing; ``BI``
       files its weight operations' inputs and output gradients. ``"forward"`` (or True): ``W``
