@@ -364,6 +364,12 @@ def ratio(timing, natural=None) -> str:
   return f"{timing.neighbour_bubble / natural:.2f}"
 
 
+def gpipe_step(stages: int, microbatches: int, costs) -> float:
+  """GPipe's neighbour-synchronised step under ``costs``: the tables' reference."""
+  gpipe = tpipe.schedules.whole_step(tpipe.schedules.build("gpipe", stages, microbatches))
+  return gpipe.simulate(costs).neighbour
+
+
 def compound_table(stages: int, measured, tpu) -> list[str]:
   """Every fused schedule laid out in compound ticks for each cost set (:func:`cost_sets`),
   simulated beside its one-action table and GPipe under the same costs."""
@@ -388,8 +394,7 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
     for name, repeats, m, measured_costs in measured:
       fused = tpipe.schedules.is_fused(name)
       costs = costs_of(measured_costs, repeats)
-      gpipe = tpipe.schedules.whole_step(tpipe.schedules.build("gpipe", stages, m))
-      reference = gpipe.simulate(costs_of(gpipe_costs[m], 1)).neighbour
+      reference = gpipe_step(stages, m, costs_of(gpipe_costs[m], 1))
       if not fused:
         table = tpipe.schedules.whole_step(tpipe.schedules.build(name, stages, m, repeats))
         plain = None
@@ -433,8 +438,7 @@ def search_table(stages: int, measured, tpu) -> list[str]:
       if name not in ("1f1b", "zb_h1", "zbv") or v_skipped:
         continue
       costs = costs_of(measured_costs, repeats)
-      gpipe = tpipe.schedules.whole_step(tpipe.schedules.build("gpipe", stages, m))
-      reference = gpipe.simulate(costs_of(gpipe_costs[m], 1)).neighbour
+      reference = gpipe_step(stages, m, costs_of(gpipe_costs[m], 1))
       plain = tpipe.schedules.build(name, stages, m, repeats).simulate(costs)
       built = tpipe.schedules.build(name, stages, m, repeats, costs=costs)
       start = time.perf_counter()

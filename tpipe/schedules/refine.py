@@ -252,12 +252,6 @@ class _Problem:
       count[placed[opening]:placed[closing] + 1, s] += 1
     return count.max(axis=0)
 
-  def cost_grid(self, placed) -> np.ndarray:
-    grid = np.zeros((self.num_ticks(placed), self.num_stages))
-    for key, t in placed.items():
-      grid[t, self.stage(key)] += self.costs[key[0].name]
-    return grid
-
   def score(self, placed):
     """``(step, the sum of every tick's end)`` of ``placed`` as a table, or None where
     a stage would hold more micro-batch chunks in flight or awaiting ``W`` than the source."""
@@ -268,7 +262,7 @@ class _Problem:
         waiting(table) > waiting(source))
     if grew:
       return None
-    grid = self.cost_grid(placed)
+    grid = table.tick_costs(self.costs)
     ends = tick_starts(grid, self.ring, None, self.delays) + grid
     return float(table.simulate(self.costs).neighbour), float(ends.sum())
 
