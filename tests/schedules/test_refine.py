@@ -14,6 +14,7 @@ import pytest
 import tpipe
 from tpipe import schedules
 from tpipe.schedules import compound
+from tpipe.schedules import orders
 from tpipe.schedules import refine
 
 # ZB-H1's per-chunk MFLOP from experiments/fused_schedules.py, remat none: BI about 1.3 F, so a
@@ -30,12 +31,26 @@ def test_finds_a_shorter_zb_h1_table_than_the_builder():
   finds 7188.7 (the last backward runs right behind the one before on every stage, and stage 0
   runs it beside its W), 1.7% shorter, in the same stash and weight slots."""
   built = compound.build("zb_h1", 4, 4, MEASURED)
-  found = refine.refine(built, MEASURED)
+  found = refine.refine(built, MEASURED, sweeps=1)
   before, after = built.simulate(MEASURED), found.simulate(MEASURED)
   assert after.neighbour < 0.985 * before.neighbour, (before.neighbour, after.neighbour)
   assert after.natural <= after.neighbour
   for was, now in zip(_memory(built), _memory(found)):
     np.testing.assert_array_less(now - 1, was)  # now <= was, stage by stage.
+
+
+@pytest.mark.parametrize("scale", [1e9, 1e-6])
+def test_costs_in_any_unit_search_alike(scale):
+  """Costs in FLOPs (1e9) or seconds (1e-6) find as short an S = 3, M = 3 table as unit costs:
+  the window programs take costs relative to the largest (given raw FLOPs, HiGHS's windows
+  kept the table as it was). Rounding may pick another table of the same step."""
+  unit = {"F": 1.0, "BI": 1.3, "W": 1.0}
+  costs = {kind: cost * scale for kind, cost in unit.items()}
+  table = orders.zb_h1(3, 3)
+  found = refine.refine(table, costs, sweeps=1)
+  assert found.simulate(costs).neighbour < 0.99 * table.simulate(costs).neighbour
+  step = refine.refine(table, unit, sweeps=1).simulate(unit).neighbour
+  np.testing.assert_allclose(found.simulate(costs).neighbour / scale, step, rtol=1e-9)
 
 
 @pytest.mark.parametrize("name, stages, microbatches, delays", [

@@ -17,27 +17,32 @@ it holds each stage's micro-batch chunks in flight and awaiting ``W`` to the tab
 so the refined table needs no more memory.
 
 The windows slide over the table in sweeps, half a window apart, forward then backward. A
-window's program minimises the step and, a thousandth as much, the sum of every tick's end, so
-that among equal steps it takes the table whose ticks end earliest. A re-placement is kept when
-the step is shorter, or as long with that sum smaller (a move along a plateau, from which a
-later window can gain); a search stops after a sweep that keeps none, or after ``sweeps``.
-Which plateau moves a window takes decides what later windows can reach, so one search from
-one table finds a shorter step for some costs and misses it for costs a hair away. The search
-therefore also starts from the table re-timed with the last one, and the last two,
-micro-batches' backward of the last model chunk in their forward's tick (:data:`KICKS`): that
-moves the last backwards' trips a tick earlier on every stage, which no window shorter than a
-trip can, and the windows mend what it breaks. The shortest table found wins; the step never
-grows. Each solve runs HiGHS (``scipy.optimize.milp``; SciPy comes with JAX) within a limit of
-branch-and-bound nodes, never of time, so every host builds the same table.
+window is solved twice: for the shortest step, then, holding that step, for the smallest sum of
+every tick's end, so that among equal steps it takes the table whose ticks end earliest (one
+program with the sum as a small second term leaves the sum inside the solver's optimality gap:
+which of the equal steps came back then turned on rounding). A re-placement is kept when the
+step is shorter, or as long with that sum smaller (a move along a plateau, from which a later
+window can gain); a search stops after a sweep that keeps none, or after ``sweeps``. Which
+plateau moves a window takes decides what later windows can reach, so one search from one
+table finds a shorter step for some costs and misses it for costs a hair away. The search
+therefore also starts from the table re-timed with the last one, two and three micro-batches'
+backward of the last model chunk in their forward's tick (:data:`KICKS`): that moves the last
+backwards' trips a tick earlier on every stage, which no window shorter than a trip can, and
+the windows mend what it breaks. The shortest table found wins; the step never grows.
+
+Each solve runs HiGHS (``scipy.optimize.milp``; SciPy comes with JAX) within a limit of
+branch-and-bound nodes, never of time, so every host builds the same table. Its programs take
+the costs relative to the largest: HiGHS works to fixed tolerances, and given costs in FLOPs
+(1e9 beside 0/1 placement variables) its windows returned placements no better than the
+table's where the same costs in MFLOP found a shorter step.
 
 It costs tens of seconds for a ZB-H1 table at S = 8, M = 8 and minutes for a ZB-V one (two
 chunks per stage: twice the actions per window), so the builder runs it only when asked
 (``tick_search`` in :class:`tpipe.PipelineSpec`, ``search`` in
-:func:`tpipe.schedules.build`). ZB-H1 at S = 8, M = 8 under costs near the measured remat-none
-ones of ``experiments/fused_schedules.py`` (BI about 1.3 F, W about F): the
-neighbour-synchronised bubble goes from 1.16x the schedule's natural bubble to 1.14x, in the
-same memory, for each of six cost sets a twentieth of a percent apart (the table alone reached
-it for two).
+:func:`tpipe.schedules.build`). ZB-H1 at S = 8, M = 8 under the measured remat-none costs of
+``experiments/fused_schedules.py`` (BI about 1.3 F, W about F): the neighbour-synchronised
+bubble goes from 1.16x the schedule's natural bubble to 1.14x, in the same memory; so it does
+for each of sixteen cost sets drawn within 1% of those.
 
 Example::
 
@@ -66,18 +71,16 @@ Action = actions_lib.Action
 # Branch-and-bound nodes one window's solve may take: a bound on the work, not on the time, so
 # the result is the same on every host (a window of S = 8, M = 8 closes in a few hundred).
 NODE_LIMIT = 20000
-# The searches' second and later starts (Problem.kicked): the last one, and the last two,
+# The searches' second and later starts (Problem.kicked): the last one, two and three
 # micro-batches' backwards of the last model chunk moved into their forwards' ticks.
-KICKS = (1, 2)
+KICKS = (1, 2, 3)
 # Window lengths in ticks, a pass of each per sweep: six re-places a ZB-H1 table at S = 8,
 # M = 8 in seconds and finds what ten finds there (which takes minutes; eight finds less at
 # S = 4, M = 4).
 WINDOWS = (6,)
-# Weight of the mean tick end beside the step in a window's objective: it breaks ties along a
-# plateau (ticks ending earlier) and can trade at most a thousandth of the step.
-PLATEAU_WEIGHT = 1e-3
 # Relative tolerance when comparing steps.
 _TOLERANCE = 1e-9
+# Relative optimality gap of each of a window's two solves.
 MIP_GAP = 1e-4
 # Order of a stage's actions inside one tick: a backward reads its own forward's stash, W its
 # backward's.
@@ -164,6 +167,9 @@ class _Problem:
 
   def __init__(self, table: fused_lib.FusedSchedule, costs: dict[str, float]):
     self.source, self.costs = table, costs
+    # The window programs' costs, the largest 1 (HiGHS's tolerances are fixed: module doc).
+    largest = max(costs.values())
+    self.solver_costs = {kind: cost / largest for kind, cost in costs.items()}
     self.num_stages, self.num_chunks = table.num_stages, table.num_chunks
     self.num_virtual = self.num_stages * self.num_chunks
     self.stage_of, self.chunk_of = actions_lib.placement_of(table.virtual_stage)
@@ -332,8 +338,8 @@ class _Problem:
       constrain([(i, 1.0) for i in variables], 0, 1 - sent.get(where, 0))
     base = np.zeros((num_ticks, num_stages))
     for key, t in fixed.items():
-      base[t, self.stage(key)] += self.costs[key[0].name]
-    cost = lambda t, s: [(i, -self.costs[key[0].name]) for i, key in at.get((t, s), ())]
+      base[t, self.stage(key)] += self.solver_costs[key[0].name]
+    cost = lambda t, s: [(i, -self.solver_costs[key[0].name]) for i, key in at.get((t, s), ())]
     for t in range(1, num_ticks):  # The neighbour-synchronised starts.
       for s in range(num_stages):
         constrain([(start(t, s), 1.0), (start(t - 1, s), -1.0)] + cost(t - 1, s),
@@ -354,19 +360,27 @@ class _Problem:
 
     rows, cols, values = zip(*entries)
     matrix = sparse.csr_matrix((values, (rows, cols)), shape=(len(lower), num_vars))
-    objective = np.zeros(num_vars)
-    objective[step] = 1.0
-    objective[num_x:step] = PLATEAU_WEIGHT / (num_ticks * num_stages)
     integrality = np.zeros(num_vars)
     integrality[:num_x] = 1
     upper_bound = np.full(num_vars, np.inf)
     upper_bound[:num_x] = 1
-    result = optimize.milp(objective, integrality=integrality,
-                           bounds=optimize.Bounds(np.zeros(num_vars), upper_bound),
-                           constraints=optimize.LinearConstraint(matrix, lower, upper),
-                           options={"node_limit": int(node_limit), "mip_rel_gap": MIP_GAP})
+    constraints = optimize.LinearConstraint(matrix, lower, upper)
+    options = {"node_limit": int(node_limit), "mip_rel_gap": MIP_GAP}
+    solve = lambda objective: optimize.milp(
+        objective, integrality=integrality, constraints=constraints, options=options,
+        bounds=optimize.Bounds(np.zeros(num_vars), upper_bound))
+    shortest = np.zeros(num_vars)
+    shortest[step] = 1.0
+    result = solve(shortest)
     if result.x is None:
       return None
+    # Then, no longer than that, the ticks ending earliest.
+    upper_bound[step] = result.x[step] * (1 + _TOLERANCE)
+    earliest = np.zeros(num_vars)
+    earliest[num_x:step] = 1.0 / (num_ticks * num_stages)
+    settled = solve(earliest)
+    if settled.x is not None:
+      result = settled
     out = dict(fixed)
     for (key, t), i in column.items():
       if result.x[i] > 0.5:
