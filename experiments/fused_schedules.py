@@ -422,7 +422,7 @@ def search_table(stages: int, measured, tpu) -> list[str]:
            "Each table above searched again (`tpipe.schedules.build(..., costs=, search=4)`: "
            "the actions of six ticks at a time re-placed by a mixed-integer program, up to four "
            "sweeps of windows while a sweep finds a shorter step or, as long, one whose ticks "
-           "end earlier, from the built table and from two re-timings of it that run the last "
+           "end earlier, from the built table and from three re-timings of it that run the last "
            "backwards' loss chunk in their forward's tick; never longer, never more stash or "
            "weight slots on any stage). "
            "Bubble ratio: the neighbour-synchronised bubble over the schedule's natural one "
