@@ -63,16 +63,16 @@ def test_held_and_settled_weights_equal_sequential():
 
 def test_searched_table_equals_sequential():
   """A ZB-H1 table the exact window search re-placed (tick_search; tpipe.schedules.refine)
-  runs exactly: the measured remat-none costs at S = 4, M = 4, where the search runs the last
-  backward right behind the one before on every stage, a table no rule of the builder makes."""
+  runs exactly: the measured remat-none costs at S = 4, M = 2, where the search finds a table
+  2% shorter than the builder's (5073.1 against 5194.5), which no rule of the builder makes."""
   costs = {"F": 403.4, "BI": 528.9, "W": 407.5}
   mesh = lm.emulated_mesh(4)
-  model = lm.loss_sequential("mlp", "zb_h1", mesh, 4, "full", tick_costs=costs, tick_search=1)
+  model = lm.loss_sequential("mlp", "zb_h1", mesh, 2, "full", tick_costs=costs, tick_search=1)
   table = model.spec.table
   built = model.spec.replace(tick_search=0).table
   assert table.actions() != built.actions()
-  assert table.simulate(costs).neighbour < built.simulate(costs).neighbour
-  lm.assert_loss_equals_sequential(model, "mlp", 4 * 2)
+  assert table.simulate(costs).neighbour < 0.98 * built.simulate(costs).neighbour
+  lm.assert_loss_equals_sequential(model, "mlp", 2 * 2)
 
 
 def test_compound_tick_sends_once_per_tick():
