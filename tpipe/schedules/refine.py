@@ -123,18 +123,17 @@ def refine(table: fused_lib.FusedSchedule, costs: Mapping[str, float], *,
   problem = _Problem(table, _checked_costs(table, costs))
   best_placed, best = problem.initial, problem.score(problem.initial)
   for seed in [problem.initial] + [problem.kicked(count) for count in KICKS]:
-    if seed is None or problem.score(seed) is None:
-      continue
     placed, score = _search(problem, seed, windows, sweeps, node_limit)
-    if score[0] < best[0] * (1 - _TOLERANCE):
+    if score is not None and score[0] < best[0] * (1 - _TOLERANCE):
       best_placed, best = placed, score
   return table if best_placed is problem.initial else problem.table(best_placed)
 
 
 def _search(problem, placed, windows, sweeps, node_limit):
-  """Sweeps of window searches from ``placed``: ``(placed, score)`` of the best found."""
-  best = problem.score(placed)
-  for sweep in range(sweeps):
+  """Sweeps of window searches from ``placed``: ``(placed, score)`` of the best found, or
+  ``(placed, None)`` where ``placed`` is None or holds more memory than the source."""
+  best = None if placed is None else problem.score(placed)
+  for sweep in range(sweeps if best is not None else 0):
     kept = False
     for window in windows:
       last = max(0, problem.num_ticks(placed) + 1 - window)  # Windows reach one tick past.
@@ -270,7 +269,7 @@ class _Problem:
       return None
     grid = table.tick_costs(self.costs)
     ends = tick_starts(grid, self.ring, None, self.delays) + grid
-    return float(table.simulate(self.costs).neighbour), float(ends.sum())
+    return float(ends.max(initial=0.0)), float(ends.sum())  # The step: Timing.neighbour.
 
   def solve(self, placed, first: int, stop: int, node_limit: int):
     """``placed`` with the actions in ticks ``[first, stop)`` re-placed there optimally, or None
