@@ -41,8 +41,9 @@ chunks per stage: twice the actions per window), so the builder runs it only whe
 (``tick_search`` in :class:`tpipe.PipelineSpec`, ``search`` in
 :func:`tpipe.schedules.build`). ZB-H1 at S = 8, M = 8 under the measured remat-none costs of
 ``experiments/fused_schedules.py`` (BI about 1.3 F, W about F): the neighbour-synchronised
-bubble goes from 1.16x the schedule's natural bubble to 1.14x, in the same memory; so it does
-for each of sixteen cost sets drawn within 1% of those.
+bubble goes from 1.16x the schedule's natural bubble to 1.14x, in the same memory, whatever
+the costs' unit; so it does for each of sixteen cost sets drawn within 1% of those
+(``experiments/search_robustness.py``).
 
 Example::
 
