@@ -319,3 +319,96 @@ def test_no_gradient_all_reduce_without_data_parallelism():
   reductions = [c for c in analysis.collectives(compiled, mesh)
                 if c.kind == "all-reduce" and c.axes != ("stage",)]
   assert not reductions, reductions
+
+
+# ------------------------------------------------------------------------------------------------
+# Where a tpipe.Sequential's state lives: the boxes init returns, the shardings they give, and
+# the optimizer state created beside its parameters.
+
+def _named(*names):
+  return nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+
+
+class NamedMLP(nn.Module):
+  """A block whose matrices name their axes, the first like an attention kernel."""
+
+  @nn.compact
+  def __call__(self, x):
+    w_in = self.param("w_in", _named("embed", "heads"), (x.shape[-1], 32))
+    w_out = self.param("w_out", _named("heads", "embed"), (32, x.shape[-1]))
+    return x + jnp.tanh(x @ w_in) @ w_out
+
+
+class NamedHead(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.sum(x @ self.param("w", _named("embed", "vocab"), (x.shape[-1], 16)), -1)
+
+
+def _named_sequential(mesh, stages):
+  model = tpipe.Sequential([nn.Dense(WIDTH), tpipe.Repeat(NamedMLP(), 2 * stages), NamedHead()],
+                           num_stages=stages, num_microbatches=2, mesh=mesh)
+  x = jax.random.normal(jax.random.key(1), (8, 4))
+  return model, x, model.init(jax.random.key(0), x)["params"]
+
+
+MESHES = {"stage2-fsdp2-tensor2": dict(stages=2, fsdp=2, tensor=2),
+          "stage4-data2": dict(stages=4, data=2)}
+
+
+def _bytes_per_device(tree) -> dict[int, int]:
+  out = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+  return out
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_sequential_init_keeps_the_boxes_and_shardings_read_them(mesh_name):
+  """``init`` returns the layers' boxes (a Repeat's copy axis named ``stage``), so
+  ``tpipe.shardings`` splits each weight as the trainer's stage layout does: the same axes
+  inside a stage, ``tensor`` included."""
+  sizes = MESHES[mesh_name]
+  mesh = tpipe.make_mesh(**sizes)
+  model, x, params = _named_sequential(mesh, sizes["stages"])
+  kernel = params["layers_1"]["w_in"]
+  assert isinstance(kernel, nn.LogicallyPartitioned)
+  assert kernel.names == ("stage", "embed", "heads")
+  found = tpipe.shardings(params, mesh)
+  trainer = model.pipeline_for(x).layout.partition_specs(mesh=mesh)["stacked"]["layers_1"]
+  for name in ("w_in", "w_out"):
+    inner = tuple(trainer[name])[3:]  # The trainer's [R, S, k, ...]: the weight's own axes.
+    assert tuple(found["layers_1"][name].spec) == ("stage",) + inner
+  if "tensor" in sizes:
+    assert found["layers_1"]["w_in"].spec == P("stage", "fsdp", "tensor")
+    assert found["layers_2"]["w"].spec == P("fsdp", "tensor")
+  # The boxes are what apply takes, and the result does not depend on them.
+  y = jax.jit(model.apply)({"params": params}, x)
+  assert np.array_equal(y, jax.jit(model.apply)({"params": nn.meta.unbox(params)}, x))
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_create_train_state_creates_each_moment_split_like_its_parameter(mesh_name):
+  sizes = MESHES[mesh_name]
+  mesh = tpipe.make_mesh(**sizes)
+  _, _, params = _named_sequential(mesh, sizes["stages"])
+  shardings = tpipe.shardings(params, mesh)
+  state = tpipe.create_train_state(params, optax.adam(1e-3), shardings)
+  adam = state.opt_state[0]
+  unbox = lambda tree: nn.meta.unbox(tree)
+  for moment in (adam.mu, adam.nu):
+    assert jax.tree.map(lambda a: a.sharding, unbox(moment)) == shardings
+  assert adam.count.sharding.spec == P() and len(adam.count.sharding.device_set) == mesh.size
+  # Each device holds its share: its parameters' shards and two moments of the same size, plus
+  # the replicated scalars (the step and Adam's count) - never a whole moment it does not own.
+  held = _bytes_per_device(unbox(state.params))
+  share = sum(np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+              for a, s in zip(jax.tree.leaves(unbox(params)), jax.tree.leaves(shardings)))
+  assert set(held.values()) == {share}
+  everything = _bytes_per_device(unbox(state))
+  assert max(everything.values()) == 3 * share + 2 * 4
+  # A whole TrainState's shardings give the moments their parameters' shardings too.
+  assert jax.tree.map(lambda s: s.spec, tpipe.shardings(state, mesh).opt_state[0].mu) == (
+      jax.tree.map(lambda s: s.spec, shardings))

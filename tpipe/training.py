@@ -24,6 +24,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -49,15 +50,17 @@ def shardings(tree, mesh: Mesh, stacked: Sequence[str] = (), *,
               stage_axis: str = mesh_lib.STAGE_AXIS, rules=None):
   """Where each leaf of a parameter tree, or of a whole :class:`TrainState`, lives on ``mesh``.
 
-  Leaves under the top-level parameter names in ``stacked`` (the names of ``tpipe.pipeline``
-  stacks, ``nn.scan``'s layout ``[L, ...]``) are split over ``stage_axis`` on their leading
-  (layer) axis, so each device stores only its stage's layers; an optimizer's leaves under the
-  same names (optax keeps moments in trees shaped like the parameters) follow them. On a mesh
-  with ``fsdp`` or ``tensor`` devices every parameter is also split over them as its logical
-  axis names say (:func:`tpipe.axis_rules.weight_spec`: give the boxed parameters ``init``
-  returns, with their ``nn.with_logical_partitioning`` names; unboxed or unannotated leaves are
-  split over ``fsdp`` on their largest dimension). The rest (the step, Adam's count) is
-  replicated.
+  A stack of layers (``nn.scan``'s layout ``[L, ...]``) is split over ``stage_axis`` on its
+  leading (layer) axis, so each device stores only its stage's layers. Stacks are the leaves
+  under the top-level names in ``stacked``, and every boxed leaf whose first axis is named
+  ``stage_axis``: the boxes ``init`` returns name it so for ``tpipe.pipeline``'s stack and a
+  ``tpipe.Repeat``'s copies (a boxed stack whose layer count the stages do not divide stays
+  whole over ``stage``). On a mesh with ``fsdp`` or ``tensor`` devices every parameter is also
+  split over them as its logical axis names say (:func:`tpipe.axis_rules.weight_spec`: give the
+  boxed parameters ``init`` returns; unboxed or unannotated leaves are split over ``fsdp`` on
+  their largest dimension). For a whole :class:`TrainState`, every subtree of the optimizer
+  state shaped like the parameters (optax's moments) takes the parameters' shardings leaf for
+  leaf; the rest (the step, Adam's count) is replicated.
 
   Args:
     tree: parameters (boxed or not), or a ``TrainState``, as arrays or
@@ -96,45 +99,79 @@ def shardings(tree, mesh: Mesh, stacked: Sequence[str] = (), *,
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     if not shape:
       return replicated
-    if not any(k in stacked for k in keys):
+    named_stack = names is not None and len(names) == len(shape) and names[0] == stage_axis
+    if not named_stack and not any(k in stacked for k in keys):
       return NamedSharding(mesh, axis_rules.weight_spec(shape, names, mesh, rules,
                                                         reserved=reserved))
-    if shape[0] % num_stages:
+    if shape[0] % num_stages and not named_stack:
       raise ValueError(f"{jax.tree_util.keystr(path)} has {shape[0]} layers, not "
                        f"divisible by the {num_stages} stages of the mesh.")
     if names is not None and len(names) == len(shape):
       names = names[1:]  # The layer axis's own name (nn.scan's metadata_params).
     inner = axis_rules.weight_spec(shape[1:], names, mesh, rules, reserved=reserved)
-    return NamedSharding(mesh, P(stage_axis, *inner))
+    return NamedSharding(mesh, P(None if shape[0] % num_stages else stage_axis, *inner))
 
   is_box = lambda a: isinstance(a, nn.Partitioned)
   if isinstance(tree, TrainState):
+    param_shardings = jax.tree_util.tree_map_with_path(one, tree.params, is_leaf=is_box)
     return tree.replace(
-        step=replicated,
-        params=jax.tree_util.tree_map_with_path(one, tree.params, is_leaf=is_box),
-        opt_state=jax.tree_util.tree_map_with_path(one, tree.opt_state, is_leaf=is_box),
+        step=replicated, params=param_shardings,
+        opt_state=follow_params(tree.opt_state, tree.params, param_shardings,
+                                lambda path, leaf: replicated if not np.shape(
+                                    getattr(leaf, "value", leaf)) else one(path, leaf)),
         model_state=jax.tree.map(lambda _: replicated, tree.model_state))
   return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_box)
 
 
+def follow_params(opt_state, params, param_values, other):
+  """``opt_state`` with every subtree shaped like ``params`` (optax keeps each moment in a tree
+  of the parameters' structure) replaced by ``param_values``, and every other leaf ``x`` at
+  ``path`` by ``other(path, x)``.
+
+  Boxes (``nn.Partitioned``) are unboxed first on both sides, so boxed moments of boxed
+  parameters match."""
+  is_box = lambda a: isinstance(a, nn.Partitioned)
+  unbox = lambda tree: jax.tree.map(lambda a: a.value if is_box(a) else a, tree, is_leaf=is_box)
+  treedef = jax.tree.structure(unbox(params))
+  matches = lambda t: jax.tree.structure(unbox(t)) == treedef
+  return jax.tree_util.tree_map_with_path(
+      lambda path, t: param_values if matches(t) else other(path, t), opt_state,
+      is_leaf=lambda t: matches(t) or is_box(t))
+
+
 def create_train_state(params, optimizer: optax.GradientTransformation,
                        shardings=None, model_state=None) -> TrainState:
-  """Places ``params`` (by ``shardings``, if given) and initialises the optimizer beside them.
+  """Places ``params`` (by ``shardings``, if given) and creates the optimizer state beside them.
 
-  The optimizer state is created under ``jax.jit`` from the placed parameters, so moments of
-  stage-split parameters are stage-split too; state that does not follow a parameter (the step,
-  Adam's count) is replicated over the same mesh.
+  Every optimizer leaf that follows a parameter (``optax.tree_map_params``: Adam's moments) is
+  created in that parameter's sharding, split from the start: no device ever holds a whole
+  moment it does not own. State that follows no parameter (Adam's count) and the step are
+  replicated over the same mesh.
+
+  Args:
+    params: the parameters (boxed or not).
+    optimizer: an optax gradient transformation.
+    shardings: the parameters' ``NamedSharding`` tree (:func:`shardings`), or a whole
+      ``TrainState`` of them; None keeps the parameters where they are.
+    model_state: running statistics (BatchNorm), replicated over the mesh, or None.
   """
   step = jnp.zeros((), jnp.int32)
   if shardings is None:
     return TrainState(step=step, params=params, opt_state=jax.jit(optimizer.init)(params),
                       model_state=model_state)
+  if isinstance(shardings, TrainState):
+    shardings = shardings.params
+  mesh = jax.tree.leaves(shardings)[0].mesh
+  replicated = NamedSharding(mesh, P())
+  opt_shardings = optax.tree_map_params(
+      optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, params),
+      shardings, transform_non_params=lambda _: replicated,
+      is_leaf=lambda a: isinstance(a, nn.Partitioned))
   # A jitted copy, not device_put: the step donates the state's buffers, and device_put may hand
   # back the caller's own buffer as a shard (seen with jax 0.10.2 even with may_alias=False).
   params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
-  opt_state = jax.jit(optimizer.init)(params)
-  mesh = jax.tree.leaves(shardings)[0].mesh
-  replicated = NamedSharding(mesh, P())
+  # Created where it lives: the partitioner would otherwise replicate the zeros.
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
 
   def onto_mesh(leaf):
     if isinstance(leaf, jax.Array) and leaf.sharding.device_set != replicated.device_set:
@@ -143,8 +180,8 @@ def create_train_state(params, optimizer: optax.GradientTransformation,
 
   if model_state is not None:
     model_state = jax.tree.map(onto_mesh, jax.tree.map(jnp.copy, model_state))
-  return TrainState(step=onto_mesh(step), params=params,
-                    opt_state=jax.tree.map(onto_mesh, opt_state), model_state=model_state)
+  return TrainState(step=onto_mesh(step), params=params, opt_state=opt_state,
+                    model_state=model_state)
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,

@@ -106,7 +106,7 @@ def _stage_collectives(placed):
   return model, optimizer, found
 
 
-def test_the_placed_train_step_all_reduces_only_the_replicated_layers_over_stage():
+def test_the_placed_train_step_moves_only_the_replicated_layers_over_stage():
   params = nnx.to_pure_dict(nnx.state(_model()[0], nnx.Param))["layers"]
   replicated = _bytes([params[0], params[2]])  # The embedding and the head.
   assert replicated < _bytes(params) / 4
@@ -119,21 +119,16 @@ def test_the_placed_train_step_all_reduces_only_the_replicated_layers_over_stage
   assert moved >= _bytes(params), before
 
   model, optimizer, after = _stage_collectives(placed=True)
-  kinds = {c.kind for c in after}
-  # No all-to-all, and no gather of parameters: besides the sends and the sums, the batch enters
-  # and leaves split over the stages (an all-gather of a replica's inputs, a reduce-scatter of
-  # its per-example losses), once per step.
-  assert {"collective-permute", "all-reduce"} <= kinds <= {
-      "collective-permute", "all-reduce", "all-gather", "reduce-scatter"}, after
-  assert all(c.in_loop for c in after if c.kind == "collective-permute"), after
+  # Inside the tick loop only the sends between neighbours. Outside it, once per step: the
+  # replicated layers' packing into their stages' buffers and its gradient's way back (slices,
+  # gathers and their transposes, which XLA partitions), and the batch entering and leaving
+  # split over the stages. The placed Repeat's parameters (most of the model) never cross.
+  assert all(c.kind == "collective-permute" for c in after if c.in_loop), after
+  assert all(c.count == 1 for c in after if not c.in_loop), after
   _, _, (x, inputs) = _model()
   batch_io = max(_bytes((x, inputs)), 4 * nnx_models.BATCH)
-  for c in after:
-    if c.kind in ("all-gather", "reduce-scatter"):
-      assert not c.in_loop and c.count == 1 and c.bytes <= batch_io, (c, batch_io)
-  reduced = sum(c.total_bytes for c in after if c.kind == "all-reduce")
-  # The embedding's and head's gradients, and the per-example losses (4 bytes each).
-  assert replicated <= reduced <= replicated + 4 * nnx_models.BATCH, after
+  outside = sum(c.total_bytes for c in after if not c.in_loop)
+  assert outside <= 2 * replicated + 2 * batch_io < _bytes(params), (outside, after)
   # After an Adam update the Repeat's parameters and moments still live split over 'stage'.
   assert model.layers[1].layer.up.kernel[...].sharding.spec[0] == "stage"
   moment = optimizer.opt_state[0].mu["layers"][1]["layer"]["up"]["kernel"][...]

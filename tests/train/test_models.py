@@ -1,5 +1,6 @@
 """Tests for tpipe.train.models: the Transformer block and the pipelined byte-level decoder LM."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,12 +67,15 @@ def test_causal_mask():
 @pytest.fixture(scope="module")
 def lm_and_params():
   model = _lm()
-  params = jax.jit(model.init)(jax.random.key(0), _tokens())["params"]
-  return model, params
+  boxed = jax.jit(model.init)(jax.random.key(0), _tokens())["params"]
+  return model, boxed
 
 
 def test_params_layout_stacks_the_blocks(lm_and_params):
-  _, params = lm_and_params
+  _, boxed = lm_and_params
+  # init keeps the layers' logical names, a Repeat's copy axis named after the stage axis.
+  assert boxed["layers_1"]["mlp_in"]["kernel"].names == ("stage", "embed", "mlp")
+  params = nn.meta.unbox(boxed)
   assert set(params) == {"layers_0", "layers_1", "layers_2"}
   assert set(params["layers_0"]) == {"embed", "pos_embed"}
   for leaf in jax.tree.leaves(params["layers_1"]):
@@ -118,7 +122,7 @@ def test_pipelined_lm_matches_the_layers_in_sequence(lm_and_params):
 
 
 def test_staged_params_give_the_same_losses(lm_and_params):
-  _, params = lm_and_params
+  params = nn.meta.unbox(lm_and_params[1])
   tokens, targets = _tokens(), _tokens(seed=1)
   piped = _lm(num_stages=4, num_data=2, num_microbatches=2)
   layout = piped.stage_layout(tokens, targets=targets)

@@ -9,6 +9,7 @@
 
 import pathlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +31,7 @@ def test_nnx_and_linen_lms_give_the_same_losses_for_the_same_parameters():
   tokens = jax.random.randint(jax.random.key(0), (8, 8), 0, 20)
   targets = jnp.roll(tokens, -1, axis=1)
   plain = models.decoder_lm(**SIZES, num_stages=1, num_microbatches=4)
-  variables = plain.init({"params": jax.random.key(1)}, tokens, targets=targets)
+  variables = nn.meta.unbox(plain.init({"params": jax.random.key(1)}, tokens, targets=targets))
   mesh = tpipe.make_mesh(stages=2, data=2)
   model = models_nnx.decoder_lm(**SIZES, num_stages=2, num_microbatches=2, mesh=mesh,
                                 rngs=nnx.Rngs(5))

@@ -84,6 +84,23 @@ class Pipeline:
     """The abstract output of the last layer on one micro-batch (planning's micro-batch)."""
     return self.plan.layer_inputs[-1]
 
+  def stage(self, params, stats=None):
+    """Logical variables (``{"layers_i": tree}``) to the staged ones :meth:`apply` and
+    :meth:`loss` run on: ``(params, stats)``, each None where given None. Every front end stages
+    through here (:meth:`~tpipe.core.layout.StageLayout.to_staged`)."""
+    staged = None if params is None else self.layout.to_staged(params)
+    if stats is None:
+      return staged, None
+    if self.stats_layout is None:
+      raise ValueError(f"{self.owner}: no layer has running statistics, but some were passed.")
+    needed = sorted(k for k, v in self.stats_layout.logical.items() if jax.tree.leaves(v))
+    missing = sorted(set(needed) - set(stats))
+    if missing:
+      raise ValueError(f"{self.owner}: layers {missing} have BatchNorm statistics but the "
+                       "variables hold no 'batch_stats' for them; pass the 'batch_stats' that "
+                       "init returned.")
+    return staged, self.stats_layout.to_staged(stats)
+
   def _axes(self, mesh) -> spmd.Axes:
     mesh = self.spec.run_mesh(self.owner) if mesh is None else mesh
     return spmd.Axes.of(mesh, self.spec.stage_axis, self.spec.data_axis)

@@ -49,7 +49,6 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tpipe import axis_rules
@@ -480,14 +479,8 @@ class StageLayout:
             all(seg.first_copy == c * k for c, chunk in enumerate(self.segments)
                 for seg in chunk if seg.stacked and seg.layer == layer))
 
-  def to_staged(self, logical: Mapping[str, Any], mesh=None, stage_axis: str = "stage"):
-    """Logical ``{"layers_i": tree}`` to the staged tree; exact.
-
-    With a ``mesh``, each stage packs its own chunks' buffers on its own devices from the
-    (replicated) logical trees of the layers that are not stacked: the gradient of that packing
-    is one sum over ``stage_axis`` of those layers' gradients, where packing all stages' buffers
-    outside the mesh would make it an all-reduce of every padded buffer and a permutation.
-    """
+  def to_staged(self, logical: Mapping[str, Any]):
+    """Logical ``{"layers_i": tree}`` to the staged tree; exact."""
     order = [self.chunk_at(r, s) for r in range(self.num_repeats)
              for s in range(self.num_stages)]
     lead = (self.num_repeats, self.num_stages)
@@ -503,8 +496,6 @@ class StageLayout:
                              for seg in self.segments[c] if seg.stacked and seg.layer == layer])
       stacked[name] = jax.tree.map(lambda a: jnp.take(a, rows, axis=0, unique_indices=True).reshape(
           lead + (k,) + a.shape[1:]), logical[name])
-    if mesh is not None and self.packed_sizes:
-      return {STACKED: stacked, PACKED: self._packed_per_stage(logical, mesh, stage_axis)}
     places_ = [(p, s) for p in range(self.packed_slots) for s in range(self.num_stages)]
     packed = {k: v.reshape(self.packed_slots, self.num_stages, -1)
               for k, v in self._packed_buffers(logical, places_).items()}
@@ -533,27 +524,6 @@ class StageLayout:
     trees = [_segment_values(logical, self.logical, seg) for seg in self.segments[chunk]
              if not seg.stacked]
     return self.pack_chunk(trees, chunk)
-
-  def _packed_per_stage(self, logical, mesh, stage_axis: str) -> dict[str, jax.Array]:
-    """The packed buffers ``{dtype: [P, S, n]}``, stage ``s``'s built on its own devices."""
-    names = sorted({f"layers_{seg.layer}" for chunk in self.segments for seg in chunk
-                    if not seg.stacked and f"layers_{seg.layer}" in logical})
-    shared = {name: logical[name] for name in names}
-
-    def stage_buffers(s):
-      return lambda shared: {k: v.reshape(self.packed_slots, -1) for k, v in self._packed_buffers(
-          shared, [(p, s) for p in range(self.packed_slots)]).items()}
-
-    def build(shared):
-      # From here the shared trees vary per stage (each packs its own chunks); the transpose of
-      # this cast is the sum over stages of their gradients.
-      shared = lax.pcast(shared, (stage_axis,), to="varying")
-      buffers = lax.switch(lax.axis_index(stage_axis),
-                           [stage_buffers(s) for s in range(self.num_stages)], shared)
-      return {k: v[:, None] for k, v in buffers.items()}
-
-    return jax.shard_map(build, mesh=mesh, in_specs=(P(),),
-                         out_specs=P(None, stage_axis))(shared)
 
   def to_logical(self, staged) -> dict[str, Any]:
     """The staged tree back to logical ``{"layers_i": tree}``; exact."""

@@ -99,18 +99,20 @@ def _apply_recording(template, params, stats, h, kwargs, rngs, momenta: dict, ow
 
 
 def init_variables(module: nn.Module, copies: int | None, key, h, kwargs, rngs,
-                   axis_names: tuple[str, ...]) -> dict:
-  """A layer's initial variables (unboxed): each copy of a repeated layer from its own key
-  (``jax.random.split(key, n)``), stacked on a leading axis."""
+                   axis_names: tuple[str, ...], copy_axis: str) -> dict:
+  """A layer's initial variables, its partitioning boxes kept: each copy of a repeated layer
+  from its own key (``jax.random.split(key, n)``), stacked on a leading axis that boxed leaves
+  name ``copy_axis`` (as ``nn.scan``'s ``metadata_params`` name a scan's)."""
   template = module.clone(parent=None)
 
   def init_one(k):
     init = layers_lib.outside_mesh(template.init, axis_names)
-    return nn.meta.unbox(init({"params": k, **rngs}, h, **kwargs))
+    return init({"params": k, **rngs}, h, **kwargs)
 
   if copies is None:
     return init_one(key)
-  return jax.vmap(init_one)(jax.random.split(key, copies))
+  stacked = jax.vmap(init_one)(jax.random.split(key, copies))
+  return nn.meta.add_axis(stacked, 0, {nn.PARTITION_NAME: copy_axis})
 
 
 def abstract_variables(module: nn.Module, copies: int | None, h, kwargs, rng_names,

@@ -241,9 +241,10 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
       for i, variables in enumerate(initial_variables(self, self.layer_list(), self.spec, x,
                                                       kwargs, rngs, mesh, OWNER)):
         layer_params = variables.get("params", {})
-        self.param(f"layers_{i}", lambda _key, value=layer_params: value)
-        if jax.tree.leaves(variables.get(STATS, {})):
-          self.put_variable(STATS, f"layers_{i}", variables[STATS])
+        self.param(f"layers_{i}", lambda _key, value=layer_params: value, unbox=False)
+        layer_stats = nn.meta.unbox(variables.get(STATS, {}))
+        if jax.tree.leaves(layer_stats):
+          self.put_variable(STATS, f"layers_{i}", layer_stats)
     params = nn.meta.unbox(dict(self.variables.get("params", {})))
     stats = nn.meta.unbox(dict(self.variables.get(STATS, {})))
     staged = params.get(STAGED)
@@ -278,8 +279,10 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
 
 def initial_variables(module: nn.Module, given, spec, x, kwargs, rngs, mesh,
                       owner: str) -> list[dict]:
-  """Every layer's initial variables (unboxed), the layers run in order on one micro-batch of
-  ``x``: layer ``i`` from ``fold_in(module.make_rng("params"), i)``."""
+  """Every layer's initial variables, the layers run in order on one micro-batch of ``x``: layer
+  ``i`` from ``fold_in(module.make_rng("params"), i)``. Partitioning boxes are kept (a
+  :class:`Repeat`'s copy axis named after the stage axis), so ``init`` returns them as
+  ``nn.scan`` does."""
   batch, replicas = layers_lib.batch_size(x, owner), spec.data_size(mesh)
   micro = max(1, batch // (spec.num_microbatches * replicas))
   split = arguments.split_keywords(kwargs, per_example=spec.per_example, batch_size=batch,
@@ -295,7 +298,7 @@ def initial_variables(module: nn.Module, given, spec, x, kwargs, rngs, mesh,
     try:
       variables = linen_layers.init_variables(_module_of(layer_given), _copies(layer_given),
                                               jax.random.fold_in(key, i), h, kw, other,
-                                              axis_names)
+                                              axis_names, spec.stage_axis)
     except (TypeError, ValueError) as error:
       where = plan_lib.failure_message(layers, i, owner)
       raise plan_lib.located(error, where, h) from error
@@ -304,8 +307,9 @@ def initial_variables(module: nn.Module, given, spec, x, kwargs, rngs, mesh,
       raise ValueError(f"{owner}: layers[{i}] ({layer.kind}) creates variable collections "
                        f"{extra}; tpipe supports 'params' and BatchNorm's '{STATS}'.")
     out.append(variables)
-    h = _apply_all(layers, i, variables.get("params", {}), variables.get(STATS, {}), h, kw,
-                   other, axis_names, owner)
+    plain = nn.meta.unbox(variables)
+    h = _apply_all(layers, i, plain.get("params", {}), plain.get(STATS, {}), h, kw, other,
+                   axis_names, owner)
   return out
 
 
@@ -346,9 +350,11 @@ def run_layers(module: nn.Module, given, spec, x, kwargs, loss: bool, *, params,
   pipeline = engine.build(layers, spec, param_shapes=shapes["params"],
                           stats_shapes=shapes[STATS], x=x, kwargs=kwargs, rng_names=streams,
                           owner=owner, param_axes=names)
-  if staged is None:
-    staged = pipeline.layout.to_staged(params)
-  staged_stats = _staged_stats(pipeline, stats, owner)
+  staged_stats = stats.get(STAGED)
+  logical_stats = stats if pipeline.stats_layout is not None and staged_stats is None else None
+  new_params, new_stats = pipeline.stage(params if staged is None else None, logical_stats)
+  staged = new_params if staged is None else staged
+  staged_stats = new_stats if staged_stats is None else staged_stats
   run = pipeline.loss if loss else pipeline.apply
   result = run(staged, x, kwargs, stats=staged_stats, rngs=rngs, mesh=mesh)
   if staged_stats is None:
@@ -362,20 +368,6 @@ def run_layers(module: nn.Module, given, spec, x, kwargs, loss: bool, *, params,
     layout = pipeline.stats_layout
     store_stats({STAGED: new} if STAGED in stats else layout.to_logical(new))
   return result
-
-
-def _staged_stats(pipeline: engine.Pipeline, stats, owner: str):
-  """The running statistics, staged (None when no layer has any)."""
-  if pipeline.stats_layout is None:
-    return None
-  if STAGED in stats:
-    return stats[STAGED]
-  needed = sorted(k for k, v in pipeline.stats_layout.logical.items() if jax.tree.leaves(v))
-  missing = sorted(set(needed) - set(stats))
-  if missing:
-    raise ValueError(f"{owner}: layers {missing} have BatchNorm statistics but the variables "
-                     f"hold no '{STATS}' for them; pass the '{STATS}' that init returned.")
-  return pipeline.stats_layout.to_staged(stats)
 
 
 def _apply_all(layers, i: int, params, stats, h, kwargs, rngs, axis_names, owner: str):

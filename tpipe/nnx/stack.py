@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 from flax import nnx
+from flax.core import meta
 from jax import lax
 
 from tpipe import schedules
@@ -137,7 +138,9 @@ class Stack:
     return out
 
   def load_variables(self, variables) -> None:
-    """Writes ``params`` and ``batch_stats`` in :meth:`variables`' layout into the layers."""
+    """Writes ``params`` and ``batch_stats`` in :meth:`variables`' layout into the layers (a
+    linen model's variables as its ``init`` returns them, partitioning boxes and all)."""
+    variables = meta.unbox(variables)
     for i, layer in enumerate(self.pipeline_layers()):
       target = _target(layer)
       if "params" in variables:
@@ -172,11 +175,8 @@ class Stack:
                             stats_shapes=layers_lib.abstract(stats), x=x, kwargs=kwargs,
                             rng_names=tuple(rngs), owner=self.owner,
                             param_axes=self.param_axes())
-    mesh, stage_axis = self.spec.run_mesh(self.owner), self.spec.stage_axis
-    staged = pipeline.layout.to_staged(params, mesh, stage_axis)
     stats_layout = pipeline.stats_layout
-    staged_stats = (stats_layout.to_staged(stats, mesh, stage_axis)
-                    if stats_layout is not None else None)
+    staged, staged_stats = pipeline.stage(params, stats if stats_layout is not None else None)
     run = pipeline.loss if loss else pipeline.apply
     result = run(staged, x, kwargs, stats=staged_stats, rngs=rngs)
     if staged_stats is None:

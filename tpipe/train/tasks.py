@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 from typing import Any, Iterator
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -64,7 +65,8 @@ def remat_granularity(config) -> str | int:
 
 
 def _linen_init(model, rng, x, kwargs) -> dict:
-  return model.init({"params": rng}, x, **kwargs)
+  """The model's initial variables, unboxed (the trainer places them by its stage layout)."""
+  return nn.meta.unbox(model.init({"params": rng}, x, **kwargs))
 
 
 def lm_arguments(config) -> dict:
