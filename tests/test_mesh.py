@@ -84,6 +84,18 @@ def test_data_sharding_and_the_single_device_mesh():
   assert dict(mesh_lib.single_device_mesh("pipe").shape) == {"pipe": 1}
 
 
+def test_the_batch_splits_over_stages_on_entering_the_pipeline_not_in_data_sharding():
+  """The README's streamed inputs: ``data_sharding`` splits rows over ``data`` (and ``fsdp``)
+  only; the pipeline's input spec adds ``stage`` where each row shard divides among them."""
+  from tpipe.core import spmd  # pylint: disable=import-outside-toplevel
+
+  mesh = tpipe.make_mesh(stages=4, data=2)
+  assert "stage" not in jax.tree.leaves(tuple(tpipe.data_sharding(mesh).spec))
+  axes = spmd.Axes.of(mesh, "stage", "data")
+  assert axes.io_spec(16) == P(("data", "stage"))  # 16 rows: 2 per stage of each replica.
+  assert axes.io_spec(4) == P("data")  # 2 rows per replica do not split over 4 stages.
+
+
 def test_check_stage_axis_names_where_the_mesh_came_from():
   mesh = tpipe.make_mesh(stages=4, data=2)
   mesh_lib.check_stage_axis(mesh, 4, "stage", "the mesh given")

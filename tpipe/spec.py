@@ -76,7 +76,9 @@ class PipelineSpec:
       of ``mesh`` (:func:`tpipe.make_mesh` with ``dcn=``; none on one slice or without ``mesh``),
       ``0`` none, ``1``
       every link, or one 0/1 per link of the ring of stages (link ``l`` joins stage ``l`` to
-      ``(l + 1) % S``). Each delayed link between stages adds a tick to the step.
+      ``(l + 1) % S``). A delayed link lengthens the table by a tick each time its critical
+      path crosses it: once for gpipe and circular, twice (forward and backward) for 1F1B
+      and ZB-H1, more for interleaved 1F1B and ZB-V.
     stream_inputs: where the batch enters split over the stages and M is a multiple of S,
       whether each micro-batch's inputs reach stage 0 in the tick that reads them, sent one
       stage per tick from the stage that holds them (:mod:`tpipe.core.streaming`: a stage holds

@@ -139,3 +139,24 @@ def test_build_caches_per_delays():
   assert schedules.build("1f1b", 4, 8, delays=(0, 0, 0, 0)) is plain
   delayed = schedules.build("1f1b", 4, 8, delays=(0, 1, 0, 1))
   assert delayed is not plain and schedules.build("1f1b", 4, 8, delays=[0, 1, 0, 1]) is delayed
+
+
+# S = 4, M = 8: ticks with no delay and with every link delayed, as the README quotes them.
+README_TICKS = {"gpipe": (1, 11, 14), "circular": (2, 19, 22), "1f1b": (1, 22, 28),
+                "zb_h1": (1, 27, 33), "interleaved_1f1b": (2, 38, 52), "zbv": (2, 51, 65)}
+
+
+@pytest.mark.parametrize("name", sorted(README_TICKS))
+def test_each_delayed_link_adds_a_tick_per_crossing_of_the_critical_path(name):
+  """One tick per delayed link for the forward schedules; two for 1F1B and ZB-H1 (forward and
+  backward both cross it); at least two for interleaved 1F1B and ZB-V, which cross it more."""
+  repeats, plain, delayed = README_TICKS[name]
+  ticks = lambda delays: schedules.build(name, 4, 8, repeats, delays=delays).num_ticks
+  assert (ticks(0), ticks(1)) == (plain, delayed)
+  per_link = {"gpipe": 1, "circular": 1, "1f1b": 2, "zb_h1": 2}
+  for links in ((1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 1, 0)):
+    added = ticks(links) - plain
+    if name in per_link:
+      assert added == per_link[name] * sum(links), (links, added)
+    else:
+      assert added >= 2 * sum(links), (links, added)

@@ -250,7 +250,7 @@ def gpipe(num_stages: int, num_microbatches: int, delays=None) -> Schedule:
   """GPipe's fill-drain schedule: micro-batch ``m`` is on stage ``s`` at tick ``m + s``.
 
   ``M + S - 1`` ticks; bubble fraction ``(S - 1) / (M + S - 1)`` (Huang et al., 2019, sec. 2.3).
-  Each delayed link between stages (``delays``) adds a tick.
+  Each delayed link between stages (``delays``) adds one tick.
   """
   schedule = circular(num_stages, num_microbatches, 1, delays)
   return dataclasses.replace(schedule, name="gpipe")
