@@ -128,11 +128,18 @@ def test_fsdp_gathers_and_scatters_inside_the_stage_and_sends_only_between_stage
 
 
 def test_packed_buffers_are_padded_to_split_evenly_over_fsdp():
-  model, mesh, x, targets, _ = _model("stage2-fsdp2-tensor2", "gpipe")
+  # Embedding + 1 block | 3 blocks + head: one block per chunk stacked, two copies packed.
+  model, mesh, x, targets, _ = _model("stage2-fsdp2-tensor2", "gpipe", balance=[2, 4])
   layout = model.pipeline_for(x, targets=targets).layout
-  assert all(n % 2 == 0 for n in layout.packed_sizes.values()), layout.packed_sizes
+  assert layout.packed_sizes and all(n % 2 == 0 for n in layout.packed_sizes.values()), (
+      layout.packed_sizes)
   specs = layout.partition_specs(mesh=mesh)
   assert specs["packed"]["float32"] == P(None, "stage", "fsdp")
+  # The embedding and the head (transposed) share one leaf, split as their names say (the 11
+  # vocabulary rows do not divide over tensor: whole there).
+  (shared,) = layout.shared
+  assert shared.shape == (lm.VOCAB, 8) and shared.names == ("vocab", "embed")
+  assert specs["shared"][shared.name] == P(None, "stage", None, "fsdp")
   # Without a mesh, the stage split alone.
   assert layout.partition_specs()["packed"]["float32"] == P(None, "stage")
   params = lm.random_params("annotated")

@@ -33,6 +33,10 @@ def _head():
   return {"kernel": ((4, 2), F32), "bias": ((2,), F32)}
 
 
+def _wide_head():
+  return {"kernel": ((4, 5), F32), "bias": ((5,), F32)}
+
+
 def _values(shapes):
   """Logical values with every element distinct (exact in float32 and int32)."""
   leaves, treedef = jax.tree.flatten(shapes)
@@ -62,6 +66,12 @@ CASES = {
     "zbv": ([_embed(), _block(6), _head()], {1: 6}, (2, 2, 2, 2), 2, 2, "v"),
     # An even Repeat in the "v" placement: not a plain reshape any more.
     "even_repeat_v": ([_block(8)], {0: 8}, (2, 2, 2, 2), 2, 2, "v"),
+    # An embedding on stage 0 and a head (its kernel the embedding's transpose) on stage 1: the
+    # two matrices share one leaf; the vectors stay packed.
+    "shared_ends": ([_embed(), _block(4), _wide_head()], {1: 4}, (3, 3), 2, 1, "loop"),
+    # Two chunks per stage (ZB-V) and two like matrices on stage 0: two entries per stage.
+    "shared_zbv": ([_wide_head(), _block(4), _wide_head(), _wide_head()], {1: 4},
+                   (2, 1, 1, 3), 2, 2, "v"),
 }
 
 
@@ -108,7 +118,7 @@ def test_even_repeat_is_all_stacked():
   assert layout.stacked == {0: 2} and layout.packed_sizes == {}
   assert jax.tree.map(lambda a: a.shape, layout.staged_shapes()) == {
       "stacked": {"layers_0": {"Dense_0": {"kernel": (2, 2, 2, 4, 4), "bias": (2, 2, 2, 4)}}},
-      "packed": {}}
+      "packed": {}, "shared": {}}
   assert jax.tree.map(lambda a: a.shape, layout.local_shapes())["stacked"] == {
       "layers_0": {"Dense_0": {"kernel": (2, 4, 4), "bias": (2, 4)}}}
   assert layout._uniform(0)
@@ -132,7 +142,7 @@ def test_uneven_repeat_keeps_the_fewest_copies_per_leaf_and_packs_the_rest():
   assert jax.tree.map(lambda a: (a.shape, a.dtype), layout.staged_shapes()) == {
       "stacked": {"layers_1": {"Dense_0": {"kernel": ((1, 2, 2, 4, 4), F32),
                                            "bias": ((1, 2, 2, 4), F32)}}},
-      "packed": {"float32": ((1, 2, 30), F32), "int32": ((1, 2, 3), I32)}}
+      "packed": {"float32": ((1, 2, 30), F32), "int32": ((1, 2, 3), I32)}, "shared": {}}
   assert not layout._uniform(1)
 
 
@@ -205,10 +215,32 @@ def test_chunk_bytes_stage_bytes_and_elements():
   assert layout.stage_bytes() == (2 * 20 + 30 + 3) * 4
   block = {"Dense_0": {"kernel": 32, "bias": 8}}
   assert layout.chunk_elements() == [
-      {"stacked": {"layers_1": block}, "packed": {"float32": 20, "int32": 3}},
-      {"stacked": {"layers_1": block}, "packed": {"float32": 30, "int32": 0}}]
+      {"stacked": {"layers_1": block}, "packed": {"float32": 20, "int32": 3}, "shared": {}},
+      {"stacked": {"layers_1": block}, "packed": {"float32": 30, "int32": 0}, "shared": {}}]
   even, _ = _case("even_repeat")
   assert even.chunk_bytes() == [2 * 20 * 4] * 4 and even.stage_bytes() == 2 * 2 * 20 * 4
+
+
+@pytest.mark.unit
+def test_like_matrices_of_plain_layers_share_a_leaf():
+  layout, _ = _case("shared_ends")
+  (group,) = layout.shared
+  # The embedding [5, 4] (chunk 0, stage 0) and the head's kernel [4, 5] (chunk 1), stored
+  # transposed, are the two entries of one [1, 2, 5, 4] leaf; the vectors stay packed.
+  assert (group.shape, group.slots) == ((5, 4), 1)
+  assert [(m.chunk, m.layer, m.path, m.transposed) for m in group.members] == [
+      (0, 0, "['embedding']", False), (1, 2, "['kernel']", True)]
+  assert layout.staged_shapes()["shared"][group.name].shape == (1, 2, 5, 4)
+  assert [lay.sizes() for lay in layout.packed_layouts] == [{"int32": 3}, {"float32": 5}]
+  # Per device what packing them would take: 2 stacked copies, one entry for the matrix of
+  # each stage, and the packed vectors (5 floats on stage 1, 3 ints on stage 0).
+  assert layout.stage_bytes() == (2 * 20 + 20 + 5 + 3) * 4
+  assert [e["shared"] for e in layout.chunk_elements()] == [{group.name: 20}] * 2
+  zbv, _ = _case("shared_zbv")
+  (group,) = zbv.shared
+  # Stage 0 holds chunks 0 (a head) and 3 (two heads): three matrices, so three entries.
+  assert group.slots == 3 and [m.slot for m in group.members] == [0, 1, 2]
+  assert zbv.staged_shapes()["shared"][group.name].shape == (3, 2, 4, 5)
 
 
 @pytest.mark.unit
@@ -299,7 +331,13 @@ def test_chunk_trees_and_chunk_slot_are_inverse(name, fsdp, packing):
         want = jax.tree.map(lambda a, seg=seg: a[seg.first_copy:seg.first_copy + seg.copies],
                             want)
       _assert_equal(tree, want)
-    _assert_equal(layout.chunk_slot(trees, c), local)
+    # A stage's shared entries hold its other chunks' matrices too: compare the chunk's own.
+    own = {g.name: np.zeros(g.slots, bool) for g in layout.shared}
+    for _, g, m in layout.shared_members(c):
+      own[g.name][m.slot] = True
+    mine = lambda tree: {**tree, "shared": {k: jnp.where(
+        own[k].reshape((-1,) + (1,) * (a.ndim - 1)), a, 0) for k, a in tree["shared"].items()}}
+    _assert_equal(layout.chunk_slot(trees, c), mine(local))
     # The same trees from the slot's whole buffers, the window's start given.
     p, s = layout.packed_place(c)
     whole = {k: a[p, s] for k, a in staged["packed"].items()}

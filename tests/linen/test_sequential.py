@@ -287,7 +287,7 @@ def test_to_logical_inverts_to_staged_exactly(name):
     layout = model.stage_layout(x, **kwargs)
     # Jitted one at a time (eager dispatch compiles every small op; XLA sees no pair to cancel).
     staged = jax.jit(layout.to_staged)(params)
-    assert sorted(staged) == ["packed", "stacked"]
+    assert sorted(staged) == ["packed", "shared", "stacked"]
     assert jax.tree.map(np.shape, staged) == jax.tree.map(lambda a: a.shape,
                                                           layout.staged_shapes())
     # A Repeat with copies in every chunk keeps the fewest any chunk has per leaf, stacked.
@@ -306,10 +306,12 @@ def test_to_logical_inverts_to_staged_exactly(name):
       looped = jax.jit(loop.to_staged)(params)
       jax.tree.map(lambda v, leaf: np.testing.assert_array_equal(v[1], leaf[1, ::-1]),
                    staged["stacked"], looped["stacked"])
-      # Packed, each chunk reads the same window wherever its stage holds it.
+      # Each chunk reads the same variables wherever its stage holds it (the placements may
+      # pack and share their plain layers' matrices differently).
       for c in range(layout.num_chunks):
-        jax.tree.map(np.testing.assert_array_equal, layout.chunk_local(staged, c),
-                     loop.chunk_local(looped, c))
+        jax.tree.map(np.testing.assert_array_equal,
+                     layout.chunk_trees(layout.chunk_local(staged, c), c),
+                     loop.chunk_trees(loop.chunk_local(looped, c), c))
 
 
 def test_staged_params_made_for_another_split_are_rejected():

@@ -64,7 +64,7 @@ def test_abstract_state_is_staged_sharded_and_allocates_nothing(exp):
   leaves = jax.tree.leaves(state)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
   # The parameters are the staged tree itself: the blocks per leaf, the rest packed.
-  assert set(state.params) == {layout_lib.STACKED, layout_lib.PACKED}
+  assert set(state.params) == {layout_lib.STACKED, layout_lib.PACKED, layout_lib.SHARED}
   packed = state.params[layout_lib.PACKED]["float32"]
   assert packed.shape[:2] == (1, exp.config.num_stages)
   blocks = state.params[layout_lib.STACKED]["layers_1"]

@@ -93,7 +93,7 @@ def test_parameter_bytes_follow_the_stage_split(tiny_report):
   # Every parameter lives in the staged tree (the blocks per leaf, the rest packed), split
   # evenly over the stages.
   staged = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
-  assert set(state.params) == {layout_lib.STACKED, layout_lib.PACKED}
+  assert set(state.params) == {layout_lib.STACKED, layout_lib.PACKED, layout_lib.SHARED}
   assert tiny_report.params_bytes == staged // config.num_stages
   # Adam keeps two moments per parameter.
   assert tiny_report.opt_state_bytes >= 2 * tiny_report.params_bytes
@@ -372,7 +372,7 @@ def test_chunk_programs_in_order_are_the_model():
   layout = model.stage_layout(x)
   staged = layout.to_staged(variables["params"])
   # The Repeat is cut unevenly (2 copies, then 1), so its copies are packed with the rest.
-  assert set(staged) == {layout_lib.STACKED, layout_lib.PACKED}
+  assert set(staged) == {layout_lib.STACKED, layout_lib.PACKED, layout_lib.SHARED}
   plan = model.plan_for(x)
   assert plan.counts == (1, 2, 1, 1)
   assert stage_costs.group_names(layout, plan.unit_names) == [

@@ -29,7 +29,10 @@ def tpu_step():
   config = lm.get_config("size=tiny")
   # The Llama block: query heads over tensor, a grouped key/value head whole, every matrix
   # named for fsdp; XLA's partitioner splits what runs inside a stage over tensor.
-  config.update(dict(num_stages=2, num_data=1, block="llama", num_kv_heads=1))
+  # Width 256: a device's part of the embedding (shared with the head) is [128, 128], whole
+  # TPU tiles (at the tiny config's width 32 the tiles would pad it eightfold).
+  config.update(dict(num_stages=2, num_data=1, block="llama", num_kv_heads=1, width=256,
+                     mlp_dim=512))
   config.mesh.update(dict(fsdp=2, tensor=2))
   exp = experiment.build(config, devices=devices)
   state = exp.abstract_state()

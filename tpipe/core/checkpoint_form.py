@@ -6,8 +6,9 @@ stacked on a leading axis), each leaf split over the whole mesh: a stacked leaf 
 (its own ``fsdp``/``tensor`` spec, the copy axis whole) plus ``stage`` on one weight dimension
 that stays even; a packed-only leaf over ``fsdp`` along the dimension its packed pieces are cut,
 over ``tensor`` where its spec (or its largest divisible dimension) says, and over ``stage`` on
-one even dimension. :func:`checkpoint_specs` gives the specs; :func:`placement` the same as
-per-dimension axes.
+one even dimension; a weight in a shared leaf as its shared leaf splits it (transposed back
+where the leaf holds it transposed), plus ``stage`` on one even dimension.
+:func:`checkpoint_specs` gives the specs; :func:`placement` the same as per-dimension axes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tpipe import mesh as mesh_lib
 from tpipe.core import layout as layout_lib
 from tpipe.core import packed_places as places
 
-STACKED, PACKED = layout_lib.STACKED, layout_lib.PACKED
+STACKED, PACKED, SHARED = layout_lib.STACKED, layout_lib.PACKED, layout_lib.SHARED
 
 
 def axes_of(entry) -> tuple[str, ...]:
@@ -73,7 +74,13 @@ def _stage_free(layout, staged_specs, mesh) -> dict[str, dict[str, list]]:
       dims = _packed_dims_of(layout, index)
       names = layout.axes.get(name, {})
       copy_axis = int(is_repeated(layout, name))
+      shared = {m.path: (g, m) for g in layout.shared for m in g.members if m.layer == index}
       for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if leaf_path(path) in shared:  # As its shared leaf splits it, less [P, S].
+          group, member = shared[leaf_path(path)]
+          entries = _entries(staged_specs[SHARED][group.name], len(leaf.shape) + 2)[2:]
+          leaves[leaf_path(path)] = entries[::-1] if member.transposed else entries
+          continue
         entries = [()] * len(leaf.shape)
         dim = dims.get(leaf_path(path), places.FLAT)
         if shards > 1 and dim != places.FLAT:
@@ -190,10 +197,8 @@ def _packed_leaves(layout, chunk: int):
   dims = iter(layout.packed_dims[chunk])
   found = iter(zip(pieces.shapes, pieces.dtypes, pieces.offsets))
   out = []
-  for seg in layout.segments[chunk]:
-    if seg.stacked:
-      continue
-    shapes = layout_lib.segment_shapes(layout.logical, seg)
+  packed = [seg for seg in layout.segments[chunk] if not seg.stacked]
+  for seg, shapes in zip(packed, layout.packed_shapes(chunk)):  # Without the shared weights.
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
       shape, key, offset = next(found)
       offset += layout.packed_offsets[chunk][key]  # From the chunk's window to its block.
@@ -210,6 +215,15 @@ def packed_work(layout, placement):
     for seg, path, *rest in _packed_leaves(layout, c):
       name = f"layers_{seg.layer}"
       yield (slot, owner, name, seg, path, *rest, placement[name][leaf_path(path)])
+
+
+def shared_work(layout, placement):
+  """Every weight in a shared leaf: ``(group, member, owner stage, layer name, key path,
+  (stage-free entries, stage dim))``."""
+  for g in layout.shared:
+    for m in g.members:
+      name = f"layers_{m.layer}"
+      yield g, m, layout.position(m.chunk)[1], name, m.path, placement[name][m.path]
 
 
 def check_blocks(layout, staged_specs, mesh) -> None:

@@ -38,6 +38,7 @@ from tpipe import spec as spec_lib
 from tpipe.core import fsdp as fsdp_lib
 from tpipe.core import layers as layers_lib
 from tpipe.core import layout as layout_lib
+from tpipe.core import packed_places as places
 from tpipe.core import packing
 from tpipe.core import plan as plan_lib
 from tpipe.core import remat as remat_lib
@@ -134,6 +135,8 @@ class Signature:
   output_kind: str  # "ring", "output" or "both"
   ring_in: Any
   ring_out: Any
+  # Weights read from shared leaves: (segment, shared leaf, path, stored transposed).
+  shared: tuple[tuple[int, str, str, bool], ...] = ()
 
 
 def _signature(plan, layout, stats_layout, ring: Ring, c: int, select: bool,
@@ -148,7 +151,8 @@ def _signature(plan, layout, stats_layout, ring: Ring, c: int, select: bool,
       stats_layout=stats_layout.packed_layouts[c] if stats_layout is not None else None,
       input_kind=input_kind, output_kind=output_kind,
       ring_in=ring.layout(c - 1) if c and input_kind != "fresh" else None,
-      ring_out=ring.layout(c) if not last and output_kind == "ring" else None)
+      ring_out=ring.layout(c) if not last and output_kind == "ring" else None,
+      shared=tuple((k, g.name, m.path, m.transposed) for k, g, m in layout.shared_members(c)))
 
 
 def signatures(plan: plan_lib.Plan, layout: layout_lib.StageLayout,
@@ -213,6 +217,34 @@ class ChunkSet:
                            for k in layout.packed_sizes}
     self.first_units = [np.array([seg.first_unit for seg in layout.segments[c]], np.int32)
                         for c in range(num_chunks)]
+    # How many fsdp blocks of each packed buffer a device holds inside the tick loops: one
+    # where the buffers are split over fsdp (its packed leaves are then its pieces of them,
+    # gathered whole one unit at a time where the unit runs), else all of them.
+    self.gathers_pieces = self.fsdp is not None and any(self.fsdp.packed.values())
+    self.held_blocks = 1 if self.gathers_pieces else layout.packed_shards
+    # The mesh and the axes the partitioner splits inside the tick loops (tensor): packed
+    # leaves are constrained to their logical names' split over them where they run.
+    self._mesh = axes.mesh if axes is not None else None
+    self._auto_axes = axes.auto if axes is not None else ()
+    # Per branch, per shared weight (group, layer, path): the entry each chunk reads.
+    self.shared_slots = []
+    for chunks in self.chunks_of:
+      tables = {}
+      for c in chunks:
+        for _, g, m in layout.shared_members(c):
+          tables.setdefault((g.name, m.layer, m.path), np.zeros(num_chunks, np.int32))[c] = (
+              m.slot)
+      self.shared_slots.append(tables)
+    # Shared leaves split over the partitioner's axes (tensor) as their names say, per entry.
+    self._shared_specs = {g.name: None for g in layout.shared}
+    if axes is not None and axes.auto:
+      full = layout.partition_specs(spec.stage_axis, mesh=axes.mesh)[layout_lib.SHARED]
+      for name, full_spec in full.items():
+        inner = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in axes.auto)
+                 for e in tuple(full_spec)[2:]]
+        if any(inner):
+          self._shared_specs[name] = P(*[None if not a else a[0] if len(a) == 1 else a
+                                         for a in inner])
     # Filled while tracing tapped branches: each segment's traced program, for W.
     self._programs: dict[tuple[int, int], taps_lib.Program] = {}
 
@@ -288,41 +320,108 @@ class ChunkSet:
     return offsets if all(isinstance(o, int) for o in offsets.values()) else None
 
   def _chunk_trees(self, local, branch: int, chunk) -> list:
-    """Model ``chunk``'s variables per segment from :meth:`_param_slot`'s ``local``."""
-    return self.layout.chunk_trees(local, self.chunks_of[branch][0],
-                                   self._packed_at(branch, chunk))
+    """Model ``chunk``'s variables per segment from :meth:`_param_slot`'s ``local``: packed
+    leaves as this device's pieces where it holds one fsdp block, a run's leaves cut as
+    flattened elements already gathered whole (:meth:`_gather_packed`)."""
+    rep = self.chunks_of[branch][0]
+    slots = {key: self._per_chunk(branch, chunk, table)
+             for key, table in self.shared_slots[branch].items()}
+    trees = self.layout.chunk_trees(local, rep, self._packed_at(branch, chunk),
+                                    self.held_blocks, shared_slots=slots, canonical=True)
+    if self.gathers_pieces:
+      for k, seg in self._packed_segments(branch):
+        if seg.copies is not None:
+          trees[k] = self._gather_packed(branch, k, trees[k], flat_only=True)
+    return trees
 
   def _param_slot(self, params, branch: int, chunk):
     """What model ``chunk`` (one of branch ``branch``'s) reads of the per-device parameters
-    (:func:`device_view`: packed buffers ``[P, 1, n]``), gathered whole under FSDP: its stacked
-    slot, and the whole packed buffers where the chunk's window starts at a static offset
-    (:meth:`_packed_at`; its leaves are sliced from them as from one buffer per chunk), else
-    its window cut at the traced offset."""
+    (:func:`device_view`: packed buffers ``[P, 1, n]``): its stacked slot, and the packed
+    buffers as the device holds them (:attr:`held_blocks`; never gathered whole here), whole
+    where the chunk's window starts at a static offset (:meth:`_packed_at`; its leaves are
+    sliced from them as from one buffer per chunk), else its window cut at the traced offset."""
     stacked = self._slot(params[layout_lib.STACKED], self._local(branch, chunk))
     p = self._per_chunk(branch, chunk, self.packed_slot)
     buffers = {k: self._slot(a, p)[0] for k, a in params[layout_lib.PACKED].items()}
-    whole = lambda buffers: buffers
     if spmd.auto_axes_here():
-      # Whole on every device of the auto axes (tensor) too. The buffer's leaves start anywhere
+      # Whole on every device of the auto axes (tensor). The buffer's leaves start anywhere
       # in it, and XLA's partitioner, left free, splits it over tensor as some leaf's use
       # suggests; slicing the other leaves out of that split (and packing their gradients back)
       # then moves pieces between devices with collective-permutes inside the stage's branch,
-      # which the devices of the other stages never join.
-      whole = lambda buffers: jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()),
-                                           buffers)
-    if self._packed_at(branch, chunk) is not None:
-      packed = whole(buffers)
-    else:
-      # A device holds one fsdp block of each buffer where the buffers are split, else all.
-      blocks = {k: 1 if self.fsdp is not None and self.fsdp.packed[k] else
-                self.layout.packed_shards for k in buffers}
-      packed = whole(self.layout.window(whole(buffers), self.chunks_of[branch][0],
-                                        self._packed_offsets(branch, chunk), blocks))
-    slot = {layout_lib.STACKED: stacked, layout_lib.PACKED: packed}
-    if self.fsdp is not None:
-      slot = self.fsdp.gather_packed(slot)
-      slot = {**slot, layout_lib.PACKED: whole(slot[layout_lib.PACKED])}
-    return slot
+      # which the devices of the other stages never join. Each leaf takes its own split over
+      # tensor where its unit runs (:meth:`_gather_packed`).
+      buffers = jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), buffers)
+    if self._packed_at(branch, chunk) is None:
+      buffers = self.layout.window(buffers, self.chunks_of[branch][0],
+                                   self._packed_offsets(branch, chunk), self.held_blocks)
+    return {layout_lib.STACKED: stacked, layout_lib.PACKED: buffers,
+            layout_lib.SHARED: dict(params.get(layout_lib.SHARED, {}))}
+
+  def _packed_segments(self, branch: int) -> list:
+    """``(segment index, segment)`` of branch ``branch``'s packed segments, in order."""
+    rep = self.chunks_of[branch][0]
+    return [(k, seg) for k, seg in enumerate(self.layout.segments[rep]) if not seg.stacked]
+
+  def _gather_packed(self, branch: int, segment: int, tree, one_copy: bool = False,
+                     flat_only: bool = False):
+    """Packed segment ``segment``'s variables (``tree``: this device's pieces where it holds one
+    fsdp block) whole, each leaf split over the partitioner's axes (tensor) as its logical names
+    say, the split taken before the gather so the gathered leaf is split too.
+
+    ``one_copy``: ``tree`` is one copy of a run (inside the scan over its copies), whose leaves
+    cut as flattened elements were gathered before the scan; ``flat_only``: gather only those,
+    the copy axis kept (what :meth:`_chunk_trees` does for a run)."""
+    rep = self.chunks_of[branch][0]
+    j = [k for k, _ in self._packed_segments(branch)].index(segment)
+    run = self.layout.segments[rep][segment].copies is not None
+    one_copy = one_copy and run
+    lead = int(run and not one_copy)  # A copy axis in front of every leaf of ``tree``.
+    pieces = self.gathers_pieces
+
+    def leaf(piece, dim, whole, spec):
+      if dim == places.FLAT:
+        if pieces and not one_copy:
+          piece = self.fsdp.gather_piece(piece, dim, whole.shape)
+        if flat_only:
+          return piece
+      elif flat_only:
+        return piece
+      if spec is not None:
+        # Sliced from the buffer whole on every device, then split: a local slice. Unpinned,
+        # the partitioner would split the slice's operand instead and fetch its neighbours'.
+        piece = lax.with_sharding_constraint(piece, P())
+        piece = lax.with_sharding_constraint(piece, P(*([None] * lead), *spec))
+      if pieces and dim != places.FLAT:
+        piece = self.fsdp.gather_piece(piece, dim - int(one_copy), whole.shape,
+                                       None if spec is None else P(*([None] * lead), *spec))
+      return piece
+
+    shared = {m.path: g for k, g, m in self.layout.shared_members(rep) if k == segment}
+    transposed = {m.path: m.transposed for k, _, m in self.layout.shared_members(rep)
+                  if k == segment}
+
+    def any_leaf(path, value, dim, whole, spec):
+      key = jax.tree_util.keystr(path)
+      if key not in shared:
+        return leaf(value, dim, whole, spec)
+      if flat_only:
+        return value
+      name = shared[key].name
+      fsdp_dim = self.fsdp.shared[name] if self.fsdp is not None else fsdp_lib.NOT_SPLIT
+      if fsdp_dim != fsdp_lib.NOT_SPLIT:
+        value = self.fsdp.gather_piece(value, fsdp_dim, None, self._shared_specs[name])
+      return value.T if transposed[key] else value
+
+    return jax.tree_util.tree_map_with_path(
+        any_leaf, tree, self.layout.piece_dims(rep)[j], self.layout.packed_shapes(rep)[j],
+        self._piece_specs(rep)[j])
+
+  def _piece_specs(self, rep: int) -> list:
+    """:meth:`tpipe.core.layout.StageLayout.piece_specs` of model chunk ``rep`` over the
+    partitioner's axes here (None per leaf without a mesh or such axes)."""
+    if self._mesh is None or not self._auto_axes:
+      return [jax.tree.map(lambda _: None, tree) for tree in self.layout.packed_shapes(rep)]
+    return self.layout.piece_specs(rep, self._mesh, self._auto_axes)
 
   # ------------------------------------------------------------------------------------------
   # The branch programs.
@@ -371,6 +470,9 @@ class ChunkSet:
     def apply(params, stats, h, unit, taps):
       if self.fsdp is not None and seg.stacked:
         params = self.fsdp.gather_unit(f"layers_{seg.layer}", params)
+      elif not seg.stacked:
+        params = self._gather_packed(branch, segment, params,
+                                     one_copy=seg.copies is not None)
       kwargs = layers_lib.layer_keywords(layer, self.split, *side)
       unit_rngs = layers_lib.unit_rngs(rngs, unit, microbatch) if rngs else {}
       if not tapped:
@@ -470,9 +572,11 @@ class ChunkSet:
           leaves = lambda tree: jax.tree.leaves(tree)
           apply = lambda tree, recs, program=program: program.weight_outputs(leaves(tree), recs)
           tree = trees[k]
+          if not seg.stacked:
+            tree = self._gather_packed(index, k, tree)
           if seg.copies is not None:
             apply = jax.vmap(apply)
-            if self.fsdp is not None:
+            if self.fsdp is not None and seg.stacked:
               tree = self.fsdp.gather_unit(f"layers_{seg.layer}", tree, copy_axis=True)
           outs.append(apply(tree, records[k]))
         return outs

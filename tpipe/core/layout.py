@@ -58,9 +58,11 @@ from tpipe.core import layers as layers_lib
 from tpipe.core import packed_places as places
 from tpipe.core import packing as packing_lib
 from tpipe.core import plan as plan_lib
+from tpipe.core import shared_leaves as shared_lib
 
 STACKED = "stacked"
 PACKED = "packed"
+SHARED = "shared"
 PACKINGS = ("stage", "slot")
 
 
@@ -154,6 +156,7 @@ class StageLayout:
   packing: str = "stage"
   packed_offsets: tuple[dict[str, int], ...] = ()
   packed_windows: tuple[dict[str, int], ...] = ()
+  shared: tuple[shared_lib.Group, ...] = ()
 
   @classmethod
   def build(cls, groups, logical_shapes: Mapping[str, Any], num_stages: int, num_repeats: int,
@@ -196,8 +199,13 @@ class StageLayout:
     segments = tuple(_segments(chunk, stacked) for chunk in groups)
     axes = {k: dict(v) for k, v in (axes or {}).items()}
     shards = dict(mesh.shape).get(mesh_lib.FSDP_AXIS, 1) if mesh is not None else 1
+    shared = ()
+    if packing == "stage":  # Running statistics (a slot the branches hand back) stay packed.
+      shared = shared_lib.plan(_shared_candidates(logical, segments, axes, num_stages,
+                                                  placement), num_stages)
+    moved = {(m.chunk, m.layer, m.path) for g in shared for m in g.members}
     layouts, dims = [], []
-    for chunk in segments:
+    for c, chunk in enumerate(segments):
       pieces, chunk_dims = [], []
       for seg in chunk:
         if seg.stacked:
@@ -205,7 +213,9 @@ class StageLayout:
         names = axes.get(f"layers_{seg.layer}", {})
         copy_axis = int(seg.copies is not None)
 
-        def piece(path, a, names=names, copy_axis=copy_axis):
+        def piece(path, a, names=names, copy_axis=copy_axis, layer=seg.layer, c=c):
+          if (c, layer, jax.tree_util.keystr(path)) in moved:
+            return None  # In a shared leaf: left out of the packing.
           dim = places.cut_dim(a.shape[copy_axis:], names.get(jax.tree_util.keystr(path)),
                                shards, mesh, rules)
           dim = dim if dim == places.FLAT else dim + copy_axis
@@ -221,7 +231,7 @@ class StageLayout:
                packed_layouts=tuple(layouts),
                packed_sizes={k: n * shards for k, n in block.items()}, axes=axes,
                packed_shards=shards, packed_dims=tuple(dims), packing=packing,
-               packed_offsets=offsets, packed_windows=windows)
+               packed_offsets=offsets, packed_windows=windows, shared=shared)
 
   @property
   def num_chunks(self) -> int:
@@ -263,33 +273,40 @@ class StageLayout:
     p, _ = self.packed_place(chunk)
     stacked = jax.tree.map(lambda a: a[r, s], staged[STACKED])
     packed = self.window({k: a[p, s] for k, a in staged[PACKED].items()}, chunk)
-    return {STACKED: stacked, PACKED: packed}
+    shared = {k: a[:, s] for k, a in staged.get(SHARED, {}).items()}
+    return {STACKED: stacked, PACKED: packed, SHARED: shared}
 
   # ------------------------------------------------------------------------------------------
   # Shapes.
 
   def local_shapes(self) -> dict[str, Any]:
-    """The staged tree without its leading axes: one chunk slot's stacked leaves and one packed
-    slot's buffers (``[n]``; with ``packing="slot"`` the whole tree is one chunk slot)."""
+    """The staged tree without its leading axes: one chunk slot's stacked leaves, one packed
+    slot's buffers (``[n]``; with ``packing="slot"`` the whole tree is one chunk slot) and one
+    entry of each shared leaf."""
     stacked = {f"layers_{i}": _slice_shapes(self.logical[f"layers_{i}"], 0, k)
                for i, k in self.stacked.items()}
     packed = {k: jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in self.packed_sizes.items()}
-    return {STACKED: stacked, PACKED: packed}
+    shared = {g.name: jax.ShapeDtypeStruct(g.shape, jnp.dtype(g.dtype)) for g in self.shared}
+    return {STACKED: stacked, PACKED: packed, SHARED: shared}
 
   def chunk_shapes(self, chunk: int) -> dict[str, Any]:
     """What model chunk ``chunk`` reads (:meth:`chunk_local`), abstract."""
     local = self.local_shapes()
     packed = {k: jax.ShapeDtypeStruct((w * self.packed_shards,), jnp.dtype(k))
               for k, w in self.packed_windows[chunk].items()}
-    return {STACKED: local[STACKED], PACKED: packed}
+    shared = {g.name: jax.ShapeDtypeStruct((g.slots,) + g.shape, jnp.dtype(g.dtype))
+              for g in self.shared}
+    return {STACKED: local[STACKED], PACKED: packed, SHARED: shared}
 
   def staged_shapes(self) -> dict[str, Any]:
-    """The staged tree's abstract shapes (stacked leaves ``[R, S, ...]``, packed ``[P, S, n]``)."""
+    """The staged tree's abstract shapes (stacked leaves ``[R, S, ...]``, packed ``[P, S, n]``,
+    shared ``[P_g, S, ...]``)."""
     lead = lambda n: lambda a: jax.ShapeDtypeStruct((n, self.num_stages) + tuple(a.shape),
                                                     a.dtype)
     local = self.local_shapes()
     return {STACKED: jax.tree.map(lead(self.num_repeats), local[STACKED]),
-            PACKED: jax.tree.map(lead(self.packed_slots), local[PACKED])}
+            PACKED: jax.tree.map(lead(self.packed_slots), local[PACKED]),
+            SHARED: {g.name: lead(g.slots)(local[SHARED][g.name]) for g in self.shared}}
 
   def partition_specs(self, stage_axis: str = "stage", mesh=None, rules=None):
     """Where the staged tree lives: every leaf split over ``stage_axis`` on its stage axis.
@@ -307,6 +324,8 @@ class StageLayout:
     """
     if mesh is None:
       return jax.tree.map(lambda _: P(None, stage_axis), self.local_shapes())
+    # (Shared leaves: the stage axis in front of their entries, split inside a stage by their
+    # logical names as a stacked leaf is.)
     reserved = (stage_axis, mesh_lib.DATA_AXIS)  # The tick loops' manual axes.
     rules = axis_rules.resolve_rules(rules)
     local = self.local_shapes()
@@ -328,7 +347,10 @@ class StageLayout:
         mesh_lib.FSDP_AXIS, 1)
     packed = {k: P(None, stage_axis, mesh_lib.FSDP_AXIS) if split else P(None, stage_axis)
               for k in local[PACKED]}
-    return {STACKED: stacked, PACKED: packed}
+    shared = {g.name: P(None, stage_axis, *axis_rules.weight_spec(g.shape, g.names, mesh, rules,
+                                                                  reserved=reserved))
+              for g in self.shared}
+    return {STACKED: stacked, PACKED: packed, SHARED: shared}
 
   def check_staged(self, staged, what: str = "staged variables") -> None:
     """Raises ValueError unless ``staged`` has this layout's structure and shapes."""
@@ -347,29 +369,108 @@ class StageLayout:
   # ------------------------------------------------------------------------------------------
   # One chunk.
 
-  def chunk_trees(self, local, chunk: int, at: Mapping[str, int] | None = None) -> list:
+  def chunk_trees(self, local, chunk: int, at: Mapping[str, int] | None = None,
+                  blocks: int | None = None, shared_slots: Mapping | None = None,
+                  canonical: bool = False) -> list:
     """Model chunk ``chunk``'s variables, one tree per segment, from what it reads ``local``
-    (:meth:`chunk_local`: its stacked slot and packed window; with ``at``, per dtype where the
-    window starts in each block of the whole packed buffers ``local`` holds instead)."""
-    packed = iter(self.unpack_chunk(local[PACKED], chunk, at))
-    return [local[STACKED][f"layers_{seg.layer}"] if seg.stacked else next(packed)
-            for seg in self.segments[chunk]]
+    (:meth:`chunk_local`: its stacked slot, packed window and shared leaves' entries; with
+    ``at``, per dtype where the window starts in each block of the packed buffers ``local``
+    holds instead).
+
+    ``blocks``: how many fsdp blocks the packed buffers hold (default ``packed_shards``: the
+    whole buffers, whose packed leaves come back whole). With one block of several (a device's
+    own, inside the tick loops), each packed leaf comes back as that block's piece of it
+    (:meth:`piece_dims` says where to gather it whole). ``shared_slots``: per ``(group name,
+    layer, path)`` of the chunk's shared weights, the entry to read (default its own; traced where a
+    program serves several chunks). ``canonical``: shared weights as their entries hold them
+    (a matrix stored transposed stays so), else as the layer takes them."""
+    packed = iter(self.unpack_chunk(local[PACKED], chunk, at, blocks))
+    trees = [local[STACKED][f"layers_{seg.layer}"] if seg.stacked else next(packed)
+             for seg in self.segments[chunk]]
+    for k, group, member in self.shared_members(chunk):
+      slot = (shared_slots or {}).get((group.name, member.layer, member.path), member.slot)
+      value = local[SHARED][group.name][slot]
+      if member.transposed and not canonical:
+        value = value.T
+      trees[k] = _with_leaf(trees[k], member.path, value)
+    return trees
+
+  def shared_members(self, chunk: int) -> list:
+    """Model chunk ``chunk``'s weights in shared leaves: ``(segment index, group, member)``."""
+    index = {seg.layer: k for k, seg in enumerate(self.segments[chunk])
+             if not seg.stacked and seg.copies is None}
+    return [(index[m.layer], g, m) for g in self.shared for m in g.members if m.chunk == chunk]
+
+  def piece_specs(self, chunk: int, mesh, axes_used, rules=None) -> list:
+    """Per packed segment of model chunk ``chunk``, a tree of one copy's partition specs over
+    the mesh axes in ``axes_used`` alone (inside the tick loops: the axes left to the
+    partitioner, ``tensor``), as the leaves' logical names say, or None for a leaf with none
+    of them. A dimension the leaf was cut along into fsdp pieces stays whole: the piece
+    gathers whole along it."""
+    rules = axis_rules.resolve_rules(rules)
+    reserved = tuple(a for a in mesh.axis_names if a not in axes_used)
+    out = []
+    for seg, shapes, dims in zip([g for g in self.segments[chunk] if not g.stacked],
+                                 self.packed_shapes(chunk), self.piece_dims(chunk)):
+      names = self.axes.get(f"layers_{seg.layer}", {})
+      copy_axis = int(seg.copies is not None)
+
+      def spec(path, leaf, dim, names=names, copy_axis=copy_axis):
+        shape = leaf.shape[copy_axis:]
+        entries = list(axis_rules.weight_spec(shape, names.get(jax.tree_util.keystr(path)),
+                                              mesh, rules, reserved=reserved))
+        if dim != places.FLAT and dim - copy_axis < len(entries):
+          entries[dim - copy_axis] = None
+        return P(*entries) if any(e is not None for e in entries) else None
+
+      out.append(jax.tree_util.tree_map_with_path(spec, shapes, dims))
+    return out
+
+  def piece_dims(self, chunk: int) -> list:
+    """Per packed segment of model chunk ``chunk`` (in order), a tree shaped like its variables
+    holding where each leaf was cut into ``packed_shards`` pieces: a dimension of the segment's
+    tree (a run's copy axis first), or :data:`tpipe.core.packed_places.FLAT`."""
+    trees = self.packed_shapes(chunk)
+    dims = iter(self.packed_dims[chunk])
+    return [jax.tree.map(lambda _: next(dims), tree) for tree in trees]
 
   def chunk_slot(self, trees: Sequence[Any], chunk: int):
-    """The inverse of :meth:`chunk_trees`: a slot holding ``trees`` (one per segment)."""
+    """The inverse of :meth:`chunk_trees`: a slot holding ``trees`` (one per segment); a shared
+    leaf's entries that hold none of this chunk's weights are zeros."""
     stacked = {f"layers_{seg.layer}": tree for seg, tree in zip(self.segments[chunk], trees)
                if seg.stacked}
     packed = [tree for seg, tree in zip(self.segments[chunk], trees) if not seg.stacked]
-    return {STACKED: stacked, PACKED: self.pack_chunk(packed, chunk)}
+    shared = {g.name: jnp.zeros((g.slots,) + g.shape, jnp.dtype(g.dtype)) for g in self.shared}
+    for k, g, m in self.shared_members(chunk):  # The chunk's entries; the others zeros.
+      entries = shared[g.name]
+      value = _leaf_at(trees[k], m.path)
+      shared[g.name] = entries.at[m.slot].set((value.T if m.transposed else value).astype(
+          entries.dtype))
+    return {STACKED: stacked, PACKED: self.pack_chunk(packed, chunk), SHARED: shared}
 
   def packed_shapes(self, chunk: int) -> list:
-    """Model chunk ``chunk``'s packed trees (one per packed segment), abstract, whole."""
-    return [segment_shapes(self.logical, seg) for seg in self.segments[chunk]
+    """Model chunk ``chunk``'s packed trees (one per packed segment), abstract, whole; a weight
+    in a shared leaf is None there."""
+    trees = [segment_shapes(self.logical, seg) for seg in self.segments[chunk]]
+    return [tree for seg, tree in zip(self.segments[chunk], self._without_shared(trees, chunk))
             if not seg.stacked]
+
+  def _without_shared(self, trees: Sequence[Any], chunk: int) -> list:
+    """``trees`` (one per segment of ``chunk``) with the weights in shared leaves None."""
+    trees = list(trees)
+    for k, _, member in self.shared_members(chunk):
+      trees[k] = _with_leaf(trees[k], member.path, None)
+    return trees
 
   def pack_chunk(self, trees: Sequence[Any], chunk: int) -> dict[str, jax.Array]:
     """Model chunk ``chunk``'s packed window ``{dtype: [packed_shards * w]}`` holding ``trees``
-    (its packed segments' trees, whole): block ``f`` holds piece ``f`` of every leaf."""
+    (its packed segments' trees, whole; weights in shared leaves are left out): block ``f``
+    holds piece ``f`` of every leaf."""
+    packed_segments = [k for k, seg in enumerate(self.segments[chunk]) if not seg.stacked]
+    full = [None] * len(self.segments[chunk])
+    for k, tree in zip(packed_segments, trees):
+      full[k] = tree
+    trees = [self._without_shared(full, chunk)[k] for k in packed_segments]
     leaves, treedef = jax.tree.flatten(list(trees))
     cut = [places.cut_pieces(a, d, self.packed_shards)
            for a, d in zip(leaves, self.packed_dims[chunk])]
@@ -383,15 +484,22 @@ class StageLayout:
     return {k: v.reshape(-1) for k, v in buffers.items()}
 
   def unpack_chunk(self, buffers: Mapping[str, jax.Array], chunk: int,
-                   at: Mapping[str, int] | None = None) -> list:
+                   at: Mapping[str, int] | None = None, blocks: int | None = None) -> list:
     """The inverse of :meth:`pack_chunk`: the packed segments' trees from a whole window, or
-    from whole buffers whose blocks hold the window at ``at`` (per dtype)."""
+    from buffers whose blocks hold the window at ``at`` (per dtype). From ``blocks=1`` block of
+    several, each leaf's piece in it (see :meth:`chunk_trees`)."""
+    blocks = self.packed_shards if blocks is None else blocks
     layout = dataclasses.replace(self.packed_layouts[chunk], batch_dims=1)
     if at is not None:
       layout = dataclasses.replace(layout, offsets=tuple(
           offset + at[key] for offset, key in zip(layout.offsets, layout.dtypes)))
-    blocks = {k: v.reshape(self.packed_shards, -1) for k, v in buffers.items()}
-    pieces, treedef = jax.tree.flatten(packing_lib.unpack(blocks, layout))
+    rows = {k: v.reshape(blocks, -1) for k, v in buffers.items()}
+    pieces, treedef = jax.tree.flatten(packing_lib.unpack(rows, layout))
+    if blocks != self.packed_shards:
+      if blocks != 1:
+        raise ValueError(f"packed buffers hold {self.packed_shards} blocks; read all or one, "
+                         f"not {blocks}.")
+      return jax.tree.unflatten(treedef, [p[0] for p in pieces])
     whole = jax.tree.leaves(self.packed_shapes(chunk))
     return jax.tree.unflatten(treedef, [
         places.join_pieces(p, d, a.shape)
@@ -419,7 +527,9 @@ class StageLayout:
                  for seg in chunk if seg.stacked}
       sizes = packing_lib.layout_of(self.packed_shapes(c)).sizes()
       packed = {k: sizes.get(k, 0) for k in self.packed_sizes}
-      out.append({STACKED: stacked, PACKED: packed})
+      shared = {g.name: sum(int(np.prod(g.shape)) for m in g.members if m.chunk == c)
+                for g in self.shared}
+      out.append({STACKED: stacked, PACKED: packed, SHARED: shared})
     return out
 
   def stage_bytes(self) -> int:
@@ -428,7 +538,8 @@ class StageLayout:
     nbytes = lambda tree: sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
                               for a in jax.tree.leaves(tree))
     local = self.local_shapes()
-    return self.num_repeats * nbytes(local[STACKED]) + self.packed_slots * nbytes(local[PACKED])
+    return (self.num_repeats * nbytes(local[STACKED]) + self.packed_slots * nbytes(local[PACKED])
+            + sum(g.slots * g.entry_bytes for g in self.shared))
 
   def packed_mask(self, predicate):
     """Which elements of the packed buffers belong to leaves ``predicate(path)`` selects.
@@ -468,6 +579,20 @@ class StageLayout:
     return {k: places.range_mask(found, self.packed_slots, self.num_stages)
             for k, found in ranges.items()}
 
+  def shared_mask(self, predicate) -> dict[str, np.ndarray]:
+    """Per shared leaf, a bool ``[P, S, 1, ...]`` table (broadcasting over an entry): whether the
+    weight in each entry is one ``predicate(path)`` selects (see :meth:`packed_mask`)."""
+    out = {}
+    for g in self.shared:
+      table = np.zeros((g.slots, self.num_stages) + (1,) * len(g.shape), bool)
+      for m in g.members:
+        tree = self.logical[f"layers_{m.layer}"]
+        path = next(p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+                    if jax.tree_util.keystr(p) == m.path)
+        table[m.slot, self.position(m.chunk)[1]] = predicate(path)
+      out[g.name] = table
+    return out
+
   # ------------------------------------------------------------------------------------------
   # The whole tree.
 
@@ -499,7 +624,20 @@ class StageLayout:
     places_ = [(p, s) for p in range(self.packed_slots) for s in range(self.num_stages)]
     packed = {k: v.reshape(self.packed_slots, self.num_stages, -1)
               for k, v in self._packed_buffers(logical, places_).items()}
-    return {STACKED: stacked, PACKED: packed}
+    return {STACKED: stacked, PACKED: packed, SHARED: self._shared_arrays(logical)}
+
+  def _shared_arrays(self, logical) -> dict[str, jax.Array]:
+    """Each shared leaf ``[P, S, ...]`` from the logical weights it holds (zeros elsewhere)."""
+    out = {}
+    for g in self.shared:
+      entries = [[None] * self.num_stages for _ in range(g.slots)]
+      for m in g.members:
+        value = _leaf_at(logical[f"layers_{m.layer}"], m.path)
+        entries[m.slot][self.position(m.chunk)[1]] = value.T if m.transposed else value
+      zeros = jnp.zeros(g.shape, jnp.dtype(g.dtype))
+      out[g.name] = jnp.stack([jnp.stack([zeros if e is None else e.astype(zeros.dtype)
+                                          for e in row]) for row in entries])
+    return out
 
   def _packed_buffers(self, logical, slots) -> dict[str, jax.Array]:
     """Per dtype, the packed buffers of ``slots`` (``(packed slot, stage)``) flat, one after the
@@ -568,3 +706,37 @@ def _segment_values(values, logical, seg: Segment):
   if seg.copies is None:
     return tree
   return _slice(tree, seg.first_copy, seg.first_copy + seg.copies)
+
+
+def _with_leaf(tree, path: str, value):
+  """``tree`` with the leaf (or None hole) at key path ``path`` (a keystr) replaced."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, leaf: value if jax.tree_util.keystr(p) == path else leaf, tree,
+      is_leaf=lambda x: x is None)
+
+
+def _shared_candidates(logical, segments, axes, num_stages: int, placement: str) -> list:
+  """The plain layers' weights (:class:`tpipe.core.shared_leaves.Candidate`), chunk by chunk."""
+  out = []
+  for c, chunk in enumerate(segments):
+    _, stage = places.position(c, num_stages, placement)
+    for seg in chunk:
+      if seg.stacked or seg.copies is not None:
+        continue
+      names = axes.get(f"layers_{seg.layer}", {})
+      for path, leaf in jax.tree_util.tree_flatten_with_path(segment_shapes(logical, seg))[0]:
+        key = jax.tree_util.keystr(path)
+        given = names.get(key)
+        out.append(shared_lib.Candidate(
+            chunk=c, stage=stage, layer=seg.layer, path=key, shape=tuple(leaf.shape),
+            dtype=jnp.dtype(leaf.dtype).name,
+            names=tuple(given) if given is not None else None))
+  return out
+
+
+def _leaf_at(tree, path: str):
+  """The leaf of ``tree`` at key path ``path`` (a keystr)."""
+  for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if jax.tree_util.keystr(p) == path:
+      return leaf
+  raise KeyError(f"no leaf at {path} in {jax.tree.map(jnp.shape, tree)}.")

@@ -42,7 +42,7 @@ from tpipe.core import checkpoint_form as form
 from tpipe.core import layout as layout_lib
 from tpipe.core import packed_places as places
 
-STACKED, PACKED = layout_lib.STACKED, layout_lib.PACKED
+STACKED, PACKED, SHARED = layout_lib.STACKED, layout_lib.PACKED, layout_lib.SHARED
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,6 +260,17 @@ def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib
         block = _piece_to_block(piece, dim, whole, entries, shards, sizes)
         write(t, name, path, seg.first_copy,
               _to_stages(block, stage_dim, stage_axis, num_stages)[owner])
+    for group, member, owner, name, path, (_, stage_dim) in form.shared_work(layout, placement):
+      for t, tree in enumerate(trees):
+        entry = tree[SHARED][group.name][member.slot, 0]  # Junk unless this is the owner.
+        others = [{n: o[n] for n in o if int(n.split("_")[1]) not in layout.stacked}
+                  for o in outs]
+        entry, others = _after(entry, others)
+        for o, p in zip(outs, others):
+          o.update(p)
+        block = entry.T if member.transposed else entry
+        form.set_leaf(outs[t][name], _keys(outs[t][name], path),
+                      _to_stages(block, stage_dim, stage_axis, num_stages)[owner])
     return outs
 
   outs = _mapped(body, mesh, ([staged_specs] * len(trees),),
@@ -392,8 +403,35 @@ def from_checkpoint(layout, logical, staged_specs, mesh, stage_axis: str = mesh_
         buffers[t][dtype] = lax.dynamic_update_slice(
             buffer, jnp.where(me == owner, piece[None, None], old), start)
     stacked = jax.tree.map(lambda i: done[i], stacked)
-    return [{STACKED: s, PACKED: b} for s, b in zip(stacked, buffers)]
+    shared = [{g.name: jnp.zeros((g.slots, 1) + _local_shape(g, staged_specs, sizes),
+                                 jnp.dtype(g.dtype)) for g in layout.shared} for _ in trees]
+    for group, member, owner, name, path, (_, stage_dim) in form.shared_work(layout, placement):
+      for t, tree in enumerate(trees):
+        block, _ = _after(_leaf_at(tree[name], path), shared)
+        block = _from_stages(block, stage_dim, stage_axis, num_stages, owner=owner)
+        entry = block.T if member.transposed else block
+        target = shared[t][group.name]
+        old = target[member.slot, 0]
+        shared[t][group.name] = target.at[member.slot, 0].set(
+            jnp.where(me == owner, entry.astype(target.dtype), old))
+    return [{STACKED: s, PACKED: b, SHARED: h} for s, b, h in zip(stacked, buffers, shared)]
 
   outs = _mapped(body, mesh, ([in_specs] * len(trees),),
                  [staged_specs] * len(trees))(list(trees))
   return outs if many else outs[0]
+
+
+def _keys(tree, path: str):
+  """The key path (a tuple of keys) of the leaf of ``tree`` at keystr ``path``."""
+  return next(p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+              if form.leaf_path(p) == path)
+
+
+def _leaf_at(tree, path: str):
+  return form.get_leaf(tree, _keys(tree, path))
+
+
+def _local_shape(group, staged_specs, sizes) -> tuple[int, ...]:
+  """A device's block of one entry of shared leaf ``group`` (its spec's split of the entry)."""
+  entries = form._entries(staged_specs[SHARED][group.name], len(group.shape) + 2)[2:]
+  return tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(group.shape, entries))

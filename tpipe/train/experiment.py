@@ -163,9 +163,11 @@ def staged_weight_decay(weight_decay: float,
 
   Per-leaf parameters decay by their names, as optax's mask would; in the packed buffers the
   decayed elements are ranges the layout knows (:meth:`~tpipe.core.layout.StageLayout.packed_mask`),
-  so the mask is computed in the update, never stored.
+  so the mask is computed in the update, never stored; a shared leaf's entries decay by the
+  names of the weights they hold (:meth:`~tpipe.core.layout.StageLayout.shared_mask`).
   """
   masks = layout.packed_mask(_decayed)
+  shared_masks = layout.shared_mask(_decayed)
 
   def init(params):
     del params
@@ -178,7 +180,10 @@ def staged_weight_decay(weight_decay: float,
         params[layout_lib.STACKED])
     packed = {k: decay(u, params[layout_lib.PACKED][k], masks[k](u.shape))
               for k, u in updates[layout_lib.PACKED].items()}
-    return {layout_lib.STACKED: stacked, layout_lib.PACKED: packed}, state
+    shared = {k: decay(u, params[layout_lib.SHARED][k], shared_masks[k])
+              for k, u in updates[layout_lib.SHARED].items()}
+    return {layout_lib.STACKED: stacked, layout_lib.PACKED: packed,
+            layout_lib.SHARED: shared}, state
 
   return optax.GradientTransformation(init, update)
 

@@ -42,7 +42,8 @@ def check_num_chunks(num_chunks, vocab_size: int) -> int:
 
 
 def chunked_cross_entropy(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
-                          targets: jax.Array, num_chunks: int, dtype: Any = None) -> jax.Array:
+                          targets: jax.Array, num_chunks: int, dtype: Any = None,
+                          vocab_shards: int = 1) -> jax.Array:
   """Per-position cross-entropy of ``x @ kernel + bias`` against ``targets``, a vocabulary slice
   at a time.
 
@@ -54,6 +55,11 @@ def chunked_cross_entropy(x: jax.Array, kernel: jax.Array, bias: jax.Array | Non
     num_chunks: how many slices of the vocabulary; must divide ``vocab``. 1 projects at once.
     dtype: the matmul's dtype (``x``, ``kernel`` and ``bias`` are cast to it, as ``nn.Dense``
       with that ``dtype`` does); None keeps ``x``'s. The logits are float32 at least.
+    vocab_shards: the vocabulary's contiguous blocks across devices (the ``tensor`` axis's size
+      where the kernel's vocabulary is split over it). Slice ``j`` takes the ``j``-th part of
+      every block, so each device projects onto its own block's part (no kernel moves between
+      devices) and only the per-position log-sum-exp crosses them. Must divide
+      ``vocab / num_chunks``; 1: slices of the whole vocabulary.
 
   Returns:
     float32 (at least) ``[...]`` cross-entropies in nats.
@@ -66,30 +72,39 @@ def chunked_cross_entropy(x: jax.Array, kernel: jax.Array, bias: jax.Array | Non
   if targets.shape != x.shape[:-1]:
     raise ValueError(f"targets must have x's leading shape {x.shape[:-1]}, got {targets.shape}.")
   n = check_num_chunks(num_chunks, vocab)
+  shards = vocab_shards
+  if (isinstance(shards, bool) or not isinstance(shards, int) or shards < 1
+          or vocab % (n * shards)):
+    raise ValueError(f"vocab_shards={vocab_shards!r} must be a positive int dividing "
+                     f"vocab / num_chunks = {vocab // n}.")
   dtype = jnp.dtype(dtype or x.dtype)
   logits_dtype = jnp.promote_types(dtype, jnp.float32)
-  size = vocab // n
+  block, part = vocab // shards, vocab // (shards * n)  # A shard's block; a slice's part of it.
   x = x.astype(dtype)
+  # [width, shards, n, part]: slice j is [:, :, j] (a shard's block stays on its device).
+  kernel = kernel.reshape(kernel.shape[0], shards, n, part)
+  bias = None if bias is None else bias.reshape(shards, n, part)
+  shard_of, within = targets // block, targets % block
+  slice_of, column = within // part, shard_of * part + within % part
 
   # Each slice is read in place from the kernel (no re-arranged copy of it), so its gradient
   # lands in place too.
   @jax.checkpoint  # The backward pass recomputes one slice's logits at a time.
-  def one_slice(carry, start):
+  def one_slice(carry, j):
     top, total, picked = carry
-    k = lax.dynamic_slice_in_dim(kernel, start, size, axis=1).astype(dtype)
-    logits = x @ k
+    k = lax.dynamic_index_in_dim(kernel, j, axis=2, keepdims=False).astype(dtype)
+    logits = x @ k.reshape(k.shape[0], shards * part)
     if bias is not None:
-      logits = logits + lax.dynamic_slice_in_dim(bias, start, size).astype(dtype)
+      logits = logits + lax.dynamic_index_in_dim(bias, j, axis=1, keepdims=False).reshape(
+          -1).astype(dtype)
     logits = logits.astype(logits_dtype)
     new_top = jnp.maximum(top, lax.stop_gradient(logits.max(axis=-1)))
     total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[..., None]).sum(axis=-1)
-    local = targets - start
-    inside = (local >= 0) & (local < size)
-    hit = jnp.take_along_axis(logits, jnp.clip(local, 0, size - 1)[..., None], axis=-1)[..., 0]
-    return (new_top, total, picked + jnp.where(inside, hit, 0)), None
+    hit = jnp.take_along_axis(logits, column[..., None], axis=-1)[..., 0]
+    return (new_top, total, picked + jnp.where(slice_of == j, hit, 0)), None
 
   # Zeros made from x so the carry varies over the same mesh axes as x inside shard_map.
   zeros = lax.stop_gradient(x[..., 0].astype(logits_dtype) * 0)
-  starts = jnp.arange(n, dtype=jnp.int32) * size
-  (top, total, picked), _ = lax.scan(one_slice, (zeros - jnp.inf, zeros, zeros), starts)
+  (top, total, picked), _ = lax.scan(one_slice, (zeros - jnp.inf, zeros, zeros),
+                                     jnp.arange(n, dtype=jnp.int32))
   return top + jnp.log(total) - picked

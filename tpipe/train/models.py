@@ -343,6 +343,25 @@ class _VocabProjection(nn.Module):
     return kernel, bias
 
 
+def _vocab_shards(part: int) -> int:
+  """The ways the vocabulary splits over the mesh axis its logical name maps to (``vocab`` ->
+  ``tensor`` under the default rules) where the partitioner runs this code, if that divides
+  ``part``, else 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  sizes = dict(mesh.shape)
+  for name, target in tpipe.axis_rules.resolve_rules():
+    if name == "vocab":
+      axes = (target,) if isinstance(target, str) else tuple(target or ())
+      ways = 1
+      for axis, kind in zip(mesh.axis_names, mesh.axis_types):
+        if axis in axes and kind == jax.sharding.AxisType.Auto:
+          ways *= sizes[axis]
+      return ways if part % ways == 0 else 1
+  return 1
+
+
 class LMHead(nn.Module):
   """Final LayerNorm and the projection to the vocabulary; with targets, the loss too.
 
@@ -376,8 +395,9 @@ class LMHead(nn.Module):
     x = nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name="final_norm")(x)
     if self.vocab_chunks > 1 and targets is not None:
       kernel, bias = _VocabProjection(self.vocab_size, param_dtype, name="head")(x.shape[-1])
-      return losses.chunked_cross_entropy(x, kernel, bias, targets, self.vocab_chunks,
-                                          dtype).mean(axis=-1)
+      return losses.chunked_cross_entropy(
+          x, kernel, bias, targets, self.vocab_chunks, dtype,
+          vocab_shards=_vocab_shards(self.vocab_size // self.vocab_chunks)).mean(axis=-1)
     logits = nn.Dense(self.vocab_size, dtype=dtype, param_dtype=param_dtype,
                       kernel_init=_named(nn.initializers.lecun_normal(), ("embed", "vocab")),
                       bias_init=_named(nn.initializers.zeros_init(), ("vocab",)),
