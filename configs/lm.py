@@ -128,12 +128,37 @@ def get_config(arg=None):
   # on CPU), or unit counts per chunk such as "3,2,2,3" (the embedding and the head count one unit
   # each, every block one).
   config.balance = "flops"
-  config.vocab_size = 256  # Byte values.
+  # Token ids of the model: 0 takes the tokenizer's vocabulary size (256 for bytes).
+  config.vocab_size = 0
   # The block: "gpt" (LayerNorm, multi-head attention, GELU MLP, dropout) or "llama" (RMSNorm,
   # grouped-query attention with num_kv_heads key/value heads, SwiGLU MLP; every matrix named
   # for fsdp and tensor parallelism). num_kv_heads = None means num_heads.
   config.block = "gpt"
   config.num_kv_heads = ml_collections.FieldReference(None, field_type=int)
+  # Positions: "learned" (a table of max_len rows in the embedding) or "rotary" (rotary
+  # embeddings in llama blocks, base rope_theta; rope_scaling is Hugging Face's rope_scaling
+  # as JSON, "" for none).
+  config.positions = "learned"
+  config.rope_theta = 10000.0
+  config.rope_scaling = ""
+  # Rows of the learned position table (0: seq_len); longer sequences than this are refused.
+  config.max_len = 0
+  # Each attention head's width (0: width // num_heads; llama blocks only).
+  config.head_dim = 0
+  # Epsilon of every norm; the head's norm, "layer" (LayerNorm) or "rms" (RMSNorm).
+  config.norm_epsilon = 1e-6
+  config.final_norm = "layer"
+  # Whether the vocabulary projection has a bias; whether the query/key/value projections of
+  # llama blocks have biases (Qwen2); how many keys a llama block's query attends (0: all).
+  config.head_bias = True
+  config.qkv_bias = False
+  config.sliding_window = 0
+  # One matrix for the embedding and the head (two exact copies, their gradients summed:
+  # tpipe.train.tied); needs head_bias=False.
+  config.tie_embeddings = False
+  # The Hugging Face family the architecture comes from ("llama", "mistral", "qwen2",
+  # "gpt2"; set by init_from), which export writes; "" for tpipe's own.
+  config.family = ""
   # The loss a vocabulary slice at a time (a divisor of vocab_size): the head never forms a
   # micro-batch's whole [batch, seq, vocab] logits. For large vocabularies; 1 = all at once.
   config.vocab_chunks = 1
@@ -150,10 +175,28 @@ def get_config(arg=None):
   config.weight_decay = 0.1
   config.grad_clip = 1.0
 
-  # Data.
+  # Start from a pretrained model: a Hugging Face checkpoint directory (config.json and
+  # *.safetensors of a Llama, Mistral, Qwen2 or GPT-2 model) or another run's workdir. Its
+  # architecture replaces the model fields above; "" trains from scratch.
+  config.init_from = ""
+
+  # Data: "stdlib" (the Python standard library's source as bytes), or a path or glob of
+  # files (several separated by commas), tokenized, documents packed into seq_len tokens.
+  config.data = "stdlib"
+  # The files' format: "" (from each suffix), "text" (a document per file), "jsonl", "parquet"
+  # or "arrayrecord" (python -m tpipe.train.write_corpus writes one).
+  config.data_format = ""
+  # The JSONL field or Parquet column holding each document's text.
+  config.text_field = "text"
+  # Held-out files for evaluation (path or glob); "" holds out eval_fraction of the documents.
+  config.eval_data = ""
+  # "bytes", a Hugging Face tokenizer.json, or a SentencePiece .model (local paths).
+  config.tokenizer = "bytes"
+  # The token that ends each document ("" for the tokenizer's end-of-sequence token).
+  config.eod_token = ""
   config.max_corpus_bytes = 4_000_000  # Cap on stdlib bytes read; keeps start-up fast.
-  config.eval_fraction = 0.1  # Share of files (by path hash) held out for eval.
-  config.eval_batches = 4
+  config.eval_fraction = 0.1  # Share of files (stdlib) or documents held out for eval.
+  config.eval_batches = 4  # Evaluation batches (a fixed set).
 
   # Logging, eval and checkpoints (in steps).
   config.log_every = 10 if num_steps >= 100 else 1
