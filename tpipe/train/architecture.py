@@ -55,24 +55,17 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   vocabulary size. Returns ``config`` itself when nothing changes, else an unlocked copy.
 
   Raises:
-    ValueError: the tokenizer's vocabulary is larger than the model's, or ``init_from`` is not
-      a model directory (see :func:`tpipe.train.pretrained.architecture_of`).
+    ValueError: ``init_from`` is not a model directory (see
+      :func:`tpipe.train.pretrained.architecture_of`) or the tokenizer cannot be read.
   """
   updates = {}
   source = config.get("init_from", "")
   if source:
     from tpipe.train import pretrained  # pylint: disable=g-import-not-at-top  # Avoids a cycle.
     updates.update(pretrained.architecture_of(source))
-  tokenizer = tokenization.load(config.get("tokenizer", tokenization.BYTES),
-                                config.get("eod_token", ""))
-  vocab = updates.get("vocab_size", value(config, "vocab_size"))
-  if not vocab:
-    updates["vocab_size"] = tokenizer.vocab_size
-  elif vocab < tokenizer.vocab_size:
-    where = f"the model in {source}" if "vocab_size" in updates else "config.vocab_size"
-    raise ValueError(f"{where} has {vocab} token ids, fewer than the tokenizer "
-                     f"{config.get('tokenizer')!r} makes ({tokenizer.vocab_size}); use the "
-                     "model's own tokenizer (or config.vocab_size=0 for the tokenizer's).")
+  if not updates.get("vocab_size", value(config, "vocab_size")):
+    updates["vocab_size"] = tokenization.load(config.get("tokenizer", tokenization.BYTES),
+                                              config.get("eod_token", "")).vocab_size
   if all(config.get(k, object()) == v for k, v in updates.items()):
     return config
   resolved = ml_collections.ConfigDict(config.to_dict())

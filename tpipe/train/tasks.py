@@ -157,6 +157,13 @@ class LanguageModelling:
       raise ValueError(f"config.tokenizer={config.tokenizer!r} needs text files: the stdlib "
                        "corpus is bytes. Set --config.data to a path or glob of your files.")
     vocab = architecture.resolve(config).vocab_size
+    if vocab < tokenizer.vocab_size:
+      where = (f"the model in config.init_from={config.init_from!r}"
+               if config.get("init_from", "") else "config.vocab_size")
+      raise ValueError(f"{where} has {vocab} token ids, fewer than the tokenizer "
+                       f"{config.get('tokenizer', 'bytes')!r} makes ({tokenizer.vocab_size}); "
+                       "use the model's own tokenizer (or config.vocab_size=0 for the "
+                       "tokenizer's).")
     try:
       losses.check_num_chunks(config.get("vocab_chunks", 1), vocab)
     except (ValueError, TypeError) as error:
