@@ -72,15 +72,15 @@ def get_config(arg=None):
    learning_rate) = _SIZES[size]
 
   config = ml_collections.ConfigDict()
-  config.size = size
+  config.size = size  # The size preset the defaults come from (tiny, small, base, large).
 
-  # Model.
-  config.num_layers = num_layers
-  config.width = width
-  config.num_heads = num_heads
-  config.mlp_dim = mlp_dim
-  config.seq_len = seq_len
-  config.dropout = 0.0 if size in ("tiny", "small") else 0.1  # Short runs: no dropout.
+  config.num_layers = num_layers  # Transformer blocks.
+  config.width = width  # Model width (the residual stream).
+  config.num_heads = num_heads  # Attention heads per block.
+  config.mlp_dim = mlp_dim  # Hidden width of each block's MLP.
+  config.seq_len = seq_len  # Tokens per training sequence.
+  # Dropout rate in the embedding and the gpt blocks (short runs: none).
+  config.dropout = 0.0 if size in ("tiny", "small") else 0.1
   # Computation dtype, "float32" or "bfloat16" (mixed precision: parameters and optimizer state
   # stay float32; logits and the loss are float32).
   config.dtype = "float32"
@@ -115,9 +115,13 @@ def get_config(arg=None):
   # gradients; one more chunk forward per micro-batch); "backward": the chunk's forward and
   # backward (it holds the chunk's output gradient; about one more fused backward).
   config.weight_recompute = "none"
-  config.num_microbatches = num_microbatches
+
+  config.num_microbatches = num_microbatches  # Micro-batches per step (of each data shard).
+  # The pipeline schedule: "gpipe", "circular" (num_repeats > 1), or a fused one: "1f1b",
+  # "interleaved_1f1b", "zb_h1", "zbv" (num_repeats=2).
   config.schedule = "gpipe"
-  config.num_repeats = 1
+  config.num_repeats = 1  # Model chunks per stage (circular, interleaved and zbv schedules).
+  # What the backward recomputes: "none", "full" (a chunk's forward), or a policy name.
   config.remat = "none" if size in ("tiny", "small") else "full"
   # What remat checkpoints: "chunk" (a stage's whole chunk), "layer" (each block: the backward
   # holds one block's intermediates, and each micro-batch in flight keeps one input per block),
@@ -166,14 +170,14 @@ def get_config(arg=None):
   # the same LM in Flax NNX; same parameter names, so the same checkpoints).
   config.frontend = "linen"
 
-  # Optimisation.
-  config.seed = 0
+  config.seed = 0  # Seeds the initialisation, the data order and dropout.
   config.batch_size = batch_size  # Global batch, sharded over 'data'.
-  config.num_steps = num_steps
-  config.learning_rate = learning_rate
+  config.num_steps = num_steps  # Training steps.
+  config.learning_rate = learning_rate  # Peak learning rate (AdamW).
+  # Linear warm-up steps, then cosine decay to a tenth of the peak at num_steps.
   config.warmup_steps = max(1, min(100, num_steps // 10))
-  config.weight_decay = 0.1
-  config.grad_clip = 1.0
+  config.weight_decay = 0.1  # AdamW's decoupled weight decay (kernels and embeddings).
+  config.grad_clip = 1.0  # Clip the gradients' global norm to this.
 
   # Start from a pretrained model: a Hugging Face checkpoint directory (config.json and
   # *.safetensors of a Llama, Mistral, Qwen2 or GPT-2 model) or another run's workdir. Its
@@ -198,9 +202,14 @@ def get_config(arg=None):
   config.eval_fraction = 0.1  # Share of files (stdlib) or documents held out for eval.
   config.eval_batches = 4  # Evaluation batches (a fixed set).
 
-  # Logging, eval and checkpoints (in steps).
-  config.log_every = 10 if num_steps >= 100 else 1
-  config.eval_every = 50 if num_steps >= 100 else 10
-  config.checkpoint_every = 100 if num_steps >= 100 else 10
-  config.keep_checkpoints = 3
+  config.log_every = 10 if num_steps >= 100 else 1  # Log a line every this many steps.
+  config.eval_every = 50 if num_steps >= 100 else 10  # Evaluate every this many steps.
+  config.checkpoint_every = 100 if num_steps >= 100 else 10  # Save every this many steps.
+  config.keep_checkpoints = 3  # How many recent checkpoints to keep.
+  # Trace these steps ("FIRST,LAST", e.g. "10,15") with the JAX profiler into workdir/profile
+  # (XProf: tensorboard --logdir=workdir/profile); "" for none.
+  config.profile_steps = ""
+  # A device's peak TFLOP/s for the MFU; 0 takes it from the device kind (TPU v4, v5e, v5p,
+  # v6e; NVIDIA A100, H100, H200).
+  config.peak_tflops = 0.0
   return config
