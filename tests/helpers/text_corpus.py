@@ -77,3 +77,19 @@ def sentencepiece_model(directory: pathlib.Path, vocab_size: int = 100) -> str:
       model_type="bpe", minloglevel=2)
   path.write_bytes(model.getvalue())
   return str(path)
+
+
+def word_tokenizer(directory: pathlib.Path) -> str:
+  """A word-level ``tokenizer.json`` over :data:`WORDS` (about 45 ids, so it fits the tiny
+  Hugging Face models of :mod:`tests.helpers.hf_models`), ``<|endoftext|>`` its id 0."""
+  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  path = directory / "tokenizer.json"
+  if not path.exists():
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {EOD: 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(sorted(set(WORDS)))}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # Joins words with spaces.
+    tokenizer.save(str(path))
+  return str(path)

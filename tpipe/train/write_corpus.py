@@ -24,13 +24,21 @@ from absl import flags
 from tpipe.train import cli
 from tpipe.train import sources
 
-_DATA = flags.DEFINE_string("data", None, "Input files: a path or glob, several separated by "
-                            "commas (text, JSONL, Parquet or ArrayRecord).")
-_FORMAT = flags.DEFINE_string("data_format", "", "The inputs' format; '' takes each file's "
-                              "from its suffix.")
-_FIELD = flags.DEFINE_string("text_field", "text", "The JSONL field or Parquet column with the "
-                             "text.")
-_OUT = flags.DEFINE_string("out", None, "The ArrayRecord file to write (.arrayrecord).")
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defines the command line's flags (called when run as a program)."""
+  flags.DEFINE_string(
+      "data", None,
+      "Input files: a path or glob, several separated by commas (text, JSONL, Parquet or "
+      "ArrayRecord).")
+  flags.DEFINE_string(
+      "data_format", "",
+      "The inputs' format; '' takes each file's from its suffix.")
+  flags.DEFINE_string("text_field", "text", "The JSONL field or Parquet column with the text.")
+  flags.DEFINE_string("out", None, "The ArrayRecord file to write (.arrayrecord).")
 
 
 def write(documents: list[str], out: str | pathlib.Path) -> int:
@@ -53,13 +61,14 @@ def write(documents: list[str], out: str | pathlib.Path) -> int:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  if not _DATA.value or not _OUT.value:
+  if not FLAGS.data or not FLAGS.out:
     raise app.UsageError("--data and --out are required.")
-  files = sources.expand(_DATA.value)
-  documents = sources.read(files, _FORMAT.value, _FIELD.value)
-  count = write([d.text for d in documents], _OUT.value)
-  print(f"Wrote {count} documents from {len(files)} files to {_OUT.value}.")
+  files = sources.expand(FLAGS.data)
+  documents = sources.read(files, FLAGS.data_format, FLAGS.text_field)
+  count = write([d.text for d in documents], FLAGS.out)
+  print(f"Wrote {count} documents from {len(files)} files to {FLAGS.out}.")
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.run(main)
