@@ -30,7 +30,8 @@ def _blocks(language: str) -> list[str]:
 def test_cpu_recipe_fine_tunes_evaluates_generates_and_exports(tmp_path):
   setup, = _blocks("python")
   commands, = _blocks("bash")
-  exec(compile(setup.replace(ROOT, str(tmp_path)), str(RECIPE), "exec"), {})  # pylint: disable=exec-used
+  code = compile(setup.replace(ROOT, str(tmp_path)), str(RECIPE), "exec")
+  exec(code, {})  # pylint: disable=exec-used
   proc = subprocess.run(["bash", "-euo", "pipefail", "-c", commands.replace(ROOT, str(tmp_path))],
                         cwd=train_runs.REPO, env=train_runs.env(), capture_output=True, text=True,
                         timeout=train_runs.TIMEOUT)
@@ -41,8 +42,8 @@ def test_cpu_recipe_fine_tunes_evaluates_generates_and_exports(tmp_path):
   assert len(losses) == 20 and losses[-1] < losses[0] - 0.5, losses
   lines = proc.stdout.splitlines()
   evaluated = json.loads(next(line for line in lines if line.startswith("{")))
-  assert evaluated["tokens"] > 1000 and np.isclose(evaluated["perplexity"],
-                                                   np.exp(evaluated["loss"]))
+  assert evaluated["tokens"] > 1000
+  assert np.isclose(evaluated["perplexity"], np.exp(evaluated["loss"]))
   assert evaluated["loss"] < losses[0]
   assert any(line.startswith("def ") for line in lines)  # The generated continuation.
   exported = tmp_path / "exported"
