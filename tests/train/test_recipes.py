@@ -47,8 +47,8 @@ def test_cpu_recipe_fine_tunes_evaluates_generates_and_exports(tmp_path):
   assert evaluated["loss"] < losses[0]
   assert any(line.startswith("def ") for line in lines)  # The generated continuation.
   exported = tmp_path / "exported"
-  assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors",
-                                                         "tokenizer.json"]
+  written = sorted(p.name for p in exported.iterdir())
+  assert written == ["config.json", "model.safetensors", "tokenizer.json"]
   fields = pretrained.architecture_of(exported)
   assert fields["family"] == "llama" and fields["tie_embeddings"]
   np.testing.assert_array_equal(
