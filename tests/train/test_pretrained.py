@@ -109,3 +109,18 @@ def test_bad_checkpoints_are_clear_errors(checkpoints, tmp_path):
                                         vocab_size=16, block="llama")
   with pytest.raises(ValueError, match="config.head_bias=True \\(export needs False\\)"):
     pretrained.export({}, fields, tmp_path / "x")
+
+
+def test_bfloat16_export_and_import_are_exact(checkpoints, tmp_path):
+  directory = checkpoints["qwen2_tied"]
+  fields = pretrained.architecture_of(directory)
+  params = pretrained.load_params(directory, fields)
+  out = pretrained.export(params, fields, tmp_path / "bf16", dtype="bfloat16")
+  assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+  exported = pretrained.read_safetensors(out / "model.safetensors")
+  assert {str(t.dtype) for t in exported.values()} == {"bfloat16"}
+  # Importing widens bfloat16 exactly: the float32 values are the bfloat16 ones.
+  again = pretrained.load_params(out)
+  rounded = jax.tree.map(lambda a: np.asarray(a).astype(jax.numpy.bfloat16).astype(np.float32),
+                         params)
+  jax.tree.map(np.testing.assert_array_equal, again, rounded)

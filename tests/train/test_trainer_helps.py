@@ -17,14 +17,19 @@ import subprocess
 import sys
 
 from absl import flags
+import jax
+import numpy as np
 import pytest
 
 from configs import lm
 from tests.helpers import text_corpus
 from tests.helpers import train_runs
 from tpipe.train import __main__ as train_main
+from tpipe.train import architecture
+from tpipe.train import checkpointing
 from tpipe.train import cli
 from tpipe.train import metrics
+from tpipe.train import pretrained
 from tpipe.train import tasks
 from tpipe.train import trainer
 
@@ -269,3 +274,15 @@ def test_tpu_vm_setup_refuses_a_dirty_tree_or_ships_it_and_says_which(tmp_path):
   listing = subprocess.run(["tar", "-tzf", str(tmp_path / "shipped.tar.gz")],
                            capture_output=True, text=True, check=True).stdout
   assert "scripts/edited.py" in listing
+
+
+def test_init_from_a_workdir_reads_its_architecture_and_latest_weights(interrupted):
+  """The second way out of a changed field: a new run from the old run's weights."""
+  config, workdir, _, _ = interrupted
+  fields = pretrained.architecture_of(workdir)
+  resolved = architecture.resolve(config)
+  assert fields == {name: architecture.value(resolved, name) for name in architecture.FIELDS}
+  params = pretrained.load_params(workdir)
+  saved = checkpointing.read_layer(workdir / "checkpoints", STOP_AT, "layers_1")
+  jax.tree.map(np.testing.assert_array_equal, params["layers_1"], saved)
+  assert params["layers_0"]["embed"]["embedding"].shape == (resolved.vocab_size, config.width)

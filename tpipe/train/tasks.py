@@ -146,9 +146,12 @@ class LanguageModelling:
                               "tie_embeddings")
                  if config.get(name, architecture.DEFAULTS.get(name, ""))
                  != architecture.DEFAULTS.get(name, "")]
+      if uses_files(config):
+        changed.append(f"data={config.data!r}")
       if changed:
         raise ValueError(f"config.{', config.'.join(changed)}: the NNX LM is the byte-level "
-                         "GPT LM only; use config.frontend='linen'.")
+                         "GPT LM on the stdlib corpus only (no packed documents, no pretrained "
+                         "architectures); use config.frontend='linen'.")
     if uses_files(config):
       sources.format_of(None, config.get("data_format", ""))  # Checks the name.
     tokenizer = tokenization.load(config.get("tokenizer", tokenization.BYTES),
