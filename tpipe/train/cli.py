@@ -182,7 +182,7 @@ def num_devices(config) -> int:
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
-def _config_spec(argv: list[str]) -> str | None:
+def config_spec(argv: list[str]) -> str | None:
   """The value of ``--config`` in ``argv`` (``--config=PATH[:ARG]`` or ``--config PATH``)."""
   for i, arg in enumerate(argv):
     if arg.startswith("--config="):
@@ -195,7 +195,7 @@ def _config_spec(argv: list[str]) -> str | None:
 def _startup_error(error: BaseException, argv: list[str]) -> str:
   """One line for an error raised while the flags and the config file were read."""
   text = str(error).strip("'\"")
-  spec = _config_spec(argv) or "?"
+  spec = config_spec(argv) or "?"
   path = spec.split(":", 1)[0]
   if isinstance(error, (AttributeError, KeyError)):
     name = re.search(r"'?([A-Za-z_][\w]*)'?", text)

@@ -128,7 +128,7 @@ def help_text(doc: str, argv: list[str]) -> str:
                 for flag in module_flags]
   if flag_lines:
     parts.append("Flags:\n" + "\n".join(dict.fromkeys(flag_lines)))
-  spec = cli._config_spec(argv)  # pylint: disable=protected-access
+  spec = cli.config_spec(argv)
   takes_config = "config" in flags.FLAGS
   if spec is None and takes_config and (CONFIGS / "lm.py").is_file():
     spec = str(CONFIGS / "lm.py")

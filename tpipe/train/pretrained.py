@@ -178,9 +178,6 @@ class _Reader:
   def __init__(self, tensors: dict[str, np.ndarray], prefix: str):
     self._tensors, self._prefix, self.used = tensors, prefix, set()
 
-  def __contains__(self, name: str) -> bool:
-    return self._prefix + name in self._tensors
-
   def __call__(self, name: str) -> np.ndarray:
     key = self._prefix + name
     if key not in self._tensors:

@@ -267,15 +267,15 @@ def _with_pretrained_params(exp, state, source: str):
   directory or a workdir), which must have the shapes of this experiment's."""
   params = pretrained.load_params(source, pretrained.architecture_of(source))
   expected = exp.layout.logical
-  found = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(params)}
-  wanted = {jax.tree_util.keystr(k): v.shape
-            for k, v in jax.tree_util.tree_leaves_with_path(expected)}
-  if found != wanted:
-    wrong = sorted((set(found) ^ set(wanted)) | {k for k in found if wanted.get(k, found[k])
-                                                 != found[k]})
-    raise ValueError(f"the parameters in config.init_from={source!r} do not fit the model: "
-                     f"{wrong[:3]} differ (shapes {[found.get(k) for k in wrong[:3]]} vs "
-                     f"{[wanted.get(k) for k in wrong[:3]]}).")
+  shapes = lambda tree: {jax.tree_util.keystr(path): tuple(leaf.shape)
+                         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  found, wanted = shapes(params), shapes(expected)
+  wrong = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
+  if wrong:
+    listed = "; ".join(f"{k}: {found.get(k)} there, {wanted.get(k)} in the model"
+                       for k in wrong[:3])
+    raise ValueError(f"the parameters in config.init_from={source!r} do not fit the model "
+                     f"({listed}).")
   logical = exp.to_checkpoint(state)
   params = jax.tree.map(lambda a, s: np.asarray(a, s.dtype), params, expected)
   return exp.from_checkpoint(logical.replace(params=params))
