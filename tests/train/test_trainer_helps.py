@@ -286,3 +286,15 @@ def test_init_from_a_workdir_reads_its_architecture_and_latest_weights(interrupt
   saved = checkpointing.read_layer(workdir / "checkpoints", STOP_AT, "layers_1")
   jax.tree.map(np.testing.assert_array_equal, params["layers_1"], saved)
   assert params["layers_0"]["embed"]["embedding"].shape == (resolved.vocab_size, config.width)
+
+
+def test_a_resumed_fine_tuning_run_needs_not_its_initial_checkpoint(interrupted, tmp_path):
+  """Resuming a run started from config.init_from reads the architecture from the workdir:
+  the directory it started from may be gone."""
+  config, workdir, _, _ = interrupted
+  started = config.copy_and_resolve_references()
+  started.init_from = str(tmp_path / "deleted")
+  resumed = trainer.resumed_config(started, workdir)
+  assert resumed.init_from == str(workdir)
+  assert architecture.resolve(resumed).width == config.width
+  assert trainer.resumed_config(started, tmp_path) is started  # No checkpoint: a new run.

@@ -32,6 +32,7 @@ from absl import flags
 from absl import logging
 from etils import epath
 import jax
+import ml_collections
 import numpy as np
 from ml_collections import config_flags
 
@@ -345,12 +346,27 @@ def _log_setup(exp, workdir, ckpt_dir: str, rates: throughput.Rates) -> None:
                  "not counted); %s.", rates.step_flops, peak)
 
 
+def resumed_config(config, workdir):
+  """``config``, or, when it resumes a run that started from ``config.init_from``, a copy
+  whose ``init_from`` is the workdir itself: the checkpoint holds the weights and the workdir's
+  ``config.json`` the architecture, so the directory the run started from is only read when a
+  run starts (it may be gone by the time the run resumes)."""
+  resuming = ("://" not in str(workdir) and _has_checkpoint(workdir)
+              and (workdir / "config.json").exists())
+  if not config.get("init_from", "") or not resuming:
+    return config
+  resumed = ml_collections.ConfigDict(config.to_dict())
+  resumed.init_from = str(workdir)
+  return resumed
+
+
 def _write_config(config, workdir, start: int) -> None:
   """``config.json``: the config the run started with (a resumed run keeps it)."""
   config_file, config_json = workdir / "config.json", config.to_json(indent=2)
+  without_source = lambda text: {k: v for k, v in json.loads(text).items() if k != "init_from"}
   if start == 0 or not config_file.exists():
     config_file.write_text(config_json)
-  elif config_file.read_text() != config_json:
+  elif without_source(config_file.read_text()) != without_source(config_json):
     logging.warning("This run's config differs from %s, the config the run in this workdir "
                     "started with; keeping that file.", config_file)
 
@@ -367,11 +383,11 @@ def train(config, workdir: str) -> dict:
     The last logged metrics record.
   """
   validate_train_config(config)
+  workdir = epath.Path(workdir)  # Unlike pathlib, keeps gs://bucket/... intact.
   if tasks.get_task(config).name == "lm":
-    config = architecture.resolve(config)  # init_from's architecture, the tokenizer's vocab.
+    config = architecture.resolve(resumed_config(config, workdir))
   experiment.validate_config(config)
   is_chief = jax.process_index() == 0
-  workdir = epath.Path(workdir)  # Unlike pathlib, keeps gs://bucket/... intact.
   check_workdir(config, workdir)
   exp = experiment.build(config)
   sharding = tpipe.data_sharding(exp.mesh)
