@@ -72,15 +72,15 @@ def get_config(arg=None):
    learning_rate) = _SIZES[size]
 
   config = ml_collections.ConfigDict()
-  config.size = size
+  config.size = size  # The size preset the defaults come from (tiny, small, base, large).
 
-  # Model.
-  config.num_layers = num_layers
-  config.width = width
-  config.num_heads = num_heads
-  config.mlp_dim = mlp_dim
-  config.seq_len = seq_len
-  config.dropout = 0.0 if size in ("tiny", "small") else 0.1  # Short runs: no dropout.
+  config.num_layers = num_layers  # Transformer blocks.
+  config.width = width  # Model width (the residual stream).
+  config.num_heads = num_heads  # Attention heads per block.
+  config.mlp_dim = mlp_dim  # Hidden width of each block's MLP.
+  config.seq_len = seq_len  # Tokens per training sequence.
+  # Dropout rate in the embedding and the gpt blocks (short runs: none).
+  config.dropout = 0.0 if size in ("tiny", "small") else 0.1
   # Computation dtype, "float32" or "bfloat16" (mixed precision: parameters and optimizer state
   # stay float32; logits and the loss are float32).
   config.dtype = "float32"
@@ -115,9 +115,13 @@ def get_config(arg=None):
   # gradients; one more chunk forward per micro-batch); "backward": the chunk's forward and
   # backward (it holds the chunk's output gradient; about one more fused backward).
   config.weight_recompute = "none"
-  config.num_microbatches = num_microbatches
+
+  config.num_microbatches = num_microbatches  # Micro-batches per step (of each data shard).
+  # The pipeline schedule: "gpipe", "circular" (num_repeats > 1), or a fused one: "1f1b",
+  # "interleaved_1f1b", "zb_h1", "zbv" (num_repeats=2).
   config.schedule = "gpipe"
-  config.num_repeats = 1
+  config.num_repeats = 1  # Model chunks per stage (circular, interleaved and zbv schedules).
+  # What the backward recomputes: "none", "full" (a chunk's forward), or a policy name.
   config.remat = "none" if size in ("tiny", "small") else "full"
   # What remat checkpoints: "chunk" (a stage's whole chunk), "layer" (each block: the backward
   # holds one block's intermediates, and each micro-batch in flight keeps one input per block),
@@ -128,12 +132,37 @@ def get_config(arg=None):
   # on CPU), or unit counts per chunk such as "3,2,2,3" (the embedding and the head count one unit
   # each, every block one).
   config.balance = "flops"
-  config.vocab_size = 256  # Byte values.
+  # Token ids of the model: 0 takes the tokenizer's vocabulary size (256 for bytes).
+  config.vocab_size = 0
   # The block: "gpt" (LayerNorm, multi-head attention, GELU MLP, dropout) or "llama" (RMSNorm,
   # grouped-query attention with num_kv_heads key/value heads, SwiGLU MLP; every matrix named
   # for fsdp and tensor parallelism). num_kv_heads = None means num_heads.
   config.block = "gpt"
   config.num_kv_heads = ml_collections.FieldReference(None, field_type=int)
+  # Positions: "learned" (a table of max_len rows in the embedding) or "rotary" (rotary
+  # embeddings in llama blocks, base rope_theta; rope_scaling is Hugging Face's rope_scaling
+  # as JSON, "" for none).
+  config.positions = "learned"
+  config.rope_theta = 10000.0
+  config.rope_scaling = ""
+  # Rows of the learned position table (0: seq_len); longer sequences than this are refused.
+  config.max_len = 0
+  # Each attention head's width (0: width // num_heads; llama blocks only).
+  config.head_dim = 0
+  # Epsilon of every norm; the head's norm, "layer" (LayerNorm) or "rms" (RMSNorm).
+  config.norm_epsilon = 1e-6
+  config.final_norm = "layer"
+  # Whether the vocabulary projection has a bias; whether the query/key/value projections of
+  # llama blocks have biases (Qwen2); how many keys a llama block's query attends (0: all).
+  config.head_bias = True
+  config.qkv_bias = False
+  config.sliding_window = 0
+  # One matrix for the embedding and the head (two exact copies, their gradients summed:
+  # tpipe.train.tied); needs head_bias=False.
+  config.tie_embeddings = False
+  # The Hugging Face family the architecture comes from ("llama", "mistral", "qwen2",
+  # "gpt2"; set by init_from), which export writes; "" for tpipe's own.
+  config.family = ""
   # The loss a vocabulary slice at a time (a divisor of vocab_size): the head never forms a
   # micro-batch's whole [batch, seq, vocab] logits. For large vocabularies; 1 = all at once.
   config.vocab_chunks = 1
@@ -141,23 +170,46 @@ def get_config(arg=None):
   # the same LM in Flax NNX; same parameter names, so the same checkpoints).
   config.frontend = "linen"
 
-  # Optimisation.
-  config.seed = 0
+  config.seed = 0  # Seeds the initialisation, the data order and dropout.
   config.batch_size = batch_size  # Global batch, sharded over 'data'.
-  config.num_steps = num_steps
-  config.learning_rate = learning_rate
+  config.num_steps = num_steps  # Training steps.
+  config.learning_rate = learning_rate  # Peak learning rate (AdamW).
+  # Linear warm-up steps, then cosine decay to a tenth of the peak at num_steps.
   config.warmup_steps = max(1, min(100, num_steps // 10))
-  config.weight_decay = 0.1
-  config.grad_clip = 1.0
+  config.weight_decay = 0.1  # AdamW's decoupled weight decay (kernels and embeddings).
+  config.grad_clip = 1.0  # Clip the gradients' global norm to this.
 
-  # Data.
+  # Start from a pretrained model: a Hugging Face checkpoint directory (config.json and
+  # *.safetensors of a Llama, Mistral, Qwen2 or GPT-2 model) or another run's workdir. Its
+  # architecture replaces the model fields above; "" trains from scratch.
+  config.init_from = ""
+
+  # Data: "stdlib" (the Python standard library's source as bytes), or a path or glob of
+  # files (several separated by commas), tokenized, documents packed into seq_len tokens.
+  config.data = "stdlib"
+  # The files' format: "" (from each suffix), "text" (a document per file), "jsonl", "parquet"
+  # or "arrayrecord" (python -m tpipe.train.write_corpus writes one).
+  config.data_format = ""
+  # The JSONL field or Parquet column holding each document's text.
+  config.text_field = "text"
+  # Held-out files for evaluation (path or glob); "" holds out eval_fraction of the documents.
+  config.eval_data = ""
+  # "bytes", a Hugging Face tokenizer.json, or a SentencePiece .model (local paths).
+  config.tokenizer = "bytes"
+  # The token that ends each document ("" for the tokenizer's end-of-sequence token).
+  config.eod_token = ""
   config.max_corpus_bytes = 4_000_000  # Cap on stdlib bytes read; keeps start-up fast.
-  config.eval_fraction = 0.1  # Share of files (by path hash) held out for eval.
-  config.eval_batches = 4
+  config.eval_fraction = 0.1  # Share of files (stdlib) or documents held out for eval.
+  config.eval_batches = 4  # Evaluation batches (a fixed set).
 
-  # Logging, eval and checkpoints (in steps).
-  config.log_every = 10 if num_steps >= 100 else 1
-  config.eval_every = 50 if num_steps >= 100 else 10
-  config.checkpoint_every = 100 if num_steps >= 100 else 10
-  config.keep_checkpoints = 3
+  config.log_every = 10 if num_steps >= 100 else 1  # Log a line every this many steps.
+  config.eval_every = 50 if num_steps >= 100 else 10  # Evaluate every this many steps.
+  config.checkpoint_every = 100 if num_steps >= 100 else 10  # Save every this many steps.
+  config.keep_checkpoints = 3  # How many recent checkpoints to keep.
+  # Trace these steps ("FIRST,LAST", e.g. "10,15") with the JAX profiler into workdir/profile
+  # (XProf: tensorboard --logdir=workdir/profile); "" for none.
+  config.profile_steps = ""
+  # A device's peak TFLOP/s for the MFU; 0 takes it from the device kind (TPU v4, v5e, v5p,
+  # v6e; NVIDIA A100, H100, H200).
+  config.peak_tflops = 0.0
   return config

@@ -3,14 +3,16 @@
 #
 # Usage:
 #   scripts/tpu_vm.sh create             # gcloud compute tpus tpu-vm create ...
-#   scripts/tpu_vm.sh setup              # copy this checkout to every worker and pip install it
+#   scripts/tpu_vm.sh setup              # copy this checkout's HEAD to every worker, pip install it
+#                                        # (refuses uncommitted changes; SHIP=worktree ships
+#                                        # the working tree as it is, uncommitted edits included)
 #   scripts/tpu_vm.sh run TRAIN_ARGS...  # python -m tpipe.train TRAIN_ARGS on every worker
 #   scripts/tpu_vm.sh ssh [COMMAND]      # a shell (worker 0) or COMMAND on every worker
 #   scripts/tpu_vm.sh delete
 #
 # Settings (environment variables):
 #   TPU_NAME=tpipe  ZONE=us-central2-b  ACCELERATOR=v4-8  RUNTIME=tpu-ubuntu2204-base
-#   PROJECT=<gcloud default>  REMOTE_DIR=tpipe
+#   PROJECT=<gcloud default>  REMOTE_DIR=tpipe  SHIP=head (or worktree)
 #
 # Example (a v4-8 slice: 4 chips on one host; for a pod slice such as v4-32 the same `run`
 # starts one process per host, and jax.distributed.initialize() joins them automatically):
@@ -43,7 +45,23 @@ case "$cmd" in
     ;;
   setup)
     archive="$(mktemp -t tpipe.XXXXXX.tar.gz)"
-    git -C "$repo_root" archive --format=tar.gz -o "$archive" HEAD
+    if [[ "${SHIP:-head}" == "worktree" ]]; then
+      echo "Shipping the working tree (uncommitted changes included) of $repo_root."
+      # Tracked and untracked files, .gitignore'd ones left out (deleted ones skipped).
+      (cd "$repo_root" && git ls-files -z --cached --others --exclude-standard \
+        | tar -czf "$archive" --null --ignore-failed-read -T - 2>/dev/null)
+    else
+      changes="$(git -C "$repo_root" status --porcelain --untracked-files=normal)"
+      if [[ -n "$changes" ]]; then
+        rm -f "$archive"
+        echo "error: $repo_root has uncommitted changes ($(echo "$changes" | wc -l) files);" \
+          "setup ships HEAD, which leaves them behind. Commit them, or ship the working tree" \
+          "as it is with: SHIP=worktree scripts/tpu_vm.sh setup" >&2
+        exit 1
+      fi
+      echo "Shipping commit $(git -C "$repo_root" rev-parse --short HEAD) of $repo_root."
+      git -C "$repo_root" archive --format=tar.gz -o "$archive" HEAD
+    fi
     tpu scp "$archive" "$TPU_NAME":tpipe.tar.gz --worker=all
     rm -f "$archive"
     on_all_workers "mkdir -p ~/$REMOTE_DIR && tar -xzf ~/tpipe.tar.gz -C ~/$REMOTE_DIR && \
@@ -63,7 +81,7 @@ case "$cmd" in
     tpu delete "$TPU_NAME" --quiet
     ;;
   *)
-    sed -n '2,22p' "$0"
+    sed -n '2,24p' "$0"
     exit 1
     ;;
 esac

@@ -14,6 +14,7 @@ from configs import lm
 from tests.helpers import numerics
 from tests.helpers import train_runs
 from tpipe.core import layout as layout_lib
+from tpipe.train import architecture
 from tpipe.train import experiment
 from tpipe.train import models
 from tpipe.train import tasks
@@ -30,7 +31,8 @@ def _config(**overrides):
 def exp():
   """The tiny LM's experiment (data=2 x stage=4, M=8), shared with the trainer tests."""
   built = train_runs.lm_experiment()
-  assert built.config.to_dict() == _config(num_steps=train_runs.NUM_STEPS).to_dict()
+  resolved = architecture.resolve(_config(num_steps=train_runs.NUM_STEPS))  # The vocabulary.
+  assert built.config.to_dict() == resolved.to_dict()
   return built
 
 

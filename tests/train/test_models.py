@@ -179,8 +179,9 @@ def test_pipeline_settings_come_from_the_spec_or_keywords():
                             per_example=("inputs",), mesh=tpipe.make_mesh(stages=4, data=2))
   sizes = dict(num_layers=LAYERS, width=WIDTH, num_heads=HEADS, mlp_dim=MLP, max_len=SEQ)
   model = models.decoder_lm(**sizes, spec=spec)
-  # The spec's settings, but the targets (and only they) go to the head with the micro-batches.
-  assert model.spec == spec.replace(per_example=("targets",))
+  # The spec's settings, but the LM's keyword inputs (targets, loss weights, segment ids and
+  # positions, and only they) are split into micro-batches with the tokens.
+  assert model.spec == spec.replace(per_example=models.PER_EXAMPLE)
   # Keywords override the spec's settings.
   other = models.decoder_lm(**sizes, spec=spec, num_microbatches=4, remat="none")
   assert other.spec.num_microbatches == 4 and other.spec.remat == "none"
@@ -189,7 +190,7 @@ def test_pipeline_settings_come_from_the_spec_or_keywords():
   plain = models.decoder_lm(**sizes, num_stages=1, num_microbatches=1)
   assert plain.spec.balance == "params" and plain.spec.remat == "full"
   assert plain.spec.schedule == "gpipe" and plain.spec.mesh is None
-  assert plain.spec.per_example == ("targets",)
+  assert plain.spec.per_example == ("targets", "loss_weights", "segment_ids", "positions")
   assert [type(layer).__name__ for layer in plain.layer_list()] == [
       "TokenEmbedding", "Repeat", "LMHead"]
   with pytest.raises(ValueError, match="decoder_lm: .*schedule"):

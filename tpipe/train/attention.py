@@ -152,3 +152,44 @@ def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
     weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
   return _attended(weights, value, precision)
+
+
+def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, cache: dict,
+                     positions: jax.Array, *, scale: float = 1.0,
+                     sliding_window: int | None = None) -> tuple[jax.Array, dict]:
+  """Causal attention of new tokens over a key/value cache (decoding).
+
+  The new keys and values are written into the cache at the new tokens' positions (every row
+  at ``positions[0, 0]`` onwards: the rows of a batch decode in step), then each query attends
+  the cached keys at positions up to its own (and within ``sliding_window`` of it).
+
+  Args:
+    query: ``[batch, seq, heads, depth]``, the new tokens' queries.
+    key: ``[batch, seq, kv_heads, depth]``, their keys; ``kv_heads`` divides ``heads`` (query
+      head ``h`` reads key head ``h // (heads / kv_heads)``).
+    value: like ``key``.
+    cache: ``{"key", "value"}`` ``[batch, max_len, kv_heads, depth]``.
+    positions: int ``[batch, seq]``, the new tokens' positions.
+    scale: multiplies the scores (``1 / sqrt(depth)`` unless the query is scaled already).
+    sliding_window: a query attends at most this many keys, itself included; None for all.
+
+  Returns:
+    ``(attended [batch, seq, heads, depth], updated cache)``.
+  """
+  start = positions[0, 0]
+  keys = jax.lax.dynamic_update_slice(cache["key"], key.astype(cache["key"].dtype),
+                                      (0, start, 0, 0))
+  values = jax.lax.dynamic_update_slice(cache["value"], value.astype(cache["value"].dtype),
+                                        (0, start, 0, 0))
+  batch, seq, heads, depth = query.shape
+  kv_heads = keys.shape[2]
+  grouped = query.reshape(batch, seq, kv_heads, heads // kv_heads, depth)
+  scores = jnp.einsum("bsgrk,btgk->bgrst", grouped, keys.astype(query.dtype))
+  scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32)) * scale
+  slots = jnp.arange(keys.shape[1])
+  mask = slots[None, None, :] <= positions[:, :, None]
+  if sliding_window:
+    mask = mask & (positions[:, :, None] - slots[None, None, :] < sliding_window)
+  probabilities = masked_softmax(scores, mask[:, None, None]).astype(query.dtype)
+  attended = jnp.einsum("bgrst,btgk->bsgrk", probabilities, values.astype(query.dtype))
+  return attended.reshape(batch, seq, heads, depth), {"key": keys, "value": values}

@@ -72,8 +72,9 @@ class Checkpointer:
       such as ``gs://bucket/run/checkpoints`` (a string or ``etils.epath.Path``).
     max_to_keep: how many recent checkpoints to keep.
     async_save: save in a background thread (default True).
-    handle_sigterm: in a single-process run, turn SIGTERM into a preemption notice (the trainer
-      saves and stops at the next step) instead of dying at once.
+    handle_sigterm: in a single-process run, turn SIGTERM and SIGINT (Ctrl-C) into a preemption
+      notice (the trainer saves and stops at the next step) instead of dying at once; a second
+      Ctrl-C stops at once, without saving.
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
@@ -85,16 +86,22 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         resolve_directory(directory), options=options, item_names=("state", "data"))
     self._sigterm = False
-    self._previous_sigterm_handler = None  # Restored by close().
+    self.signal_name = None  # The signal that asked to stop ("SIGTERM", "SIGINT"), if any.
+    self._previous_handlers = {}  # Restored by close().
     if handle_sigterm and jax.process_count() == 1:
-      try:
-        self._previous_sigterm_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-      except ValueError:  # Not the main thread: rely on jax.distributed's notice only.
-        pass
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+          self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        except ValueError:  # Not the main thread: rely on jax.distributed's notice only.
+          pass
 
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
+  def _on_signal(self, signum, frame):
+    del frame
+    if signum == signal.SIGINT and self._sigterm:  # A second Ctrl-C: stop now.
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      raise KeyboardInterrupt
     self._sigterm = True
+    self.signal_name = signal.Signals(signum).name
 
   @property
   def directory(self):
@@ -146,9 +153,9 @@ class Checkpointer:
     """Waits for pending saves, closes the manager and restores the previous SIGTERM handler."""
     self._manager.wait_until_finished()
     self._manager.close()
-    if self._previous_sigterm_handler is not None:
-      signal.signal(signal.SIGTERM, self._previous_sigterm_handler)
-      self._previous_sigterm_handler = None
+    for signum, handler in self._previous_handlers.items():
+      signal.signal(signum, handler)
+    self._previous_handlers = {}
 
 
 def read_layer(directory: str | os.PathLike, step: int, layer: str, *, copy: int | None = None,

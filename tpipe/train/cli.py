@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import re
 import sys
+import traceback
 from typing import Callable
 
 from absl import app
@@ -17,6 +20,45 @@ def user_cpu_device_count() -> int | None:
   forced = re.search(r"xla_force_host_platform_device_count=(\d+)",
                      os.environ.get("XLA_FLAGS", ""))
   return int(forced.group(1)) if forced else None
+
+
+def tpu_host() -> bool:
+  """Whether this machine has TPU chips (their device files: ``/dev/accel*`` on TPU v4 and v5e,
+  ``/dev/vfio/<n>`` on v5p and v6e)."""
+  vfio = [p for p in glob.glob("/dev/vfio/*") if os.path.basename(p).isdigit()]
+  return bool(glob.glob("/dev/accel*") or vfio)
+
+
+def quiet_absent_tpu() -> None:
+  """Keeps JAX from starting its TPU backend where libtpu is installed (the ``tpu`` and
+  ``test`` extras) but the machine has no TPU and no GPU plugin: the failed start prints
+  libtpu errors (``INVALID_ARGUMENT``, ``No jellyfish device found``, and a lockfile error with
+  two runs at once) that read as a broken install. ``JAX_PLATFORMS``, when set, decides as
+  usual. Call before the first JAX computation."""
+  if os.environ.get("JAX_PLATFORMS") or tpu_host():
+    return
+  if importlib.util.find_spec("libtpu") is None:
+    return
+  plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")
+  if any(importlib.util.find_spec(name) for name in plugins):
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_platforms", "cpu")
+
+
+def parse_profile_steps(value) -> tuple[int, int] | None:
+  """``config.profile_steps``: ``""`` (no profile) or ``"FIRST,LAST"`` (trace steps FIRST to
+  LAST, both included); as ``(first, last)`` or None."""
+  if value is None or (isinstance(value, str) and not value.strip()):
+    return None
+  try:
+    first, last = (int(part) for part in str(value).split(","))
+  except ValueError:
+    raise ValueError(f"config.profile_steps={value!r}: write the first and last step to "
+                     "trace, such as '10,15', or '' for none.") from None
+  if not 1 <= first <= last:
+    raise ValueError(f"config.profile_steps={value!r}: need 1 <= first <= last.")
+  return first, last
 
 
 def mesh_sizes(config) -> tuple[int, int]:
@@ -137,18 +179,86 @@ def num_devices(config) -> int:
   return int(config.num_stages) * int(config.num_data) * fsdp * tensor
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-  """``absl.app.run(main)``, with a bad configuration reported in one line and exit status 2.
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
+
+
+def config_spec(argv: list[str]) -> str | None:
+  """The value of ``--config`` in ``argv`` (``--config=PATH[:ARG]`` or ``--config PATH``)."""
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _startup_error(error: BaseException, argv: list[str]) -> str:
+  """One line for an error raised while the flags and the config file were read."""
+  text = str(error).strip("'\"")
+  spec = config_spec(argv) or "?"
+  path = spec.split(":", 1)[0]
+  if isinstance(error, (AttributeError, KeyError)):
+    name = re.search(r"'?([A-Za-z_][\w]*)'?", text)
+    suggestion = re.search(r'Did you mean "([^"]+)"', text)
+    given = [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    flag = next((g for g in given if name and g.rsplit(".", 1)[-1] == name.group(1)),
+                f"--config.{name.group(1) if name else '?'}")
+    hint = (f"; did you mean {flag.rsplit('.', 1)[0]}.{suggestion.group(1)}?" if suggestion
+            else "")
+    return (f"{flag}: the config ({spec}) has no such field{hint} "
+            f"(--config={spec} --help lists its fields).")
+  if "No such file" in text or isinstance(error, FileNotFoundError):
+    return (f"--config={spec}: no such config file {path!r} (relative to {os.getcwd()}); "
+            "e.g. --config=configs/lm.py.")
+  where = ""
+  for frame in traceback.extract_tb(error.__traceback__)[::-1]:
+    if os.path.basename(frame.filename) == os.path.basename(path):
+      where = f" (line {frame.lineno})"
+      break
+  if isinstance(error, SyntaxError):
+    where = f" (line {error.lineno})"
+  detail = text.splitlines()[-1].strip() if text else ""
+  return (f"--config={spec}: the config file could not be loaded{where}: "
+          f"{type(error).__name__}: {detail}")
+
+
+def run(main: Callable[[list[str]], None], doc: str | None = None) -> None:
+  """``absl.app.run(main)``, with errors reported in one line and exit status 2, and a
+  ``--help`` that lists the config's fields.
 
   ValueError and TypeError are what tpipe raises for bad configuration, with the fix in the
-  message; a traceback would only hide it.
+  message; a traceback would only hide it. An error while the flags and the config file are
+  read (a misspelt ``--config.field``, a missing or broken config file) is one line too.
+
+  Args:
+    main: the program's ``main(argv)``.
+    doc: the program's usage text, for ``--help`` (which then also lists the flags and, for a
+      program with ``--config``, the config file's fields with defaults and meanings).
   """
+  if doc is not None and any(arg in HELP_FLAGS for arg in sys.argv[1:]):
+    from tpipe.train import config_help  # pylint: disable=g-import-not-at-top
+    print(config_help.help_text(doc, sys.argv[1:]))
+    raise SystemExit(0)
+  started = False
 
   def main_with_clean_errors(argv):
+    nonlocal started
+    started = True
     try:
       main(argv)
     except (ValueError, TypeError) as e:
       print(f"error: {e}", file=sys.stderr)
       raise SystemExit(2) from None
+    except OSError as e:  # The config file failed to load; ml_collections says so on use.
+      if "earlier failure to load" not in str(e):
+        raise
+      print(f"error: {_startup_error(e, sys.argv[1:])}", file=sys.stderr)
+      raise SystemExit(2) from None
 
-  app.run(main_with_clean_errors)
+  try:
+    app.run(main_with_clean_errors)
+  except Exception as e:  # pylint: disable=broad-except  # Only before main: flags, config.
+    if started:
+      raise
+    print(f"error: {_startup_error(e, sys.argv[1:])}", file=sys.stderr)
+    raise SystemExit(2) from None

@@ -48,8 +48,10 @@ from tpipe.core import engine
 from tpipe.core import layout as layout_lib
 from tpipe.core import checkpoint_form
 from tpipe.core import relayout
+from tpipe.train import architecture
 from tpipe.train import cli
 from tpipe.train import tasks as tasks_lib
+from tpipe.train import tied
 
 # The fields every task's config has (each task adds its own: tasks_lib.*.fields).
 _REQUIRED_FIELDS = (
@@ -193,6 +195,8 @@ def make_optimizer(config: ml_collections.ConfigDict,
   """AdamW with linear warm-up then cosine decay, after global-norm clipping, on staged params.
 
   Weight decay applies to matrices and embeddings only (leaves named ``kernel``/``embedding``).
+  With ``config.tie_embeddings`` the embedding's and the head's gradients are summed and
+  counted once by the clipping (:mod:`tpipe.train.tied`).
   Padding in the staged buffers has zero gradients, so it stays zero and changes no norm.
   """
   schedule = optax.warmup_cosine_decay_schedule(
@@ -201,8 +205,11 @@ def make_optimizer(config: ml_collections.ConfigDict,
       warmup_steps=min(config.warmup_steps, config.num_steps),
       decay_steps=max(config.num_steps, config.warmup_steps + 1),
       end_value=config.learning_rate * 0.1)
+  clip = optax.clip_by_global_norm(config.grad_clip)
+  if config.get("tie_embeddings", False):  # Two copies of one matrix (tpipe.train.tied).
+    clip = tied.tied_clip_by_global_norm(config.grad_clip, layout)
   return optax.chain(
-      optax.clip_by_global_norm(config.grad_clip),
+      clip,
       optax.scale_by_adam(b1=0.9, b2=0.95),
       staged_weight_decay(config.weight_decay, layout),
       optax.scale_by_learning_rate(schedule))
@@ -448,8 +455,12 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
       machine (:mod:`tpipe.train.report`'s ``--topology``).
 
   Returns:
-    An :class:`Experiment`.
+    An :class:`Experiment`, whose ``config`` is ``config`` with the LM's architecture filled
+    in (:func:`tpipe.train.architecture.resolve`: ``init_from``'s model, the tokenizer's
+    vocabulary).
   """
+  if tasks_lib.get_task(config).name == "lm":
+    config = architecture.resolve(config)
   validate_config(config, devices)
   task = tasks_lib.get_task(config)
   fsdp, tensor = cli.mesh_sizes(config)

@@ -36,9 +36,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import tpipe
+from tpipe import spec as spec_lib
 from tpipe.train import attention
 from tpipe.train import losses
 
@@ -101,10 +103,35 @@ def _named(init, names):
 _recomputed = functools.partial(nn.remat, prevent_cse=False)
 
 
-def _lean_layer_norm(dtype, param_dtype, name: str) -> nn.Module:
+def _lean_layer_norm(dtype, param_dtype, name: str, epsilon: float = 1e-6) -> nn.Module:
   """Flax's LayerNorm (same parameters, same outputs) recomputed in the backward from its input,
   so the backward keeps its input and output, not three float32 intermediates as well."""
-  return _recomputed(nn.LayerNorm)(dtype=dtype, param_dtype=param_dtype, name=name)
+  return _recomputed(nn.LayerNorm)(dtype=dtype, param_dtype=param_dtype, epsilon=epsilon,
+                                   name=name)
+
+
+def attention_mask(seq_len: int, segment_ids: jax.Array | None = None,
+                   sliding_window: int | None = None) -> jax.Array:
+  """The causal mask, kept inside each packed document and an optional sliding window.
+
+  Args:
+    seq_len: the sequence length.
+    segment_ids: int ``[batch, seq]``, which packed document each position belongs to (a
+      query attends only keys of its own segment; padding is a segment of its own), or None.
+    sliding_window: a query attends at most this many keys (itself included), or None.
+
+  Returns:
+    bool ``[1 or batch, 1, seq, seq]``, True where query i may attend key j.
+  """
+  query = jnp.arange(seq_len)[:, None]
+  key = jnp.arange(seq_len)[None, :]
+  mask = key <= query
+  if sliding_window:
+    mask = mask & (query - key < sliding_window)
+  mask = mask[None, None]
+  if segment_ids is not None:
+    mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+  return mask
 
 
 class _GeluThenDense(nn.Dense):
@@ -134,6 +161,10 @@ class TransformerBlock(nn.Module):
   (with GPipe's stash of 16 micro-batch inputs) from 2.08 to 0.52 GiB
   (``experiments/tpu_memory.py``).
 
+  With its LayerNorms' ``epsilon=1e-5`` it is GPT-2's block (the tanh-approximated GELU, biases
+  everywhere, attention scaled by ``1/sqrt(head_dim)``): :mod:`tpipe.train.pretrained` imports
+  GPT-2 checkpoints into it.
+
   Attributes:
     width: model width (the last axis of the activations).
     num_heads: attention heads; must divide ``width``.
@@ -146,6 +177,7 @@ class TransformerBlock(nn.Module):
       the output's dtype.
     param_dtype: the dtype the parameters are stored in.
     causal: attend causally (query i to keys j <= i) when no ``mask`` is given.
+    epsilon: the LayerNorms' epsilon (Flax's default 1e-6; GPT-2's 1e-5).
   """
 
   width: int
@@ -156,6 +188,7 @@ class TransformerBlock(nn.Module):
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   causal: bool = False
+  epsilon: float = 1e-6
 
   def __post_init__(self):
     check_float_dtype("TransformerBlock.dtype", self.dtype)
@@ -164,18 +197,27 @@ class TransformerBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: jax.Array | None = None, *,
-               deterministic: bool | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               cache: dict | None = None, deterministic: bool | None = None):
     """Applies the block.
 
     Args:
       x: float activations ``[batch, seq, width]``.
       mask: boolean attention mask broadcastable to ``[batch, heads, seq, seq]`` (True = attend),
         typically :func:`causal_mask`; None attends everywhere (or causally when ``causal``).
+      segment_ids: int ``[batch, seq]`` packed-document ids: with ``causal``, a query attends
+        only the keys of its own segment (:func:`attention_mask`).
+      positions: int ``[batch, seq]`` positions of the tokens; used with ``cache`` only (where
+        the new keys go and which cached keys a query sees).
+      cache: ``{"key", "value"}`` float ``[batch, max_len, heads, head_dim]``, the keys and
+        values of earlier tokens (:func:`init_cache`), for decoding; then the call returns
+        ``(output, updated cache)``.
       deterministic: overrides the ``deterministic`` attribute for this call when not None.
 
     Returns:
       The activations, the same shape and dtype as ``x`` (whatever ``dtype`` computes in: the
-      pipeline needs the activation's dtype to be the same at every stage boundary).
+      pipeline needs the activation's dtype to be the same at every stage boundary); with a
+      ``cache``, ``(activations, cache)``.
     """
     if x.ndim != 3 or x.shape[-1] != self.width:
       raise ValueError(
@@ -186,22 +228,26 @@ class TransformerBlock(nn.Module):
     dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
     deterministic = self.deterministic if deterministic is None else deterministic
     if mask is None and self.causal:
-      mask = causal_mask(x.shape[1])
+      mask = attention_mask(x.shape[1], segment_ids)
     residual_dtype = x.dtype
-    h = _lean_layer_norm(dtype, param_dtype, "attn_norm")(x)
-    h = nn.MultiHeadDotProductAttention(
-        num_heads=self.num_heads,
-        qkv_features=self.width,
-        out_features=self.width,
-        dropout_rate=self.dropout_rate,
-        deterministic=deterministic,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        attention_fn=attention.dot_product_attention,
-        name="attn")(h, h, mask=mask)
+    h = _lean_layer_norm(dtype, param_dtype, "attn_norm", self.epsilon)(x)
+    if cache is not None:
+      h, cache = _CachedSelfAttention(self.num_heads, self.width, dtype, param_dtype,
+                                      name="attn")(h, cache, _positions_of(x, positions))
+    else:
+      h = nn.MultiHeadDotProductAttention(
+          num_heads=self.num_heads,
+          qkv_features=self.width,
+          out_features=self.width,
+          dropout_rate=self.dropout_rate,
+          deterministic=deterministic,
+          dtype=dtype,
+          param_dtype=param_dtype,
+          attention_fn=attention.dot_product_attention,
+          name="attn")(h, h, mask=mask)
     h = nn.Dropout(self.dropout_rate, deterministic=deterministic)(h)
     y = (x + h).astype(residual_dtype)
-    h = _lean_layer_norm(dtype, param_dtype, "mlp_norm")(y)
+    h = _lean_layer_norm(dtype, param_dtype, "mlp_norm", self.epsilon)(y)
     kernel_init = nn.linear.default_kernel_init
     h = nn.Dense(self.mlp_dim, dtype=dtype, param_dtype=param_dtype,
                  kernel_init=_named(kernel_init, ("embed", "mlp")),
@@ -210,7 +256,37 @@ class TransformerBlock(nn.Module):
                                     kernel_init=_named(kernel_init, ("mlp", "embed")),
                                     name="mlp_out")(h)
     h = nn.Dropout(self.dropout_rate, deterministic=deterministic)(h)
-    return (y + h).astype(residual_dtype)
+    y = (y + h).astype(residual_dtype)
+    return y if cache is None else (y, cache)
+
+
+def _positions_of(x: jax.Array, positions: jax.Array | None) -> jax.Array:
+  """``positions``, or ``0 .. seq - 1`` for every row of ``x`` when None."""
+  if positions is not None:
+    return positions
+  return jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+
+
+class _CachedSelfAttention(nn.Module):
+  """``nn.MultiHeadDotProductAttention``'s self-attention (the same parameters: ``query``,
+  ``key``, ``value`` and ``out`` ``DenseGeneral``s) over a key/value cache, for decoding."""
+
+  num_heads: int
+  width: int
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x, cache, positions):
+    head_dim = self.width // self.num_heads
+    dense = lambda name: nn.DenseGeneral((self.num_heads, head_dim), axis=-1, dtype=self.dtype,
+                                         param_dtype=self.param_dtype, name=name)
+    query, key, value = (dense(name)(x) for name in ("query", "key", "value"))
+    query = query / jnp.sqrt(head_dim).astype(query.dtype)
+    out, cache = attention.cached_attention(query, key, value, cache, positions)
+    out = nn.DenseGeneral(self.width, axis=(-2, -1), dtype=self.dtype,
+                          param_dtype=self.param_dtype, name="out")(out)
+    return out, cache
 
 
 class RMSNorm(nn.Module):
@@ -234,17 +310,31 @@ class LlamaBlock(nn.Module):
   residual, every matrix with logical axis names for FSDP and tensor parallelism.
 
   The attention has ``num_heads`` query heads sharing ``num_kv_heads`` key and value heads
-  (``num_kv_heads`` divides ``num_heads``). Positions come from the embedding (no rotary
-  embedding). Kernels: ``query [embed, heads, kv]``, ``key``/``value [embed, kv_heads, kv]``,
-  ``out [heads, kv, embed]``, ``gate``/``up [embed, mlp]``, ``down [mlp, embed]``.
+  (``num_kv_heads`` divides ``num_heads``; query head ``h`` reads key/value head
+  ``h // (num_heads / num_kv_heads)``, as Hugging Face's ``repeat_kv``). Positions come from the
+  embedding unless ``rope_theta`` is set: then queries and keys are rotated by their positions
+  (rotary embeddings, Hugging Face's half-split convention, :func:`rotary_frequencies`). With
+  these settings it is the block of Llama, Mistral (``sliding_window``) and Qwen2
+  (``qkv_bias``), which :mod:`tpipe.train.pretrained` imports. Kernels: ``query [embed, heads,
+  kv]``, ``key``/``value [embed, kv_heads, kv]``, ``out [heads, kv, embed]``, ``gate``/``up
+  [embed, mlp]``, ``down [mlp, embed]``; with ``qkv_bias``, ``query_bias [heads, kv]`` and
+  ``key_bias``/``value_bias [kv_heads, kv]``.
 
   Attributes:
     width: model width.
-    num_heads: query heads; must divide ``width``.
+    num_heads: query heads.
     num_kv_heads: key and value heads; must divide ``num_heads``.
     mlp_dim: hidden width of the SwiGLU MLP.
     dtype: the computation dtype (softmax and norms in float32).
     param_dtype: the dtype the parameters are stored in.
+    head_dim: each head's width; None for ``width // num_heads`` (which must divide then).
+    epsilon: the RMSNorms' epsilon.
+    rope_theta: the rotary embedding's base; None for no rotary embedding.
+    rope_scaling: Hugging Face's ``rope_scaling`` as a tuple of ``(key, value)`` pairs (``linear``
+      and ``llama3`` types), or None.
+    qkv_bias: biases on the query, key and value projections (Qwen2).
+    sliding_window: a query attends at most this many keys, itself included (Mistral); None for
+      all earlier ones.
   """
 
   width: int
@@ -253,41 +343,129 @@ class LlamaBlock(nn.Module):
   mlp_dim: int
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  head_dim: int | None = None
+  epsilon: float = 1e-6
+  rope_theta: float | None = None
+  rope_scaling: tuple | None = None
+  qkv_bias: bool = False
+  sliding_window: int | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, deterministic: bool | None = None) -> jax.Array:
-    """``[batch, seq, width]`` to the same; ``deterministic`` is accepted (no dropout)."""
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None, cache: dict | None = None,
+               deterministic: bool | None = None):
+    """``[batch, seq, width]`` to the same.
+
+    Args:
+      x: the activations.
+      segment_ids: int ``[batch, seq]`` packed-document ids (attention stays in a segment).
+      positions: int ``[batch, seq]`` token positions for the rotary embedding (and, with a
+        cache, where the new keys go); None for ``0 .. seq - 1``.
+      cache: ``{"key", "value"}`` ``[batch, max_len, num_kv_heads, head_dim]`` for decoding
+        (:func:`init_cache`); the call then returns ``(activations, updated cache)``.
+      deterministic: accepted for the trainer's calls (the block has no dropout).
+    """
     del deterministic
     if x.ndim != 3 or x.shape[-1] != self.width:
       raise ValueError(f"LlamaBlock expects [batch, seq, {self.width}] activations, got "
                        f"{x.shape}.")
-    if self.width % self.num_heads or self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads={self.num_heads} must divide width={self.width} and "
-                       f"num_kv_heads={self.num_kv_heads} must divide num_heads.")
+    uneven = self.head_dim is None and self.width % self.num_heads
+    if uneven or self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must divide width={self.width} (or give "
+                       f"head_dim) and num_kv_heads={self.num_kv_heads} must divide num_heads.")
     dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
-    head_dim, groups = self.width // self.num_heads, self.num_heads // self.num_kv_heads
+    head_dim = self.head_dim or self.width // self.num_heads
+    groups = self.num_heads // self.num_kv_heads
     init = nn.linear.default_kernel_init
     weight = lambda name, shape, names: self.param(name, _named(init, names), shape,
                                                    param_dtype).astype(dtype)
-    h = RMSNorm(dtype, param_dtype, name="attn_norm")(x)
+    bias = lambda name, shape, names: self.param(
+        name, _named(nn.initializers.zeros_init(), names), shape, param_dtype).astype(dtype)
+    h = RMSNorm(dtype, param_dtype, self.epsilon, name="attn_norm")(x)
     q = jnp.einsum("bsd,dhk->bshk", h, weight(
         "query", (self.width, self.num_heads, head_dim), ("embed", "heads", "kv")))
     k, v = (jnp.einsum("bsd,dgk->bsgk", h, weight(
         name, (self.width, self.num_kv_heads, head_dim), ("embed", "kv_heads", "kv")))
         for name in ("key", "value"))
-    q = q.reshape(q.shape[:2] + (self.num_kv_heads, groups, head_dim))
-    logits = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
-    seq = x.shape[1]
-    probs = attention.masked_softmax(logits, jnp.tril(jnp.ones((seq, seq), bool))).astype(dtype)
-    attended = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(q.shape[:2] + (
-        self.num_heads, head_dim))
+    if self.qkv_bias:
+      q = q + bias("query_bias", (self.num_heads, head_dim), ("heads", "kv"))
+      k = k + bias("key_bias", (self.num_kv_heads, head_dim), ("kv_heads", "kv"))
+      v = v + bias("value_bias", (self.num_kv_heads, head_dim), ("kv_heads", "kv"))
+    if self.rope_theta is not None or cache is not None:
+      positions = _positions_of(x, positions)
+    if self.rope_theta is not None:
+      frequencies = rotary_frequencies(head_dim, self.rope_theta, self.rope_scaling)
+      q, k = (rotate(a, positions, frequencies) for a in (q, k))
+    if cache is not None:
+      attended, cache = attention.cached_attention(
+          q, k, v, cache, positions, scale=1 / math.sqrt(head_dim),
+          sliding_window=self.sliding_window)
+    else:
+      q = q.reshape(q.shape[:2] + (self.num_kv_heads, groups, head_dim))
+      logits = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+      mask = attention_mask(x.shape[1], segment_ids, self.sliding_window)[:, :, None]
+      probs = attention.masked_softmax(logits, mask).astype(dtype)
+      attended = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(q.shape[:2] + (
+          self.num_heads, head_dim))
     y = x + jnp.einsum("bshk,hkd->bsd", attended, weight(
         "out", (self.num_heads, head_dim, self.width), ("heads", "kv", "embed"))).astype(x.dtype)
-    h = RMSNorm(dtype, param_dtype, name="mlp_norm")(y)
+    h = RMSNorm(dtype, param_dtype, self.epsilon, name="mlp_norm")(y)
     gate = h @ weight("gate", (self.width, self.mlp_dim), ("embed", "mlp"))
     up = h @ weight("up", (self.width, self.mlp_dim), ("embed", "mlp"))
     down = weight("down", (self.mlp_dim, self.width), ("mlp", "embed"))
-    return y + (nn.silu(gate) * up @ down).astype(x.dtype)
+    y = y + (nn.silu(gate) * up @ down).astype(x.dtype)
+    return y if cache is None else (y, cache)
+
+
+def rotary_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
+  """The rotary embedding's ``head_dim / 2`` angular frequencies, float64, as Hugging Face's
+  ``rope_init_fn`` defines them (``theta ** (-2i / head_dim)``; ``scaling`` of type ``linear``
+  divides them by its ``factor``, ``llama3`` stretches the low ones as Llama 3.1 does).
+
+  Raises:
+    ValueError: an odd ``head_dim`` or a scaling type other than those two.
+  """
+  if head_dim % 2:
+    raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}.")
+  frequencies = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if not scaling:
+    return frequencies
+  scaling = dict(scaling)
+  kind = scaling.get("rope_type", scaling.get("type"))
+  factor = float(scaling["factor"])
+  if kind == "linear":
+    return frequencies / factor
+  if kind == "llama3":
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / frequencies
+    scaled = np.where(wavelength > original / low, frequencies / factor, frequencies)
+    smooth = (original / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return np.where(medium, smoothed, scaled)
+  raise ValueError(f"rope_scaling type {kind!r} is not supported; tpipe implements 'linear' "
+                   "and 'llama3' (or none).")
+
+
+def rotate(x: jax.Array, positions: jax.Array, frequencies: np.ndarray) -> jax.Array:
+  """``x [batch, seq, heads, head_dim]`` rotated by ``positions [batch, seq]``: Hugging Face's
+  ``x * cos + rotate_half(x) * sin``, the angles computed in float32 (at least)."""
+  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  angles = positions[..., None].astype(dtype) * jnp.asarray(frequencies, dtype)
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
+
+
+def init_cache(batch: int, max_len: int, kv_heads: int, head_dim: int,
+               dtype=jnp.float32) -> dict[str, jax.Array]:
+  """An empty key/value cache of one block: ``{"key", "value"}`` zeros
+  ``[batch, max_len, kv_heads, head_dim]``."""
+  shape = (batch, max_len, kv_heads, head_dim)
+  return {"key": jnp.zeros(shape, dtype), "value": jnp.zeros(shape, dtype)}
 
 
 class TokenEmbedding(nn.Module):
@@ -300,6 +478,8 @@ class TokenEmbedding(nn.Module):
     dropout_rate: dropout on the sum.
     dtype: the computation dtype of the output.
     param_dtype: the dtype the parameters are stored in.
+    learned_positions: add the learned position table ``pos_embed``; False for models whose
+      blocks rotate by position instead (rotary embeddings).
   """
 
   vocab_size: int
@@ -308,10 +488,16 @@ class TokenEmbedding(nn.Module):
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  learned_positions: bool = True
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
-    """int ``[batch, seq]`` tokens to ``[batch, seq, width]`` vectors in ``dtype``."""
+  def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+               deterministic: bool = True) -> jax.Array:
+    """int ``[batch, seq]`` tokens to ``[batch, seq, width]`` vectors in ``dtype``.
+
+    ``positions`` (int ``[batch, seq]``, e.g. restarting at each packed document) pick the rows
+    of the position table; None uses ``0 .. seq - 1``.
+    """
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}.")
     seq_len = tokens.shape[1]
@@ -321,9 +507,13 @@ class TokenEmbedding(nn.Module):
     x = nn.Embed(self.vocab_size, self.width, dtype=dtype, param_dtype=param_dtype,
                  embedding_init=_named(nn.linear.default_embed_init, ("vocab", "embed")),
                  name="embed")(tokens)
-    pos = self.param("pos_embed", _named(nn.initializers.normal(0.02), (None, "embed")),
-                     (self.max_len, self.width), param_dtype)
-    x = x + pos[None, :seq_len].astype(dtype)
+    if self.learned_positions:
+      pos = self.param("pos_embed", _named(nn.initializers.normal(0.02), (None, "embed")),
+                       (self.max_len, self.width), param_dtype)
+      if positions is None:
+        x = x + pos[None, :seq_len].astype(dtype)
+      else:
+        x = x + jnp.take(pos, positions, axis=0).astype(dtype)
     return nn.Dropout(self.dropout_rate, deterministic=deterministic)(x)
 
 
@@ -333,11 +523,14 @@ class _VocabProjection(nn.Module):
 
   vocab_size: int
   param_dtype: Any = jnp.float32
+  use_bias: bool = True
 
   @nn.compact
   def __call__(self, width: int):
     kernel = self.param("kernel", _named(nn.initializers.lecun_normal(), ("embed", "vocab")),
                         (width, self.vocab_size), self.param_dtype)
+    if not self.use_bias:
+      return kernel, None
     bias = self.param("bias", _named(nn.initializers.zeros_init(), ("vocab",)),
                       (self.vocab_size,), self.param_dtype)
     return kernel, bias
@@ -363,7 +556,7 @@ def _vocab_shards(part: int) -> int:
 
 
 class LMHead(nn.Module):
-  """Final LayerNorm and the projection to the vocabulary; with targets, the loss too.
+  """Final norm and the projection to the vocabulary; with targets, the loss too.
 
   Attributes:
     vocab_size: number of token values.
@@ -372,53 +565,148 @@ class LMHead(nn.Module):
     vocab_chunks: with targets, compute the loss this many vocabulary slices at a time
       (:func:`tpipe.train.losses.chunked_cross_entropy`) so a micro-batch's whole logits are
       never formed; must divide ``vocab_size``. The parameters are the same either way.
+    norm: the final norm, ``"layer"`` (LayerNorm) or ``"rms"`` (:class:`RMSNorm`, the Llama
+      family's).
+    epsilon: the final norm's epsilon.
+    use_bias: whether the projection has a bias (the pretrained families' heads have none).
   """
 
   vocab_size: int
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   vocab_chunks: int = 1
+  norm: str = "layer"
+  epsilon: float = 1e-6
+  use_bias: bool = True
 
   @nn.compact
-  def __call__(self, x: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, targets: jax.Array | None = None,
+               loss_weights: jax.Array | None = None) -> jax.Array:
     """Logits, or per-example losses.
 
     Args:
       x: ``[batch, seq, width]`` activations.
       targets: int ``[batch, seq]`` next tokens, or None.
+      loss_weights: float ``[batch, seq]`` weights of each position's loss (0 leaves a position
+        out: a packed document's boundary, padding), or None for all 1.
 
     Returns:
       float32 logits ``[batch, seq, vocab]`` when ``targets`` is None; otherwise float32
-      ``[batch]``: each example's next-token cross-entropy (nats), averaged over its positions.
+      ``[batch]``: each example's next-token cross-entropy (nats) times ``loss_weights``,
+      averaged over its positions.
     """
     dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
-    x = nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name="final_norm")(x)
+    if self.norm == "rms":
+      x = RMSNorm(dtype, param_dtype, self.epsilon, name="final_norm")(x)
+    elif self.norm == "layer":
+      x = nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, epsilon=self.epsilon,
+                       name="final_norm")(x)
+    else:
+      raise ValueError(f"LMHead.norm must be 'layer' or 'rms', got {self.norm!r}.")
+    weigh = lambda per_position: (per_position if loss_weights is None
+                                  else per_position * loss_weights).mean(axis=-1)
     if self.vocab_chunks > 1 and targets is not None:
-      kernel, bias = _VocabProjection(self.vocab_size, param_dtype, name="head")(x.shape[-1])
-      return losses.chunked_cross_entropy(
+      if self.use_bias:
+        kernel, bias = _VocabProjection(self.vocab_size, param_dtype, name="head")(x.shape[-1])
+      else:
+        kernel = _VocabProjection(self.vocab_size, param_dtype, False, name="head")(
+            x.shape[-1])[0]
+        bias = None
+      return weigh(losses.chunked_cross_entropy(
           x, kernel, bias, targets, self.vocab_chunks, dtype,
-          vocab_shards=_vocab_shards(self.vocab_size // self.vocab_chunks)).mean(axis=-1)
+          vocab_shards=_vocab_shards(self.vocab_size // self.vocab_chunks)))
     logits = nn.Dense(self.vocab_size, dtype=dtype, param_dtype=param_dtype,
+                      use_bias=self.use_bias,
                       kernel_init=_named(nn.initializers.lecun_normal(), ("embed", "vocab")),
                       bias_init=_named(nn.initializers.zeros_init(), ("vocab",)),
                       name="head")(x)
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # At least float32.
     if targets is None:
       return logits
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(axis=-1)
+    return weigh(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
 
 
-def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
-               vocab_size: int = VOCAB_SIZE, dropout_rate: float = 0.0, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32, vocab_chunks: int = 1, block: str = "gpt",
-               num_kv_heads: int | None = None, spec: tpipe.PipelineSpec | None = None,
-               **settings) -> tpipe.Sequential:
-  """A decoder-only LM: ``TokenEmbedding -> Repeat(TransformerBlock, L) -> LMHead``, pipelined.
+# The keyword arguments of the LM's layers that carry the batch on their leading axis.
+PER_EXAMPLE = ("targets", "loss_weights", "segment_ids", "positions")
+POSITIONS = ("learned", "rotary")
+
+
+def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
+              vocab_size: int = VOCAB_SIZE, dropout_rate: float = 0.0, dtype: Any = jnp.float32,
+              param_dtype: Any = jnp.float32, vocab_chunks: int = 1, block: str = "gpt",
+              num_kv_heads: int | None = None, positions: str = "learned",
+              rope_theta: float = 10000.0, rope_scaling: tuple | None = None,
+              norm_epsilon: float = 1e-6, final_norm: str = "layer", head_bias: bool = True,
+              qkv_bias: bool = False, head_dim: int | None = None,
+              sliding_window: int | None = None) -> list:
+  """The LM's layers ``[TokenEmbedding, tpipe.Repeat(block, L), LMHead]`` (arguments as
+  :func:`decoder_lm`), checked; :func:`decoder_lm` pipelines them, and
+  :mod:`tpipe.train.generate` applies them one after the other with a key/value cache."""
+  for name, value in (("num_layers", num_layers), ("width", width), ("num_heads", num_heads),
+                      ("mlp_dim", mlp_dim), ("max_len", max_len), ("vocab_size", vocab_size)):
+    _check_int(name, value)
+  losses.check_num_chunks(vocab_chunks, vocab_size)
+  _check_rate("dropout_rate", dropout_rate)
+  dtype = check_float_dtype("decoder_lm dtype", dtype)
+  param_dtype = check_float_dtype("decoder_lm param_dtype", param_dtype)
+  if positions not in POSITIONS:
+    raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}.")
+  if head_dim is not None:
+    _check_int("head_dim", head_dim)
+  elif width % num_heads:
+    raise ValueError(f"num_heads={num_heads} must divide width={width}; pick a divisor.")
+  if sliding_window is not None:
+    _check_int("sliding_window", sliding_window)
+  if block == "llama":
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}.")
+    if dropout_rate:
+      raise ValueError(f"block='llama' has no dropout; got dropout_rate={dropout_rate}.")
+    rotary = positions == "rotary"
+    if rotary:
+      rotary_frequencies(head_dim or width // num_heads, rope_theta, rope_scaling)  # Checks.
+    block = LlamaBlock(width=width, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       mlp_dim=mlp_dim, dtype=dtype, param_dtype=param_dtype, head_dim=head_dim,
+                       epsilon=norm_epsilon, rope_theta=rope_theta if rotary else None,
+                       rope_scaling=rope_scaling if rotary else None, qkv_bias=qkv_bias,
+                       sliding_window=sliding_window)
+  elif block == "gpt":
+    if num_kv_heads not in (None, num_heads):
+      raise ValueError(f"num_kv_heads={num_kv_heads}: block='gpt' has one key/value head per "
+                       "query head; use block='llama' for grouped-query attention.")
+    unsupported = [name for name, value in (
+        ("positions='rotary'", positions == "rotary"),
+        ("head_dim", head_dim not in (None, width // num_heads)),
+        ("sliding_window", sliding_window is not None)) if value]
+    if unsupported:
+      raise ValueError(f"block='gpt' has learned positions, width / num_heads wide heads "
+                       f"and full causal attention; "
+                       f"{', '.join(unsupported)} need block='llama'.")
+    block = TransformerBlock(width=width, num_heads=num_heads, mlp_dim=mlp_dim,
+                             dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
+                             causal=True, epsilon=norm_epsilon)
+  else:
+    raise ValueError(f"block must be 'gpt' or 'llama', got {block!r}.")
+  if final_norm not in ("layer", "rms"):
+    raise ValueError(f"final_norm must be 'layer' or 'rms', got {final_norm!r}.")
+  return [
+      TokenEmbedding(vocab_size, width, max_len, dropout_rate=dropout_rate, dtype=dtype,
+                     param_dtype=param_dtype, learned_positions=positions == "learned"),
+      tpipe.Repeat(block, num_layers),
+      LMHead(vocab_size, dtype=dtype, param_dtype=param_dtype, vocab_chunks=vocab_chunks,
+             norm=final_norm, epsilon=norm_epsilon, use_bias=head_bias),
+  ]
+
+
+def decoder_lm(*, spec: tpipe.PipelineSpec | None = None, **arguments) -> tpipe.Sequential:
+  """A decoder-only LM: ``TokenEmbedding -> Repeat(block, L) -> LMHead``, pipelined.
 
   Args:
     num_layers: L, the number of Transformer blocks.
     width: model width.
-    num_heads: attention heads per block; must divide ``width``.
+    num_heads: attention heads per block; must divide ``width`` (unless ``head_dim`` is given).
     mlp_dim: MLP hidden width.
     max_len: longest sequence (size of the learned position table).
     vocab_size: number of token values (256 bytes by default).
@@ -431,47 +719,30 @@ def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max
       dropout) or ``"llama"`` (:class:`LlamaBlock`: RMSNorm, grouped-query attention with
       ``num_kv_heads`` key/value heads, SwiGLU MLP, no dropout).
     num_kv_heads: the key and value heads of a ``"llama"`` block (default ``num_heads``).
-    spec: the pipeline settings (:class:`tpipe.PipelineSpec`), or None to build them from
-      ``settings``; ``per_example`` is always ``("targets",)``.
-    **settings: :class:`tpipe.PipelineSpec` fields, overriding ``spec``'s.
+    positions: ``"learned"`` (a position table in the embedding) or ``"rotary"`` (rotary
+      embeddings in ``"llama"`` blocks, base ``rope_theta``, Hugging Face's ``rope_scaling``
+      as a tuple of pairs or None).
+    norm_epsilon: the epsilon of every norm.
+    final_norm: the head's norm, ``"layer"`` or ``"rms"``.
+    head_bias: whether the vocabulary projection has a bias.
+    qkv_bias: ``"llama"`` blocks only: biases on the query, key and value projections.
+    head_dim: ``"llama"`` blocks only: each head's width (default ``width // num_heads``).
+    sliding_window: ``"llama"`` blocks only: attend at most this many keys (None: all).
+    spec: the pipeline settings (:class:`tpipe.PipelineSpec`), or None to build them from the
+      :class:`tpipe.PipelineSpec` fields among ``arguments``; ``per_example`` is always
+      :data:`PER_EXAMPLE`.
+
+  Calls take ``targets`` (the head then returns per-example losses), ``loss_weights``
+  (weights of each position's loss), ``segment_ids`` (packed documents: attention stays inside
+  each) and ``positions`` (each token's position, e.g. restarting per packed document), all
+  ``[batch, seq]``.
 
   Returns:
     The :class:`tpipe.Sequential`. Its params are ``layers_0`` (embedding), ``layers_1`` (the
-    blocks, stacked ``[L, ...]``) and ``layers_2`` (final norm and head); ``targets`` (int
-    ``[batch, seq]``) reach the head only and are split into micro-batches with the tokens.
+    blocks, stacked ``[L, ...]``) and ``layers_2`` (final norm and head); the keyword inputs
+    reach the layers that take them and are split into micro-batches with the tokens.
   """
-  for name, value in (("num_layers", num_layers), ("width", width), ("num_heads", num_heads),
-                      ("mlp_dim", mlp_dim), ("max_len", max_len), ("vocab_size", vocab_size)):
-    _check_int(name, value)
-  losses.check_num_chunks(vocab_chunks, vocab_size)
-  _check_rate("dropout_rate", dropout_rate)
-  dtype = check_float_dtype("decoder_lm dtype", dtype)
-  param_dtype = check_float_dtype("decoder_lm param_dtype", param_dtype)
-  if width % num_heads:
-    raise ValueError(f"num_heads={num_heads} must divide width={width}; pick a divisor.")
-  spec = tpipe.spec.make("decoder_lm", spec, **settings).replace(per_example=("targets",))
-  if block == "llama":
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _check_int("num_kv_heads", num_kv_heads)
-    if num_heads % num_kv_heads:
-      raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}.")
-    if dropout_rate:
-      raise ValueError(f"block='llama' has no dropout; got dropout_rate={dropout_rate}.")
-    block = LlamaBlock(width=width, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       mlp_dim=mlp_dim, dtype=dtype, param_dtype=param_dtype)
-  elif block == "gpt":
-    if num_kv_heads not in (None, num_heads):
-      raise ValueError(f"num_kv_heads={num_kv_heads}: block='gpt' has one key/value head per "
-                       "query head; use block='llama' for grouped-query attention.")
-    block = TransformerBlock(width=width, num_heads=num_heads, mlp_dim=mlp_dim,
-                             dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
-                             causal=True)
-  else:
-    raise ValueError(f"block must be 'gpt' or 'llama', got {block!r}.")
-  layers = [
-      TokenEmbedding(vocab_size, width, max_len, dropout_rate=dropout_rate, dtype=dtype,
-                     param_dtype=param_dtype),
-      tpipe.Repeat(block, num_layers),
-      LMHead(vocab_size, dtype=dtype, param_dtype=param_dtype, vocab_chunks=vocab_chunks),
-  ]
+  settings = {k: arguments.pop(k) for k in list(arguments) if k in spec_lib.field_names()}
+  layers = lm_layers(**arguments)
+  spec = tpipe.spec.make("decoder_lm", spec, **settings).replace(per_example=PER_EXAMPLE)
   return tpipe.Sequential(layers, spec)

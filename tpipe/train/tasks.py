@@ -33,12 +33,16 @@ import numpy as np
 
 import tpipe
 from tpipe import spec as spec_lib
+from tpipe.train import architecture
 from tpipe.train import convnet
 from tpipe.train import data as text_data
 from tpipe.train import images
 from tpipe.train import losses
 from tpipe.train import models
 from tpipe.train import models_nnx
+from tpipe.train import packing
+from tpipe.train import sources
+from tpipe.train import tokenization
 
 FRONTENDS = ("linen", "nnx")
 
@@ -71,12 +75,7 @@ def _linen_init(model, rng, x, kwargs) -> dict:
 
 def lm_arguments(config) -> dict:
   """The LM's own settings from ``config`` (the pipeline's are in the spec)."""
-  return dict(num_layers=config.num_layers, width=config.width, num_heads=config.num_heads,
-              mlp_dim=config.mlp_dim, max_len=config.seq_len,
-              vocab_size=config.get("vocab_size", models.VOCAB_SIZE),
-              dropout_rate=float(config.dropout), dtype=jnp.dtype(config.dtype),
-              param_dtype=jnp.float32, vocab_chunks=config.get("vocab_chunks", 1),
-              block=config.get("block", "gpt"), num_kv_heads=config.get("num_kv_heads"))
+  return architecture.lm_arguments(config)
 
 
 def _check_int(config, name: str, minimum: int = 1) -> None:
@@ -104,13 +103,30 @@ class TaskData:
   spec: dict[str, Any]
 
 
+# Where config.data is the Python standard library's source (tpipe.train.data), not files.
+STDLIB = "stdlib"
+
+
+def uses_files(config) -> bool:
+  """Whether ``config.data`` names files (packed documents) rather than the stdlib corpus."""
+  return config.get("data", STDLIB) != STDLIB
+
+
 class LanguageModelling:
-  """Next-byte prediction with :func:`tpipe.train.models.decoder_lm`."""
+  """Next-token prediction with :func:`tpipe.train.models.decoder_lm`.
+
+  ``config.data`` is ``"stdlib"`` (the byte corpus of :mod:`tpipe.train.data`, batches
+  ``{"inputs", "targets"}``) or files (:mod:`tpipe.train.sources`) tokenized with
+  ``config.tokenizer`` and packed (:mod:`tpipe.train.packing`): batches then also carry
+  ``loss_weights``, ``segment_ids`` and ``positions``, which keep the documents apart.
+  """
 
   name = "lm"
   fields = ("num_layers", "width", "num_heads", "mlp_dim", "seq_len", "dropout",
             "max_corpus_bytes", "eval_fraction", "eval_batches")
   data_fields = ("batch_size", "seq_len", "seed", "max_corpus_bytes", "eval_fraction")
+  # Further data fields (optional in a config; a resumed run must see the same values).
+  file_data_fields = ("data", "data_format", "text_field", "eval_data", "tokenizer", "eod_token")
   train_keywords = {"deterministic": False}
   measures_accuracy = False
   # Why fused schedules ("1f1b", ...) cannot train this task, or None when they can (the LMHead
@@ -124,15 +140,38 @@ class LanguageModelling:
     if not 0.0 < config.get("eval_fraction", 0.0) < 1.0:
       raise ValueError(f"config.eval_fraction must be in (0, 1), got {config.eval_fraction!r}.")
     smallest = 16 * (config.seq_len + 1)  # What data.TextData.load accepts.
-    if frontend(config) == "nnx" and config.get("block", "gpt") != "gpt":
-      raise ValueError(f"config.block={config.block!r} is written in linen only; use "
-                       "config.frontend='linen' (or config.block='gpt').")
+    if frontend(config) == "nnx":
+      changed = [f"{name}={architecture.value(config, name)!r}"
+                 for name in ("block", "positions", "final_norm", "head_bias", "init_from",
+                              "tie_embeddings")
+                 if config.get(name, architecture.DEFAULTS.get(name, ""))
+                 != architecture.DEFAULTS.get(name, "")]
+      if uses_files(config):
+        changed.append(f"data={config.data!r}")
+      if changed:
+        raise ValueError(f"config.{', config.'.join(changed)}: the NNX LM is the byte-level "
+                         "GPT LM on the stdlib corpus only (no packed documents, no pretrained "
+                         "architectures); use config.frontend='linen'.")
+    if uses_files(config):
+      sources.format_of(None, config.get("data_format", ""))  # Checks the name.
+    tokenizer = tokenization.load(config.get("tokenizer", tokenization.BYTES),
+                                  config.get("eod_token", ""))
+    if not uses_files(config) and tokenizer.fingerprint != tokenization.BYTES:
+      raise ValueError(f"config.tokenizer={config.tokenizer!r} needs text files: the stdlib "
+                       "corpus is bytes. Set --config.data to a path or glob of your files.")
+    vocab = architecture.resolve(config).vocab_size
+    if vocab < tokenizer.vocab_size:
+      where = (f"the model in config.init_from={config.init_from!r}"
+               if config.get("init_from", "") else "config.vocab_size")
+      raise ValueError(f"{where} has {vocab} token ids, fewer than the tokenizer "
+                       f"{config.get('tokenizer', 'bytes')!r} makes ({tokenizer.vocab_size}); "
+                       "use the model's own tokenizer (or config.vocab_size=0 for the "
+                       "tokenizer's).")
     try:
-      losses.check_num_chunks(config.get("vocab_chunks", 1),
-                              config.get("vocab_size", models.VOCAB_SIZE))
+      losses.check_num_chunks(config.get("vocab_chunks", 1), vocab)
     except (ValueError, TypeError) as error:
       raise type(error)(f"config.vocab_chunks: {error}") from None
-    if config.max_corpus_bytes < smallest:
+    if not uses_files(config) and config.max_corpus_bytes < smallest:
       raise ValueError(
           f"config.max_corpus_bytes={config.max_corpus_bytes} is too small for "
           f"config.seq_len={config.seq_len}; use at least {smallest} (a few MB is typical).")
@@ -140,7 +179,9 @@ class LanguageModelling:
   def _nnx_model(self, config, spec, key):
     from flax import nnx  # Only the NNX front end needs it.
     arguments = lm_arguments(config)
-    del arguments["block"], arguments["num_kv_heads"]  # The NNX LM has the "gpt" block only.
+    arguments = {k: arguments[k] for k in (
+        "num_layers", "width", "num_heads", "mlp_dim", "max_len", "vocab_size", "dropout_rate",
+        "dtype", "param_dtype", "vocab_chunks")}  # The NNX LM has the "gpt" block only.
     return models_nnx.decoder_lm(**arguments, spec=spec,
                                  rngs=nnx.Rngs(params=key, dropout=0))
 
@@ -152,20 +193,33 @@ class LanguageModelling:
     return models.decoder_lm(**lm_arguments(config), spec=spec)
 
   def init_variables(self, config, model, rng, x, kwargs) -> dict:
-    """The initial logical variables (NNX: the NNX LM's own initialisation)."""
+    """The initial logical variables (NNX: the NNX LM's own initialisation). With tied
+    embeddings the head starts as the embedding's transpose."""
     if frontend(config) == "nnx":
       return self._nnx_model(config, model.spec, rng).variables()
-    return _linen_init(model, rng, x, kwargs)
+    variables = _linen_init(model, rng, x, kwargs)
+    if architecture.value(config, "tie_embeddings"):
+      from tpipe.train import tied  # pylint: disable=g-import-not-at-top
+      variables = dict(variables, params=tied.synchronized(variables["params"]))
+    return variables
 
   def batch_shapes(self, config) -> dict[str, jax.ShapeDtypeStruct]:
     shape = (config.batch_size, config.seq_len)
-    return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
-            "targets": jax.ShapeDtypeStruct(shape, jnp.int32)}
+    shapes = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
+              "targets": jax.ShapeDtypeStruct(shape, jnp.int32)}
+    if uses_files(config):
+      shapes.update(loss_weights=jax.ShapeDtypeStruct(shape, jnp.float32),
+                    segment_ids=jax.ShapeDtypeStruct(shape, jnp.int32),
+                    positions=jax.ShapeDtypeStruct(shape, jnp.int32))
+    return shapes
 
   def model_inputs(self, batch) -> tuple[Any, dict[str, Any]]:
-    return batch["inputs"], {"targets": batch["targets"]}
+    keywords = {k: batch[k] for k in models.PER_EXAMPLE if k in batch}
+    return batch["inputs"], keywords
 
   def load_data(self, config) -> TaskData:
+    if uses_files(config):
+      return self._load_files(config)
     train, held_out = text_data.TextData.load(
         seq_len=config.seq_len, max_bytes=config.max_corpus_bytes,
         eval_fraction=config.eval_fraction)
@@ -177,6 +231,38 @@ class LanguageModelling:
     return TaskData(train=text_data.train_iterator(train, batch_size=config.batch_size,
                                                    seed=config.seed),
                     eval_batches=batches, spec=spec)
+
+  def _load_files(self, config) -> TaskData:
+    train, held_out = packed_splits(config)
+    spec = {name: config[name] for name in ("batch_size", "seq_len", "seed")}
+    spec.update({name: config.get(name, "") for name in self.file_data_fields})
+    if not config.get("eval_data", ""):
+      spec["eval_fraction"] = config.eval_fraction
+    spec["corpus_sha256"] = train.fingerprint()
+    batches = packing.eval_batches(held_out, batch_size=config.batch_size,
+                                   num_batches=config.eval_batches)
+    batches = [dict(b, mask=np.ones(config.batch_size, bool)) for b in batches]
+    return TaskData(train=packing.train_iterator(train, batch_size=config.batch_size,
+                                                 seed=config.seed),
+                    eval_batches=batches, spec=spec)
+
+
+def packed_splits(config) -> tuple[packing.PackedTokens, packing.PackedTokens]:
+  """``(train, eval)`` packed token windows of ``config.data`` (eval: ``config.eval_data``'s
+  files, or the ``config.eval_fraction`` of documents :func:`tpipe.train.sources.split` holds
+  out), tokenized with ``config.tokenizer``."""
+  tokenizer = tokenization.load(config.get("tokenizer", tokenization.BYTES),
+                                config.get("eod_token", ""))
+  data_format, field = config.get("data_format", ""), config.get("text_field", "text")
+  documents = sources.read(sources.expand(config.data), data_format, field)
+  if config.get("eval_data", ""):
+    train = documents
+    held_out = sources.read(sources.expand(config.eval_data), data_format, field)
+  else:
+    train, held_out = sources.split(documents, config.eval_fraction)
+  pack = lambda part: packing.PackedTokens.of(
+      tokenizer.encode_batch([d.text for d in part]), tokenizer.eod_id, seq_len=config.seq_len)
+  return pack(train), pack(held_out)
 
 
 class ImageClassification:

@@ -32,17 +32,22 @@ from absl import flags
 from absl import logging
 from etils import epath
 import jax
+import ml_collections
+import numpy as np
 from ml_collections import config_flags
 
 import tpipe
 from tpipe.core import spmd
 from tpipe.core import streaming
+from tpipe.train import architecture
 from tpipe.train import checkpointing
 from tpipe.train import cli
 from tpipe.train import data
 from tpipe.train import experiment
 from tpipe.train import metrics as metrics_lib
+from tpipe.train import pretrained
 from tpipe.train import tasks
+from tpipe.train import throughput
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=True)
@@ -85,12 +90,13 @@ def _setup_jax(config) -> None:
           "evenly over "
           f"--num_processes={num_processes}.")
     jax.config.update("jax_num_cpu_devices", needed // num_processes)
+  cli.quiet_absent_tpu()
   if distributed:
     jax.distributed.initialize(
         coordinator_address=_COORDINATOR.value,
         num_processes=_NUM_PROCESSES.value,
         process_id=_PROCESS_ID.value)
-  elif importlib.util.find_spec("libtpu") is not None:
+  elif importlib.util.find_spec("libtpu") is not None and cli.tpu_host():
     # A Cloud TPU VM: a no-op on one host, joins all workers on a pod slice.
     try:
       jax.distributed.initialize()
@@ -150,6 +156,14 @@ def validate_train_config(config) -> None:
     value = config.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"config.{name} must be an int >= 1, got {value!r}.")
+  profile = cli.parse_profile_steps(config.get("profile_steps", ""))
+  if profile and profile[1] > config.num_steps:
+    raise ValueError(f"config.profile_steps={config.profile_steps!r} ends after "
+                     f"config.num_steps={config.num_steps}; profile steps up to num_steps.")
+  peak = config.get("peak_tflops", 0.0)
+  if isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak < 0:
+    raise ValueError(f"config.peak_tflops must be a number >= 0 (0: from the device kind), "
+                     f"got {peak!r}.")
   tasks.get_task(config).validate(config)
 
 
@@ -170,6 +184,53 @@ def _check_same_data(saved: dict, current: dict, ckpt_dir) -> None:
         f"or resume with --config.{name}={was!r}.")
 
 
+def _plain(value):
+  """A config value as JSON has it (tuples as lists), for comparing with ``config.json``."""
+  return json.loads(json.dumps(value))
+
+
+def _has_checkpoint(workdir) -> bool:
+  directory = workdir / "checkpoints"
+  return directory.exists() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+def check_workdir(config, workdir) -> None:
+  """Refuses to resume a workdir whose run had other model or data fields.
+
+  The run's ``config.json`` holds the (resolved) config it started with; every model and data
+  field (:meth:`resume_fields`) must be the same, or the checkpoint would not fit the model or
+  the data stream would not continue. One error names each changed field, old -> new, and the
+  ways out.
+
+  Raises:
+    ValueError: a field changed.
+  """
+  config_file = workdir / "config.json"
+  if not config_file.exists() or not _has_checkpoint(workdir):
+    return
+  saved = json.loads(config_file.read_text())
+  changed = [(name, saved[name], _plain(config.get(name)))
+             for name in resume_fields(config)
+             if name in saved and saved[name] != _plain(config.get(name))]
+  if not changed:
+    return
+  listed = ", ".join(f"config.{name} {old!r} -> {new!r}" for name, old, new in changed)
+  keep = " ".join(f"--config.{name}={old!r}" if isinstance(old, str) else
+                  f"--config.{name}={old}" for name, old, _ in changed)
+  raise ValueError(
+      f"the workdir {workdir} holds a run with other model or data fields: {listed}. Use a new "
+      f"--workdir, or start a new run from this one's weights with --workdir=NEW "
+      f"--config.init_from={workdir} (resuming here needs the old values: {keep}).")
+
+
+def resume_fields(config) -> tuple[str, ...]:
+  """The config fields a resumed run must keep: the model's and the data's."""
+  task = tasks.get_task(config)
+  if task.name == "lm":
+    return tuple(dict.fromkeys(architecture.FIELDS + task.data_fields + task.file_data_fields))
+  return tuple(dict.fromkeys(task.fields + task.data_fields))
+
+
 # ------------------------------------------------------------------------------------------------
 # The training loop.
 
@@ -179,7 +240,14 @@ def _restore_or_init(exp, ckpt, train_iter, data_spec, is_chief: bool):
   its position), else a new state at step 0."""
   start = ckpt.latest_step()
   if start is None:
-    return exp.init_state(jax.random.key(exp.config.seed)), 0
+    state = exp.init_state(jax.random.key(exp.config.seed))
+    source = exp.config.get("init_from", "")
+    if source:
+      state = _with_pretrained_params(exp, state, source)
+      if is_chief:
+        logging.info("Initialised the parameters from %s (%s).", source,
+                     exp.config.get("family", "") or "a tpipe run")
+    return state, 0
   # Checkpoints hold the logical layout, so a run resumes on another mesh or split.
   logical_state, data_state = ckpt.restore(start, exp.abstract_checkpoint())
   state = exp.from_checkpoint(logical_state)
@@ -195,31 +263,110 @@ def _restore_or_init(exp, ckpt, train_iter, data_spec, is_chief: bool):
   return state, start
 
 
-def _log_step(writer, record: dict, step: int, num_steps: int, timing, is_chief: bool) -> None:
-  """Adds the rate to ``record`` (``timing``: last logged time and step, now), writes it and
-  logs one line with the ETA."""
-  t_last, step_last, now = timing
+def _with_pretrained_params(exp, state, source: str):
+  """``state`` with the parameters of the model in ``source`` (a Hugging Face checkpoint
+  directory or a workdir), which must have the shapes of this experiment's."""
+  params = pretrained.load_params(source, pretrained.architecture_of(source))
+  expected = exp.layout.logical
+  shapes = lambda tree: {jax.tree_util.keystr(path): tuple(leaf.shape)
+                         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  found, wanted = shapes(params), shapes(expected)
+  wrong = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
+  if wrong:
+    listed = "; ".join(f"{k}: {found.get(k)} there, {wanted.get(k)} in the model"
+                       for k in wrong[:3])
+    raise ValueError(f"the parameters in config.init_from={source!r} do not fit the model "
+                     f"({listed}).")
+  logical = exp.to_checkpoint(state)
+  params = jax.tree.map(lambda a, s: np.asarray(a, s.dtype), params, expected)
+  return exp.from_checkpoint(logical.replace(params=params))
+
+
+def _log_step(writer, record: dict, step: int, num_steps: int, timing, is_chief: bool,
+              rates: throughput.Rates) -> None:
+  """Adds the rates to ``record`` (``timing``: last logged time and step, now, and the seconds
+  spent evaluating since), writes it and logs one line with the ETA."""
+  t_last, step_last, now, eval_seconds = timing
   if t_last is not None:
-    rate = (step - step_last) / (now - t_last)
-    record["steps_per_sec"] = rate
-    eta = (num_steps - step) / rate
+    step_seconds = max(now - t_last - eval_seconds, 1e-9) / (step - step_last)
+    record["steps_per_sec"] = 1.0 / step_seconds
+    record.update(rates.of(step_seconds))
+    eta = (num_steps - step) * step_seconds
   else:
     eta = float("nan")  # The first interval includes compilation.
   writer.write(step, record)
   if is_chief:
-    logging.info(
-        "step %d/%d | loss %.4f%s | %s steps/s | ETA %s", step, num_steps, record["loss"],
-        f" | {_format_eval(record)}" if "eval_loss" in record else "",
-        f"{record['steps_per_sec']:.2f}" if "steps_per_sec" in record else "-",
-        _format_eta(eta))
+    parts = [f"step {step}/{num_steps}", f"loss {record['loss']:.4f}"]
+    if "eval_loss" in record:
+      parts.append(_format_eval(record))
+    parts.append(f"{record['steps_per_sec']:.2f} steps/s" if "steps_per_sec" in record
+                 else "- steps/s")
+    if "tokens_per_s" in record:
+      parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
+    if "tflops_per_device" in record:
+      parts.append(f"{record['tflops_per_device']:.3g} TFLOP/s/device")
+    if "mfu" in record:
+      parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    parts.append(f"ETA {_format_eta(eta)}")
+    logging.info("%s", " | ".join(parts))
+
+
+def _rates(exp) -> throughput.Rates:
+  """The throughput figures of ``exp``'s step: tokens and model FLOPs for the LM, and the
+  devices' peak (``config.peak_tflops``, else from the device kind)."""
+  config = exp.config
+  tokens = step_flops = None
+  if exp.task.name == "lm":
+    tokens = config.batch_size * config.seq_len
+    step_flops = throughput.lm_step_flops(architecture.lm_arguments(config),
+                                          batch=config.batch_size, seq_len=config.seq_len)
+  kind = exp.mesh.devices.flat[0].device_kind
+  return throughput.Rates(step_flops, tokens, int(exp.mesh.devices.size),
+                          throughput.peak_tflops(kind, config.get("peak_tflops", 0.0)))
+
+
+def _log_setup(exp, workdir, ckpt_dir: str, rates: throughput.Rates) -> None:
+  """Where the run writes, idle devices, and what the throughput figures are based on."""
+  used, available = int(exp.mesh.devices.size), jax.device_count()
+  if used < available:
+    fsdp, tensor = cli.mesh_sizes(exp.config)
+    logging.warning(
+        "The mesh uses %d of the %d devices (num_stages %d x num_data %d x mesh.fsdp %d x "
+        "mesh.tensor %d); %d stay idle. Make the product %d to use them all.", used, available,
+        exp.config.num_stages, exp.config.num_data, fsdp, tensor, available - used, available)
+  logging.info("Workdir %s: checkpoints in %s, metrics in %s, TensorBoard events in %s "
+               "(tensorboard --logdir=%s).", workdir, ckpt_dir,
+               workdir / metrics_lib.METRICS_FILE, metrics_lib.tensorboard_logdir(workdir),
+               metrics_lib.tensorboard_logdir(workdir))
+  kind = exp.mesh.devices.flat[0].device_kind
+  if rates.step_flops:
+    peak = (f"peak {rates.peak:g} TFLOP/s per device ({kind})" if rates.peak else
+            f"no peak known for device kind {kind!r}, so no MFU (set --config.peak_tflops)")
+    logging.info("Model FLOPs per step: %.4g (3 x the forward's matrix multiplies; recompute "
+                 "not counted); %s.", rates.step_flops, peak)
+
+
+def resumed_config(config, workdir):
+  """``config``, or, when it resumes a run that started from ``config.init_from``, a copy
+  whose ``init_from`` is the workdir itself: the checkpoint holds the weights and the workdir's
+  ``config.json`` the architecture, so the directory the run started from is only read when a
+  run starts (it may be gone by the time the run resumes)."""
+  resuming = ("://" not in str(workdir) and _has_checkpoint(workdir)
+              and (workdir / "config.json").exists())
+  if not config.get("init_from", "") or not resuming:
+    return config
+  resumed = ml_collections.ConfigDict(config.to_dict())
+  resumed.init_from = str(workdir)
+  return resumed
 
 
 def _write_config(config, workdir, start: int) -> None:
   """``config.json``: the config the run started with (a resumed run keeps it)."""
   config_file, config_json = workdir / "config.json", config.to_json(indent=2)
+  without_source = lambda text: {k: v for k, v in json.loads(text).items() if k != "init_from"}
   if start == 0 or not config_file.exists():
     config_file.write_text(config_json)
-  elif config_file.read_text() != config_json:
+  elif without_source(config_file.read_text()) != without_source(config_json):
     logging.warning("This run's config differs from %s, the config the run in this workdir "
                     "started with; keeping that file.", config_file)
 
@@ -236,9 +383,12 @@ def train(config, workdir: str) -> dict:
     The last logged metrics record.
   """
   validate_train_config(config)
+  workdir = epath.Path(workdir)  # Unlike pathlib, keeps gs://bucket/... intact.
+  if tasks.get_task(config).name == "lm":
+    config = architecture.resolve(resumed_config(config, workdir))
   experiment.validate_config(config)
   is_chief = jax.process_index() == 0
-  workdir = epath.Path(workdir)  # Unlike pathlib, keeps gs://bucket/... intact.
+  check_workdir(config, workdir)
   exp = experiment.build(config)
   sharding = tpipe.data_sharding(exp.mesh)
   if is_chief:
@@ -263,13 +413,18 @@ def train(config, workdir: str) -> dict:
 
   ckpt = checkpointing.Checkpointer(checkpointing.checkpoint_directory(workdir),
                                     max_to_keep=config.keep_checkpoints, handle_sigterm=True)
+  rates = _rates(exp)
+  if is_chief:
+    _log_setup(exp, workdir, ckpt.directory, rates)
+  profile = cli.parse_profile_steps(config.get("profile_steps", ""))
+  profile_dir = workdir / "profile"
   state, start = _restore_or_init(exp, ckpt, train_iter, data_spec, is_chief)
   last_checkpoint = start or None
   writer = metrics_lib.MetricWriter(workdir, enabled=is_chief,
                                     purge_step=start + 1 if start else None)
   writer.truncate_after(start)
   if is_chief:
-    _write_config(config, workdir, start)
+    _write_config(exp.config, workdir, start)
 
   all_finite = jax.jit(
       lambda tree: jax.tree.reduce(
@@ -285,11 +440,20 @@ def train(config, workdir: str) -> dict:
     if is_chief:
       logging.info("step 0/%d | %s at initialisation", config.num_steps, _format_eval(initial))
 
+  eval_seconds = 0.0  # Evaluating and saving since the last logged step (not in the rates).
   try:
     for step in range(start + 1, config.num_steps + 1):
+      if profile and step == profile[0]:
+        jax.profiler.start_trace(str(profile_dir))
+        if is_chief:
+          logging.info("Profiling steps %d to %d into %s (XProf: tensorboard --logdir=%s).",
+                       profile[0], profile[1], profile_dir, profile_dir)
       batch = data.to_global(next(train_iter), sharding)
       state, step_metrics = exp.train_step(state, batch, jax.random.fold_in(step_key, step))
       pending.append((step, step_metrics))
+      if profile and step == profile[1]:
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
 
       is_last = step == config.num_steps
       do_eval = step % config.eval_every == 0 or is_last
@@ -307,30 +471,41 @@ def train(config, workdir: str) -> dict:
       pending.clear()
       record = {"loss": float(host[-1]["loss"]), "grad_norm": float(host[-1]["grad_norm"])}
       if do_eval:
+        began = time.perf_counter()
         record.update(exp.evaluate(state, eval_set))
+        eval_seconds += time.perf_counter() - began
 
       now = time.perf_counter()
-      _log_step(writer, record, step, config.num_steps, (t_last, step_last, now), is_chief)
-      t_last, step_last = now, step
+      _log_step(writer, record, step, config.num_steps, (t_last, step_last, now, eval_seconds),
+                is_chief, rates)
+      t_last, step_last, eval_seconds = now, step, 0.0
 
       if do_ckpt:
         if not bool(all_finite(state.params)):
           raise _non_finite("parameters", step, last_checkpoint, ckpt.directory)
+        began = time.perf_counter()
         ckpt.save(step, exp.to_checkpoint(state),
                   {"iterator": train_iter.get_state(), "spec": data_spec})
+        eval_seconds += time.perf_counter() - began  # Left out of the next step rate too.
         last_checkpoint = step
+        if is_chief:
+          logging.info("Saving the checkpoint of step %d to %s/%d.", step, ckpt.directory, step)
       if preempted:
         ckpt.wait_until_finished()
         if is_chief:
-          logging.warning("Preempted at step %d; checkpoint saved. Re-run the same command to "
-                          "resume.", step)
+          why = (f"Stopped by {ckpt.signal_name}" if ckpt.signal_name else "Preempted")
+          logging.warning("%s at step %d; checkpoint saved in %s/%d. Re-run the same command "
+                          "to resume.", why, step, ckpt.directory, step)
         break
   finally:
+    if profile and profile[0] <= step_last < profile[1]:
+      jax.profiler.stop_trace()  # Stopped inside the profiled steps.
     ckpt.close()  # Waits for pending saves, so the last good checkpoint is complete.
     writer.close()
     if hasattr(train_iter, "close"):  # Releases grain's prefetch threads (grain 0.2.18 has it).
       train_iter.close()
   record["step"] = step_last
+  record["checkpoint"] = last_checkpoint
   return record
 
 
@@ -348,4 +523,10 @@ def main(argv):
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
   if jax.process_index() == 0:
-    logging.info("Done: %s", json.dumps(final))
+    saved = (f"the last checkpoint is step {final['checkpoint']} in "
+             f"{checkpointing.checkpoint_directory(_WORKDIR.value)}"
+             if final.get("checkpoint") else "no checkpoint was written")
+    summary = " | ".join(f"{k} {final[k]:.4f}" for k in ("loss", "eval_loss", "eval_accuracy")
+                         if k in final)
+    logging.info("Done at step %d of %d: %s; %s.", final["step"], config.num_steps,
+                 summary or "no step run", saved)

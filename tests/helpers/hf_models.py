@@ -1,0 +1,115 @@
+"""Tiny randomly initialised Hugging Face models (PyTorch classes of ``transformers``) saved
+locally in the Hub's safetensors layout, and their logits: the references of the pretrained
+import, export, evaluation and generation tests.
+
+Every parameter is perturbed from its initial value (norm scales away from 1, biases away from
+0), so a tensor mapped to the wrong place shows. :func:`logits` in float64 computes the rotary
+angles in float64 too (``transformers`` computes them in float32 whatever the model's dtype), so
+the float64 run is exact math throughout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+
+import numpy as np
+
+VOCAB, WIDTH, HEADS, KV_HEADS, MLP, LAYERS, POSITIONS = 64, 32, 4, 2, 48, 2, 32
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+# name -> (model_type, tied, extra config); each family tied and untied, Llama with Llama
+# 3.1's rope scaling, Mistral with a sliding window shorter than the test sequences.
+CASES = {
+    "llama": ("llama", False, dict(rope_scaling=LLAMA3_SCALING, rope_theta=500.0)),
+    "llama_tied": ("llama", True, dict(rope_scaling=LLAMA3_SCALING, rope_theta=500.0)),
+    "mistral": ("mistral", False, dict(sliding_window=4)),
+    "qwen2_tied": ("qwen2", True, {}),
+    "qwen2": ("qwen2", False, {}),
+    "gpt2_tied": ("gpt2", True, {}),
+    "gpt2": ("gpt2", False, {}),
+}
+
+
+def _torch():
+  import torch  # pylint: disable=g-import-not-at-top  # The test extra.
+  torch.set_num_threads(1)
+  return torch
+
+
+def hf_config(name: str):
+  """The ``transformers`` config of case ``name``."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  family, tied, extra = CASES[name]
+  if family == "gpt2":
+    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_head=HEADS, n_layer=LAYERS,
+                                   n_inner=MLP, n_positions=POSITIONS, tie_word_embeddings=tied,
+                                   **extra)
+  config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "qwen2": transformers.Qwen2Config}[family]
+  return config_class(vocab_size=VOCAB, hidden_size=WIDTH, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, intermediate_size=MLP,
+                      num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS,
+                      rms_norm_eps=1e-5, tie_word_embeddings=tied, **extra)
+
+
+def save(name: str, directory: pathlib.Path) -> pathlib.Path:
+  """Creates case ``name`` with seeded, perturbed weights and saves it (config.json +
+  model.safetensors) to ``directory``; returns it."""
+  torch = _torch()
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(sorted(CASES).index(name))
+  model = transformers.AutoModelForCausalLM.from_config(hf_config(name))
+  with torch.no_grad():
+    for parameter in model.parameters():
+      parameter.add_(0.1 * torch.randn_like(parameter))
+  model.save_pretrained(directory, safe_serialization=True)
+  return pathlib.Path(directory)
+
+
+@functools.cache
+def load(directory: str, dtype: str = "float32"):
+  """The saved model as ``transformers`` loads it (eager attention), in ``dtype``."""
+  torch = _torch()
+  import transformers  # pylint: disable=g-import-not-at-top
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      directory, attn_implementation="eager", dtype=getattr(torch, dtype))
+  model.eval()
+  if dtype == "float64" and hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
+    model.model.rotary_emb.forward = _exact_rotary(model.config)
+  return model
+
+
+def _exact_rotary(config):
+  """A rotary embedding forward computing Hugging Face's frequencies and angles in float64
+  (its default and ``llama3`` rope types, written after ``transformers.modeling_rope_utils``)."""
+  torch = _torch()
+  dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+  inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+  scaling = getattr(config, "rope_scaling", None) or {}
+  if scaling.get("rope_type") == "llama3":
+    factor, low, high = (scaling["factor"], scaling["low_freq_factor"],
+                         scaling["high_freq_factor"])
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    inv_freq = torch.where(medium, smoothed, scaled)
+
+  def forward(x, position_ids):
+    angles = position_ids[..., None].to(torch.float64) * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+  return forward
+
+
+def logits(directory, tokens: np.ndarray, dtype: str = "float32") -> np.ndarray:
+  """``transformers``' logits ``[batch, seq, vocab]`` of the saved model for ``tokens``."""
+  torch = _torch()
+  with torch.no_grad():
+    out = load(str(directory), dtype)(torch.as_tensor(np.asarray(tokens), dtype=torch.long))
+  return out.logits.numpy()
