@@ -74,7 +74,7 @@ def tied_clip_by_global_norm(max_norm: float, layout: layout_lib.StageLayout
 
   Args:
     max_norm: the largest global norm.
-    layout: the parameters' stage layout (the copies sit in its packed buffers).
+    layout: the parameters' stage layout.
   """
   embedding_path, head_path = _paths(layout.logical)
 
@@ -83,8 +83,10 @@ def tied_clip_by_global_norm(max_norm: float, layout: layout_lib.StageLayout
     logical = layout.to_logical(updates)
     summed = _get(logical, embedding_path) + _get(logical, head_path).T
     logical = _set(_set(logical, embedding_path, summed), head_path, summed.T)
+    staged = layout.to_staged(logical)  # The copies sit in packed buffers or shared leaves.
     updates = {layout_lib.STACKED: updates[layout_lib.STACKED],
-               layout_lib.PACKED: layout.to_staged(logical)[layout_lib.PACKED]}
+               layout_lib.PACKED: staged[layout_lib.PACKED],
+               layout_lib.SHARED: staged[layout_lib.SHARED]}
     squares = optax.tree.norm(updates, squared=True) - jnp.sum(jnp.square(summed))
     norm = jnp.sqrt(jnp.maximum(squares, 0.0))
     clip = lambda t: jax.lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm)
