@@ -123,10 +123,12 @@ def get_config(arg=None):
   config.num_repeats = 1  # Model chunks per stage (circular, interleaved and zbv schedules).
   # What the backward recomputes: "none", "full" (a chunk's forward), or a policy name.
   config.remat = "none" if size in ("tiny", "small") else "full"
-  # What remat checkpoints: "chunk" (a stage's whole chunk), "layer" (each block: the backward
-  # holds one block's intermediates, and each micro-batch in flight keeps one input per block),
-  # or an int k (every k blocks).
-  config.remat_granularity = "chunk"
+  # What remat checkpoints: "nested" (a stage's whole chunk, and inside it each block: a
+  # micro-batch in flight keeps one input per chunk and the backward holds one block's
+  # intermediates, for one more forward per block), "chunk" (the chunk alone: its backward holds
+  # every block's intermediates), "layer" (each block: each micro-batch in flight keeps one
+  # input per block), or an int k (every k blocks).
+  config.remat_granularity = "nested"
   # How the layers (embedding, blocks, head with the loss) are cut into stages: "flops"
   # (forward+backward FLOPs per layer), "params", "time" (measured; for real accelerators, noisy
   # on CPU), or unit counts per chunk such as "3,2,2,3" (the embedding and the head count one unit
@@ -164,8 +166,9 @@ def get_config(arg=None):
   # "gpt2"; set by init_from), which export writes; "" for tpipe's own.
   config.family = ""
   # The loss a vocabulary slice at a time (a divisor of vocab_size): the head never forms a
-  # micro-batch's whole [batch, seq, vocab] logits. For large vocabularies; 1 = all at once.
-  config.vocab_chunks = 1
+  # micro-batch's whole [batch, seq, vocab] logits. 0: as many slices as keep each slice's
+  # logits on a device near 256 MiB, none while they are under 512 MiB; 1: all at once.
+  config.vocab_chunks = 0
   # How the model is written: "linen" (tpipe.train.models) or "nnx" (tpipe.train.models_nnx,
   # the same LM in Flax NNX; same parameter names, so the same checkpoints).
   config.frontend = "linen"

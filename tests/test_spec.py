@@ -40,7 +40,7 @@ def test_defaults_and_what_follows_from_them():
   assert spec_lib.field_names() == SETTINGS
   assert (spec.schedule, spec.num_repeats, spec.balance, spec.remat, spec.remat_granularity,
           spec.per_example, spec.unroll, spec.mesh, spec.stage_axis, spec.data_axis) == (
-              "gpipe", 1, "params", "full", "chunk", (), 1, None, "stage", "data")
+              "gpipe", 1, "params", "full", "nested", (), 1, None, "stage", "data")
   assert (spec.is_fused, spec.num_chunks, spec.placement) == (False, 2, "loop")
   assert spec.table is schedules.build("gpipe", 2, 4, 1)  # The cached table, not a copy.
   with pytest.raises(dataclasses.FrozenInstanceError):

@@ -60,11 +60,13 @@ class PipelineSpec:
       counts per chunk (a repeated layer of n copies is n units).
     remat: ``"none"``, ``"full"`` (keep each piece's input, recompute the rest), ``"dots"``
       (keep matmul outputs) or a ``jax.checkpoint`` policy.
-    remat_granularity: what one checkpoint covers: ``"chunk"`` (a stage's whole chunk),
-      ``"layer"`` (each layer unit), an int ``k`` (every ``k`` consecutive units), or
-      ``"nested"`` (the chunk, and inside it each unit: across ticks the chunk keeps one input
-      as with ``"chunk"``, and its backward holds one unit's intermediates at a time as with
-      ``"layer"``, for one more forward per unit).
+    remat_granularity: what one checkpoint covers: ``"nested"`` (the default: the chunk, and
+      inside it each unit: across ticks the chunk keeps one input as with ``"chunk"``, and its
+      backward holds one unit's intermediates at a time as with ``"layer"``, for one more
+      forward per unit; what MaxText's full remat does under pipelining), ``"chunk"`` (a
+      stage's whole chunk: its backward holds every unit's intermediates of a micro-batch),
+      ``"layer"`` (each layer unit: a micro-batch in flight keeps one input per unit), or an
+      int ``k`` (every ``k`` consecutive units).
     per_example: names of keyword arguments whose arrays carry the batch as leading axis; they
       are split into micro-batches with the input. Other arrays are broadcast to every layer.
     unroll: layer units per iteration of a repeated layer's ``lax.scan`` (``True``: all), as in
@@ -116,7 +118,7 @@ class PipelineSpec:
   num_repeats: int = 1
   balance: Any = "params"
   remat: Any = "full"
-  remat_granularity: Any = "chunk"
+  remat_granularity: Any = "nested"
   per_example: Sequence[str] = ()
   unroll: int | bool = 1
   mesh: Mesh | None = None

@@ -97,10 +97,26 @@ def lm_arguments(config) -> dict:
               mlp_dim=config.mlp_dim, max_len=value(config, "max_len") or config.seq_len,
               vocab_size=config.vocab_size, dropout_rate=float(config.dropout),
               dtype=jnp.dtype(config.dtype), param_dtype=jnp.float32,
-              vocab_chunks=config.get("vocab_chunks", 1), block=value(config, "block"),
+              vocab_chunks=vocab_chunks(config), block=value(config, "block"),
               num_kv_heads=value(config, "num_kv_heads"), positions=value(config, "positions"),
               rope_theta=float(value(config, "rope_theta")), rope_scaling=rope_scaling(config),
               norm_epsilon=float(value(config, "norm_epsilon")),
               final_norm=value(config, "final_norm"), head_bias=bool(value(config, "head_bias")),
               qkv_bias=bool(value(config, "qkv_bias")), head_dim=head_dim,
               sliding_window=value(config, "sliding_window") or None)
+
+
+def vocab_chunks(config) -> int:
+  """``config.vocab_chunks``, or for 0 the slices a micro-batch's logits on one device call for
+  (:func:`tpipe.train.losses.auto_chunks`: the rows of a micro-batch split over data and fsdp,
+  the vocabulary over tensor)."""
+  chunks = config.get("vocab_chunks", 1)
+  if chunks:
+    return chunks
+  from tpipe.train import losses  # pylint: disable=g-import-not-at-top
+
+  mesh = config.get("mesh", {})
+  rows = config.batch_size // (config.num_microbatches * config.get("num_data", 1)
+                               * mesh.get("fsdp", 1))
+  return losses.auto_chunks(max(1, rows) * config.seq_len, resolve(config).vocab_size,
+                            mesh.get("tensor", 1))

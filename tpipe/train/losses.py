@@ -30,6 +30,37 @@ import jax.numpy as jnp
 from jax import lax
 
 
+# The vocabulary is sliced when a micro-batch's whole float32 logits on a device would exceed
+# WHOLE_LOGITS_LIMIT, into slices of at most SLICE_LOGITS_LIMIT each. Measured with the TPU
+# compiler (experiments/results/memory_at_scale.md): at 250 MiB of logits (vocabulary 32000)
+# slicing costs memory (the head's gradient is summed across slices); at 1 GiB (vocabulary
+# 128256 over 2 tensor devices) 4 slices save 0.9 GiB and 8 save the same; at 2 GiB 4 and 8
+# save 1.4 GiB.
+WHOLE_LOGITS_LIMIT = 512 * 2**20
+SLICE_LOGITS_LIMIT = 256 * 2**20
+
+
+def auto_chunks(positions: int, vocab_size: int, vocab_shards: int = 1) -> int:
+  """The vocabulary slices for a loss over ``positions`` (a micro-batch's rows x sequence on one
+  device) whose vocabulary is split ``vocab_shards`` ways across devices: 1 while the whole
+  float32 logits fit :data:`WHOLE_LOGITS_LIMIT`, else the fewest slices (a divisor of the
+  vocabulary, 64 at most) of at most :data:`SLICE_LOGITS_LIMIT` each.
+
+    >>> auto_chunks(2 * 1024, 32000)                 # 250 MiB of logits: whole
+    1
+    >>> auto_chunks(4096, 128256, vocab_shards=2)    # 1 GiB
+    4
+  """
+  shards = vocab_shards if vocab_size % vocab_shards == 0 else 1
+  whole = positions * (vocab_size // shards) * 4
+  if whole <= WHOLE_LOGITS_LIMIT:
+    return 1
+  for n in range(2, 65):
+    if vocab_size % (n * shards) == 0 and whole / n <= SLICE_LOGITS_LIMIT:
+      return n
+  return max(n for n in range(1, 65) if vocab_size % (n * shards) == 0)
+
+
 def check_num_chunks(num_chunks, vocab_size: int) -> int:
   """``num_chunks`` as an int, or a ValueError/TypeError naming the fix."""
   if isinstance(num_chunks, bool) or not isinstance(num_chunks, int):

@@ -56,9 +56,9 @@ def frontend(config) -> str:
 
 
 def remat_granularity(config) -> str | int:
-  """``config.remat_granularity``: ``"chunk"`` when absent; a string of digits (as
+  """``config.remat_granularity``: ``"nested"`` when absent; a string of digits (as
   ``--config.remat_granularity=2`` gives it) is the int k. Raises for a bad value."""
-  value = config.get("remat_granularity", "chunk")
+  value = config.get("remat_granularity", "nested")
   if isinstance(value, str) and value.isdigit():
     value = int(value)
   try:
@@ -168,7 +168,8 @@ class LanguageModelling:
                        "use the model's own tokenizer (or config.vocab_size=0 for the "
                        "tokenizer's).")
     try:
-      losses.check_num_chunks(config.get("vocab_chunks", 1), vocab)
+      if config.get("vocab_chunks", 1) != 0:  # 0: as many as the logits call for.
+        losses.check_num_chunks(config.get("vocab_chunks", 1), vocab)
     except (ValueError, TypeError) as error:
       raise type(error)(f"config.vocab_chunks: {error}") from None
     if not uses_files(config) and config.max_corpus_bytes < smallest:
