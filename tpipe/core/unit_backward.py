@@ -6,8 +6,8 @@ it to the stage's running sum; on the TPU the compiler reserves about as much ag
 here (:func:`backward_into`) runs the units backwards one at a time from
 :meth:`tpipe.core.chunks.ChunkSet.unit_steps` and adds each unit's parameter gradient into the
 running sums inside the loop over a run's copies, which XLA updates in place. The fused tick loop
-(:mod:`tpipe.core.fused`) runs its ``B`` actions this way under ``remat="full"``
-(:func:`by_units`).
+(:mod:`tpipe.core.fused`) runs its ``B`` actions this way where the step's backward plan says
+so (:func:`tpipe.core.backward_plan.resolve`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tpipe.core import backward_plan
 from tpipe.core import chunks as chunks_lib
 from tpipe.core import spmd
 from tpipe.core import weight_casts
@@ -24,19 +25,8 @@ _floats = chunks_lib.float_leaves
 _with_floats = chunks_lib.with_float_leaves
 
 
-def by_units(spec) -> bool:
-  """Whether the loss's backward ticks run their chunks' units backwards one at a time, adding
-  each unit's parameter gradients into the running sums in place
-  (:func:`backward_into`), where that costs no more FLOPs than the
-  setting asks for: under ``remat="full"``, a fused ``B`` at every granularity (it recomputes
-  its chunk anyway), a forward schedule with ``"chunk"`` or ``"nested"`` (``"layer"`` and
-  ``k`` keep every piece's input across ticks instead and recompute one piece less)."""
-  if spec.remat != "full":
-    return False
-  return spec.is_fused or spec.remat_granularity in ("nested", "chunk")
-
-
-def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
+def backward_into(chunkset: chunks_lib.ChunkSet, index: int,
+                  plan: backward_plan.BackwardPlan):
   """Branch ``index`` of ``chunkset``: its backward one unit at a time, its parameter gradients
   added into running sums: ``fn(sums, staged, fresh, incoming, broadcast, per_example, rngs,
   microbatch, chunk, outputs, cotangent) -> (sums, g_fresh, g_incoming, g_side)``.
@@ -49,9 +39,10 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
   It recomputes the chunk's forward, then runs the units backwards, each unit's parameter
   gradient added into ``sums`` inside the loop over a run's copies: XLA updates the running
   sums in place, where differentiating the whole chunk would first build the chunk's whole
-  parameter gradient (the scan's stacked output) and then add it. With ``"chunk"``
-  granularity the recomputed forward keeps every unit's residuals (its VJP, less the unit's
-  variables and the side inputs as they are, which the backward reads again, and less the casts
+  parameter gradient (the scan's stacked output) and then add it. Where ``plan`` keeps unit
+  residuals (``"chunk"`` granularity) the recomputed forward keeps every unit's residuals (its
+  VJP, less the unit's variables and the side inputs as they are, which the backward reads
+  again, and less the casts
   of the variables the unit only casts, which it casts again: :mod:`tpipe.core.weight_casts`;
   what else is computed from them, such as an FSDP gather, stays a residual, as under
   autodiff), for the FLOPs of differentiating the chunk's checkpoint; finer, it keeps each
@@ -60,7 +51,7 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int):
   """
   steps = chunkset.unit_steps(index)
   unroll = chunkset.spec.unroll
-  keep_residuals = chunkset.spec.remat_granularity == "chunk"
+  keep_residuals = plan.unit_residuals
 
   def run(sums, staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk,
           outputs, cotangent):
