@@ -18,6 +18,7 @@ from jax import lax
 
 from tpipe.core import backward_plan
 from tpipe.core import chunks as chunks_lib
+from tpipe.core import jax_compat
 from tpipe.core import spmd
 from tpipe.core import weight_casts
 
@@ -98,11 +99,13 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int,
     dtypes: dict[int, list] = {}  # Per segment, its unit's float leaves' own dtypes.
 
     def keep(k, vjp, unit):  # ``unit``: the float leaves the VJP was taken in.
-      leaves, treedef = jax.tree.flatten(vjp)
-      again = {id(a): ("unit", i) for i, a in enumerate(unit)}
-      again.update({id(a): ("side", i) for i, a in enumerate(side_floats)})
-      reread[k] = (treedef, [again.get(id(a)) for a in leaves])
-      return [a for a in leaves if id(a) not in again]
+      leaves, treedef = jax_compat.vjp_residuals(vjp)
+      in_unit = jax_compat.identical_positions(leaves, unit)
+      in_side = jax_compat.identical_positions(leaves, side_floats)
+      sources = [("unit", u) if u is not None else ("side", s) if s is not None else None
+                 for u, s in zip(in_unit, in_side)]
+      reread[k] = (treedef, sources)
+      return [a for a, where in zip(leaves, sources) if where is None]
 
     def kept_vjp(k, read, kept, copy):
       treedef, sources = reread[k]
@@ -111,7 +114,7 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int,
       leaves = [next(kept) if where is None else
                 (unit_floats if where[0] == "unit" else side_floats)[where[1]]
                 for where in sources]
-      return jax.tree.unflatten(treedef, leaves)
+      return jax_compat.vjp_with_residuals(treedef, leaves)
 
     # Forward: what each unit's backward starts from (its kept residuals, or its input).
     h = chunkset.input_of(index, chunk, fresh, incoming)
