@@ -27,19 +27,30 @@ def on_files(files, config):
   return files
 
 
+def _site_path(repo_path):
+  """Where a repository file sits in the site: docs/X at X, experiments/X at experiments/X."""
+  if repo_path.startswith("docs/"):
+    return repo_path[len("docs/"):]
+  if repo_path.startswith("experiments/"):
+    return repo_path
+  return None
+
+
 def on_page_markdown(markdown, page, config, files):
-  """Rewrites links that leave docs/ for experiments/ into links inside the site."""
-  if page.file.src_uri.startswith("experiments/"):
-    return markdown
-  page_dir = posixpath.dirname(page.file.src_uri)
+  """Rewrites links between docs/ and experiments/, written as the repository has them, into
+  links inside the site."""
+  src = page.file.src_uri
+  page_in_repo = src if src.startswith("experiments/") else f"docs/{src}"
+  page_dir = posixpath.dirname(page_in_repo)
+  site_dir = posixpath.dirname(src)
 
   def rewrite(match):
     target, anchor = match.group(1), match.group(2) or ""
-    if "://" in target:
+    if "://" in target or target.startswith("/"):
       return match.group(0)
-    in_repo = posixpath.normpath(posixpath.join("docs", page_dir, target))
-    if not in_repo.startswith("experiments/"):
+    in_site = _site_path(posixpath.normpath(posixpath.join(page_dir, target)))
+    if in_site is None:
       return match.group(0)
-    return f"]({posixpath.relpath(in_repo, page_dir or '.')}{anchor})"
+    return f"]({posixpath.relpath(in_site, site_dir or '.')}{anchor})"
 
   return _LINK.sub(rewrite, markdown)
