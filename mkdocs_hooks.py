@@ -1,4 +1,4 @@
-"""MkDocs hook: the experiments index and result files are part of the site.
+"""MkDocs hooks: the experiments index and result files in the site, and docstrings' roles.
 
 The pages under docs/ link to ``experiments/`` as it sits in the repository (``../experiments/``
 from docs/, so the links also work when browsing the repository). This hook adds those files to
@@ -54,3 +54,12 @@ def on_page_markdown(markdown, page, config, files):
     return f"]({posixpath.relpath(in_site, site_dir or '.')}{anchor})"
 
   return _LINK.sub(rewrite, markdown)
+
+
+_ROLE = re.compile(r":(?:class|func|meth|attr|mod|data|obj|exc):(<code>)~?")
+
+
+def on_page_content(html, page, config, files):
+  """Docstrings name objects with Sphinx roles (:class:`Name`); the reference shows the name as
+  code without the role."""
+  return _ROLE.sub(r"\1", html)
