@@ -92,3 +92,9 @@ def test_every_result_names_a_command_that_exists(path):
 @pytest.mark.parametrize("path", sorted((RESULTS / "archive").glob("*.md")), ids=lambda p: p.name)
 def test_every_archived_result_says_its_commit(path):
   assert re.search(r"Archived: produced at commit [0-9a-f]{7,}", path.read_text()), path.name
+
+
+def test_the_index_lists_every_script_with_its_command():
+  index = (EXPERIMENTS / "README.md").read_text()
+  for name in SCRIPTS:
+    assert f"`python -m experiments.{name}" in index, name
