@@ -119,7 +119,7 @@ class Widen(nn.Module):
 def _trace(modules, copies, x, params, owner="tpipe.Sequential"):
   layers = [linen_layers.as_layer(m, c, owner) for m, c in zip(modules, copies)]
   split = arguments.split_keywords({}, per_example=(), batch_size=x.shape[0], owner=owner)
-  return plan_lib.trace_inputs(layers, params, {}, x, split, ((), ()), (), owner)
+  return plan_lib.trace_inputs(layers, params, {}, x, plan_lib.Calls(split, owner=owner))
 
 
 def _shapes(*shapes):
@@ -184,9 +184,10 @@ def test_make_plan_balances_unit_costs_and_groups_them():
   modules, copies = [nn.Dense(4), nn.Dense(4), nn.Dense(2)], [None, 3, None]
   layers = [linen_layers.as_layer(m, c, "tpipe.Sequential") for m, c in zip(modules, copies)]
   split = arguments.split_keywords({}, per_example=(), batch_size=2, owner="tpipe.Sequential")
-  inputs = plan_lib.trace_inputs(layers, params, {}, x, split, ((), ()), (), "tpipe.Sequential")
+  calls = plan_lib.Calls(split, owner="tpipe.Sequential")
+  inputs = plan_lib.trace_inputs(layers, params, {}, x, calls)
   spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=1)
-  plan = plan_lib.make_plan(layers, spec, params, {}, inputs, split, ((), ()))
+  plan = plan_lib.make_plan(layers, spec, params, {}, inputs, calls)
   # Parameter counts 16 | 20 20 20 | 10: the best split of the 86 is 36 | 50.
   assert plan.costs == (16.0, 20.0, 20.0, 20.0, 10.0)
   assert plan.counts == (2, 3) == partition.balanced_split(plan.costs, 2)
@@ -195,17 +196,15 @@ def test_make_plan_balances_unit_costs_and_groups_them():
   assert plan.groups == plan_lib.group_units(copies, (2, 3))
   assert (plan.chunk_input(1).shape, plan.chunk_output(0).shape) == ((2, 4), (2, 4))
   assert plan.chunk_output(1).shape == (2, 2)
-  explicit = plan_lib.make_plan(layers, spec.replace(balance=[4, 1]), params, {}, inputs, split,
-                                ((), ()))
+  explicit = plan_lib.make_plan(layers, spec.replace(balance=[4, 1]), params, {}, inputs, calls)
   assert explicit.counts == (4, 1) and explicit.costs == plan.costs  # Parameter counts shown.
   with pytest.raises(ValueError, match=r"balance=\[1, 1\] sums to 2 layer units but the model "
                                        r"has 5"):
-    plan_lib.make_plan(layers, spec.replace(balance=[1, 1]), params, {}, inputs, split,
-                       ((), ()))
+    plan_lib.make_plan(layers, spec.replace(balance=[1, 1]), params, {}, inputs, calls)
   with pytest.raises(ValueError, match=r"the layers have 5 units but num_stages \* num_repeats = "
                                        r"6 chunks need at least one each"):
     plan_lib.make_plan(layers, spec.replace(schedule="circular", num_repeats=3), params, {},
-                       inputs, split, ((), ()))
+                       inputs, calls)
 
 
 def test_a_models_plan_for_zbv_describes_the_v_placement():

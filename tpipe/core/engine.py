@@ -369,11 +369,10 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
                                    owner=owner)
   x_micro, side = micro_inputs(x, split, batch, spec.num_microbatches)
   stats_shapes = {f"layers_{i}": stats_shapes.get(f"layers_{i}", {}) for i in range(len(layers))}
-  axis_names = (spec.data_axis, spec.stage_axis)
-  layer_inputs = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, split, side,
-                                       rng_names, owner, axis_names)
-  plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, layer_inputs, split, side,
-                            rng_names, axis_names)
+  calls = plan_lib.Calls(split, side, tuple(rng_names), owner,
+                         (spec.data_axis, spec.stage_axis))
+  layer_inputs = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
+  plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, layer_inputs, calls)
   # Packed buffers cut into one block per device of the fsdp axis of the mesh the spec names.
   layout = layout_lib.StageLayout.build(plan.groups, param_shapes, spec.num_stages,
                                         spec.num_repeats, spec.placement, axes=param_axes,

@@ -15,7 +15,7 @@ Shapes are found by evaluating each layer abstractly on one micro-batch
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -142,8 +142,26 @@ class Plan:
     return f"{text}\n({self.placement} placement: {where})"
 
 
-def trace_inputs(layers, param_shapes, stats_shapes, x_micro, split, side, rng_names,
-                 owner: str, axis_names: tuple[str, ...] = ()) -> tuple[Any, ...]:
+class Calls(NamedTuple):
+  """How the layers are called while a sequence is planned.
+
+  Attributes:
+    split: the keyword arguments (:class:`tpipe.core.arguments.SplitArguments`).
+    side: ``(broadcast, per_example)`` abstract arrays (a micro-batch of the per-example ones).
+    rng_names: the random streams the layers get (a placeholder key each).
+    owner: the API the user called, for messages.
+    axis_names: the mesh axes to bind outside the pipeline (see
+      :func:`tpipe.core.layers.outside_mesh`).
+  """
+
+  split: Any
+  side: tuple = ((), ())
+  rng_names: tuple = ()
+  owner: str = "tpipe"
+  axis_names: tuple = ()
+
+
+def trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls: Calls) -> tuple[Any, ...]:
   """The abstract input of every layer on one micro-batch, and last the sequence's output.
 
   Args:
@@ -151,12 +169,7 @@ def trace_inputs(layers, param_shapes, stats_shapes, x_micro, split, side, rng_n
     param_shapes: ``{"layers_i": tree}``, abstract, a repeated layer's stacked.
     stats_shapes: the same for running statistics (``{}`` entries without).
     x_micro: the abstract input on one micro-batch.
-    split: the keyword arguments (:class:`tpipe.core.arguments.SplitArguments`).
-    side: ``(broadcast, per_example)`` abstract arrays (a micro-batch of the per-example ones).
-    rng_names: the random streams the layers get (a placeholder key each).
-    owner: the API the user called, for messages.
-    axis_names: the mesh axes to bind outside the pipeline (see
-      :func:`tpipe.core.layers.outside_mesh`).
+    calls: how the layers are called (:class:`Calls`).
 
   Raises:
     ValueError: a repeated layer changes its input's type, or a layer fails on the previous
@@ -168,9 +181,9 @@ def trace_inputs(layers, param_shapes, stats_shapes, x_micro, split, side, rng_n
     params, stats = param_shapes[f"layers_{i}"], stats_shapes.get(f"layers_{i}", {})
     if layer.copies is not None:
       params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
-    out = abstract_output(layer, params, stats, h, split, side, rng_names,
-                          where=failure_message(layers, i, owner), axis_names=axis_names)
-    check_repeated(layers, i, h, out, owner)
+    out = abstract_output(layer, params, stats, h, calls,
+                          where=failure_message(layers, i, calls.owner))
+    check_repeated(layers, i, h, out, calls.owner)
     h = out
   inputs.append(h)
   return tuple(inputs)
@@ -200,26 +213,26 @@ def located(error: Exception, where: str, h) -> Exception:
   return type(error)(f"{where}, {layers_lib.types(h)}: {type(error).__name__}: {error}")
 
 
-def abstract_output(layer, params, stats, h, split, side, rng_names, where: str = "",
-                    axis_names: tuple[str, ...] = ()):
-  """``layer``'s abstract output on one copy's ``params``/``stats`` and input ``h``."""
-  rngs = {name: jax.random.key(0) for name in rng_names}
-  apply = layers_lib.outside_mesh(layer.apply, axis_names)
+def abstract_output(layer, params, stats, h, calls: Calls, where: str = ""):
+  """``layer``'s abstract output on one copy's ``params``/``stats`` and input ``h``, called as
+  ``calls`` says; ``where`` names the layer in a failure's message."""
+  rngs = {name: jax.random.key(0) for name in calls.rng_names}
+  apply = layers_lib.outside_mesh(layer.apply, calls.axis_names)
 
   def run(params, stats, h, broadcast, per_example):
-    kwargs = layers_lib.layer_keywords(layer, split, broadcast, per_example)
+    kwargs = layers_lib.layer_keywords(layer, calls.split, broadcast, per_example)
     return apply(params, stats, h, kwargs, rngs)[0]
 
   try:
-    return jax.eval_shape(run, params, stats, h, *side)
+    return jax.eval_shape(run, params, stats, h, *calls.side)
   except (TypeError, ValueError) as error:
     if not where:
       raise
     raise located(error, where, h) from error
 
 
-def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs, split, side,
-               rng_names, axis_names: tuple[str, ...] = ()) -> tuple[float, ...]:
+def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs,
+               calls: Calls) -> tuple[float, ...]:
   """The cost of every unit under ``kind`` (``"params"``, ``"flops"`` or ``"time"``).
 
   A repeated layer's copies are measured once, as one copy, and count that cost each. FLOPs and
@@ -233,8 +246,9 @@ def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs, spli
     if kind == "params":
       cost = float(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))
     else:
+      split, side, rng_names = calls.split, calls.side, calls.rng_names
       rngs = {name: jax.random.key(0) for name in rng_names}
-      bound = layers_lib.outside_mesh(layer.apply, axis_names)
+      bound = layers_lib.outside_mesh(layer.apply, calls.axis_names)
 
       def apply(params, h, broadcast, per_example, layer=layer, stats=stats, bound=bound):
         kwargs = layers_lib.layer_keywords(layer, split, broadcast, per_example)
@@ -252,7 +266,7 @@ def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs, spli
 
 
 def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, layer_inputs,
-              split, side, rng_names=(), axis_names: tuple[str, ...] = ()) -> Plan:
+              calls: Calls) -> Plan:
   """Chooses the chunks for ``spec`` (see :class:`Plan`); with an explicit balance the costs
   shown are parameter counts.
 
@@ -265,8 +279,7 @@ def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, l
         f"the layers have {num_units} units but num_stages * num_repeats = {spec.num_chunks} "
         "chunks need at least one each; use fewer stages or repeats, or more layers.")
   kind = spec.balance if isinstance(spec.balance, str) else "params"
-  costs = unit_costs(layers, kind, param_shapes, stats_shapes, layer_inputs, split, side,
-                     rng_names, axis_names)
+  costs = unit_costs(layers, kind, param_shapes, stats_shapes, layer_inputs, calls)
   if isinstance(spec.balance, str):
     counts = partition.balanced_split(costs, spec.num_chunks)
   else:

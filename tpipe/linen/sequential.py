@@ -407,8 +407,9 @@ def variable_shapes(given, layers, spec, x, kwargs, rng_names,
     params[f"layers_{i}"] = variables.get("params", {})
     stats[f"layers_{i}"] = variables.get(STATS, {})
     one = (lambda t: layers_lib.one_copy(t)) if layer.copies is not None else (lambda t: t)
+    calls = plan_lib.Calls(split, side, tuple(rng_names), owner, axis_names)
     h = plan_lib.abstract_output(layer, one(params[f"layers_{i}"]), one(stats[f"layers_{i}"]),
-                                 h, split, side, rng_names, where=where, axis_names=axis_names)
+                                 h, calls, where=where)
   return {"params": params, STATS: stats}, names
 
 
