@@ -24,7 +24,6 @@ def laid_out():
   return layout, layout.partition_specs("stage", mesh=mesh), mesh
 
 
-@pytest.mark.unit
 def test_spec_entries():
   assert checkpoint_form.axes_of(None) == ()
   assert checkpoint_form.axes_of("fsdp") == ("fsdp",)

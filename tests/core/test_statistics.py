@@ -3,7 +3,6 @@
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from tpipe.core import statistics
 
@@ -12,7 +11,6 @@ def _stats(mean, var):
   return {"mean": jnp.asarray(mean, jnp.float32), "var": jnp.asarray(var, jnp.float32)}
 
 
-@pytest.mark.unit
 def test_update_moves_each_trained_normalization_once():
   old = {"layers_0": {"norm": _stats([1.0, 2.0], [4.0, 1.0])},
          "layers_1": {"outer": {"inner": _stats([0.5], [2.0])}},
@@ -35,7 +33,6 @@ def test_update_moves_each_trained_normalization_once():
   np.testing.assert_array_equal(new["layers_2"]["norm"]["var"], [3.0])
 
 
-@pytest.mark.unit
 def test_update_keeps_the_structure_and_layers_without_statistics():
   old = {"layers_0": {}, "layers_1": {"norm": _stats([0.0], [1.0])}}
   pooled = {"layers_0": {}, "layers_1": {"norm": _stats([1.0], [1.0])}}
