@@ -114,9 +114,29 @@ def test_fused_outputs_refuse_to_be_differentiated():
     jax.grad(outputs)(staged)
 
 
-@pytest.mark.parametrize("schedule,granularity", [("gpipe", "nested"), ("1f1b", "chunk")])
-def test_loss_and_gradients_equal_the_plain_layers(schedule, granularity):
-  pipeline = _build(SPEC.replace(schedule=schedule, remat_granularity=granularity))
+# (schedule, remat, granularity, weight_recompute) -> the backward plan it resolves to: every
+# plan a table runs, each checked against the plain layers' gradients below.
+PLANS = {
+    ("gpipe", "full", "layer", False): ("autodiff", "with input grads"),
+    ("gpipe", "full", "nested", False): ("units", "with input grads"),
+    ("gpipe", "full", "chunk", False): ("units", "with input grads"),  # Unit residuals kept.
+    ("1f1b", "dots", "nested", False): ("vjp", "with input grads"),
+    ("1f1b", "none", "nested", False): ("kept residuals", "with input grads"),
+    ("zb_h1", "full", "nested", False): ("units", "filed taps"),
+    ("zb_h1", "full", "chunk", True): ("units", "recomputed operands"),
+    ("zb_h1", "none", "nested", False): ("kept residuals", "operands from F"),
+    ("zb_h1", "full", "nested", "backward"): ("units", "rerun backward"),
+    ("zb_h1", "dots", "nested", "backward"): ("vjp", "rerun backward"),
+}
+
+
+@pytest.mark.parametrize("settings", list(PLANS), ids=lambda s: "-".join(map(str, s)))
+def test_loss_and_gradients_equal_the_plain_layers(settings):
+  schedule, remat, granularity, recompute = settings
+  pipeline = _build(SPEC.replace(schedule=schedule, remat=remat, remat_granularity=granularity,
+                                 weight_recompute=recompute))
+  plan = pipeline.backward_plan
+  assert (plan.input_grads, plan.weight_grads) == PLANS[settings]
   x, targets = cl.inputs()
   mesh = tpipe.make_mesh(stages=2)
   staged, _ = pipeline.stage(cl.params())
@@ -129,3 +149,11 @@ def test_loss_and_gradients_equal_the_plain_layers(schedule, granularity):
     for key, leaf in tree.items():
       np.testing.assert_allclose(got[name][key], leaf, rtol=1e-4, atol=1e-6,
                                  err_msg=f"{name}/{key}")
+
+
+@pytest.mark.unit
+def test_the_plans_cover_every_way_a_backward_runs():
+  assert {p[0] for p in PLANS.values()} == {"autodiff", "units", "vjp", "kept residuals"}
+  assert {p[1] for p in PLANS.values()} == {"with input grads", "filed taps",
+                                            "recomputed operands", "operands from F",
+                                            "rerun backward"}
