@@ -1,10 +1,10 @@
 """The action branches of a fused table: what ``F``, ``B``, ``BI`` and ``W`` do on one device,
 one small function per action and backward plan (:mod:`tpipe.core.fused` runs the loop).
 
-A branch is ``fn(state, slots, at, msg, stashed, fresh, mb, chunk) -> (state, written, send)``:
-it reads the running sums ``state``, the message ``msg`` from the mailbox, the stashed chunk
-input ``stashed`` and the micro-batch's inputs ``fresh``, and returns the new sums, what its
-slot of each slot buffer holds after the step (``written``) and the message it sends.
+A branch is ``fn(state, slots, at, step) -> (state, written, send)``: it reads the running
+sums ``state`` and the step's operands (:class:`Step`: the message from the mailbox, the stashed
+chunk input, the micro-batch's inputs), and returns the new sums, what its slot of each slot
+buffer holds after the step (``written``) and the message it sends.
 
 Which function runs an action is decided by the step's
 :class:`~tpipe.core.backward_plan.BackwardPlan` alone (:meth:`Branches.branch`):
@@ -28,6 +28,7 @@ call from one device's inputs and returned as a :class:`Slots` value.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -165,16 +166,27 @@ class Slots:
   residual_sizes: dict = dataclasses.field(default_factory=dict)
 
 
+class Step(NamedTuple):
+  """One lane step's operands, as a branch reads them: the message ``msg`` from the mailbox,
+  the stashed chunk input ``stashed``, the micro-batch's inputs ``fresh``, the micro-batch
+  ``mb`` and the model chunk ``chunk``."""
+
+  msg: Any
+  stashed: Any
+  fresh: Any
+  mb: Any
+  chunk: Any
+
+
 class Branches:
   """The action branches of one fused table's chunk programs under one backward plan.
 
   Per call, inside ``shard_map``, :meth:`learn` returns the slots' layouts (:class:`Slots`) from
   one device's inputs; :meth:`branch` gives the branch a lane switch runs for a branch number
-  of :func:`tpipe.core.tick_rows.tick_branches`, as ``fn(state, slots, at, msg, stashed, fresh,
-  mb, chunk) -> (state, written, send)``: it reads the running sums ``state``, the slot
-  buffers ``slots`` (``"weights"``: what ``BI`` hands to ``W``; ``"residuals"``: what ``F``
-  keeps for ``B``) at the step's slot ``at`` of each, the message ``msg`` from the mailbox,
-  the stashed chunk input ``stashed`` and the micro-batch's inputs ``fresh``, and returns the
+  of :func:`tpipe.core.tick_rows.tick_branches`, as ``fn(state, slots, at, step) -> (state,
+  written, send)``: it reads the running sums ``state``, the slot buffers ``slots``
+  (``"weights"``: what ``BI`` hands to ``W``; ``"residuals"``: what ``F`` keeps for ``B``) at
+  the step's slot ``at`` of each, and the step's operands (:class:`Step`), and returns the
   new sums, what its slot of each buffer holds after the step (``written``; the loop writes
   them after the switch: a branch updating a buffer in place would make XLA copy all of it)
   and the message it sends.
@@ -201,8 +213,8 @@ class Branches:
     """Branch ``number`` (:func:`tpipe.core.tick_rows.tick_branches`' numbering: idle, then
     ``action * count + program``); ``collect``: a forward-only table."""
     if number == 0:
-      return lambda state, slots_, at, *a: (state, as_is(slots_, at),
-                                            device.run.axes.vary(device.ring_zero))
+      return lambda state, slots_, at, step: (state, as_is(slots_, at),
+                                              device.run.axes.vary(device.ring_zero))
     action, b = divmod(number - 1, self.chunkset.num_branches)
     plan = self.plan
     if action == Action.F:
@@ -238,7 +250,8 @@ class Branches:
   def _forward(self, b: int, device: Device, slots: Slots, collect: bool):
     del slots
 
-    def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
+    def branch(state, slots, at, step):
+      msg, stashed, fresh, mb, chunk = step
       to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg, fresh), chunk)
       return _finish_forward(device, state, mb, chunk, output, collect), as_is(slots, at), \
           device.run.axes.vary(to_next)
@@ -249,10 +262,11 @@ class Branches:
     """``F`` running the chunk's VJP, its residuals (and in a split table the tapped operations'
     inputs) filed in the residual slot for the backward."""
 
-    def branch(state, slots_, at, msg, stashed, fresh, mb, chunk):
+    def branch(state, slots_, at, step):
+      msg, stashed, fresh, mb, chunk = step
       written = as_is(slots_, at)
-      (_, output), vjp, (records, to_next), _ = self._vjp(b, device, slots, mb, msg, msg, fresh,
-                                                          chunk, tapped=self.plan.split)
+      (_, output), vjp, (records, to_next), _ = self._vjp(b, device, slots, step, msg,
+                                                          tapped=self.plan.split)
       kept = residuals_lib.kept(slots.residual_plans[b], vjp)
       written["residuals"] = device.run.axes.vary(packing.pack(
           (kept, records) if self.plan.split else kept, slots.residual_layouts[b],
@@ -268,9 +282,9 @@ class Branches:
   def _backward_by_units(self, b: int, device: Device, slots: Slots):
     del slots
 
-    def branch(state, slots, at, msg, stashed, fresh, mb, chunk):
-      sums, g_fresh, g_in, g_broadcast, g_pex = self._by_units(b, device, state, msg, stashed,
-                                                               fresh, mb, chunk)
+    def branch(state, slots, at, step):
+      msg, stashed, fresh, mb, chunk = step
+      sums, g_fresh, g_in, g_broadcast, g_pex = self._by_units(b, device, state, step)
       state = _file_grads(dict(state, params=sums), None, (g_fresh, g_broadcast, g_pex), mb)
       return state, as_is(slots, at), device.send_of(stashed, g_in)
 
@@ -278,10 +292,11 @@ class Branches:
 
   def _backward_by_vjp(self, b: int, device: Device, slots: Slots):
 
-    def branch(state, slots_, at, msg, stashed, fresh, mb, chunk):
+    def branch(state, slots_, at, step):
+      msg, stashed, fresh, mb, chunk = step
       written = as_is(slots_, at)
-      (ring_out, losses), vjp, _, diff = self._backward_vjp(b, device, slots, written, mb, msg,
-                                                            stashed, fresh, chunk, False)
+      (ring_out, losses), vjp, _, diff = self._backward_vjp(b, device, slots, written, step,
+                                                            tapped=False)
       grads = list(vjp(device.cotangent(chunk, msg, ring_out, losses)))
       g_params, g_fresh, g_in, g_broadcast, g_pex, _ = _split_grads(grads, diff)
       state = _file_grads(state, g_params, (g_fresh, g_broadcast, g_pex), mb)
@@ -294,10 +309,11 @@ class Branches:
     their other operands where the plan says ``W`` reads them from here) go to the weight
     slot."""
 
-    def branch(state, slots_, at, msg, stashed, fresh, mb, chunk):
+    def branch(state, slots_, at, step):
+      msg, stashed, fresh, mb, chunk = step
       written = as_is(slots_, at)
-      (ring_out, losses), vjp, records, diff = self._backward_vjp(
-          b, device, slots, written, mb, msg, stashed, fresh, chunk, True)
+      (ring_out, losses), vjp, records, diff = self._backward_vjp(b, device, slots, written,
+                                                                  step, tapped=True)
       grads = list(vjp(device.cotangent(chunk, msg, ring_out, losses)))
       g_params, g_fresh, g_in, g_broadcast, g_pex, g_taps = _split_grads(grads, diff)
       state = _file_grads(state, g_params, (g_fresh, g_broadcast, g_pex), mb)
@@ -313,10 +329,11 @@ class Branches:
     """``BI`` where ``W`` reruns the backward: the chunk's VJP in its inputs alone (no weight
     gradient is formed), the chunk's output gradient filed for ``W``."""
 
-    def branch(state, slots_, at, msg, stashed, fresh, mb, chunk):
+    def branch(state, slots_, at, step):
+      msg, stashed, fresh, mb, chunk = step
       written = as_is(slots_, at)
-      (ring_out, losses), vjp, _, diff = self._vjp(b, device, slots, mb, msg, stashed, fresh,
-                                                   chunk, wrt="inputs")
+      (ring_out, losses), vjp, _, diff = self._vjp(b, device, slots, step, stashed,
+                                                   wrt="inputs")
       grads = list(vjp(device.cotangent(chunk, msg, ring_out, losses)))
       g_fresh, g_in, g_broadcast, g_pex, _ = _split_grads(grads, diff[1:])
       state = _file_grads(state, None, (g_fresh, g_broadcast, g_pex), mb)
@@ -332,7 +349,8 @@ class Branches:
   def _weights_from_filed_taps(self, b: int, device: Device, slots: Slots):
     """``W`` from the operands and output gradients ``BI`` filed."""
 
-    def records_and_grads(written, msg, stashed, fresh, mb, chunk):
+    def records_and_grads(written, step):
+      del step
       return packing.unpack(written["weights"], slots.weight_layouts[b])
 
     return self._weights_from(b, device, slots, records_and_grads)
@@ -341,10 +359,10 @@ class Branches:
     """``W`` from the output gradients ``BI`` filed, the tapped operations' operands computed
     again from the stashed input."""
 
-    def records_and_grads(written, msg, stashed, fresh, mb, chunk):
-      fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
-      _, (records, _) = self.tapped[b](device.staged, fresh, stashed, broadcast, pex, rngs,
-                                       microbatch, chunk, None)
+    def records_and_grads(written, step):
+      fresh, _, broadcast, pex, rngs, microbatch = device.inputs(step.mb, step.msg, step.fresh)
+      _, (records, _) = self.tapped[b](device.staged, fresh, step.stashed, broadcast, pex, rngs,
+                                       microbatch, step.chunk, None)
       return records, packing.unpack(written["weights"], slots.weight_layouts[b])
 
     return self._weights_from(b, device, slots, records_and_grads)
@@ -353,7 +371,8 @@ class Branches:
     """``W`` from the output gradients ``BI`` filed and the operands ``F`` filed beside its
     residuals."""
 
-    def records_and_grads(written, msg, stashed, fresh, mb, chunk):
+    def records_and_grads(written, step):
+      del step
       _, records = packing.unpack(written["residuals"], slots.residual_layouts[b])
       return records, packing.unpack(written["weights"], slots.weight_layouts[b])
 
@@ -362,10 +381,11 @@ class Branches:
   def _weights_from(self, b: int, device: Device, slots: Slots, records_and_grads):
     weights = self.chunkset.weight_branch(b, slots.unit_programs[b])
 
-    def branch(state, slots_, at, msg, stashed, fresh, mb, chunk):
+    def branch(state, slots_, at, step):
+      msg, stashed, fresh, mb, chunk = step
       written = as_is(slots_, at)
-      records, output_grads = records_and_grads(written, msg, stashed, fresh, mb, chunk)
-      grads = weights(device.staged, chunk, records, output_grads)
+      records, output_grads = records_and_grads(written, step)
+      grads = weights(device.staged, step.chunk, records, output_grads)
       state = dict(state, params=[u + w for u, w in zip(state["params"], _floats(grads))])
       return state, written, device.run.axes.vary(device.ring_zero)
 
@@ -375,10 +395,11 @@ class Branches:
     """``W`` running the chunk's backward again by units from the stashed input and the output
     gradient ``BI`` filed, keeping the parameter gradients only (the others are ``BI``'s)."""
 
-    def branch(state, slots_, at, msg, stashed, fresh, mb, chunk):
+    def branch(state, slots_, at, step):
+      msg, stashed, fresh, mb, chunk = step
       written = as_is(slots_, at)
       msg = _with_floats(msg, packing.unpack(written["weights"], slots.weight_layouts[b]))
-      sums, *_ = self._by_units(b, device, state, msg, stashed, fresh, mb, chunk)
+      sums, *_ = self._by_units(b, device, state, step._replace(msg=msg))
       return dict(state, params=sums), written, device.run.axes.vary(device.ring_zero)
 
     return branch
@@ -387,10 +408,11 @@ class Branches:
     """``W`` running the chunk's VJP in its parameters alone again from the stashed input and
     the output gradient ``BI`` filed."""
 
-    def branch(state, slots_, at, msg, stashed, fresh, mb, chunk):
+    def branch(state, slots_, at, step):
+      msg, stashed, fresh, mb, chunk = step
       written = as_is(slots_, at)
       msg = _with_floats(msg, packing.unpack(written["weights"], slots.weight_layouts[b]))
-      outputs, vjp, _, _ = self._vjp(b, device, slots, mb, msg, stashed, fresh, chunk,
+      outputs, vjp, _, _ = self._vjp(b, device, slots, step._replace(msg=msg), stashed,
                                      wrt="params")
       g_params = vjp(device.cotangent(chunk, msg, *outputs))
       state = dict(state, params=[u + w for u, w in zip(state["params"], g_params)])
@@ -401,25 +423,25 @@ class Branches:
   # ------------------------------------------------------------------------------------------
   # The differentiated chunk programs.
 
-  def _by_units(self, b: int, device: Device, state, msg, stashed, fresh, mb, chunk):
+  def _by_units(self, b: int, device: Device, state, step: Step):
     """Program ``b``'s backward one unit at a time (:func:`tpipe.core.unit_backward.backward_into`)
     from the stashed input and the output gradient ``msg`` carries: ``(parameter gradient sums
     with this micro-batch's added, g_fresh, g_in, g_broadcast, g_per_example)``."""
-    fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
+    fresh, _, broadcast, pex, rngs, microbatch = device.inputs(step.mb, step.msg, step.fresh)
     outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
-    cotangent = lambda out: device.cotangent(chunk, msg, *out)
+    cotangent = lambda out: device.cotangent(step.chunk, step.msg, *out)
+    args = unit_backward.ChunkArgs(fresh, step.stashed, broadcast, pex, rngs, microbatch)
     sums, g_fresh, g_in, g_side = self.backward_into[b](
-        state["params"], device.staged, fresh, stashed, broadcast, pex, rngs, microbatch, chunk,
-        outputs, cotangent)
+        state["params"], device.staged, args, step.chunk, outputs, cotangent)
     count = len(_floats(broadcast))
     return sums, g_fresh, g_in, g_side[:count], g_side[count:]
 
-  def _backward_vjp(self, b: int, device: Device, slots: Slots, written: dict, mb, msg, stashed,
-                    fresh, chunk, tapped: bool):  # A branch's arguments, and which program.
+  def _backward_vjp(self, b: int, device: Device, slots: Slots, written: dict, step: Step,
+                    tapped: bool):
     """``(outputs, vjp, records, diff)`` of program ``b`` at the stashed input, with ``F``'s
     residuals in place of this trace's where the plan keeps them (its forward is then dead)."""
-    outputs, vjp, (records, _), diff = self._vjp(b, device, slots, mb, msg, stashed, fresh,
-                                                 chunk, tapped=tapped)
+    outputs, vjp, (records, _), diff = self._vjp(b, device, slots, step, step.stashed,
+                                                 tapped=tapped)
     if self.plan.keeps_residuals:
       kept = packing.unpack(written["residuals"], slots.residual_layouts[b])
       vjp = residuals_lib.substitute(slots.residual_plans[b], vjp,
@@ -445,12 +467,14 @@ class Branches:
 
     return fn
 
-  def _vjp(self, b: int, device: Device, slots: Slots, mb, msg, incoming, fresh, chunk,
-           tapped=False, wrt="all"):  # A branch's arguments, then what to differentiate.
-    """``(outputs, vjp, (records, to_next), diff)``: ``jax.vjp`` of program ``b`` on ``mb`` in
-    the float leaves of ``diff``: all of them, the ``"params"`` only or the ``"inputs"`` only
-    (the others held constant, so no gradient of theirs is formed)."""
-    fresh, _, broadcast, pex, rngs, microbatch = device.inputs(mb, msg, fresh)
+  def _vjp(self, b: int, device: Device, slots: Slots, step: Step, incoming, tapped=False,
+           wrt="all"):
+    """``(outputs, vjp, (records, to_next), diff)``: ``jax.vjp`` of program ``b`` on the step's
+    micro-batch with chunk input ``incoming``, in the float leaves of ``diff``: all of them, the
+    ``"params"`` only or the ``"inputs"`` only (the others held constant, so no gradient of
+    theirs is formed)."""
+    fresh, _, broadcast, pex, rngs, microbatch = device.inputs(step.mb, step.msg, step.fresh)
+    chunk = step.chunk
     taps = _zero_taps(slots.tap_shapes[b], device) if tapped else None
     diff = (device.staged, fresh, incoming, broadcast, pex, taps)
     fn = self._chunk_fn(b, device, diff, (rngs, microbatch, chunk), tapped)

@@ -208,9 +208,9 @@ class _Run:
         fresh, carry = device.fresh(carry, step["microbatch"],
                                     row[streaming.ROW][stage] if call.conveyor else None)
         at = {"weights": step["weight_slot"], "residuals": step["stash"]}
-        state, written, send = lanes[lane](
-            step["branch"], state, slots, at, msg,
-            spmd.read_slot(stash, step["stash"]), fresh, step["microbatch"], step["chunk"])
+        operands = branches_lib.Step(msg, spmd.read_slot(stash, step["stash"]), fresh,
+                                     step["microbatch"], step["chunk"])
+        state, written, send = lanes[lane](step["branch"], state, slots, at, operands)
         slots = {k: spmd.write_slot(slots[k], at[k], written[k]) for k in slots}
         sends.append((send, step))
       arrived, pending = self._send(sends, carry.get("pending"))
