@@ -67,7 +67,9 @@ def _by_units(pipeline, plan, chunk, x, incoming, targets, g_next, seed):
   @jax.jit
   def go(view, fresh, incoming, targets):
     sums = [jnp.zeros_like(a) for a in chunks_lib.float_leaves(view)]
-    return run(sums, view, fresh, incoming, (), (targets,), {}, 0, chunk, outputs, cotangent)
+    args = unit_backward.ChunkArgs(fresh=fresh, incoming=incoming, broadcast=(),
+                                   per_example=(targets,), rngs={}, microbatch=0)
+    return run(sums, view, args, chunk, outputs, cotangent)
 
   sums, g_fresh, g_incoming, g_side = go(view, x[:ROWS], incoming, targets[:ROWS])
   grads = _logical_grads(pipeline, staged, sums, pipeline.layout.position(chunk)[1])
