@@ -261,58 +261,6 @@ def test_broken_forward_only_tables_are_rejected(text, slots, stages, match):
   fused("F0 .\n. F0", [[_, _], [_, _]], 2, 1, forward_only=True)  # The right one is accepted.
 
 
-# --------------------------------------------------------------------------------------------
-# Weight slots (the split backward's W buffers, tpipe.core.tick_rows) on the named tables.
-
-
-@pytest.mark.parametrize("name,stages,microbatches", [("zb_h1", 4, 8), ("zbv", 4, 6),
-                                                      ("zb_h1", 3, 2)])
-def test_weight_slots_are_never_shared_and_fit_the_peak_awaiting_w(name, stages, microbatches):
-  from tpipe.core import tick_rows  # pylint: disable=g-import-not-at-top
-
-  table = schedules.make_fused_schedule(name, stages, microbatches)
-  slots = tick_rows.weight_slots(table)
-  awaiting = table.awaiting_weight()
-  for s in range(stages):
-    held = {}
-    for t in range(table.num_ticks):
-      key = (table.microbatch[t, s], table.chunk[t, s])
-      if table.action[t, s] == schedules.Action.BI:
-        assert slots[t, s] not in held.values(), (t, s)
-        held[key] = slots[t, s]
-      elif table.action[t, s] == schedules.Action.W:
-        assert held.pop(key) == slots[t, s], (t, s)
-      assert len(held) <= awaiting[t, s]
-    assert not held
-    assert slots[:, s].max() + 1 == awaiting[:, s].max()
-
-
-@pytest.mark.parametrize("name,costs", [("1f1b", None), ("zb_h1", None), ("zbv", None),
-                                        ("1f1b", {"F": 1, "B": 3}),
-                                        ("zbv", {"F": 1, "BI": 2, "W": 1})])
-def test_each_lane_switches_over_the_branches_it_runs_only(name, costs):
-  """The tick loop's switch of each lane holds idle and exactly the branches the table runs in
-  that lane (a split table no B), and a row's position in it names the table's branch."""
-  from tpipe.core import tick_rows  # pylint: disable=g-import-not-at-top
-
-  table = schedules.make_fused_schedule(name, 3, 4, costs=costs)
-  programs = list(range(table.num_stages * table.num_chunks))
-  numbers, _ = tick_rows.tick_branches(table, programs)
-  by_lane = tick_rows.by_lanes(table, numbers)
-  switches = tick_rows.lane_switches(table, programs)
-  positions = tick_rows.tick_rows(table, programs)["lanes"]["branch"]
-  assert len(switches) == table.lanes
-  assert (table.lanes > 1) == bool(costs)  # Compound ticks: a lane per action of a stage's tick.
-  for lane, switch in enumerate(switches):
-    assert switch == tuple(sorted({0} | set(by_lane[:, lane].ravel().tolist())))
-    np.testing.assert_array_equal(np.asarray(switch)[positions[:, lane]], by_lane[:, lane])
-  count = len(programs)
-  kinds = {schedules.Action((n - 1) // count).name for switch in switches for n in switch if n}
-  assert kinds == ({"F", "BI", "W"} if name != "1f1b" else {"F", "B"})
-  if costs:  # A compound table's later lanes run fewer kinds: their switches hold a part.
-    assert all(len(switch) < 1 + len(kinds) * count for switch in switches[1:]), switches
-
-
 def test_module_doctests_pass():
   result = doctest.testmod(importlib.import_module("tpipe.schedules.fused"))
   assert result.attempted >= 7 and result.failed == 0
