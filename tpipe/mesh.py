@@ -28,7 +28,8 @@ TENSOR_AXIS = "tensor"
 
 def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, devices=None,
               dcn: Mapping[str, int] | None = None, slices=None,
-              stage_axis: str = STAGE_AXIS, data_axis: str = DATA_AXIS) -> Mesh:
+              stage_axis: str = STAGE_AXIS,
+              data_axis: str = DATA_AXIS) -> Mesh:  # The public mesh API: one setting per axis.
   """A ``(data, fsdp, stage, tensor)`` mesh over the first ``data * fsdp * stages * tensor``
   devices.
 

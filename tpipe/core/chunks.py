@@ -532,6 +532,7 @@ class ChunkSet:
     tick loop asks for it, the fused one not (there it raised the step's peak on the TPU target,
     measured with experiments/tpu_memory.py with and without it)."""
 
+    # A chunk program's signature: each operand is split, switched or differentiated its own way.
     def run(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk):
       results, statistics, _ = self._apply(index, staged, fresh, incoming, broadcast,
                                            per_example, rngs, microbatch, chunk,
@@ -550,6 +551,7 @@ class ChunkSet:
     with ``taps`` (per segment, per tapped operation; stacked over a run's copies; None to only
     record) added to the tapped operations' outputs, whose weights get no gradient here."""
 
+    # The chunk program's signature, and the taps the split backward differentiates.
     def run(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk, taps):
       results, _, records = self._apply(index, staged, fresh, incoming, broadcast, per_example,
                                         rngs, microbatch, chunk, taps, tapped=True)

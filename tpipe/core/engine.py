@@ -341,7 +341,7 @@ def micro_inputs(x, split, batch: int, num_microbatches: int):
 
 def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, param_shapes,
           stats_shapes, x, kwargs: dict | None = None, rng_names: Sequence[str] = (),
-          owner: str = "tpipe", param_axes=None) -> Pipeline:
+          owner: str = "tpipe", param_axes=None) -> Pipeline:  # Keyword-only, each named.
   """Plans and lays out ``layers`` for ``spec`` and inputs like ``x`` (before any tracing of the
   pipeline: every check raises here).
 

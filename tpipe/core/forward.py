@@ -31,7 +31,7 @@ and whatever runs after the pipeline runs once, not once per stage.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +71,7 @@ def _tick_rows(schedule: schedules.Schedule, chunkset: chunks_lib.ChunkSet) -> d
 
 def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
         per_example: tuple, rngs: dict, *, schedule: schedules.Schedule,
-        axes: spmd.Axes) -> Any:
+        axes: spmd.Axes) -> Any:  # The operands are the shard_map's, each split its own way.
   """Runs a forward schedule's ticks on every device at once.
 
   Callers validate arguments first; this function assumes the batch splits into ``M``
@@ -92,111 +92,150 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
     The last chunk's outputs for the whole batch; with running statistics, also their sums over
     every busy tick and data replica, staged like them (``[R, S, ...]``).
   """
-  num_microbatches, num_repeats = schedule.num_microbatches, schedule.num_repeats
-  with_stats = chunkset.stats_layout is not None
   global_batch = jax.tree.leaves(x)[0].shape[0]
-  over_stages = axes.splits_over_stages(global_batch)
-  now_pairs, late_pairs = spmd.split_by_delay(
-      spmd.neighbour_pairs(schedule.num_stages, 1, wrap=num_repeats > 1), schedule.delays, 1,
-      schedule.num_stages)
-  rows_table = _tick_rows(schedule, chunkset)
-  conveyor = streaming.plan(schedule, axes, global_batch, chunkset.spec.stream_inputs)
-  if conveyor is not None:
-    rows_table.update(conveyor.row())
-  policy = chunks_lib.tick_policy(chunkset.spec)
-  branches = [chunkset.branch(i, policy, tie_to_tick=True)
-              for i in range(chunkset.num_branches)]
+  loop = _Loop(chunkset, schedule, axes, global_batch)
+  io = axes.io_spec(global_batch)
+  in_specs = (chunkset.staged_specs(staged), io, io, jax.sharding.PartitionSpec(),
+              jax.sharding.PartitionSpec())
+  out_specs = io if not loop.with_stats else (io, axes.staged_spec)
+  mapped = axes.shard_map(loop.per_device, in_specs, out_specs)
+  return mapped(staged, x, tuple(per_example), tuple(broadcast), rngs)
 
-  def per_device(staged, x, per_example, broadcast, rngs):
+
+class _Loop:
+  """A forward schedule's tick loop for one call (a batch of ``global_batch`` rows):
+  :meth:`per_device` is what ``shard_map`` runs on each device."""
+
+  def __init__(self, chunkset: chunks_lib.ChunkSet, schedule: schedules.Schedule,
+               axes: spmd.Axes, global_batch: int):
+    self.chunkset, self.schedule, self.axes = chunkset, schedule, axes
+    self.global_batch = global_batch
+    self.num_microbatches, self.num_repeats = schedule.num_microbatches, schedule.num_repeats
+    self.with_stats = chunkset.stats_layout is not None
+    self.over_stages = axes.splits_over_stages(global_batch)
+    self.now_pairs, self.late_pairs = spmd.split_by_delay(
+        spmd.neighbour_pairs(schedule.num_stages, 1, wrap=self.num_repeats > 1),
+        schedule.delays, 1, schedule.num_stages)
+    self.rows_table = _tick_rows(schedule, chunkset)
+    self.conveyor = streaming.plan(schedule, axes, global_batch, chunkset.spec.stream_inputs)
+    if self.conveyor is not None:
+      self.rows_table.update(self.conveyor.row())
+    policy = chunks_lib.tick_policy(chunkset.spec)
+    self.branches = [chunkset.branch(i, policy, tie_to_tick=True)
+                     for i in range(chunkset.num_branches)]
+
+  def per_device(self, staged, x, per_example, broadcast, rngs):
+    axes, conveyor = self.axes, self.conveyor
     staged = chunks_lib.device_view(staged)  # [R, ...]; packed parameters [R, 1, n]
     # Once per step, outside the tick loop: the transposes of these casts are the gradient sums
     # over row shards (parameters, broadcast arrays; a parameter split over fsdp already varies
     # over it, and its gathers' transposes sum over fsdp) and over stages (inputs, side inputs).
     if axes.rows:
       staged = jax.tree.map(lambda a: spmd.cast_to(a, frozenset(axes.rows)), staged)
+    held = None
     if conveyor is not None:  # The inputs reach stage 0 one micro-batch per tick.
       held = conveyor.hold(x)
       per_example = axes.gather_stages(per_example)
-    elif over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
+    elif self.over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
       x, per_example = axes.gather_stages((x, per_example))
     else:
       x, per_example = lax.pcast((x, per_example), (axes.stage,), to="varying")
-    broadcast = lax.pcast(broadcast, axes.manual, to="varying")
-    stage, data_index = axes.stage_index(), axes.data_index()
-    rows = global_batch // (axes.replicas * num_microbatches)
-    if conveyor is None:
-      microbatches = spmd.split_microbatches(x, num_microbatches)
-    per_example = spmd.split_microbatches(per_example, num_microbatches)
-    # The buffers are made under named scopes so a memory breakdown (tpipe.tools.peak) can
-    # tell what each one is.
+    device = _Device(
+        staged=staged, broadcast=lax.pcast(broadcast, axes.manual, to="varying"), rngs=rngs,
+        microbatches=(None if conveyor is not None
+                      else spmd.split_microbatches(x, self.num_microbatches)),
+        per_example=spmd.split_microbatches(per_example, self.num_microbatches), held=held,
+        stage=axes.stage_index(), data_index=axes.data_index())
+    carry, _ = lax.scan(lambda carry, row: self.tick(device, carry, row),
+                        self.initial_carry(held), self.rows_table)
+    return self.finish(carry)
+
+  def initial_carry(self, held) -> dict:
+    """The loop's carry before the first tick. The buffers are made under named scopes so a
+    memory breakdown (:mod:`tpipe.tools.peak`) can tell what each one is."""
+    axes, chunkset = self.axes, self.chunkset
+    rows = self.global_batch // (axes.replicas * self.num_microbatches)
     with jax.named_scope(spmd.MAILBOX_SCOPE):
       ring_zero = chunks_lib.zeros_with_rows(chunkset.ring.example, rows)
       carry = {"incoming": axes.vary(ring_zero)}
-      if late_pairs:  # Last tick's output, sent during this tick over the delayed links.
+      if self.late_pairs:  # Last tick's output, sent during this tick over the delayed links.
         carry["pending"] = axes.vary(ring_zero)
     with jax.named_scope(spmd.BOUNDARY_SCOPE):
       carry["outputs"] = axes.vary(spmd.stacked_zeros(
-          chunks_lib.zeros_with_rows(chunkset.output_example, rows), num_microbatches))
-      if with_stats:
+          chunks_lib.zeros_with_rows(chunkset.output_example, rows), self.num_microbatches))
+      if self.with_stats:
         slot = chunkset.stats_layout.local_shapes()
-        carry["sums"] = axes.vary(spmd.stacked_zeros(slot, num_repeats))
-      if num_repeats > 1:
-        carry["loop_back"] = axes.vary(spmd.stacked_zeros(ring_zero, num_microbatches))
-    if conveyor is not None:
-      carry["conveyor"] = conveyor.start(held)
+        carry["sums"] = axes.vary(spmd.stacked_zeros(slot, self.num_repeats))
+      if self.num_repeats > 1:
+        carry["loop_back"] = axes.vary(spmd.stacked_zeros(ring_zero, self.num_microbatches))
+    if self.conveyor is not None:
+      carry["conveyor"] = self.conveyor.start(held)
+    return carry
 
-    def tick(carry, row):
-      carry = dict(carry)
-      row = {k: (v[stage] if v.ndim == 1 else v) for k, v in row.items()}
-      mb, rep = row["microbatch"], row["repeat"]
-      incoming = carry["incoming"]
-      if num_repeats > 1:
-        # Stage 0 parks what the last stage finished last tick until its next lap starts.
-        arriving_mb, arriving_rep = row["arriving_microbatch"], row["arriving_repeat"]
-        park = (stage == 0) & (arriving_mb >= 0) & (arriving_rep < num_repeats - 1)
-        carry["loop_back"] = spmd.write_slot(carry["loop_back"], jnp.maximum(arriving_mb, 0),
-                                             incoming, park)
-        incoming = spmd.select((stage == 0) & (rep > 0), spmd.read_slot(carry["loop_back"], mb),
-                               incoming)
-      if conveyor is not None:
-        fresh, carry["conveyor"] = conveyor.tick(held, carry["conveyor"],
-                                                 row[streaming.ROW])
+  def tick(self, device: "_Device", carry: dict, row: dict):
+    """One tick on one device: its chunk (or nothing) on one micro-batch, the output sent on."""
+    carry = dict(carry)
+    stage = device.stage
+    row = {k: (v[stage] if v.ndim == 1 else v) for k, v in row.items()}
+    mb, rep = row["microbatch"], row["repeat"]
+    incoming = carry["incoming"]
+    if self.num_repeats > 1:
+      # Stage 0 parks what the last stage finished last tick until its next lap starts.
+      arriving_mb, arriving_rep = row["arriving_microbatch"], row["arriving_repeat"]
+      park = (stage == 0) & (arriving_mb >= 0) & (arriving_rep < self.num_repeats - 1)
+      carry["loop_back"] = spmd.write_slot(carry["loop_back"], jnp.maximum(arriving_mb, 0),
+                                           incoming, park)
+      incoming = spmd.select((stage == 0) & (rep > 0), spmd.read_slot(carry["loop_back"], mb),
+                             incoming)
+    if self.conveyor is not None:
+      fresh, carry["conveyor"] = self.conveyor.tick(device.held, carry["conveyor"],
+                                                    row[streaming.ROW])
+    else:
+      fresh = spmd.read_slot(device.microbatches, mb)
+    results = gated.switch_call(
+        row["branch"], self.branches, device.staged, fresh, incoming, device.broadcast,
+        spmd.read_slot(device.per_example, mb), device.rngs,
+        device.data_index * self.num_microbatches + mb, row["chunk"])
+    to_next, output = results[:2]
+    if self.with_stats:  # An idle tick's contribution is zeros.
+      carry["sums"] = spmd.add_to_slot(carry["sums"], rep, results[2])
+    finished = ((row["branch"] >= 0) & (stage == self.schedule.num_stages - 1)
+                & (rep == self.num_repeats - 1))
+    with jax.named_scope(spmd.BOUNDARY_SCOPE):
+      carry["outputs"] = spmd.write_slot(carry["outputs"], mb, output, finished)
+    with jax.named_scope(spmd.MAILBOX_SCOPE):
+      if self.now_pairs or self.late_pairs:
+        carry["incoming"] = spmd.permute_parts(to_next, self.axes.stage, self.now_pairs,
+                                               self.late_pairs, carry.get("pending"))
       else:
-        fresh = spmd.read_slot(microbatches, mb)
-      results = gated.switch_call(
-          row["branch"], branches, staged, fresh, incoming,
-          broadcast, spmd.read_slot(per_example, mb), rngs, data_index * num_microbatches + mb,
-          row["chunk"])
-      to_next, output = results[:2]
-      if with_stats:  # An idle tick's contribution is zeros.
-        carry["sums"] = spmd.add_to_slot(carry["sums"], rep, results[2])
-      finished = ((row["branch"] >= 0) & (stage == schedule.num_stages - 1)
-                  & (rep == num_repeats - 1))
-      with jax.named_scope(spmd.BOUNDARY_SCOPE):
-        carry["outputs"] = spmd.write_slot(carry["outputs"], mb, output, finished)
-      with jax.named_scope(spmd.MAILBOX_SCOPE):
-        if now_pairs or late_pairs:
-          carry["incoming"] = spmd.permute_parts(to_next, axes.stage, now_pairs, late_pairs,
-                                                 carry.get("pending"))
-        else:
-          carry["incoming"] = to_next
-        if late_pairs:
-          carry["pending"] = to_next
-      return carry, None
+        carry["incoming"] = to_next
+      if self.late_pairs:
+        carry["pending"] = to_next
+    return carry, None
 
-    carry, _ = lax.scan(tick, carry, rows_table)
+  def finish(self, carry: dict):
+    """After the loop: the outputs where they belong (and the statistics' sums)."""
+    axes = self.axes
     # Only the last stage wrote outputs (the others hold zeros): the sum hands each stage its
     # part of them (or, where the batch does not split over the stages, all of them).
     outputs = spmd.join_microbatches(carry["outputs"])
-    outputs = axes.scatter_stages(outputs) if over_stages else lax.psum(outputs, axes.stage)
-    if not with_stats:
+    outputs = (axes.scatter_stages(outputs) if self.over_stages
+               else lax.psum(outputs, axes.stage))
+    if not self.with_stats:
       return outputs
     sums = lax.psum(carry["sums"], axes.rows) if axes.rows else carry["sums"]
     return outputs, jax.tree.map(lambda a: a[:, None], sums)
 
-  io = axes.io_spec(global_batch)
-  in_specs = (chunkset.staged_specs(staged), io, io, jax.sharding.PartitionSpec(),
-              jax.sharding.PartitionSpec())
-  out_specs = io if not with_stats else (io, axes.staged_spec)
-  mapped = axes.shard_map(per_device, in_specs, out_specs)
-  return mapped(staged, x, tuple(per_example), tuple(broadcast), rngs)
+
+class _Device(NamedTuple):
+  """One device's operands of the tick loop: its stage's variables, the side inputs and keys,
+  the micro-batches (or the conveyor's held inputs), its stage and data index."""
+
+  staged: Any
+  broadcast: Any
+  rngs: Any
+  microbatches: Any
+  per_example: Any
+  held: Any
+  stage: Any
+  data_index: Any

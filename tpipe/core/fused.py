@@ -312,7 +312,7 @@ class _Run:
 
 def forward_outputs(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple,
                     per_example: tuple, rngs: dict, *, schedule: schedules.FusedSchedule,
-                    axes: spmd.Axes):
+                    axes: spmd.Axes):  # The operands are the shard_map's, each split its own way.
   """The last chunk's outputs for the whole batch, by ``schedule``'s forward pass alone
   (:meth:`~tpipe.schedules.FusedSchedule.forward_pass`); not meant to be differentiated."""
   table = schedule if schedule.forward_only else schedule.forward_pass()
@@ -323,7 +323,8 @@ def forward_outputs(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple,
 def mean_loss(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple, per_example: tuple,
               rngs: dict, *, schedule: schedules.FusedSchedule, axes: spmd.Axes,
               plan: backward_plan.BackwardPlan,
-              primal: Callable[..., jax.Array] | None = None) -> jax.Array:
+              primal: Callable[..., jax.Array] | None = None
+              ) -> jax.Array:  # The shard_map's operands, then keyword-only settings.
   """The mean over the global batch of the last chunk's per-example losses, run with a fused
   schedule; differentiable (``jax.custom_vjp``) in ``staged`` and in the float leaves of ``x``,
   ``broadcast`` and ``per_example``.

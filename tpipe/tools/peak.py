@@ -402,7 +402,8 @@ def _argument_role(origin: str) -> str:
 
 
 def _role(origin: str, array, loop_carried: bool, is_argument: bool, param_dtype: str,
-          param_dims: set, head_scopes: Sequence[str], copied_from: str | None = None) -> str:
+          param_dims: set, head_scopes: Sequence[str],
+          copied_from: str | None = None) -> str:  # One buffer's facts, each read once here.
   if is_argument:
     return _argument_role(origin)
   copy_of_parameter = copied_from is not None and _argument_role(copied_from) == "parameters"
