@@ -40,7 +40,9 @@ from jax import lax
 
 from tpipe import schedules
 from tpipe.core import chunks as chunks_lib
+from tpipe.core import device_view as view_lib
 from tpipe.core import gated
+from tpipe.core import ring as ring_lib
 from tpipe.core import spmd
 from tpipe.core import streaming
 
@@ -108,7 +110,7 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
               for i in range(chunkset.num_branches)]
 
   def per_device(staged, x, per_example, broadcast, rngs):
-    staged = chunks_lib.device_view(staged)  # [R, ...]; packed parameters [R, 1, n]
+    staged = view_lib.device_view(staged)  # [R, ...]; packed parameters [R, 1, n]
     # Once per step, outside the tick loop: the transposes of these casts are the gradient sums
     # over row shards (parameters, broadcast arrays; a parameter split over fsdp already varies
     # over it, and its gathers' transposes sum over fsdp) and over stages (inputs, side inputs).
@@ -130,13 +132,13 @@ def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
     # The buffers are made under named scopes so a memory breakdown (tpipe.tools.peak) can
     # tell what each one is.
     with jax.named_scope(spmd.MAILBOX_SCOPE):
-      ring_zero = chunks_lib.zeros_with_rows(chunkset.ring.example, rows)
+      ring_zero = ring_lib.zeros_with_rows(chunkset.ring.example, rows)
       carry = {"incoming": axes.vary(ring_zero)}
       if late_pairs:  # Last tick's output, sent during this tick over the delayed links.
         carry["pending"] = axes.vary(ring_zero)
     with jax.named_scope(spmd.BOUNDARY_SCOPE):
       carry["outputs"] = axes.vary(spmd.stacked_zeros(
-          chunks_lib.zeros_with_rows(chunkset.output_example, rows), num_microbatches))
+          ring_lib.zeros_with_rows(chunkset.output_example, rows), num_microbatches))
       if with_stats:
         slot = chunkset.stats_layout.local_shapes()
         carry["sums"] = axes.vary(spmd.stacked_zeros(slot, num_repeats))
