@@ -31,6 +31,7 @@ import jax
 
 from tpipe import schedules
 from tpipe import spec as spec_lib
+from tpipe.core import adapter
 from tpipe.core import arguments
 from tpipe.core import engine
 from tpipe.core import layers as layers_lib
@@ -79,26 +80,14 @@ def _copies(layer) -> int | None:
   return layer.n if isinstance(layer, Repeat) else None
 
 
-class SettingsAsKeywords(type):
-  """Lets a linen module whose pipeline settings live in a ``spec`` field take the settings as
-  keywords too: ``Sequential(layers, num_stages=4, ...)`` and ``model.clone(schedule="1f1b")``
-  build (or update) the :class:`tpipe.PipelineSpec`."""
+class _SequentialFields(nn.Module):
+  """:class:`Sequential`'s fields (Flax makes its dataclass constructor from them)."""
 
-  owner = "tpipe"
-
-  def __call__(cls, *args, **kwargs):
-    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in spec_lib.field_names()}
-    if len(args) > 1:  # Sequential(layers, spec, ...)
-      kwargs["spec"], args = args[1], args[:1] + args[2:]
-    kwargs["spec"] = spec_lib.make(cls.owner, kwargs.get("spec"), **settings)
-    return super().__call__(*args, **kwargs)
+  layers: Sequence[Any]
+  spec: spec_lib.PipelineSpec = None
 
 
-class _SequentialSettings(SettingsAsKeywords):
-  owner = OWNER
-
-
-class Sequential(nn.Module, metaclass=_SequentialSettings):
+class Sequential(_SequentialFields):
   """Applies ``layers`` in order, pipelined over the ``stage`` axis of a device mesh.
 
   Construct it with a :class:`tpipe.PipelineSpec` (``Sequential(layers, spec)``) or with the
@@ -134,8 +123,11 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
   replica (:mod:`tpipe.core.statistics`).
   """
 
-  layers: Sequence[Any]
-  spec: spec_lib.PipelineSpec = None
+  def __init__(self, layers, spec: spec_lib.PipelineSpec | None = None, **kwargs):
+    # The spec's settings as keywords: Sequential(layers, num_stages=4, ...) and
+    # model.clone(schedule="1f1b") (Flax's clone passes every field, then the changes).
+    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in spec_lib.field_names()}
+    super().__init__(layers, spec_lib.make(OWNER, spec, **settings), **kwargs)
 
   def __post_init__(self):
     # Flax adopts Module instances found in fields as bound submodules named layers_0, ...;
@@ -173,13 +165,10 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
                            tuple(rng_names), OWNER)[0]
 
   def pipeline_for(self, x, rng_names: Sequence[str] = (), **kwargs) -> engine.Pipeline:
-    """The engine's :class:`~tpipe.core.engine.Pipeline` for inputs like ``x``: the split, the
-    stage layouts and the runs on staged variables (what the trainer trains)."""
-    shapes, names = variable_shapes(self.layer_list(), self._core_layers(), self.spec, x,
-                                    kwargs, tuple(rng_names), OWNER)
-    return engine.build(self._core_layers(), self.spec, param_shapes=shapes["params"],
-                        stats_shapes=shapes[STATS], x=x, kwargs=kwargs,
-                        rng_names=tuple(rng_names), owner=OWNER, param_axes=names)
+    """The engine's :class:`tpipe.Pipeline` for inputs like ``x``: the split, the stage
+    layouts and the runs on staged variables (what the trainer trains)."""
+    front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER)
+    return adapter.build(front.model(x, kwargs, rng_names), x, kwargs, rng_names)
 
   def stage_layout(self, x, **kwargs) -> layout_lib.StageLayout:
     """The stage layout of this stack's parameters for inputs like ``x``.
@@ -245,36 +234,43 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
         layer_stats = nn.meta.unbox(variables.get(STATS, {}))
         if jax.tree.leaves(layer_stats):
           self.put_variable(STATS, f"layers_{i}", layer_stats)
+    variables = self._call_variables()
+
+    def store(new_stats):
+      if isinstance(new_stats, adapter.Staged):
+        self.put_variable(STATS, STAGED, new_stats.tree)
+        return
+      for name, tree in new_stats.items():
+        if name in variables.stats:
+          self.put_variable(STATS, name, tree)
+
+    front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER)
+    return front.run(self, variables, x, kwargs, loss=loss, rngs=rngs, store_stats=store)
+
+  def _call_variables(self) -> adapter.Variables:
+    """The module's variables for a call: each collection logical, or staged where it holds
+    ``{"staged": tree}`` alone (the one place that key is read)."""
     params = nn.meta.unbox(dict(self.variables.get("params", {})))
     stats = nn.meta.unbox(dict(self.variables.get(STATS, {})))
-    staged = params.get(STAGED)
-    if staged is not None:
-      if set(params) != {STAGED}:
-        raise ValueError(f"{OWNER}: params hold {sorted(params)}; staged params are "
-                         f"{{'{STAGED}': tree}} alone.")
-      if isinstance(self.spec.balance, str):
-        # The split decides what each staged element means; a balance computed from costs may
-        # cut differently for other input shapes, and equal sizes would hide it.
-        raise ValueError(f"{OWNER}: staged params need the split they were made with; build "
-                         f"the model with model.with_split(layout) (balance="
-                         f"{self.spec.balance!r} is computed from costs and could cut the layers "
-                         "differently).")
-    else:
+    if STAGED in stats:
+      stats = adapter.Staged(stats[STAGED])
+    if STAGED not in params:
       expected = {f"layers_{i}" for i in range(len(self.layers))}
       if set(params) != expected:
         raise ValueError(f"{OWNER} expects params {sorted(expected)}, got {sorted(params)}; "
                          "were these variables made for another list of layers?")
-
-    def store(new_stats):
-      if STAGED in stats:
-        self.put_variable(STATS, STAGED, new_stats[STAGED])
-      else:
-        for name, tree in new_stats.items():
-          if name in stats:
-            self.put_variable(STATS, name, tree)
-
-    return run_layers(self, self.layer_list(), self.spec, x, kwargs, loss, params=params,
-                      stats=stats, rngs=rngs, mesh=mesh, store_stats=store, owner=OWNER)
+      return adapter.Variables(params, stats)
+    if set(params) != {STAGED}:
+      raise ValueError(f"{OWNER}: params hold {sorted(params)}; staged params are "
+                       f"{{'{STAGED}': tree}} alone.")
+    if isinstance(self.spec.balance, str):
+      # The split decides what each staged element means; a balance computed from costs may
+      # cut differently for other input shapes, and equal sizes would hide it.
+      raise ValueError(f"{OWNER}: staged params need the split they were made with; build "
+                       f"the model with model.with_split(layout) (balance="
+                       f"{self.spec.balance!r} is computed from costs and could cut the layers "
+                       "differently).")
+    return adapter.Variables(adapter.Staged(params[STAGED]), stats)
 
 
 def initial_variables(module: nn.Module, given, spec, x, kwargs, rngs, mesh,
@@ -319,55 +315,54 @@ def core_layers(given, owner: str) -> tuple[layers_lib.Layer, ...]:
                for layer in given)
 
 
-def run_layers(module: nn.Module, given, spec, x, kwargs, loss: bool, *, params, stats, rngs,
-               mesh, store_stats, owner: str):
-  """Plans and runs linen layers inside a linen module's call.
+@dataclasses.dataclass(frozen=True)
+class LinenLayers:
+  """Linen modules and :class:`Repeat` entries as the adapter's layers
+  (:mod:`tpipe.core.adapter`): what both linen front ends run a call through.
 
-  Args:
-    module: the calling module (for the variable shapes' and statistics' bookkeeping).
+  Attributes:
     given: the linen modules and :class:`Repeat` entries.
     spec: the pipeline settings.
-    x: the input.
-    kwargs: the keyword arguments.
-    loss: run :meth:`~tpipe.core.engine.Pipeline.loss` (else ``apply``).
-    params: logical ``{"layers_i": ...}``, or ``{"staged": tree}`` for an explicit split.
-    stats: logical or ``{"staged": tree}`` running statistics (``{}`` without).
-    rngs: ``{stream: key}`` for the call.
-    mesh: the mesh to run on.
-    store_stats: called with the updated statistics (in ``stats``' layout) after a training
-      step of BatchNorm layers.
     owner: the API the user called, for messages.
   """
-  layers = core_layers(given, owner)
-  streams = tuple(rngs)
-  shapes, names = variable_shapes(given, layers, spec, x, kwargs, streams, owner)
-  staged = params.get(STAGED)
-  if staged is None:
-    shapes["params"] = layers_lib.abstract(params)
-  if STAGED not in stats:  # Given logical statistics fix the dtypes (float64 references).
-    shapes[STATS] = {k: layers_lib.abstract(stats[k]) if k in stats else v
-                     for k, v in shapes[STATS].items()}
-  pipeline = engine.build(layers, spec, param_shapes=shapes["params"],
-                          stats_shapes=shapes[STATS], x=x, kwargs=kwargs, rng_names=streams,
-                          owner=owner, param_axes=names)
-  staged_stats = stats.get(STAGED)
-  logical_stats = stats if pipeline.stats_layout is not None and staged_stats is None else None
-  new_params, new_stats = pipeline.stage(params if staged is None else None, logical_stats)
-  staged = new_params if staged is None else staged
-  staged_stats = new_stats if staged_stats is None else staged_stats
-  run = pipeline.loss if loss else pipeline.apply
-  result = run(staged, x, kwargs, stats=staged_stats, rngs=rngs, mesh=mesh)
-  if staged_stats is None:
-    return result
-  result, new = result
-  if new is not None and not module.is_initializing():  # Like Flax: init does not update them.
+
+  given: tuple
+  spec: spec_lib.PipelineSpec
+  owner: str
+
+  def model(self, x, kwargs, rng_names: Sequence[str]) -> adapter.Model:
+    """The layers, with their abstract logical variables for inputs like ``x``."""
+    layers = core_layers(self.given, self.owner)
+    shapes, names = variable_shapes(self.given, layers, self.spec, x, kwargs,
+                                    tuple(rng_names), self.owner)
+    return adapter.Model(layers, self.spec, self.owner, param_axes=names,
+                         param_shapes=shapes["params"], stats_shapes=shapes[STATS])
+
+  def run(self, module: nn.Module, variables: adapter.Variables, x, kwargs, *, loss: bool,
+          rngs, store_stats):
+    """Runs a call inside ``module``'s call (:func:`tpipe.core.adapter.call`).
+
+    Args:
+      module: the calling module (is it initializing; may it write ``batch_stats``).
+      variables: the parameters and statistics, each logical or staged.
+      x: the input.
+      kwargs: the keyword arguments.
+      loss: return the mean loss (else the outputs).
+      rngs: ``{stream: key}`` for the call.
+      store_stats: called with the updated statistics (in ``variables.stats``' form) after a
+        training step of BatchNorm layers.
+    """
+    model = self.model(x, kwargs, tuple(rngs))
+    result = adapter.call(model, variables, x, kwargs, loss=loss, rngs=rngs,
+                          mesh=self.spec.run_mesh(self.owner))
+    if result.new_stats is None or module.is_initializing():  # Like Flax: init does not update.
+      return result.value
     if not module.is_mutable_collection(STATS):
-      raise ValueError(f"{owner}: BatchNorm layers run in training mode update '{STATS}'; call "
-                       f"apply(..., mutable=['{STATS}']) (or put them in evaluation mode, "
+      raise ValueError(f"{self.owner}: BatchNorm layers run in training mode update '{STATS}'; "
+                       f"call apply(..., mutable=['{STATS}']) (or put them in evaluation mode, "
                        "use_running_average=True).")
-    layout = pipeline.stats_layout
-    store_stats({STAGED: new} if STAGED in stats else layout.to_logical(new))
-  return result
+    store_stats(result.stats())
+    return result.value
 
 
 def _apply_all(layers, i: int, params, stats, h, kwargs, rngs, axis_names, owner: str):
