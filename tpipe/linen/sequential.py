@@ -223,12 +223,12 @@ class Sequential(_SequentialFields):
 
   @nn.compact
   def _run(self, x, kwargs, loss: bool):
-    mesh = self.spec.run_mesh(OWNER)
+    self.spec.run_mesh(OWNER)  # Raises first where the spec's mesh does not fit the devices.
+    front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER)
     streams = tuple(sorted(name for name in self.scope.rngs if name != "params"))
     rngs = {name: self.make_rng(name) for name in streams}
     if self.is_initializing():
-      for i, variables in enumerate(initial_variables(self, self.layer_list(), self.spec, x,
-                                                      kwargs, rngs, mesh, OWNER)):
+      for i, variables in enumerate(front.initial_variables(self, x, kwargs, rngs)):
         layer_params = variables.get("params", {})
         self.param(f"layers_{i}", lambda _key, value=layer_params: value, unbox=False)
         layer_stats = nn.meta.unbox(variables.get(STATS, {}))
@@ -244,7 +244,6 @@ class Sequential(_SequentialFields):
         if name in variables.stats:
           self.put_variable(STATS, name, tree)
 
-    front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER)
     return front.run(self, variables, x, kwargs, loss=loss, rngs=rngs, store_stats=store)
 
   def _call_variables(self) -> adapter.Variables:
@@ -271,42 +270,6 @@ class Sequential(_SequentialFields):
                        f"{self.spec.balance!r} is computed from costs and could cut the layers "
                        "differently).")
     return adapter.Variables(adapter.Staged(params[STAGED]), stats)
-
-
-def initial_variables(module: nn.Module, given, spec, x, kwargs, rngs, mesh,
-                      owner: str) -> list[dict]:
-  """Every layer's initial variables, the layers run in order on one micro-batch of ``x``: layer
-  ``i`` from ``fold_in(module.make_rng("params"), i)``. Partitioning boxes are kept (a
-  :class:`Repeat`'s copy axis named after the stage axis), so ``init`` returns them as
-  ``nn.scan`` does."""
-  batch, replicas = layers_lib.batch_size(x, owner), spec.data_size(mesh)
-  micro = max(1, batch // (spec.num_microbatches * replicas))
-  split = arguments.split_keywords(kwargs, per_example=spec.per_example, batch_size=batch,
-                                   owner=owner)
-  side = (split.broadcast, tuple(a[:micro] for a in split.per_example))
-  h = jax.tree.map(lambda a: a[:micro], x)
-  key = module.make_rng("params")
-  other = layers_lib.unit_rngs(rngs, 0, 0)
-  axis_names = (spec.data_axis, spec.stage_axis)
-  out, layers = [], core_layers(given, owner)
-  for i, (layer_given, layer) in enumerate(zip(given, layers)):
-    kw = layers_lib.layer_keywords(layer, split, *side)
-    try:
-      variables = linen_layers.init_variables(_module_of(layer_given), _copies(layer_given),
-                                              jax.random.fold_in(key, i), h, kw, other,
-                                              axis_names, spec.stage_axis)
-    except (TypeError, ValueError) as error:
-      where = plan_lib.failure_message(layers, i, owner)
-      raise plan_lib.located(error, where, h) from error
-    extra = linen_layers.variable_collections(variables)
-    if extra:
-      raise ValueError(f"{owner}: layers[{i}] ({layer.kind}) creates variable collections "
-                       f"{extra}; tpipe supports 'params' and BatchNorm's '{STATS}'.")
-    out.append(variables)
-    plain = nn.meta.unbox(variables)
-    h = _apply_all(layers, i, plain.get("params", {}), plain.get(STATS, {}), h, kw, other,
-                   axis_names, owner)
-  return out
 
 
 def core_layers(given, owner: str) -> tuple[layers_lib.Layer, ...]:
@@ -364,19 +327,55 @@ class LinenLayers:
     store_stats(result.stats())
     return result.value
 
+  def initial_variables(self, module: nn.Module, x, kwargs, rngs) -> list[dict]:
+    """Every layer's initial variables, the layers run in order on one micro-batch of ``x``:
+    layer ``i`` from ``fold_in(module.make_rng("params"), i)``. Partitioning boxes are kept (a
+    :class:`Repeat`'s copy axis named after the stage axis), so ``init`` returns them as
+    ``nn.scan`` does."""
+    spec, owner = self.spec, self.owner
+    batch = layers_lib.batch_size(x, owner)
+    replicas = spec.data_size(spec.run_mesh(owner))
+    micro = max(1, batch // (spec.num_microbatches * replicas))
+    split = arguments.split_keywords(kwargs, per_example=spec.per_example, batch_size=batch,
+                                     owner=owner)
+    side = (split.broadcast, tuple(a[:micro] for a in split.per_example))
+    h = jax.tree.map(lambda a: a[:micro], x)
+    key = module.make_rng("params")
+    other = layers_lib.unit_rngs(rngs, 0, 0)
+    axis_names = (spec.data_axis, spec.stage_axis)
+    layers = core_layers(self.given, owner)
 
-def _apply_all(layers, i: int, params, stats, h, kwargs, rngs, axis_names, owner: str):
-  """Applies ``layers[i]`` (every copy of a repeated one, in order) to a concrete micro-batch."""
-  layer = layers[i]
-  apply = layers_lib.outside_mesh(layer.apply, axis_names)
-  if layer.copies is None:
-    return apply(params, stats, h, kwargs, rngs)[0]
-  for j in range(layer.copies):
-    one = lambda tree, j=j: jax.tree.map(lambda a: a[j], tree)
-    out = apply(one(params), one(stats), h, kwargs, rngs)[0]
-    plan_lib.check_repeated(layers, i, h, out, owner)
-    h = out
-  return h
+    def apply_all(i, variables, h, kw):
+      """Applies ``layers[i]`` (every copy of a repeated one, in order) to ``h``."""
+      layer = layers[i]
+      params, stats = variables.get("params", {}), variables.get(STATS, {})
+      apply = layers_lib.outside_mesh(layer.apply, axis_names)
+      if layer.copies is None:
+        return apply(params, stats, h, kw, other)[0]
+      for j in range(layer.copies):
+        one = lambda tree, j=j: jax.tree.map(lambda a: a[j], tree)
+        out = apply(one(params), one(stats), h, kw, other)[0]
+        plan_lib.check_repeated(layers, i, h, out, owner)
+        h = out
+      return h
+
+    out = []
+    for i, (layer_given, layer) in enumerate(zip(self.given, layers)):
+      kw = layers_lib.layer_keywords(layer, split, *side)
+      try:
+        variables = linen_layers.init_variables(_module_of(layer_given), _copies(layer_given),
+                                                jax.random.fold_in(key, i), h, kw, other,
+                                                axis_names, spec.stage_axis)
+      except (TypeError, ValueError) as error:
+        where = plan_lib.failure_message(layers, i, owner)
+        raise plan_lib.located(error, where, h) from error
+      extra = linen_layers.variable_collections(variables)
+      if extra:
+        raise ValueError(f"{owner}: layers[{i}] ({layer.kind}) creates variable collections "
+                         f"{extra}; tpipe supports 'params' and BatchNorm's '{STATS}'.")
+      out.append(variables)
+      h = apply_all(i, nn.meta.unbox(variables), h, kw)
+    return out
 
 
 def variable_shapes(given, layers, spec, x, kwargs, rng_names,

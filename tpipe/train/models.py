@@ -61,6 +61,7 @@ PER_EXAMPLE = ("targets", "loss_weights", "segment_ids", "positions")
 POSITIONS = ("learned", "rotary")
 
 
+# One keyword per architecture field (tpipe.train.architecture.lm_arguments fills them).
 def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
               vocab_size: int = VOCAB_SIZE, dropout_rate: float = 0.0, dtype: Any = jnp.float32,
               param_dtype: Any = jnp.float32, vocab_chunks: int = 1, block: str = "gpt",
