@@ -139,17 +139,22 @@ def temporaries(fn, topology: str) -> tuple[int, int]:
 
 
 def main():
-  run = _common.start("tpu_gradient_sums", __doc__)
+  run = _common.start("tpu_gradient_sums", __doc__,
+                      smoke=f"one chip of {TOPOLOGY} only, no table of other generations")
+  chips_compiled = (TOPOLOGY,) if run.smoke else CHIPS
   mib = lambda n: f"{n / 2**20:.1f}"
   table = ["| how the weight gradient is summed | temporaries MiB | buffer assignment MiB "
            "| beyond it MiB |", "|---|---:|---:|---:|"]
   by_chip = {}
   for label, fn in WAYS:
-    for topology in CHIPS:
+    for topology in chips_compiled:
       by_chip[label, topology] = temporaries(fn, topology)
     total, allocated = by_chip[label, TOPOLOGY]
     table.append(f"| {label} | {mib(total)} | {mib(allocated)} | {mib(total - allocated)} |")
     print(table[-1], flush=True)
+  if run.smoke:
+    run.write("Summing weight gradients in a tick loop, compiled for a TPU (smoke)", table)
+    return
   chips = ["", "Beyond the buffer assignment, MiB, for one chip of each generation (the same "
            "programs; temporaries / buffer assignment in brackets):", "",
            "| how the weight gradient is summed | " + " | ".join(f"`{t}`" for t in CHIPS) + " |",

@@ -45,69 +45,41 @@ WEIGHT_RECOMPUTE_NAMES = ("none", "forward", "backward")
 class PipelineSpec:
   """How a sequence of layers is pipelined. Frozen; validated on construction.
 
+  Every front end, the trainer's config, the report and the auto-tuner take this one value. How
+  the settings interact, and why: docs/design/pipeline-spec.md.
+
   Attributes:
     num_stages: pipeline stages S; equals the size of the mesh's stage axis.
     num_microbatches: micro-batches M per data-parallel replica.
-    schedule: a forward schedule (``"gpipe"``, ``"circular"``: the backward comes from
-      autodiff through the tick loop) or a fused one (``"1f1b"``, ``"interleaved_1f1b"``,
-      ``"zb_h1"``, ``"zbv"``: forward and backward interleaved, memory bounded in S); see
-      :mod:`tpipe.schedules`.
+    schedule: ``"gpipe"``, ``"circular"`` (backward by autodiff through the tick loop),
+      ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"`` (fused: forward and backward
+      interleaved, memory bounded in S); see :mod:`tpipe.schedules`.
     num_repeats: chunks per stage R: 1 for ``"gpipe"``, ``"1f1b"``, ``"zb_h1"``; 2 for ``"zbv"``;
       any for ``"circular"``; at least 2 for ``"interleaved_1f1b"``.
-    balance: how the ``S * R`` chunks are cut: ``"params"`` (parameter count per unit),
-      ``"flops"`` (XLA's cost analysis of each unit's forward and backward on one micro-batch),
-      ``"time"`` (their measured wall time; for real accelerators) or a sequence of layer-unit
-      counts per chunk (a repeated layer of n copies is n units).
-    remat: ``"none"``, ``"full"`` (keep each piece's input, recompute the rest), ``"dots"``
-      (keep matmul outputs) or a ``jax.checkpoint`` policy.
+    balance: how the ``S * R`` chunks are cut: ``"params"``, ``"flops"``, ``"time"`` or a
+      sequence of layer-unit counts per chunk (a repeated layer of n copies is n units).
+    remat: ``"none"``, ``"full"``, ``"dots"`` or a ``jax.checkpoint`` policy.
     remat_granularity: what one checkpoint covers: ``"nested"`` (the default: the chunk, and
-      inside it each unit: across ticks the chunk keeps one input as with ``"chunk"``, and its
-      backward holds one unit's intermediates at a time as with ``"layer"``, for one more
-      forward per unit; what MaxText's full remat does under pipelining), ``"chunk"`` (a
-      stage's whole chunk: its backward holds every unit's intermediates of a micro-batch),
-      ``"layer"`` (each layer unit: a micro-batch in flight keeps one input per unit), or an
-      int ``k`` (every ``k`` consecutive units).
+      inside it each unit), ``"chunk"``, ``"layer"`` or an int ``k`` (every ``k`` units).
     per_example: names of keyword arguments whose arrays carry the batch as leading axis; they
       are split into micro-batches with the input. Other arrays are broadcast to every layer.
-    unroll: layer units per iteration of a repeated layer's ``lax.scan`` (``True``: all), as in
-      ``nn.scan``.
+    unroll: layer units per iteration of a repeated layer's ``lax.scan`` (``True``: all).
     mesh: the device mesh; ``None`` means the ambient mesh (``jax.set_mesh``), else one device.
-    transfer_delay: whether a value sent between neighbouring stages is read one tick later
-      than usual, so its transfer overlaps a whole tick of compute (for links over the slow
-      network between slices): ``None`` (default) delays exactly the links that cross slices
-      of ``mesh`` (:func:`tpipe.make_mesh` with ``dcn=``; none on one slice or without ``mesh``),
-      ``0`` none, ``1``
-      every link, or one 0/1 per link of the ring of stages (link ``l`` joins stage ``l`` to
-      ``(l + 1) % S``). A delayed link lengthens the table by a tick each time its critical
-      path crosses it: once for gpipe and circular, twice (forward and backward) for 1F1B
-      and ZB-H1, more for interleaved 1F1B and ZB-V.
-    stream_inputs: where the batch enters split over the stages and M is a multiple of S,
-      whether each micro-batch's inputs reach stage 0 in the tick that reads them, sent one
-      stage per tick from the stage that holds them (:mod:`tpipe.core.streaming`: a stage holds
-      M/S micro-batches of inputs and every transfer overlaps a tick) rather than gathered onto
-      every stage in one blocking transfer before the first tick. Tables where a read comes
-      before its data could travel (M = S with every link delayed) gather.
-    tick_costs: fused schedules only: per-action costs of one chunk, ``{"F": .., "B": ..}``
-      (with ``"BI"`` and ``"W"`` for ``"zb_h1"`` and ``"zbv"``; relative costs do), for which
-      the table is laid out in compound ticks (a forward, a backward and weight work in one
-      tick, :mod:`tpipe.schedules.compound`) so that ticks cost the same on every stage; kept
-      as a sorted tuple of ``(action, cost)`` pairs. None (default): one action per tick.
+    transfer_delay: which links between neighbouring stages are read one tick late, so the
+      transfer overlaps a tick of compute: ``None`` (default: the links that cross slices of
+      ``mesh``), ``0`` none, ``1`` all, or one 0/1 per link (link ``l`` joins stage ``l`` to
+      ``(l + 1) % S``).
+    stream_inputs: whether each micro-batch's inputs travel to stage 0 one stage per tick
+      (where M is a multiple of S) rather than being gathered once before the first tick.
+    tick_costs: fused schedules only: per-action costs of one chunk, ``{"F": .., "B": ..}`` (with
+      ``"BI"`` and ``"W"`` for the zero-bubble schedules), for which the table is laid out in
+      compound ticks; kept as a sorted tuple of ``(action, cost)`` pairs. None: one action per
+      tick.
     tick_search: with ``tick_costs``: sweeps of exact window search over the compound table
-      (:func:`tpipe.schedules.refine.refine`: the actions of six ticks at a time re-placed by a
-      mixed-integer program for a shorter neighbour-synchronised step, in no more memory).
-      It finds tables the builder's rules miss, at seconds (ZB-H1) to minutes (ZB-V) at S = 8,
-      once per process (tables are cached), the same on every host. 0 (default): none; 4 is
-      what ``experiments/fused_schedules.py`` uses (one sweep can stop short).
+      (experimental; 0, the default: none).
     weight_recompute: split backward only (``"zb_h1"``, ``"zbv"``): what ``W`` computes again
-      rather than a micro-batch awaiting it keeping it. False (or ``"none"``): nothing; ``BI``
-      files its weight operations' inputs and output gradients. ``"forward"`` (or True): ``W``
-      runs the chunk's forward again from the stashed input for the operations' inputs; a
-      micro-batch awaiting ``W`` holds their output gradients, for one more chunk forward.
-      ``"backward"``: ``BI`` forms only the input gradients and ``W`` runs the chunk's forward
-      and backward again from the stashed input and the chunk's output gradient, keeping the
-      weight gradients; a micro-batch awaiting ``W`` holds that one gradient (the size of a
-      stashed input), for about one more fused backward per micro-batch. Kept as False,
-      ``"forward"`` or ``"backward"``.
+      rather than a micro-batch awaiting it keeping it: False (nothing), ``"forward"`` (or True)
+      or ``"backward"``.
     stage_axis: the mesh axis of stages.
     data_axis: the mesh axis of data-parallel replicas (the batch is split over it).
   """

@@ -288,13 +288,16 @@ def test_weight_recompute_trades_weight_slots_for_flops(name):
   """What a micro-batch awaiting W holds: its tapped operations' inputs and output gradients
   (nothing recomputed), their output gradients ("forward"), or the chunk's output gradient
   alone ("backward"): ZB-H1's temporaries fall in that order, the last within 1.25x of
-  1F1B's."""
+  1F1B's (at the granularity that keeps each unit's residuals, "chunk": "nested" makes B
+  recompute each unit again, where W's rerun has no slot to save)."""
   x, targets = _inputs(name, _model(name, "1f1b", 2, 4)[1])
   temporaries = {}
   for schedule, recompute in [("1f1b", False), ("zb_h1", False), ("zb_h1", "forward"),
                               ("zb_h1", "backward")]:
-    model, _ = _model(name, schedule, 2, 4, weight_recompute=recompute) if recompute else (
-        _model(name, schedule, 2, 4))
+    settings = dict(remat_granularity="chunk")
+    if recompute:
+      settings["weight_recompute"] = recompute
+    model, _ = _model(name, schedule, 2, 4, **settings)
     step = jax.jit(jax.grad(lm.pipelined_loss(model)))
     compiled = step.lower(lm.random_params(name), x, targets).compile()
     temporaries[schedule, recompute] = compiled.memory_analysis().temp_size_in_bytes

@@ -25,7 +25,7 @@ import tpipe
 from tests.helpers import blocks
 from tests.helpers import linen_models as lm
 from tests.helpers import numerics
-from tpipe.core import unit_backward
+from tpipe.core import backward_plan
 from tpipe.tools import flops as flops_lib
 
 # (model, schedule, granularity, remat, balance): a chunk of plain layers and Repeat units, the
@@ -197,7 +197,7 @@ def test_backward_by_units_sums_gradients_in_place():
 def test_which_settings_run_the_backward_by_units(schedule, repeats, remat, granularity, expected):
   spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=4, schedule=schedule,
                             num_repeats=repeats, remat=remat, remat_granularity=granularity)
-  assert unit_backward.by_units(spec) is expected
+  assert backward_plan.resolve(spec).by_units is expected
 
 
 def _norm_relative(a, b):
@@ -279,7 +279,7 @@ def test_chunk_backward_casts_the_weights_again_instead_of_keeping_the_casts():
   temporaries = {}
   for dtype in (jnp.bfloat16, jnp.float32):
     model, params, x = _cast_model(dtype)
-    assert unit_backward.by_units(model.spec)
+    assert backward_plan.resolve(model.spec).by_units
     compiled = jax.jit(jax.grad(lm.pipelined_loss(model))).lower(params, x, x).compile()
     temporaries[dtype] = compiled.memory_analysis().temp_size_in_bytes
   one_layer_cast = 512 * 512 * 2
@@ -323,7 +323,7 @@ def test_chunk_backward_by_units_reads_side_inputs_again_and_equals_sequential()
   model = tpipe.Sequential(layers, num_stages=2, num_microbatches=3, remat="full",
                            remat_granularity="chunk", per_example=("gate", "targets"),
                            mesh=tpipe.make_mesh(stages=2))
-  assert unit_backward.by_units(model.spec)
+  assert backward_plan.resolve(model.spec).by_units
   params = model.init(jax.random.key(0), x, gate=gate, bias=bias, extras=extras,
                       targets=targets)["params"]
 

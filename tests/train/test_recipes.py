@@ -1,4 +1,4 @@
-"""The fine-tuning recipe's CPU variant (docs/recipes/finetune.md) runs as written: a tiny
+"""The fine-tuning recipe's CPU variant (docs/guide/finetune.md) runs as written: a tiny
 Llama-family checkpoint and a tokenizer.json made locally, then the trainer (from the JSONL,
 starting from the checkpoint), evaluate, generate and export, as a user types them."""
 
@@ -14,7 +14,7 @@ from tests.helpers import train_runs
 from tpipe.train import metrics
 from tpipe.train import pretrained
 
-RECIPE = train_runs.REPO / "docs" / "recipes" / "finetune.md"
+RECIPE = train_runs.REPO / "docs" / "guide" / "finetune.md"
 ROOT = "/tmp/tpipe-recipe"
 
 pytest.importorskip("transformers")

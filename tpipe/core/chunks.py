@@ -139,8 +139,6 @@ class ChunkSet:
         if any(inner):
           self._shared_specs[name] = P(*[None if not a else a[0] if len(a) == 1 else a
                                          for a in inner])
-    # Filled while tracing tapped branches: each segment's traced program, for W.
-    self._programs: dict[tuple[int, int], taps_lib.Program] = {}
 
   @property
   def num_branches(self) -> int:
@@ -340,14 +338,14 @@ class ChunkSet:
     return self.ring.pack(h, boundary), zeros_with_rows(self.output_example, rows)
 
   def _runs(self, branch: int, chunk, trees, stats, side, rngs, microbatch, taps=None,
-            tapped: bool = False):
-    """``apply_units`` runs for the branch's segments."""
+            tapped: bool = False, programs: dict | None = None):  # One tick's arguments.
+    """``apply_units`` runs for the branch's segments (tapped: see :meth:`_unit`)."""
     rep = self.chunks_of[branch][0]
     runs = []
     for k, seg in enumerate(self.layout.segments[rep]):
       layer = self.layers[seg.layer]
       first = self._first_unit(branch, chunk, k)
-      apply = self._unit(branch, k, layer, side, rngs, microbatch, tapped)
+      apply = self._unit(branch, k, layer, side, rngs, microbatch, tapped, programs)
       seg_taps = None if taps is None else taps[k]
       if seg.copies is None:
         runs.append((apply, (trees[k], stats[k], first, seg_taps), None))
@@ -356,8 +354,12 @@ class ChunkSet:
         runs.append((apply, (trees[k], stats[k], units, seg_taps), seg.copies))
     return runs
 
-  def _unit(self, branch, segment, layer, side, rngs, microbatch, tapped):
-    """``fn(h, (params, stats, unit, taps)) -> (h, (statistics, records))`` for one unit."""
+  def _unit(self, branch, segment, layer, side, rngs, microbatch, tapped,
+            programs=None):  # One tick's arguments, as _runs gets them.
+    """``fn(h, (params, stats, unit, taps)) -> (h, (statistics, records))`` for one unit.
+
+    Tapped, it runs the unit's traced program (:func:`tpipe.core.taps.trace`), and files it in
+    ``programs`` under ``segment`` where a dict is given (:meth:`unit_programs`)."""
 
     seg = self.layout.segments[self.chunks_of[branch][0]][segment]
 
@@ -373,7 +375,8 @@ class ChunkSet:
         return layer.apply(params, stats, h, kwargs, unit_rngs), ()
       run = lambda p, s, h, kw, r: layer.apply(p, s, h, kw, r)
       program = taps_lib.trace(run, params, stats, h, kwargs, unit_rngs)
-      self._programs.setdefault((branch, segment), program)
+      if programs is not None:
+        programs.setdefault(segment, program)
       param_leaves, others, _ = taps_lib.split_leaves(params, (stats, h, kwargs, unit_rngs))
       out, records, outputs = program.forward(param_leaves, others, taps)
       return out, (records, outputs)
@@ -386,7 +389,8 @@ class ChunkSet:
     return step
 
   def _apply(self, branch: int, staged, fresh, incoming, broadcast, per_example, rngs,
-             microbatch, chunk, taps=None, tapped=False, tie_to_tick=False):
+             microbatch, chunk, taps=None, tapped=False, tie_to_tick=False,
+             programs=None):  # A chunk program's arguments, then how it runs.
     rep = self.chunks_of[branch][0]
     r = self._local(branch, chunk)
     local = self._param_slot(staged[PARAMS], branch, chunk)
@@ -403,7 +407,7 @@ class ChunkSet:
       stats = [{} for _ in trees]
     h = self.input_of(branch, chunk, fresh, incoming)
     runs = self._runs(branch, chunk, trees, stats, (broadcast, per_example), rngs, microbatch,
-                      taps, tapped)
+                      taps, tapped, programs)
     h, outs = remat_lib.apply_units(h, runs, self.spec.remat, self.spec.remat_granularity,
                                     self.spec.unroll)
     rows = jax.tree.leaves(fresh)[0].shape[0]
@@ -447,10 +451,20 @@ class ChunkSet:
 
     return _checkpointed(run, policy)
 
-  def weight_branch(self, index: int):
+  def unit_programs(self, index: int, staged, inputs: tuple, chunk) -> dict:
+    """Branch ``index``'s units as traced programs (:class:`tpipe.core.taps.Program`), what
+    :meth:`weight_branch` forms weight gradients with: ``{segment: program}``, traced (abstractly)
+    on ``staged`` and the chunk program's ``inputs`` ``(fresh, incoming, broadcast, per_example,
+    rngs, microbatch)``."""
+    programs: dict = {}
+    jax.eval_shape(lambda: self._apply(index, staged, *inputs, chunk, None, tapped=True,
+                                       programs=programs))
+    return programs
+
+  def weight_branch(self, index: int, programs: dict):
     """``W`` of branch ``index``: ``fn(staged, chunk, records, output_grads) -> grads`` shaped
-    like ``staged[PARAMS]``: the tapped operations' weight gradients. Trace the tapped branch
-    first (it records what each unit's operations are)."""
+    like ``staged[PARAMS]``: the tapped operations' weight gradients, from the units' traced
+    ``programs`` (:meth:`unit_programs`)."""
     rep = self.chunks_of[index][0]
 
     def run(staged, chunk, records, output_grads):
@@ -459,7 +473,7 @@ class ChunkSet:
         trees = self._chunk_trees(self._param_slot(params, index, chunk), index, chunk)
         outs = []
         for k, seg in enumerate(self.layout.segments[rep]):
-          program = self._programs.get((index, k))
+          program = programs.get(k)
           if program is None or not program.taps:
             outs.append([])
             continue

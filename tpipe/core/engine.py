@@ -12,10 +12,10 @@ chunks, :mod:`tpipe.core.plan`), and lays out its variables on the stages
   backward runs inside the schedule: differentiate :meth:`Pipeline.loss`).
 * :meth:`Pipeline.loss`: the mean over the global batch of the last layer's per-example losses,
   differentiable under every schedule; with a fused schedule one differentiated call runs forward
-  and backward together (:func:`tpipe.core.fused.mean_loss`). So does a forward schedule under
-  ``remat="full"`` with ``remat_granularity`` ``"chunk"`` or ``"nested"``
-  (:func:`tpipe.core.unit_backward.by_units`): its forward ticks and autodiff's backward ticks
-  run as one fused table (:func:`tpipe.schedules.from_forward`), whose backward sums the
+  and backward together (:func:`tpipe.core.fused.mean_loss`). So does a forward schedule where
+  its backward plan says so (:attr:`Pipeline.backward_plan`, under ``remat="full"`` with
+  ``remat_granularity`` ``"chunk"`` or ``"nested"``): its forward ticks and autodiff's backward
+  ticks run as one fused table (:func:`tpipe.schedules.from_forward`), whose backward sums the
   parameter gradients in place.
 
 Front ends (``tpipe.Sequential``, ``tpipe.pipeline``, ``tpipe.nnx``) build one per call; the
@@ -34,6 +34,7 @@ import numpy as np
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import arguments
+from tpipe.core import backward_plan as backward_plan_lib
 from tpipe.core import chunks as chunks_lib
 from tpipe.core import forward
 from tpipe.core import fused
@@ -43,7 +44,6 @@ from tpipe.core import plan as plan_lib
 from tpipe.core import remat as remat_lib
 from tpipe.core import spmd
 from tpipe.core import statistics
-from tpipe.core import unit_backward
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -67,15 +67,19 @@ class Pipeline:
   owner: str
 
   @property
+  def backward_plan(self) -> backward_plan_lib.BackwardPlan:
+    """How the loss's backward actions run (:func:`tpipe.core.backward_plan.resolve`)."""
+    return backward_plan_lib.resolve(self.spec, has_stats=self.stats_layout is not None,
+                                     owner=self.owner)
+
+  @property
   def loss_table(self):
     """The table :meth:`loss` runs (what a training step runs): a fused schedule's own; a
     forward schedule's forward ticks and autodiff's backward ticks as one fused table
-    (:func:`tpipe.schedules.from_forward`) where its backward goes by units
-    (:func:`tpipe.core.unit_backward.by_units`, layers without running statistics); else the
-    forward schedule, differentiated through its tick loop."""
+    (:func:`tpipe.schedules.from_forward`) where the backward plan says so; else the forward
+    schedule, differentiated through its tick loop."""
     table = self.spec.table
-    by_units = self.stats_layout is None and unit_backward.by_units(self.spec)
-    if not self.spec.is_fused and by_units:
+    if self.backward_plan.fused_loss_table:
       return schedules.from_forward(table)
     return table
 
@@ -193,7 +197,8 @@ class Pipeline:
     split = self._call(x, kwargs, axes)
     chunkset = self._chunkset(split, stats, axes)
     return fused.mean_loss(chunkset, self._staged(params, None), x, split.broadcast,
-                           split.per_example, dict(rngs or {}), schedule=table, axes=axes)
+                           split.per_example, dict(rngs or {}), schedule=table, axes=axes,
+                           plan=self.backward_plan)
 
   def _chunkset(self, split, stats, axes: spmd.Axes) -> chunks_lib.ChunkSet:
     if (stats is None) != (self.stats_layout is None):
@@ -201,10 +206,8 @@ class Pipeline:
         raise ValueError(f"{self.owner}: layers have running statistics (BatchNorm's "
                          "batch_stats); pass them.")
       raise ValueError(f"{self.owner}: no layer has running statistics, but some were passed.")
-    if stats is not None and self.spec.is_fused:
-      raise ValueError(
-          f"{self.owner}: schedule={self.spec.schedule!r} does not support BatchNorm "
-          "statistics ('batch_stats'); use schedule='gpipe' or 'circular'.")
+    # Statistics under a fused schedule: no table runs them (raises).
+    backward_plan_lib.resolve(self.spec, has_stats=stats is not None, owner=self.owner)
     return chunks_lib.ChunkSet(self.layers, self.plan, self.layout, self.stats_layout,
                                self.spec, split, axes)
 
@@ -303,8 +306,9 @@ class Pipeline:
     return chunks_lib.signatures(self.plan, self.layout, self.stats_layout)[1]
 
   def describe(self) -> str:
-    """The split: each chunk's units, cost and share (see :meth:`tpipe.core.plan.Plan.describe`)."""
-    return self.plan.describe()
+    """The split (each chunk's units, cost and share: :meth:`tpipe.core.plan.Plan.describe`)
+    and the backward plan (:meth:`tpipe.core.backward_plan.BackwardPlan.describe`)."""
+    return f"{self.plan.describe()}\n{self.backward_plan.describe()}"
 
 
 def _not_differentiable(fn, message: str):

@@ -28,10 +28,10 @@ table as one SPMD program:
   only what the chunk keeps *within* the ``B`` tick. Under ``remat="none"`` ``F`` runs the VJP
   instead and keeps its residuals in a **residual slot** beside the stash
   (:mod:`tpipe.core.residuals`), and ``B`` (or ``BI``) applies it without the forward. Under
-  ``remat="full"`` (:func:`tpipe.core.unit_backward.by_units`), ``B`` runs the chunk's units
-  backwards one at a time instead and adds each unit's parameter gradient into the running sums
-  in place (:func:`tpipe.core.unit_backward.backward_into`), so no tick builds its chunk's whole
-  parameter gradient first. What each action does is :mod:`tpipe.core.branches`.
+  ``remat="full"`` (the backward plan, :mod:`tpipe.core.backward_plan`), ``B`` runs the chunk's
+  units backwards one at a time instead and adds each unit's parameter gradient into the running
+  sums in place (:func:`tpipe.core.unit_backward.backward_into`), so no tick builds its chunk's
+  whole parameter gradient first. What each action does is :mod:`tpipe.core.branches`.
 * ``BI`` is ``B`` with the chunk's operations linear in a weight tapped (:mod:`tpipe.core.taps`):
   it yields the input gradient and those operations' output gradients, filed with their other
   operands in a **weight slot** (packed per stage, as many slots as the table's most
@@ -61,7 +61,7 @@ pass alone (:func:`forward_outputs`, also what a fused schedule's model returns 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +70,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tpipe import schedules
+from tpipe.core import backward_plan
 from tpipe.core import chunks as chunks_lib
 from tpipe.core import branches as branches_lib
 from tpipe.core import packing
@@ -117,6 +118,22 @@ def _lane_runner(branches: list[Callable], in_place: list[bool]) -> Callable:
   return run
 
 
+class Call(NamedTuple):
+  """What one call of a fused run fixes from its inputs.
+
+  Attributes:
+    global_batch: the batch size of the call.
+    over_stages: whether the batch's rows are split over the stages.
+    conveyor: the inputs' conveyor to stage 0 (:mod:`tpipe.core.streaming`), or None.
+    rows: the tick scan's rows (the table's, with the conveyor's).
+  """
+
+  global_batch: int
+  over_stages: bool
+  conveyor: Any
+  rows: dict
+
+
 class _Run:
   """``run(staged, x, broadcast, per_example, rngs)``: a fused table in ``shard_map``.
 
@@ -126,15 +143,10 @@ class _Run:
   """
 
   def __init__(self, chunkset: chunks_lib.ChunkSet, schedule: schedules.FusedSchedule,
-               axes: spmd.Axes):
-    self.chunkset, self.schedule, self.axes = chunkset, schedule, axes
-    self.split = is_split(schedule)
+               axes: spmd.Axes, plan: backward_plan.BackwardPlan):
+    self.chunkset, self.schedule, self.axes, self.plan = chunkset, schedule, axes, plan
     self.rows_table = tick_rows.tick_rows(schedule, chunkset.branch_of_chunk)
     self.switches = tick_rows.lane_switches(schedule, chunkset.branch_of_chunk)
-    # Set per call: the global batch, whether its rows split over stages, the inputs' conveyor
-    # and the scan's rows with its slots.
-    self.global_batch, self.over_stages, self.conveyor = 0, False, None
-    self.call_rows = self.rows_table
     wrap, num_stages, delays = schedule.num_chunks > 1, schedule.num_stages, schedule.delays
     # Pairs over links without delay send at the end of a tick; over delayed links, during the
     # next tick (what a delayed table expects: arrival two ticks after the send).
@@ -143,22 +155,20 @@ class _Run:
     self.left = spmd.split_by_delay(spmd.neighbour_pairs(num_stages, -1, wrap), delays, -1,
                                     num_stages)
     self.delayed = any(delays)
-    self.branches = branches_lib.Branches(chunkset, self.split)
-    # W reads the stashed input again (weight_recompute): the conveyor keeps inputs until then.
-    self.recompute = self.branches.recompute
+    self.branches = branches_lib.Branches(chunkset, plan)
 
   # ------------------------------------------------------------------------------------------
   # The loop.
 
-  def per_device(self, staged, x, broadcast, per_example, rngs):
-    device = branches_lib.Device(self, staged, x, broadcast, per_example, rngs)
+  def per_device(self, call: Call, staged, x, broadcast, per_example, rngs):
+    device = branches_lib.Device(self, call, (staged, x, broadcast, per_example, rngs))
     schedule, axes, branches = self.schedule, self.axes, self.branches
     collect = schedule.forward_only
-    branches.learn(device, collect)
+    learned = branches.learn(device, collect)
 
     # Each lane switches over the branches the table runs in it only: a split table's B, or
     # the kinds a compound tick runs in its other lanes, are never traced nor compiled.
-    lanes = [_lane_runner([branches.branch(n, device, collect) for n in numbers],
+    lanes = [_lane_runner([branches.branch(n, device, learned, collect) for n in numbers],
                           [branches.adds_in_place(n) for n in numbers])
              for numbers in self.switches]
     # Named scopes let a memory breakdown (tpipe.tools.peak) tell the buffers apart.
@@ -166,12 +176,12 @@ class _Run:
       carry = {"state": axes.vary(self._initial_state(device, collect))}
     with jax.named_scope(spmd.STASH_SCOPE):
       carry["weights"] = axes.vary(spmd.stacked_zeros(
-          packing.empty(branches.weight_sizes),
+          packing.empty(learned.weight_sizes),
           max(1, int(schedule.awaiting_weight().max()))))
       carry["stash"] = axes.vary(spmd.stacked_zeros(
           device.ring_zero, max(1, int(schedule.stash_slots().max()))))
       carry["residuals"] = axes.vary(spmd.stacked_zeros(
-          packing.empty(branches.residual_sizes),
+          packing.empty(learned.residual_sizes),
           max(1, int(schedule.stash_slots().max()))))
     with jax.named_scope(spmd.MAILBOX_SCOPE):
       carry["mailbox"] = axes.vary(spmd.stacked_zeros(
@@ -179,8 +189,8 @@ class _Run:
       carry["arrived"] = axes.vary((device.ring_zero,) * 3)
       if self.delayed:  # What went to each side last tick, for the delayed links.
         carry["pending"] = axes.vary((device.ring_zero,) * 2)
-    if self.conveyor is not None:
-      carry["conveyor"] = self.conveyor.start(device.held)
+    if call.conveyor is not None:
+      carry["conveyor"] = call.conveyor.start(device.held)
 
     def tick(carry, row):
       stage = device.stage
@@ -196,23 +206,23 @@ class _Run:
         if not collect:
           stash = spmd.write_slot(stash, step["stash"], msg, step["forward"])
         fresh, carry = device.fresh(carry, step["microbatch"],
-                                    row[streaming.ROW][stage] if self.conveyor else None)
+                                    row[streaming.ROW][stage] if call.conveyor else None)
         at = {"weights": step["weight_slot"], "residuals": step["stash"]}
-        state, written, send = lanes[lane](
-            step["branch"], state, slots, at, msg,
-            spmd.read_slot(stash, step["stash"]), fresh, step["microbatch"], step["chunk"])
+        operands = branches_lib.Step(msg, spmd.read_slot(stash, step["stash"]), fresh,
+                                     step["microbatch"], step["chunk"])
+        state, written, send = lanes[lane](step["branch"], state, slots, at, operands)
         slots = {k: spmd.write_slot(slots[k], at[k], written[k]) for k in slots}
         sends.append((send, step))
       arrived, pending = self._send(sends, carry.get("pending"))
       out = {"state": state, "stash": stash, "mailbox": mailbox, "arrived": arrived, **slots}
       if self.delayed:
         out["pending"] = pending
-      if self.conveyor is not None:
+      if call.conveyor is not None:
         out["conveyor"] = carry["conveyor"]
       return out, None
 
-    carry, _ = lax.scan(tick, carry, self.call_rows)
-    return self._reduce(device, carry["state"], collect)
+    carry, _ = lax.scan(tick, carry, call.rows)
+    return self._reduce(device, call, carry["state"])
 
   def _initial_state(self, device: branches_lib.Device, collect: bool):
     if collect:
@@ -245,12 +255,12 @@ class _Run:
                spmd.permute_parts(to_left, stage, *self.left, pending[1]), own)
     return arrived, (to_right, to_left)
 
-  def _reduce(self, device: branches_lib.Device, state, collect: bool):
+  def _reduce(self, device: branches_lib.Device, call: Call, state):
     """Once per step, outside the loop: sums over stages and replicas."""
     axes = self.axes
-    if collect:
+    if self.schedule.forward_only:
       outputs = spmd.join_microbatches(state["outputs"])
-      return (axes.scatter_stages(outputs) if self.over_stages
+      return (axes.scatter_stages(outputs) if call.over_stages
               else lax.psum(outputs, axes.stage))
     loss = lax.psum(state["loss"], axes.manual) / (device.local_batch * axes.replicas)
     g_params = state["params"]
@@ -267,21 +277,25 @@ class _Run:
     g_params = chunks_lib.with_stage_axis(g_params, device.staged_leaves)
     joined = lambda leaves: [a.reshape((device.local_batch,) + a.shape[2:]) for a in leaves]
     g_x, g_pex = joined(state["x"]), joined(state["per_example"])
-    if self.over_stages:  # Each stage's part of the inputs' gradients, as its inputs came.
+    if call.over_stages:  # Each stage's part of the inputs' gradients, as its inputs came.
       g_x, g_pex = axes.scatter_stages((g_x, g_pex))
     else:
       g_x, g_pex = lax.psum((g_x, g_pex), axes.stage)
     return loss, g_params + g_x + g_broadcast + g_pex
 
+  def call_of(self, global_batch: int) -> Call:
+    """What a call with a batch of ``global_batch`` rows fixes (:class:`Call`)."""
+    # W reading the stashed input again keeps the inputs on the conveyor until then.
+    conveyor = streaming.plan(self.schedule, self.axes, global_batch,
+                              self.chunkset.spec.stream_inputs, self.plan.w_recomputes)
+    rows = self.rows_table if conveyor is None else dict(self.rows_table, **conveyor.row())
+    return Call(global_batch, self.axes.splits_over_stages(global_batch), conveyor, rows)
+
   def __call__(self, staged, x, broadcast, per_example, rngs):
     axes = self.axes
-    self.global_batch = jax.tree.leaves(x)[0].shape[0]
-    self.over_stages = axes.splits_over_stages(self.global_batch)
-    self.conveyor = streaming.plan(self.schedule, axes, self.global_batch,
-                                   self.chunkset.spec.stream_inputs, self.recompute)
-    self.call_rows = (self.rows_table if self.conveyor is None
-                      else dict(self.rows_table, **self.conveyor.row()))
-    io = axes.io_spec(self.global_batch)
+    global_batch = jax.tree.leaves(x)[0].shape[0]
+    call = self.call_of(global_batch)
+    io = axes.io_spec(global_batch)
     in_specs = (self.chunkset.staged_specs(staged), io, P(), io, P())
     operands = (staged, x, tuple(broadcast), tuple(per_example), rngs)
     if self.schedule.forward_only:
@@ -292,7 +306,8 @@ class _Run:
       grad_specs = self.chunkset.float_specs(staged) + [
           spec for tree, spec in zip(operands[1:4], in_specs[1:4]) for _ in _floats(tree)]
       out_specs = (P(), grad_specs)
-    return axes.shard_map(self.per_device, in_specs, out_specs)(*operands)
+    per_device = lambda *operands: self.per_device(call, *operands)
+    return axes.shard_map(per_device, in_specs, out_specs)(*operands)
 
 
 def forward_outputs(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple,
@@ -301,11 +316,13 @@ def forward_outputs(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple,
   """The last chunk's outputs for the whole batch, by ``schedule``'s forward pass alone
   (:meth:`~tpipe.schedules.FusedSchedule.forward_pass`); not meant to be differentiated."""
   table = schedule if schedule.forward_only else schedule.forward_pass()
-  return _Run(chunkset, table, axes)(staged, x, broadcast, per_example, rngs)
+  plan = backward_plan.resolve(chunkset.spec, split=False)  # Nothing runs backwards.
+  return _Run(chunkset, table, axes, plan)(staged, x, broadcast, per_example, rngs)
 
 
 def mean_loss(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple, per_example: tuple,
               rngs: dict, *, schedule: schedules.FusedSchedule, axes: spmd.Axes,
+              plan: backward_plan.BackwardPlan,
               primal: Callable[..., jax.Array] | None = None) -> jax.Array:
   """The mean over the global batch of the last chunk's per-example losses, run with a fused
   schedule; differentiable (``jax.custom_vjp``) in ``staged`` and in the float leaves of ``x``,
@@ -323,10 +340,11 @@ def mean_loss(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple, per_ex
     rngs: ``{stream: key}``.
     schedule: the fused schedule to run.
     axes: the mesh and its manual axes.
+    plan: how the backward actions run (:func:`tpipe.core.backward_plan.resolve`).
     primal: ``primal(staged, x, broadcast, per_example, rngs)``, the same mean computed without
       gradients, for calls that are not differentiated; default: the table's forward pass.
   """
-  run = _Run(chunkset, schedule, axes)
+  run = _Run(chunkset, schedule, axes, plan)
   if primal is None:
     primal = lambda *args: jnp.mean(forward_outputs(chunkset, *args, schedule=schedule,
                                                     axes=axes))

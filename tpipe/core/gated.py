@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tpipe.core import jax_compat
 from tpipe.core import packing
 from tpipe.core import spmd
 
@@ -125,9 +126,9 @@ class _Switch:
       return jax.tree.unflatten(tree, [spmd.cast_to(o, a) for o, a in zip(out_leaves, out_axes)])
 
     out, vjp_fn = jax.vjp(fn, *diff_leaves)
-    residuals, vjp_tree = jax.tree.flatten(vjp_fn)
-    inputs = {id(leaf): i for i, leaf in enumerate(list(diff_leaves) + list(other_leaves))}
-    source = [inputs.get(id(r)) for r in residuals]  # an input's index, or None if computed.
+    residuals, vjp_tree = jax_compat.vjp_residuals(vjp_fn)
+    # Per residual, an input's index (the input itself), or None if computed.
+    source = jax_compat.identical_positions(residuals, list(diff_leaves) + list(other_leaves))
     computed = [r for r, s in zip(residuals, source) if s is None]
     out_leaves, out_tree = jax.tree.flatten(out)
     self.plans[k].update(vjp_tree=vjp_tree, source=source, out_tree=out_tree,
@@ -208,7 +209,7 @@ class _Switch:
           computed = computed[slice(*self.slots[k])]
         computed = iter(computed)
         residuals = [next(computed) if s is None else inputs[s] for s in plan["source"]]
-        grads = jax.tree.unflatten(plan["vjp_tree"], residuals)(cotangent)
+        grads = jax_compat.vjp_with_residuals(plan["vjp_tree"], residuals)(cotangent)
         return tuple(spmd.cast_to(g, spmd.varying_axes(d)) for g, d in zip(grads, diff_leaves))
 
       return backward

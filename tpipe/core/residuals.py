@@ -29,10 +29,9 @@ import dataclasses
 from typing import Callable, Sequence
 
 import jax
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
 
 from tpipe.core import chunks as chunks_lib
+from tpipe.core import jax_compat
 from tpipe.core import packing
 
 
@@ -58,13 +57,6 @@ class ResidualPlan:
   def layout(self):
     """:func:`tpipe.core.packing.layout_of` the kept leaves: what :func:`keep` packs."""
     return packing.layout_of(self.kept_shapes)
-
-
-def _needs(jaxpr, output: int) -> list[bool]:
-  """The inputs (constants first) that output ``output`` of ``jaxpr`` is computed from."""
-  used_outputs = [i == output for i in range(len(jaxpr.outvars))]
-  _, used_inputs = pe.dce_jaxpr(jaxpr, used_outputs)
-  return used_inputs
 
 
 def plan_of(fn_of: Callable, trees: tuple, dynamic: Sequence[bool],
@@ -98,18 +90,18 @@ def plan_of(fn_of: Callable, trees: tuple, dynamic: Sequence[bool],
 
   inputs = [leaves[i] for i in order]
   closed = jax.make_jaxpr(residual_leaves)(inputs)
-  jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+  needs = jax_compat.inputs_needed(closed)
   constants, moving = len(closed.jaxpr.constvars), [of_tree[i] for i in order]
   kept = []
-  for output, var in enumerate(jaxpr.outvars):
-    needs = _needs(jaxpr, output)[constants:]
-    kept.append(not isinstance(var, jax_core.Literal)
-                and any(n and d for n, d in zip(needs, moving)))
+  for output, var in enumerate(closed.jaxpr.outvars):
+    computed_from = needs(output)[constants:]
+    kept.append(not jax_compat.is_literal(var)
+                and any(n and d for n, d in zip(computed_from, moving)))
   return ResidualPlan(tuple(kept), tuple((a.shape, a.dtype) for a in closed.out_avals))
 
 
 def _leaves(plan: ResidualPlan, vjp):
-  leaves, treedef = jax.tree.flatten(vjp)
+  leaves, treedef = jax_compat.vjp_residuals(vjp)
   found = tuple((jax.numpy.shape(a), jax.numpy.result_type(a)) for a in leaves)
   if found != plan.leaves:
     raise RuntimeError(f"This VJP's residuals {[(s, str(d)) for s, d in found]} are not the "
@@ -129,8 +121,8 @@ def substitute(plan: ResidualPlan, vjp, kept_leaves: Sequence):
   gave)."""
   leaves, treedef = _leaves(plan, vjp)
   kept_leaves = iter(kept_leaves)
-  return jax.tree.unflatten(treedef, [next(kept_leaves) if k else a
-                                      for a, k in zip(leaves, plan.kept)])
+  return jax_compat.vjp_with_residuals(treedef, [next(kept_leaves) if k else a
+                                                 for a, k in zip(leaves, plan.kept)])
 
 
 def keep(plan: ResidualPlan, vjp, sizes) -> dict:

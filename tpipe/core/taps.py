@@ -39,7 +39,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 from jax import lax
-from jax.extend import core as jex_core
+
+from tpipe.core import jax_compat
 
 # Operations that pass a parameter on unchanged up to a linear map of one operand: a chain of
 # them from a parameter to a tapped operation is re-applied in W.
@@ -47,10 +48,10 @@ PASS_THROUGH = frozenset({"convert_element_type", "reshape", "transpose", "broad
                           "squeeze", "expand_dims", "rev", "copy", "copy_p"})
 # Operations linear in a parameter operand at these positions, the others being data.
 TAPPABLE = {"dot_general": (0, 1), "conv_general_dilated": (0, 1), "gather": (0,)}
-# Nested calls whose body is inlined so that its operations can be tapped. A checkpoint's body
-# inlined keeps its intermediates for the tapped VJP instead of recomputing them: a weight a layer
-# multiplies inside its own checkpoint (a recomputed activation, say) still moves to W.
-INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint"})
+# Nested calls (jax_compat.INLINED) have their body inlined so that its operations can be tapped.
+# A checkpoint's body inlined keeps its intermediates for the tapped VJP instead of recomputing
+# them: a weight a layer multiplies inside its own checkpoint (a recomputed activation, say) still
+# moves to W.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,26 +71,6 @@ class Tap:
   chain: tuple
 
 
-def _bind(equation, values):
-  """Applies ``equation``'s primitive to ``values`` as the jaxpr does (list of outputs)."""
-  got = equation.primitive.get_bind_params(equation.params)
-  subfuns, params = got if isinstance(got, tuple) else ((), got)
-  with equation.ctx.manager:
-    out = equation.primitive.bind(*subfuns, *values, **params)
-  return list(out) if equation.primitive.multiple_results else [out]
-
-
-def inlined_body(equation):
-  """The body of an :data:`INLINED` call equation, as a ``ClosedJaxpr`` whose inputs are the
-  equation's operands; None for any other equation."""
-  if equation.primitive.name not in INLINED:
-    return None
-  jaxpr = equation.params.get("jaxpr", equation.params.get("call_jaxpr"))
-  if isinstance(jaxpr, jex_core.Jaxpr):  # A checkpoint's body: no constants of its own.
-    return jex_core.ClosedJaxpr(jaxpr, ())
-  return jaxpr if isinstance(jaxpr, jex_core.ClosedJaxpr) else None
-
-
 class _Interpreter:
   """Evaluates a jaxpr, tracking which values pass a parameter leaf on unchanged, tapping the
   operations linear in one (see the module documentation)."""
@@ -105,7 +86,7 @@ class _Interpreter:
     ``i`` passes a parameter on, else None. Returns the outputs and their derivations."""
     jaxpr = closed.jaxpr
     env, origin = {}, {}
-    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+    read = lambda v: jax_compat.literal_value(v) if jax_compat.is_literal(v) else env[v]
     for var, value in zip(jaxpr.constvars, closed.consts):
       env[var] = value
     for var, value, how in zip(jaxpr.invars, values, derived):
@@ -114,32 +95,32 @@ class _Interpreter:
         origin[var] = how
     for equation in jaxpr.eqns:
       invals = [read(v) for v in equation.invars]
-      how = [origin.get(v) if isinstance(v, jex_core.Var) else None for v in equation.invars]
+      how = [origin.get(v) if jax_compat.is_var(v) else None for v in equation.invars]
       outvals, out_how = self.equation(equation, invals, how)
       for var, value, h in zip(equation.outvars, outvals, out_how):
         env[var] = value
         if h is not None:
           origin[var] = h
     outs = [read(v) for v in jaxpr.outvars]
-    return outs, [origin.get(v) if isinstance(v, jex_core.Var) else None for v in jaxpr.outvars]
+    return outs, [origin.get(v) if jax_compat.is_var(v) else None for v in jaxpr.outvars]
 
   def equation(self, equation, invals, how):
     name = equation.primitive.name
-    inner = inlined_body(equation)
+    inner = jax_compat.call_body(equation)
     if inner is not None:
       return self.run(inner, invals, how)
     if name in PASS_THROUGH and len(invals) == 1 and how[0] is not None:
       parameter, chain = how[0]
-      return _bind(equation, invals), [(parameter, chain + (equation,))]
+      return jax_compat.bind(equation, invals), [(parameter, chain + (equation,))]
     positions = [i for i, h in enumerate(how) if h is not None]
     if self.tapping and len(positions) == 1 and positions[0] in TAPPABLE.get(name, ()):
       return self.tap(equation, invals, positions[0], how[positions[0]]), [None]
-    return _bind(equation, invals), [None] * len(equation.outvars)
+    return jax_compat.bind(equation, invals), [None] * len(equation.outvars)
 
   def tap(self, equation, invals, position, how):
     invals = list(invals)
     invals[position] = lax.stop_gradient(invals[position])
-    (out,) = _bind(equation, invals)
+    (out,) = jax_compat.bind(equation, invals)
     if self.taps is not None:
       out = out + self.taps[len(self.found)].astype(out.dtype)
     self.found.append(Tap(equation, position, how[0], how[1]))
@@ -185,10 +166,10 @@ class Program:
     for tap, others in zip(self.taps, records):
       weight = param_leaves[tap.parameter]
       for equation in tap.chain:
-        (weight,) = _bind(equation, [weight])
+        (weight,) = jax_compat.bind(equation, [weight])
       operands = list(others)
       operands.insert(tap.position, weight)
-      outputs.extend(_bind(tap.equation, operands))
+      outputs.extend(jax_compat.bind(tap.equation, operands))
     return outputs
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from tpipe.core import taps
+from tpipe.core import jax_compat
 
 
 def only_cast_dtypes(fn: Callable[..., Any], leaves: Sequence[Any], *args) -> list:
@@ -57,7 +57,7 @@ def only_cast_dtypes(fn: Callable[..., Any], leaves: Sequence[Any], *args) -> li
 def _cast_targets(jaxpr, count: int) -> list:
   """Per one of ``jaxpr``'s first ``count`` inputs, the set of dtypes every use casts it to, or
   None where some use takes it as it is."""
-  position = {id(v): i for i, v in enumerate(jaxpr.invars[:count])}
+  position = jax_compat.var_positions(jaxpr.invars[:count])
   targets: list[set | None] = [set() for _ in range(count)]
 
   def use(i, dtypes):
@@ -65,16 +65,17 @@ def _cast_targets(jaxpr, count: int) -> list:
       targets[i] = None if dtypes is None else targets[i] | dtypes
 
   for eqn in jaxpr.eqns:
-    used = [(k, position[id(v)]) for k, v in enumerate(eqn.invars) if id(v) in position]
+    used = [(k, position(v)) for k, v in enumerate(eqn.invars) if position(v) is not None]
     if not used:
       continue
-    if eqn.primitive is jax.lax.convert_element_type_p:
+    new_dtype = jax_compat.casts_to(eqn)
+    if new_dtype is not None:
       for _, i in used:
-        use(i, {np.dtype(eqn.params["new_dtype"])})
+        use(i, {np.dtype(new_dtype)})
       continue
     # A call whose body sees its operands as they are (a jit, a checkpoint: the calls the
     # split backward's taps follow): a leaf passed to one is only cast if the body only casts it.
-    body = taps.inlined_body(eqn)
+    body = jax_compat.call_body(eqn)
     body = None if body is None else body.jaxpr
     if body is None or len(body.invars) != len(eqn.invars):
       for _, i in used:
@@ -84,8 +85,8 @@ def _cast_targets(jaxpr, count: int) -> list:
     for k, i in used:
       use(i, inner[k])
   for var in jaxpr.outvars:
-    if id(var) in position:
-      use(position[id(var)], None)
+    if position(var) is not None:
+      use(position(var), None)
   return targets
 
 

@@ -42,53 +42,11 @@ IDLE = forward_lib.IDLE
 class FusedSchedule:
   """A fused pipeline schedule: ``[row, stage]`` tables of actions, validated on construction.
 
-  **Ticks.** Each tick every stage does at most one :class:`Action` on one (micro-batch, local
-  chunk), unless the tick is compound (below). What an action produces for another model chunk
-  is a message: a forward's output goes to the next model chunk, a backward's (``B`` or ``BI``)
-  input gradient to the previous one. A message sent at tick ``t`` arrives at tick ``t + 1``
-  (also when it stays on the same stage, as in ZB-V's turn at stage ``S - 1``), or at ``t + 2``
-  over a delayed link (:attr:`delays`), so:
-
-  * ``F`` of (m, model chunk v) runs after ``F`` of (m, v - 1);
-  * ``B``/``BI`` of (m, v) runs after ``B``/``BI`` of (m, v + 1), and after ``F`` of (m, v); the
-    last model chunk's backward starts from its own loss and needs only its forward;
-  * ``W`` of (m, v) runs after ``BI`` of (m, v), on the same stage;
-
-  each at a strictly earlier tick (two ticks earlier across a delayed link). Every (micro-batch,
-  chunk) of every stage has exactly one ``F`` and either one ``B`` or one ``BI`` and one ``W``.
-
-  **Stash ("in flight").** ``F`` writes what the backward needs (the chunk's input, or its layer
-  inputs with per-layer remat) into ``stash_slot[t, s]``; the micro-batch is *in flight* on that
-  stage from its ``F`` to the action that releases the slot, both ticks included. ``B`` releases
-  it. With split backward, ``W`` releases it, not ``BI``: with the "taps" design ``W`` forms
-  weight gradients as outer products of the layer inputs (in the slot) and the output gradients
-  ``BI`` computed (stored next to them, under the same slot index), so nothing can be freed at
-  ``BI`` without copying the inputs elsewhere. A slot freed at tick ``t`` is reused from ``t + 1``.
-  Slots are numbered ``0..peak - 1``, ``peak`` being the stage's most micro-batches in flight
-  (:meth:`peak_in_flight`); :meth:`awaiting_weight` counts the ones only ``W`` still needs.
-
-  **Receive buffer.** A message is not always consumed the tick it arrives (in 1F1B a stage can
-  receive an activation and a gradient in the same tick and use one of them later), so each
-  stage has a small mailbox: a message occupies a mailbox slot from its arrival tick to the tick
-  of the action that reads it. The routing is derived on construction: ``send_dir[t, s]`` is
-  ``+1`` (to stage ``s + 1`` mod S), ``-1`` (to ``s - 1`` mod S) or ``0`` (to itself) for the
-  message the action sends, ``send_slot[t, s]`` its mailbox slot on the receiver (``IDLE`` when
-  nothing is sent), ``recv_slot[t, s]`` the slot the action reads (``IDLE`` when its input is the
-  data or its own loss, and for ``W``); :meth:`mailbox_slots` gives the sizes,
-  :meth:`arrival_slots` where each tick's arrivals go. Every message has exactly one reader.
-
-  **Compound ticks.** The tables are ``[R, S]``: one row per step of a tick, and :attr:`tick`
-  says which tick each row belongs to (consecutive rows, ticks numbered from 0). A tick of
-  several rows is *compound*: each stage runs its rows' actions one after the other and only
-  then exchanges messages, so a tick can hold, say, one ``F``, one ``BI`` and a ``W`` on every
-  stage and cost the same everywhere (:mod:`tpipe.schedules.compound` builds such tables for
-  per-action costs). Then a message still arrives at the start of the next tick (two ticks later
-  over a delayed link), so an action needing another stage's work (or its own, across the turn
-  of ZB-V's V) needs it from an earlier *tick*; one needing only its own stash (``W`` after
-  ``BI``, the last chunk's backward after its forward) needs it from an earlier *row*. A stage
-  sends at most one message each way (right, left, to itself) per tick. Stash slots, mailbox
-  slots and the in-flight counts are per row (a slot freed in a row is free from the next row).
-  Without :attr:`tick` every row is a tick of its own, and rows and ticks are the same thing.
+  A table per field, one row per step of a tick and one column per stage: each stage does at
+  most one action per row on one (micro-batch, local chunk); its output reaches another chunk
+  at the next tick (two ticks later over a delayed link). Construction checks every dependency,
+  stash slot and mailbox slot and derives the routing. What the fields mean, and how compound
+  ticks, stashes and mailboxes work: docs/design/fused-schedules.md.
 
   Attributes:
     name: the schedule's name.
@@ -104,9 +62,11 @@ class FusedSchedule:
       (``stash_slot`` all ``IDLE``).
     delays: per link of the ring of stages, 0 or 1 extra tick a message over it takes (see
       :func:`~tpipe.schedules.actions.link_delays`; None: no delays).
-    tick: int32 ``[R]``: the tick each row belongs to (see *Compound ticks*); None: one row per
-      tick.
-    send_dir, send_slot, recv_slot: int32 ``[R, S]`` routing tables, derived (see above).
+    tick: int32 ``[R]``: the tick each row belongs to (several rows: a compound tick); None: one
+      row per tick.
+    send_dir, send_slot, recv_slot: int32 ``[R, S]`` routing tables, derived: the direction of the
+      message an action sends (+1, -1, 0), its mailbox slot on the receiver, and the slot an action
+      reads (``IDLE`` for none).
   """
 
   name: str

@@ -108,6 +108,8 @@ class Report:
     communication: the step's collectives priced on their links (ICI, DCN) beside its compute
       (:class:`tpipe.train.communication.Communication`).
     mesh: the mesh the step was compiled for.
+    backward: how the step's backward actions run
+      (:meth:`tpipe.core.backward_plan.BackwardPlan.describe`).
   """
 
   config: Any
@@ -129,6 +131,7 @@ class Report:
   state_split: tuple = ()
   communication: Any = None
   mesh: Any = dataclasses.field(repr=False, default=None)
+  backward: str = ""
 
   @property
   def floor(self):
@@ -379,7 +382,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                 floor_seconds=floor_s, peak=peak, topology=topology,
                 mesh_shape=dict(exp.mesh.shape),
                 state_split=analysis.axis_split(state.params, exp.mesh), communication=comm,
-                mesh=exp.mesh)
+                mesh=exp.mesh, backward=exp.pipeline.backward_plan.describe())
 
 
 def _flops(x: float) -> str:
@@ -414,6 +417,7 @@ def format_report(report: Report) -> str:
       f"compiled in {report.compile_seconds:.1f} s (not run)"
       + (f" for the TPU topology {report.topology}." if report.topology else "."),
       "",
+      *([report.backward.capitalize() + ".", ""] if report.backward else []),
       "| memory per device | bytes |",
       "|---|---:|",
       f"| parameters | {fb(report.params_bytes)} |",

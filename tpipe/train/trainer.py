@@ -397,9 +397,11 @@ def train(config, workdir: str) -> dict:
                  f"{exp.num_params():,}")
     spec = exp.pipeline.spec
     axes = spmd.Axes.of(exp.mesh, spec.stage_axis, spec.data_axis)
+    backward = exp.pipeline.backward_plan
     logging.info("Pipeline: %s.", streaming.describe(
         exp.pipeline.loss_table, axes, config.batch_size, spec.stream_inputs,
-        bool(spec.weight_recompute) and spec.is_fused))
+        backward.w_recomputes))
+    logging.info("%s.", backward.describe().capitalize())
     slices = int(tpipe.mesh.slice_of_devices(exp.mesh).max()) + 1
     if slices > 1 or any(exp.pipeline.spec.delays):
       logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",
