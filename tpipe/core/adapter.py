@@ -7,7 +7,8 @@ a collection already staged, :class:`Staged`, passes as it is), runs ``apply`` o
 hands back the running statistics a training step updated, in the form they came in
 (:meth:`Result.stats`). A front end turns its modules into layers
 (:class:`~tpipe.core.layers.Layer`) and its variables into logical trees, and writes the
-statistics back where it keeps them.
+statistics back where it keeps them. :func:`check_structure` is what every front end checks of
+its layers and settings when it is constructed.
 
 Example::
 
@@ -98,6 +99,23 @@ class Result:
     if self.staged_form:
       return Staged(self.new_stats)
     return self.stats_layout.to_logical(self.new_stats)
+
+
+def check_structure(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec,
+                    owner: str) -> None:
+  """What can be checked of a layer sequence and its spec before any call: enough units for the
+  chunks, explicit counts that add up, and per-example names some layer takes."""
+  num_units = sum(layer.units for layer in layers)
+  if num_units < spec.num_chunks:
+    raise ValueError(
+        f"{owner} has {num_units} layer units but num_stages * num_repeats = "
+        f"{spec.num_chunks} chunks need at least one each; use fewer stages or repeats, or "
+        "more layers.")
+  if not isinstance(spec.balance, str) and sum(spec.balance) != num_units:
+    raise ValueError(
+        f"{owner}: balance={list(spec.balance)} sums to {sum(spec.balance)} layer units but the "
+        f"model has {num_units}; change the counts so they add up to {num_units}.")
+  layers_lib.check_keywords(layers, spec.per_example, owner, what="per_example name")
 
 
 def _plan_shapes(model: Model, variables: Variables | None):

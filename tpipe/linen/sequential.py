@@ -141,7 +141,7 @@ class Sequential(_SequentialFields):
       if not isinstance(layer, (nn.Module, Repeat)):
         raise TypeError(f"{OWNER}: layers[{i}] is {layer!r}; each layer must be a "
                         "flax.linen.Module instance or a tpipe.Repeat.")
-    check_structure(self._core_layers(), self.spec, OWNER)
+    adapter.check_structure(self._core_layers(), self.spec, OWNER)
     super().__post_init__()
 
   def layer_list(self) -> list:
@@ -404,19 +404,3 @@ def variable_shapes(given, layers, spec, x, kwargs, rng_names,
     h = plan_lib.abstract_output(layer, one(params[f"layers_{i}"]), one(stats[f"layers_{i}"]),
                                  h, split, side, rng_names, where=where, axis_names=axis_names)
   return {"params": params, STATS: stats}, names
-
-
-def check_structure(layers, spec: spec_lib.PipelineSpec, owner: str) -> None:
-  """What can be checked of a layer sequence and its spec before any call: enough units for the
-  chunks, explicit counts that add up, and per-example names some layer takes."""
-  num_units = sum(layer.units for layer in layers)
-  if num_units < spec.num_chunks:
-    raise ValueError(
-        f"{owner} has {num_units} layer units but num_stages * num_repeats = "
-        f"{spec.num_chunks} chunks need at least one each; use fewer stages or repeats, or "
-        "more layers.")
-  if not isinstance(spec.balance, str) and sum(spec.balance) != num_units:
-    raise ValueError(
-        f"{owner}: balance={list(spec.balance)} sums to {sum(spec.balance)} layer units but the "
-        f"model has {num_units}; change the counts so they add up to {num_units}.")
-  layers_lib.check_keywords(layers, spec.per_example, owner, what="per_example name")

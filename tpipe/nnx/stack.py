@@ -23,7 +23,6 @@ from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import adapter
 from tpipe.core import engine
-from tpipe.core import layers as layers_lib
 from tpipe.nnx import layers as nnx_layers
 
 
@@ -98,17 +97,7 @@ class Stack:
     self.spec = spec
     self.rngs = rngs
     layers, _, _ = self.core_layers()
-    num_units = sum(layer.units for layer in layers)
-    if num_units < spec.num_chunks:
-      raise ValueError(
-          f"{self.owner} has {num_units} layer units but num_stages * num_repeats = "
-          f"{spec.num_chunks} chunks need at least one each; use fewer stages or repeats, or "
-          "more layers.")
-    if not isinstance(spec.balance, str) and sum(spec.balance) != num_units:
-      raise ValueError(
-          f"{self.owner}: balance={list(spec.balance)} sums to {sum(spec.balance)} layer units "
-          f"but the model has {num_units}; change the counts so they add up to {num_units}.")
-    layers_lib.check_keywords(layers, spec.per_example, self.owner, what="per_example name")
+    adapter.check_structure(layers, spec, self.owner)
     if rngs is None and self._has_rng_streams():
       raise ValueError(f"{self.owner}: a layer has RNG streams (e.g. nnx.Dropout) but the stack "
                        "has no rngs; pass rngs=nnx.Rngs(dropout=...).")
