@@ -8,6 +8,8 @@ The public surface, one name per line below; the layers of the package (each imp
 the ones below it):
 
 * front ends: :func:`pipeline` and :class:`Sequential` (linen), :mod:`tpipe.nnx` (NNX);
+  their ``pipeline_for(x)`` returns the :class:`Pipeline` a call of theirs runs (the split, the
+  stage layouts, ``apply``/``loss`` on staged variables), which the trainer trains;
 * :mod:`tpipe.training`: train state, shardings and the jitted step;
 * :mod:`tpipe.core`: the engine (planning, stage layout, chunk programs, the two tick loops);
 * :class:`PipelineSpec`, :mod:`tpipe.mesh`, :mod:`tpipe.axis_rules`, :mod:`tpipe.schedules`,
@@ -19,6 +21,7 @@ from tpipe import axis_rules
 from tpipe import nnx
 from tpipe import schedules
 from tpipe.axis_rules import DEFAULT_RULES
+from tpipe.core.engine import Pipeline
 from tpipe.linen.sequential import Repeat
 from tpipe.linen.sequential import Sequential
 from tpipe.linen.transform import pipeline
@@ -38,6 +41,7 @@ from tpipe.training import shardings
 __all__ = [
     "DEFAULT_RULES",
     "FusedSchedule",
+    "Pipeline",
     "PipelineSpec",
     "Repeat",
     "Schedule",

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from tpipe.core import layout as layout_lib
 from tpipe.core import packed_places as places
 from tpipe.core import plan as plan_lib
+from tpipe.core import staging
 from tests.helpers.shapes import abstract_shapes
 
 StageLayout = layout_lib.StageLayout
@@ -121,7 +122,7 @@ def test_even_repeat_is_all_stacked():
       "packed": {}, "shared": {}}
   assert jax.tree.map(lambda a: a.shape, layout.local_shapes())["stacked"] == {
       "layers_0": {"Dense_0": {"kernel": (2, 4, 4), "bias": (2, 4)}}}
-  assert layout._uniform(0)
+  assert staging.is_uniform(layout, 0)
 
 
 @pytest.mark.unit
@@ -143,7 +144,7 @@ def test_uneven_repeat_keeps_the_fewest_copies_per_leaf_and_packs_the_rest():
       "stacked": {"layers_1": {"Dense_0": {"kernel": ((1, 2, 2, 4, 4), F32),
                                            "bias": ((1, 2, 2, 4), F32)}}},
       "packed": {"float32": ((1, 2, 30), F32), "int32": ((1, 2, 3), I32)}, "shared": {}}
-  assert not layout._uniform(1)
+  assert not staging.is_uniform(layout, 1)
 
 
 @pytest.mark.unit

@@ -3,14 +3,15 @@
 Every tick a device runs one of its model chunks as a branch of a ``lax.switch``
 (:mod:`tpipe.core.gated`). Chunks whose programs are the same up to traced values (which chunk,
 hence which of the device's parameter slots and which unit numbers for the RNG) share one branch:
-a chunk's **signature** is its segments' layers and copy counts, its packed layouts, where its
-input comes from and where its output goes. An even stack of identical blocks
-(``tpipe.pipeline``) is one branch whatever S and R; an LM with an embedding and a head is three.
+a chunk's **signature** (:mod:`tpipe.core.signatures`) is its segments' layers and copy counts,
+its packed layouts, where its input comes from and where its output goes. An even stack of
+identical blocks (``tpipe.pipeline``) is one branch whatever S and R; an LM with an embedding and
+a head is three.
 
 Three formats meet at chunk boundaries: the pipeline's input (read by the first chunk), the
 **ring** that crosses the boundaries between chunks (one micro-batch; the activation itself when
 every boundary has one type, else packed per dtype and padded to the largest,
-:mod:`tpipe.core.packing`), and the last chunk's **output**. When the input, ring and output types
+:mod:`tpipe.core.ring`), and the last chunk's **output**. When the input, ring and output types
 agree the first and last chunks need no branch of their own: a chunk selects the fresh input on
 model chunk 0 and hands its result both on and out.
 
@@ -24,8 +25,6 @@ the backward by units (:mod:`tpipe.core.unit_backward`).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,141 +34,36 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from tpipe import spec as spec_lib
+from tpipe.core import device_view as view_lib
+from tpipe.core import float_leaves as floats_lib
 from tpipe.core import fsdp as fsdp_lib
 from tpipe.core import layers as layers_lib
 from tpipe.core import layout as layout_lib
 from tpipe.core import packed_places as places
-from tpipe.core import packing
 from tpipe.core import plan as plan_lib
 from tpipe.core import remat as remat_lib
+from tpipe.core import ring as ring_lib
+from tpipe.core import signatures as signatures_lib
 from tpipe.core import spmd
 from tpipe.core import taps as taps_lib
 
-PARAMS = "params"
-STATS = "stats"
+# Names that moved to their own modules, kept here for the modules that read them from chunks.
+PARAMS = view_lib.PARAMS
+STATS = view_lib.STATS
+is_float = floats_lib.is_float
+float_leaves = floats_lib.float_leaves
+with_float_leaves = floats_lib.with_float_leaves
+zeros_with_rows = ring_lib.zeros_with_rows
+_without_rows = ring_lib.without_rows
+Ring = ring_lib.Ring
+Signature = signatures_lib.Signature
+signatures = signatures_lib.signatures
+device_view = view_lib.device_view
+with_stage_axis = view_lib.with_stage_axis
 
 
 def _is_spec(value) -> bool:
   return isinstance(value, P)
-
-
-def is_float(leaf) -> bool:
-  return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-
-
-def float_leaves(tree) -> list:
-  """The leaves of ``tree`` that can carry a gradient (inexact dtypes), in leaf order."""
-  return [leaf for leaf in jax.tree.leaves(tree) if is_float(leaf)]
-
-
-def with_float_leaves(tree, floats):
-  """``tree`` with its float leaves replaced, in order, by ``floats``."""
-  floats = iter(floats)
-  return jax.tree.map(lambda leaf: next(floats) if is_float(leaf) else leaf, tree)
-
-
-def _without_rows(tree):
-  """Abstract leaves without their leading (batch) axis."""
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), tree)
-
-
-def zeros_with_rows(example, rows: int):
-  return jax.tree.map(lambda s: jnp.zeros((rows,) + tuple(s.shape), s.dtype), example)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ring:
-  """What crosses a chunk boundary, as one type for every boundary.
-
-  Attributes:
-    layouts: per boundary ``c`` (after model chunk ``c``), the packing of its activation; None
-      when every boundary has one type and the ring is that type unpacked.
-    example: one example of the ring (no batch axis), abstract.
-  """
-
-  layouts: tuple[packing.Layout, ...] | None
-  example: Any
-
-  @classmethod
-  def of(cls, plan: plan_lib.Plan) -> "Ring":
-    boundaries = [plan.chunk_output(c) for c in range(plan.num_chunks - 1)]
-    if not boundaries:
-      return cls(layouts=None, example={})
-    if all(layers_lib.same_type(b, boundaries[0]) for b in boundaries):
-      return cls(layouts=None, example=_without_rows(boundaries[0]))
-    layouts = tuple(packing.layout_of(b, batch_dims=1) for b in boundaries)
-    sizes = packing.buffer_sizes(layouts)
-    return cls(layouts=layouts,
-               example={k: jax.ShapeDtypeStruct((n,), jnp.dtype(k)) for k, n in sizes.items()})
-
-  @property
-  def packed(self) -> bool:
-    return self.layouts is not None
-
-  def matches(self, abstract) -> bool:
-    """Whether a value of type ``abstract`` (with batch rows) travels unpacked on the ring."""
-    return not self.packed and layers_lib.same_type(_without_rows(abstract), self.example)
-
-  def pack(self, value, boundary: int):
-    if not self.packed:
-      return value
-    sizes = {k: s.shape[0] for k, s in self.example.items()}
-    return packing.pack(value, self.layouts[boundary], sizes)
-
-  def unpack(self, value, boundary: int):
-    return packing.unpack(value, self.layouts[boundary]) if self.packed else value
-
-  def layout(self, boundary: int):
-    return self.layouts[boundary] if self.packed else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Signature:
-  """What decides a chunk's program (chunks with equal signatures share one branch)."""
-
-  segments: tuple[tuple[int, int | None, bool], ...]
-  params_layout: packing.Layout
-  params_dims: tuple[int, ...]  # Where each packed leaf is cut into fsdp pieces.
-  stats_layout: packing.Layout | None
-  input_kind: str  # "fresh", "ring" or "select" (model chunk 0 takes the fresh input)
-  output_kind: str  # "ring", "output" or "both"
-  ring_in: Any
-  ring_out: Any
-  # Weights read from shared leaves: (segment, shared leaf, path, stored transposed).
-  shared: tuple[tuple[int, str, str, bool], ...] = ()
-
-
-def _signature(plan, layout, stats_layout, ring: Ring, c: int, select: bool,
-               both: bool) -> Signature:
-  last = c == plan.num_chunks - 1
-  input_kind = "select" if select else ("fresh" if c == 0 else "ring")
-  output_kind = "both" if both else ("output" if last else "ring")
-  segments = tuple((seg.layer, seg.copies, seg.stacked) for seg in layout.segments[c])
-  return Signature(
-      segments=segments, params_layout=layout.packed_layouts[c],
-      params_dims=layout.packed_dims[c],
-      stats_layout=stats_layout.packed_layouts[c] if stats_layout is not None else None,
-      input_kind=input_kind, output_kind=output_kind,
-      ring_in=ring.layout(c - 1) if c and input_kind != "fresh" else None,
-      ring_out=ring.layout(c) if not last and output_kind == "ring" else None,
-      shared=tuple((k, g.name, m.path, m.transposed) for k, g, m in layout.shared_members(c)))
-
-
-def signatures(plan: plan_lib.Plan, layout: layout_lib.StageLayout,
-               stats_layout: layout_lib.StageLayout | None, ring: Ring | None = None):
-  """The distinct chunk programs of a planned sequence: ``(signatures, program of each model
-  chunk)``."""
-  ring = Ring.of(plan) if ring is None else ring
-  num_chunks = plan.num_chunks
-  select = ring.matches(plan.layer_inputs[0]) and num_chunks > 1
-  both = ring.matches(plan.layer_inputs[-1]) and num_chunks > 1
-  found, program = [], []
-  for c in range(num_chunks):
-    sig = _signature(plan, layout, stats_layout, ring, c, select, both)
-    if sig not in found:
-      found.append(sig)
-    program.append(found.index(sig))
-  return found, program
 
 
 class ChunkSet:
@@ -638,26 +532,6 @@ class ChunkSet:
 
       steps.append((seg.copies, read, apply))
     return steps
-
-
-def device_view(staged: dict) -> dict:
-  """A device's part of ``staged`` (``{"params": tree[, "stats": tree]}``, every leaf
-  ``[R, 1, ...]`` or ``[P, 1, n]`` inside ``shard_map``) as the tick loops read it: without the
-  stage axis, except the parameters' packed buffers, which keep it (``[P, 1, n]``; a slot is
-  read as ``[1, n]``, :meth:`ChunkSet._param_slot`). Squeezed, ``[P, n]`` with ``P > 1`` (a
-  buffer per chunk slot) takes the TPU a relayout of the whole buffer (its tiles span rows),
-  which the tick loop then held for the whole step."""
-  squeeze = lambda tree: jax.tree.map(lambda a: a[:, 0], tree)
-  return {collection: {part: sub if (collection, part) == (PARAMS, layout_lib.PACKED)
-                       else squeeze(sub) for part, sub in tree.items()}
-          for collection, tree in staged.items()}
-
-
-def with_stage_axis(view_leaves: list, staged_leaves: list) -> list:
-  """Per-device leaves (:func:`device_view`'s, or values shaped like them) with the stage axis
-  back, ``[R, 1, ...]``, where the view dropped it; ``staged_leaves`` are the same leaves of
-  the staged tree."""
-  return [a if a.ndim == b.ndim else a[:, None] for a, b in zip(view_leaves, staged_leaves)]
 
 
 # jax.checkpoint's policy for remat="full" is None; this sentinel asks for that checkpoint, where

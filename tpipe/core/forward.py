@@ -40,7 +40,9 @@ from jax import lax
 
 from tpipe import schedules
 from tpipe.core import chunks as chunks_lib
+from tpipe.core import device_view as view_lib
 from tpipe.core import gated
+from tpipe.core import ring as ring_lib
 from tpipe.core import spmd
 from tpipe.core import streaming
 
@@ -126,7 +128,7 @@ class _Loop:
 
   def per_device(self, staged, x, per_example, broadcast, rngs):
     axes, conveyor = self.axes, self.conveyor
-    staged = chunks_lib.device_view(staged)  # [R, ...]; packed parameters [R, 1, n]
+    staged = view_lib.device_view(staged)  # [R, ...]; packed parameters [R, 1, n]
     # Once per step, outside the tick loop: the transposes of these casts are the gradient sums
     # over row shards (parameters, broadcast arrays; a parameter split over fsdp already varies
     # over it, and its gathers' transposes sum over fsdp) and over stages (inputs, side inputs).
@@ -156,13 +158,13 @@ class _Loop:
     axes, chunkset = self.axes, self.chunkset
     rows = self.global_batch // (axes.replicas * self.num_microbatches)
     with jax.named_scope(spmd.MAILBOX_SCOPE):
-      ring_zero = chunks_lib.zeros_with_rows(chunkset.ring.example, rows)
+      ring_zero = ring_lib.zeros_with_rows(chunkset.ring.example, rows)
       carry = {"incoming": axes.vary(ring_zero)}
       if self.late_pairs:  # Last tick's output, sent during this tick over the delayed links.
         carry["pending"] = axes.vary(ring_zero)
     with jax.named_scope(spmd.BOUNDARY_SCOPE):
       carry["outputs"] = axes.vary(spmd.stacked_zeros(
-          chunks_lib.zeros_with_rows(chunkset.output_example, rows), self.num_microbatches))
+          ring_lib.zeros_with_rows(chunkset.output_example, rows), self.num_microbatches))
       if self.with_stats:
         slot = chunkset.stats_layout.local_shapes()
         carry["sums"] = axes.vary(spmd.stacked_zeros(slot, self.num_repeats))

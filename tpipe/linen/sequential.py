@@ -31,6 +31,7 @@ import jax
 
 from tpipe import schedules
 from tpipe import spec as spec_lib
+from tpipe.core import adapter
 from tpipe.core import arguments
 from tpipe.core import engine
 from tpipe.core import layers as layers_lib
@@ -79,26 +80,14 @@ def _copies(layer) -> int | None:
   return layer.n if isinstance(layer, Repeat) else None
 
 
-class SettingsAsKeywords(type):
-  """Lets a linen module whose pipeline settings live in a ``spec`` field take the settings as
-  keywords too: ``Sequential(layers, num_stages=4, ...)`` and ``model.clone(schedule="1f1b")``
-  build (or update) the :class:`tpipe.PipelineSpec`."""
+class _SequentialFields(nn.Module):
+  """:class:`Sequential`'s fields (Flax makes its dataclass constructor from them)."""
 
-  owner = "tpipe"
-
-  def __call__(cls, *args, **kwargs):
-    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in spec_lib.field_names()}
-    if len(args) > 1:  # Sequential(layers, spec, ...)
-      kwargs["spec"], args = args[1], args[:1] + args[2:]
-    kwargs["spec"] = spec_lib.make(cls.owner, kwargs.get("spec"), **settings)
-    return super().__call__(*args, **kwargs)
+  layers: Sequence[Any]
+  spec: spec_lib.PipelineSpec = None
 
 
-class _SequentialSettings(SettingsAsKeywords):
-  owner = OWNER
-
-
-class Sequential(nn.Module, metaclass=_SequentialSettings):
+class Sequential(_SequentialFields):
   """Applies ``layers`` in order, pipelined over the ``stage`` axis of a device mesh.
 
   Construct it with a :class:`tpipe.PipelineSpec` (``Sequential(layers, spec)``) or with the
@@ -134,8 +123,11 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
   replica (:mod:`tpipe.core.statistics`).
   """
 
-  layers: Sequence[Any]
-  spec: spec_lib.PipelineSpec = None
+  def __init__(self, layers, spec: spec_lib.PipelineSpec | None = None, **kwargs):
+    # The spec's settings as keywords: Sequential(layers, num_stages=4, ...) and
+    # model.clone(schedule="1f1b") (Flax's clone passes every field, then the changes).
+    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in spec_lib.field_names()}
+    super().__init__(layers, spec_lib.make(OWNER, spec, **settings), **kwargs)
 
   def __post_init__(self):
     # Flax adopts Module instances found in fields as bound submodules named layers_0, ...;
@@ -149,7 +141,7 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
       if not isinstance(layer, (nn.Module, Repeat)):
         raise TypeError(f"{OWNER}: layers[{i}] is {layer!r}; each layer must be a "
                         "flax.linen.Module instance or a tpipe.Repeat.")
-    check_structure(self._core_layers(), self.spec, OWNER)
+    adapter.check_structure(self._core_layers(), self.spec, OWNER)
     super().__post_init__()
 
   def layer_list(self) -> list:
@@ -173,13 +165,10 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
                            tuple(rng_names), OWNER)[0]
 
   def pipeline_for(self, x, rng_names: Sequence[str] = (), **kwargs) -> engine.Pipeline:
-    """The engine's :class:`~tpipe.core.engine.Pipeline` for inputs like ``x``: the split, the
-    stage layouts and the runs on staged variables (what the trainer trains)."""
-    shapes, names = variable_shapes(self.layer_list(), self._core_layers(), self.spec, x,
-                                    kwargs, tuple(rng_names), OWNER)
-    return engine.build(self._core_layers(), self.spec, param_shapes=shapes["params"],
-                        stats_shapes=shapes[STATS], x=x, kwargs=kwargs,
-                        rng_names=tuple(rng_names), owner=OWNER, param_axes=names)
+    """The engine's :class:`tpipe.Pipeline` for inputs like ``x``: the split, the stage
+    layouts and the runs on staged variables (what the trainer trains)."""
+    front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER)
+    return adapter.build(front.model(x, kwargs, rng_names), x, kwargs, rng_names)
 
   def stage_layout(self, x, **kwargs) -> layout_lib.StageLayout:
     """The stage layout of this stack's parameters for inputs like ``x``.
@@ -234,83 +223,53 @@ class Sequential(nn.Module, metaclass=_SequentialSettings):
 
   @nn.compact
   def _run(self, x, kwargs, loss: bool):
-    mesh = self.spec.run_mesh(OWNER)
+    self.spec.run_mesh(OWNER)  # Raises first where the spec's mesh does not fit the devices.
+    front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER)
     streams = tuple(sorted(name for name in self.scope.rngs if name != "params"))
     rngs = {name: self.make_rng(name) for name in streams}
     if self.is_initializing():
-      for i, variables in enumerate(initial_variables(self, self.layer_list(), self.spec, x,
-                                                      kwargs, rngs, mesh, OWNER)):
+      for i, variables in enumerate(front.initial_variables(self, x, kwargs, rngs)):
         layer_params = variables.get("params", {})
         self.param(f"layers_{i}", lambda _key, value=layer_params: value, unbox=False)
         layer_stats = nn.meta.unbox(variables.get(STATS, {}))
         if jax.tree.leaves(layer_stats):
           self.put_variable(STATS, f"layers_{i}", layer_stats)
+    variables = self._call_variables()
+
+    def store(new_stats):
+      if isinstance(new_stats, adapter.Staged):
+        self.put_variable(STATS, STAGED, new_stats.tree)
+        return
+      for name, tree in new_stats.items():
+        if name in variables.stats:
+          self.put_variable(STATS, name, tree)
+
+    return front.run(self, variables, x, kwargs, loss=loss, rngs=rngs, store_stats=store)
+
+  def _call_variables(self) -> adapter.Variables:
+    """The module's variables for a call: each collection logical, or staged where it holds
+    ``{"staged": tree}`` alone (the one place that key is read)."""
     params = nn.meta.unbox(dict(self.variables.get("params", {})))
     stats = nn.meta.unbox(dict(self.variables.get(STATS, {})))
-    staged = params.get(STAGED)
-    if staged is not None:
-      if set(params) != {STAGED}:
-        raise ValueError(f"{OWNER}: params hold {sorted(params)}; staged params are "
-                         f"{{'{STAGED}': tree}} alone.")
-      if isinstance(self.spec.balance, str):
-        # The split decides what each staged element means; a balance computed from costs may
-        # cut differently for other input shapes, and equal sizes would hide it.
-        raise ValueError(f"{OWNER}: staged params need the split they were made with; build "
-                         f"the model with model.with_split(layout) (balance="
-                         f"{self.spec.balance!r} is computed from costs and could cut the layers "
-                         "differently).")
-    else:
+    if STAGED in stats:
+      stats = adapter.Staged(stats[STAGED])
+    if STAGED not in params:
       expected = {f"layers_{i}" for i in range(len(self.layers))}
       if set(params) != expected:
         raise ValueError(f"{OWNER} expects params {sorted(expected)}, got {sorted(params)}; "
                          "were these variables made for another list of layers?")
-
-    def store(new_stats):
-      if STAGED in stats:
-        self.put_variable(STATS, STAGED, new_stats[STAGED])
-      else:
-        for name, tree in new_stats.items():
-          if name in stats:
-            self.put_variable(STATS, name, tree)
-
-    return run_layers(self, self.layer_list(), self.spec, x, kwargs, loss, params=params,
-                      stats=stats, rngs=rngs, mesh=mesh, store_stats=store, owner=OWNER)
-
-
-def initial_variables(module: nn.Module, given, spec, x, kwargs, rngs, mesh,
-                      owner: str) -> list[dict]:
-  """Every layer's initial variables, the layers run in order on one micro-batch of ``x``: layer
-  ``i`` from ``fold_in(module.make_rng("params"), i)``. Partitioning boxes are kept (a
-  :class:`Repeat`'s copy axis named after the stage axis), so ``init`` returns them as
-  ``nn.scan`` does."""
-  batch, replicas = layers_lib.batch_size(x, owner), spec.data_size(mesh)
-  micro = max(1, batch // (spec.num_microbatches * replicas))
-  split = arguments.split_keywords(kwargs, per_example=spec.per_example, batch_size=batch,
-                                   owner=owner)
-  side = (split.broadcast, tuple(a[:micro] for a in split.per_example))
-  h = jax.tree.map(lambda a: a[:micro], x)
-  key = module.make_rng("params")
-  other = layers_lib.unit_rngs(rngs, 0, 0)
-  axis_names = (spec.data_axis, spec.stage_axis)
-  out, layers = [], core_layers(given, owner)
-  for i, (layer_given, layer) in enumerate(zip(given, layers)):
-    kw = layers_lib.layer_keywords(layer, split, *side)
-    try:
-      variables = linen_layers.init_variables(_module_of(layer_given), _copies(layer_given),
-                                              jax.random.fold_in(key, i), h, kw, other,
-                                              axis_names, spec.stage_axis)
-    except (TypeError, ValueError) as error:
-      where = plan_lib.failure_message(layers, i, owner)
-      raise plan_lib.located(error, where, h) from error
-    extra = linen_layers.variable_collections(variables)
-    if extra:
-      raise ValueError(f"{owner}: layers[{i}] ({layer.kind}) creates variable collections "
-                       f"{extra}; tpipe supports 'params' and BatchNorm's '{STATS}'.")
-    out.append(variables)
-    plain = nn.meta.unbox(variables)
-    h = _apply_all(layers, i, plain.get("params", {}), plain.get(STATS, {}), h, kw, other,
-                   axis_names, owner)
-  return out
+      return adapter.Variables(params, stats)
+    if set(params) != {STAGED}:
+      raise ValueError(f"{OWNER}: params hold {sorted(params)}; staged params are "
+                       f"{{'{STAGED}': tree}} alone.")
+    if isinstance(self.spec.balance, str):
+      # The split decides what each staged element means; a balance computed from costs may
+      # cut differently for other input shapes, and equal sizes would hide it.
+      raise ValueError(f"{OWNER}: staged params need the split they were made with; build "
+                       f"the model with model.with_split(layout) (balance="
+                       f"{self.spec.balance!r} is computed from costs and could cut the layers "
+                       "differently).")
+    return adapter.Variables(adapter.Staged(params[STAGED]), stats)
 
 
 def core_layers(given, owner: str) -> tuple[layers_lib.Layer, ...]:
@@ -319,69 +278,104 @@ def core_layers(given, owner: str) -> tuple[layers_lib.Layer, ...]:
                for layer in given)
 
 
-def run_layers(module: nn.Module, given, spec, x, kwargs, loss: bool, *, params, stats, rngs,
-               mesh, store_stats, owner: str):
-  """Plans and runs linen layers inside a linen module's call.
+@dataclasses.dataclass(frozen=True)
+class LinenLayers:
+  """Linen modules and :class:`Repeat` entries as the adapter's layers
+  (:mod:`tpipe.core.adapter`): what both linen front ends run a call through.
 
-  Args:
-    module: the calling module (for the variable shapes' and statistics' bookkeeping).
+  Attributes:
     given: the linen modules and :class:`Repeat` entries.
     spec: the pipeline settings.
-    x: the input.
-    kwargs: the keyword arguments.
-    loss: run :meth:`~tpipe.core.engine.Pipeline.loss` (else ``apply``).
-    params: logical ``{"layers_i": ...}``, or ``{"staged": tree}`` for an explicit split.
-    stats: logical or ``{"staged": tree}`` running statistics (``{}`` without).
-    rngs: ``{stream: key}`` for the call.
-    mesh: the mesh to run on.
-    store_stats: called with the updated statistics (in ``stats``' layout) after a training
-      step of BatchNorm layers.
     owner: the API the user called, for messages.
   """
-  layers = core_layers(given, owner)
-  streams = tuple(rngs)
-  shapes, names = variable_shapes(given, layers, spec, x, kwargs, streams, owner)
-  staged = params.get(STAGED)
-  if staged is None:
-    shapes["params"] = layers_lib.abstract(params)
-  if STAGED not in stats:  # Given logical statistics fix the dtypes (float64 references).
-    shapes[STATS] = {k: layers_lib.abstract(stats[k]) if k in stats else v
-                     for k, v in shapes[STATS].items()}
-  pipeline = engine.build(layers, spec, param_shapes=shapes["params"],
-                          stats_shapes=shapes[STATS], x=x, kwargs=kwargs, rng_names=streams,
-                          owner=owner, param_axes=names)
-  staged_stats = stats.get(STAGED)
-  logical_stats = stats if pipeline.stats_layout is not None and staged_stats is None else None
-  new_params, new_stats = pipeline.stage(params if staged is None else None, logical_stats)
-  staged = new_params if staged is None else staged
-  staged_stats = new_stats if staged_stats is None else staged_stats
-  run = pipeline.loss if loss else pipeline.apply
-  result = run(staged, x, kwargs, stats=staged_stats, rngs=rngs, mesh=mesh)
-  if staged_stats is None:
-    return result
-  result, new = result
-  if new is not None and not module.is_initializing():  # Like Flax: init does not update them.
+
+  given: tuple
+  spec: spec_lib.PipelineSpec
+  owner: str
+
+  def model(self, x, kwargs, rng_names: Sequence[str]) -> adapter.Model:
+    """The layers, with their abstract logical variables for inputs like ``x``."""
+    layers = core_layers(self.given, self.owner)
+    shapes, names = variable_shapes(self.given, layers, self.spec, x, kwargs,
+                                    tuple(rng_names), self.owner)
+    return adapter.Model(layers, self.spec, self.owner, param_axes=names,
+                         param_shapes=shapes["params"], stats_shapes=shapes[STATS])
+
+  def run(self, module: nn.Module, variables: adapter.Variables, x, kwargs, *, loss: bool,
+          rngs, store_stats):
+    """Runs a call inside ``module``'s call (:func:`tpipe.core.adapter.call`).
+
+    Args:
+      module: the calling module (is it initializing; may it write ``batch_stats``).
+      variables: the parameters and statistics, each logical or staged.
+      x: the input.
+      kwargs: the keyword arguments.
+      loss: return the mean loss (else the outputs).
+      rngs: ``{stream: key}`` for the call.
+      store_stats: called with the updated statistics (in ``variables.stats``' form) after a
+        training step of BatchNorm layers.
+    """
+    model = self.model(x, kwargs, tuple(rngs))
+    result = adapter.call(model, variables, x, kwargs, loss=loss, rngs=rngs,
+                          mesh=self.spec.run_mesh(self.owner))
+    if result.new_stats is None or module.is_initializing():  # Like Flax: init does not update.
+      return result.value
     if not module.is_mutable_collection(STATS):
-      raise ValueError(f"{owner}: BatchNorm layers run in training mode update '{STATS}'; call "
-                       f"apply(..., mutable=['{STATS}']) (or put them in evaluation mode, "
+      raise ValueError(f"{self.owner}: BatchNorm layers run in training mode update '{STATS}'; "
+                       f"call apply(..., mutable=['{STATS}']) (or put them in evaluation mode, "
                        "use_running_average=True).")
-    layout = pipeline.stats_layout
-    store_stats({STAGED: new} if STAGED in stats else layout.to_logical(new))
-  return result
+    store_stats(result.stats())
+    return result.value
 
+  def initial_variables(self, module: nn.Module, x, kwargs, rngs) -> list[dict]:
+    """Every layer's initial variables, the layers run in order on one micro-batch of ``x``:
+    layer ``i`` from ``fold_in(module.make_rng("params"), i)``. Partitioning boxes are kept (a
+    :class:`Repeat`'s copy axis named after the stage axis), so ``init`` returns them as
+    ``nn.scan`` does."""
+    spec, owner = self.spec, self.owner
+    batch = layers_lib.batch_size(x, owner)
+    replicas = spec.data_size(spec.run_mesh(owner))
+    micro = max(1, batch // (spec.num_microbatches * replicas))
+    split = arguments.split_keywords(kwargs, per_example=spec.per_example, batch_size=batch,
+                                     owner=owner)
+    side = (split.broadcast, tuple(a[:micro] for a in split.per_example))
+    h = jax.tree.map(lambda a: a[:micro], x)
+    key = module.make_rng("params")
+    other = layers_lib.unit_rngs(rngs, 0, 0)
+    axis_names = (spec.data_axis, spec.stage_axis)
+    layers = core_layers(self.given, owner)
 
-def _apply_all(layers, i: int, params, stats, h, kwargs, rngs, axis_names, owner: str):
-  """Applies ``layers[i]`` (every copy of a repeated one, in order) to a concrete micro-batch."""
-  layer = layers[i]
-  apply = layers_lib.outside_mesh(layer.apply, axis_names)
-  if layer.copies is None:
-    return apply(params, stats, h, kwargs, rngs)[0]
-  for j in range(layer.copies):
-    one = lambda tree, j=j: jax.tree.map(lambda a: a[j], tree)
-    out = apply(one(params), one(stats), h, kwargs, rngs)[0]
-    plan_lib.check_repeated(layers, i, h, out, owner)
-    h = out
-  return h
+    def apply_all(i, variables, h, kw):
+      """Applies ``layers[i]`` (every copy of a repeated one, in order) to ``h``."""
+      layer = layers[i]
+      params, stats = variables.get("params", {}), variables.get(STATS, {})
+      apply = layers_lib.outside_mesh(layer.apply, axis_names)
+      if layer.copies is None:
+        return apply(params, stats, h, kw, other)[0]
+      for j in range(layer.copies):
+        one = lambda tree, j=j: jax.tree.map(lambda a: a[j], tree)
+        out = apply(one(params), one(stats), h, kw, other)[0]
+        plan_lib.check_repeated(layers, i, h, out, owner)
+        h = out
+      return h
+
+    out = []
+    for i, (layer_given, layer) in enumerate(zip(self.given, layers)):
+      kw = layers_lib.layer_keywords(layer, split, *side)
+      try:
+        variables = linen_layers.init_variables(_module_of(layer_given), _copies(layer_given),
+                                                jax.random.fold_in(key, i), h, kw, other,
+                                                axis_names, spec.stage_axis)
+      except (TypeError, ValueError) as error:
+        where = plan_lib.failure_message(layers, i, owner)
+        raise plan_lib.located(error, where, h) from error
+      extra = linen_layers.variable_collections(variables)
+      if extra:
+        raise ValueError(f"{owner}: layers[{i}] ({layer.kind}) creates variable collections "
+                         f"{extra}; tpipe supports 'params' and BatchNorm's '{STATS}'.")
+      out.append(variables)
+      h = apply_all(i, nn.meta.unbox(variables), h, kw)
+    return out
 
 
 def variable_shapes(given, layers, spec, x, kwargs, rng_names,
@@ -411,19 +405,3 @@ def variable_shapes(given, layers, spec, x, kwargs, rng_names,
     h = plan_lib.abstract_output(layer, one(params[f"layers_{i}"]), one(stats[f"layers_{i}"]),
                                  h, calls, where=where)
   return {"params": params, STATS: stats}, names
-
-
-def check_structure(layers, spec: spec_lib.PipelineSpec, owner: str) -> None:
-  """What can be checked of a layer sequence and its spec before any call: enough units for the
-  chunks, explicit counts that add up, and per-example names some layer takes."""
-  num_units = sum(layer.units for layer in layers)
-  if num_units < spec.num_chunks:
-    raise ValueError(
-        f"{owner} has {num_units} layer units but num_stages * num_repeats = "
-        f"{spec.num_chunks} chunks need at least one each; use fewer stages or repeats, or "
-        "more layers.")
-  if not isinstance(spec.balance, str) and sum(spec.balance) != num_units:
-    raise ValueError(
-        f"{owner}: balance={list(spec.balance)} sums to {sum(spec.balance)} layer units but the "
-        f"model has {num_units}; change the counts so they add up to {num_units}.")
-  layers_lib.check_keywords(layers, spec.per_example, owner, what="per_example name")

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from tpipe import spec as spec_lib
+from tpipe.core import adapter
 from tpipe.core import arguments
 from tpipe.core import layers as layers_lib
 from tpipe.linen import sequential
@@ -172,9 +173,9 @@ class _Stack:
       for name, value in new_stats["layers_0"].items():
         module.put_variable(STATS, name, value)
 
-    return sequential.run_layers(module, [sequential.Repeat(template, self.length)], spec, x,
-                                 kwargs, False, params=params, stats=stats, rngs=rngs, mesh=mesh,
-                                 store_stats=store, owner=OWNER)
+    front = sequential.LinenLayers((sequential.Repeat(template, self.length),), spec, OWNER)
+    return front.run(module, adapter.Variables(params, stats), x, kwargs, loss=False,
+                     rngs=rngs, store_stats=store)
 
   def _micro(self, x, mesh) -> int:
     parts = self.spec.num_microbatches * self.spec.data_size(mesh)

@@ -21,8 +21,8 @@ from jax import lax
 
 from tpipe import schedules
 from tpipe import spec as spec_lib
+from tpipe.core import adapter
 from tpipe.core import engine
-from tpipe.core import layers as layers_lib
 from tpipe.nnx import layers as nnx_layers
 
 
@@ -97,17 +97,7 @@ class Stack:
     self.spec = spec
     self.rngs = rngs
     layers, _, _ = self.core_layers()
-    num_units = sum(layer.units for layer in layers)
-    if num_units < spec.num_chunks:
-      raise ValueError(
-          f"{self.owner} has {num_units} layer units but num_stages * num_repeats = "
-          f"{spec.num_chunks} chunks need at least one each; use fewer stages or repeats, or "
-          "more layers.")
-    if not isinstance(spec.balance, str) and sum(spec.balance) != num_units:
-      raise ValueError(
-          f"{self.owner}: balance={list(spec.balance)} sums to {sum(spec.balance)} layer units "
-          f"but the model has {num_units}; change the counts so they add up to {num_units}.")
-    layers_lib.check_keywords(layers, spec.per_example, self.owner, what="per_example name")
+    adapter.check_structure(layers, spec, self.owner)
     if rngs is None and self._has_rng_streams():
       raise ValueError(f"{self.owner}: a layer has RNG streams (e.g. nnx.Dropout) but the stack "
                        "has no rngs; pass rngs=nnx.Rngs(dropout=...).")
@@ -150,13 +140,11 @@ class Stack:
         nnx.update(target, nnx.State(stats))
 
   def pipeline_for(self, x, rng_names=(), **kwargs) -> engine.Pipeline:
-    """The engine's :class:`~tpipe.core.engine.Pipeline` for inputs like ``x``: the split, the
-    stage layouts and the runs on staged variables."""
+    """The engine's :class:`tpipe.Pipeline` for inputs like ``x``: the split, the stage layouts
+    and the runs on staged variables."""
     layers, params, stats = self.core_layers()
-    return engine.build(layers, self.spec, param_shapes=layers_lib.abstract(params),
-                        stats_shapes=layers_lib.abstract(stats), x=x, kwargs=kwargs,
-                        rng_names=tuple(rng_names), owner=self.owner,
-                        param_axes=self.param_axes())
+    return adapter.build(self._model(layers), x, kwargs, rng_names,
+                         adapter.Variables(params, stats))
 
   def param_axes(self) -> dict[str, Any]:
     """The parameters' logical axis names per layer (:func:`tpipe.nnx.layers.logical_names`),
@@ -165,26 +153,21 @@ class Stack:
         _target(layer), layer.n if isinstance(layer, Repeat) else None)
         for i, layer in enumerate(self.pipeline_layers())}
 
+  def _model(self, layers) -> adapter.Model:
+    return adapter.Model(layers, self.spec, self.owner, param_axes=self.param_axes())
+
   def _run(self, x, kwargs: dict, loss: bool):
     layers, params, stats = self.core_layers()
     rngs = {}
     if self._has_rng_streams():
       stream = "dropout" if "dropout" in self.rngs else "default"
       rngs[nnx_layers.RNG_STREAM] = self.rngs[stream]()
-    pipeline = engine.build(layers, self.spec, param_shapes=layers_lib.abstract(params),
-                            stats_shapes=layers_lib.abstract(stats), x=x, kwargs=kwargs,
-                            rng_names=tuple(rngs), owner=self.owner,
-                            param_axes=self.param_axes())
-    stats_layout = pipeline.stats_layout
-    staged, staged_stats = pipeline.stage(params, stats if stats_layout is not None else None)
-    run = pipeline.loss if loss else pipeline.apply
-    result = run(staged, x, kwargs, stats=staged_stats, rngs=rngs)
-    if staged_stats is None:
-      return result
-    result, new = result
-    if new is not None:  # BatchNorm in training mode: one update per call, into the layers.
-      self.load_variables({"batch_stats": stats_layout.to_logical(new)})
-    return result
+    result = adapter.call(self._model(layers), adapter.Variables(params, stats), x, kwargs,
+                          loss=loss, rngs=rngs)
+    new_stats = result.stats()
+    if new_stats is not None:  # BatchNorm in training mode: one update per call, into the layers.
+      self.load_variables({"batch_stats": new_stats})
+    return result.value
 
 
 def _target(layer: nnx.Module) -> nnx.Module:

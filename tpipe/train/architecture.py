@@ -19,30 +19,13 @@ import json
 import jax.numpy as jnp
 import ml_collections
 
+from tpipe.train import architecture_fields as fields_lib
+from tpipe.train import losses
+from tpipe.train import pretrained
 from tpipe.train import tokenization
 
-# Architecture fields beyond the sizes every LM config has (num_layers, width, num_heads,
-# mlp_dim), with the defaults that give the byte-level LM of tpipe.train.models.
-DEFAULTS = {
-    "block": "gpt",
-    "num_kv_heads": None,
-    "head_dim": 0,
-    "vocab_size": 0,
-    "positions": "learned",
-    "rope_theta": 10000.0,
-    "rope_scaling": "",
-    "norm_epsilon": 1e-6,
-    "final_norm": "layer",
-    "head_bias": True,
-    "qkv_bias": False,
-    "sliding_window": 0,
-    "max_len": 0,
-    "tie_embeddings": False,
-    "family": "",
-}
-# Every field that shapes the model or its parameters: init_from sets them all, and a run
-# resumed with any of them changed is refused.
-FIELDS = ("num_layers", "width", "num_heads", "mlp_dim") + tuple(DEFAULTS)
+DEFAULTS = fields_lib.DEFAULTS
+FIELDS = fields_lib.FIELDS
 
 
 def value(config, name: str):
@@ -61,7 +44,6 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   updates = {}
   source = config.get("init_from", "")
   if source:
-    from tpipe.train import pretrained  # pylint: disable=g-import-not-at-top  # Avoids a cycle.
     updates.update(pretrained.architecture_of(source))
   if not updates.get("vocab_size", value(config, "vocab_size")):
     updates["vocab_size"] = tokenization.load(config.get("tokenizer", tokenization.BYTES),
@@ -113,8 +95,6 @@ def vocab_chunks(config) -> int:
   chunks = config.get("vocab_chunks", 1)
   if chunks:
     return chunks
-  from tpipe.train import losses  # pylint: disable=g-import-not-at-top
-
   mesh = config.get("mesh", {})
   rows = config.batch_size // (config.num_microbatches * config.get("num_data", 1)
                                * mesh.get("fsdp", 1))

@@ -12,6 +12,8 @@ from typing import Callable
 
 from absl import app
 
+from tpipe.train import config_help
+
 
 def user_cpu_device_count() -> int | None:
   """The CPU device count the user chose (``JAX_NUM_CPU_DEVICES`` or ``XLA_FLAGS``), if any."""
@@ -182,20 +184,10 @@ def num_devices(config) -> int:
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")
 
 
-def config_spec(argv: list[str]) -> str | None:
-  """The value of ``--config`` in ``argv`` (``--config=PATH[:ARG]`` or ``--config PATH``)."""
-  for i, arg in enumerate(argv):
-    if arg.startswith("--config="):
-      return arg.split("=", 1)[1]
-    if arg == "--config" and i + 1 < len(argv):
-      return argv[i + 1]
-  return None
-
-
 def _startup_error(error: BaseException, argv: list[str]) -> str:
   """One line for an error raised while the flags and the config file were read."""
   text = str(error).strip("'\"")
-  spec = config_spec(argv) or "?"
+  spec = config_help.config_spec(argv) or "?"
   path = spec.split(":", 1)[0]
   if isinstance(error, (AttributeError, KeyError)):
     name = re.search(r"'?([A-Za-z_][\w]*)'?", text)
@@ -236,7 +228,6 @@ def run(main: Callable[[list[str]], None], doc: str | None = None) -> None:
       program with ``--config``, the config file's fields with defaults and meanings).
   """
   if doc is not None and any(arg in HELP_FLAGS for arg in sys.argv[1:]):
-    from tpipe.train import config_help  # pylint: disable=g-import-not-at-top
     print(config_help.help_text(doc, sys.argv[1:]))
     raise SystemExit(0)
   started = False

@@ -18,10 +18,18 @@ import pathlib
 import re
 import textwrap
 
-from tpipe.train import cli
-
 # Where the example configs live in a source checkout.
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+
+def config_spec(argv: list[str]) -> str | None:
+  """The value of ``--config`` in ``argv`` (``--config=PATH[:ARG]`` or ``--config PATH``)."""
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
 
 
 def _target_name(node: ast.expr) -> str | None:
@@ -128,7 +136,7 @@ def help_text(doc: str, argv: list[str]) -> str:
                 for flag in module_flags]
   if flag_lines:
     parts.append("Flags:\n" + "\n".join(dict.fromkeys(flag_lines)))
-  spec = cli.config_spec(argv)
+  spec = config_spec(argv)
   takes_config = "config" in flags.FLAGS
   if spec is None and takes_config and (CONFIGS / "lm.py").is_file():
     spec = str(CONFIGS / "lm.py")

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tpipe.train.models import check_float_dtype
+from tpipe.train.model_args import check_float_dtype
 
 NUM_CLASSES = 10
 

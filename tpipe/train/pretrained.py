@@ -39,7 +39,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from tpipe.train import architecture
+from tpipe.train import architecture_fields
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -71,7 +71,7 @@ def architecture_of(directory) -> dict[str, Any]:
       :data:`FAMILIES`), or a tpipe workdir.
 
   Returns:
-    ``{field: value}`` for :data:`tpipe.train.architecture.FIELDS`.
+    ``{field: value}`` for :data:`tpipe.train.architecture_fields.FIELDS`.
 
   Raises:
     ValueError: no such directory, no config, or a configuration tpipe cannot run.
@@ -83,14 +83,14 @@ def architecture_of(directory) -> dict[str, Any]:
                      "workdir (nothing is downloaded).")
   config = _read_json(directory / "config.json")
   if is_workdir(directory):
-    return {name: config[name] if name in config else architecture.DEFAULTS[name]
-            for name in architecture.FIELDS}
+    return {name: config[name] if name in config else architecture_fields.DEFAULTS[name]
+            for name in architecture_fields.FIELDS}
   family = config.get("model_type")
   if family not in FAMILIES:
     raise ValueError(f"{directory}/config.json has model_type={family!r}; tpipe imports "
                      f"{FAMILIES}.")
   fields = _gpt2_fields(config) if family == "gpt2" else _llama_fields(config, family)
-  return {**architecture.DEFAULTS, **fields, "family": family}
+  return {**architecture_fields.DEFAULTS, **fields, "family": family}
 
 
 def _refuse(config: dict, family: str, **expected) -> None:
