@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import numerics
 from tpipe.train import attention
 
 
@@ -142,3 +143,31 @@ def test_is_causal_adds_the_causal_mask():
                                            is_causal=True)
     np.testing.assert_array_equal(
         ours, nn.dot_product_attention(query, key, value, mask=combined))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_attention_equals_its_plain_composition_and_its_gradients(masked):
+  """Llama's grouped-query attention: the same outputs as softmax of the float32 scores, and
+  the gradients autodiff gives the plain composition (float32 inputs: the numerics rule)."""
+  b, s, g, r, d = 2, 6, 2, 3, 4
+  keys = jax.random.split(jax.random.key(3), 4)
+  q = jax.random.normal(keys[0], (b, s, g, r, d))
+  k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
+  mask = (jnp.tril(jnp.ones((s, s), bool))[None, None, None] if masked else None)
+  cotangent = jax.random.normal(keys[3], (b, s, g, r, d))
+
+  def plain(q, k, v, float32=True):
+    logits = jnp.einsum("bsgrk,btgk->bgrst", q, k)
+    logits = (logits.astype(jnp.float32) if float32 else logits) / 2.0
+    if mask is not None:
+      logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    return jnp.einsum("bgrst,btgk->bsgrk", jax.nn.softmax(logits, axis=-1), v)
+
+  grouped = lambda q, k, v: attention.grouped_attention(q, k, v, mask, 2.0)
+  np.testing.assert_array_equal(jax.jit(grouped)(q, k, v), jax.jit(plain)(q, k, v))
+  vjp_of = lambda fn: (lambda q, k, v, g: jax.vjp(fn, q, k, v)[1](g))
+  exact = numerics.float64_reference(
+      jax.jit(vjp_of(lambda q, k, v: plain(q, k, v, float32=False))), q, k, v, cotangent)
+  numerics.assert_as_close_as_plain(jax.jit(vjp_of(grouped))(q, k, v, cotangent),
+                                    jax.jit(vjp_of(plain))(q, k, v, cotangent), exact,
+                                    what="gradients")

@@ -121,6 +121,52 @@ def _attend_backward(precision, saved, cotangent):
 attend.defvjp(_attend_forward, _attend_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def grouped_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                      mask: jax.Array | None, sqrt_depth: float) -> jax.Array:
+  """Grouped-query attention whose backward keeps no score-sized array: ``query [b, s, g, r,
+  d]`` (``g`` key/value heads, ``r`` query heads each), ``key`` and ``value [b, t, g, d]``;
+  ``mask`` broadcasts against ``[b, g, r, s, t]``. The scores are formed in float32 and
+  divided by ``sqrt_depth``, the probabilities cast back to ``value``'s dtype (as Llama's
+  attention computes them): ``[b, s, g, r, d]``.
+
+  Like :func:`attend`, it keeps its inputs and each row's maximum and sum of exponentials, and
+  its backward forms the probabilities again from ``q k^T``.
+  """
+  return _grouped_forward(query, key, value, mask, sqrt_depth)[0]
+
+
+def _grouped_logits(query, key, mask, sqrt_depth):
+  logits = jnp.einsum("bsgrk,btgk->bgrst", query, key).astype(jnp.float32) / sqrt_depth
+  return _masked(logits, mask)
+
+
+def _grouped_forward(query, key, value, mask, sqrt_depth):
+  logits = _grouped_logits(query, key, mask, sqrt_depth)
+  peak = jnp.max(logits, axis=-1, keepdims=True)
+  total = jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True)
+  probabilities = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
+  out = jnp.einsum("bgrst,btgk->bsgrk", probabilities, value)
+  return out, (query, key, value, mask, peak, total)
+
+
+def _grouped_backward(sqrt_depth, saved, cotangent):
+  query, key, value, mask, peak, total = saved
+  p = jnp.exp(_grouped_logits(query, key, mask, sqrt_depth) - peak) / total
+  d_value = jnp.einsum("bgrst,bsgrk->btgk", p.astype(value.dtype), cotangent)
+  d_p = jnp.einsum("bsgrk,btgk->bgrst", cotangent, value).astype(p.dtype)
+  d_logits = p * (d_p - jnp.sum(d_p * p, axis=-1, keepdims=True))
+  if mask is not None:
+    d_logits = jnp.where(mask, d_logits, 0.0)
+  d_scores = (d_logits / sqrt_depth).astype(query.dtype)
+  d_query = jnp.einsum("bgrst,btgk->bsgrk", d_scores, key)
+  d_key = jnp.einsum("bgrst,bsgrk->btgk", d_scores, query)
+  return d_query, d_key, d_value, None
+
+
+grouped_attention.defvjp(_grouped_forward, _grouped_backward)
+
+
 def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                           mask: jax.Array | None = None, *, dropout_rng=None,
                           dropout_rate: float = 0.0, broadcast_dropout: bool = True,

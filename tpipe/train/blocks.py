@@ -333,11 +333,9 @@ class LlamaBlock(nn.Module):
           sliding_window=self.sliding_window)
     else:
       q = q.reshape(q.shape[:2] + (self.num_kv_heads, groups, head_dim))
-      logits = jnp.einsum("bsgrk,btgk->bgrst", q, k).astype(jnp.float32) / math.sqrt(head_dim)
       mask = attention_mask(x.shape[1], segment_ids, self.sliding_window)[:, :, None]
-      probs = attention.masked_softmax(logits, mask).astype(dtype)
-      attended = jnp.einsum("bgrst,btgk->bsgrk", probs, v).reshape(q.shape[:2] + (
-          self.num_heads, head_dim))
+      attended = attention.grouped_attention(q, k, v, mask, math.sqrt(head_dim)).reshape(
+          q.shape[:2] + (self.num_heads, head_dim))
     y = x + jnp.einsum("bshk,hkd->bsd", attended, weight(
         "out", (self.num_heads, head_dim, self.width), ("heads", "kv", "embed"))).astype(x.dtype)
     h = RMSNorm(dtype, param_dtype, self.epsilon, name="mlp_norm")(y)
