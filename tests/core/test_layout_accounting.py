@@ -17,7 +17,7 @@ def _key(path):
 
 @pytest.mark.unit
 def test_tree_bytes_counts_each_leaf_by_its_dtype():
-  tree = {"a": jax.ShapeDtypeStruct((3, 4), jnp.float32), "b": jnp.zeros(5, jnp.bfloat16),
+  tree = {"a": jax.ShapeDtypeStruct((3, 4), jnp.float32), "b": np.zeros(5, jnp.bfloat16),
           "c": np.zeros((2,), np.int8)}
   assert accounting.tree_bytes(tree) == 3 * 4 * 4 + 5 * 2 + 2
   assert accounting.tree_bytes({}) == 0
