@@ -78,7 +78,7 @@ def test_block_f_holds_piece_f_of_every_leaf():
     layout_pack.unpack_chunk(four, window, 0, blocks=2)
 
 
-def test_a_chunk_without_packed_leaves_has_an_empty_or_zero_window():
+def test_a_chunk_without_packed_leaves_has_an_empty_window():
   layout, _ = lc.case("even_repeat")
   assert layout_pack.pack_chunk(layout, [], 0) == {}
   assert layout_pack.unpack_chunk(layout, {}, 0) == []
