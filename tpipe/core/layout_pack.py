@@ -54,6 +54,9 @@ def unpack_chunk(layout: desc.LayoutDescription, buffers: Mapping[str, jax.Array
   from buffers whose blocks hold the window at ``at`` (per dtype). From ``blocks=1`` block of
   several, each leaf's piece in it (see :func:`chunk_trees`)."""
   blocks = layout.packed_shards if blocks is None else blocks
+  if blocks not in (1, layout.packed_shards):
+    raise ValueError(f"packed buffers hold {layout.packed_shards} blocks; read all or one, "
+                     f"not {blocks}.")
   packing = dataclasses.replace(layout.packed_layouts[chunk], batch_dims=1)
   if at is not None:
     offsets = []
@@ -62,10 +65,7 @@ def unpack_chunk(layout: desc.LayoutDescription, buffers: Mapping[str, jax.Array
     packing = dataclasses.replace(packing, offsets=tuple(offsets))
   rows = {k: v.reshape(blocks, -1) for k, v in buffers.items()}
   pieces, treedef = jax.tree.flatten(packing_lib.unpack(rows, packing))
-  if blocks != layout.packed_shards:
-    if blocks != 1:
-      raise ValueError(f"packed buffers hold {layout.packed_shards} blocks; read all or one, "
-                       f"not {blocks}.")
+  if blocks != layout.packed_shards:  # One block of several: each leaf's piece in it.
     return jax.tree.unflatten(treedef, [p[0] for p in pieces])
   whole = jax.tree.leaves(layout.packed_shapes(chunk))
   joined = []
