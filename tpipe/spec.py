@@ -39,6 +39,8 @@ GRANULARITY_NAMES = ("chunk", "layer", "nested")
 SPLIT_BACKWARD = ("zb_h1", "zbv")
 # What W may compute again in a split backward (PipelineSpec.weight_recompute).
 WEIGHT_RECOMPUTE_NAMES = ("none", "forward", "backward")
+# PipelineSpec.tick_costs asking for one action per tick.
+PLAIN_TICKS = "plain"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +89,15 @@ class PipelineSpec:
       M/S micro-batches of inputs and every transfer overlaps a tick) rather than gathered onto
       every stage in one blocking transfer before the first tick. Tables where a read comes
       before its data could travel (M = S with every link delayed) gather.
-    tick_costs: fused schedules only: per-action costs of one chunk, ``{"F": .., "B": ..}``
-      (with ``"BI"`` and ``"W"`` for ``"zb_h1"`` and ``"zbv"``; relative costs do), for which
-      the table is laid out in compound ticks (a forward, a backward and weight work in one
-      tick, :mod:`tpipe.schedules.compound`) so that ticks cost the same on every stage; kept
-      as a sorted tuple of ``(action, cost)`` pairs. None (default): one action per tick.
+    tick_costs: fused schedules only: how the table is laid out. None (default): in compound
+      ticks (a forward, a backward and weight work in one tick,
+      :mod:`tpipe.schedules.compound`, so ticks cost the same on every stage) for per-action
+      costs derived from the layers' measured FLOPs when the pipeline is built
+      (:mod:`tpipe.core.tick_costs`; ``describe()`` shows them); the spec alone, without
+      layers, builds the one-action table. A mapping ``{"F": .., "B": ..}`` (with ``"BI"`` and
+      ``"W"`` for ``"zb_h1"`` and ``"zbv"``; relative costs do) overrides the derived costs,
+      kept as a sorted tuple of ``(action, cost)`` pairs. ``"plain"``: one action per tick,
+      the papers' tables.
     tick_search: with ``tick_costs``: sweeps of exact window search over the compound table
       (:func:`tpipe.schedules.refine.refine`: the actions of six ticks at a time re-placed by a
       mixed-integer program for a shorter neighbour-synchronised step, in no more memory).
@@ -151,9 +157,10 @@ class PipelineSpec:
         object.__setattr__(self, "transfer_delay", delays)
     if not isinstance(self.stream_inputs, (bool, np.bool_)):
       raise TypeError(f"stream_inputs must be True or False, got {self.stream_inputs!r}.")
-    object.__setattr__(self, "tick_costs", schedules.check_costs(self.tick_costs))
+    if not (isinstance(self.tick_costs, str) and self.tick_costs == PLAIN_TICKS):
+      object.__setattr__(self, "tick_costs", schedules.check_costs(self.tick_costs))
     object.__setattr__(self, "tick_search",
-                       schedules.check_search(self.tick_search, self.tick_costs))
+                       schedules.check_search(self.tick_search, self.given_tick_costs))
     object.__setattr__(self, "weight_recompute", check_weight_recompute(self.weight_recompute))
     if self.weight_recompute and self.schedule not in SPLIT_BACKWARD:
       raise ValueError(f"weight_recompute={self.weight_recompute!r} recomputes what W needs in a "
@@ -179,7 +186,12 @@ class PipelineSpec:
   def table(self) -> schedules.Schedule | schedules.FusedSchedule:
     """The schedule's table, from the cached factory :func:`tpipe.schedules.build`."""
     return schedules.build(self.schedule, self.num_stages, self.num_microbatches,
-                           self.num_repeats, self.delays, self.tick_costs, self.tick_search)
+                           self.num_repeats, self.delays, self.given_tick_costs, self.tick_search)
+
+  @property
+  def given_tick_costs(self) -> tuple[tuple[str, float], ...] | None:
+    """The per-action costs the table is laid out for: ``tick_costs``, None for ``"plain"``."""
+    return None if self.tick_costs == PLAIN_TICKS else self.tick_costs
 
   @property
   def delays(self) -> tuple[int, ...]:

@@ -370,6 +370,8 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
                                        rng_names, owner, axis_names)
   plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, layer_inputs, split, side,
                             rng_names, axis_names)
+  if plan.tick_costs is not None:  # A fused table in compound ticks for the measured costs.
+    spec = spec.replace(tick_costs=plan.tick_costs)
   # Packed buffers cut into one block per device of the fsdp axis of the mesh the spec names.
   layout = layout_lib.StageLayout.build(plan.groups, param_shapes, spec.num_stages,
                                         spec.num_repeats, spec.placement, axes=param_axes,

@@ -127,13 +127,16 @@ def parse_transfer_delay(value):
 
 
 def parse_tick_costs(value):
-  """``config.tick_costs``: ``""`` (one action per tick) or per-action costs of one chunk as
-  ``"F=1,B=3,BI=2,W=1"`` (compound ticks built for them); as :class:`tpipe.PipelineSpec` takes
-  it (a dict, or None)."""
+  """``config.tick_costs``: ``""`` (compound ticks for costs derived from measured FLOPs),
+  ``"plain"`` (one action per tick) or per-action costs of one chunk as ``"F=1,B=3,BI=2,W=1"``
+  (compound ticks built for them); as :class:`tpipe.PipelineSpec` takes it (a dict, None or
+  ``"plain"``)."""
   if value is None or (isinstance(value, str) and not value.strip()):
     return None
   if not isinstance(value, str):
     return value
+  if value.strip() == "plain":
+    return "plain"
   costs = {}
   for part in value.split(","):
     name, _, number = part.partition("=")
@@ -141,7 +144,8 @@ def parse_tick_costs(value):
       costs[name.strip()] = float(number)
     except ValueError:
       raise ValueError(f"config.tick_costs={value!r}: write per-action costs as "
-                       "'F=1,B=3,BI=2,W=1', or '' for one action per tick.") from None
+                       "'F=1,B=3,BI=2,W=1', '' for costs derived from measured FLOPs, or "
+                       "'plain' for one action per tick.") from None
   return costs
 
 

@@ -108,6 +108,11 @@ class Report:
     communication: the step's collectives priced on their links (ICI, DCN) beside its compute
       (:class:`tpipe.train.communication.Communication`).
     mesh: the mesh the step was compiled for.
+    tick_costs: the per-action costs the fused table was laid out for (the pipeline's
+      ``spec.tick_costs``, pairs), also the costs its step is simulated under; None: one
+      action per tick, or a forward schedule (simulated under the default costs).
+    tick_costs_derived: whether those costs were derived from measured per-unit FLOPs
+      (:mod:`tpipe.core.tick_costs`) rather than given.
   """
 
   config: Any
@@ -129,6 +134,8 @@ class Report:
   state_split: tuple = ()
   communication: Any = None
   mesh: Any = dataclasses.field(repr=False, default=None)
+  tick_costs: Any = None
+  tick_costs_derived: bool = False
 
   @property
   def floor(self):
@@ -217,7 +224,7 @@ class Report:
             "gated_in_tick_loops": pipe.gated if pipe else 0.0,
             "transcendentals": flops.transcendentals,
         },
-        "schedule": schedule_summary.schedule_json(self.schedule, tick_costs(self.config)),
+        "schedule": schedule_summary.schedule_json(self.schedule, self.costs),
         "collectives_per_step": self.collective_rows(),
         "stages": [stage.to_json() for stage in self.stages],
         "ring_bytes_per_microbatch": self.ring_bytes,
@@ -232,11 +239,10 @@ class Report:
         "communication": self.communication.to_json() if self.communication else None,
     }
 
-
-def tick_costs(config):
-  """The per-action costs a config's compound table was built for (None: none,
-  ``config.tick_costs`` unset or empty)."""
-  return cli.parse_tick_costs(config.get("tick_costs", "")) if config is not None else None
+  @property
+  def costs(self) -> dict[str, float] | None:
+    """:attr:`tick_costs` as a dict (None without)."""
+    return None if self.tick_costs is None else dict(self.tick_costs)
 
 
 def compile_train_step(exp, breakdown: bool = False):
@@ -379,7 +385,8 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                 floor_seconds=floor_s, peak=peak, topology=topology,
                 mesh_shape=dict(exp.mesh.shape),
                 state_split=analysis.axis_split(state.params, exp.mesh), communication=comm,
-                mesh=exp.mesh)
+                mesh=exp.mesh, tick_costs=exp.pipeline.spec.given_tick_costs,
+                tick_costs_derived=exp.pipeline.plan.tick_costs is not None)
 
 
 def _flops(x: float) -> str:
@@ -449,7 +456,11 @@ def format_report(report: Report) -> str:
       lines.append(f"| {row['axis']} | {row['devices']} | {fb(row['split_bytes'])} "
                    f"({row['split_bytes'] / total:.1%}) | {fb(row['whole_bytes'])} "
                    f"({row['whole_bytes'] / total:.1%}) |")
-  lines += [""] + schedule_summary.format_schedule(report.schedule, tick_costs(report.config))
+  if report.tick_costs is not None:
+    from tpipe.core import tick_costs  # pylint: disable=g-import-not-at-top
+
+    lines += ["", tick_costs.describe(report.tick_costs, report.tick_costs_derived) + "."]
+  lines += [""] + schedule_summary.format_schedule(report.schedule, report.costs)
   if flops.loops_without_trip_count:
     lines += ["", f"Warning: XLA proved no trip count for loops "
               f"{list(flops.loops_without_trip_count)}; each is counted once, so executed FLOPs "
