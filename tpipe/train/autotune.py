@@ -463,15 +463,24 @@ def ordered(config, valid: Sequence[Candidate]) -> tuple[list[Candidate], dict]:
   return [valid[i] for i in order], steps
 
 
-def _progress(search: _Search, done: int, total: int, cand: Candidate, trial: Trial) -> str:
-  left = (total - done) * search.seconds_per_compile()
+def _expected_compiles(search: _Search, queue: Sequence[Candidate]) -> int:
+  """How many compiles the search still expects: one per mesh (stages x replicas) with no
+  fitting trial yet, where the first candidate tried fits and prunes the rest of its mesh."""
+  fitted = {(t.candidate.num_stages, t.candidate.num_data) for t in search.trials if t.fits}
+  return len({(c.num_stages, c.num_data) for c in queue} - fitted)
+
+
+def _progress(search: _Search, done: int, queue: Sequence[Candidate], cand: Candidate,
+              trial: Trial) -> str:
+  left = _expected_compiles(search, queue[done:]) * search.seconds_per_compile()
   best = search.best
   best_text = (f"best so far {best.predicted_seconds * 1e3:.3f} ms: {best.candidate.overrides()}"
                if best else "nothing fits yet")
-  return (f"[{done}/{total}] {cand.overrides()}: {analysis.format_bytes(trial.memory_bytes)}"
+  return (f"[{done}/{len(queue)}] {cand.overrides()}: "
+          f"{analysis.format_bytes(trial.memory_bytes)}"
           f"{'' if trial.fits else ' (over budget)'}, {trial.predicted_seconds * 1e3:.3f} ms "
-          f"predicted, {trial.compile_seconds:.1f} s to compile; at most {left / 60:.1f} min "
-          f"left; {best_text}")
+          f"predicted, {trial.compile_seconds:.1f} s to compile; about {left / 60:.1f} min left; "
+          f"{best_text}")
 
 
 def command(candidate: Candidate, config_path: str = "CONFIG") -> str:
@@ -479,14 +488,15 @@ def command(candidate: Candidate, config_path: str = "CONFIG") -> str:
   return f"python -m tpipe.train --config={config_path} {candidate.overrides()}"
 
 
-def plan_text(num_candidates: int, num_invalid: int, seconds: float = PRIOR_COMPILE_SECONDS
-              ) -> str:
-  """What the search will do, printed before it starts."""
-  return (f"autotune: {num_candidates} candidates ({num_invalid} invalid points left out); "
-          f"each compiled unless an earlier one dominates it or analytic memory or bubble "
-          f"prunes it; at most {num_candidates} compiles, about {seconds:.0f} s each: at most "
-          f"{num_candidates * seconds / 60:.1f} min (usually far less). Ctrl-C stops it and "
-          "prints the best so far.")
+def plan_text(num_candidates: int, num_invalid: int, expected: int,
+              seconds: float = PRIOR_COMPILE_SECONDS) -> str:
+  """What the search will do, printed before it starts: the candidates, the compiles expected
+  (one per mesh when its first candidate fits) and the time they take."""
+  return (f"autotune: {num_candidates} candidates ({num_invalid} invalid points left out), "
+          f"fastest analytic step first; each compiled unless one before it dominates it or "
+          f"analytic memory or bubble prunes it: about {expected} compiles of about "
+          f"{seconds:.0f} s, {expected * seconds / 60:.1f} min (at most {num_candidates}, where "
+          "candidates do not fit). Ctrl-C stops it and prints the best so far.")
 
 
 def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
@@ -530,7 +540,7 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
                    config_path=config_path)
   search.rejected.extend(invalid)
   queue, search.steps = ordered(config, valid)
-  search.out(plan_text(len(queue), len(invalid)))
+  search.out(plan_text(len(queue), len(invalid), _expected_compiles(search, queue)))
   interrupted = _run(search, queue)
   best = search.best
   for t in search.trials:
@@ -563,7 +573,7 @@ def _run(search: _Search, queue: Sequence[Candidate]) -> bool:
           f"{command(best.candidate, search.config_path)}" if best else "nothing fits yet."))
       return True
     search.record(cand, trial)
-    search.out(_progress(search, done, len(queue), cand, trial))
+    search.out(_progress(search, done, queue, cand, trial))
   return False
 
 
