@@ -84,14 +84,14 @@ NAMES = SCHEDULE_NAMES + FUSED_SCHEDULE_NAMES
 _FUSED_CHUNKS = {"1f1b": 1, "zb_h1": 1, "zbv": 2, "interleaved_1f1b": None}
 _FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
 
+# What a user builds or reads: the schedules, their tables and actions, and the analyses a user
+# calls. The simulator's and the executor's helpers (tick_slack, ring_links, input_stream, ...)
+# stay importable here for tpipe's own layers, from their modules for everyone else.
 __all__ = [
     "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
-    "InputStream", "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "action_costs", "build",
-    "check_costs", "check_search", "circular", "critical_path", "exchange_partners",
-    "first_stage_reads", "from_forward", "from_ticks", "gpipe", "input_stream",
-    "interleaved_1f1b", "is_fused", "link_delays", "linked_time", "make_fused_schedule",
-    "make_schedule", "neighbour_time", "one_f_one_b", "place", "placement", "ring_links",
-    "simulate", "tick_slack", "tick_starts", "virtual_stages", "whole_step", "zb_h1", "zbv",
+    "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular", "from_forward", "gpipe",
+    "interleaved_1f1b", "is_fused", "make_fused_schedule", "make_schedule", "one_f_one_b",
+    "placement", "simulate", "whole_step", "zb_h1", "zbv",
 ]
 
 
