@@ -107,7 +107,7 @@ def get_config(arg=None):
   # every stage); "" for one action per tick.
   config.tick_costs = ""
   # With tick_costs: sweeps of exact window search over the compound table
-  # (tpipe.schedules.refine: a shorter step where the builder's rules miss one; seconds to
+  # (tpipe.experimental.refine: a shorter step where the builder's rules miss one; seconds to
   # minutes at S = 8, once per run; 4 sweeps is what the experiments use); 0 for none.
   config.tick_search = 0
   # "zb_h1", "zbv": what W computes again so that a micro-batch awaiting it holds less. "none";

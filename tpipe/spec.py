@@ -98,9 +98,10 @@ class PipelineSpec:
       ``"W"`` for ``"zb_h1"`` and ``"zbv"``; relative costs do) overrides the derived costs,
       kept as a sorted tuple of ``(action, cost)`` pairs. ``"plain"``: one action per tick,
       the papers' tables.
-    tick_search: with ``tick_costs``: sweeps of exact window search over the compound table
-      (:func:`tpipe.schedules.refine.refine`: the actions of six ticks at a time re-placed by a
-      mixed-integer program for a shorter neighbour-synchronised step, in no more memory).
+    tick_search: experimental: with ``tick_costs``: sweeps of exact window search over the
+      compound table (:func:`tpipe.experimental.refine.refine`: the actions of six ticks at a
+      time re-placed by a mixed-integer program for a shorter neighbour-synchronised step, in no
+      more memory).
       It finds tables the builder's rules miss, at seconds (ZB-H1) to minutes (ZB-V) at S = 8,
       once per process (tables are cached), the same on every host. 0 (default): none; 4 is
       what ``experiments/fused_schedules.py`` uses (one sweep can stop short).
@@ -185,8 +186,14 @@ class PipelineSpec:
   @property
   def table(self) -> schedules.Schedule | schedules.FusedSchedule:
     """The schedule's table, from the cached factory :func:`tpipe.schedules.build`."""
+    refine = None
+    if self.tick_search:  # Research: the search lives in tpipe.experimental.
+      from tpipe.experimental import refine as refine_lib  # pylint: disable=g-import-not-at-top
+
+      refine = refine_lib.refine
     return schedules.build(self.schedule, self.num_stages, self.num_microbatches,
-                           self.num_repeats, self.delays, self.given_tick_costs, self.tick_search)
+                           self.num_repeats, self.delays, self.given_tick_costs, self.tick_search,
+                           refine)
 
   @property
   def given_tick_costs(self) -> tuple[tuple[str, float], ...] | None:

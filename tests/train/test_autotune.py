@@ -76,7 +76,7 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
   assert result.config.remat_granularity == "layer"
   dominated = [c.remat_granularity for c, r in result.rejected if r.startswith("dominated")]
   assert dominated == [2]
-  assert "| gpipe | full | layer **(chosen)** |" in autotune.format_result(result)
+  assert "| gpipe | 1 | full | layer **(chosen)** |" in autotune.format_result(result)
 
 
 @pytest.mark.unit  # No JAX computation.
@@ -247,7 +247,7 @@ def test_nothing_fits_a_one_byte_budget():
   assert trial.candidate.schedule == "1f1b" and trial.executed_flops > 0
   assert trial.simulated_bubble == flops_lib.simulated_bubble(
       autotune.schedule_table("1f1b", 1, 2, 1))
-  assert "| 1f1b | full | chunk |" in autotune.format_result(result)
+  assert "| 1f1b | 1 | full | chunk |" in autotune.format_result(result)
   assert "Nothing fits" in autotune.format_result(result)
   with pytest.raises(ValueError, match="budget_bytes"):
     autotune.autotune(_config(), 0)

@@ -17,7 +17,7 @@ from tests.helpers import blocks
 from tests.helpers import numerics
 from tpipe.core import layout as layout_lib
 from tpipe.tools import analysis
-from tpipe.tools import links
+from tpipe.experimental import links
 from tpipe.tools import stage_costs
 from tpipe.train import communication
 from tpipe.train import experiment

@@ -12,13 +12,20 @@ Usage::
       --config.mesh.fsdp=2 --config.num_stages=2 --dcn_slices=2
 
 For every candidate (``num_stages`` dividing the device count and the layer count, ``num_data``
-the remaining devices, ``num_microbatches`` dividing the per-replica batch, ``schedule`` among
-the forward schedules and the fused ones :class:`tpipe.Sequential` runs whose table exists for
-the config's ``num_repeats``, ``remat`` in none/dots/full, ``remat_granularity`` in chunk/layer
-or ints for ``remat`` dots and full; with ``"none"`` nothing is recomputed, so only ``"chunk"``
-is tried) the real training step is compiled ahead of time (never run) and measured with
-:mod:`tpipe.tools.analysis`. A candidate fits when its peak per-device memory (largest device) is at
-most the budget. Among those that fit, the one with the least predicted step time wins.
+the remaining devices, ``num_microbatches`` dividing the per-replica batch, every schedule, forward
+and fused, each with the ``num_repeats`` it takes (1; 2 for ZB-V; for circular and interleaved
+1F1B every divisor >= 2 of the layers per stage, :func:`repeat_options`), ``remat`` in
+none/dots/full, ``remat_granularity`` in chunk/layer or ints for ``remat`` dots and full; with
+``"none"`` nothing is recomputed, so only ``"chunk"`` is tried) the real training step can be
+compiled ahead of time (never run) and measured with :mod:`tpipe.tools.analysis`. A candidate
+fits when its peak per-device memory (largest device) is at most the budget. Among those that
+fit, the one with the least predicted step time wins.
+
+Before anything compiles the search prints its plan: the candidates, how many compiles it
+expects and about how long they take. Each compile prints its measurements, the time left and
+the best so far. Ctrl-C stops the search cleanly: the best so far and the command that trains
+with it are printed. Compiled programs go to JAX's persistent compilation cache
+(``--cache_dir``), and a config already measured in the process is not compiled again.
 
 Cost model (:class:`CostModel`), per device and per step::
 
@@ -42,12 +49,21 @@ the default costs, comparable across trials. The
 defaults describe one TPU v4 chip (about 275 TFLOP/s bf16 peak, taken at 40% utilisation, and
 45 GB/s per ICI link); only the ratios matter for the ranking.
 
-Pruning, so the search compiles few programs: for a fixed (stages, micro-batches, schedule) the
-remat policies are tried from cheapest in FLOPs to most memory-saving (none, dots, full), each
-with its granularities in the order given (``chunk`` then ``layer`` by default: the same
-recompute FLOPs, usually a lower backward peak), and the first that fits ends that group; the
-others are reported as dominated. Every skipped or failed candidate
-appears in the result with its reason.
+Pruning, so the search compiles few programs (every skipped or failed candidate appears in the
+result with its reason):
+
+* order: candidates go fastest :func:`analytic_step` first (the table's neighbour-synchronised
+  step under the costs its remat gives, bubble and recomputation charged, no compile), so a
+  good fitting trial comes early;
+* dominated: for a fixed (stages, micro-batches, schedule, repeats) the remat policies are tried
+  from cheapest in FLOPs to most memory-saving (none, dots, full), each with its granularities
+  in the order given, and the first that fits ends that group;
+* analytic bubble: once a trial fits, a candidate on the same mesh (stages x replicas) is
+  compiled only if its analytic step is shorter, and on another mesh only within
+  :data:`PRUNE_RATIO` of the fitting trial's;
+* analytic memory: once the parameter count is known, a candidate whose lower bound
+  (:func:`analytic_memory`: a stage's parameters, gradients and optimizer state, and its
+  stashed inputs) exceeds the budget is not compiled.
 """
 
 from __future__ import annotations
@@ -582,24 +598,30 @@ def format_result(result: TuneResult, config_path: str = "CONFIG") -> str:
   command that runs the choice)."""
   fb = analysis.format_bytes
   lines = [f"budget per device: {fb(result.budget_bytes)}", "",
-           "| stages | data | micro-batches | schedule | remat | granularity | peak memory | "
-           "fits | lockstep FLOPs | useful | neighbour-synchronised bubble | collective bytes | "
-           "predicted step | compile s |",
-           "|---:|---:|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "| stages | data | micro-batches | schedule | repeats | remat | granularity | "
+           "peak memory | fits | lockstep FLOPs | useful | neighbour-synchronised bubble | "
+           "collective bytes | predicted step | compile s |",
+           "|---:|---:|---:|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
   for t in result.trials:
     c = t.candidate
     mark = " **(chosen)**" if t is result.best else ""
     lines.append(
         f"| {c.num_stages} | {c.num_data} | {c.num_microbatches} | {c.schedule} | "
-        f"{c.remat} | {c.remat_granularity}{mark} | {fb(t.memory_bytes)} | "
+        f"{c.num_repeats} | {c.remat} | {c.remat_granularity}{mark} | {fb(t.memory_bytes)} | "
         f"{'yes' if t.fits else 'no'} | "
         f"{t.executed_flops:.3g} | {t.useful_fraction:.1%} | {t.simulated_bubble:.1%} | "
         f"{fb(t.collective_bytes)} | "
         f"{t.predicted_seconds * 1e3:.3f} ms | {t.compile_seconds:.1f} |")
-  lines += ["", "Rejected:"]
+  kinds = {}
+  for _, reason in result.rejected:
+    kind = reason.split(":")[0] if not reason.startswith("schedule=") else "no table"
+    kinds[kind] = kinds.get(kind, 0) + 1
+  summary = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+  lines += ["", f"Rejected ({summary or 'none'}):"]
   for cand, reason in result.rejected:
     lines.append(f"- stages={cand.num_stages} data={cand.num_data} "
-                 f"M={cand.num_microbatches} schedule={cand.schedule} remat={cand.remat} "
+                 f"M={cand.num_microbatches} schedule={cand.schedule} "
+                 f"repeats={cand.num_repeats} remat={cand.remat} "
                  f"remat_granularity={cand.remat_granularity}: {reason}")
   lines.append("")
   if result.best is None:

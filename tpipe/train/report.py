@@ -343,7 +343,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
       prints no loop trip counts, so the report then has no pipeline FLOPs (useful against
       bubble) and counts each loop's FLOPs once.
     breakdown: break the peak down by role (:mod:`tpipe.tools.peak`).
-    network: the :class:`tpipe.tools.links.Interconnect` to price communication with; default
+    network: the :class:`tpipe.experimental.links.Interconnect` to price communication with; default
       the topology's chip, else v5p's.
     efficiency: the share of the chip's peak FLOP/s the compute is taken to reach.
 
@@ -353,7 +353,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   import tpipe  # pylint: disable=g-import-not-at-top
 
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
-  from tpipe.tools import links  # pylint: disable=g-import-not-at-top
+  from tpipe.experimental import links  # pylint: disable=g-import-not-at-top
   from tpipe.train import communication  # pylint: disable=g-import-not-at-top
   from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
 

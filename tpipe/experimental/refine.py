@@ -1,5 +1,8 @@
 """Exact window search: a fused table's actions re-placed a window of ticks at a time.
 
+Experimental (research): its interface and results may change without notice; the stable
+compound builder is :mod:`tpipe.schedules.compound`.
+
 The compound builder (:mod:`tpipe.schedules.compound`) lays tables out by rules, tick by tick,
 and the best of its rules can still miss a table that is shorter under neighbour
 synchronisation: where stages must move together (the last backward travelling one tick
@@ -38,7 +41,7 @@ table's where the same costs in MFLOP found a shorter step.
 
 It costs tens of seconds for a ZB-H1 table at S = 8, M = 8 and minutes for a ZB-V one (two
 chunks per stage: twice the actions per window), so the builder runs it only when asked
-(``tick_search`` in :class:`tpipe.PipelineSpec`, ``search`` in
+(``tick_search`` in :class:`tpipe.PipelineSpec`, ``search`` and ``refine=refine`` in
 :func:`tpipe.schedules.build`). ZB-H1 at S = 8, M = 8 under the measured remat-none costs of
 ``experiments/fused_schedules.py`` (BI about 1.3 F, W about F): the neighbour-synchronised
 bubble goes from 1.16x the schedule's natural bubble to 1.14x, in the same memory, whatever
@@ -47,7 +50,8 @@ the costs' unit; so it does for each of sixteen cost sets drawn within 1% of tho
 
 Example::
 
-  >>> from tpipe.schedules import orders, refine
+  >>> from tpipe.experimental import refine
+  >>> from tpipe.schedules import orders
   >>> costs = {"F": 1.0, "BI": 1.3, "W": 1.0}
   >>> table = orders.zb_h1(3, 3)
   >>> better = refine.refine(table, costs, sweeps=1)

@@ -1,4 +1,4 @@
-"""Exact window search (:mod:`tpipe.schedules.refine`; SciPy's HiGHS, no JAX): it finds a
+"""Exact window search (:mod:`tpipe.experimental.refine`; SciPy's HiGHS, no JAX): it finds a
 ZB-H1 table shorter than the compound builder's under neighbour synchronisation, in no more
 memory, for costs in any unit, and the same on every call; over every fused schedule, with
 delayed links too, it never lengthens the step or grows a stage's memory; bad input raises;
@@ -14,7 +14,7 @@ import pytest
 import tpipe
 from tpipe import schedules
 from tpipe.schedules import compound
-from tpipe.schedules import refine
+from tpipe.experimental import refine
 
 # ZB-H1's per-chunk MFLOP from experiments/fused_schedules.py, remat none: BI about 1.3 F, so a
 # stage's F, BI and W nearly tie and neither one action per tick nor compound ticks fit well.
