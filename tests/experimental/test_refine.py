@@ -95,11 +95,16 @@ def test_the_factory_and_the_spec_search_only_when_asked():
   it, and a second search gives the same table (no time limit: the same on every host)."""
   costs = MEASURED
   built = schedules.build("zb_h1", 3, 3, 1, None, costs)
-  searched = schedules.build("zb_h1", 3, 3, 1, None, costs, search=1)
-  assert searched is schedules.build("zb_h1", 3, 3, 1, None, costs, search=1)  # Cached.
+  # The search is passed in: the schedules package does not import the experimental one.
+  with pytest.raises(ValueError, match="pass refine=tpipe.experimental.refine.refine"):
+    schedules.build("zb_h1", 3, 3, 1, None, costs, search=1)
+  searched = schedules.build("zb_h1", 3, 3, 1, None, costs, search=1, refine=refine.refine)
+  assert searched is schedules.build("zb_h1", 3, 3, 1, None, costs, search=1,
+                                     refine=refine.refine)  # Cached.
   assert searched.actions() == refine.refine(built, costs, sweeps=1).actions()  # Deterministic.
   assert searched.simulate(costs).neighbour < built.simulate(costs).neighbour
-  assert schedules.make_fused_schedule("zb_h1", 3, 3, costs=costs, search=1) is searched
+  assert schedules.make_fused_schedule("zb_h1", 3, 3, costs=costs, search=1,
+                                       refine=refine.refine) is searched
   spec = tpipe.PipelineSpec(num_stages=3, num_microbatches=3, schedule="zb_h1",
                             tick_costs=costs, tick_search=1)
   assert spec.table is searched and spec.replace(tick_search=0).table is built
