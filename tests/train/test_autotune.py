@@ -10,6 +10,7 @@ from tpipe.tools import flops as flops_lib
 from tpipe.train import autotune
 from tpipe.train import multislice
 from tpipe.train import report as report_lib
+from tpipe.train import search_space
 
 
 def _config():
@@ -86,16 +87,16 @@ def test_schedule_is_a_search_dimension_with_the_fused_schedules():
   names = [c.schedule for c in valid]
   # Every schedule the Sequential runs whose table exists for R = 1, fused ones included.
   assert "gpipe" in names and "1f1b" in names
-  assert set(names) | {c.schedule for c, _ in invalid} == set(autotune.schedule_names())
-  assert set(schedules.FUSED_SCHEDULE_NAMES) <= set(autotune.schedule_names())
+  assert set(names) | {c.schedule for c, _ in invalid} == set(search_space.schedule_names())
+  assert set(schedules.FUSED_SCHEDULE_NAMES) <= set(search_space.schedule_names())
   for cand in valid:  # Each valid one has a table, whose bubble the trials carry.
-    table = autotune.schedule_table(cand.schedule, 2, 2, cand.num_repeats)
+    table = search_space.schedule_table(cand.schedule, 2, 2, cand.num_repeats)
     assert 0 < flops_lib.simulated_bubble(table) < 1
   # 1F1B's ticks (each as long as the slowest of a stage and its neighbours) lose more than
   # GPipe's; the bubble is the neighbour-synchronised one, no larger than the lockstep one.
-  one_f_one_b = autotune.schedule_table("1f1b", 4, 8, 1)
+  one_f_one_b = search_space.schedule_table("1f1b", 4, 8, 1)
   assert (flops_lib.simulated_bubble(one_f_one_b)
-          > flops_lib.simulated_bubble(autotune.schedule_table("gpipe", 4, 8, 1)))
+          > flops_lib.simulated_bubble(search_space.schedule_table("gpipe", 4, 8, 1)))
   timing = flops_lib.simulated_timing(one_f_one_b)
   assert flops_lib.simulated_bubble(one_f_one_b) == timing.neighbour_bubble
   assert timing.natural_bubble < timing.neighbour_bubble <= timing.lockstep_bubble
@@ -113,7 +114,7 @@ def test_every_schedule_is_tried_with_the_repeats_it_takes():
   # 4 layers per stage: circular and interleaved 1F1B with 2 and 4 chunks, ZB-V with its 2.
   assert points == {("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("zbv", 2), ("circular", 2),
                     ("circular", 4), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)}
-  assert {c.schedule for c in valid} == set(autotune.schedule_names())
+  assert {c.schedule for c in valid} == set(search_space.schedule_names())
   assert "--config.num_repeats=4" in next(c for c in valid if c.num_repeats == 4).overrides()
   assert autotune._apply(config, autotune.Candidate(2, 1, 2, "none", "zbv", num_repeats=2)
                          ).num_repeats == 2
@@ -189,7 +190,7 @@ def test_pruning_rejects_before_compiling_with_reasons(monkeypatch):
   assert len(compiled) < len(autotune.candidates(config, 4, microbatches=[1, 2, 4],
                                                  remats=["none", "full"])[0]) // 4
   memory = autotune.analytic_memory(config, compiled[0], 10**9)
-  assert memory >= autotune.STATE_BYTES_PER_PARAM * 10**9 // compiled[0].num_stages
+  assert memory >= search_space.STATE_BYTES_PER_PARAM * 10**9 // compiled[0].num_stages
   tight = autotune._Search(config, 10, autotune.CostModel(), print, num_params=10**6)
   tight.steps = {compiled[0]: 1.0}
   assert tight.skip_reason(compiled[0]).startswith("pruned: analytic memory")
@@ -246,7 +247,7 @@ def test_nothing_fits_a_one_byte_budget():
   trial = result.trials[0]
   assert trial.candidate.schedule == "1f1b" and trial.executed_flops > 0
   assert trial.simulated_bubble == flops_lib.simulated_bubble(
-      autotune.schedule_table("1f1b", 1, 2, 1))
+      search_space.schedule_table("1f1b", 1, 2, 1))
   assert "| 1f1b | 1 | full | chunk |" in autotune.format_result(result)
   assert "Nothing fits" in autotune.format_result(result)
   with pytest.raises(ValueError, match="budget_bytes"):
