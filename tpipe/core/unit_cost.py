@@ -92,7 +92,8 @@ def cost(kind: str, layer_apply: Callable, params, h, side, *, identity: Hashabl
 def action_flops(layer_apply: Callable, params, h, side, *,
                  identity: Hashable) -> dict[str, float]:
   """One unit's FLOPs on one micro-batch split the way a fused schedule's actions split them,
-  cached as :func:`cost` caches (same ``identity`` rule).
+  cached as :func:`cost` caches them (not cached with ``identity=None``: nothing tells the unit
+  from another of the same shapes).
 
   Three compiles: the forward alone; the forward and its VJP in every floating argument (what
   :func:`cost` counts for ``"flops"``); the forward and its VJP in the input ``h`` and the side
@@ -103,20 +104,24 @@ def action_flops(layer_apply: Callable, params, h, side, *,
     forward; the backward for the gradients of the input (what ``BI`` computes besides a
     recomputed forward); the rest of the backward, for the weights (what ``W`` computes).
   """
+  if identity is None:  # Nothing tells this unit from another of the same shapes.
+    return _measure_actions(layer_apply, params, h, side, identity)
   key = ("actions", jax.default_backend(), identity, abstract_key(params), abstract_key(h))
   try:
     found = _CACHE.get(key)
   except TypeError:  # Something in the key cannot be hashed: measure every time.
-    return _measure_actions(layer_apply, params, h, side)
+    return _measure_actions(layer_apply, params, h, side, identity)
   if found is None:
-    found = _CACHE[key] = _measure_actions(layer_apply, params, h, side)
+    found = _CACHE[key] = _measure_actions(layer_apply, params, h, side, identity)
   return dict(found)
 
 
-def _measure_actions(layer_apply: Callable, params, h, side) -> dict[str, float]:
+def _measure_actions(layer_apply: Callable, params, h, side, identity) -> dict[str, float]:
   fn = lambda p, x, s: layer_apply(p, x, *s)
   forward = _compiled_flops(jax.jit(fn), _abstract((params, h, side)))
-  total = _compiled_flops(*forward_backward(fn, params, h, side))
+  # The whole step's count is balance="flops"'s: measured once for both.
+  total = (measure("flops", layer_apply, params, h, side) if identity is None
+           else cost("flops", layer_apply, params, h, side, identity=identity))
   # The VJP in the input and the side inputs only: the parameters held fixed.
   with_input = _compiled_flops(*forward_backward(fn, params, h, side,
                                                  differentiate=(False, True, True)))
