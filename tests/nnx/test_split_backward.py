@@ -57,12 +57,10 @@ class LinenEmbed(nn.Module):
 
 
 def _settings(schedule, run=None):
-  """The case ``schedule``'s model, run with ``run`` (default the case's own schedule), one
-  action per tick (the papers' tables, whose actions' FLOPs are compared here)."""
+  """The case ``schedule``'s model, run with ``run`` (default the case's own schedule)."""
   repeats, balance = CASES[schedule]
   return dict(num_stages=STAGES, num_microbatches=MICROBATCHES, schedule=run or schedule,
-              num_repeats=repeats, balance=list(balance), mesh=tpipe.make_mesh(stages=STAGES),
-              tick_costs="plain")
+              num_repeats=repeats, balance=list(balance), mesh=tpipe.make_mesh(stages=STAGES))
 
 
 def _flops(compiled, pipeline):
