@@ -102,12 +102,12 @@ def get_config(arg=None):
   # Where the batch arrives split over the stages (M a multiple of S): each micro-batch's inputs
   # reach stage 0 one per tick from the stage that holds them, not gathered before the step.
   config.stream_inputs = True
-  # Fused schedules: per-action costs of one chunk ("F=1,B=3,BI=2,W=1") to lay the table out in
-  # compound ticks (a forward, a backward and weight work per tick, so ticks cost the same on
-  # every stage); "" for one action per tick.
+  # Fused schedules lay their table out in compound ticks (a forward, a backward and weight work
+  # per tick, so ticks cost the same on every stage): "" for per-action costs derived from the
+  # layers' measured FLOPs, "F=1,B=3,BI=2,W=1" to give them, "plain" for one action per tick.
   config.tick_costs = ""
-  # With tick_costs: sweeps of exact window search over the compound table
-  # (tpipe.schedules.refine: a shorter step where the builder's rules miss one; seconds to
+  # Experimental, with tick_costs given: sweeps of exact window search over the compound table
+  # (tpipe.experimental.refine: a shorter step where the builder's rules miss one; seconds to
   # minutes at S = 8, once per run; 4 sweeps is what the experiments use); 0 for none.
   config.tick_search = 0
   # "zb_h1", "zbv": what W computes again so that a micro-batch awaiting it holds less. "none";

@@ -416,7 +416,7 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
 
 def search_table(stages: int, measured, tpu) -> list[str]:
   """The compound tables again with four sweeps of exact window search (``tick_search``,
-  :mod:`tpipe.schedules.refine`): 1F1B and ZB-H1 under every cost set, ZB-V at M = 8 under the
+  :mod:`tpipe.experimental.refine`): 1F1B and ZB-H1 under every cost set, ZB-V at M = 8 under the
   FLOP-based ones (a V table's windows hold twice the actions: minutes each)."""
   lines = [f"### Exact window search (S = {stages}): `tick_search=4`", "",
            "Each table above searched again (`tpipe.schedules.build(..., costs=, search=4)`: "

@@ -21,8 +21,9 @@ its 32 chips, and B = 3 F (remat full: the forward again, then twice its FLOPs).
 the head and the loss are left out (they add to the first and last stage alike in every row).
 One tick's message per device: its share of the micro-batch's boundary activations, rows split
 over the 8 fsdp devices (each tensor device sends its own copy), ``rows x 4096 x 4096 x 2`` bytes,
-priced with :mod:`tpipe.tools.links` (v5p: DCN 50 Gbit/s per chip and 10 us, ICI a 2/6 share of
-4800 Gbit/s and 1 us; the message is the same under both layouts: the rows split over fsdp 8).
+priced with :mod:`tpipe.experimental.links` (v5p: DCN 50 Gbit/s per chip and 10 us, ICI a 2/6
+share of 4800 Gbit/s and 1 us; the message is the same under both layouts: the rows split over
+fsdp 8).
 The table of each schedule (:func:`tpipe.schedules.build`, with
 ``delays`` on the crossing links or none) is simulated with :meth:`FusedSchedule.simulate`
 (neighbour-synchronised, per-link transfer times): ``step`` is the predicted step, ``exposed``
@@ -45,7 +46,7 @@ import numpy as np
 
 from experiments import _common
 from tpipe import schedules
-from tpipe.tools import links
+from tpipe.experimental import links
 
 LAYERS, WIDTH, HEADS, KV_HEADS, HEAD_DIM, MLP, SEQ = 32, 4096, 32, 8, 128, 14336, 4096
 GLOBAL_BATCH, FSDP, CHIPS_PER_SLICE = 256, 8, 64

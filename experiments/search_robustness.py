@@ -1,4 +1,4 @@
-"""How reliably the exact window search (``tick_search``, :mod:`tpipe.schedules.refine`) finds
+"""How reliably the exact window search (``tick_search``, :mod:`tpipe.experimental.refine`) finds
 the shorter ZB-H1 table, at S = 8, M = 8, under the remat-none costs measured by
 ``experiments/fused_schedules.py`` and under costs near them.
 

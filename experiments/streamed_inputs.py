@@ -14,7 +14,7 @@ data replica. The batch arrives split over data and stage (``tpipe.data_sharding
 from the TPU compiler: the step's temporaries and the collectives over ``stage`` that move the
 inputs, outside the tick loop (the gather, blocking the first tick) and inside it (the
 conveyor's sends, one micro-batch per tick, beside the compute), with the gather's time over
-DCN at v5p's 50 Gbit/s per chip (:mod:`tpipe.tools.links`).
+DCN at v5p's 50 Gbit/s per chip (:mod:`tpipe.experimental.links`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import tpipe
 from experiments import _common
 from tpipe.tools import analysis
-from tpipe.tools import links
+from tpipe.experimental import links
 
 
 class Block(nn.Module):

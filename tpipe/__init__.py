@@ -15,6 +15,9 @@ the ones below it):
 * :class:`PipelineSpec`, :mod:`tpipe.mesh`, :mod:`tpipe.axis_rules`, :mod:`tpipe.schedules`,
   :mod:`tpipe.partition`: settings, meshes, how weights split over ``fsdp`` and ``tensor``,
   schedule tables and balancing, pure where they can be.
+
+Research tools outside the stable API (the exact window search, link pricing, hand-written
+tick costs) are :mod:`tpipe.experimental`, imported by name; nothing above imports it.
 """
 
 from tpipe import axis_rules

@@ -39,6 +39,8 @@ GRANULARITY_NAMES = ("chunk", "layer", "nested")
 SPLIT_BACKWARD = ("zb_h1", "zbv")
 # What W may compute again in a split backward (PipelineSpec.weight_recompute).
 WEIGHT_RECOMPUTE_NAMES = ("none", "forward", "backward")
+# PipelineSpec.tick_costs asking for one action per tick.
+PLAIN_TICKS = "plain"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +73,13 @@ class PipelineSpec:
       ``(l + 1) % S``).
     stream_inputs: whether each micro-batch's inputs travel to stage 0 one stage per tick
       (where M is a multiple of S) rather than being gathered once before the first tick.
-    tick_costs: fused schedules only: per-action costs of one chunk, ``{"F": .., "B": ..}`` (with
-      ``"BI"`` and ``"W"`` for the zero-bubble schedules), for which the table is laid out in
-      compound ticks; kept as a sorted tuple of ``(action, cost)`` pairs. None: one action per
-      tick.
-    tick_search: with ``tick_costs``: sweeps of exact window search over the compound table
-      (experimental; 0, the default: none).
+    tick_costs: fused schedules only: how the table is laid out. None (default): in compound
+      ticks for per-action costs derived from the layers' FLOPs when the pipeline is built
+      (:mod:`tpipe.core.tick_costs`; ``describe()`` shows them). A mapping ``{"F": .., "B":
+      ..}`` (with ``"BI"`` and ``"W"`` for the zero-bubble schedules) overrides them, kept as a
+      sorted tuple of ``(action, cost)`` pairs; ``"plain"``: one action per tick.
+    tick_search: experimental (:mod:`tpipe.experimental.refine`): sweeps of exact window
+      search over the compound table (0, the default: none).
     weight_recompute: split backward only (``"zb_h1"``, ``"zbv"``): what ``W`` computes again
       rather than a micro-batch awaiting it keeping it: False (nothing), ``"forward"`` (or True)
       or ``"backward"``.
@@ -123,9 +126,10 @@ class PipelineSpec:
         object.__setattr__(self, "transfer_delay", delays)
     if not isinstance(self.stream_inputs, (bool, np.bool_)):
       raise TypeError(f"stream_inputs must be True or False, got {self.stream_inputs!r}.")
-    object.__setattr__(self, "tick_costs", schedules.check_costs(self.tick_costs))
+    if not (isinstance(self.tick_costs, str) and self.tick_costs == PLAIN_TICKS):
+      object.__setattr__(self, "tick_costs", schedules.check_costs(self.tick_costs))
     object.__setattr__(self, "tick_search",
-                       schedules.check_search(self.tick_search, self.tick_costs))
+                       schedules.check_search(self.tick_search, self.given_tick_costs))
     object.__setattr__(self, "weight_recompute", check_weight_recompute(self.weight_recompute))
     if self.weight_recompute and self.schedule not in SPLIT_BACKWARD:
       raise ValueError(f"weight_recompute={self.weight_recompute!r} recomputes what W needs in a "
@@ -150,8 +154,19 @@ class PipelineSpec:
   @property
   def table(self) -> schedules.Schedule | schedules.FusedSchedule:
     """The schedule's table, from the cached factory :func:`tpipe.schedules.build`."""
+    refine = None
+    if self.tick_search:  # Research: the search lives in tpipe.experimental.
+      from tpipe.experimental import refine as refine_lib  # pylint: disable=g-import-not-at-top
+
+      refine = refine_lib.refine
     return schedules.build(self.schedule, self.num_stages, self.num_microbatches,
-                           self.num_repeats, self.delays, self.tick_costs, self.tick_search)
+                           self.num_repeats, self.delays, self.given_tick_costs, self.tick_search,
+                           refine)
+
+  @property
+  def given_tick_costs(self) -> tuple[tuple[str, float], ...] | None:
+    """The per-action costs the table is laid out for: ``tick_costs``, None for ``"plain"``."""
+    return None if self.tick_costs == PLAIN_TICKS else self.tick_costs
 
   @property
   def delays(self) -> tuple[int, ...]:

@@ -62,7 +62,7 @@ def test_held_and_settled_weights_equal_sequential():
 
 
 def test_searched_table_equals_sequential():
-  """A ZB-H1 table the exact window search re-placed (tick_search; tpipe.schedules.refine)
+  """A ZB-H1 table the exact window search re-placed (tick_search; tpipe.experimental.refine)
   runs exactly: the measured remat-none costs at S = 4, M = 2, where the search finds a table
   2% shorter than the builder's (5073.1 against 5194.5), which no rule of the builder makes."""
   costs = {"F": 403.4, "BI": 528.9, "W": 407.5}

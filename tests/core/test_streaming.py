@@ -18,7 +18,11 @@ from tpipe.core import streaming
 
 
 def _model(name, schedule, mesh, microbatches, remat, stream=True):
-  return lm.loss_sequential(name, schedule, mesh, microbatches, remat, stream_inputs=stream)
+  # Fused schedules one action per tick: compound tables (their default) gather the inputs
+  # instead (stage 0 can read two micro-batches in one tick; tpipe.core.streaming.plan).
+  plain = {"tick_costs": "plain"} if tpipe.schedules.is_fused(schedule) else {}
+  return lm.loss_sequential(name, schedule, mesh, microbatches, remat, stream_inputs=stream,
+                            **plain)
 
 
 # (model, schedule, stages, micro-batches per replica, remat, slices): on two slices the links

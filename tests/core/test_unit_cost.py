@@ -35,3 +35,20 @@ def test_integer_inputs_get_no_gradient():
   flops = unit_cost.measure("flops", lookup, params, ids, ((), ()))
   # Forward (rows x out x in), and for the weight both operands' gradients: 3 products.
   assert flops == pytest.approx(3 * 2 * ROWS * IN * OUT, rel=0.05)
+
+
+def test_action_flops_split_a_matmul_into_forward_input_and_weight_gradients():
+  params = {"w": jax.ShapeDtypeStruct((IN, OUT), jnp.float32)}
+  h = jax.ShapeDtypeStruct((ROWS, IN), jnp.float32)
+  parts = unit_cost.action_flops(_matmul, params, h, ((), ()), identity=("matmul-parts",))
+  product = 2 * ROWS * IN * OUT
+  assert parts == {"forward": product, "backward_input": product, "backward_weight": product}
+
+
+def test_action_flops_of_integer_inputs_have_no_input_gradient():
+  params = {"w": jax.ShapeDtypeStruct((IN, OUT), jnp.float32)}
+  ids = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
+  lookup = lambda params, h, broadcast, per_example: params["w"][h % IN] @ params["w"].T
+  parts = unit_cost.action_flops(lookup, params, ids, ((), ()), identity=None)
+  assert parts["backward_input"] == 0
+  assert parts["backward_weight"] == pytest.approx(2 * parts["forward"], rel=0.05)

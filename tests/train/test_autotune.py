@@ -1,5 +1,7 @@
 """Tests for tpipe.train.autotune: a tight budget forces more stages or remat; the choice fits."""
 
+import re
+
 import pytest
 
 from configs import lm
@@ -8,6 +10,7 @@ from tpipe.tools import flops as flops_lib
 from tpipe.train import autotune
 from tpipe.train import multislice
 from tpipe.train import report as report_lib
+from tpipe.train import search_space
 
 
 def _config():
@@ -74,7 +77,7 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
   assert result.config.remat_granularity == "layer"
   dominated = [c.remat_granularity for c, r in result.rejected if r.startswith("dominated")]
   assert dominated == [2]
-  assert "| gpipe | full | layer **(chosen)** |" in autotune.format_result(result)
+  assert "| gpipe | 1 | full | layer **(chosen)** |" in autotune.format_result(result)
 
 
 @pytest.mark.unit  # No JAX computation.
@@ -84,24 +87,113 @@ def test_schedule_is_a_search_dimension_with_the_fused_schedules():
   names = [c.schedule for c in valid]
   # Every schedule the Sequential runs whose table exists for R = 1, fused ones included.
   assert "gpipe" in names and "1f1b" in names
-  assert set(names) | {c.schedule for c, _ in invalid} == set(autotune.schedule_names())
-  assert set(schedules.FUSED_SCHEDULE_NAMES) <= set(autotune.schedule_names())
-  reasons = {c.schedule: r for c, r in invalid}
-  assert "num_repeats=1 is gpipe" in reasons["circular"]
-  for name in names:  # Each valid one has a table, whose bubble the trials carry.
-    table = autotune.schedule_table(name, 2, 2, 1)
+  assert set(names) | {c.schedule for c, _ in invalid} == set(search_space.schedule_names())
+  assert set(schedules.FUSED_SCHEDULE_NAMES) <= set(search_space.schedule_names())
+  for cand in valid:  # Each valid one has a table, whose bubble the trials carry.
+    table = search_space.schedule_table(cand.schedule, 2, 2, cand.num_repeats)
     assert 0 < flops_lib.simulated_bubble(table) < 1
   # 1F1B's ticks (each as long as the slowest of a stage and its neighbours) lose more than
   # GPipe's; the bubble is the neighbour-synchronised one, no larger than the lockstep one.
-  one_f_one_b = autotune.schedule_table("1f1b", 4, 8, 1)
+  one_f_one_b = search_space.schedule_table("1f1b", 4, 8, 1)
   assert (flops_lib.simulated_bubble(one_f_one_b)
-          > flops_lib.simulated_bubble(autotune.schedule_table("gpipe", 4, 8, 1)))
+          > flops_lib.simulated_bubble(search_space.schedule_table("gpipe", 4, 8, 1)))
   timing = flops_lib.simulated_timing(one_f_one_b)
   assert flops_lib.simulated_bubble(one_f_one_b) == timing.neighbour_bubble
   assert timing.natural_bubble < timing.neighbour_bubble <= timing.lockstep_bubble
   with pytest.raises(ValueError, match="Unknown schedule 'pipedream'"):
     autotune.candidates(config, 2, schedules=["pipedream"])
   assert "--config.schedule=1f1b" in autotune.Candidate(2, 1, 2, "full", "1f1b").overrides()
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_every_schedule_is_tried_with_the_repeats_it_takes():
+  config = _config()
+  config.num_layers = 8
+  valid, invalid = autotune.candidates(config, 2, stages=[2], microbatches=[2], remats=["none"])
+  points = {(c.schedule, c.num_repeats) for c in valid}
+  # 4 layers per stage: circular and interleaved 1F1B with 2 and 4 chunks, ZB-V with its 2.
+  assert points == {("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("zbv", 2), ("circular", 2),
+                    ("circular", 4), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)}
+  assert {c.schedule for c in valid} == set(search_space.schedule_names())
+  assert "--config.num_repeats=4" in next(c for c in valid if c.num_repeats == 4).overrides()
+  assert autotune._apply(config, autotune.Candidate(2, 1, 2, "none", "zbv", num_repeats=2)
+                         ).num_repeats == 2
+  # 3 layers per stage: no repeats for ZB-V; the reason says so.
+  config.num_layers = 6
+  valid, invalid = autotune.candidates(config, 2, stages=[2], microbatches=[2], remats=["none"])
+  assert "zbv" not in {c.schedule for c in valid}
+  assert any(c.schedule == "zbv" and "stages*repeats=4" in r for c, r in invalid)
+  assert {(c.schedule, c.num_repeats) for c in valid if c.schedule == "circular"} == {
+      ("circular", 3)}
+
+
+def _fake_measure(compiled, peaks=None, interrupt_at=None):
+  def fake(config, cand, budget_bytes, cost_model):
+    if interrupt_at is not None and len(compiled) == interrupt_at:
+      raise KeyboardInterrupt
+    compiled.append(cand)
+    memory = (peaks or {}).get(cand.num_stages, 1)
+    step = autotune.analytic_step(config, cand)
+    return autotune.Trial(cand, memory, 1.0, 1.0, 0, step, 1.0, memory <= budget_bytes,
+                          num_params=1000)
+  return fake
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_the_plan_and_progress_are_printed(monkeypatch):
+  compiled, lines = [], []
+  monkeypatch.setattr(autotune, "measure", _fake_measure(compiled))
+  result = autotune.autotune(_config(), 10**9, num_devices=2, microbatches=[2],
+                             remats=["none"], verbose=True, out=lines.append)
+  valid, invalid = autotune.candidates(_config(), 2, microbatches=[2], remats=["none"])
+  assert lines[0].startswith(f"autotune: {len(valid)} candidates ({len(invalid)} invalid")
+  assert re.search(r"about \d+ compiles", lines[0]) and "Ctrl-C" in lines[0]
+  progress = [line for line in lines[1:] if line.startswith("[")]
+  assert len(progress) == len(compiled) >= 1
+  assert f"/{len(valid)}]" in progress[0] and "best so far" in progress[-1]
+  assert "min left" in progress[0]
+  assert not result.interrupted and result.best is not None
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_an_interrupted_search_prints_the_best_so_far_and_its_command(monkeypatch):
+  compiled, lines = [], []
+  monkeypatch.setattr(autotune, "measure", _fake_measure(compiled, interrupt_at=1))
+  monkeypatch.setattr(autotune, "PRUNE_RATIO", 100.0)  # Compile another mesh after the first.
+  config = _config()
+  config.num_layers = 4
+  result = autotune.autotune(config, 10**9, num_devices=4, microbatches=[2], remats=["none"],
+                             verbose=True, out=lines.append, config_path="configs/lm.py")
+  assert result.interrupted and len(result.trials) == 1
+  assert result.best.candidate == compiled[0]
+  assert lines[-1].startswith("Interrupted after 1 compiles; best so far")
+  assert (f"python -m tpipe.train --config=configs/lm.py {compiled[0].overrides()}"
+          in lines[-1])
+  assert any(r == "not tried: interrupted" for _, r in result.rejected)
+  text = autotune.format_result(result, "configs/lm.py")
+  assert "Best so far (interrupted)" in text and "Run it: python -m tpipe.train" in text
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_pruning_rejects_before_compiling_with_reasons(monkeypatch):
+  compiled = []
+  # A fitting trial prunes slower analytic steps on its mesh, and on others beyond the ratio;
+  # a known parameter count prunes what cannot fit.
+  monkeypatch.setattr(autotune, "measure", _fake_measure(compiled))
+  config = _config()
+  config.num_layers = 4
+  result = autotune.autotune(config, 10**9, num_devices=4, microbatches=[1, 2, 4],
+                             remats=["none", "full"])
+  reasons = [r for _, r in result.rejected]
+  assert any(r.startswith("pruned: analytic step") for r in reasons)
+  assert any("on the same" in r for r in reasons)
+  assert len(compiled) < len(autotune.candidates(config, 4, microbatches=[1, 2, 4],
+                                                 remats=["none", "full"])[0]) // 4
+  memory = autotune.analytic_memory(config, compiled[0], 10**9)
+  assert memory >= search_space.STATE_BYTES_PER_PARAM * 10**9 // compiled[0].num_stages
+  tight = autotune._Search(config, 10, autotune.CostModel(), print, num_params=10**6)
+  tight.steps = {compiled[0]: 1.0}
+  assert tight.skip_reason(compiled[0]).startswith("pruned: analytic memory")
 
 
 @pytest.mark.unit  # No JAX computation.
@@ -155,8 +247,8 @@ def test_nothing_fits_a_one_byte_budget():
   trial = result.trials[0]
   assert trial.candidate.schedule == "1f1b" and trial.executed_flops > 0
   assert trial.simulated_bubble == flops_lib.simulated_bubble(
-      autotune.schedule_table("1f1b", 1, 2, 1))
-  assert "| 1f1b | full | chunk |" in autotune.format_result(result)
+      search_space.schedule_table("1f1b", 1, 2, 1))
+  assert "| 1f1b | 1 | full | chunk |" in autotune.format_result(result)
   assert "Nothing fits" in autotune.format_result(result)
   with pytest.raises(ValueError, match="budget_bytes"):
     autotune.autotune(_config(), 0)

@@ -17,7 +17,7 @@ from tests.helpers import blocks
 from tests.helpers import numerics
 from tpipe.core import layout as layout_lib
 from tpipe.tools import analysis
-from tpipe.tools import links
+from tpipe.experimental import links
 from tpipe.tools import stage_costs
 from tpipe.train import communication
 from tpipe.train import experiment
@@ -282,23 +282,33 @@ def test_memory_floor_parts_add_up_and_stay_below_the_peak(which, request):
 
 
 def test_fused_schedule_reports_its_table_in_flight_and_simulated_step(fused_report, tmp_path):
-  """1F1B at S = 4, M = 4: stage s keeps min(S - s, M) stage inputs, not a slot per tick."""
+  """1F1B at S = 4, M = 4, nothing typed: compound ticks for costs derived from the measured
+  FLOPs; stage s keeps at most S - s stage inputs, not a slot per tick; the simulated step is
+  under those costs and below GPipe's on the same layers and costs."""
   report, config = fused_report, fused_report.config
   table = report.schedule
-  assert table.name == "1f1b" and table.num_ticks == 2 * (4 + 4 - 1)
+  assert table.name == "1f1b" and table.is_compound and report.tick_costs_derived
+  assert table.num_ticks < 2 * (4 + 4 - 1)  # Fewer than the one-action table's ticks.
+  costs = dict(report.tick_costs)
+  assert costs["F"] == 1 and costs["B"] > costs["F"]
   out = report.to_json()["schedule"]
-  assert out["fused"] and out["num_ticks"] == 14
-  assert out["in_flight_per_stage"] == [4, 3, 2, 1]
-  assert out["stash_slots_per_stage"] == out["stashed_microbatches_per_stage"] == 4
-  timing = table.simulate()
+  assert out["fused"] and out["num_ticks"] == table.num_ticks
+  in_flight = out["in_flight_per_stage"]
+  assert in_flight == [int(n) for n in table.peak_in_flight()]
+  # Compound ticks may keep more than one-action 1F1B's S - s, still bounded by S, not M.
+  assert all(n <= 2 * (4 - s) - 1 for s, n in enumerate(in_flight)), in_flight
+  assert out["stash_slots_per_stage"] == out["stashed_microbatches_per_stage"] == max(in_flight)
+  timing = table.simulate(costs)
   step = out["simulated_step"]
+  assert step["costs"] == costs
   assert step["lockstep"] == timing.lockstep >= step["neighbour"] == timing.neighbour
-  assert timing.neighbour > step["natural"] == timing.natural
+  assert timing.neighbour >= step["natural"] - 1e-9 and step["natural"] == timing.natural
+  assert step["neighbour"] < step["gpipe_neighbour"]
   for model in ("lockstep", "neighbour", "natural"):
     assert step[f"{model}_bubble"] == pytest.approx(getattr(timing, f"{model}_bubble"))
   # The floor counts each stage's own in-flight inputs; the tiny GPipe report's 4 slots per stage
-  # (M) shrink to 4, 3, 2, 1.
-  assert [s.stash_slots for s in report.stages] == [4, 3, 2, 1]
+  # (M) shrink to what each stage keeps.
+  assert [s.stash_slots for s in report.stages] == in_flight
   stage = report.stages[report.floor.stage]
   assert report.floor.stash_bytes == stage.stash_slots * stage.input_bytes
   assert report.floor.total < report.largest_device_bytes
@@ -309,7 +319,9 @@ def test_fused_schedule_reports_its_table_in_flight_and_simulated_step(fused_rep
   assert roles[("collective-permute", "stage-to-stage transfer")]["count"] >= 2 * table.num_ticks
   assert roles[("all-reduce", "data-parallel reduction")]["in_loop"] == 0
   text = report_lib.format_report(report)
-  assert "in flight per stage at most [4, 3, 2, 1]" in text
+  assert f"in flight per stage at most [{', '.join(map(str, in_flight))}]" in text
+  assert "derived from measured per-unit FLOPs" in text
+  assert "GPipe's neighbour-synchronised step on the same layers and costs: " in text
   assert f"lockstep (each tick as long as its slowest stage) {timing.lockstep:g}" in text
   assert (f"neighbour-synchronised (each tick starts when the stage and its neighbours "
           f"finished the last: the tick loop's sends) {timing.neighbour:g}") in text

@@ -9,6 +9,7 @@ From the bottom up:
 * :mod:`~tpipe.core.remat` - remat policies and the checkpointed pieces of a chunk.
 * :mod:`~tpipe.core.layers` - a layer as pure functions, the RNG rule, keyword routing.
 * :mod:`~tpipe.core.unit_cost` - FLOPs or time of one layer unit, cached.
+* :mod:`~tpipe.core.tick_costs` - a fused table's per-action costs from the units' FLOPs.
 * :mod:`~tpipe.core.plan` - unit shapes and costs, the cut into chunks.
 * :mod:`~tpipe.core.layout` - where variables live on the stages (per leaf, or packed).
 * :mod:`~tpipe.core.taps` - the split backward (``BI`` / ``W``) of any layer, from its jaxpr.

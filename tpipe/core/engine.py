@@ -373,6 +373,8 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
                          (spec.data_axis, spec.stage_axis))
   layer_inputs = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
   plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, layer_inputs, calls)
+  if plan.tick_costs is not None:  # A fused table in compound ticks for the measured costs.
+    spec = spec.replace(tick_costs=plan.tick_costs)
   # Packed buffers cut into one block per device of the fsdp axis of the mesh the spec names.
   layout = layout_lib.StageLayout.build(plan.groups, param_shapes, spec.num_stages,
                                         spec.num_repeats, spec.placement, axes=param_axes,

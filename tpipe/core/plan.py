@@ -25,6 +25,7 @@ from tpipe import partition
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import layers as layers_lib
+from tpipe.core import tick_costs as tick_costs_lib
 from tpipe.core import unit_cost
 
 
@@ -102,6 +103,9 @@ class Plan:
       output.
     num_stages: S.
     placement: where model chunks live (see :func:`tpipe.schedules.virtual_stages`).
+    tick_costs: a fused schedule's per-action costs derived from the units' measured FLOPs
+      (:mod:`tpipe.core.tick_costs`), for its compound ticks; None where the spec gives them
+      (or ``"plain"``) or the schedule is a forward one.
   """
 
   unit_names: tuple[str, ...]
@@ -111,6 +115,7 @@ class Plan:
   layer_inputs: tuple[Any, ...]
   num_stages: int
   placement: str = "loop"
+  tick_costs: tuple[tuple[str, float], ...] | None = None
 
   @property
   def num_chunks(self) -> int:
@@ -136,10 +141,12 @@ class Plan:
     """A table of the chunks: units, cost and share; with several chunks per stage, where each
     chunk runs."""
     text = partition.describe_split(self.counts, self.costs, names=self.unit_names)
-    if self.num_chunks == self.num_stages:
-      return text
-    where = ", ".join(f"chunk {c} -> stage {self.stage_of(c)}" for c in range(self.num_chunks))
-    return f"{text}\n({self.placement} placement: {where})"
+    if self.num_chunks != self.num_stages:
+      where = ", ".join(f"chunk {c} -> stage {self.stage_of(c)}" for c in range(self.num_chunks))
+      text = f"{text}\n({self.placement} placement: {where})"
+    if self.tick_costs is not None:
+      text = f"{text}\n{tick_costs_lib.describe(self.tick_costs, derived=True)}"
+    return text
 
 
 class Calls(NamedTuple):
@@ -240,29 +247,55 @@ def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs,
   """
   costs = []
   for i, layer in enumerate(layers):
-    params, stats = param_shapes[f"layers_{i}"], stats_shapes.get(f"layers_{i}", {})
-    if layer.copies is not None:
-      params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
     if kind == "params":
+      params = param_shapes[f"layers_{i}"]
+      if layer.copies is not None:
+        params = layers_lib.one_copy(params)
       cost = float(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))
     else:
-      split, side, rng_names = calls.split, calls.side, calls.rng_names
-      rngs = {name: jax.random.key(0) for name in rng_names}
-      bound = layers_lib.outside_mesh(layer.apply, calls.axis_names)
-
-      def apply(params, h, broadcast, per_example, layer=layer, stats=stats, bound=bound):
-        kwargs = layers_lib.layer_keywords(layer, split, broadcast, per_example)
-        # Statistics are shapes here; zeros of those shapes cost what the real ones do.
-        values = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
-        return bound(params, values, h, kwargs, rngs)[0]
-
-      keywords = layers_lib.layer_keywords(layer, split, *side)
-      identity = (None if layer.identity is None else
-                  (layer.identity, unit_cost.abstract_key(keywords), tuple(rng_names),
-                   unit_cost.abstract_key(stats)))
-      cost = unit_cost.cost(kind, apply, params, layer_inputs[i], side, identity=identity)
+      apply, params, identity = _unit_program(layers, i, param_shapes, stats_shapes, calls)
+      cost = unit_cost.cost(kind, apply, params, layer_inputs[i], calls.side,
+                            identity=identity)
     costs += [cost] * layer.units
   return tuple(costs)
+
+
+def action_flops(layers, param_shapes, stats_shapes, layer_inputs,
+                 calls: Calls) -> dict[str, float]:
+  """The model's FLOPs on one micro-batch split by action part (forward, input gradients,
+  weight gradients; :func:`tpipe.core.unit_cost.action_flops`), summed over its units."""
+  total = dict.fromkeys(unit_cost.PARTS, 0.0)
+  for i, layer in enumerate(layers):
+    apply, params, identity = _unit_program(layers, i, param_shapes, stats_shapes, calls)
+    parts = unit_cost.action_flops(apply, params, layer_inputs[i], calls.side,
+                                   identity=identity)
+    for name in total:
+      total[name] += parts[name] * layer.units
+  return total
+
+
+def _unit_program(layers, i: int, param_shapes, stats_shapes, calls: Calls):
+  """``(apply, params, identity)``: unit ``i``'s ``apply(params, h, broadcast, per_example)``
+  on one copy's abstract parameters, and its identity for the cost cache (None: uncached)."""
+  layer = layers[i]
+  params, stats = param_shapes[f"layers_{i}"], stats_shapes.get(f"layers_{i}", {})
+  if layer.copies is not None:
+    params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
+  split, side, rng_names = calls.split, calls.side, calls.rng_names
+  rngs = {name: jax.random.key(0) for name in rng_names}
+  bound = layers_lib.outside_mesh(layer.apply, calls.axis_names)
+
+  def apply(params, h, broadcast, per_example):
+    kwargs = layers_lib.layer_keywords(layer, split, broadcast, per_example)
+    # Statistics are shapes here; zeros of those shapes cost what the real ones do.
+    values = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
+    return bound(params, values, h, kwargs, rngs)[0]
+
+  keywords = layers_lib.layer_keywords(layer, split, *side)
+  identity = (None if layer.identity is None else
+              (layer.identity, unit_cost.abstract_key(keywords), tuple(rng_names),
+               unit_cost.abstract_key(stats)))
+  return apply, params, identity
 
 
 def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, layer_inputs,
@@ -285,6 +318,11 @@ def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, l
   else:
     counts = partition.check_balance(spec.balance, num_units, spec.num_chunks)
   groups = group_units([layer.copies for layer in layers], counts)
+  derived = None
+  if spec.is_fused and spec.tick_costs is None:  # Compound ticks for the measured costs.
+    flops = action_flops(layers, param_shapes, stats_shapes, layer_inputs, calls)
+    derived = tick_costs_lib.from_flops(flops, spec.remat, spec.remat_granularity,
+                                        spec.weight_recompute)
   return Plan(unit_names=layers_lib.unit_names(layers), costs=costs, counts=tuple(counts),
               groups=groups, layer_inputs=tuple(layer_inputs), num_stages=spec.num_stages,
-              placement=spec.placement)
+              placement=spec.placement, tick_costs=derived)

@@ -42,6 +42,8 @@ WARMUP_RUNS = 2
 TIMED_RUNS = 7
 
 _CACHE: dict[Hashable, float] = {}
+# The parts of one unit's step :func:`action_flops` counts.
+PARTS = ("forward", "backward_input", "backward_weight")
 
 
 def abstract_key(tree) -> Hashable:
@@ -87,6 +89,56 @@ def cost(kind: str, layer_apply: Callable, params, h, side, *, identity: Hashabl
   return found
 
 
+def action_flops(layer_apply: Callable, params, h, side, *,
+                 identity: Hashable) -> dict[str, float]:
+  """One unit's FLOPs on one micro-batch split the way a fused schedule's actions split them,
+  cached as :func:`cost` caches them (not cached with ``identity=None``: nothing tells the unit
+  from another of the same shapes).
+
+  Three compiles: the forward alone; the forward and its VJP in every floating argument (what
+  :func:`cost` counts for ``"flops"``); the forward and its VJP in the input ``h`` and the side
+  inputs alone. Their differences give the backward's two parts.
+
+  Returns:
+    ``{"forward": .., "backward_input": .., "backward_weight": ..}``, each a float >= 0: the
+    forward; the backward for the gradients of the input (what ``BI`` computes besides a
+    recomputed forward); the rest of the backward, for the weights (what ``W`` computes).
+  """
+  if identity is None:  # Nothing tells this unit from another of the same shapes.
+    return _measure_actions(layer_apply, params, h, side, identity)
+  key = ("actions", jax.default_backend(), identity, abstract_key(params), abstract_key(h))
+  try:
+    found = _CACHE.get(key)
+  except TypeError:  # Something in the key cannot be hashed: measure every time.
+    return _measure_actions(layer_apply, params, h, side, identity)
+  if found is None:
+    found = _CACHE[key] = _measure_actions(layer_apply, params, h, side, identity)
+  return dict(found)
+
+
+def _measure_actions(layer_apply: Callable, params, h, side, identity) -> dict[str, float]:
+  fn = lambda p, x, s: layer_apply(p, x, *s)
+  forward = _compiled_flops(jax.jit(fn), _abstract((params, h, side)))
+  # The whole step's count is balance="flops"'s: measured once for both.
+  total = (measure("flops", layer_apply, params, h, side) if identity is None
+           else cost("flops", layer_apply, params, h, side, identity=identity))
+  # The VJP in the input and the side inputs only: the parameters held fixed.
+  with_input = _compiled_flops(*forward_backward(fn, params, h, side,
+                                                 differentiate=(False, True, True)))
+  backward = max(total - forward, 0.0)
+  backward_input = min(max(with_input - forward, 0.0), backward)
+  return {"forward": forward, "backward_input": backward_input,
+          "backward_weight": backward - backward_input}
+
+
+def _compiled_flops(program, abstract) -> float:
+  """XLA's FLOP count of ``program`` compiled for ``abstract`` arguments."""
+  analysis = program.lower(*abstract).compile().cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else {}
+  return float((analysis or {}).get("flops", 0.0))
+
+
 def measure(kind: str, layer_apply: Callable, params, h, side) -> float:
   """Compiles one unit's forward and backward once and returns its FLOPs or median seconds.
 
@@ -94,12 +146,9 @@ def measure(kind: str, layer_apply: Callable, params, h, side) -> float:
   eagerly, on concrete example inputs.
   """
   program, abstract = forward_backward(lambda p, x, s: layer_apply(p, x, *s), params, h, side)
-  compiled = program.lower(*abstract).compile()
   if kind == "flops":
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, (list, tuple)):
-      analysis = analysis[0] if analysis else {}
-    return float((analysis or {}).get("flops", 0.0))
+    return _compiled_flops(program, abstract)
+  compiled = program.lower(*abstract).compile()
   with jax.ensure_compile_time_eval():
     return median_seconds(compiled, jax.device_put(_example_arrays(abstract)))
 
@@ -117,7 +166,7 @@ def median_seconds(compiled, args, warmup: int = WARMUP_RUNS, runs: int = TIMED_
   return float(statistics.median(seconds))
 
 
-def forward_backward(fn: Callable, *args) -> tuple[Callable, tuple]:
+def forward_backward(fn: Callable, *args, differentiate=None) -> tuple[Callable, tuple]:
   """``(program, abstract arguments)``: ``fn``'s forward and its VJP with respect to every
   floating leaf of ``args`` (integer leaves, such as token ids, held fixed), as a training step
   runs them, jitted, and the abstract arguments it takes.
@@ -130,9 +179,13 @@ def forward_backward(fn: Callable, *args) -> tuple[Callable, tuple]:
   Args:
     fn: a JAX-traceable function.
     *args: its arguments as ``jax.ShapeDtypeStruct`` (or arrays).
+    differentiate: per argument, whether its floating leaves are differentiated; None: all.
   """
   leaves, treedef = jax.tree.flatten(args)
-  floating = [jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in leaves]
+  wanted = []
+  for i, arg in enumerate(args):
+    wanted += [differentiate is None or bool(differentiate[i])] * len(jax.tree.leaves(arg))
+  floating = [jnp.issubdtype(leaf.dtype, jnp.inexact) and w for leaf, w in zip(leaves, wanted)]
   out_shapes = jax.eval_shape(fn, *args)
 
   def program(diff, fixed, cotangent):

@@ -10,9 +10,9 @@
   ZB-V) as per-stage action orders.
 * :mod:`~tpipe.schedules.compound`: the same schedules in compound ticks (a forward, a backward
   and weight work in one tick) for per-action costs, so ticks cost the same on every stage.
-* :mod:`~tpipe.schedules.refine`: exact search for a shorter neighbour-synchronised step, the
-  actions of a window of ticks re-placed at a time by a mixed-integer program (opt-in; seconds
-  to minutes).
+
+The exact search for a shorter neighbour-synchronised step by a mixed-integer program (research,
+seconds to minutes) is :mod:`tpipe.experimental.refine`; :func:`build` runs it when given it.
 * :mod:`~tpipe.schedules.streaming`: how micro-batch inputs reach stage 0 one per tick from the
   stages that hold them (the conveyor table).
 * :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep,
@@ -41,37 +41,36 @@ import numpy as np
 
 from tpipe.schedules.actions import Action
 from tpipe.schedules.actions import DEFAULT_COSTS
-from tpipe.schedules.actions import PLACEMENTS
-from tpipe.schedules.actions import link_delays
-from tpipe.schedules.actions import virtual_stages
+from tpipe.schedules.actions import PLACEMENTS  # noqa: F401 (internal)
+from tpipe.schedules.actions import link_delays  # noqa: F401 (internal)
+from tpipe.schedules.actions import virtual_stages  # noqa: F401 (internal)
 from tpipe.schedules.forward import IDLE
 from tpipe.schedules.forward import Schedule
 from tpipe.schedules.forward import circular
 from tpipe.schedules.forward import gpipe
 from tpipe.schedules.fused import FusedSchedule
 from tpipe.schedules.fused import from_forward
-from tpipe.schedules.fused import from_ticks
-from tpipe.schedules.fused import place
+from tpipe.schedules.fused import from_ticks  # noqa: F401 (internal)
+from tpipe.schedules.fused import place  # noqa: F401 (internal)
 from tpipe.schedules.fused import whole_step
 from tpipe.schedules.orders import interleaved_1f1b
 from tpipe.schedules.orders import one_f_one_b
 from tpipe.schedules.orders import zb_h1
 from tpipe.schedules.orders import zbv
 from tpipe.schedules.simulate import Timing
-from tpipe.schedules.simulate import action_costs
-from tpipe.schedules.simulate import critical_path
-from tpipe.schedules.simulate import exchange_partners
-from tpipe.schedules.simulate import linked_time
-from tpipe.schedules.simulate import neighbour_time
-from tpipe.schedules.simulate import ring_links
+from tpipe.schedules.simulate import action_costs  # noqa: F401 (internal)
+from tpipe.schedules.simulate import critical_path  # noqa: F401 (internal)
+from tpipe.schedules.simulate import exchange_partners  # noqa: F401 (internal)
+from tpipe.schedules.simulate import linked_time  # noqa: F401 (internal)
+from tpipe.schedules.simulate import neighbour_time  # noqa: F401 (internal)
+from tpipe.schedules.simulate import ring_links  # noqa: F401 (internal)
 from tpipe.schedules.simulate import simulate
-from tpipe.schedules.simulate import tick_slack
-from tpipe.schedules.simulate import tick_starts
-from tpipe.schedules.streaming import InputStream
-from tpipe.schedules.streaming import first_stage_reads
-from tpipe.schedules.streaming import input_stream
+from tpipe.schedules.simulate import tick_slack  # noqa: F401 (internal)
+from tpipe.schedules.simulate import tick_starts  # noqa: F401 (internal)
+from tpipe.schedules.streaming import InputStream  # noqa: F401 (internal)
+from tpipe.schedules.streaming import first_stage_reads  # noqa: F401 (internal)
+from tpipe.schedules.streaming import input_stream  # noqa: F401 (internal)
 from tpipe.schedules import compound as _compound
-from tpipe.schedules import refine as _refine
 from tpipe.schedules import forward as _forward
 from tpipe.schedules import orders as _orders
 
@@ -84,14 +83,14 @@ NAMES = SCHEDULE_NAMES + FUSED_SCHEDULE_NAMES
 _FUSED_CHUNKS = {"1f1b": 1, "zb_h1": 1, "zbv": 2, "interleaved_1f1b": None}
 _FUSED_BUILDERS = {"1f1b": one_f_one_b, "zb_h1": zb_h1, "zbv": zbv}
 
+# What a user builds or reads: the schedules, their tables and actions, and the analyses a user
+# calls. The simulator's and the executor's helpers (tick_slack, ring_links, input_stream, ...)
+# stay importable here for tpipe's own layers, from their modules for everyone else.
 __all__ = [
     "Action", "DEFAULT_COSTS", "FUSED_SCHEDULE_NAMES", "FusedSchedule", "IDLE", "NAMES",
-    "InputStream", "PLACEMENTS", "SCHEDULE_NAMES", "Schedule", "Timing", "action_costs", "build",
-    "check_costs", "check_search", "circular", "critical_path", "exchange_partners",
-    "first_stage_reads", "from_forward", "from_ticks", "gpipe", "input_stream",
-    "interleaved_1f1b", "is_fused", "link_delays", "linked_time", "make_fused_schedule",
-    "make_schedule", "neighbour_time", "one_f_one_b", "place", "placement", "ring_links",
-    "simulate", "tick_slack", "tick_starts", "virtual_stages", "whole_step", "zb_h1", "zbv",
+    "SCHEDULE_NAMES", "Schedule", "Timing", "build", "circular", "from_forward", "gpipe",
+    "interleaved_1f1b", "is_fused", "make_fused_schedule", "make_schedule", "one_f_one_b",
+    "placement", "simulate", "whole_step", "zb_h1", "zbv",
 ]
 
 
@@ -123,8 +122,8 @@ def check_costs(costs) -> tuple[tuple[str, float], ...] | None:
 
 
 def check_search(search, costs) -> int:
-  """``search`` (sweeps of :func:`tpipe.schedules.refine.refine` over a compound table) as an
-  int >= 0.
+  """``search`` (sweeps of an exact window search such as :func:`tpipe.experimental.refine.refine`
+  over a compound table) as an int >= 0.
 
   Raises:
     TypeError: not an int.
@@ -148,7 +147,7 @@ def _check_name(name) -> None:
 
 
 def build(name: str, num_stages: int, num_microbatches: int,
-          num_repeats: int = 1, delays=None, costs=None, search: int = 0
+          num_repeats: int = 1, delays=None, costs=None, search: int = 0, refine=None
           ) -> Schedule | FusedSchedule:
   """The table of schedule ``name``, cached: the one factory every caller uses.
 
@@ -165,10 +164,12 @@ def build(name: str, num_stages: int, num_microbatches: int,
       ``"BI"`` and ``"W"`` for the zero-bubble schedules): the table in compound ticks with
       the shortest neighbour-synchronised step under them (:func:`tpipe.schedules.compound.build`);
       None: one action per tick, the papers' tables.
-    search: with ``costs``: sweeps of exact window search over that table
-      (:func:`tpipe.schedules.refine.refine`), which can shorten its neighbour-synchronised
-      step where no rule of the builder's finds the table (seconds to minutes at S = 8); 0:
-      none.
+    search: with ``costs``: sweeps of exact window search over that table, which can shorten
+      its neighbour-synchronised step where no rule of the builder's finds the table (seconds
+      to minutes at S = 8); 0: none.
+    refine: with ``search``: the search, ``refine(table, costs, sweeps=search) -> table``
+      (:func:`tpipe.experimental.refine.refine`; passed in, so this package does not depend on
+      the experimental one).
 
   Returns:
     A :class:`Schedule` (forward schedules) or a :class:`FusedSchedule`, read-only.
@@ -177,6 +178,8 @@ def build(name: str, num_stages: int, num_microbatches: int,
     TypeError, ValueError: an unknown name or a count the schedule does not take; the message
       names the fix.
   """
+  # Eight parameters: the table's sizes, then the delays, the compound costs and the search
+  # that may refine them (each a keyword with a default that leaves it out).
   # Checked before the cache: 2.0 == 2 and True == 1 hash alike, so a cache keyed on the values
   # alone would hand them the int's table. One key however the arguments are written.
   _check_name(name)
@@ -189,11 +192,16 @@ def build(name: str, num_stages: int, num_microbatches: int,
     raise ValueError(f"costs lay fused schedules out in compound ticks; schedule={name!r} is a "
                      "forward schedule (its ticks cost the same already): pass costs=None.")
   search = check_search(search, costs)
-  return _build(name, num_stages, num_microbatches, num_repeats, delays, costs, search)
+  if search and not callable(refine):
+    raise ValueError(f"search={search} needs the search itself: pass "
+                     "refine=tpipe.experimental.refine.refine.")
+  return _build(name, num_stages, num_microbatches, num_repeats, delays, costs,
+                (search, refine) if search else (0, None))
 
 
 @functools.lru_cache(maxsize=None)
-def _build(name, num_stages, num_microbatches, num_repeats, delays, costs=None, search=0):
+def _build(name, num_stages, num_microbatches, num_repeats, delays, costs=None,
+           search=(0, None)):
   _check_name(name)
   if name == "gpipe":
     if num_repeats != 1:
@@ -214,8 +222,9 @@ def _build(name, num_stages, num_microbatches, num_repeats, delays, costs=None, 
     table = _FUSED_BUILDERS[name](num_stages, num_microbatches, delays)
   if costs is not None:
     table = _compound.build(name, num_stages, num_microbatches, dict(costs), num_repeats, delays)
-  if search:
-    table = _refine.refine(table, dict(costs), sweeps=search)
+  sweeps, refine = search
+  if sweeps:
+    table = refine(table, dict(costs), sweeps=sweeps)
   return table
 
 
@@ -234,7 +243,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
 
 def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
                         num_repeats: int | None = None, delays=None,
-                        costs=None, search: int = 0) -> FusedSchedule:
+                        costs=None, search: int = 0, refine=None) -> FusedSchedule:
   """A fused schedule by name (:data:`FUSED_SCHEDULE_NAMES`); see :func:`build`.
 
   Args:
@@ -247,10 +256,12 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
     costs: per-action costs of one chunk (``{"F", "B", "BI", "W"}``): the table in compound
       ticks built for them; None: one action per tick. See :func:`build`.
     search: with ``costs``: sweeps of exact window search over the table; see :func:`build`.
+    refine: with ``search``: the search; see :func:`build`.
 
   Raises:
     ValueError: for a forward or unknown name, or a chunk count the schedule does not use.
   """
+  # Eight parameters: build()'s, with the schedule's own chunks per stage by default.
   if name in SCHEDULE_NAMES:
     raise ValueError(f"schedule={name!r} is a forward schedule: build it with make_schedule(), "
                      "and its whole step as a fused table with from_forward().")
@@ -260,4 +271,4 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
     if num_repeats is None:
       raise ValueError("schedule='interleaved_1f1b' needs num_repeats >= 2 chunks per stage; "
                        "use schedule='1f1b' for one.")
-  return build(name, num_stages, num_microbatches, num_repeats, delays, costs, search)
+  return build(name, num_stages, num_microbatches, num_repeats, delays, costs, search, refine)

@@ -66,6 +66,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Mapping
@@ -172,143 +173,210 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
   Returns:
     The validated :class:`~tpipe.schedules.FusedSchedule`.
   """
+  # Thirteen parameters: the schedule's sizes and costs, then the layout's seven knobs and the
+  # links' delays, keywords only (candidates() sweeps them; tpipe.experimental.costs sets them).
   placement, split = SHAPES[name]
   costs = check_costs(costs, split)
   if weight_hold is not None and (isinstance(weight_hold, bool) or not isinstance(weight_hold, int)
                                   or weight_hold < 0 or not split):
     raise ValueError(f"weight_hold must be None or an int >= 0, for a split backward (zb_h1, "
                      f"zbv); got weight_hold={weight_hold!r} for {name!r}.")
-  vstage = actions_lib.virtual_stages(placement, num_stages, num_chunks)
-  num_virtual = num_stages * num_chunks
-  hops = actions_lib.hop_delays(placement, num_stages, num_chunks, delays)
-  links = actions_lib.link_directions(placement, num_stages, num_chunks)
-  back = Action.BI if split else Action.B
-  caps = [(num_chunks * (2 * (num_stages - s) - 1) if placement == "loop" else 2 * num_stages)
-          + (in_flight if in_flight is not None else num_chunks * num_microbatches)
-          for s in range(num_stages)]
-  done = {}  # (event, m, v) -> tick
-  next_forward = [[0] * num_chunks for _ in range(num_stages)]
-  forwarded = [[] for _ in range(num_stages)]  # (m, c) with F done, backward not.
-  pending_w = [[] for _ in range(num_stages)]
-  holding = [0] * num_stages
-  remaining = num_stages * num_chunks * num_microbatches * (3 if split else 2)
-  ticks = []
-  ramp = light_ramp  # Until the first backward is back at model chunk 0.
-  release = None  # With weight_hold: the first tick every stage runs W beside its other work.
+  knobs = _Knobs(in_flight, weight_backlog, deeper_first, backward_first, second_forward,
+                 light_ramp, weight_hold)
+  ticks = _Packer(name, (num_stages, num_microbatches, num_chunks), costs, knobs, delays).run()
+  return fused_lib.from_ticks(name, num_stages, num_microbatches, num_chunks, placement, ticks,
+                              delays=delays)
 
-  def arrived(key, v, t):  # A message's result, there by tick t.
-    return key in done and done[key] + 1 + int(hops[min(key[2], v)]) <= t
 
-  def direction(kind, v):
+@dataclasses.dataclass(frozen=True)
+class _Knobs:
+  """:func:`pack`'s layout settings (see its arguments)."""
+
+  in_flight: int | None
+  weight_backlog: int
+  deeper_first: bool
+  backward_first: bool
+  second_forward: bool
+  light_ramp: bool
+  weight_hold: int | None
+
+
+class _Packer:
+  """One compound packing as it goes, tick by tick (:func:`pack`): each tick every stage
+  chooses its forward and backward (:meth:`choose`), they are done (:meth:`commit`), and weight
+  work fills the tick (:meth:`fill_weights`)."""
+
+  def __init__(self, name: str, sizes: tuple[int, int, int], costs, knobs: _Knobs, delays):
+    placement, self.split = SHAPES[name]
+    self.name, self.costs, self.knobs = name, costs, knobs
+    self.num_stages, self.num_microbatches, self.num_chunks = sizes
+    stages, chunks = self.num_stages, self.num_chunks
+    self.vstage = actions_lib.virtual_stages(placement, stages, chunks)
+    self.num_virtual = stages * chunks
+    self.hops = actions_lib.hop_delays(placement, stages, chunks, delays)
+    self.links = actions_lib.link_directions(placement, stages, chunks)
+    self.back = Action.BI if self.split else Action.B
+    extra = knobs.in_flight if knobs.in_flight is not None else chunks * self.num_microbatches
+    self.caps = [(chunks * (2 * (stages - s) - 1) if placement == "loop" else 2 * stages) + extra
+                 for s in range(stages)]
+    self.done = {}  # (event, m, v) -> tick
+    self.next_forward = [[0] * chunks for _ in range(stages)]
+    self.forwarded = [[] for _ in range(stages)]  # (m, c) with F done, backward not.
+    self.pending_w = [[] for _ in range(stages)]
+    self.holding = [0] * stages
+    self.remaining = stages * chunks * self.num_microbatches * (3 if self.split else 2)
+    self.ramp = knobs.light_ramp  # Until the first backward is back at model chunk 0.
+    self.release = None  # With weight_hold: the first tick every stage runs W beside the rest.
+
+  def run(self) -> list:
+    """The ticks: per tick, per stage, its ``(action, micro-batch, chunk)`` entries."""
+    ticks = []
+    limit = 4 * (self.num_virtual + 2) * (self.num_microbatches + self.num_virtual)
+    while self.remaining:
+      t = len(ticks)
+      if t > limit:
+        raise RuntimeError(f"{self.name}: compound packing made no progress by tick {t}.")
+      chosen = [self.choose(s, t) for s in range(self.num_stages)]
+      row = [work for work, _ in chosen]
+      spent = [sum(self.costs[kind.name] for kind, _, _ in work) for work in row]
+      busiest = self.commit(row, [spare for _, spare in chosen], spent, t)
+      self.fill_weights(row, spent, busiest, t)
+      ticks.append(row)
+    return ticks
+
+  def arrived(self, key, v: int, t: int) -> bool:
+    """Whether a message's result is there by tick ``t``."""
+    return key in self.done and self.done[key] + 1 + int(self.hops[min(key[2], v)]) <= t
+
+  def direction(self, kind, v: int):
+    """Where ``kind`` on model chunk ``v`` sends: +1, -1, 0 (the same stage) or None."""
     if kind == Action.F:
-      return int(links[v]) if v < num_virtual - 1 else None
-    return -int(links[v - 1]) if v > 0 else None
+      return int(self.links[v]) if v < self.num_virtual - 1 else None
+    return -int(self.links[v - 1]) if v > 0 else None
 
-  def run_weight(s):  # Stage s runs its oldest pending W in this tick.
-    nonlocal remaining
-    m, c = pending_w[s].pop(0)
-    row[s].append((Action.W, m, c))
-    spent[s] += costs["W"]
-    done[("W", m, int(vstage[s, c]))] = t
-    holding[s] -= 1
-    remaining -= 1
+  def ready_forwards(self, s: int, t: int) -> list:
+    """Stage ``s``'s forwards whose input is there, ``(order, m, c)``, in the order taken."""
+    forwards = []
+    for c in range(self.num_chunks):
+      m, v = self.next_forward[s][c], int(self.vstage[s, c])
+      # Over the cap, only a micro-batch the stage already holds goes on (so the oldest one
+      # in flight always can: the cap never deadlocks).
+      room = self.holding[s] < self.caps[s] or any(m == held for held, _ in self.forwarded[s])
+      if m < self.num_microbatches and room and (v == 0 or self.arrived(("F", m, v - 1), v, t)):
+        forwards.append((-v if self.knobs.deeper_first else v, m, c))
+    return sorted(forwards)
 
-  while remaining:
-    t = len(ticks)
-    if t > 4 * (num_virtual + 2) * (num_microbatches + num_virtual):
-      raise RuntimeError(f"{name}: compound packing made no progress by tick {t}.")
-    row = [[] for _ in range(num_stages)]
-    spare = [None] * num_stages
-    for s in range(num_stages):
-      forwards = []
-      for c in range(num_chunks):
-        m, v = next_forward[s][c], int(vstage[s, c])
-        # Over the cap, only a micro-batch the stage already holds goes on (so the oldest one
-        # in flight always can: the cap never deadlocks).
-        room = holding[s] < caps[s] or any(m == held for held, _ in forwarded[s])
-        if m < num_microbatches and room and (v == 0 or arrived(("F", m, v - 1), v, t)):
-          forwards.append((-v if deeper_first else v, m, c))
-      forwards.sort()
-      backs = []
-      for m, c in forwarded[s]:
-        v = int(vstage[s, c])
-        if v == num_virtual - 1 or arrived(("back", m, v + 1), v, t):
-          backs.append((m, -v, c))
-      backs += [(m, -num_virtual + 1, c) for _, m, c in forwards
-                if vstage[s, c] == num_virtual - 1]  # The loss chunk: after its forward.
-      backward = min(backs) if backs else None
-      sends = lambda f: direction(Action.F, int(vstage[s, f[2]]))
-      if backward_first or backward is None:
-        taken = {direction(back, -backward[1])} if backward else set()
-        forward = next((f for f in forwards if sends(f) is None or sends(f) not in taken), None)
+  def ready_backwards(self, s: int, t: int, forwards: list) -> list:
+    """Stage ``s``'s backwards whose gradient is there, ``(m, -v, c)``; the loss chunk's
+    after its forward (possibly this tick's)."""
+    backs = []
+    for m, c in self.forwarded[s]:
+      v = int(self.vstage[s, c])
+      if v == self.num_virtual - 1 or self.arrived(("back", m, v + 1), v, t):
+        backs.append((m, -v, c))
+    last = self.num_virtual - 1
+    return backs + [(m, -last, c) for _, m, c in forwards if self.vstage[s, c] == last]
+
+  def choose(self, s: int, t: int):
+    """Stage ``s``'s forward and backward in tick ``t`` (``[(action, m, c)]``) and the
+    second forward it may add where it fits (or None)."""
+    forwards = self.ready_forwards(s, t)
+    backs = self.ready_backwards(s, t, forwards)
+    backward = min(backs) if backs else None
+    sends = lambda f: self.direction(Action.F, int(self.vstage[s, f[2]]))
+    if self.knobs.backward_first or backward is None:
+      taken = {self.direction(self.back, -backward[1])} if backward else set()
+      forward = next((f for f in forwards if sends(f) is None or sends(f) not in taken), None)
+    else:
+      forward = forwards[0] if forwards else None
+      clash = lambda b: (forward is not None and sends(forward) is not None
+                         and self.direction(self.back, -b[1]) == sends(forward))
+      backward = min((b for b in backs if not clash(b)), default=None)
+    loss_waits = backward and (backward[0], backward[2]) not in self.forwarded[s] and (
+        forward is None or (forward[1], forward[2]) != (backward[0], backward[2]))
+    if loss_waits:
+      backward = None  # The loss chunk's backward waits for its forward.
+    if self.ramp and forward and backward:
+      if (forward[1], forward[2]) == (backward[0], backward[2]):
+        backward = None  # The loss chunk's backward: next tick.
       else:
-        forward = forwards[0] if forwards else None
-        clash = lambda b: (forward is not None and sends(forward) is not None
-                           and direction(back, -b[1]) == sends(forward))
-        backward = min((b for b in backs if not clash(b)), default=None)
-      loss_waits = backward and (backward[0], backward[2]) not in forwarded[s] and (
-          forward is None or (forward[1], forward[2]) != (backward[0], backward[2]))
-      if loss_waits:
-        backward = None  # The loss chunk's backward waits for its forward.
-      if ramp and forward and backward:
-        if (forward[1], forward[2]) == (backward[0], backward[2]):
-          backward = None  # The loss chunk's backward: next tick.
-        else:
-          forward = None
-      if forward:
-        row[s].append((Action.F, forward[1], forward[2]))
-      if backward:
-        row[s].append((back, backward[0], backward[2]))
-      if second_forward:  # Another chunk's, sent a way this tick's other messages leave free.
-        used = {sends(forward) if forward else None,
-                direction(back, -backward[1]) if backward else None}
-        spare[s] = next((f for f in forwards if f is not forward and sends(f) not in used
-                         and (forward is None or f[2] != forward[2])), None)
-    spent = [sum(costs[kind.name] for kind, _, _ in work) for work in row]
+        forward = None
+    work = ([(Action.F, forward[1], forward[2])] if forward else []) + (
+        [(self.back, backward[0], backward[2])] if backward else [])
+    spare = None
+    if self.knobs.second_forward:  # Another chunk's, sent a way the tick's others leave free.
+      used = {sends(forward) if forward else None,
+              self.direction(self.back, -backward[1]) if backward else None}
+      spare = next((f for f in forwards if f is not forward and sends(f) not in used
+                    and (forward is None or f[2] != forward[2])), None)
+    return work, spare
+
+  def commit(self, row: list, spare: list, spent: list, t: int) -> float:
+    """Does the chosen actions of tick ``t``, then each stage's second forward where it fits
+    within the costliest stage's tick; returns that cost (before the second forwards)."""
     busiest = max(spent)
     for s, work in enumerate(row):
       for kind, m, c in work:
-        v = int(vstage[s, c])
-        done[(actions_lib.EVENT[kind], m, v)] = t
-        remaining -= 1
-        ramp = ramp and not (kind == back and v == 0)
-        if weight_hold is not None and release is None and kind == back and v == 0:
-          release = t + 1 + weight_hold
+        v = int(self.vstage[s, c])
+        self.done[(actions_lib.EVENT[kind], m, v)] = t
+        self.remaining -= 1
+        first_back = kind == self.back and v == 0
+        self.ramp = self.ramp and not first_back
+        if self.knobs.weight_hold is not None and self.release is None and first_back:
+          self.release = t + 1 + self.knobs.weight_hold
         if kind == Action.F:
-          next_forward[s][c] += 1
-          holding[s] += 1
-          forwarded[s].append((m, c))
+          self.next_forward[s][c] += 1
+          self.holding[s] += 1
+          self.forwarded[s].append((m, c))
         else:
-          forwarded[s].remove((m, c))
-          if split:
-            pending_w[s].append((m, c))
+          self.forwarded[s].remove((m, c))
+          if self.split:
+            self.pending_w[s].append((m, c))
           else:
-            holding[s] -= 1
-      if spare[s] and holding[s] < caps[s] and spent[s] + costs["F"] <= busiest * (1 + FILL_SLACK):
+            self.holding[s] -= 1
+      fits = spent[s] + self.costs["F"] <= busiest * (1 + FILL_SLACK)
+      if spare[s] and self.holding[s] < self.caps[s] and fits:
         _, m, c = spare[s]
         work.append((Action.F, m, c))
-        spent[s] += costs["F"]
-        done[("F", m, int(vstage[s, c]))] = t
-        next_forward[s][c] += 1
-        holding[s] += 1
-        forwarded[s].append((m, c))
-        remaining -= 1
+        spent[s] += self.costs["F"]
+        self.done[("F", m, int(self.vstage[s, c]))] = t
+        self.next_forward[s][c] += 1
+        self.holding[s] += 1
+        self.forwarded[s].append((m, c))
+        self.remaining -= 1
+    return busiest
 
+  def run_weight(self, s: int, row: list, spent: list, t: int) -> None:
+    """Stage ``s`` runs its oldest pending ``W`` in tick ``t``."""
+    m, c = self.pending_w[s].pop(0)
+    row[s].append((Action.W, m, c))
+    spent[s] += self.costs["W"]
+    self.done[("W", m, int(self.vstage[s, c]))] = t
+    self.holding[s] -= 1
+    self.remaining -= 1
+
+  def fill_weights(self, row: list, spent: list, busiest: float, t: int) -> None:
+    """Weight work in tick ``t``: held weights switched on, pending ``W`` where it fits within
+    the costliest stage's tick, more where more than the backlog wait, one on an idle stage."""
     worked = [bool(work) for work in row]
-    held = weight_hold is not None and (release is None or t < release)
-    if weight_hold is not None and not held:
-      for s in range(num_stages):
-        if worked[s] and pending_w[s]:
-          run_weight(s)
+    hold = self.knobs.weight_hold
+    held = hold is not None and (self.release is None or t < self.release)
+    if hold is not None and not held:
+      for s in range(self.num_stages):
+        if worked[s] and self.pending_w[s]:
+          self.run_weight(s, row, spent, t)
       busiest = max(spent)
     for s, work in enumerate(row):
-      while pending_w[s] and ((spent[s] + costs["W"] <= busiest * (1 + FILL_SLACK)
-                               and not (held and worked[s]))
-                              or len(pending_w[s]) > weight_backlog or not work):
-        run_weight(s)
-    ticks.append(row)
-  return fused_lib.from_ticks(name, num_stages, num_microbatches, num_chunks, placement, ticks,
-                              delays=delays)
+      while self.pending_w[s] and self.takes_weight(s, work, spent[s] + self.costs["W"],
+                                                    busiest, held and worked[s]):
+        self.run_weight(s, row, spent, t)
+
+  def takes_weight(self, s: int, work: list, cost: float, busiest: float, held: bool) -> bool:
+    """Whether stage ``s`` runs another ``W`` in this tick, which would cost it ``cost``: it
+    fits within the costliest stage's tick (unless weights are ``held``), more than the
+    backlog wait, or the stage has nothing else."""
+    fits = cost <= busiest * (1 + FILL_SLACK) and not held
+    return fits or len(self.pending_w[s]) > self.knobs.weight_backlog or not work
 
 
 def settle_weights(table: fused_lib.FusedSchedule, costs: Mapping[str, float],

@@ -11,14 +11,22 @@ Usage::
   python -m tpipe.train.autotune --config=configs/lm.py:size=tiny --config.num_data=2 \
       --config.mesh.fsdp=2 --config.num_stages=2 --dcn_slices=2
 
-For every candidate (``num_stages`` dividing the device count and the layer count, ``num_data``
-the remaining devices, ``num_microbatches`` dividing the per-replica batch, ``schedule`` among
-the forward schedules and the fused ones :class:`tpipe.Sequential` runs whose table exists for
-the config's ``num_repeats``, ``remat`` in none/dots/full, ``remat_granularity`` in chunk/layer
-or ints for ``remat`` dots and full; with ``"none"`` nothing is recomputed, so only ``"chunk"``
-is tried) the real training step is compiled ahead of time (never run) and measured with
-:mod:`tpipe.tools.analysis`. A candidate fits when its peak per-device memory (largest device) is at
-most the budget. Among those that fit, the one with the least predicted step time wins.
+For every candidate (``num_stages`` dividing the device count and the layer count,
+``num_data`` the remaining devices, ``num_microbatches`` dividing the per-replica batch, every
+schedule, forward and fused, each with the ``num_repeats`` it takes (1; 2 for ZB-V; for
+circular and interleaved 1F1B every divisor >= 2 of the layers per stage), ``remat`` in
+none/dots/full, ``remat_granularity`` in chunk/layer or ints for ``remat`` dots and full; with
+``"none"`` nothing is recomputed, so only ``"chunk"`` is tried; the space and the analytic
+costs are :mod:`tpipe.train.search_space`) the real training step can be compiled ahead of time
+(never run) and measured with :mod:`tpipe.tools.analysis`. A candidate fits when its peak
+per-device memory (largest device) is at most the budget. Among those that fit, the one with
+the least predicted step time wins.
+
+Before anything compiles the search prints its plan: the candidates, how many compiles it
+expects and about how long they take. Each compile prints its measurements, the time left and
+the best so far. Ctrl-C stops the search cleanly: the best so far and the command that trains
+with it are printed. Compiled programs go to JAX's persistent compilation cache
+(``--cache_dir``), and a config already measured in the process is not compiled again.
 
 Cost model (:class:`CostModel`), per device and per step::
 
@@ -42,45 +50,55 @@ the default costs, comparable across trials. The
 defaults describe one TPU v4 chip (about 275 TFLOP/s bf16 peak, taken at 40% utilisation, and
 45 GB/s per ICI link); only the ratios matter for the ranking.
 
-Pruning, so the search compiles few programs: for a fixed (stages, micro-batches, schedule) the
-remat policies are tried from cheapest in FLOPs to most memory-saving (none, dots, full), each
-with its granularities in the order given (``chunk`` then ``layer`` by default: the same
-recompute FLOPs, usually a lower backward peak), and the first that fits ends that group; the
-others are reported as dominated. Every skipped or failed candidate
-appears in the result with its reason.
+Pruning, so the search compiles few programs (every skipped or failed candidate appears in the
+result with its reason):
+
+* order: candidates go fastest analytic step first
+  (:func:`~tpipe.train.search_space.analytic_step`: the table's neighbour-synchronised step
+  under the costs its remat gives, bubble and recomputation charged, no compile), so a good
+  fitting trial comes early;
+* dominated: for a fixed (stages, micro-batches, schedule, repeats) the remat policies are tried
+  from cheapest in FLOPs to most memory-saving (none, dots, full), each with its granularities
+  in the order given, and the first that fits ends that group;
+* analytic bubble: once a trial fits, a candidate on the same mesh (stages x replicas) is
+  compiled only if its analytic step is shorter, and on another mesh only within
+  :data:`PRUNE_RATIO` of the fitting trial's;
+* analytic memory: once the parameter count is known, a candidate whose lower bound
+  (:func:`~tpipe.train.search_space.analytic_memory`: a stage's parameters, gradients and
+  optimizer state, and its stashed inputs) exceeds the budget is not compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any, Sequence
+import os
+from typing import Any, Callable, Sequence
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
 from tpipe import schedules
-from tpipe import spec as spec_lib
 from tpipe.tools import analysis
 from tpipe.tools import flops as flops_lib
 from tpipe.train import cli
+from tpipe.train.search_space import Candidate
+from tpipe.train.search_space import GRANULARITY_ORDER
+from tpipe.train.search_space import REMAT_ORDER
+from tpipe.train.search_space import analytic_memory
+from tpipe.train.search_space import analytic_step
+from tpipe.train.search_space import candidates
 
-REMAT_ORDER = ("none", "dots", "full")
-GRANULARITY_ORDER = ("chunk", "layer")
-
-
-def schedule_names() -> tuple[str, ...]:
-  """Every schedule the search may try: the forward ones and the fused ones."""
-  return schedules.NAMES
-
-
-def schedule_table(name: str, num_stages: int, num_microbatches: int, num_repeats: int):
-  """The table of schedule ``name`` (forward or fused); ValueError when it does not exist for
-  these sizes (e.g. ``"1f1b"`` with ``num_repeats=2``)."""
-  if name == "circular" and num_repeats == 1:
-    raise ValueError("circular with num_repeats=1 is gpipe")
-  return schedules.build(name, num_stages, num_microbatches, num_repeats)
+# A candidate is compiled only while its analytic step (see analytic_step) is within this
+# factor of the fastest fitting trial's: a larger bubble or more recomputation than that is
+# not made up by anything the compile measures.
+PRUNE_RATIO = 1.15
+# On the mesh of a fitting trial (same stages and replicas: about the same communication), a
+# candidate is compiled only when its analytic step is shorter by more than this share.
+SAME_MESH_MARGIN = 0.01
+# Seconds one compile is taken to last before any has been measured (this 2-core machine, the
+# LM config: 5 to 30 s).
+PRIOR_COMPILE_SECONDS = 15.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,25 +123,6 @@ class CostModel:
 
 
 @dataclasses.dataclass(frozen=True)
-class Candidate:
-  """One point of the search space."""
-
-  num_stages: int
-  num_data: int
-  num_microbatches: int
-  remat: str
-  schedule: str = "gpipe"
-  remat_granularity: str | int = "chunk"
-
-  def overrides(self) -> str:
-    """The ``--config.*`` flags that select this candidate."""
-    return (f"--config.num_stages={self.num_stages} --config.num_data={self.num_data} "
-            f"--config.num_microbatches={self.num_microbatches} --config.remat={self.remat} "
-            f"--config.schedule={self.schedule} "
-            f"--config.remat_granularity={self.remat_granularity}")
-
-
-@dataclasses.dataclass(frozen=True)
 class Trial:
   """A compiled candidate and its measurements.
 
@@ -134,12 +133,13 @@ class Trial:
       costliest branch; the prediction takes the neighbour-synchronised time instead,
       :func:`tpipe.tools.flops.step_flops`).
     useful_fraction: useful / lockstep FLOPs, the share of the step's time doing useful work.
-    simulated_bubble: the schedule table's neighbour-synchronised bubble (see
-      :func:`tpipe.tools.flops.simulated_bubble`).
     collective_bytes: bytes moved by collectives per device per step.
     predicted_seconds: the cost model's step time.
     compile_seconds: lowering plus compile time.
     fits: whether ``memory_bytes <= budget``.
+    simulated_bubble: the schedule table's neighbour-synchronised bubble (see
+      :func:`tpipe.tools.flops.simulated_bubble`).
+    num_params: the model's parameters (for the analytic memory estimate of later candidates).
   """
 
   candidate: Candidate
@@ -151,6 +151,7 @@ class Trial:
   compile_seconds: float
   fits: bool
   simulated_bubble: float = 0.0
+  num_params: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,7 @@ class TuneResult:
     trials: every compiled candidate.
     rejected: ``(candidate, reason)`` for every candidate not chosen.
     budget_bytes: the per-device budget searched against.
+    interrupted: whether the search was stopped (Ctrl-C) before it tried every candidate.
   """
 
   best: Trial | None
@@ -170,85 +172,7 @@ class TuneResult:
   trials: tuple[Trial, ...]
   rejected: tuple[tuple[Candidate, str], ...]
   budget_bytes: int
-
-
-def _divisors(n: int) -> list[int]:
-  return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
-               microbatches: Sequence[int] | None = None,
-               remats: Sequence[str] = REMAT_ORDER,
-               granularities: Sequence[str | int] = GRANULARITY_ORDER,
-               schedules: Sequence[str] | None = None
-               ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
-  """The search space for ``config`` on ``num_devices`` devices, and the invalid points.
-
-  Args:
-    config: the base experiment config.
-    num_devices: devices to use: ``num_stages * num_data``.
-    stages: stage counts to try (default: divisors of ``num_devices``).
-    microbatches: micro-batch counts to try (default: divisors of the per-replica batch up to
-      ``4 * num_stages``).
-    remats: remat policies to try, cheapest in FLOPs first.
-    granularities: ``remat_granularity`` values to try with ``"dots"`` and ``"full"``, in this
-      order (``"none"`` recomputes nothing and is tried with ``"chunk"`` only).
-    schedules: schedules to try (default :func:`schedule_names`: forward and fused); a schedule
-      without a table for the config's ``num_repeats`` and a candidate's sizes is invalid.
-
-  Returns:
-    ``(valid candidates, [(invalid candidate, reason)])``.
-  """
-  for r in remats:
-    if r not in REMAT_ORDER:
-      raise ValueError(f"Unknown remat {r!r} in remats; choose from {REMAT_ORDER}.")
-  remats = sorted(set(remats), key=REMAT_ORDER.index)
-  if isinstance(granularities, (str, int)) or not granularities:
-    raise ValueError(f"granularities must be a non-empty list of remat_granularity values, got "
-                     f"{granularities!r}.")
-  for g in granularities:
-    spec_lib.check_remat_granularity(g)  # Raises, naming the choices.
-  granularities = list(dict.fromkeys(granularities))
-  known = schedule_names()
-  schedules = list(dict.fromkeys(schedules if schedules is not None else known))
-  for name in schedules:
-    if name not in known:
-      raise ValueError(f"Unknown schedule {name!r} in schedules; choose from {known}.")
-  stage_options = list(stages) if stages is not None else _divisors(num_devices)
-  valid, invalid = [], []
-  repeats = int(config.num_repeats)
-  for s in stage_options:
-    if s < 1 or num_devices % s:
-      invalid.append((Candidate(s, 0, 0, "-", "-"), f"{s} stages do not divide {num_devices} "
-                      "devices"))
-      continue
-    data = num_devices // s
-    if config.num_layers % (s * repeats):
-      invalid.append((Candidate(s, data, 0, "-", "-"), f"num_layers={config.num_layers} is not "
-                      f"divisible by stages*repeats={s * repeats}"))
-      continue
-    if config.batch_size % data:
-      invalid.append((Candidate(s, data, 0, "-", "-"), f"batch_size={config.batch_size} is not "
-                      f"divisible by num_data={data}"))
-      continue
-    per_replica = config.batch_size // data
-    m_options = (list(microbatches) if microbatches is not None
-                 else [m for m in _divisors(per_replica) if m <= 4 * s])
-    for m in m_options:
-      if m < 1 or per_replica % m:
-        invalid.append((Candidate(s, data, m, "-", "-"), f"per-replica batch {per_replica} is not "
-                        f"divisible by {m} micro-batches"))
-        continue
-      for name in schedules:
-        try:
-          schedule_table(name, s, m, repeats)
-        except ValueError as e:
-          invalid.append((Candidate(s, data, m, "-", name), f"schedule={name!r}: {e}"))
-          continue
-        for r in remats:
-          for g in (["chunk"] if r == "none" else granularities):
-            valid.append(Candidate(s, data, m, r, name, g))
-  return valid, invalid
+  interrupted: bool = False
 
 
 def _apply(config, candidate: Candidate):
@@ -257,6 +181,7 @@ def _apply(config, candidate: Candidate):
     new.num_stages = candidate.num_stages
     new.num_data = candidate.num_data
     new.num_microbatches = candidate.num_microbatches
+    new.num_repeats = candidate.num_repeats
     new.remat = candidate.remat
     # A string, as the flag gives it (the config field is a string; "2" is read as 2).
     new.remat_granularity = str(candidate.remat_granularity)
@@ -268,23 +193,144 @@ def _apply(config, candidate: Candidate):
   return new
 
 
+# Trials already compiled in this process, by the config they compiled (the same program is
+# never compiled twice: a repeated search, or two candidates that resolve to one config).
+_TRIALS: dict[tuple[str, int, Any], Trial] = {}
+
+
 def measure(config, candidate: Candidate, budget_bytes: int,
             cost_model: CostModel = CostModel()) -> Trial:
-  """Compiles ``config`` with ``candidate`` applied and measures it against the budget."""
+  """Compiles ``config`` with ``candidate`` applied and measures it against the budget; a
+  config already compiled in this process is not compiled again."""
   from tpipe.train import report as report_lib  # pylint: disable=g-import-not-at-top
 
+  applied = _apply(config, candidate)
+  key = (applied.to_json(), int(budget_bytes), cost_model)
+  if key in _TRIALS:
+    return dataclasses.replace(_TRIALS[key], candidate=candidate)
   # The step's memory, FLOPs and collectives; the per-stage floor is not needed here.
-  rep = report_lib.analyze_config(_apply(config, candidate), per_stage=False)
+  rep = report_lib.analyze_config(applied, per_stage=False)
   a = rep.analysis
   memory = rep.largest_device_bytes
   compute = flops_lib.step_flops(rep.schedule, a.pipeline, a.flops.executed)
-  return Trial(
+  trial = Trial(
       candidate=candidate, memory_bytes=memory, executed_flops=a.flops.executed,
       useful_fraction=a.pipeline.lockstep_efficiency if a.pipeline else 1.0,
       collective_bytes=sum(c.total_bytes for c in a.collectives),
       predicted_seconds=cost_model.step_time(compute, a.collectives),
       compile_seconds=rep.lower_seconds + rep.compile_seconds,
-      fits=memory <= budget_bytes, simulated_bubble=flops_lib.simulated_bubble(rep.schedule))
+      fits=memory <= budget_bytes, simulated_bubble=flops_lib.simulated_bubble(rep.schedule),
+      num_params=rep.num_params)
+  _TRIALS[key] = trial
+  return trial
+
+
+@dataclasses.dataclass
+class _Search:
+  """The state of one search as it goes: what was compiled, what was rejected and why."""
+
+  config: Any
+  budget_bytes: int
+  cost_model: CostModel
+  out: Callable[[str], None]
+  trials: list = dataclasses.field(default_factory=list)
+  rejected: list = dataclasses.field(default_factory=list)
+  fitted: dict = dataclasses.field(default_factory=dict)  # group -> the candidate that fits.
+  steps: dict = dataclasses.field(default_factory=dict)  # candidate -> analytic step.
+  num_params: int = 0
+  compile_seconds: list = dataclasses.field(default_factory=list)
+  config_path: str = "CONFIG"
+
+  @property
+  def best(self) -> Trial | None:
+    fitting = [t for t in self.trials if t.fits]
+    return min(fitting, key=lambda t: (t.predicted_seconds, t.memory_bytes), default=None)
+
+  def skip_reason(self, cand: Candidate) -> str | None:
+    """Why ``cand`` is not compiled (dominated or pruned), or None to compile it."""
+    fitted = self.fitted.get(cand.group)
+    if fitted is not None:
+      return (f"dominated: remat={fitted.remat} remat_granularity={fitted.remat_granularity} "
+              "already fits with no more FLOPs (not compiled)")
+    if self.num_params:
+      memory = analytic_memory(self.config, cand, self.num_params)
+      if memory > self.budget_bytes:
+        return (f"pruned: analytic memory {analysis.format_bytes(memory)} (parameters, "
+                f"gradients, optimizer state and stashed inputs alone) > budget (not compiled)")
+    fitting = [t.candidate for t in self.trials if t.fits]
+    mesh = (cand.num_stages, cand.num_data)
+    alike = min((self.steps[c] for c in fitting if (c.num_stages, c.num_data) == mesh),
+                default=None)
+    if alike is not None and self.steps[cand] >= alike * (1 - SAME_MESH_MARGIN):
+      return (f"pruned: analytic step {self.steps[cand] / alike:.2f}x a fitting trial's on the "
+              f"same {cand.num_stages} stages x {cand.num_data} replicas (not compiled)")
+    fastest = min((self.steps[c] for c in fitting), default=None)
+    if fastest is not None and self.steps[cand] > PRUNE_RATIO * fastest:
+      return (f"pruned: analytic step {self.steps[cand] / fastest:.2f}x a fitting trial's "
+              f"(bubble and recomputation; limit {PRUNE_RATIO}x; not compiled)")
+    return None
+
+  def record(self, cand: Candidate, trial: Trial) -> None:
+    self.trials.append(trial)
+    self.compile_seconds.append(trial.compile_seconds)
+    self.num_params = self.num_params or trial.num_params
+    if trial.fits:
+      self.fitted[cand.group] = cand
+    else:
+      self.rejected.append((cand, f"over budget: {analysis.format_bytes(trial.memory_bytes)} > "
+                            f"{analysis.format_bytes(self.budget_bytes)}"))
+
+  def seconds_per_compile(self) -> float:
+    times = self.compile_seconds
+    return sum(times) / len(times) if times else PRIOR_COMPILE_SECONDS
+
+
+def ordered(config, valid: Sequence[Candidate]) -> tuple[list[Candidate], dict]:
+  """``valid`` in the order the search compiles them, and each one's :func:`analytic_step`:
+  the groups (all but remat) fastest analytic step first, each group's remat policies in the
+  order given (cheapest in FLOPs first), so a good fitting trial comes early and prunes."""
+  steps = {c: analytic_step(config, c) for c in valid}
+  first = {}
+  for i, c in enumerate(valid):
+    first.setdefault(c.group, (steps[c], i))
+  order = sorted(range(len(valid)), key=lambda i: (first[valid[i].group], i))
+  return [valid[i] for i in order], steps
+
+
+def _expected_compiles(search: _Search, queue: Sequence[Candidate]) -> int:
+  """How many compiles the search still expects: one per mesh (stages x replicas) with no
+  fitting trial yet, where the first candidate tried fits and prunes the rest of its mesh."""
+  fitted = {(t.candidate.num_stages, t.candidate.num_data) for t in search.trials if t.fits}
+  return len({(c.num_stages, c.num_data) for c in queue} - fitted)
+
+
+def _progress(search: _Search, done: int, queue: Sequence[Candidate], cand: Candidate,
+              trial: Trial) -> str:
+  left = _expected_compiles(search, queue[done:]) * search.seconds_per_compile()
+  best = search.best
+  best_text = (f"best so far {best.predicted_seconds * 1e3:.3f} ms: {best.candidate.overrides()}"
+               if best else "nothing fits yet")
+  return (f"[{done}/{len(queue)}] {cand.overrides()}: "
+          f"{analysis.format_bytes(trial.memory_bytes)}"
+          f"{'' if trial.fits else ' (over budget)'}, {trial.predicted_seconds * 1e3:.3f} ms "
+          f"predicted, {trial.compile_seconds:.1f} s to compile; about {left / 60:.1f} min left; "
+          f"{best_text}")
+
+
+def command(candidate: Candidate, config_path: str = "CONFIG") -> str:
+  """The command that trains with ``candidate``."""
+  return f"python -m tpipe.train --config={config_path} {candidate.overrides()}"
+
+
+def plan_text(num_candidates: int, num_invalid: int, expected: int,
+              seconds: float = PRIOR_COMPILE_SECONDS) -> str:
+  """What the search will do, printed before it starts: the candidates, the compiles expected
+  (one per mesh when its first candidate fits) and the time they take."""
+  return (f"autotune: {num_candidates} candidates ({num_invalid} invalid points left out), "
+          f"fastest analytic step first; each compiled unless one before it dominates it or "
+          f"analytic memory or bubble prunes it: about {expected} compiles of about "
+          f"{seconds:.0f} s, {expected * seconds / 60:.1f} min (at most {num_candidates}, where "
+          "candidates do not fit). Ctrl-C stops it and prints the best so far.")
 
 
 def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
@@ -293,97 +339,116 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
              granularities: Sequence[str | int] = GRANULARITY_ORDER,
              schedules: Sequence[str] | None = None,
              cost_model: CostModel = CostModel(),
-             verbose: bool = False) -> TuneResult:
+             verbose: bool = False, out: Callable[[str], None] = print,
+             config_path: str = "CONFIG") -> TuneResult:
   """Finds the configuration with the least predicted step time that fits ``budget_bytes``.
 
   Args:
-    config: the base experiment config (``configs/lm.py``); its repeats, model and batch are
-      kept; stages, data replicas, micro-batches, schedule, remat and its granularity are
-      searched.
+    config: the base experiment config (``configs/lm.py``); its model and batch are kept;
+      stages, data replicas, micro-batches, schedule with its repeats, remat and its
+      granularity are searched.
     budget_bytes: per-device memory budget in bytes (peak of the fullest device).
     num_devices: devices to use (default ``config.num_stages * config.num_data``).
     stages, microbatches, remats, granularities, schedules: restrict the search (see
       :func:`candidates`).
     cost_model: the step-time model.
-    verbose: print each trial as it is measured.
+    verbose: print the plan first (candidates, an estimate of the time), then each trial as it
+      is measured with the time left and the best so far.
+    out: where ``verbose`` prints (``print``).
+    config_path: the config's file, for the command that runs the best so far.
 
   Returns:
-    A :class:`TuneResult`; ``best`` is None when nothing fits.
+    A :class:`TuneResult`; ``best`` is None when nothing fits. Interrupted (Ctrl-C), the
+    result so far, ``interrupted`` set, the candidates not tried rejected as such.
   """
+  # Twelve parameters: the config, the budget, the devices, five restrictable search axes,
+  # the cost model and where progress goes, as what; all but the first two keyword-only.
   if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
     raise TypeError(f"budget_bytes must be a number of bytes, got {budget_bytes!r}.")
   if budget_bytes <= 0:
     raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}.")
   num_devices = num_devices or int(config.num_stages) * int(config.num_data)
-  valid, rejected = candidates(config, num_devices, stages=stages, microbatches=microbatches,
-                               remats=remats, granularities=granularities,
-                               schedules=schedules)
-  trials: list[Trial] = []
-  fitted_groups: dict[tuple[int, int, str], Candidate] = {}
-  for cand in valid:
-    group = (cand.num_stages, cand.num_microbatches, cand.schedule)
-    if group in fitted_groups:
-      fitted = fitted_groups[group]
-      rejected.append((cand, f"dominated: remat={fitted.remat} remat_granularity="
-                       f"{fitted.remat_granularity} already fits with no more FLOPs (not "
-                       "compiled)"))
-      continue
-    start = time.perf_counter()
-    try:
-      trial = measure(config, cand, int(budget_bytes), cost_model)
-    except (ValueError, TypeError) as e:
-      rejected.append((cand, f"invalid: {e}"))
-      continue
-    trials.append(trial)
-    if verbose:
-      print(f"  {cand.overrides()}: {analysis.format_bytes(trial.memory_bytes)}, "
-            f"{trial.predicted_seconds * 1e3:.3f} ms predicted "
-            f"({time.perf_counter() - start:.1f} s)", flush=True)
-    if trial.fits:
-      fitted_groups[group] = cand
-    else:
-      rejected.append((cand, f"over budget: {analysis.format_bytes(trial.memory_bytes)} > "
-                       f"{analysis.format_bytes(budget_bytes)}"))
-  fitting = [t for t in trials if t.fits]
-  best = min(fitting, key=lambda t: (t.predicted_seconds, t.memory_bytes), default=None)
-  for t in fitting:
-    if t is not best:
-      rejected.append((t.candidate, f"slower: {t.predicted_seconds * 1e3:.3f} ms predicted vs "
-                       f"{best.predicted_seconds * 1e3:.3f} ms"))
+  valid, invalid = candidates(config, num_devices, stages=stages, microbatches=microbatches,
+                              remats=remats, granularities=granularities, schedules=schedules)
+  search = _Search(config, int(budget_bytes), cost_model, out if verbose else (lambda _: None),
+                   config_path=config_path)
+  search.rejected.extend(invalid)
+  queue, search.steps = ordered(config, valid)
+  search.out(plan_text(len(queue), len(invalid), _expected_compiles(search, queue)))
+  interrupted = _run(search, queue)
+  best = search.best
+  for t in search.trials:
+    if t.fits and t is not best:
+      search.rejected.append((t.candidate, f"slower: {t.predicted_seconds * 1e3:.3f} ms "
+                              f"predicted vs {best.predicted_seconds * 1e3:.3f} ms"))
   return TuneResult(best=best, config=_apply(config, best.candidate) if best else None,
-                    trials=tuple(trials), rejected=tuple(rejected),
-                    budget_bytes=int(budget_bytes))
+                    trials=tuple(search.trials), rejected=tuple(search.rejected),
+                    budget_bytes=int(budget_bytes), interrupted=interrupted)
 
 
-def format_result(result: TuneResult) -> str:
-  """The trials and the choice as markdown."""
+def _run(search: _Search, queue: Sequence[Candidate]) -> bool:
+  """Compiles the queue's candidates that nothing rules out; True when interrupted (Ctrl-C:
+  the rest rejected as not tried, the best so far printed)."""
+  for done, cand in enumerate(queue, start=1):
+    reason = search.skip_reason(cand)
+    if reason is not None:
+      search.rejected.append((cand, reason))
+      continue
+    try:
+      trial = measure(search.config, cand, search.budget_bytes, search.cost_model)
+    except (ValueError, TypeError) as e:
+      search.rejected.append((cand, f"invalid: {e}"))
+      continue
+    except KeyboardInterrupt:
+      search.rejected.extend((c, "not tried: interrupted") for c in queue[done - 1:])
+      best = search.best
+      search.out(f"Interrupted after {len(search.trials)} compiles; " + (
+          f"best so far ({best.predicted_seconds * 1e3:.3f} ms predicted), run it with:\n  "
+          f"{command(best.candidate, search.config_path)}" if best else "nothing fits yet."))
+      return True
+    search.record(cand, trial)
+    search.out(_progress(search, done, queue, cand, trial))
+  return False
+
+
+def format_result(result: TuneResult, config_path: str = "CONFIG") -> str:
+  """The trials and the choice as markdown (``config_path``: the config's file, for the
+  command that runs the choice)."""
   fb = analysis.format_bytes
   lines = [f"budget per device: {fb(result.budget_bytes)}", "",
-           "| stages | data | micro-batches | schedule | remat | granularity | peak memory | "
-           "fits | lockstep FLOPs | useful | neighbour-synchronised bubble | collective bytes | "
-           "predicted step | compile s |",
-           "|---:|---:|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "| stages | data | micro-batches | schedule | repeats | remat | granularity | "
+           "peak memory | fits | lockstep FLOPs | useful | neighbour-synchronised bubble | "
+           "collective bytes | predicted step | compile s |",
+           "|---:|---:|---:|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
   for t in result.trials:
     c = t.candidate
     mark = " **(chosen)**" if t is result.best else ""
     lines.append(
         f"| {c.num_stages} | {c.num_data} | {c.num_microbatches} | {c.schedule} | "
-        f"{c.remat} | {c.remat_granularity}{mark} | {fb(t.memory_bytes)} | "
+        f"{c.num_repeats} | {c.remat} | {c.remat_granularity}{mark} | {fb(t.memory_bytes)} | "
         f"{'yes' if t.fits else 'no'} | "
         f"{t.executed_flops:.3g} | {t.useful_fraction:.1%} | {t.simulated_bubble:.1%} | "
         f"{fb(t.collective_bytes)} | "
         f"{t.predicted_seconds * 1e3:.3f} ms | {t.compile_seconds:.1f} |")
-  lines += ["", "Rejected:"]
+  kinds = {}
+  for _, reason in result.rejected:
+    kind = reason.split(":")[0] if not reason.startswith("schedule=") else "no table"
+    kinds[kind] = kinds.get(kind, 0) + 1
+  summary = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+  lines += ["", f"Rejected ({summary or 'none'}):"]
   for cand, reason in result.rejected:
     lines.append(f"- stages={cand.num_stages} data={cand.num_data} "
-                 f"M={cand.num_microbatches} schedule={cand.schedule} remat={cand.remat} "
+                 f"M={cand.num_microbatches} schedule={cand.schedule} "
+                 f"repeats={cand.num_repeats} remat={cand.remat} "
                  f"remat_granularity={cand.remat_granularity}: {reason}")
   lines.append("")
   if result.best is None:
     lines.append("Nothing fits the budget: raise it, shrink the model or the batch, or allow "
                  "more stages / remat=full / remat_granularity=layer.")
   else:
-    lines.append(f"Best: {result.best.candidate.overrides()}")
+    lines.append(f"Best{' so far (interrupted)' if result.interrupted else ''}: "
+                 f"{result.best.candidate.overrides()}")
+    lines.append(f"Run it: {command(result.best.candidate, config_path)}")
   return "\n".join(lines)
 
 
@@ -406,6 +471,10 @@ def define_flags() -> None:
                        "(tpipe.train.multislice).")
   flags.DEFINE_string("topology", None, "With --dcn_slices: compile for this TPU topology "
                       "(that many slices of it) instead of emulated slices of CPU devices.")
+  flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "tpipe",
+                                                "autotune"),
+                      "JAX's persistent compilation cache, so a program compiled by an earlier "
+                      "search is not compiled again ('' for none).")
   cli.define_network_flags()
 
 
@@ -431,16 +500,31 @@ def main(argv):
                          "--dcn_slices).")
   num_devices = f.num_devices or cli.num_devices(config)
   report_lib.setup_cpu_devices(num_devices=num_devices)
-  result = autotune(
+  if f.cache_dir:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    jax.config.update("jax_compilation_cache_dir", f.cache_dir)
+  config_path = config_flags.get_config_filename(f["config"])
+  try:
+    result = _search_from_flags(f, config, num_devices, config_path)
+  except KeyboardInterrupt:  # Before the first compile: nothing to report.
+    print("Interrupted before any candidate was compiled.")
+    raise SystemExit(130) from None
+  print(format_result(result, config_path))
+  if result.interrupted:
+    raise SystemExit(130)
+  if result.best is None:
+    raise SystemExit(1)
+
+
+def _search_from_flags(f, config, num_devices: int, config_path: str) -> TuneResult:
+  return autotune(
       config, int(f.budget_gib * 2**30), num_devices=num_devices,
       stages=[int(s) for s in f.stages] if f.stages else None,
       microbatches=[int(m) for m in f.microbatches] if f.microbatches else None,
       remats=f.remats,
       granularities=[int(g) if g.isdigit() else g for g in f.remat_granularities],
-      schedules=f.schedules, verbose=True)
-  print(format_result(result))
-  if result.best is None:
-    raise SystemExit(1)
+      schedules=f.schedules, verbose=True, config_path=config_path)
 
 
 if __name__ == "__main__":

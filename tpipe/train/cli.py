@@ -129,27 +129,28 @@ def parse_transfer_delay(value):
 
 
 def parse_tick_costs(value):
-  """``config.tick_costs``: ``""`` (one action per tick) or per-action costs of one chunk as
-  ``"F=1,B=3,BI=2,W=1"`` (compound ticks built for them); as :class:`tpipe.PipelineSpec` takes
-  it (a dict, or None)."""
+  """``config.tick_costs``: ``""`` (compound ticks for costs derived from measured FLOPs),
+  ``"plain"`` (one action per tick) or per-action costs of one chunk as ``"F=1,B=3,BI=2,W=1"``
+  (compound ticks built for them); as :class:`tpipe.PipelineSpec` takes it (a dict, None or
+  ``"plain"``)."""
   if value is None or (isinstance(value, str) and not value.strip()):
     return None
   if not isinstance(value, str):
     return value
-  costs = {}
-  for part in value.split(","):
-    name, _, number = part.partition("=")
-    try:
-      costs[name.strip()] = float(number)
-    except ValueError:
-      raise ValueError(f"config.tick_costs={value!r}: write per-action costs as "
-                       "'F=1,B=3,BI=2,W=1', or '' for one action per tick.") from None
-  return costs
+  if value.strip() == "plain":
+    return "plain"
+  from tpipe.experimental import costs  # pylint: disable=g-import-not-at-top
+
+  try:
+    return costs.parse(value)
+  except ValueError as error:
+    raise ValueError(f"config.tick_costs={value!r}: {error} Or write '' for costs derived "
+                     "from measured FLOPs, or 'plain' for one action per tick.") from None
 
 
 def define_network_flags() -> None:
   """The flags that price communication (the report's and autotune's): the chip and overrides
-  of its link figures (:func:`tpipe.tools.links.interconnect`)."""
+  of its link figures (:func:`tpipe.experimental.links.interconnect`)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
 
   flags.DEFINE_string("chip", None, "Chip whose links price communication: v4, v5e, v5p or v6e "
@@ -164,10 +165,10 @@ def define_network_flags() -> None:
 
 
 def network_from_flags(topology: str | None = None):
-  """The :class:`tpipe.tools.links.Interconnect` the network flags describe."""
+  """The :class:`tpipe.experimental.links.Interconnect` the network flags describe."""
   from absl import flags  # pylint: disable=g-import-not-at-top
 
-  from tpipe.tools import links  # pylint: disable=g-import-not-at-top
+  from tpipe.experimental import links  # pylint: disable=g-import-not-at-top
 
   f = flags.FLAGS
   return links.interconnect(f.chip or topology or "v5p", ici_gbps=f.ici_gbps,

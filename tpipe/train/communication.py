@@ -6,8 +6,8 @@ The compute time is the schedule's table simulated with the program's FLOPs per 
 (:mod:`tpipe.tools.flops`) at ``efficiency`` of the chip's peak; the stage sends' exposed time
 is the same simulation with each link's transfer time minus without
 (:meth:`tpipe.schedules.FusedSchedule.simulate`), so a delayed link shows what delaying it
-hides. Prices and links: :mod:`tpipe.tools.links`. Imports of tpipe are deferred to the calls,
-like the report's own (the command line sets the emulated device count before JAX starts).
+hides. Prices and links: :mod:`tpipe.experimental.links`. Imports of tpipe are deferred to the
+calls, like the report's own (the command line sets the emulated device count before JAX starts).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ class Communication:
   """A step's communication priced on its links.
 
   Attributes:
-    chip: the chip priced (:data:`tpipe.tools.links.INTERCONNECTS`).
+    chip: the chip priced (:data:`tpipe.experimental.links.INTERCONNECTS`).
     efficiency: the share of the chip's peak FLOP/s the compute is taken to reach.
     compute_seconds: the step's compute time (the table's neighbour-synchronised time under the
       program's FLOPs per action, plus what runs outside the actions).
-    rows: a :class:`tpipe.tools.links.AxisTraffic` per group of mesh axes.
+    rows: a :class:`tpipe.experimental.links.AxisTraffic` per group of mesh axes.
     links: per mesh axis, ``"ici"`` or ``"dcn"``.
     crossing: per link of the ring of stages, whether it crosses slices.
     delays: per link of the ring of stages, the schedule's transfer delay (0 or 1 tick).
@@ -108,7 +108,7 @@ def summarize(mesh, table, analysis_result, net, *, efficiency: float = 0.5,
     mesh: the step's mesh (its devices' slices give the links).
     table: the table the step runs (:attr:`tpipe.core.engine.Pipeline.loss_table`).
     analysis_result: the step's :class:`tpipe.tools.analysis.Analysis`.
-    net: the :class:`tpipe.tools.links.Interconnect` to price with.
+    net: the :class:`tpipe.experimental.links.Interconnect` to price with.
     efficiency: the share of peak FLOP/s the compute reaches.
     stage_axis: the stage axis's name.
 
@@ -116,7 +116,7 @@ def summarize(mesh, table, analysis_result, net, *, efficiency: float = 0.5,
     ValueError: ``efficiency`` not in (0, 1].
   """
   from tpipe import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from tpipe.tools import links as links_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.experimental import links as links_lib  # pylint: disable=g-import-not-at-top
 
   check_efficiency(efficiency)
   per_flop = 1.0 / (net.flops_per_second * efficiency)

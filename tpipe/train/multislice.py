@@ -62,7 +62,8 @@ def compare(config, num_slices: int, *, network=None, efficiency: float = 0.5,
   Args:
     config: the experiment config (``configs/lm.py``; needs its ``mesh.dcn`` fields).
     num_slices: slices of the job.
-    network: a :class:`tpipe.tools.links.Interconnect`; default the topology's chip, else v5p.
+    network: a :class:`tpipe.experimental.links.Interconnect`; default the topology's chip, else
+      v5p.
     efficiency: the share of peak FLOP/s the compute reaches.
     topology: compile for this TPU topology (``num_slices`` of them) instead of this machine's
       devices grouped into emulated slices.

@@ -110,6 +110,11 @@ class Report:
     mesh: the mesh the step was compiled for.
     backward: how the step's backward actions run
       (:meth:`tpipe.core.backward_plan.BackwardPlan.describe`).
+    tick_costs: the per-action costs the fused table was laid out for (the pipeline's
+      ``spec.tick_costs``, pairs), also the costs its step is simulated under; None: one
+      action per tick, or a forward schedule (simulated under the default costs).
+    tick_costs_derived: whether those costs were derived from measured per-unit FLOPs
+      (:mod:`tpipe.core.tick_costs`) rather than given.
   """
 
   config: Any
@@ -131,6 +136,8 @@ class Report:
   state_split: tuple = ()
   communication: Any = None
   mesh: Any = dataclasses.field(repr=False, default=None)
+  tick_costs: Any = None
+  tick_costs_derived: bool = False
   backward: str = ""
 
   @property
@@ -220,7 +227,7 @@ class Report:
             "gated_in_tick_loops": pipe.gated if pipe else 0.0,
             "transcendentals": flops.transcendentals,
         },
-        "schedule": schedule_summary.schedule_json(self.schedule, tick_costs(self.config)),
+        "schedule": schedule_summary.schedule_json(self.schedule, self.costs),
         "collectives_per_step": self.collective_rows(),
         "stages": [stage.to_json() for stage in self.stages],
         "ring_bytes_per_microbatch": self.ring_bytes,
@@ -235,11 +242,10 @@ class Report:
         "communication": self.communication.to_json() if self.communication else None,
     }
 
-
-def tick_costs(config):
-  """The per-action costs a config's compound table was built for (None: none,
-  ``config.tick_costs`` unset or empty)."""
-  return cli.parse_tick_costs(config.get("tick_costs", "")) if config is not None else None
+  @property
+  def costs(self) -> dict[str, float] | None:
+    """:attr:`tick_costs` as a dict (None without)."""
+    return None if self.tick_costs is None else dict(self.tick_costs)
 
 
 def compile_train_step(exp, breakdown: bool = False):
@@ -340,7 +346,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
       prints no loop trip counts, so the report then has no pipeline FLOPs (useful against
       bubble) and counts each loop's FLOPs once.
     breakdown: break the peak down by role (:mod:`tpipe.tools.peak`).
-    network: the :class:`tpipe.tools.links.Interconnect` to price communication with; default
+    network: the :class:`tpipe.experimental.links.Interconnect` to price communication with; default
       the topology's chip, else v5p's.
     efficiency: the share of the chip's peak FLOP/s the compute is taken to reach.
 
@@ -350,7 +356,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   import tpipe  # pylint: disable=g-import-not-at-top
 
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
-  from tpipe.tools import links  # pylint: disable=g-import-not-at-top
+  from tpipe.experimental import links  # pylint: disable=g-import-not-at-top
   from tpipe.train import communication  # pylint: disable=g-import-not-at-top
   from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
 
@@ -382,7 +388,9 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                 floor_seconds=floor_s, peak=peak, topology=topology,
                 mesh_shape=dict(exp.mesh.shape),
                 state_split=analysis.axis_split(state.params, exp.mesh), communication=comm,
-                mesh=exp.mesh, backward=exp.pipeline.backward_plan.describe())
+                mesh=exp.mesh, tick_costs=exp.pipeline.spec.given_tick_costs,
+                tick_costs_derived=exp.pipeline.plan.tick_costs is not None,
+                backward=exp.pipeline.backward_plan.describe())
 
 
 def _flops(x: float) -> str:
@@ -453,7 +461,11 @@ def format_report(report: Report) -> str:
       lines.append(f"| {row['axis']} | {row['devices']} | {fb(row['split_bytes'])} "
                    f"({row['split_bytes'] / total:.1%}) | {fb(row['whole_bytes'])} "
                    f"({row['whole_bytes'] / total:.1%}) |")
-  lines += [""] + schedule_summary.format_schedule(report.schedule, tick_costs(report.config))
+  if report.tick_costs is not None:
+    from tpipe.core import tick_costs  # pylint: disable=g-import-not-at-top
+
+    lines += ["", tick_costs.describe(report.tick_costs, report.tick_costs_derived) + "."]
+  lines += [""] + schedule_summary.format_schedule(report.schedule, report.costs)
   if flops.loops_without_trip_count:
     lines += ["", f"Warning: XLA proved no trip count for loops "
               f"{list(flops.loops_without_trip_count)}; each is counted once, so executed FLOPs "

@@ -33,6 +33,19 @@ def _costs_text(costs) -> str:
   return ", ".join(f"{name} = {value:g}" for name, value in costs.items())
 
 
+def gpipe_timing(schedule, costs=None):
+  """GPipe's whole step on the same layers (one chunk per stage, each as costly as the
+  ``num_chunks`` chunks a stage of ``schedule`` holds), the same S, M and delays, under the
+  same per-action ``costs``: the baseline the report compares the step with."""
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+
+  costs = dict(schedules.DEFAULT_COSTS if costs is None else costs)
+  scaled = {name: value * schedule.num_chunks for name, value in costs.items()}
+  gpipe = schedules.build("gpipe", schedule.num_stages, schedule.num_microbatches,
+                          delays=schedule.delays)
+  return schedules.whole_step(gpipe).simulate(scaled)
+
+
 def schedule_json(schedule, costs=None) -> dict[str, Any]:
   """The schedule's part of ``report.json``: ticks, bubble, stash, simulated step time.
 
@@ -54,7 +67,8 @@ def schedule_json(schedule, costs=None) -> dict[str, Any]:
          "simulated_step": {**{f"{model}{part}": getattr(timing, f"{model}{part}")
                                for model in ("lockstep", "neighbour", "natural")
                                for part in ("", "_bubble")},
-                            "costs": costs}}
+                            "costs": costs,
+                            "gpipe_neighbour": gpipe_timing(schedule, costs).neighbour}}
   out["stashed_microbatches_per_stage"] = (int(fused.peak_in_flight().max()) if out["fused"]
                                            else int(schedule.stashed_microbatches().max()))
   return out
@@ -80,9 +94,12 @@ def format_schedule(schedule, costs=None) -> list[str]:
     stash = (f"Backward-pass stash per stage: {schedule.stash_slots().max()} slots (one per "
              f"forward tick), {schedule.stashed_microbatches().max()} of them holding "
              f"micro-batches (in flight per stage: [{peaks}]).")
+  gpipe = gpipe_timing(schedule, costs).neighbour
   return [stash, "", f"Simulated step time ({_costs_text(costs)} per chunk and micro-batch): "
           f"neighbour-synchronised (each tick starts when the stage and its neighbours finished "
           f"the last: the tick loop's sends) {timing.neighbour:g}, bubble "
           f"{timing.neighbour_bubble:.1%}; lockstep (each tick as long as its slowest stage) "
           f"{timing.lockstep:g}, bubble {timing.lockstep_bubble:.1%}; dependency-driven "
-          f"{timing.natural:g}, bubble {timing.natural_bubble:.1%}."]
+          f"{timing.natural:g}, bubble {timing.natural_bubble:.1%}. GPipe's "
+          f"neighbour-synchronised step on the same layers and costs: {gpipe:g} (this step "
+          f"{timing.neighbour / gpipe:.3f}x it)."]

@@ -1,5 +1,8 @@
 """What communication costs on the link it crosses: ICI inside a TPU slice, DCN between slices.
 
+Experimental (research): a pricing model from public figures and assumed latencies, which the
+report and the auto-tuner use to estimate communication; its figures and interface may change.
+
 A mesh axis whose devices sit in one slice talks over the chips' inter-chip interconnect (ICI);
 an axis that spans slices (``tpipe.make_mesh(..., dcn={...})``) talks over the data-centre
 network (DCN), tens of times slower. This module prices a compiled step's collectives on the

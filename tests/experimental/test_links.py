@@ -1,5 +1,6 @@
-"""tpipe.tools.links: the chips' link figures and overrides, which link each mesh axis uses, and
-a step's collectives priced on their links (exposed time outside and inside the tick loop)."""
+"""tpipe.experimental.links: the chips' link figures and overrides, which link each mesh axis
+uses, and a step's collectives priced on their links (exposed time outside and inside the tick
+loop)."""
 
 import jax
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 import tpipe
 from tpipe.tools import analysis
-from tpipe.tools import links
+from tpipe.experimental import links
 
 pytestmark = pytest.mark.unit  # Meshes and arithmetic: no JAX computation.
 

@@ -1,5 +1,8 @@
 """Exact window search: a fused table's actions re-placed a window of ticks at a time.
 
+Experimental (research): its interface and results may change without notice; the stable
+compound builder is :mod:`tpipe.schedules.compound`.
+
 The compound builder (:mod:`tpipe.schedules.compound`) lays tables out by rules, tick by tick,
 and the best of its rules can still miss a table that is shorter under neighbour
 synchronisation: where stages must move together (the last backward travelling one tick
@@ -38,7 +41,7 @@ table's where the same costs in MFLOP found a shorter step.
 
 It costs tens of seconds for a ZB-H1 table at S = 8, M = 8 and minutes for a ZB-V one (two
 chunks per stage: twice the actions per window), so the builder runs it only when asked
-(``tick_search`` in :class:`tpipe.PipelineSpec`, ``search`` in
+(``tick_search`` in :class:`tpipe.PipelineSpec`, ``search`` and ``refine=refine`` in
 :func:`tpipe.schedules.build`). ZB-H1 at S = 8, M = 8 under the measured remat-none costs of
 ``experiments/fused_schedules.py`` (BI about 1.3 F, W about F): the neighbour-synchronised
 bubble goes from 1.16x the schedule's natural bubble to 1.14x, in the same memory, whatever
@@ -47,7 +50,8 @@ the costs' unit; so it does for each of sixteen cost sets drawn within 1% of tho
 
 Example::
 
-  >>> from tpipe.schedules import orders, refine
+  >>> from tpipe.experimental import refine
+  >>> from tpipe.schedules import orders
   >>> costs = {"F": 1.0, "BI": 1.3, "W": 1.0}
   >>> table = orders.zb_h1(3, 3)
   >>> better = refine.refine(table, costs, sweeps=1)
@@ -160,6 +164,57 @@ def _better(score, best) -> bool:
   if step < best_step * (1 - _TOLERANCE):
     return True
   return step <= best_step * (1 + _TOLERANCE) and spread < best_spread * (1 - _TOLERANCE)
+
+
+class _Program:
+  """One window's mixed-integer program: ``num_x`` 0/1 placement variables, then a start per
+  (tick, stage), then the step; rows added by :meth:`constrain`, solved by :meth:`solve`."""
+
+  def __init__(self, num_x: int, num_starts: int):
+    self.num_x = num_x
+    self.step = num_x + num_starts
+    self.num_vars = self.step + 1
+    self.entries, self.lower, self.upper = [], [], []
+
+  def start(self, num_stages: int):
+    """``start(t, s)``: the variable of stage ``s``'s start of tick ``t``."""
+    return lambda t, s: self.num_x + t * num_stages + s
+
+  def constrain(self, terms, low, high) -> None:
+    """A row: ``low <= sum(value * x[i] for i, value in terms) <= high``."""
+    self.entries.extend((len(self.lower), i, value) for i, value in terms)
+    self.lower.append(low)
+    self.upper.append(high)
+
+  def solve(self, node_limit: int):
+    """The variables' values: the shortest step, then, no longer than it, the ticks ending
+    earliest; None where HiGHS found nothing."""
+    import scipy.sparse as sparse  # SciPy comes with JAX; only this search needs it.
+    from scipy import optimize
+
+    num_vars, num_x, step = self.num_vars, self.num_x, self.step
+    rows, cols, values = zip(*self.entries)
+    matrix = sparse.csr_matrix((values, (rows, cols)), shape=(len(self.lower), num_vars))
+    integrality = np.zeros(num_vars)
+    integrality[:num_x] = 1
+    upper_bound = np.full(num_vars, np.inf)
+    upper_bound[:num_x] = 1
+    constraints = optimize.LinearConstraint(matrix, self.lower, self.upper)
+    options = {"node_limit": int(node_limit), "mip_rel_gap": MIP_GAP}
+    solve = lambda objective: optimize.milp(
+        objective, integrality=integrality, constraints=constraints, options=options,
+        bounds=optimize.Bounds(np.zeros(num_vars), upper_bound))
+    shortest = np.zeros(num_vars)
+    shortest[step] = 1.0
+    result = solve(shortest)
+    if result.x is None:
+      return None
+    # Then, no longer than that, the ticks ending earliest.
+    upper_bound[step] = result.x[step] * (1 + _TOLERANCE)
+    earliest = np.zeros(num_vars)
+    earliest[num_x:step] = 1.0 / (step - num_x)
+    settled = solve(earliest)
+    return (settled if settled.x is not None else result).x
 
 
 class _Problem:
@@ -275,11 +330,33 @@ class _Problem:
   def solve(self, placed, first: int, stop: int, node_limit: int):
     """``placed`` with the actions in ticks ``[first, stop)`` re-placed there optimally, or None
     where the program found nothing."""
-    import scipy.sparse as sparse  # SciPy comes with JAX; only this search needs it.
-    from scipy import optimize
-
     num_ticks = self.num_ticks(placed) + 1  # One free tick after the last.
     stop = min(stop, num_ticks)
+    window = self._window(placed, first, stop)
+    if window is None:
+      return None
+    fixed, column = window
+    ticks_of = {}  # A freed action's (tick, variable) pairs.
+    for (key, t), i in column.items():
+      ticks_of.setdefault(key, []).append((t, i))
+    program = _Program(num_x=len(column), num_starts=num_ticks * self.num_stages)
+    self._placement(program, fixed, column, ticks_of)
+    self._timing(program, fixed, column, num_ticks)
+    for spans, caps in ((self.held, self.held_cap), (self.waiting, self.waiting_cap)):
+      self._memory(spans, caps, placed, fixed, ticks_of, first, stop, program.constrain)
+    x = program.solve(node_limit)
+    if x is None:
+      return None
+    out = dict(fixed)
+    for (key, t), i in column.items():
+      if x[i] > 0.5:
+        out[key] = t
+    return self._compact(out)
+
+  def _window(self, placed, first: int, stop: int):
+    """``(fixed, column)``: the actions outside ticks ``[first, stop)`` at their ticks, and a
+    0/1 variable per (freed action, tick it may take) between what bounds it outside the
+    window; None where the window frees nothing or an action has no tick left."""
     placed = dict(sorted(placed.items(), key=lambda item: (item[1], item[0])))  # One order.
     free = [key for key, t in placed.items() if first <= t < stop]
     if not free:
@@ -299,35 +376,27 @@ class _Problem:
         return None
       for t in range(low, high + 1):
         column[(key, t)] = len(column)
-    num_x, num_stages = len(column), self.num_stages
-    start = lambda t, s: num_x + t * num_stages + s
-    step = num_x + num_ticks * num_stages
-    num_vars = step + 1
-    entries, lower, upper = [], [], []
+    return fixed, column
 
-    def constrain(terms, low, high):
-      entries.extend((len(lower), i, value) for i, value in terms)
-      lower.append(low)
-      upper.append(high)
-
-    ticks_of = {}
-    for (key, t), i in column.items():
-      ticks_of.setdefault(key, []).append((t, i))
-    for key in free:  # Each freed action runs once.
+  def _placement(self, program: "_Program", fixed, column, ticks_of) -> None:
+    """Each freed action once, after what it needs, and one message each way per stage and
+    tick."""
+    constrain = program.constrain
+    for key in ticks_of:  # Each freed action runs once.
       constrain([(i, 1.0) for _, i in ticks_of[key]], 1, 1)
     tick_of = lambda key, sign=1.0: [(i, sign * t) for t, i in ticks_of[key]]
-    for key in free:  # After what it needs (freed on both sides; the rest bounded the ticks).
+    for key in ticks_of:  # After what it needs (freed on both sides; the rest bounded the ticks).
       for dep, gap in self.needs[key]:
-        if dep in freed:
+        if dep in ticks_of:
           constrain(tick_of(key) + tick_of(dep, -1.0), gap, np.inf)
-    at = {}  # (tick, stage) -> [(variable, action)].
-    for (key, t), i in column.items():
-      at.setdefault((t, self.stage(key)), []).append((i, key))
     sent = {}
     for key, t in fixed.items():
       way = self.way(key)
       if way is not None:
         sent[(t, self.stage(key), way)] = sent.get((t, self.stage(key), way), 0) + 1
+    at = {}  # (tick, stage) -> [(variable, action)], grouped as _timing groups them.
+    for (key, t), i in column.items():
+      at.setdefault((t, self.stage(key)), []).append((i, key))
     ways = {}
     for (t, s), items in at.items():
       for i, key in items:
@@ -336,6 +405,14 @@ class _Problem:
           ways.setdefault((t, s, way), []).append(i)
     for where, variables in ways.items():  # One message each way per stage and tick.
       constrain([(i, 1.0) for i in variables], 0, 1 - sent.get(where, 0))
+
+  def _timing(self, program: "_Program", fixed, column, num_ticks: int) -> None:
+    """The neighbour-synchronised start of every (tick, stage) and the step after the last."""
+    num_stages, constrain = self.num_stages, program.constrain
+    start, step = program.start(num_stages), program.step
+    at = {}  # (tick, stage) -> [(variable, action)].
+    for (key, t), i in column.items():
+      at.setdefault((t, self.stage(key)), []).append((i, key))
     base = np.zeros((num_ticks, num_stages))
     for key, t in fixed.items():
       base[t, self.stage(key)] += self.solver_costs[key[0].name]
@@ -355,41 +432,11 @@ class _Problem:
     for s in range(num_stages):  # The step.
       constrain([(step, 1.0), (start(num_ticks - 1, s), -1.0)] + cost(num_ticks - 1, s),
                 base[num_ticks - 1, s], np.inf)
-    for spans, caps in ((self.held, self.held_cap), (self.waiting, self.waiting_cap)):
-      self._memory(spans, caps, placed, fixed, ticks_of, first, stop, constrain)
-
-    rows, cols, values = zip(*entries)
-    matrix = sparse.csr_matrix((values, (rows, cols)), shape=(len(lower), num_vars))
-    integrality = np.zeros(num_vars)
-    integrality[:num_x] = 1
-    upper_bound = np.full(num_vars, np.inf)
-    upper_bound[:num_x] = 1
-    constraints = optimize.LinearConstraint(matrix, lower, upper)
-    options = {"node_limit": int(node_limit), "mip_rel_gap": MIP_GAP}
-    solve = lambda objective: optimize.milp(
-        objective, integrality=integrality, constraints=constraints, options=options,
-        bounds=optimize.Bounds(np.zeros(num_vars), upper_bound))
-    shortest = np.zeros(num_vars)
-    shortest[step] = 1.0
-    result = solve(shortest)
-    if result.x is None:
-      return None
-    # Then, no longer than that, the ticks ending earliest.
-    upper_bound[step] = result.x[step] * (1 + _TOLERANCE)
-    earliest = np.zeros(num_vars)
-    earliest[num_x:step] = 1.0 / (num_ticks * num_stages)
-    settled = solve(earliest)
-    if settled.x is not None:
-      result = settled
-    out = dict(fixed)
-    for (key, t), i in column.items():
-      if result.x[i] > 0.5:
-        out[key] = t
-    return self._compact(out)
 
   def _memory(self, spans, caps, placed, fixed, ticks_of, first, stop, constrain):
     """Per stage and freed tick: chunks opened by then less those closed before, at most the
     cap."""
+    # Eight parameters: the spans and their caps, and the window's placement and program.
     for s in range(self.num_stages):
       mine = [(o, c) for o, c in spans if self.stage(o) == s]
       if not any(o in ticks_of or c in ticks_of for o, c in mine):

@@ -1,4 +1,4 @@
-"""Exact window search (:mod:`tpipe.schedules.refine`; SciPy's HiGHS, no JAX): it finds a
+"""Exact window search (:mod:`tpipe.experimental.refine`; SciPy's HiGHS, no JAX): it finds a
 ZB-H1 table shorter than the compound builder's under neighbour synchronisation, in no more
 memory, for costs in any unit, and the same on every call; over every fused schedule, with
 delayed links too, it never lengthens the step or grows a stage's memory; bad input raises;
@@ -14,7 +14,7 @@ import pytest
 import tpipe
 from tpipe import schedules
 from tpipe.schedules import compound
-from tpipe.schedules import refine
+from tpipe.experimental import refine
 
 # ZB-H1's per-chunk MFLOP from experiments/fused_schedules.py, remat none: BI about 1.3 F, so a
 # stage's F, BI and W nearly tie and neither one action per tick nor compound ticks fit well.
@@ -95,11 +95,16 @@ def test_the_factory_and_the_spec_search_only_when_asked():
   it, and a second search gives the same table (no time limit: the same on every host)."""
   costs = MEASURED
   built = schedules.build("zb_h1", 3, 3, 1, None, costs)
-  searched = schedules.build("zb_h1", 3, 3, 1, None, costs, search=1)
-  assert searched is schedules.build("zb_h1", 3, 3, 1, None, costs, search=1)  # Cached.
+  # The search is passed in: the schedules package does not import the experimental one.
+  with pytest.raises(ValueError, match="pass refine=tpipe.experimental.refine.refine"):
+    schedules.build("zb_h1", 3, 3, 1, None, costs, search=1)
+  searched = schedules.build("zb_h1", 3, 3, 1, None, costs, search=1, refine=refine.refine)
+  assert searched is schedules.build("zb_h1", 3, 3, 1, None, costs, search=1,
+                                     refine=refine.refine)  # Cached.
   assert searched.actions() == refine.refine(built, costs, sweeps=1).actions()  # Deterministic.
   assert searched.simulate(costs).neighbour < built.simulate(costs).neighbour
-  assert schedules.make_fused_schedule("zb_h1", 3, 3, costs=costs, search=1) is searched
+  assert schedules.make_fused_schedule("zb_h1", 3, 3, costs=costs, search=1,
+                                       refine=refine.refine) is searched
   spec = tpipe.PipelineSpec(num_stages=3, num_microbatches=3, schedule="zb_h1",
                             tick_costs=costs, tick_search=1)
   assert spec.table is searched and spec.replace(tick_search=0).table is built

@@ -1,0 +1,206 @@
+"""The auto-tuner's search space: the candidates, the repeats each schedule takes, and what a
+candidate costs analytically before anything compiles.
+
+:func:`candidates` lists every point (stages x replicas x micro-batches x schedule with each of
+its ``num_repeats`` x remat x granularity) with the invalid ones and their reasons;
+:func:`analytic_step` and :func:`analytic_memory` are what :mod:`tpipe.train.autotune` orders
+and prunes them by. Pure NumPy: nothing here compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from tpipe import schedules
+from tpipe import spec as spec_lib
+from tpipe.core import tick_costs
+
+REMAT_ORDER = ("none", "dots", "full")
+GRANULARITY_ORDER = ("chunk", "layer")
+# Schedules that run one chunk per stage, and ZB-V's two; circular and interleaved 1F1B take
+# every num_repeats >= 2 that divides the layers per stage.
+FIXED_REPEATS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "zbv": 2}
+# Bytes per parameter a stage holds whatever the schedule: float32 parameters, gradients and
+# Adam's two moments (the analytic memory estimate's lower bound).
+STATE_BYTES_PER_PARAM = 16
+
+
+def schedule_names() -> tuple[str, ...]:
+  """Every schedule the search may try: the forward ones and the fused ones."""
+  return schedules.NAMES
+
+
+def repeat_options(name: str, layers_per_stage: int) -> list[int]:
+  """The ``num_repeats`` values schedule ``name`` is tried with: its own (1, or 2 for ZB-V),
+  or for ``"circular"`` and ``"interleaved_1f1b"`` every divisor >= 2 of the layers a stage
+  holds. Empty when none fits."""
+  if name in FIXED_REPEATS:
+    repeats = FIXED_REPEATS[name]
+    return [repeats] if layers_per_stage % repeats == 0 else []
+  return [r for r in _divisors(layers_per_stage) if r >= 2]
+
+
+def schedule_table(name: str, num_stages: int, num_microbatches: int, num_repeats: int):
+  """The table of schedule ``name`` (forward or fused); ValueError when it does not exist for
+  these sizes (e.g. ``"1f1b"`` with ``num_repeats=2``)."""
+  if name == "circular" and num_repeats == 1:
+    raise ValueError("circular with num_repeats=1 is gpipe")
+  return schedules.build(name, num_stages, num_microbatches, num_repeats)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One point of the search space."""
+
+  num_stages: int
+  num_data: int
+  num_microbatches: int
+  remat: str
+  schedule: str = "gpipe"
+  remat_granularity: str | int = "chunk"
+  num_repeats: int = 1
+
+  def overrides(self) -> str:
+    """The ``--config.*`` flags that select this candidate."""
+    return (f"--config.num_stages={self.num_stages} --config.num_data={self.num_data} "
+            f"--config.num_microbatches={self.num_microbatches} --config.remat={self.remat} "
+            f"--config.schedule={self.schedule} --config.num_repeats={self.num_repeats} "
+            f"--config.remat_granularity={self.remat_granularity}")
+
+  @property
+  def group(self) -> tuple:
+    """What its remat policies are tried over: all but remat and its granularity."""
+    return (self.num_stages, self.num_data, self.num_microbatches, self.schedule,
+            self.num_repeats)
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_options(remats, granularities, names) -> tuple[list, list, list]:
+  """The search options, checked and deduplicated (remats cheapest in FLOPs first)."""
+  for r in remats:
+    if r not in REMAT_ORDER:
+      raise ValueError(f"Unknown remat {r!r} in remats; choose from {REMAT_ORDER}.")
+  remats = sorted(set(remats), key=REMAT_ORDER.index)
+  if isinstance(granularities, (str, int)) or not granularities:
+    raise ValueError(f"granularities must be a non-empty list of remat_granularity values, got "
+                     f"{granularities!r}.")
+  for g in granularities:
+    spec_lib.check_remat_granularity(g)  # Raises, naming the choices.
+  known = schedule_names()
+  names = list(dict.fromkeys(names if names is not None else known))
+  for name in names:
+    if name not in known:
+      raise ValueError(f"Unknown schedule {name!r} in schedules; choose from {known}.")
+  return remats, list(dict.fromkeys(granularities)), names
+
+
+def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
+               microbatches: Sequence[int] | None = None,
+               remats: Sequence[str] = REMAT_ORDER,
+               granularities: Sequence[str | int] = GRANULARITY_ORDER,
+               schedules: Sequence[str] | None = None
+               ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+  """The search space for ``config`` on ``num_devices`` devices, and the invalid points.
+
+  Args:
+    config: the base experiment config.
+    num_devices: devices to use: ``num_stages * num_data``.
+    stages: stage counts to try (default: divisors of ``num_devices``).
+    microbatches: micro-batch counts to try (default: divisors of the per-replica batch up to
+      ``4 * num_stages``).
+    remats: remat policies to try, cheapest in FLOPs first.
+    granularities: ``remat_granularity`` values to try with ``"dots"`` and ``"full"``, in this
+      order (``"none"`` recomputes nothing and is tried with ``"chunk"`` only).
+    schedules: schedules to try (default :func:`schedule_names`: forward and fused), each with
+      the ``num_repeats`` it takes (:func:`repeat_options`); a schedule without a table for a
+      candidate's sizes is invalid.
+
+  Returns:
+    ``(valid candidates, [(invalid candidate, reason)])``.
+  """
+  # Seven parameters but the config: the search's axes, each restrictable.
+  remats, granularities, names = _check_options(remats, granularities, schedules)
+  stage_options = list(stages) if stages is not None else _divisors(num_devices)
+  valid, invalid = [], []
+  for s in stage_options:
+    if s < 1 or num_devices % s:
+      invalid.append((Candidate(s, 0, 0, "-", "-"), f"{s} stages do not divide {num_devices} "
+                      "devices"))
+      continue
+    data = num_devices // s
+    if config.num_layers % s:
+      invalid.append((Candidate(s, data, 0, "-", "-"), f"num_layers={config.num_layers} is not "
+                      f"divisible by stages*repeats={s}"))
+      continue
+    if config.batch_size % data:
+      invalid.append((Candidate(s, data, 0, "-", "-"), f"batch_size={config.batch_size} is not "
+                      f"divisible by num_data={data}"))
+      continue
+    per_replica = config.batch_size // data
+    m_options = (list(microbatches) if microbatches is not None
+                 else [m for m in _divisors(per_replica) if m <= 4 * s])
+    for m in m_options:
+      if m < 1 or per_replica % m:
+        invalid.append((Candidate(s, data, m, "-", "-"), f"per-replica batch {per_replica} is not "
+                        f"divisible by {m} micro-batches"))
+        continue
+      for name in names:
+        points = _schedule_points(config, s, data, m, name, invalid)
+        for r in points:
+          for remat in remats:
+            for g in (["chunk"] if remat == "none" else granularities):
+              valid.append(Candidate(s, data, m, remat, name, g, r))
+  return valid, invalid
+
+
+def _schedule_points(config, s: int, data: int, m: int, name: str, invalid: list) -> list[int]:
+  """The ``num_repeats`` schedule ``name`` has a table for at these sizes; the others are
+  appended to ``invalid`` with their reasons."""
+  repeats = repeat_options(name, config.num_layers // s)
+  if not repeats:
+    needed = FIXED_REPEATS.get(name, 2)
+    invalid.append((Candidate(s, data, m, "-", name, "-", needed), f"schedule={name!r}: "
+                    f"num_layers={config.num_layers} is not divisible by stages*repeats="
+                    f"{s * needed}"))
+  points = []
+  for r in repeats:
+    try:
+      schedule_table(name, s, m, r)
+    except ValueError as e:
+      invalid.append((Candidate(s, data, m, "-", name, "-", r), f"schedule={name!r}: {e}"))
+      continue
+    points.append(r)
+  return points
+
+
+def analytic_step(config, candidate: Candidate) -> float:
+  """The candidate's step per device before compiling, in forwards of the whole model on one
+  example: the table's neighbour-synchronised step (:mod:`tpipe.schedules.simulate`) under the
+  per-action costs its remat gives a matmul model (:func:`tpipe.core.tick_costs.from_flops`),
+  each action on one micro-batch (``batch / (data * M)`` examples) through one of the
+  ``S * R`` chunks. It charges the bubble and the recomputation; communication and what XLA
+  makes of the program are left to the compile."""
+  c = candidate
+  costs = dict(tick_costs.from_flops(tick_costs.MATMUL_PARTS, c.remat, c.remat_granularity))
+  table = schedule_table(c.schedule, c.num_stages, c.num_microbatches, c.num_repeats)
+  step = schedules.whole_step(table).simulate(costs).neighbour
+  examples = config.batch_size / (c.num_data * c.num_microbatches)
+  return step * examples / (c.num_stages * c.num_repeats)
+
+
+def analytic_memory(config, candidate: Candidate, num_params: int) -> int:
+  """A lower bound of the candidate's peak per device, before compiling: a stage's share of
+  the parameters, their gradients and Adam's moments (:data:`STATE_BYTES_PER_PARAM` each,
+  ``num_params`` of them over the stages), and the stage inputs its schedule keeps in flight
+  (the table's stash slots, one micro-batch of ``seq_len x width`` float32 activations each,
+  where the config names them)."""
+  c = candidate
+  table = schedule_table(c.schedule, c.num_stages, c.num_microbatches, c.num_repeats)
+  state = STATE_BYTES_PER_PARAM * num_params // c.num_stages
+  rows = config.batch_size // (c.num_data * c.num_microbatches)
+  activation = rows * int(config.get("seq_len", 0)) * int(config.get("width", 0)) * 4
+  return int(state + int(table.stash_slots().max()) * activation)
