@@ -59,8 +59,12 @@ class LinenEmbed(nn.Module):
 def _settings(schedule, run=None):
   """The case ``schedule``'s model, run with ``run`` (default the case's own schedule)."""
   repeats, balance = CASES[schedule]
+  # Granularity "chunk": BI's and W's FLOPs are compared with one B's, each recomputing its
+  # chunk once ("nested" checkpoints every unit inside the tapped BI program too, a second
+  # forward per unit that the split itself does not add).
   return dict(num_stages=STAGES, num_microbatches=MICROBATCHES, schedule=run or schedule,
-              num_repeats=repeats, balance=list(balance), mesh=tpipe.make_mesh(stages=STAGES))
+              num_repeats=repeats, balance=list(balance), remat_granularity="chunk",
+              mesh=tpipe.make_mesh(stages=STAGES))
 
 
 def _flops(compiled, pipeline):
