@@ -146,9 +146,13 @@ def test_is_causal_adds_the_causal_mask():
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_grouped_attention_equals_its_plain_composition_and_its_gradients(masked):
+@pytest.mark.parametrize("query_block", [512, 2])
+def test_grouped_attention_equals_its_plain_composition_and_its_gradients(masked, query_block,
+                                                                          monkeypatch):
   """Llama's grouped-query attention: the same outputs as softmax of the float32 scores, and
-  the gradients autodiff gives the plain composition (float32 inputs: the numerics rule)."""
+  the gradients autodiff gives the plain composition (float32 inputs: the numerics rule), whole
+  or one block of queries at a time (``query_block=2``: three blocks of six queries)."""
+  monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
   b, s, g, r, d = 2, 6, 2, 3, 4
   keys = jax.random.split(jax.random.key(3), 4)
   q = jax.random.normal(keys[0], (b, s, g, r, d))
@@ -164,7 +168,13 @@ def test_grouped_attention_equals_its_plain_composition_and_its_gradients(masked
     return jnp.einsum("bgrst,btgk->bsgrk", jax.nn.softmax(logits, axis=-1), v)
 
   grouped = lambda q, k, v: attention.grouped_attention(q, k, v, mask, 2.0)
-  np.testing.assert_array_equal(jax.jit(grouped)(q, k, v), jax.jit(plain)(q, k, v))
+  if query_block > s:
+    np.testing.assert_array_equal(jax.jit(grouped)(q, k, v), jax.jit(plain)(q, k, v))
+  else:
+    exact_out = numerics.float64_reference(
+        jax.jit(lambda q, k, v: plain(q, k, v, float32=False)), q, k, v)
+    numerics.assert_as_close_as_plain(jax.jit(grouped)(q, k, v), jax.jit(plain)(q, k, v),
+                                      exact_out, what="outputs")
   vjp_of = lambda fn: (lambda q, k, v, g: jax.vjp(fn, q, k, v)[1](g))
   exact = numerics.float64_reference(
       jax.jit(vjp_of(lambda q, k, v: plain(q, k, v, float32=False))), q, k, v, cotangent)

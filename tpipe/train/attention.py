@@ -121,6 +121,11 @@ def _attend_backward(precision, saved, cotangent):
 attend.defvjp(_attend_forward, _attend_backward)
 
 
+# Queries per block of grouped_attention over a long sequence: its largest arrays are one block's
+# float32 scores, [batch, kv heads, groups, QUERY_BLOCK, keys].
+QUERY_BLOCK = 512
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def grouped_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                       mask: jax.Array | None, sqrt_depth: float) -> jax.Array:
@@ -131,9 +136,31 @@ def grouped_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   attention computes them): ``[b, s, g, r, d]``.
 
   Like :func:`attend`, it keeps its inputs and each row's maximum and sum of exponentials, and
-  its backward forms the probabilities again from ``q k^T``.
+  its backward forms the probabilities again from ``q k^T``. Over a sequence longer than
+  :data:`QUERY_BLOCK` (a multiple of it) both passes run one block of queries at a time, so no
+  array larger than one block's scores is formed.
   """
   return _grouped_forward(query, key, value, mask, sqrt_depth)[0]
+
+
+def _query_blocks(query, mask):
+  """How many query blocks, and the mask's rows per block (None where it broadcasts them)."""
+  s = query.shape[1]
+  count = s // QUERY_BLOCK if s > QUERY_BLOCK and s % QUERY_BLOCK == 0 else 1
+  per_block = mask is not None and mask.shape[-2] == s
+  return count, per_block
+
+
+def _blocked(x, count: int, axis: int):
+  """``x`` with ``axis`` cut into ``count`` blocks, the blocks first."""
+  shape = x.shape[:axis] + (count, x.shape[axis] // count) + x.shape[axis + 1:]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unblocked(x, axis: int):
+  """The inverse of :func:`_blocked`."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
 def _grouped_logits(query, key, mask, sqrt_depth):
@@ -141,17 +168,33 @@ def _grouped_logits(query, key, mask, sqrt_depth):
   return _masked(logits, mask)
 
 
-def _grouped_forward(query, key, value, mask, sqrt_depth):
+def _grouped_block_forward(query, key, value, mask, sqrt_depth):
   logits = _grouped_logits(query, key, mask, sqrt_depth)
   peak = jnp.max(logits, axis=-1, keepdims=True)
   total = jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True)
   probabilities = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-  out = jnp.einsum("bgrst,btgk->bsgrk", probabilities, value)
+  return jnp.einsum("bgrst,btgk->bsgrk", probabilities, value), peak, total
+
+
+def _grouped_forward(query, key, value, mask, sqrt_depth):
+  count, per_block = _query_blocks(query, mask)
+  if count == 1:
+    out, peak, total = _grouped_block_forward(query, key, value, mask, sqrt_depth)
+  else:
+    masks = _blocked(mask, count, mask.ndim - 2) if per_block else None
+
+    def block(xs):
+      q, m = xs
+      return _grouped_block_forward(q, key, value, mask if m is None else m, sqrt_depth)
+
+    out, peak, total = jax.lax.map(block, (_blocked(query, count, 1), masks))
+    out, peak, total = _unblocked(out, 1), _unblocked(peak, 3), _unblocked(total, 3)
   return out, (query, key, value, mask, peak, total)
 
 
-def _grouped_backward(sqrt_depth, saved, cotangent):
-  query, key, value, mask, peak, total = saved
+def _grouped_block_backward(query, key, value, mask, peak, total, cotangent, sqrt_depth):
+  """One query block's ``(d_query, d_key, d_value)``."""
+  # Eight parameters: one block's saved values, its cotangent, and the scale.
   p = jnp.exp(_grouped_logits(query, key, mask, sqrt_depth) - peak) / total
   d_value = jnp.einsum("bgrst,bsgrk->btgk", p.astype(value.dtype), cotangent)
   d_p = jnp.einsum("bsgrk,btgk->bgrst", cotangent, value).astype(p.dtype)
@@ -161,7 +204,30 @@ def _grouped_backward(sqrt_depth, saved, cotangent):
   d_scores = (d_logits / sqrt_depth).astype(query.dtype)
   d_query = jnp.einsum("bgrst,btgk->bsgrk", d_scores, key)
   d_key = jnp.einsum("bgrst,bsgrk->btgk", d_scores, query)
-  return d_query, d_key, d_value, None
+  return d_query, d_key, d_value
+
+
+def _grouped_backward(sqrt_depth, saved, cotangent):
+  query, key, value, mask, peak, total = saved
+  count, per_block = _query_blocks(query, mask)
+  if count == 1:
+    d_query, d_key, d_value = _grouped_block_backward(query, key, value, mask, peak, total,
+                                                      cotangent, sqrt_depth)
+    return d_query, d_key, d_value, None
+  masks = _blocked(mask, count, mask.ndim - 2) if per_block else None
+  accumulate = jnp.promote_types(key.dtype, jnp.float32)
+
+  def block(sums, xs):
+    q, m, block_peak, block_total, g = xs
+    d_q, d_k, d_v = _grouped_block_backward(q, key, value, mask if m is None else m,
+                                            block_peak, block_total, g, sqrt_depth)
+    return (sums[0] + d_k.astype(accumulate), sums[1] + d_v.astype(accumulate)), d_q
+
+  zeros = (jnp.zeros(key.shape, accumulate), jnp.zeros(value.shape, accumulate))
+  (d_key, d_value), d_query = jax.lax.scan(
+      block, zeros, (_blocked(query, count, 1), masks, _blocked(peak, count, 3),
+                     _blocked(total, count, 3), _blocked(cotangent, count, 1)))
+  return (_unblocked(d_query, 1), d_key.astype(key.dtype), d_value.astype(value.dtype), None)
 
 
 grouped_attention.defvjp(_grouped_forward, _grouped_backward)
