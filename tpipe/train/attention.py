@@ -217,17 +217,18 @@ def _grouped_backward(sqrt_depth, saved, cotangent):
   masks = _blocked(mask, count, mask.ndim - 2) if per_block else None
   accumulate = jnp.promote_types(key.dtype, jnp.float32)
 
-  def block(sums, xs):
+  def block(xs):
     q, m, block_peak, block_total, g = xs
     d_q, d_k, d_v = _grouped_block_backward(q, key, value, mask if m is None else m,
                                             block_peak, block_total, g, sqrt_depth)
-    return (sums[0] + d_k.astype(accumulate), sums[1] + d_v.astype(accumulate)), d_q
+    return d_q, d_k.astype(accumulate), d_v.astype(accumulate)
 
-  zeros = (jnp.zeros(key.shape, accumulate), jnp.zeros(value.shape, accumulate))
-  (d_key, d_value), d_query = jax.lax.scan(
-      block, zeros, (_blocked(query, count, 1), masks, _blocked(peak, count, 3),
-                     _blocked(total, count, 3), _blocked(cotangent, count, 1)))
-  return (_unblocked(d_query, 1), d_key.astype(key.dtype), d_value.astype(value.dtype), None)
+  # Each block's key and value gradients, summed after the loop (key-sized, not score-sized).
+  d_query, d_key, d_value = jax.lax.map(
+      block, (_blocked(query, count, 1), masks, _blocked(peak, count, 3),
+              _blocked(total, count, 3), _blocked(cotangent, count, 1)))
+  return (_unblocked(d_query, 1), d_key.sum(0).astype(key.dtype),
+          d_value.sum(0).astype(value.dtype), None)
 
 
 grouped_attention.defvjp(_grouped_forward, _grouped_backward)
