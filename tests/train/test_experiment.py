@@ -346,6 +346,8 @@ def test_config_tick_costs_give_compound_tables():
   searched = experiment.spec_from_config(_config(schedule="zb_h1", tick_costs=costs,
                                                  tick_search=1))
   assert searched.tick_search == 1
+  from tpipe.experimental import refine  # pylint: disable=g-import-not-at-top
   assert searched.table is tpipe.schedules.build("zb_h1", searched.num_stages,
                                                  searched.num_microbatches, 1, None,
-                                                 searched.tick_costs, search=1)
+                                                 searched.tick_costs, search=1,
+                                                 refine=refine.refine)

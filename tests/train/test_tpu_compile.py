@@ -106,8 +106,10 @@ def _tick_body_order(text: str, ops=("send", "recv", "send-done", "recv-done")) 
 def _tpu_1f1b_program(mesh, delay, microbatches=4) -> str:
   """The compiled TPU program of 1F1B's loss gradient on ``mesh`` (4 stages)."""
   layers, x, targets, _ = linen_models.loss_model("blocks")
+  # One action per tick: a compound table gathers the inputs instead of streaming them.
   model = tpipe.Sequential(layers, num_stages=4, num_microbatches=microbatches, schedule="1f1b",
-                           per_example=("targets",), mesh=mesh, transfer_delay=delay)
+                           per_example=("targets",), mesh=mesh, transfer_delay=delay,
+                           tick_costs="plain")
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, targets=targets))["params"]
   sharding = tpipe.data_sharding(mesh)
   abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, targets)]
