@@ -371,6 +371,86 @@ def _write_config(config, workdir, start: int) -> None:
                     "started with; keeping that file.", config_file)
 
 
+def _log_pipeline(exp, config) -> None:
+  """Logs the run's devices, mesh, pipeline table, backward plan and slices (the chief)."""
+  logging.info("%d processes, %d devices (%s); mesh %s; %s parameters.", jax.process_count(),
+               jax.device_count(), jax.devices()[0].platform, dict(exp.mesh.shape),
+               f"{exp.num_params():,}")
+  spec = exp.pipeline.spec
+  axes = spmd.Axes.of(exp.mesh, spec.stage_axis, spec.data_axis)
+  backward = exp.pipeline.backward_plan
+  logging.info("Pipeline: %s.", streaming.describe(
+      exp.pipeline.loss_table, axes, config.batch_size, spec.stream_inputs,
+      backward.w_recomputes))
+  logging.info("%s.", backward.describe().capitalize())
+  slices = int(tpipe.mesh.slice_of_devices(exp.mesh).max()) + 1
+  if slices > 1 or any(spec.delays):
+    logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",
+                 slices, tpipe.mesh.crossing_links(exp.mesh, spec.stage_axis), spec.delays)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  """Whether every element of ``tree`` is finite."""
+  return jax.tree.reduce(lambda a, b: a & b,
+                         jax.tree.map(lambda x: jax.numpy.isfinite(x).all(), tree))
+
+
+def _start_profile(profile, profile_dir, is_chief: bool) -> None:
+  """Starts the profiler trace of steps ``profile[0]`` to ``profile[1]``."""
+  jax.profiler.start_trace(str(profile_dir))
+  if is_chief:
+    logging.info("Profiling steps %d to %d into %s (XProf: tensorboard --logdir=%s).",
+                 profile[0], profile[1], profile_dir, profile_dir)
+
+
+def _stop_preempted(ckpt, step: int, is_chief: bool) -> None:
+  """After a preemption's checkpoint: waits for it and says how to resume."""
+  ckpt.wait_until_finished()
+  if is_chief:
+    why = f"Stopped by {ckpt.signal_name}" if ckpt.signal_name else "Preempted"
+    logging.warning("%s at step %d; checkpoint saved in %s/%d. Re-run the same command to "
+                    "resume.", why, step, ckpt.directory, step)
+
+
+def _load_data(exp, config, sharding):
+  """``(train iterator, its data spec, eval batches)``: every process builds the whole global
+  batch; devices take their slices."""
+  task_data = exp.task.load_data(config)
+  eval_set = [data.to_global(b, sharding) for b in task_data.eval_batches]
+  return task_data.train, task_data.spec, eval_set
+
+
+def _check_pending(pending: list, last_checkpoint, directory) -> dict:
+  """The host's sync point: every pending step's metrics checked, in order, before anything
+  is saved; the last one's loss and gradient norm. Empties ``pending``."""
+  host = jax.device_get([m for _, m in pending])
+  for (step, _), metrics in zip(pending, host):
+    _check_finite(step, metrics, last_checkpoint, directory)
+  pending.clear()
+  return {"loss": float(host[-1]["loss"]), "grad_norm": float(host[-1]["grad_norm"])}
+
+
+def _log_initial_eval(exp, state, eval_set, is_chief: bool) -> None:
+  """Evaluates the initial state, a baseline for the eval curve (logged only: the metrics
+  records are of training steps)."""
+  initial = exp.evaluate(state, eval_set)
+  if is_chief:
+    logging.info("step 0/%d | %s at initialisation", exp.config.num_steps,
+                 _format_eval(initial))
+
+
+def _close_run(profiling: bool, ckpt, writer, train_iter) -> None:
+  """Stops a profile still running, waits for pending saves (so the last good checkpoint is
+  complete) and closes the writer and the data iterator."""
+  if profiling:
+    jax.profiler.stop_trace()  # Stopped inside the profiled steps.
+  ckpt.close()
+  writer.close()
+  if hasattr(train_iter, "close"):  # Releases grain's prefetch threads (grain 0.2.18 has it).
+    train_iter.close()
+
+
 def train(config, workdir: str) -> dict:
   """Trains (or resumes) the experiment ``config`` in ``workdir``.
 
@@ -392,26 +472,9 @@ def train(config, workdir: str) -> dict:
   exp = experiment.build(config)
   sharding = tpipe.data_sharding(exp.mesh)
   if is_chief:
-    logging.info("%d processes, %d devices (%s); mesh %s; %s parameters.", jax.process_count(),
-                 jax.device_count(), jax.devices()[0].platform, dict(exp.mesh.shape),
-                 f"{exp.num_params():,}")
-    spec = exp.pipeline.spec
-    axes = spmd.Axes.of(exp.mesh, spec.stage_axis, spec.data_axis)
-    backward = exp.pipeline.backward_plan
-    logging.info("Pipeline: %s.", streaming.describe(
-        exp.pipeline.loss_table, axes, config.batch_size, spec.stream_inputs,
-        backward.w_recomputes))
-    logging.info("%s.", backward.describe().capitalize())
-    slices = int(tpipe.mesh.slice_of_devices(exp.mesh).max()) + 1
-    if slices > 1 or any(exp.pipeline.spec.delays):
-      logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",
-                   slices, tpipe.mesh.crossing_links(exp.mesh, exp.pipeline.spec.stage_axis),
-                   exp.pipeline.spec.delays)
+    _log_pipeline(exp, config)
 
-  # Data: every process builds the whole global batch; devices take their slices.
-  task_data = exp.task.load_data(config)
-  train_iter, data_spec = task_data.train, task_data.spec
-  eval_set = [data.to_global(b, sharding) for b in task_data.eval_batches]
+  train_iter, data_spec, eval_set = _load_data(exp, config, sharding)
 
   ckpt = checkpointing.Checkpointer(checkpointing.checkpoint_directory(workdir),
                                     max_to_keep=config.keep_checkpoints, handle_sigterm=True)
@@ -428,28 +491,19 @@ def train(config, workdir: str) -> dict:
   if is_chief:
     _write_config(exp.config, workdir, start)
 
-  all_finite = jax.jit(
-      lambda tree: jax.tree.reduce(
-          lambda a, b: a & b, jax.tree.map(lambda x: jax.numpy.isfinite(x).all(), tree)))
   step_key = jax.random.key(config.seed + 1)
   pending = []  # (step, device metrics) not yet checked on the host.
   record = {}
   t_last, step_last = None, start
 
-  if start == 0:
-    # A baseline for the eval curve (in the log only: metrics records are of training steps).
-    initial = exp.evaluate(state, eval_set)
-    if is_chief:
-      logging.info("step 0/%d | %s at initialisation", config.num_steps, _format_eval(initial))
+  if start == 0:  # A baseline for the eval curve (in the log only).
+    _log_initial_eval(exp, state, eval_set, is_chief)
 
   eval_seconds = 0.0  # Evaluating and saving since the last logged step (not in the rates).
   try:
     for step in range(start + 1, config.num_steps + 1):
       if profile and step == profile[0]:
-        jax.profiler.start_trace(str(profile_dir))
-        if is_chief:
-          logging.info("Profiling steps %d to %d into %s (XProf: tensorboard --logdir=%s).",
-                       profile[0], profile[1], profile_dir, profile_dir)
+        _start_profile(profile, profile_dir, is_chief)
       batch = data.to_global(next(train_iter), sharding)
       state, step_metrics = exp.train_step(state, batch, jax.random.fold_in(step_key, step))
       pending.append((step, step_metrics))
@@ -466,12 +520,7 @@ def train(config, workdir: str) -> dict:
       if not do_log:
         continue
 
-      # Host sync point: check every pending step, in order, before anything is saved.
-      host = jax.device_get([m for _, m in pending])
-      for (s, _), m in zip(pending, host):
-        _check_finite(s, m, last_checkpoint, ckpt.directory)
-      pending.clear()
-      record = {"loss": float(host[-1]["loss"]), "grad_norm": float(host[-1]["grad_norm"])}
+      record = _check_pending(pending, last_checkpoint, ckpt.directory)
       if do_eval:
         began = time.perf_counter()
         record.update(exp.evaluate(state, eval_set))
@@ -483,7 +532,7 @@ def train(config, workdir: str) -> dict:
       t_last, step_last, eval_seconds = now, step, 0.0
 
       if do_ckpt:
-        if not bool(all_finite(state.params)):
+        if not bool(_all_finite(state.params)):
           raise _non_finite("parameters", step, last_checkpoint, ckpt.directory)
         began = time.perf_counter()
         ckpt.save(step, exp.to_checkpoint(state),
@@ -493,19 +542,11 @@ def train(config, workdir: str) -> dict:
         if is_chief:
           logging.info("Saving the checkpoint of step %d to %s/%d.", step, ckpt.directory, step)
       if preempted:
-        ckpt.wait_until_finished()
-        if is_chief:
-          why = (f"Stopped by {ckpt.signal_name}" if ckpt.signal_name else "Preempted")
-          logging.warning("%s at step %d; checkpoint saved in %s/%d. Re-run the same command "
-                          "to resume.", why, step, ckpt.directory, step)
+        _stop_preempted(ckpt, step, is_chief)
         break
   finally:
-    if profile and profile[0] <= step_last < profile[1]:
-      jax.profiler.stop_trace()  # Stopped inside the profiled steps.
-    ckpt.close()  # Waits for pending saves, so the last good checkpoint is complete.
-    writer.close()
-    if hasattr(train_iter, "close"):  # Releases grain's prefetch threads (grain 0.2.18 has it).
-      train_iter.close()
+    profiling = bool(profile) and profile[0] <= step_last < profile[1]
+    _close_run(profiling, ckpt, writer, train_iter)
   record["step"] = step_last
   record["checkpoint"] = last_checkpoint
   return record
