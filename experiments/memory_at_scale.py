@@ -54,18 +54,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 from experiments import _common
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # One host: no slice discovery.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top
-
 import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top
-from tpipe.tools import peak  # noqa: E402  pylint: disable=g-import-not-at-top
-from tpipe.train import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
+from experiments import scale_3d  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,13 +180,10 @@ def config_for(row: Row):
 
 
 def compile_row(row: Row):
-  """``(experiment, memory_analysis, breakdown, seconds)`` of one row's step."""
-  start = time.perf_counter()
-  exp = experiment.build(config_for(row), devices=tpipe.topology_devices(
-      MODELS[row.model].topology))
-  lowered = exp.train_step.lower(exp.abstract_state(), exp.abstract_batch(), jax.random.key(0))
-  compiled, breakdown = peak.breakdown_of_lowered(lowered)
-  return exp, compiled.memory_analysis(), breakdown, time.perf_counter() - start
+  """``(experiment, memory_analysis, breakdown, seconds)`` of one row's step
+  (:func:`experiments.scale_3d.compile_row` on the row's topology)."""
+  return scale_3d.compile_row(config_for(row),
+                              tpipe.topology_devices(MODELS[row.model].topology))
 
 
 def floor_parts(config, params: int, working_set: int) -> dict[str, int]:

@@ -80,12 +80,18 @@ def cost(kind: str, layer_apply: Callable, params, h, side, *, identity: Hashabl
   if kind not in KINDS:
     raise ValueError(f"Unknown cost kind {kind!r}; choose one of {KINDS}.")
   key = (kind, jax.default_backend(), identity, abstract_key(params), abstract_key(h))
+  return _cached(key, lambda: measure(kind, layer_apply, params, h, side))
+
+
+def _cached(key, compute: Callable):
+  """``compute()``, kept in the cache under ``key``; measured every time where something in the
+  key cannot be hashed."""
   try:
     found = _CACHE.get(key)
-  except TypeError:  # Something in the key cannot be hashed: measure every time.
-    return measure(kind, layer_apply, params, h, side)
+  except TypeError:
+    return compute()
   if found is None:
-    found = _CACHE[key] = measure(kind, layer_apply, params, h, side)
+    found = _CACHE[key] = compute()
   return found
 
 
@@ -107,13 +113,7 @@ def action_flops(layer_apply: Callable, params, h, side, *,
   if identity is None:  # Nothing tells this unit from another of the same shapes.
     return _measure_actions(layer_apply, params, h, side, identity)
   key = ("actions", jax.default_backend(), identity, abstract_key(params), abstract_key(h))
-  try:
-    found = _CACHE.get(key)
-  except TypeError:  # Something in the key cannot be hashed: measure every time.
-    return _measure_actions(layer_apply, params, h, side, identity)
-  if found is None:
-    found = _CACHE[key] = _measure_actions(layer_apply, params, h, side, identity)
-  return dict(found)
+  return dict(_cached(key, lambda: _measure_actions(layer_apply, params, h, side, identity)))
 
 
 def _measure_actions(layer_apply: Callable, params, h, side, identity) -> dict[str, float]:
