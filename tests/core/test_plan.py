@@ -132,9 +132,33 @@ def test_trace_inputs_gives_every_layer_input_and_the_output():
   x = jax.ShapeDtypeStruct((2, 5), jnp.float32)
   params = _shapes({"kernel": (5, 3), "bias": (3,)}, {"kernel": (4, 3, 3), "bias": (4, 3)},
                    {"kernel": (3, 2)})
-  inputs = _trace([nn.Dense(3), nn.Dense(3), TakesThree()], [None, 4, None], x, params)
+  traced = _trace([nn.Dense(3), nn.Dense(3), TakesThree()], [None, 4, None], x, params)
+  inputs = traced.layer_inputs
+  assert traced.momenta == {}  # No running statistics.
   assert [(a.shape, a.dtype) for a in inputs] == [((2, 5), jnp.float32), ((2, 3), jnp.float32),
                                                   ((2, 3), jnp.float32), ((2, 2), jnp.float32)]
+
+
+def test_trace_inputs_returns_the_momenta_of_training_mode_normalizations():
+  # Two BatchNorms, momenta 0.8 and 0.5; the second runs on its running averages (nothing to
+  # update), so only the first one's momentum comes back, keyed by layer and path.
+  class Normed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.BatchNorm(use_running_average=False, momentum=0.8, name="train")(x)
+      return nn.BatchNorm(use_running_average=True, momentum=0.5, name="frozen")(x)
+
+  x = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+  layers = [linen_layers.as_layer(nn.Dense(3), None, "t"), linen_layers.as_layer(Normed(), 2, "t")]
+  variables = jax.eval_shape(Normed().init, jax.random.key(0), jnp.zeros((2, 3)))
+  stacked = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2, *a.shape), a.dtype), variables)
+  params = {"layers_0": _shapes({"kernel": (3, 3), "bias": (3,)})["layers_0"],
+            "layers_1": stacked["params"]}
+  stats = {"layers_0": {}, "layers_1": stacked["batch_stats"]}
+  split = arguments.split_keywords({}, per_example=(), batch_size=2, owner="t")
+  traced = plan_lib.trace_inputs(layers, params, stats, x, plan_lib.Calls(split, owner="t"))
+  assert traced.momenta == {(1, ("train",)): 0.8}
+  assert traced.layer_inputs[-1].shape == (2, 3)
 
 
 def test_trace_inputs_error_names_both_layers_of_a_mismatch():

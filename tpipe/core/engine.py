@@ -151,15 +151,12 @@ class Pipeline:
           axes=axes)
       return _not_differentiable(run, self._differentiated_message())(
           staged, x, split.broadcast, split.per_example, rngs)
-    for layer in self.layers:
-      layer.momenta.clear()  # Filled again while the chunks are traced.
     result = forward.run(chunkset, staged, x, split.broadcast, split.per_example, rngs,
                          schedule=self.spec.table, axes=axes)
     if stats is None:
       return result
     outputs, sums = result
-    momenta = {(i, path): m for i, layer in enumerate(self.layers)
-               for path, m in layer.momenta.items()}
+    momenta = self.plan.momenta
     if not momenta:
       return outputs, None
     count = self.spec.num_microbatches * axes.replicas
@@ -371,8 +368,8 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
   stats_shapes = {f"layers_{i}": stats_shapes.get(f"layers_{i}", {}) for i in range(len(layers))}
   calls = plan_lib.Calls(split, side, tuple(rng_names), owner,
                          (spec.data_axis, spec.stage_axis))
-  layer_inputs = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
-  plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, layer_inputs, calls)
+  traced = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
+  plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, traced, calls)
   if plan.tick_costs is not None:  # A fused table in compound ticks for the measured costs.
     spec = spec.replace(tick_costs=plan.tick_costs)
   # Packed buffers cut into one block per device of the fsdp axis of the mesh the spec names.

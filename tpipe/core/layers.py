@@ -29,6 +29,12 @@ import numpy as np
 # in place of each mean, ``E[x^2]`` of each var; zeros where nothing was measured).
 ApplyFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any]]
 
+# apply_with_momenta(params, stats, x, kwargs, rngs) -> (y, statistics, momenta): ``apply``'s
+# results and, as a Python value known once the call is traced, ``{path: momentum}`` of each
+# normalization (BatchNorm) that ran in training mode, ``path`` being the keys of its
+# ``mean``/``var`` in ``stats``.
+ApplyWithMomentaFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any, dict]]
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layer:
@@ -45,9 +51,9 @@ class Layer:
     identity: a hashable description of what ``apply`` computes besides the shapes of its
       arguments (for a Flax module: its class and fields), so equal layers share one cost
       measurement; ``None`` when there is none.
-    momenta: filled by ``apply`` while it is traced: ``{path: momentum}`` of each normalization
-      (BatchNorm) that ran in training mode, ``path`` being the keys of its ``mean``/``var``
-      in ``stats``. The engine reads it to update the running statistics once per step.
+    apply_with_momenta: see :data:`ApplyWithMomentaFn`; None for a layer without running
+      statistics. Planning traces it once (:func:`tpipe.core.plan.trace_inputs`) and the
+      engine updates the running statistics with the momenta it returned.
   """
 
   kind: str
@@ -55,7 +61,7 @@ class Layer:
   apply: ApplyFn
   keywords: tuple[str, ...] | None = None
   identity: Hashable | None = None
-  momenta: dict = dataclasses.field(default_factory=dict)
+  apply_with_momenta: ApplyWithMomentaFn | None = None
 
   @property
   def units(self) -> int:

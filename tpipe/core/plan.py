@@ -106,6 +106,8 @@ class Plan:
     tick_costs: a fused schedule's per-action costs derived from the units' measured FLOPs
       (:mod:`tpipe.core.tick_costs`), for its compound ticks; None where the spec gives them
       (or ``"plain"``) or the schedule is a forward one.
+    momenta: ``{(layer index, path): momentum}`` of each normalization that runs in training
+      mode (:class:`Traced`); the engine updates the running statistics with them.
   """
 
   unit_names: tuple[str, ...]
@@ -116,6 +118,7 @@ class Plan:
   num_stages: int
   placement: str = "loop"
   tick_costs: tuple[tuple[str, float], ...] | None = None
+  momenta: dict = dataclasses.field(default_factory=dict)
 
   @property
   def num_chunks(self) -> int:
@@ -168,8 +171,23 @@ class Calls(NamedTuple):
   axis_names: tuple = ()
 
 
-def trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls: Calls) -> tuple[Any, ...]:
-  """The abstract input of every layer on one micro-batch, and last the sequence's output.
+class Traced(NamedTuple):
+  """What tracing a sequence on one micro-batch found (:func:`trace_inputs`).
+
+  Attributes:
+    layer_inputs: the abstract input of every layer, and last the sequence's output.
+    momenta: ``{(layer index, path): momentum}`` of every normalization that ran in training
+      mode (:attr:`tpipe.core.layers.Layer.apply_with_momenta`); the engine updates the running
+      statistics with them.
+  """
+
+  layer_inputs: tuple[Any, ...]
+  momenta: dict
+
+
+def trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls: Calls) -> Traced:
+  """The abstract input of every layer on one micro-batch, the sequence's output, and the
+  normalizations' momenta (:class:`Traced`).
 
   Args:
     layers: the :class:`~tpipe.core.layers.Layer` sequence.
@@ -182,18 +200,19 @@ def trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls: Calls) -> t
     ValueError: a repeated layer changes its input's type, or a layer fails on the previous
       layer's output (the message names both layers and the type that did not fit).
   """
-  inputs, h = [], x_micro
+  inputs, momenta, h = [], {}, x_micro
   for i, layer in enumerate(layers):
     inputs.append(h)
     params, stats = param_shapes[f"layers_{i}"], stats_shapes.get(f"layers_{i}", {})
     if layer.copies is not None:
       params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
-    out = abstract_output(layer, params, stats, h, calls,
-                          where=failure_message(layers, i, calls.owner))
+    out, found = _abstract_call(layer, params, stats, h, calls,
+                                where=failure_message(layers, i, calls.owner))
+    momenta.update({(i, path): m for path, m in found.items()})
     check_repeated(layers, i, h, out, calls.owner)
     h = out
   inputs.append(h)
-  return tuple(inputs)
+  return Traced(tuple(inputs), momenta)
 
 
 def check_repeated(layers, i: int, h, out, owner: str) -> None:
@@ -223,19 +242,34 @@ def located(error: Exception, where: str, h) -> Exception:
 def abstract_output(layer, params, stats, h, calls: Calls, where: str = ""):
   """``layer``'s abstract output on one copy's ``params``/``stats`` and input ``h``, called as
   ``calls`` says; ``where`` names the layer in a failure's message."""
+  return _abstract_call(layer, params, stats, h, calls, where)[0]
+
+
+def _abstract_call(layer, params, stats, h, calls: Calls, where: str = ""):
+  """``(abstract output, {path: momentum})``: :func:`abstract_output` and the momenta its
+  trace found (empty for a layer without running statistics)."""
   rngs = {name: jax.random.key(0) for name in calls.rng_names}
-  apply = layers_lib.outside_mesh(layer.apply, calls.axis_names)
+  found = []  # The momenta, static: they leave the abstract trace as a Python value.
+
+  def measuring(params, stats, h, kwargs, rngs):
+    y, contributions, momenta = layer.apply_with_momenta(params, stats, h, kwargs, rngs)
+    found.append(momenta)
+    return y, contributions
+
+  has_stats = layer.apply_with_momenta is not None and bool(jax.tree.leaves(stats))
+  apply = layers_lib.outside_mesh(measuring if has_stats else layer.apply, calls.axis_names)
 
   def run(params, stats, h, broadcast, per_example):
     kwargs = layers_lib.layer_keywords(layer, calls.split, broadcast, per_example)
     return apply(params, stats, h, kwargs, rngs)[0]
 
   try:
-    return jax.eval_shape(run, params, stats, h, *calls.side)
+    out = jax.eval_shape(run, params, stats, h, *calls.side)
   except (TypeError, ValueError) as error:
     if not where:
       raise
     raise located(error, where, h) from error
+  return out, found[0] if found else {}
 
 
 def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs,
@@ -298,10 +332,10 @@ def _unit_program(layers, i: int, param_shapes, stats_shapes, calls: Calls):
   return apply, params, identity
 
 
-def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, layer_inputs,
+def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, traced: Traced,
               calls: Calls) -> Plan:
-  """Chooses the chunks for ``spec`` (see :class:`Plan`); with an explicit balance the costs
-  shown are parameter counts.
+  """Chooses the chunks for ``spec`` (see :class:`Plan`) from what :func:`trace_inputs`
+  found; with an explicit balance the costs shown are parameter counts.
 
   Raises:
     ValueError: fewer units than chunks, or explicit counts that do not sum to the units.
@@ -312,6 +346,7 @@ def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, l
         f"the layers have {num_units} units but num_stages * num_repeats = {spec.num_chunks} "
         "chunks need at least one each; use fewer stages or repeats, or more layers.")
   kind = spec.balance if isinstance(spec.balance, str) else "params"
+  layer_inputs = traced.layer_inputs
   costs = unit_costs(layers, kind, param_shapes, stats_shapes, layer_inputs, calls)
   if isinstance(spec.balance, str):
     counts = partition.balanced_split(costs, spec.num_chunks)
@@ -325,4 +360,4 @@ def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, l
                                         spec.weight_recompute)
   return Plan(unit_names=layers_lib.unit_names(layers), costs=costs, counts=tuple(counts),
               groups=groups, layer_inputs=tuple(layer_inputs), num_stages=spec.num_stages,
-              placement=spec.placement, tick_costs=derived)
+              placement=spec.placement, tick_costs=derived, momenta=traced.momenta)

@@ -48,21 +48,24 @@ def as_layer(module: nn.Module, copies: int | None, owner: str) -> layers_lib.La
     owner: the API the user called, for messages.
   """
   template = module.clone(parent=None)
-  momenta: dict = {}
+
+  def apply_with_momenta(params, stats, h, kwargs, rngs):
+    return _apply_measuring(template, params, stats, h, kwargs, rngs, owner)
 
   def apply(params, stats, h, kwargs, rngs):
-    return _apply_recording(template, params, stats, h, kwargs, rngs, momenta, owner)
+    return apply_with_momenta(params, stats, h, kwargs, rngs)[:2]
 
   return layers_lib.Layer(kind=type(template).__name__, copies=copies, apply=apply,
-                          keywords=keywords_of(template), identity=template, momenta=momenta)
+                          keywords=keywords_of(template), identity=template,
+                          apply_with_momenta=apply_with_momenta)
 
 
-def _apply_recording(template, params, stats, h, kwargs, rngs, momenta: dict, owner: str):
-  """Applies a layer to one micro-batch; returns its output and, shaped like ``stats``, each
+def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
+  """Applies a layer to one micro-batch; returns its output; shaped like ``stats``, each
   training-mode BatchNorm's ``E[x]`` (in the place of ``mean``) and ``E[x^2]`` (of ``var``),
-  zeros elsewhere. Statistics the layer would update are dropped; missing ones (shape and cost
-  passes) are created."""
-  seen = {}
+  zeros elsewhere; and ``{path: momentum}`` of those BatchNorms. Statistics the layer would
+  update are dropped; missing ones (shape and cost passes) are created."""
+  seen, momenta = {}, {}
 
   def interceptor(next_fun, args, call_kwargs, context):
     module = context.module
@@ -95,7 +98,7 @@ def _apply_recording(template, params, stats, h, kwargs, rngs, momenta: dict, ow
     mean, mean_of_squares = seen[keys[:-1]]
     return (mean if keys[-1] == "mean" else mean_of_squares).astype(value.dtype)
 
-  return out, jax.tree_util.tree_map_with_path(contribution, stats)
+  return out, jax.tree_util.tree_map_with_path(contribution, stats), momenta
 
 
 def init_variables(module: nn.Module, copies: int | None, key, h, kwargs, rngs,

@@ -129,9 +129,8 @@ def as_layer(layer: nnx.Module, copies: int | None,
   rng_template = nnx.to_pure_dict(rng_state)
   has_rngs = bool(jax.tree.leaves(rng_template))
   own_momenta = {path: float(norm.momentum) for path, norm in batch_norms(layer).items()}
-  momenta: dict = {}
 
-  def apply(params, stats, h, kwargs, rngs):
+  def apply_with_momenta(params, stats, h, kwargs, rngs):
     rng = {}
     if has_rngs:
       key = rngs.get(RNG_STREAM)
@@ -144,7 +143,7 @@ def as_layer(layer: nnx.Module, copies: int | None,
       norm.momentum = 0.0  # This copy's running averages become the micro-batch's statistics.
       before[path] = norm.mean.get_value()
     y = module(h, **kwargs)
-    contributions = jax.tree.map(jnp.zeros_like, stats)
+    contributions, momenta = jax.tree.map(jnp.zeros_like, stats), {}
     for path, norm in batch_norms(module).items():
       if norm.mean.get_value() is before[path]:
         continue  # Evaluation mode: nothing measured.
@@ -154,7 +153,10 @@ def as_layer(layer: nnx.Module, copies: int | None,
       for key in path:
         node = node[key]
       node["mean"], node["var"] = mean, var + mean * mean
-    return y, contributions
+    return y, contributions, momenta
+
+  def apply(params, stats, h, kwargs, rngs):
+    return apply_with_momenta(params, stats, h, kwargs, rngs)[:2]
 
   layer_class = type(layer)
   identity = graphdef  # Equal graphs compute the same: they share one cost measurement.
@@ -164,7 +166,7 @@ def as_layer(layer: nnx.Module, copies: int | None,
     identity = None
   return (layers_lib.Layer(kind=layer_class.__name__, copies=copies, apply=apply,
                            keywords=_keywords_of_class(layer_class), identity=identity,
-                           momenta=momenta),
+                           apply_with_momenta=apply_with_momenta),
           nnx.to_pure_dict(params), nnx.to_pure_dict(stats))
 
 
