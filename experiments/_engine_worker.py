@@ -36,7 +36,7 @@ def _tpipe_file() -> str:
 
 
 def stack(width: int, batch: int, length: int, stages: int, microbatches: int, runs: int,
-          warmup: int) -> dict:
+          warmup: int, granularity: str | None = None) -> dict:  # One measurement's settings.
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -57,8 +57,10 @@ def stack(width: int, batch: int, length: int, stages: int, microbatches: int, r
       return x + out(h)
 
   mesh = tpipe.make_mesh(stages=stages)
+  # Each tree's default remat granularity, or the one asked for in both.
+  chosen = {} if granularity is None else {"remat_granularity": granularity}
   model = tpipe.pipeline(Block, length=length, num_stages=stages, num_microbatches=microbatches,
-                         schedule="gpipe", remat="full", mesh=mesh)(width=width)
+                         schedule="gpipe", remat="full", mesh=mesh, **chosen)(width=width)
   kx, ky = jax.random.split(jax.random.key(1))
   data = {"x": jax.random.normal(kx, (batch, width)), "y": jax.random.normal(ky, (batch, width))}
   params = {"blocks": model.init(jax.random.key(0), data["x"])["params"]}

@@ -5,6 +5,7 @@ Run from the repository root, with a checkout of the previous engine beside this
   git worktree add /tmp/old_tpipe bbc6337      # the last commit before the one-engine rewrite
   python -m experiments.engine_comparison --baseline /tmp/old_tpipe
   python -m experiments.engine_comparison --baseline /tmp/old_tpipe --smoke   # tiny sizes
+  python -m experiments.engine_comparison --baseline /tmp/old_tpipe --granularity chunk
 
 Two questions, each answered by running the same measurement in both trees in this one run:
 
@@ -65,6 +66,9 @@ def add_arguments(parser) -> None:
   parser.add_argument("--sizes", default=None,
                       help="sizes of configs/transformer_gpipe.py whose peak to compare, "
                       f"comma-separated (default {FULL['sizes']}; {SMOKE['sizes']} with --smoke)")
+  parser.add_argument("--granularity", default=None,
+                      help="the stack's remat_granularity in both trees (default: each tree's "
+                      "own default), so that the engines are compared on the same checkpoints")
 
 
 def describe_tree(path: str) -> str:
@@ -129,12 +133,16 @@ def step_median(r: dict) -> float:
   return statistics.median(r["step_seconds"])
 
 
-def stack_section(rounds: list[dict], sizes: dict, runs: int, warmup: int) -> list[str]:
+def stack_section(rounds: list[dict], sizes: dict, runs: int, warmup: int,
+                  granularity: str | None) -> list[str]:
+  checkpoints = ("each tree's default remat granularity" if granularity is None else
+                 f"remat_granularity={granularity!r} in both trees")
   lines = [
       "## The homogeneous stack: compile and step time", "",
       f"`tpipe.pipeline` of residual MLP blocks, width {sizes['width']} (hidden "
       f"{4 * sizes['width']}), batch {sizes['batch']}, L = {sizes['length']}, S = "
-      f"{sizes['stages']}, M = {sizes['microbatches']}, gpipe, remat full, float32; the full "
+      f"{sizes['stages']}, M = {sizes['microbatches']}, gpipe, remat full ({checkpoints}), "
+      "float32; the full "
       f"train step (forward, backward, SGD). {len(rounds)} rounds; in each, both trees compile "
       f"the step in a fresh process and time {runs} steps after {warmup} untimed ones.", "",
       "| round | first | compile CPU s old | new | compile wall s old | new | step ms old "
@@ -229,14 +237,16 @@ def main():
   trees = {"old": baseline, "new": _common.REPO}
   sizes = SMOKE_STACK if run.smoke else STACK
   stack_rounds = alternate(trees, settings["rounds"], "stack",
-                           dict(sizes, runs=settings["runs"], warmup=settings["warmup"]))
+                           dict(sizes, runs=settings["runs"], warmup=settings["warmup"],
+                                granularity=args.granularity))
   # The compiled program's memory is deterministic: one round per config.
   reports = [alternate(trees, 1, "report", dict(size=size))[0]
              for size in settings["sizes"].split(",")]
   lines = [f"- old: {describe_tree(baseline)}", f"- new: {describe_tree(_common.REPO)}", "",
            "Every measurement is a fresh process importing one tree's `tpipe` "
            "(`experiments/_engine_worker.py`); rounds alternate which tree runs first.", ""]
-  lines += stack_section(stack_rounds, sizes, settings["runs"], settings["warmup"]) + [""]
+  lines += stack_section(stack_rounds, sizes, settings["runs"], settings["warmup"],
+                         args.granularity) + [""]
   lines += report_section(reports)
   run.write("Today's engine against the previous one: compile time, step time, peak memory",
             lines)

@@ -133,25 +133,45 @@ def test_train_step_compiles_ahead_of_time(exp):
   assert "all-reduce" in compiled.as_text() or "all-gather" in compiled.as_text()
 
 
-def test_weight_decay_applies_to_kernels_and_embeddings_only(exp):
-  """The optimizer's decay on staged parameters: per stacked leaf by its name, in the packed
-  buffers by the ranges of the leaves it belongs to (the embedding and the head live there)."""
+def _decay_of_ones(exp):
+  """The decay term of ``experiment.staged_weight_decay(0.5)`` on all-ones parameters, logical."""
   decay = experiment.staged_weight_decay(0.5, exp.layout)
   ones = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), exp.layout.logical)
   staged = exp.layout.to_staged(ones)
   zeros = jax.tree.map(jnp.zeros_like, staged)
   updates, state = jax.jit(decay.update)(zeros, decay.init(staged), staged)
   assert state == optax.EmptyState()
-  decayed = jax.device_get(exp.layout.to_logical(updates))
+  return jax.device_get(exp.layout.to_logical(updates))
+
+
+def _assert_decayed(decayed, matrices):
   for path, leaf in jax.tree_util.tree_leaves_with_path(decayed):
-    name = path[-1].key
-    want = 0.5 if name in ("kernel", "embedding") else 0.0
+    want = 0.5 if path[-1].key in matrices else 0.0
     np.testing.assert_array_equal(leaf, np.full(leaf.shape, want, leaf.dtype),
                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_weight_decay_applies_to_kernels_and_embeddings_only(exp):
+  """The optimizer's decay on staged parameters: per stacked leaf by its name, in the packed
+  buffers by the ranges of the leaves it belongs to (the embedding and the head live there)."""
+  decayed = _decay_of_ones(exp)
+  _assert_decayed(decayed, ("kernel", "embedding"))
   assert decayed["layers_0"]["embed"]["embedding"].all()
   assert decayed["layers_2"]["head"]["kernel"].all()
   assert not decayed["layers_1"]["mlp_norm"]["scale"].any()
   assert not decayed["layers_0"]["pos_embed"].any()
+
+
+def test_weight_decay_applies_to_llama_blocks_projections():
+  """LlamaBlock names its matrices by role (query ... down): they decay; its norms' scales and
+  the q/k/v biases do not."""
+  exp = experiment.build(_config(block="llama", num_stages=2, num_data=1, num_microbatches=2,
+                                 qkv_bias=True, tie_embeddings=False))
+  decayed = _decay_of_ones(exp)
+  block = decayed["layers_1"]
+  assert set(block) >= {"query", "key", "value", "out", "gate", "up", "down", "query_bias"}
+  _assert_decayed(decayed, ("kernel", "embedding", "query", "key", "value", "out", "gate", "up",
+                            "down"))
 
 
 def test_init_state_and_steps(exp):

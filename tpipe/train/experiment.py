@@ -154,14 +154,21 @@ def make_model(config: ml_collections.ConfigDict, mesh):
   return tasks_lib.get_task(config).make_model(config, spec_from_config(config, mesh))
 
 
+# The parameters weight decay applies to, by name: Flax's matrices and embedding tables, and the
+# projection matrices LlamaBlock names after their role (not norms' scales, biases or position
+# tables).
+DECAYED_NAMES = ("kernel", "embedding", "query", "key", "value", "out", "gate", "up", "down")
+
+
 def _decayed(path) -> bool:
-  """Weight decay applies to matrices and embeddings only."""
-  return getattr(path[-1], "key", None) in ("kernel", "embedding")
+  """Weight decay applies to matrices and embeddings only (:data:`DECAYED_NAMES`)."""
+  return getattr(path[-1], "key", None) in DECAYED_NAMES
 
 
 def staged_weight_decay(weight_decay: float,
                         layout: layout_lib.StageLayout) -> optax.GradientTransformation:
-  """``optax.add_decayed_weights`` for staged parameters, decaying kernels and embeddings only.
+  """``optax.add_decayed_weights`` for staged parameters, decaying matrices and embeddings only
+  (:data:`DECAYED_NAMES`).
 
   Per-leaf parameters decay by their names, as optax's mask would; in the packed buffers the
   decayed elements are ranges the layout knows (:meth:`~tpipe.core.layout.StageLayout.packed_mask`),
@@ -194,7 +201,8 @@ def make_optimizer(config: ml_collections.ConfigDict,
                    layout: layout_lib.StageLayout) -> optax.GradientTransformation:
   """AdamW with linear warm-up then cosine decay, after global-norm clipping, on staged params.
 
-  Weight decay applies to matrices and embeddings only (leaves named ``kernel``/``embedding``).
+  Weight decay applies to matrices and embeddings only (leaves named as :data:`DECAYED_NAMES`
+  says: ``kernel``, ``embedding`` and LlamaBlock's projections).
   With ``config.tie_embeddings`` the embedding's and the head's gradients are summed and
   counted once by the clipping (:mod:`tpipe.train.tied`).
   Padding in the staged buffers has zero gradients, so it stays zero and changes no norm.
