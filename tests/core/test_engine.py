@@ -157,3 +157,37 @@ def test_the_plans_cover_every_way_a_backward_runs():
   assert {p[1] for p in PLANS.values()} == {"with input grads", "filed taps",
                                             "recomputed operands", "operands from F",
                                             "rerun backward"}
+
+
+def test_running_statistics_follow_the_calls_keywords_not_the_planned_ones():
+  """A pipeline planned with ``train=False`` (as the trainer plans from its model inputs) and
+  called with ``train=True`` updates the BatchNorm statistics with the call's momentum; called
+  with ``train=False`` it updates nothing."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from tpipe.linen import layers as linen_layers  # pylint: disable=g-import-not-at-top
+
+  class Normed(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+      return nn.BatchNorm(use_running_average=not train, momentum=0.75, name="norm")(x)
+
+  layer = linen_layers.as_layer(Normed(), 2, "Owner")
+  x = jax.random.normal(jax.random.key(0), (8, 3)) * 2 + 1
+  variables = jax.vmap(lambda k: Normed().init(k, x[:4], train=False))(
+      jax.random.split(jax.random.key(1), 2))
+  params, stats = {"layers_0": variables["params"]}, {"layers_0": variables["batch_stats"]}
+  spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=2)
+  pipeline = engine.build([layer], spec, param_shapes=layers_lib.abstract(params),
+                          stats_shapes=layers_lib.abstract(stats), x=x,
+                          kwargs={"train": False}, owner="Owner")
+  staged_params, staged_stats = pipeline.stage(params, stats)
+  mesh = tpipe.make_mesh(stages=2)
+  _, new = jax.jit(lambda p, s, x: pipeline.apply(p, x, {"train": True}, stats=s, mesh=mesh))(
+      staged_params, staged_stats, x)
+  new = pipeline.stats_layout.to_logical(new)["layers_0"]["norm"]
+  # Copy 0 normalises x: the new mean is 0.75 * 0 + 0.25 * mean(x) over the batch.
+  np.testing.assert_allclose(new["mean"][0], 0.25 * np.asarray(x).mean(0), rtol=1e-5)
+  assert np.all(np.asarray(new["var"]) != 1.0)
+  _, none = jax.jit(lambda p, s, x: pipeline.apply(p, x, {"train": False}, stats=s, mesh=mesh))(
+      staged_params, staged_stats, x)
+  assert none is None

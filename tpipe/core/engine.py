@@ -156,7 +156,7 @@ class Pipeline:
     if stats is None:
       return result
     outputs, sums = result
-    momenta = self.plan.momenta
+    momenta = self._momenta(x, split, rngs)
     if not momenta:
       return outputs, None
     count = self.spec.num_microbatches * axes.replicas
@@ -196,6 +196,17 @@ class Pipeline:
     return fused.mean_loss(chunkset, self._staged(params, None), x, split.broadcast,
                            split.per_example, dict(rngs or {}), schedule=table, axes=axes,
                            plan=self.backward_plan)
+
+  def _momenta(self, x, split, rngs) -> dict:
+    """``{(layer index, path): momentum}`` of the normalizations this call runs in training mode
+    (its keywords decide): the layers traced abstractly on one micro-batch like it
+    (:func:`tpipe.core.plan.trace_inputs`)."""
+    batch = layers_lib.batch_size(x, self.owner)
+    x_micro, side = micro_inputs(x, split, batch, self.spec.num_microbatches)
+    calls = plan_lib.Calls(split, side, tuple(rngs), self.owner,
+                           (self.spec.data_axis, self.spec.stage_axis))
+    return plan_lib.trace_inputs(self.layers, self.layout.logical, self.stats_layout.logical,
+                                 x_micro, calls).momenta
 
   def _chunkset(self, split, stats, axes: spmd.Axes) -> chunks_lib.ChunkSet:
     if (stats is None) != (self.stats_layout is None):

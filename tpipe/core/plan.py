@@ -106,8 +106,6 @@ class Plan:
     tick_costs: a fused schedule's per-action costs derived from the units' measured FLOPs
       (:mod:`tpipe.core.tick_costs`), for its compound ticks; None where the spec gives them
       (or ``"plain"``) or the schedule is a forward one.
-    momenta: ``{(layer index, path): momentum}`` of each normalization that runs in training
-      mode (:class:`Traced`); the engine updates the running statistics with them.
   """
 
   unit_names: tuple[str, ...]
@@ -118,7 +116,6 @@ class Plan:
   num_stages: int
   placement: str = "loop"
   tick_costs: tuple[tuple[str, float], ...] | None = None
-  momenta: dict = dataclasses.field(default_factory=dict)
 
   @property
   def num_chunks(self) -> int:
@@ -177,8 +174,9 @@ class Traced(NamedTuple):
   Attributes:
     layer_inputs: the abstract input of every layer, and last the sequence's output.
     momenta: ``{(layer index, path): momentum}`` of every normalization that ran in training
-      mode (:attr:`tpipe.core.layers.Layer.apply_with_momenta`); the engine updates the running
-      statistics with them.
+      mode (:attr:`tpipe.core.layers.Layer.apply_with_momenta`) on the keywords traced; the
+      engine traces each call that updates running statistics for them (a layer's mode
+      follows the call's keywords, e.g. ``train=True``).
   """
 
   layer_inputs: tuple[Any, ...]
@@ -360,4 +358,4 @@ def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, t
                                         spec.weight_recompute)
   return Plan(unit_names=layers_lib.unit_names(layers), costs=costs, counts=tuple(counts),
               groups=groups, layer_inputs=tuple(layer_inputs), num_stages=spec.num_stages,
-              placement=spec.placement, tick_costs=derived, momenta=traced.momenta)
+              placement=spec.placement, tick_costs=derived)
