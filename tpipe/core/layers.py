@@ -16,6 +16,7 @@ Also here, because every front end and schedule shares them:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Hashable
 
 import jax
@@ -115,9 +116,10 @@ def one_copy(tree):
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), tree)
 
 
-def eval_shape(fn: Callable, *args):
-  """``jax.eval_shape(fn, *args)`` with only the array leaves of ``args`` traced: Python values
-  (a ``train=True`` flag, a string) reach ``fn`` as they are, as they do in a real call."""
+def _arrays_traced(transform: Callable, fn: Callable, args):
+  """``transform(call)(*arrays)``: ``fn(*args)`` with only the array leaves of ``args`` passed
+  through ``transform``; Python values (a ``train=True`` flag, a string) reach ``fn`` as they
+  are, as they do in a real call."""
   leaves, treedef = jax.tree.flatten(args)
   traced = [isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for leaf in leaves]
 
@@ -126,7 +128,19 @@ def eval_shape(fn: Callable, *args):
     full = [next(it) if is_traced else leaf for leaf, is_traced in zip(leaves, traced)]
     return fn(*jax.tree.unflatten(treedef, full))
 
-  return jax.eval_shape(call, *[leaf for leaf, t in zip(leaves, traced) if t])
+  return transform(call)(*[leaf for leaf, t in zip(leaves, traced) if t])
+
+
+def eval_shape(fn: Callable, *args):
+  """``jax.eval_shape(fn, *args)`` with only the array leaves of ``args`` traced."""
+  return _arrays_traced(lambda call: functools.partial(jax.eval_shape, call), fn, args)
+
+
+def compiled_call(fn: Callable, *args):
+  """``fn(*args)`` as one compiled program (``jax.jit``), only the array leaves of ``args``
+  traced: where a front end runs layers on concrete arrays (initialisation), one compilation
+  instead of one per operation."""
+  return _arrays_traced(jax.jit, fn, args)
 
 
 def outside_mesh(fn, axis_names: tuple[str, ...]):

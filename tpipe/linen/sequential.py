@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -316,9 +317,16 @@ class LinenLayers:
         training step of BatchNorm layers.
     """
     model = self.model(x, kwargs, tuple(rngs))
-    result = adapter.call(model, variables, x, kwargs, loss=loss, rngs=rngs,
-                          mesh=self.spec.run_mesh(self.owner))
-    if result.new_stats is None or module.is_initializing():  # Like Flax: init does not update.
+    call = functools.partial(adapter.call, model, loss=loss, mesh=self.spec.run_mesh(self.owner))
+    if module.is_initializing():  # Like Flax: init does not update the statistics.
+      # Fresh logical variables: the forward as one compiled program (eagerly, every operation
+      # would compile on its own).
+      return layers_lib.compiled_call(
+          lambda params, stats, x, kwargs, rngs: call(
+              adapter.Variables(params, stats), x, kwargs, rngs=rngs).value,
+          variables.params, variables.stats, x, kwargs, rngs)
+    result = call(variables, x, kwargs, rngs=rngs)
+    if result.new_stats is None:
       return result.value
     if not module.is_mutable_collection(STATS):
       raise ValueError(f"{self.owner}: BatchNorm layers run in training mode update '{STATS}'; "
@@ -346,26 +354,33 @@ class LinenLayers:
     layers = core_layers(self.given, owner)
 
     def apply_all(i, variables, h, kw):
-      """Applies ``layers[i]`` (every copy of a repeated one, in order) to ``h``."""
+      """Applies ``layers[i]`` (every copy of a repeated one, in order) to ``h``, as one
+      compiled program."""
       layer = layers[i]
-      params, stats = variables.get("params", {}), variables.get(STATS, {})
       apply = layers_lib.outside_mesh(layer.apply, axis_names)
-      if layer.copies is None:
-        return apply(params, stats, h, kw, other)[0]
-      for j in range(layer.copies):
-        one = lambda tree, j=j: jax.tree.map(lambda a: a[j], tree)
-        out = apply(one(params), one(stats), h, kw, other)[0]
+
+      def run(params, stats, h, kw):
+        if layer.copies is None:
+          return apply(params, stats, h, kw, other)[0]
+        one = lambda tree, j: jax.tree.map(lambda a: a[j], tree)
+        out = apply(one(params, 0), one(stats, 0), h, kw, other)[0]
         plan_lib.check_repeated(layers, i, h, out, owner)
-        h = out
-      return h
+        rest = jax.tree.map(lambda a: a[1:], (params, stats))
+        step = lambda h, copy: (apply(*copy, h, kw, other)[0], None)
+        return jax.lax.scan(step, out, rest)[0]
+
+      return layers_lib.compiled_call(run, variables.get("params", {}),
+                                      variables.get(STATS, {}), h, kw)
 
     out = []
     for i, (layer_given, layer) in enumerate(zip(self.given, layers)):
       kw = layers_lib.layer_keywords(layer, split, *side)
       try:
-        variables = linen_layers.init_variables(_module_of(layer_given), _copies(layer_given),
-                                                jax.random.fold_in(key, i), h, kw, other,
-                                                axis_names, spec.stage_axis)
+        init = functools.partial(linen_layers.init_variables, _module_of(layer_given),
+                                 _copies(layer_given))
+        variables = layers_lib.compiled_call(
+            lambda key, h, kw: init(key, h, kw, other, axis_names, spec.stage_axis),
+            jax.random.fold_in(key, i), h, kw)
       except (TypeError, ValueError) as error:
         where = plan_lib.failure_message(layers, i, owner)
         raise plan_lib.located(error, where, h) from error
