@@ -248,8 +248,10 @@ def _random_params(name):
 @pytest.mark.parametrize("name,schedule,data", [("mlp", "gpipe", 1), ("mlp", "circular", 2),
                                                 ("lm", "gpipe", 2), ("lm", "circular", 1)])
 def test_staged_params_give_the_same_outputs_and_gradients(name, schedule, data):
-  """The staged path runs the program the logical path runs after packing its params, so outputs
-  and gradients (converted back with to_logical) are equal bit for bit."""
+  """The staged path runs the program the logical path runs after packing its params, so the
+  loss and outputs are equal bit for bit, and the gradients (converted back with to_logical) as
+  close to the float64 logical run's as the logical path's are (the two programs differ by the
+  packing around the pipeline, which XLA may fuse into a reduction and sum in another order)."""
   layers, x, kwargs, per_example, float_input = _model(name)
   params = _random_params(name)
   repeats = 2 if schedule == "circular" else 1
@@ -271,7 +273,8 @@ def test_staged_params_give_the_same_outputs_and_gradients(name, schedule, data)
   np.testing.assert_array_equal(staged_loss, loss)
   jax.tree.map(np.testing.assert_array_equal, staged_y, y)
   assert jax.tree.structure(staged_grads) == jax.tree.structure(grads)
-  jax.tree.map(np.testing.assert_array_equal, staged_grads, grads)
+  _, grads64 = numerics.float64_reference(logical, params, x, kwargs)
+  numerics.assert_as_close_as_plain(staged_grads, grads, grads64, what="staged gradients")
 
 
 @pytest.mark.parametrize("name", MODELS)
