@@ -101,6 +101,7 @@ def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
   return out, jax.tree_util.tree_map_with_path(contribution, stats), momenta
 
 
+# The module, its key and inputs, and the axes to name.
 def init_variables(module: nn.Module, copies: int | None, key, h, kwargs, rngs,
                    axis_names: tuple[str, ...], copy_axis: str) -> dict:
   """A layer's initial variables, its partitioning boxes kept: each copy of a repeated layer

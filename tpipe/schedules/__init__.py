@@ -148,7 +148,7 @@ def _check_name(name) -> None:
 
 def build(name: str, num_stages: int, num_microbatches: int,
           num_repeats: int = 1, delays=None, costs=None, search: int = 0, refine=None
-          ) -> Schedule | FusedSchedule:
+          ) -> Schedule | FusedSchedule:  # The table's identity: every argument keys the cache.
   """The table of schedule ``name``, cached: the one factory every caller uses.
 
   Args:
@@ -241,6 +241,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
   return build(name, num_stages, num_microbatches, num_repeats, delays)
 
 
+# Public: one argument per table setting.
 def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
                         num_repeats: int | None = None, delays=None,
                         costs=None, search: int = 0, refine=None) -> FusedSchedule:

@@ -132,6 +132,7 @@ def check_costs(costs, split: bool | None = None) -> dict[str, float]:
   return out
 
 
+# Keyword-only: the search's settings, one each.
 def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
          costs: Mapping[str, float], *, in_flight: int | None = None,
          weight_backlog: int = 1, deeper_first: bool = True, backward_first: bool = True,

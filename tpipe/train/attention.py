@@ -234,6 +234,7 @@ def _grouped_backward(sqrt_depth, saved, cotangent):
 grouped_attention.defvjp(_grouped_forward, _grouped_backward)
 
 
+# Flax's attention_fn signature, which Flax calls.
 def dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                           mask: jax.Array | None = None, *, dropout_rng=None,
                           dropout_rate: float = 0.0, broadcast_dropout: bool = True,

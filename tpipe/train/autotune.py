@@ -333,6 +333,7 @@ def plan_text(num_candidates: int, num_invalid: int, expected: int,
           "candidates do not fit). Ctrl-C stops it and prints the best so far.")
 
 
+# Keyword-only: the search space, one setting each.
 def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
              stages: Sequence[int] | None = None, microbatches: Sequence[int] | None = None,
              remats: Sequence[str] = REMAT_ORDER,

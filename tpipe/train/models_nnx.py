@@ -35,6 +35,7 @@ class TransformerBlock(nnx.Module):
   (``causal=True``): attention and an MLP, each residual; the residual stream keeps ``x``'s
   dtype."""
 
+  # The block's settings, keyword-only past the shapes.
   def __init__(self, width: int, num_heads: int, mlp_dim: int, *, dropout_rate: float = 0.0,
                deterministic: bool = True, dtype: Any = jnp.float32,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
@@ -72,6 +73,7 @@ class TokenEmbedding(nnx.Module):
   """Token ids to vectors plus learned positions, then dropout (as the linen ``TokenEmbedding``;
   the position table is initialised from ``normal(0.02)`` like it)."""
 
+  # The ends' settings, keyword-only past the shapes.
   def __init__(self, vocab_size: int, width: int, max_len: int, *, dropout_rate: float = 0.0,
                deterministic: bool = True, dtype: Any = jnp.float32,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
@@ -117,6 +119,7 @@ class LMHead(nnx.Module):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(axis=-1)
 
 
+# Keyword-only: one per model setting (the config's fields).
 def decoder_lm(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_len: int,
                vocab_size: int = models.VOCAB_SIZE, dropout_rate: float = 0.0,
                dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
