@@ -153,17 +153,6 @@ ROWS = [
 ]
 SMOKE_ROWS = [ROWS[12]]
 
-# Roles of tpipe.tools.peak, grouped into the breakdown's columns.
-PARTS = {
-    "state": ("parameters", "optimizer state"),
-    "gradient sums": ("gradient accumulators",),
-    "weight casts": ("weight casts", "parameter copies"),
-    "stash": ("stash", "mailbox", "boundary buffers"),
-    "working set": ("logits and loss", "remat working set", "backward working set",
-                    "forward working set"),
-    "unexplained": ("other", "batch and other inputs"),
-}
-
 
 def config_for(row: Row):
   from configs import lm  # pylint: disable=g-import-not-at-top
@@ -186,23 +175,6 @@ def compile_row(row: Row):
                               tpipe.topology_devices(MODELS[row.model].topology))
 
 
-def floor_parts(config, params: int, working_set: int) -> dict[str, int]:
-  """The floor's parts in bytes per device (see the module documentation)."""
-  devices = config.num_stages * config.mesh.fsdp * config.mesh.tensor * config.num_data
-  rows = config.batch_size // config.num_microbatches // (config.num_data * config.mesh.fsdp)
-  layer_input = rows * config.seq_len * config.width * 2  # bfloat16.
-  m, s = config.num_microbatches, config.num_stages
-  if config.schedule in ("gpipe", "circular"):
-    pieces = 1  # "chunk" and "nested": one input per chunk a micro-batch is in.
-    if str(config.remat_granularity) not in ("chunk", "nested"):
-      pieces = max(int(n) for n in str(config.balance).split(","))
-    stash = m * config.num_repeats * pieces
-  else:
-    stash = min(s, m) * config.num_repeats
-  return {"state and gradients": 16 * params // devices, "stash": stash * layer_input,
-          "working set": working_set}
-
-
 def main():
   run = _common.start("memory_at_scale", __doc__, smoke="the shape-a default row",
                       arguments=lambda parser: parser.add_argument(
@@ -214,9 +186,9 @@ def main():
     rows = [ROWS[int(i)] for i in run.args.rows.split(",")]
   table = ["| model | stage x fsdp x tensor x data | row | peak GiB | MaxText GiB | state GiB | "
            "temporaries GiB | compile s |", "|---|---|---|---:|---|---:|---:|---:|"]
-  parts = ["| model | row | " + " | ".join(PARTS) + " | live at peak | fragmentation | "
-           "beyond the buffer assignment | floor | peak / floor |",
-           "|---|---|" + "---:|" * (len(PARTS) + 5)]
+  parts = ["| model | row | " + " | ".join(scale_3d.PARTS) + " | live at peak | fragmentation "
+           "| beyond the buffer assignment | floor | peak / floor |",
+           "|---|---|" + "---:|" * (len(scale_3d.PARTS) + 5)]
   for row in rows:
     exp, memory, breakdown, seconds = compile_row(row)
     peak_bytes = _common.peak_bytes(memory)
@@ -224,9 +196,8 @@ def main():
     table.append(f"| {row.model} | {layout} | {row.label} | **{gib(peak_bytes)}** | "
                  f"{row.maxtext} | {gib(memory.argument_size_in_bytes)} | "
                  f"{gib(memory.temp_size_in_bytes)} | {seconds:.0f} |")
-    roles = breakdown.by_role()
-    sums = {name: sum(roles.get(r, 0) for r in members) for name, members in PARTS.items()}
-    floor = sum(floor_parts(exp.config, exp.num_params(), sums["working set"]).values())
+    sums = scale_3d.part_sums(breakdown)
+    floor = sum(scale_3d.floor_parts(exp.config, exp.num_params(), sums["working set"]).values())
     allocated = breakdown.allocated_temporaries or 0
     parts.append(
         f"| {row.model} {layout} | {row.label} | " + " | ".join(gib(n) for n in sums.values())

@@ -124,16 +124,29 @@ def compile_row(config, devices):
   return exp, compiled.memory_analysis(), breakdown, time.perf_counter() - start
 
 
-def floor_parts(config, params: int, working_set: int) -> dict[str, float]:
-  """The floor's parts in bytes per device (see the module documentation)."""
+def part_sums(breakdown) -> dict[str, int]:
+  """The breakdown's live bytes at the peak summed into :data:`PARTS`' columns."""
+  roles = breakdown.by_role()
+  return {name: sum(roles.get(r, 0) for r in members) for name, members in PARTS.items()}
+
+
+def floor_parts(config, params: int, working_set: int) -> dict[str, int]:
+  """The floor's parts in bytes per device (see the module documentation): the state and
+  gradients; the stash (a forward schedule keeps one input per micro-batch, repeat and remat
+  piece of the fullest stage, a single piece at granularity "chunk" or "nested"; a fused one, one
+  per micro-batch in flight, min(S, M), per repeat); the working set measured at the peak."""
   devices = config.num_stages * config.mesh.fsdp * config.mesh.tensor * config.num_data
   rows = config.batch_size // config.num_microbatches // (config.num_data * config.mesh.fsdp)
   layer_input = rows * config.seq_len * config.width * 2  # bfloat16.
-  if config.schedule == "gpipe":  # Every layer input of the fullest stage, every micro-batch.
-    stash = config.num_microbatches * max(int(n) for n in config.balance.split(","))
-  else:  # A fused schedule: each in-flight micro-batch's chunk input.
-    stash = min(config.num_stages, config.num_microbatches)
-  return {"state and gradients": 16 * params / devices, "stash": stash * layer_input,
+  m, s = config.num_microbatches, config.num_stages
+  if config.schedule in ("gpipe", "circular"):
+    pieces = 1  # "chunk" and "nested": one input per chunk a micro-batch is in.
+    if str(config.remat_granularity) not in ("chunk", "nested"):
+      pieces = max(int(n) for n in str(config.balance).split(","))
+    stash = m * config.num_repeats * pieces
+  else:
+    stash = min(s, m) * config.num_repeats
+  return {"state and gradients": 16 * params // devices, "stash": stash * layer_input,
           "working set": working_set}
 
 
@@ -169,8 +182,7 @@ def main():
         f"{params / 1e9:.2f} B | {gib(share)} | {gib(memory.argument_size_in_bytes)} | "
         f"{gib(memory.temp_size_in_bytes)} | **{gib(peak_bytes)}** | "
         f"{seconds:.0f} |")
-    roles = breakdown.by_role()
-    sums = {name: sum(roles.get(r, 0) for r in members) for name, members in PARTS.items()}
+    sums = part_sums(breakdown)
     floor = floor_parts(config, params, sums["working set"])
     parts.append(
         f"| {model} | {stages} x {fsdp} x {tensor} | {schedule} | "

@@ -3,6 +3,7 @@
 loss and gradients are the plain layers', on the tiny core-layer pipeline
 (:mod:`tests.helpers.core_layers`)."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ from tests.helpers import core_layers as cl
 from tpipe import schedules
 from tpipe.core import engine
 from tpipe.core import layers as layers_lib
+from tpipe.linen import layers as linen_layers
 
 SPEC = tpipe.PipelineSpec(num_stages=2, num_microbatches=2, per_example=("targets",))
 
@@ -163,9 +165,6 @@ def test_running_statistics_follow_the_calls_keywords_not_the_planned_ones():
   """A pipeline planned with ``train=False`` (as the trainer plans from its model inputs) and
   called with ``train=True`` updates the BatchNorm statistics with the call's momentum; called
   with ``train=False`` it updates nothing."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from tpipe.linen import layers as linen_layers  # pylint: disable=g-import-not-at-top
-
   class Normed(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool):
