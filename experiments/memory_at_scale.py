@@ -106,17 +106,6 @@ def _layout(stages, fsdp, tensor, data=1):
   return (stages, fsdp, tensor, data)
 
 
-def _balance(layers: int, chunks: int) -> str:
-  """The blocks evenly over the model chunks (any remainder to the middle ones), the embedding
-  in the first chunk and the head in the last (one unit each)."""
-  blocks = [layers // chunks] * chunks
-  for s in range(layers % chunks):
-    blocks[1 + s % max(1, chunks - 2)] += 1
-  blocks[0] += 1
-  blocks[-1] += 1
-  return ",".join(map(str, blocks))
-
-
 G, F = "gpipe", "1f1b"
 ROWS = [
     Row("default (gpipe)", "llama3-8b", _layout(4, 8, 2), dict(schedule=G, num_microbatches=16),
@@ -162,7 +151,7 @@ def config_for(row: Row):
   c = lm.get_config("size=base")
   chunks = stages * row.fields.get("num_repeats", 1)
   c.update(dict(model.fields, dropout=0.0, dtype="bfloat16", remat="full", num_stages=stages,
-                num_data=data, balance=_balance(model.fields["num_layers"], chunks)))
+                num_data=data, balance=scale_3d.balance(model.fields["num_layers"], chunks)))
   c.update(row.fields)
   c.mesh.update(dict(fsdp=fsdp, tensor=tensor))
   return c
