@@ -118,3 +118,32 @@ def test_backward_by_units_equals_vjp_of_the_plain_chunk(granularity, keeps, chu
     assert not np.any(g_fresh[0])
   np.testing.assert_allclose(g_side[0], want_targets, rtol=2e-5, atol=1e-6)
   assert np.any(g_side[0]) == last
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_an_end_finishes_its_gradient_before_the_units_before_it(chunk):
+  """A unit of its own (the projection, the loss) ties its input's gradient to its parameter
+  gradient with one optimization barrier, so the compiler cannot keep its whole gradient live
+  through the backward of the units before it; a run's units (the blocks) have none."""
+  pipeline = _pipeline("nested")
+  plan = backward_plan.resolve(pipeline.spec)
+  split = arguments.split_keywords({"targets": cl.inputs()[1]}, per_example=("targets",),
+                                   batch_size=cl.BATCH, owner="test")
+  chunkset = chunks_lib.ChunkSet(pipeline.layers, pipeline.plan, pipeline.layout, None,
+                                 pipeline.spec, split)
+  staged = {chunks_lib.PARAMS: pipeline.layout.to_staged(cl.params())}
+  view = chunks_lib.device_view(_stage_part(staged, pipeline.layout.position(chunk)[1]))
+  run = unit_backward.backward_into(chunkset, chunkset.branch_of_chunk[chunk], plan)
+  x, targets = cl.inputs()
+
+  def go(view, fresh, incoming, targets):
+    sums = [jnp.zeros_like(a) for a in chunks_lib.float_leaves(view)]
+    args = unit_backward.ChunkArgs(fresh=fresh, incoming=incoming, broadcast=(),
+                                   per_example=(targets,), rngs={}, microbatch=0)
+    return run(sums, view, args, chunk, lambda r: (chunks_lib.float_leaves(r[0]), r[1]),
+               lambda out: ([jnp.ones_like(a) for a in out[0]], jnp.ones(ROWS)))
+
+  program = str(jax.make_jaxpr(go)(view, x[:ROWS], jnp.zeros((ROWS, cl.WIDTH)), targets[:ROWS]))
+  ends = [seg for seg in pipeline.layout.segments[chunk] if seg.copies is None]
+  assert len(ends) == 1 and len(pipeline.layout.segments[chunk]) == 2
+  assert program.count("optimization_barrier") == len(ends)

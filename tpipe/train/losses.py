@@ -131,7 +131,11 @@ def chunked_cross_entropy(x: jax.Array, kernel: jax.Array, bias: jax.Array | Non
     logits = logits.astype(logits_dtype)
     new_top = jnp.maximum(top, lax.stop_gradient(logits.max(axis=-1)))
     total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[..., None]).sum(axis=-1)
-    hit = jnp.take_along_axis(logits, column[..., None], axis=-1)[..., 0]
+    # The target's logit picked by a mask, not a gather: the mask's transpose is a select
+    # fused into the slice's other elementwise work, a gather's a scatter-add into a zeroed
+    # float32 copy of the slice's logits (llama3-8b on v5p, 1F1B: 0.55 GiB more at the peak).
+    columns = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = jnp.where(columns == column[..., None], logits, 0).sum(axis=-1)
     return (new_top, total, picked + jnp.where(slice_of == j, hit, 0)), None
 
   # Zeros made from x so the carry varies over the same mesh axes as x inside shard_map.
