@@ -193,15 +193,16 @@ class _Units:
         lambda floats: _floats(read(_with_floats(self.staged, floats), self.chunk, copy)),
         self.staged_floats)
     (d_staged,) = read_vjp(d_unit)
+    add = lambda total, g: [t + d for t, d in zip(total, g)]
+    sums = add(sums, d_staged)
     if self.steps[k][0] is None:
-      # A unit of its own (an end: an embedding, a head) finishes its gradient, the FSDP
+      # A unit of its own (an end: an embedding, a head) has its gradient summed, the FSDP
       # reduce-scatter included, before the units before it run: left free, the compiler
       # delays the scatter to overlap it with them, and the end's whole gradient (vocabulary
       # x width, float32) stays live through the chunk's backward. A run's units keep the
       # overlap: their gradients are a layer's.
-      d_h, d_staged = lax.optimization_barrier((d_h, d_staged))
-    add = lambda total, g: [t + d for t, d in zip(total, g)]
-    return d_h, add(sums, d_staged), add(g_side, d_side)
+      d_h, sums = lax.optimization_barrier((d_h, sums))
+    return d_h, sums, add(g_side, d_side)
 
   def backward(self, g_h, sums: list, records: list):
     """The units backwards from the chunk output's gradient ``g_h``: ``(g_h, sums, g_side)``,
