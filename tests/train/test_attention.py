@@ -91,8 +91,17 @@ def _flax_attend(query, key, value, mask):
   return jnp.einsum("...hqk,...khd->...qhd", _flax_masked_softmax(scores, mask), value)
 
 
+@pytest.mark.parametrize("query_block", [512, 2])
 @jax.enable_x64(True)
-def test_attend_equals_flax_and_its_gradients_in_float64():
+def test_attend_equals_flax_and_its_gradients_in_float64(query_block, monkeypatch):
+  """Outputs bit for bit Flax's; gradients Flax's to float64 rounding, the backward whole or one
+  block of queries at a time (``query_block=2``: three blocks of six queries, each block's
+  scores alone formed)."""
+  monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
+  blocks_seen = []
+  block_backward = attention._attend_block_backward  # pylint: disable=protected-access
+  monkeypatch.setattr(attention, "_attend_block_backward",
+                      lambda q, *a: blocks_seen.append(q.shape[-3]) or block_backward(q, *a))
   keys = jax.random.split(jax.random.key(7), 5)
   query, key, value = (jax.random.normal(k, (2, 6, 3, 4), jnp.float64) for k in keys[:3])
   cotangent = jax.random.normal(keys[3], (2, 6, 3, 4), jnp.float64)
@@ -105,6 +114,7 @@ def test_attend_equals_flax_and_its_gradients_in_float64():
     want = jax.grad(loss(_flax_attend), argnums=(0, 1, 2))(query, key, value)
     for a, b in zip(got, want):
       np.testing.assert_allclose(a, b, atol=1e-13)
+  assert set(blocks_seen) == ({2} if query_block == 2 else {6}), blocks_seen
 
 
 def test_attend_keeps_no_score_sized_array():

@@ -5,7 +5,8 @@ the mask broadcast to every head, the masked scores, their exponentials and the 
 four ``[batch, heads, seq, seq]`` arrays per layer, the largest residuals of a Transformer
 block. :func:`attend` keeps none: it keeps ``q``, ``k``, ``v`` and, per row, the scores'
 maximum and the sum of their exponentials, and its backward forms the probabilities again from
-``q k^T`` (the recomputation a flash attention's backward makes, one more matmul of that size):
+``q k^T`` (the recomputation a flash attention's backward makes, one more matmul of that size),
+one block of queries at a time over a long sequence:
 
   d v = p^T d o,   d p = d o v^T,   d s = p * (d p - sum(d p * p, axis=-1)),
   d q = d s k,     d k = d s^T q    (d s zero where the mask is False).
@@ -30,6 +31,8 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from tpipe.core import spmd
 
 
 def _masked(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -85,7 +88,9 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array |
 
   The backward keeps no score-sized array: it keeps the inputs and each row's maximum and sum
   of exponentials, and forms the probabilities again from ``q k^T`` (one more matmul of the
-  two, the cost of a flash attention's backward) instead of keeping them.
+  two, the cost of a flash attention's backward) instead of keeping them. Over a sequence
+  longer than :data:`QUERY_BLOCK` (a multiple of it) it runs one block of queries at a time,
+  so it forms no array larger than one block's scores; the forward is Flax's, whole.
   """
   return _attended(jax.nn.softmax(_scores(query, key, mask, precision), axis=-1), value,
                    precision)
@@ -101,8 +106,9 @@ def _attend_forward(query, key, value, mask, precision):
   return out, (query, key, value, mask, peak, total)
 
 
-def _attend_backward(precision, saved, cotangent):
-  query, key, value, mask, peak, total = saved
+def _attend_block_backward(query, key, value, mask, peak, total, cotangent, precision):
+  """``(d_query, d_key, d_value)`` of the queries ``query`` (all or one block of them)."""
+  # Eight parameters: one block's saved values, its cotangent, and the precision.
   scores = _scores(query, key, mask, precision).astype(peak.dtype)
   p = jnp.exp(scores - peak) / total  # A row masked everywhere: uniform, as in the forward.
   d_value = jnp.einsum("...hqk,...qhd->...khd", p.astype(value.dtype), cotangent,
@@ -115,14 +121,35 @@ def _attend_backward(precision, saved, cotangent):
   d_scores = d_scores.astype(query.dtype)
   d_query = _attended(d_scores, key, precision)
   d_key = jnp.einsum("...hqk,...qhd->...khd", d_scores, query, precision=precision)
-  return d_query, d_key, d_value, None
+  return d_query, d_key, d_value
+
+
+def _attend_backward(precision, saved, cotangent):
+  query, key, value, mask, peak, total = saved
+  q_axis = query.ndim - 3  # query [..., q, heads, depth]; peak [..., heads, q, 1].
+  count, per_block = _query_blocks(query, mask, q_axis)
+  if count == 1:
+    return _attend_block_backward(query, key, value, mask, peak, total, cotangent,
+                                  precision) + (None,)
+  # Over a long sequence one block of queries at a time, as grouped_attention's backward: the
+  # largest arrays are one block's scores, not the whole [..., heads, q, k].
+  masks = _blocked(mask, count, mask.ndim - 2) if per_block else None
+  block = lambda q, m, block_peak, block_total, g: _attend_block_backward(
+      q, key, value, mask if m is None else m, block_peak, block_total, g, precision)
+  d_query, d_key, d_value = _summed_over_blocks(
+      block, (_blocked(query, count, q_axis), masks, _blocked(peak, count, peak.ndim - 2),
+              _blocked(total, count, total.ndim - 2), _blocked(cotangent, count, q_axis)),
+      key, value)
+  return _unblocked(d_query, q_axis), d_key, d_value, None
 
 
 attend.defvjp(_attend_forward, _attend_backward)
 
 
-# Queries per block of grouped_attention over a long sequence: its largest arrays are one block's
-# float32 scores, [batch, kv heads, groups, QUERY_BLOCK, keys].
+# Queries per block over a long sequence, in both passes of grouped_attention and in attend's
+# backward: their largest arrays are then one block's scores, [..., heads, QUERY_BLOCK, keys]
+# (attend at sequence 4096, 8 heads of 256, one row, on a TPU v5p chip: the gradient's
+# temporaries 1920 MiB whole, 256 MiB in blocks; at 2048, 16 heads of 128: 264 and 129).
 QUERY_BLOCK = 512
 
 
@@ -143,9 +170,10 @@ def grouped_attention(query: jax.Array, key: jax.Array, value: jax.Array,
   return _grouped_forward(query, key, value, mask, sqrt_depth)[0]
 
 
-def _query_blocks(query, mask):
-  """How many query blocks, and the mask's rows per block (None where it broadcasts them)."""
-  s = query.shape[1]
+def _query_blocks(query, mask, axis: int = 1):
+  """How many blocks of the queries (along ``query``'s ``axis``), and whether the mask has
+  rows per block (else it broadcasts them)."""
+  s = query.shape[axis]
   count = s // QUERY_BLOCK if s > QUERY_BLOCK and s % QUERY_BLOCK == 0 else 1
   per_block = mask is not None and mask.shape[-2] == s
   return count, per_block
@@ -215,20 +243,30 @@ def _grouped_backward(sqrt_depth, saved, cotangent):
                                                       cotangent, sqrt_depth)
     return d_query, d_key, d_value, None
   masks = _blocked(mask, count, mask.ndim - 2) if per_block else None
+  block = lambda q, m, block_peak, block_total, g: _grouped_block_backward(
+      q, key, value, mask if m is None else m, block_peak, block_total, g, sqrt_depth)
+  d_query, d_key, d_value = _summed_over_blocks(
+      block, (_blocked(query, count, 1), masks, _blocked(peak, count, 3),
+              _blocked(total, count, 3), _blocked(cotangent, count, 1)), key, value)
+  return _unblocked(d_query, 1), d_key, d_value, None
+
+
+def _summed_over_blocks(block, blocks, key, value):
+  """A blocked backward: ``block(*xs)`` gives one query block's ``(d_query, d_key, d_value)``
+  for each ``xs`` of ``blocks`` (arrays with the blocks first, or None); the blocks'
+  ``d_query`` stacked, their ``d_key`` and ``d_value`` summed in at least float32 as the loop
+  goes (a key-sized running sum, not one per block)."""
   accumulate = jnp.promote_types(key.dtype, jnp.float32)
 
-  def block(xs):
-    q, m, block_peak, block_total, g = xs
-    d_q, d_k, d_v = _grouped_block_backward(q, key, value, mask if m is None else m,
-                                            block_peak, block_total, g, sqrt_depth)
-    return d_q, d_k.astype(accumulate), d_v.astype(accumulate)
+  def step(sums, xs):
+    d_q, d_k, d_v = block(*xs)
+    return (sums[0] + d_k.astype(accumulate), sums[1] + d_v.astype(accumulate)), d_q
 
-  # Each block's key and value gradients, summed after the loop (key-sized, not score-sized).
-  d_query, d_key, d_value = jax.lax.map(
-      block, (_blocked(query, count, 1), masks, _blocked(peak, count, 3),
-              _blocked(total, count, 3), _blocked(cotangent, count, 1)))
-  return (_unblocked(d_query, 1), d_key.sum(0).astype(key.dtype),
-          d_value.sum(0).astype(value.dtype), None)
+  # Inside shard_map the sums vary over every manual axis the inputs do, as the gradients may.
+  axes = frozenset().union(*map(spmd.varying_axes, jax.tree.leaves((blocks, key, value))))
+  zeros = tuple(spmd.cast_to(jnp.zeros(a.shape, accumulate), axes) for a in (key, value))
+  (d_key, d_value), d_query = jax.lax.scan(step, zeros, blocks)
+  return d_query, d_key.astype(key.dtype), d_value.astype(value.dtype)
 
 
 grouped_attention.defvjp(_grouped_forward, _grouped_backward)
