@@ -112,8 +112,8 @@ def chunked_cross_entropy(x: jax.Array, kernel: jax.Array, bias: jax.Array | Non
   logits_dtype = jnp.promote_types(dtype, jnp.float32)
   block, part = vocab // shards, vocab // (shards * n)  # A shard's block; a slice's part of it.
   x = x.astype(dtype)
-  # [width, shards, n, part]: slice j is [:, :, j] (a shard's block stays on its device).
-  kernel = kernel.reshape(kernel.shape[0], shards, n, part)
+  # [shards, n, part, width]: slice j is [:, j] (a shard's block stays on its device).
+  kernel = kernel.T.reshape(shards, n, part, kernel.shape[0])
   bias = None if bias is None else bias.reshape(shards, n, part)
   shard_of, within = targets // block, targets % block
   slice_of, column = within // part, shard_of * part + within % part
@@ -123,8 +123,8 @@ def chunked_cross_entropy(x: jax.Array, kernel: jax.Array, bias: jax.Array | Non
   @jax.checkpoint  # The backward pass recomputes one slice's logits at a time.
   def one_slice(carry, j):
     top, total, picked = carry
-    k = lax.dynamic_index_in_dim(kernel, j, axis=2, keepdims=False).astype(dtype)
-    logits = x @ k.reshape(k.shape[0], shards * part)
+    k = lax.dynamic_index_in_dim(kernel, j, axis=1, keepdims=False).astype(dtype)
+    logits = jnp.einsum("...w,vw->...v", x, k.reshape(shards * part, k.shape[-1]))
     if bias is not None:
       logits = logits + lax.dynamic_index_in_dim(bias, j, axis=1, keepdims=False).reshape(
           -1).astype(dtype)
