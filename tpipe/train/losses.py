@@ -32,10 +32,10 @@ from jax import lax
 
 # The vocabulary is sliced when a micro-batch's whole float32 logits on a device would exceed
 # WHOLE_LOGITS_LIMIT, into slices of at most SLICE_LOGITS_LIMIT each. Measured with the TPU
-# compiler (experiments/results/memory_at_scale.md): at 250 MiB of logits (vocabulary 32000)
-# slicing costs memory (the head's gradient is summed across slices); at 1 GiB (vocabulary
-# 128256 over 2 tensor devices) 4 slices save 0.9 GiB and 8 save the same; at 2 GiB 4 and 8
-# save 1.4 GiB.
+# compiler (experiments/results/memory_at_scale.md, tpu_memory_vocab.md): at 250 MiB of logits
+# (vocabulary 32000, shape A) 8 slices save 0.13 GiB of 5.44 for one more matmul of the head
+# per micro-batch, so below the limit the logits stay whole; at 1 GiB (vocabulary 128256 over 2
+# tensor devices) 4 slices saved 0.9 GiB when the limits were set, and 8 the same.
 WHOLE_LOGITS_LIMIT = 512 * 2**20
 SLICE_LOGITS_LIMIT = 256 * 2**20
 
