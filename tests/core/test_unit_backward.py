@@ -49,29 +49,36 @@ def _logical_grads(pipeline, staged, sums, stage):
   return pipeline.layout.to_logical(jax.tree.map(place, grads, staged[chunks_lib.PARAMS]))
 
 
-def _by_units(pipeline, plan, chunk, x, incoming, targets, g_next, seed):
-  """``backward_into`` of model ``chunk`` on one micro-batch: ``(logical parameter gradients,
-  g_fresh, g_incoming, g_targets)``."""
+def _chunk_backward(pipeline, plan, chunk, targets, g_next, seed):
+  """``(backward, staged, view)``: ``backward(view, fresh, incoming, targets)`` runs
+  ``backward_into`` of model ``chunk`` on one micro-batch (output cotangents ``g_next`` and
+  ``seed``) on ``view``, the device view of ``staged`` (the logical parameters, staged) of the
+  chunk's stage."""
   split = arguments.split_keywords({"targets": targets}, per_example=("targets",),
                                    batch_size=cl.BATCH, owner="test")
   chunkset = chunks_lib.ChunkSet(pipeline.layers, pipeline.plan, pipeline.layout, None,
                                  pipeline.spec, split)
-  index = chunkset.branch_of_chunk[chunk]
-  logical = cl.params()
-  staged = {chunks_lib.PARAMS: pipeline.layout.to_staged(logical)}
+  staged = {chunks_lib.PARAMS: pipeline.layout.to_staged(cl.params())}
   view = chunks_lib.device_view(_stage_part(staged, pipeline.layout.position(chunk)[1]))
-  run = unit_backward.backward_into(chunkset, index, plan)
+  run = unit_backward.backward_into(chunkset, chunkset.branch_of_chunk[chunk], plan)
   outputs = lambda results: (chunks_lib.float_leaves(results[0]), results[1])
   cotangent = lambda out: ([g_next.astype(a.dtype) for a in out[0]], seed)
 
-  @jax.jit
-  def go(view, fresh, incoming, targets):
+  def backward(view, fresh, incoming, targets):
     sums = [jnp.zeros_like(a) for a in chunks_lib.float_leaves(view)]
     args = unit_backward.ChunkArgs(fresh=fresh, incoming=incoming, broadcast=(),
                                    per_example=(targets,), rngs={}, microbatch=0)
     return run(sums, view, args, chunk, outputs, cotangent)
 
-  sums, g_fresh, g_incoming, g_side = go(view, x[:ROWS], incoming, targets[:ROWS])
+  return backward, staged, view
+
+
+def _by_units(pipeline, plan, chunk, x, incoming, targets, g_next, seed):
+  """``backward_into`` of model ``chunk`` on one micro-batch: ``(logical parameter gradients,
+  g_fresh, g_incoming, g_targets)``."""
+  backward, staged, view = _chunk_backward(pipeline, plan, chunk, targets, g_next, seed)
+  sums, g_fresh, g_incoming, g_side = jax.jit(backward)(view, x[:ROWS], incoming,
+                                                        targets[:ROWS])
   grads = _logical_grads(pipeline, staged, sums, pipeline.layout.position(chunk)[1])
   return grads, g_fresh, g_incoming, g_side
 
@@ -122,28 +129,16 @@ def test_backward_by_units_equals_vjp_of_the_plain_chunk(granularity, keeps, chu
 
 @pytest.mark.parametrize("chunk", [0, 1])
 def test_an_end_finishes_its_gradient_before_the_units_before_it(chunk):
-  """A unit of its own (the projection, the loss) ties its input's gradient to its parameter
-  gradient with one optimization barrier, so the compiler cannot keep its whole gradient live
-  through the backward of the units before it; a run's units (the blocks) have none."""
+  """A unit of its own (the projection, the loss) ties its input's gradient to the running
+  sums, its parameter gradient added, with one optimization barrier, so the compiler cannot keep
+  its whole gradient live through the backward of the units before it; a run's units (the
+  blocks) have none."""
   pipeline = _pipeline("nested")
-  plan = backward_plan.resolve(pipeline.spec)
-  split = arguments.split_keywords({"targets": cl.inputs()[1]}, per_example=("targets",),
-                                   batch_size=cl.BATCH, owner="test")
-  chunkset = chunks_lib.ChunkSet(pipeline.layers, pipeline.plan, pipeline.layout, None,
-                                 pipeline.spec, split)
-  staged = {chunks_lib.PARAMS: pipeline.layout.to_staged(cl.params())}
-  view = chunks_lib.device_view(_stage_part(staged, pipeline.layout.position(chunk)[1]))
-  run = unit_backward.backward_into(chunkset, chunkset.branch_of_chunk[chunk], plan)
   x, targets = cl.inputs()
-
-  def go(view, fresh, incoming, targets):
-    sums = [jnp.zeros_like(a) for a in chunks_lib.float_leaves(view)]
-    args = unit_backward.ChunkArgs(fresh=fresh, incoming=incoming, broadcast=(),
-                                   per_example=(targets,), rngs={}, microbatch=0)
-    return run(sums, view, args, chunk, lambda r: (chunks_lib.float_leaves(r[0]), r[1]),
-               lambda out: ([jnp.ones_like(a) for a in out[0]], jnp.ones(ROWS)))
-
-  program = str(jax.make_jaxpr(go)(view, x[:ROWS], jnp.zeros((ROWS, cl.WIDTH)), targets[:ROWS]))
+  backward, _, view = _chunk_backward(pipeline, backward_plan.resolve(pipeline.spec), chunk,
+                                      targets, jnp.ones((ROWS, cl.WIDTH)), jnp.ones(ROWS))
+  program = str(jax.make_jaxpr(backward)(view, x[:ROWS], jnp.zeros((ROWS, cl.WIDTH)),
+                                         targets[:ROWS]))
   ends = [seg for seg in pipeline.layout.segments[chunk] if seg.copies is None]
   assert len(ends) == 1 and len(pipeline.layout.segments[chunk]) == 2
   assert program.count("optimization_barrier") == len(ends)
