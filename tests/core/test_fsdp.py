@@ -102,3 +102,43 @@ def test_gather_unit_and_packed():
                     buffers["float32"], buffers["int32"])["packed"]
   np.testing.assert_array_equal(packed["float32"][0], np.arange(8.0))  # Gathered whole.
   assert packed["int32"].shape == (2, 3)  # Left as each device holds it.
+
+
+@pytest.mark.parametrize("piece_bytes,pieces", [(2**30, 1), (32, 3)])
+def test_gather_cast_is_the_gather_of_the_cast_with_its_gradient_scattered_in_pieces(
+        monkeypatch, piece_bytes, pieces):
+  monkeypatch.setattr(fsdp, "GRADIENT_PIECE_BYTES", piece_bytes)
+  leaf = jax.random.normal(jax.random.key(0), (6, 4))  # float32, split over fsdp along dim 1.
+  pieces_of_leaf = places.cut_pieces(leaf, 1, 2)
+  scale = jax.random.normal(jax.random.key(1), (6, 4))
+
+  def loss(gather, piece):
+    weight = (jax.lax.axis_index("fsdp") + 1.0) * scale  # Each device its own cotangent.
+    return jnp.sum(gather(piece).astype(jnp.float32) ** 2 * weight)
+
+  cast = lambda p: fsdp.gather_cast(p, "fsdp", 1, np.dtype(jnp.bfloat16))
+  # Gathered, then cast: the same values, and the gradient summed over fsdp in float32.
+  plain = lambda p: jax.lax.all_gather(p, "fsdp", axis=1, tiled=True).astype(jnp.bfloat16)
+  got = _on_fsdp(lambda p: (cast(p), jax.grad(lambda p: loss(cast, p))(p)), pieces_of_leaf)
+  want = _on_fsdp(lambda p: (plain(p), jax.grad(lambda p: loss(plain, p))(p)), pieces_of_leaf)
+  assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+  # The gradient (6 x 4 float32, 96 bytes) is scattered whole, or in 3 pieces of 2 rows (32
+  # bytes each), one reduce-scatter inside a loop.
+  text = str(jax.make_jaxpr(lambda p: jax.grad(lambda p: loss(cast, p))(p), axis_env=[
+      ("fsdp", 2)])(pieces_of_leaf[0]))
+  assert text.count("reduce_scatter") == 1
+  assert f"f32[{6 // pieces},2] = reduce_scatter" in text
+  assert ("length=3" in text) == (pieces > 1)
+
+
+def test_gather_casts_names_the_leaves_a_unit_only_casts():
+  def unit(params):
+    kernel = params["head"]["kernel"]  # Transposed and sliced before its cast: followed.
+    first = kernel.T[:2].astype(jnp.bfloat16)
+    return first.sum() + params["scale"].sum(), params["steps"] * 2
+
+  whole = {"head": {"kernel": jnp.ones((4, 6))}, "scale": jnp.ones(4),
+           "steps": jnp.ones((), jnp.int32)}
+  assert fsdp.gather_casts(whole, unit) == {"['head']['kernel']": np.dtype(jnp.bfloat16)}

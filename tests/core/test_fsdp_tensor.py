@@ -275,3 +275,44 @@ def test_a_batch_that_the_row_shards_do_not_divide_is_a_clear_error():
   with pytest.raises(ValueError, match=r"batch size 24 is not divisible by num_microbatches \* "
                                        r"row shards \(data x fsdp devices\) = 2 \* 8 = 16"):
     model.apply({"params": lm.random_params("annotated")}, x, targets=targets, method="loss")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_weights_a_layer_only_casts_are_gathered_cast_with_the_same_gradients(
+        schedule, monkeypatch):
+  """A mixed-precision LM (float32 weights, bfloat16 compute, the loss in vocabulary slices):
+  every weight its layer only casts is gathered in bfloat16, the head's kernel too (transposed
+  and sliced before its cast), and the loss and gradients are those of gathering float32 and
+  casting after: the same values, the gradients summed over fsdp in float32 either way."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from tpipe.core import fsdp  # pylint: disable=import-outside-toplevel
+  from tpipe.train import models  # pylint: disable=import-outside-toplevel
+
+  mesh = tpipe.make_mesh(**MESHES["stage2-fsdp2-tensor2"])
+  model = models.decoder_lm(num_layers=2, width=32, num_heads=2, mlp_dim=64, max_len=8,
+                            dtype=jnp.bfloat16, vocab_chunks=2, num_stages=2,
+                            num_microbatches=2, schedule=schedule, mesh=mesh)
+  tokens, targets = (jax.random.randint(jax.random.key(k), (8, 8), 0, 256) for k in (0, 1))
+  params = jax.jit(model.init)(jax.random.key(2), tokens, targets=targets)["params"]
+
+  def step():  # Traced afresh: whether weights are gathered cast is decided while tracing.
+    loss = lambda p: model.apply({"params": p}, tokens, targets=targets, method="loss")
+    fn = jax.jit(jax.value_and_grad(loss))
+    gathered = re.findall(r"all_gather.*?-> tensor<([0-9x]+)x(bf16|f32)>",
+                          fn.lower(params).as_text())
+    return fn(params), {shape: dtype for shape, dtype in gathered if "x" in shape}
+
+  got, cast = step()
+  monkeypatch.setattr(fsdp, "gather_casts", lambda whole, run: {})
+  want, plain = step()
+  # Each unit's matrices, the head's [vocabulary / tensor, width] kernel ("128x32") among them,
+  # gathered in bfloat16, but for the position table, which the embedding adds as it is.
+  assert cast.pop("8x32") == plain.pop("8x32") == "f32"
+  assert "128x32" in cast and set(cast.values()) == {"bf16"}, cast
+  assert set(plain.values()) == {"f32"}, plain
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+    a, b, name = np.asarray(a), np.asarray(b), jax.tree_util.keystr(path)
+    assert a.dtype == b.dtype == np.float32, name
+    # float32 sums in another order at most; bfloat16 sums would be ~1e-3 off.
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), name

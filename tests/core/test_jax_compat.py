@@ -81,3 +81,18 @@ def test_bind_evaluates_an_equation_as_the_jaxpr_does():
               for v in eqn.invars]
     env.update(zip(eqn.outvars, jax_compat.bind(eqn, values)))
   np.testing.assert_array_equal(env[closed.jaxpr.outvars[0]], fn(w, x))
+
+
+def test_a_scan_body_sees_constants_carry_and_one_step_of_the_scanned_inputs():
+  w = jnp.ones((3, 3))
+
+  def fn(h, xs):
+    return jax.lax.scan(lambda h, x: (jnp.tanh(h @ w) + x, h.sum()), h, xs)
+
+  closed = jax.make_jaxpr(fn)(jnp.ones(3), jnp.ones((5, 3)))
+  (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+  body, consts, carries = jax_compat.scan_body(eqn)
+  assert (consts, carries) == (1, 1)  # ``w``, then ``h``, then one step's ``x``.
+  assert len(body.jaxpr.invars) == len(eqn.invars) == 3
+  assert [v.aval.shape for v in body.jaxpr.invars] == [(3, 3), (3,), (3,)]
+  assert jax_compat.scan_body(body.jaxpr.eqns[0]) is None

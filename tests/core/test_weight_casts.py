@@ -62,3 +62,40 @@ def test_casts_inside_a_checkpoint_or_jit_count_as_the_leafs_uses():
   x = jnp.ones((2, 4), jnp.bfloat16)
   assert weight_casts.only_cast_dtypes(unit, _leaves(), x) == [
       np.dtype(jnp.bfloat16), np.dtype(jnp.bfloat16), None]
+
+
+def test_through_moves_follows_transposes_slices_and_loops_to_the_casts():
+  def unit(leaves, x):
+    w, b, v = leaves
+    # ``w``: transposed, cut into slices inside a loop (a jitted index), each slice cast.
+    slices = w.T.reshape(2, 2, 4)
+
+    def body(total, j):
+      piece = jax.lax.dynamic_index_in_dim(slices, j, keepdims=False).astype(jnp.bfloat16)
+      return total + (x @ piece.T).sum(), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.bfloat16), jnp.arange(2))
+    # ``b``: broadcast before its cast (a broadcast's transpose sums, so it is no move);
+    # ``v``: the loop's carry (the body also sees values the last step made).
+    wide = jnp.broadcast_to(b, (3, 4)).astype(jnp.bfloat16)
+    carried, _ = jax.lax.scan(lambda c, _: (c.astype(jnp.bfloat16).astype(jnp.float32), None),
+                              v, jnp.arange(2))
+    return total + wide.sum() + carried.sum()
+
+  x = jnp.ones((2, 4), jnp.bfloat16)
+  assert weight_casts.only_cast_dtypes(unit, _leaves(), x, through_moves=True) == [
+      np.dtype(jnp.bfloat16), None, None]
+  # Not asked to follow moves, a transposed leaf is used as it is.
+  assert weight_casts.only_cast_dtypes(unit, _leaves(), x) == [None, None, None]
+
+
+def test_through_moves_a_leaf_moved_to_an_output_or_used_raw_is_not_only_cast():
+  def unit(leaves, x):
+    w, b, v = leaves
+    moved = jax.jit(lambda w: w.T)(w)           # Returned by a call as a move: followed on...
+    y = x @ moved.astype(jnp.bfloat16)
+    return y, moved.reshape(-1)[:2], b.T * 2, v  # ...to an output; ``b`` multiplied raw.
+
+  x = jnp.ones((2, 4), jnp.bfloat16)
+  assert weight_casts.only_cast_dtypes(unit, _leaves(), x, through_moves=True) == [
+      None, None, None]

@@ -95,6 +95,8 @@ class ChunkSet:
       specs = layout.partition_specs(spec.stage_axis, mesh=axes.mesh)
       self.param_specs = jax.tree.map(axes.manual_spec, specs, is_leaf=_is_spec)
       self.fsdp = fsdp_lib.Split.of(self.param_specs, axes.fsdp)
+    # Per (branch, segment): the unit variables gathered cast (:meth:`_unit_variables`).
+    self.gather_casts: dict[tuple[int, int], dict] = {}
     self.ring = Ring.of(plan)
     self.output_example = _without_rows(plan.layer_inputs[-1])
     self.signatures, self.branch_of_chunk = signatures(plan, layout, stats_layout, self.ring)
@@ -255,22 +257,23 @@ class ChunkSet:
     return [(k, seg) for k, seg in enumerate(self.layout.segments[rep]) if not seg.stacked]
 
   def _gather_packed(self, branch: int, segment: int, tree, one_copy: bool = False,
-                     flat_only: bool = False):
+                     flat_only: bool = False, casts=None):
     """Packed segment ``segment``'s variables (``tree``: this device's pieces where it holds one
     fsdp block) whole, each leaf split over the partitioner's axes (tensor) as its logical names
     say, the split taken before the gather so the gathered leaf is split too.
 
     ``one_copy``: ``tree`` is one copy of a run (inside the scan over its copies), whose leaves
     cut as flattened elements were gathered before the scan; ``flat_only``: gather only those,
-    the copy axis kept (what :meth:`_chunk_trees` does for a run)."""
+    the copy axis kept (what :meth:`_chunk_trees` does for a run); ``casts``: ``{keystr(path):
+    dtype}`` of leaves gathered cast (:meth:`_unit_variables`)."""
     rep = self.chunks_of[branch][0]
     j = [k for k, _ in self._packed_segments(branch)].index(segment)
     run = self.layout.segments[rep][segment].copies is not None
     one_copy = one_copy and run
     lead = int(run and not one_copy)  # A copy axis in front of every leaf of ``tree``.
-    pieces = self.gathers_pieces
+    pieces, casts = self.gathers_pieces, casts or {}
 
-    def leaf(piece, dim, whole, spec):
+    def leaf(piece, dim, whole, spec, dtype):
       if dim == places.FLAT:
         if pieces and not one_copy:
           piece = self.fsdp.gather_piece(piece, dim, whole.shape)
@@ -285,7 +288,8 @@ class ChunkSet:
         piece = lax.with_sharding_constraint(piece, P(*([None] * lead), *spec))
       if pieces and dim != places.FLAT:
         piece = self.fsdp.gather_piece(piece, dim - int(one_copy), whole.shape,
-                                       None if spec is None else P(*([None] * lead), *spec))
+                                       None if spec is None else P(*([None] * lead), *spec),
+                                       dtype)
       return piece
 
     shared = {m.path: g for k, g, m in self.layout.shared_members(rep) if k == segment}
@@ -295,18 +299,43 @@ class ChunkSet:
     def any_leaf(path, value, dim, whole, spec):
       key = jax.tree_util.keystr(path)
       if key not in shared:
-        return leaf(value, dim, whole, spec)
+        return leaf(value, dim, whole, spec, casts.get(key))
       if flat_only:
         return value
       name = shared[key].name
       fsdp_dim = self.fsdp.shared[name] if self.fsdp is not None else fsdp_lib.NOT_SPLIT
       if fsdp_dim != fsdp_lib.NOT_SPLIT:
-        value = self.fsdp.gather_piece(value, fsdp_dim, None, self._shared_specs[name])
+        value = self.fsdp.gather_piece(value, fsdp_dim, None, self._shared_specs[name],
+                                       casts.get(key))
       return value.T if transposed[key] else value
 
     return jax.tree_util.tree_map_with_path(
         any_leaf, tree, self.layout.piece_dims(rep)[j], self.layout.packed_shapes(rep)[j],
         self._piece_specs(rep)[j])
+
+  def _unit_variables(self, branch: int, segment: int, params, run):
+    """Segment ``segment``'s unit variables whole from ``params`` (this device's pieces where it
+    holds one fsdp block), those the unit only casts cast before their gather
+    (:func:`tpipe.core.fsdp.gather_casts`, read from ``run(variables)``'s program once per
+    segment and kept in :attr:`gather_casts` for :meth:`weight_branch`)."""
+    seg = self.layout.segments[self.chunks_of[branch][0]][segment]
+
+    def gather(casts):
+      if self.fsdp is not None and seg.stacked:
+        return self.fsdp.gather_unit(f"layers_{seg.layer}", params, casts=casts)
+      if not seg.stacked:
+        return self._gather_packed(branch, segment, params, one_copy=seg.copies is not None,
+                                   casts=casts)
+      return params
+
+    if self.fsdp is None:
+      return gather({})
+    if (branch, segment) not in self.gather_casts:
+      whole = gather({})
+      self.gather_casts[branch, segment] = fsdp_lib.gather_casts(whole, run)
+      if not self.gather_casts[branch, segment]:
+        return whole
+    return gather(self.gather_casts[branch, segment])
 
   def _piece_specs(self, rep: int) -> list:
     """:meth:`tpipe.core.layout.StageLayout.piece_specs` of model chunk ``rep`` over the
@@ -361,16 +390,11 @@ class ChunkSet:
     Tapped, it runs the unit's traced program (:func:`tpipe.core.taps.trace`), and files it in
     ``programs`` under ``segment`` where a dict is given (:meth:`unit_programs`)."""
 
-    seg = self.layout.segments[self.chunks_of[branch][0]][segment]
-
     def apply(params, stats, h, unit, taps):
-      if self.fsdp is not None and seg.stacked:
-        params = self.fsdp.gather_unit(f"layers_{seg.layer}", params)
-      elif not seg.stacked:
-        params = self._gather_packed(branch, segment, params,
-                                     one_copy=seg.copies is not None)
       kwargs = layers_lib.layer_keywords(layer, self.split, *side)
       unit_rngs = layers_lib.unit_rngs(rngs, unit, microbatch) if rngs else {}
+      params = self._unit_variables(
+          branch, segment, params, lambda p: layer.apply(p, stats, h, kwargs, unit_rngs))
       if not tapped:
         return layer.apply(params, stats, h, kwargs, unit_rngs), ()
       run = lambda p, s, h, kw, r: layer.apply(p, s, h, kw, r)
@@ -482,12 +506,14 @@ class ChunkSet:
           leaves = lambda tree: jax.tree.leaves(tree)
           apply = lambda tree, recs, program=program: program.weight_outputs(leaves(tree), recs)
           tree = trees[k]
+          casts = self.gather_casts.get((index, k))  # As the traced program read them.
           if not seg.stacked:
-            tree = self._gather_packed(index, k, tree)
+            tree = self._gather_packed(index, k, tree, casts=casts)
           if seg.copies is not None:
             apply = jax.vmap(apply)
             if self.fsdp is not None and seg.stacked:
-              tree = self.fsdp.gather_unit(f"layers_{seg.layer}", tree, copy_axis=True)
+              tree = self.fsdp.gather_unit(f"layers_{seg.layer}", tree, copy_axis=True,
+                                           casts=casts)
           outs.append(apply(tree, records[k]))
         return outs
 

@@ -10,6 +10,13 @@ holds one unit's whole weights at a time, never a stage's. A chunk's packed buff
 such as an embedding or a head, see :mod:`tpipe.core.layout`) is gathered whole when the chunk
 reads it: its leaves start anywhere in it.
 
+A weight the unit only casts (a mixed-precision layer's float32 kernel read as bfloat16,
+:func:`tpipe.core.weight_casts.only_cast_dtypes`) is cast before its gather
+(:func:`gather_cast`): the gather moves half the bytes, and the backward holds the weight's
+whole gradient in bfloat16, converting it to float32 and reduce-scattering it a piece of at most
+:data:`GRADIENT_PIECE_BYTES` at a time, where differentiating the cast after the gather would
+first build the whole float32 gradient (a vocabulary head at Llama-3-8B: 1 GiB per device).
+
 The gathered weights are named :data:`tpipe.core.remat.CHUNK_PARAMS_NAME`, which no remat policy
 tpipe makes saves: the backward gathers them again rather than keep a copy per tick.
 
@@ -20,18 +27,30 @@ stage's ``lax.switch`` branch run on exactly the devices that take that branch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from tpipe.core import layout as layout_lib
 from tpipe.core import packed_places as places
 from tpipe.core import remat as remat_lib
+from tpipe.core import spmd
+from tpipe.core import weight_casts
 
 NOT_SPLIT = -1
+
+# The largest piece of a cast weight's gradient converted and reduce-scattered at once
+# (:func:`gather_cast`). Measured on v5p (experiments/memory_at_scale.py), Llama-3-8B 4 x 8 x 2
+# 1F1B, whose head's float32 gradient is 1 GiB per device: converted whole, 7.53 GiB per device
+# (the float32 gradient beside its bfloat16 one); in 4 pieces of 250 MiB, 5.94; in 8, the same.
+# gemma-256k 1F1B: 12.65 whole, 9.82 in pieces.
+GRADIENT_PIECE_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,18 +106,21 @@ class Split:
               for k, a in slot[layout_lib.PACKED].items()}
     return {**slot, layout_lib.PACKED: packed}
 
-  def gather_unit(self, layer: str, params, copy_axis: bool = False):
+  def gather_unit(self, layer: str, params, copy_axis: bool = False,
+                  casts: Mapping[str, Any] | None = None):
     """One unit's weights of stacked layer ``layer`` (``"layers_i"``), whole; with
-    ``copy_axis``, every leaf still has its copies' axis in front."""
-    dims = self.stacked[layer]
+    ``copy_axis``, every leaf still has its copies' axis in front. ``casts``: ``{keystr(path):
+    dtype}`` of the leaves the unit only casts, gathered cast (:func:`gather_cast`)."""
+    dims, casts = self.stacked[layer], casts or {}
 
     def gather(path, leaf):
-      d = dims[jax.tree_util.keystr(path)]
-      return leaf if d == NOT_SPLIT else self._gather(leaf, d + int(copy_axis))
+      key = jax.tree_util.keystr(path)
+      d = dims[key]
+      return leaf if d == NOT_SPLIT else self._gather(leaf, d + int(copy_axis), casts.get(key))
 
     return jax.tree_util.tree_map_with_path(gather, params)
 
-  def gather_piece(self, piece, dim: int, shape, spec=None):
+  def gather_piece(self, piece, dim: int, shape, spec=None, dtype=None):
     """A packed leaf of ``shape`` whole from this device's piece of it
     (:meth:`tpipe.core.layout.StageLayout.chunk_trees` from one block), cut along ``dim`` or
     :data:`tpipe.core.packed_places.FLAT`: one ``all_gather`` over fsdp, whose transpose leaves
@@ -106,20 +128,88 @@ class Split:
 
     ``spec``: how the piece is split over the partitioner's axes (tensor; never along ``dim``).
     The gather then runs on each device's part (manual over those axes too), so neither it nor
-    its transpose, the reduce-scatter of the gradient, ever holds the leaf whole over them."""
+    its transpose, the reduce-scatter of the gradient, ever holds the leaf whole over them.
+
+    ``dtype``: the leaf is cast to it before the gather (:func:`gather_cast`); not with
+    :data:`tpipe.core.packed_places.FLAT` (the piece holds other leaves too)."""
     if dim == places.FLAT:
       flat = self._gather(piece, 0)
       return flat[:math.prod(shape)].reshape(shape)
     if spec is None:
-      return self._gather(piece, dim)
+      return self._gather(piece, dim, dtype)
     names = {a for entry in spec if entry is not None
              for a in (entry if isinstance(entry, tuple) else (entry,))}
-    return jax.shard_map(lambda p: self._gather(p, dim), in_specs=spec, out_specs=spec,
+    return jax.shard_map(lambda p: self._gather(p, dim, dtype), in_specs=spec, out_specs=spec,
                          axis_names=names)(piece)
 
-  def _gather(self, leaf, dim: int):
-    whole = lax.all_gather(leaf, self.axis, axis=dim, tiled=True)
+  def _gather(self, leaf, dim: int, dtype=None):
+    if dtype is None or np.dtype(dtype) == leaf.dtype:
+      whole = lax.all_gather(leaf, self.axis, axis=dim, tiled=True)
+    else:
+      whole = gather_cast(leaf, self.axis, dim, np.dtype(dtype))
     return checkpoint_name(whole, remat_lib.CHUNK_PARAMS_NAME)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_cast(leaf, axis: str, dim: int, dtype):
+  """``leaf`` (this device's share of a weight) cast to ``dtype`` and gathered over mesh axis
+  ``axis`` along ``dim``: the values of ``lax.all_gather(leaf, axis, axis=dim,
+  tiled=True).astype(dtype)``, moving ``dtype``'s bytes.
+
+  Its gradient is that expression's too (each device gets its share of the whole gradient,
+  summed over ``axis`` in ``leaf``'s dtype), computed a piece at a time: the whole gradient, in
+  ``dtype``, is cut along its longest other dimension into pieces of at most
+  :data:`GRADIENT_PIECE_BYTES` once converted, and each is converted and reduce-scattered in
+  turn (a loop, so the pieces' collectives are not combined back into one)."""
+  return lax.all_gather(leaf.astype(dtype), axis, axis=dim, tiled=True)
+
+
+def _gather_cast_forward(leaf, axis, dim, dtype):
+  return gather_cast(leaf, axis, dim, dtype), leaf  # The leaf itself: no copy kept.
+
+
+def _gather_cast_backward(axis, dim, dtype, leaf, grad):
+  del dtype
+  scatter = lambda g: lax.psum_scatter(g.astype(leaf.dtype), axis, scatter_dimension=dim,
+                                       tiled=True)
+  others = [d for d in range(grad.ndim) if d != dim]
+  if not others:
+    return (scatter(grad),)
+  cut = max(others, key=lambda d: grad.shape[d])
+  size = grad.shape[cut]
+  whole = grad.size * np.dtype(leaf.dtype).itemsize
+  pieces = next(n for n in range(1, size + 1)
+                if size % n == 0 and (whole // n <= GRADIENT_PIECE_BYTES or n == size))
+  if pieces == 1:
+    return (scatter(grad),)
+  step = size // pieces
+
+  def one_piece(i, total):
+    piece = scatter(lax.dynamic_slice_in_dim(grad, i * step, step, axis=cut))
+    return lax.dynamic_update_slice_in_dim(total, piece, i * step, axis=cut)
+
+  return (lax.fori_loop(0, pieces, one_piece, spmd.zeros_like_varying(leaf)),)
+
+
+gather_cast.defvjp(_gather_cast_forward, _gather_cast_backward)
+
+
+def gather_casts(whole, run) -> dict[str, Any]:
+  """``{keystr(path): dtype}``: the float leaves of ``whole`` (a unit's variables, gathered) that
+  ``run(whole)`` only casts, each to the one dtype it casts it to, followed through moves and
+  loops (:func:`tpipe.core.weight_casts.only_cast_dtypes` with ``through_moves``). ``run`` is
+  traced once; nothing runs."""
+  flat = jax.tree_util.tree_flatten_with_path(whole)[0]
+  floats = [(jax.tree_util.keystr(path), leaf) for path, leaf in flat
+            if jnp.issubdtype(leaf.dtype, jnp.floating)]
+
+  def run_on(leaves):
+    replaced = dict(zip([key for key, _ in floats], leaves))
+    return run(jax.tree_util.tree_map_with_path(
+        lambda path, leaf: replaced.get(jax.tree_util.keystr(path), leaf), whole))
+
+  dtypes = weight_casts.only_cast_dtypes(run_on, [leaf for _, leaf in floats], through_moves=True)
+  return {key: dtype for (key, _), dtype in zip(floats, dtypes) if dtype is not None}
 
 
 def _is_spec(value: Any) -> bool:

@@ -103,6 +103,15 @@ def call_body(equation) -> ClosedJaxpr | None:
   return jaxpr if isinstance(jaxpr, jex_core.ClosedJaxpr) else None
 
 
+def scan_body(equation) -> tuple[ClosedJaxpr, int, int] | None:
+  """``(body, num_consts, num_carry)`` of a ``lax.scan`` equation, or None for any other. The
+  body's inputs are the equation's operands in order: the constants, the carry, then one step's
+  slice of each scanned input."""
+  if equation.primitive.name != "scan":
+    return None
+  return equation.params["jaxpr"], equation.params["num_consts"], equation.params["num_carry"]
+
+
 def casts_to(equation):
   """The dtype a ``convert_element_type`` equation casts to, or None for any other equation."""
   if equation.primitive is not jax.lax.convert_element_type_p:
