@@ -104,13 +104,17 @@ def test_gather_unit_and_packed():
   assert packed["int32"].shape == (2, 3)  # Left as each device holds it.
 
 
-@pytest.mark.parametrize("piece_bytes,pieces", [(2**30, 1), (32, 3)])
+@pytest.mark.parametrize("rows,piece_bytes,loop,scatters", [
+    (6, 2**30, None, 1),  # 96 bytes of float32 gradient: scattered whole.
+    (6, 32, 3, 1),        # 3 pieces of 2 rows (32 bytes each) in a loop.
+    (7, 48, 2, 2),        # 112 bytes: 2 pieces of 3 rows in a loop, then the last row.
+])
 def test_gather_cast_is_the_gather_of_the_cast_with_its_gradient_scattered_in_pieces(
-        monkeypatch, piece_bytes, pieces):
+        monkeypatch, rows, piece_bytes, loop, scatters):
   monkeypatch.setattr(fsdp, "GRADIENT_PIECE_BYTES", piece_bytes)
-  leaf = jax.random.normal(jax.random.key(0), (6, 4))  # float32, split over fsdp along dim 1.
+  leaf = jax.random.normal(jax.random.key(0), (rows, 4))  # float32, split over fsdp on dim 1.
   pieces_of_leaf = places.cut_pieces(leaf, 1, 2)
-  scale = jax.random.normal(jax.random.key(1), (6, 4))
+  scale = jax.random.normal(jax.random.key(1), (rows, 4))
 
   def loss(gather, piece):
     weight = (jax.lax.axis_index("fsdp") + 1.0) * scale  # Each device its own cotangent.
@@ -124,21 +128,28 @@ def test_gather_cast_is_the_gather_of_the_cast_with_its_gradient_scattered_in_pi
   assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
   np.testing.assert_array_equal(got[0], want[0])
   np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
-  # The gradient (6 x 4 float32, 96 bytes) is scattered whole, or in 3 pieces of 2 rows (32
-  # bytes each), one reduce-scatter inside a loop.
-  text = str(jax.make_jaxpr(lambda p: jax.grad(lambda p: loss(cast, p))(p), axis_env=[
-      ("fsdp", 2)])(pieces_of_leaf[0]))
-  assert text.count("reduce_scatter") == 1
-  assert f"f32[{6 // pieces},2] = reduce_scatter" in text
-  assert ("length=3" in text) == (pieces > 1)
+  trace = lambda fn: str(jax.make_jaxpr(fn, axis_env=[("fsdp", 2)])(pieces_of_leaf[0]))
+  assert f"bf16[{rows},4] = all_gather" in trace(cast)  # It moves the bfloat16 weight.
+  backward = trace(lambda p: jax.grad(lambda p: loss(cast, p))(p))
+  assert backward.count("reduce_scatter") == scatters
+  assert (f"length={loop}" in backward) == (loop is not None)
 
 
-def test_gather_casts_names_the_leaves_a_unit_only_casts():
+def test_casts_before_gather_names_the_leaves_a_unit_only_narrows():
   def unit(params):
     kernel = params["head"]["kernel"]  # Transposed and sliced before its cast: followed.
     first = kernel.T[:2].astype(jnp.bfloat16)
-    return first.sum() + params["scale"].sum(), params["steps"] * 2
+    wide = params["half"].astype(jnp.float32)  # Widened: gathering it cast would move more.
+    return first.sum() + params["scale"].sum() + wide.sum(), params["steps"] * 2
 
   whole = {"head": {"kernel": jnp.ones((4, 6))}, "scale": jnp.ones(4),
-           "steps": jnp.ones((), jnp.int32)}
-  assert fsdp.gather_casts(whole, unit) == {"['head']['kernel']": np.dtype(jnp.bfloat16)}
+           "half": jnp.ones(4, jnp.bfloat16), "steps": jnp.ones((), jnp.int32)}
+  assert fsdp.casts_before_gather(whole, unit) == {"['head']['kernel']": np.dtype(jnp.bfloat16)}
+
+
+def test_casts_before_gather_keeps_what_a_layer_returns():
+  # The layer casts its output back to the weight's own dtype: cast first, it would return
+  # bfloat16, so nothing is cast before the gather.
+  unit = lambda params: (jnp.ones((2, 4), jnp.bfloat16) @ params["w"].astype(jnp.bfloat16)
+                         ).astype(params["w"].dtype)
+  assert fsdp.casts_before_gather({"w": jnp.ones((4, 3))}, unit) == {}

@@ -99,3 +99,43 @@ def test_through_moves_a_leaf_moved_to_an_output_or_used_raw_is_not_only_cast():
   x = jnp.ones((2, 4), jnp.bfloat16)
   assert weight_casts.only_cast_dtypes(unit, _leaves(), x, through_moves=True) == [
       None, None, None]
+  # Returned by a call as a move and then only cast: bfloat16.
+  cast = lambda leaves, x: x @ jax.jit(lambda w: w.T)(leaves[0]).astype(jnp.bfloat16)
+  assert weight_casts.only_cast_dtypes(cast, _leaves(), x, through_moves=True) == [
+      np.dtype(jnp.bfloat16), None, None]
+
+
+def test_through_moves_an_element_cast_twice_is_not_only_cast():
+  """Cast before its uses, a leaf whose elements reach two casts would sum their gradients in
+  the cast dtype: cast at two places, cast in every step of a loop, or sliced at an index that
+  is not the loop's step (it may repeat)."""
+  x = jnp.ones((2, 4), jnp.bfloat16)
+
+  def unit(leaves, x):
+    w, b, v = leaves
+    twice = (x @ w.astype(jnp.bfloat16)).sum() + (x @ w.T.T.astype(jnp.bfloat16)).sum()
+    every_step = jax.lax.scan(lambda c, _: (c + (x[0] @ b.astype(jnp.bfloat16)), None),
+                              jnp.zeros((), jnp.bfloat16), jnp.arange(3))[0]
+    # ``v``'s rows at the indices [0, 0]: the same row twice.
+    repeated = jax.lax.scan(
+        lambda c, j: (c + jax.lax.dynamic_index_in_dim(v, j, keepdims=False).astype(
+            jnp.bfloat16).sum(), None), jnp.zeros((), jnp.bfloat16), jnp.zeros(2, jnp.int32))[0]
+    return twice + every_step + repeated
+
+  assert weight_casts.only_cast_dtypes(unit, _leaves(), x, through_moves=True) == [
+      None, None, None]
+  # Each step its own row (at the step's index, a scanned iota): each element cast once.
+  rows = lambda leaves, x: jax.lax.scan(
+      lambda c, j: (c + jax.lax.dynamic_index_in_dim(leaves[2], j, keepdims=False).astype(
+          jnp.bfloat16).sum(), None), jnp.zeros((), jnp.bfloat16), jnp.arange(4))[0]
+  assert weight_casts.only_cast_dtypes(rows, _leaves(), x, through_moves=True) == [
+      None, None, np.dtype(jnp.bfloat16)]
+
+
+def test_through_moves_a_slice_the_index_may_clamp_to_is_read_twice():
+  # 5 steps over 4 rows: the last step's index clamps to row 3, which step 3 read too.
+  rows = lambda leaves, x: jax.lax.scan(
+      lambda c, j: (c + jax.lax.dynamic_index_in_dim(leaves[2], j, keepdims=False).astype(
+          jnp.bfloat16).sum(), None), jnp.zeros((), jnp.bfloat16), jnp.arange(5))[0]
+  assert weight_casts.only_cast_dtypes(rows, _leaves(), None, through_moves=True) == [
+      None, None, None]

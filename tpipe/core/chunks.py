@@ -95,8 +95,9 @@ class ChunkSet:
       specs = layout.partition_specs(spec.stage_axis, mesh=axes.mesh)
       self.param_specs = jax.tree.map(axes.manual_spec, specs, is_leaf=_is_spec)
       self.fsdp = fsdp_lib.Split.of(self.param_specs, axes.fsdp)
-    # Per (branch, segment): the unit variables gathered cast (:meth:`_unit_variables`).
-    self.gather_casts: dict[tuple[int, int], dict] = {}
+    # Per unit call (branch, segment and the types of its arguments): the variables cast
+    # before their gather (:meth:`_unit_variables`).
+    self._casts_before_gather: dict[tuple, dict] = {}
     self.ring = Ring.of(plan)
     self.output_example = _without_rows(plan.layer_inputs[-1])
     self.signatures, self.branch_of_chunk = signatures(plan, layout, stats_layout, self.ring)
@@ -313,11 +314,11 @@ class ChunkSet:
         any_leaf, tree, self.layout.piece_dims(rep)[j], self.layout.packed_shapes(rep)[j],
         self._piece_specs(rep)[j])
 
-  def _unit_variables(self, branch: int, segment: int, params, run):
+  def _unit_variables(self, branch: int, segment: int, params, layer, args):
     """Segment ``segment``'s unit variables whole from ``params`` (this device's pieces where it
-    holds one fsdp block), those the unit only casts cast before their gather
-    (:func:`tpipe.core.fsdp.gather_casts`, read from ``run(variables)``'s program once per
-    segment and kept in :attr:`gather_casts` for :meth:`weight_branch`)."""
+    holds one fsdp block), those the unit only casts cast before their gather: which those are
+    is read from the program of ``layer.apply(variables, *args)``
+    (:func:`tpipe.core.fsdp.casts_before_gather`), once per segment and types of ``args``."""
     seg = self.layout.segments[self.chunks_of[branch][0]][segment]
 
     def gather(casts):
@@ -330,12 +331,14 @@ class ChunkSet:
 
     if self.fsdp is None:
       return gather({})
-    if (branch, segment) not in self.gather_casts:
+    key = (branch, segment, _trace_key(params, args))
+    if key not in self._casts_before_gather:
       whole = gather({})
-      self.gather_casts[branch, segment] = fsdp_lib.gather_casts(whole, run)
-      if not self.gather_casts[branch, segment]:
+      self._casts_before_gather[key] = fsdp_lib.casts_before_gather(
+          whole, lambda v: layer.apply(v, *args))
+      if not self._casts_before_gather[key]:
         return whole
-    return gather(self.gather_casts[branch, segment])
+    return gather(self._casts_before_gather[key])
 
   def _piece_specs(self, rep: int) -> list:
     """:meth:`tpipe.core.layout.StageLayout.piece_specs` of model chunk ``rep`` over the
@@ -393,8 +396,8 @@ class ChunkSet:
     def apply(params, stats, h, unit, taps):
       kwargs = layers_lib.layer_keywords(layer, self.split, *side)
       unit_rngs = layers_lib.unit_rngs(rngs, unit, microbatch) if rngs else {}
-      params = self._unit_variables(
-          branch, segment, params, lambda p: layer.apply(p, stats, h, kwargs, unit_rngs))
+      params = self._unit_variables(branch, segment, params, layer,
+                                    (stats, h, kwargs, unit_rngs))
       if not tapped:
         return layer.apply(params, stats, h, kwargs, unit_rngs), ()
       run = lambda p, s, h, kw, r: layer.apply(p, s, h, kw, r)
@@ -506,7 +509,7 @@ class ChunkSet:
           leaves = lambda tree: jax.tree.leaves(tree)
           apply = lambda tree, recs, program=program: program.weight_outputs(leaves(tree), recs)
           tree = trees[k]
-          casts = self.gather_casts.get((index, k))  # As the traced program read them.
+          casts = _casts_read_by(program, tree)
           if not seg.stacked:
             tree = self._gather_packed(index, k, tree, casts=casts)
           if seg.copies is not None:
@@ -576,3 +579,21 @@ def tick_policy(spec: spec_lib.PipelineSpec):
   ``remat="full"`` (the chunk keeps only its input)."""
   policy = remat_lib.chunk_policy(spec.remat, spec.remat_granularity)
   return FULL if policy is None else policy
+
+
+def _trace_key(*trees) -> tuple:
+  """What tracing a unit depends on in ``trees``: their structure and each array's type (shape,
+  dtype, weak type, the mesh axes it varies over); other leaves as they are."""
+  leaves, treedef = jax.tree.flatten(trees)
+  return str(treedef), tuple(str(jax.typeof(a)) if hasattr(a, "shape") and hasattr(a, "dtype")
+                             else repr(a) for a in leaves)
+
+
+def _casts_read_by(program, tree) -> dict:
+  """``{keystr(path): dtype}`` of the leaves of ``tree`` (a unit's variables as stored) that the
+  traced ``program`` (:func:`tpipe.core.taps.trace`) read in another dtype: gathered cast."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  avals = program.closed.in_avals[:program.num_params]
+  assert len(flat) == len(avals), (len(flat), len(avals))
+  return {jax.tree_util.keystr(path): aval.dtype for (path, leaf), aval in zip(flat, avals)
+          if aval.dtype != leaf.dtype}

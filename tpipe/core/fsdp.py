@@ -11,7 +11,7 @@ such as an embedding or a head, see :mod:`tpipe.core.layout`) is gathered whole 
 reads it: its leaves start anywhere in it.
 
 A weight the unit only casts (a mixed-precision layer's float32 kernel read as bfloat16,
-:func:`tpipe.core.weight_casts.only_cast_dtypes`) is cast before its gather
+:func:`casts_before_gather`) is cast before its gather
 (:func:`gather_cast`): the gather moves half the bytes, and the backward holds the weight's
 whole gradient in bfloat16, converting it to float32 and reduce-scattering it a piece of at most
 :data:`GRADIENT_PIECE_BYTES` at a time, where differentiating the cast after the gather would
@@ -158,9 +158,10 @@ def gather_cast(leaf, axis: str, dim: int, dtype):
 
   Its gradient is that expression's too (each device gets its share of the whole gradient,
   summed over ``axis`` in ``leaf``'s dtype), computed a piece at a time: the whole gradient, in
-  ``dtype``, is cut along its longest other dimension into pieces of at most
-  :data:`GRADIENT_PIECE_BYTES` once converted, and each is converted and reduce-scattered in
-  turn (a loop, so the pieces' collectives are not combined back into one)."""
+  ``dtype``, is cut along its longest dimension other than ``dim`` into as many pieces as
+  :data:`GRADIENT_PIECE_BYTES` of the converted gradient need (the last one smaller where they
+  do not divide it; a 1-D gradient whole), and each is converted and reduce-scattered in turn
+  (a loop, so the pieces' collectives are not combined back into one)."""
   return lax.all_gather(leaf.astype(dtype), axis, axis=dim, tiled=True)
 
 
@@ -177,28 +178,33 @@ def _gather_cast_backward(axis, dim, dtype, leaf, grad):
     return (scatter(grad),)
   cut = max(others, key=lambda d: grad.shape[d])
   size = grad.shape[cut]
-  whole = grad.size * np.dtype(leaf.dtype).itemsize
-  pieces = next(n for n in range(1, size + 1)
-                if size % n == 0 and (whole // n <= GRADIENT_PIECE_BYTES or n == size))
-  if pieces == 1:
+  pieces = -(-grad.size * np.dtype(leaf.dtype).itemsize // GRADIENT_PIECE_BYTES)
+  step = -(-size // min(max(pieces, 1), size))
+  if step == size:
     return (scatter(grad),)
-  step = size // pieces
+  full = size // step  # Pieces of ``step`` in a loop, then what is left after them.
 
   def one_piece(i, total):
     piece = scatter(lax.dynamic_slice_in_dim(grad, i * step, step, axis=cut))
     return lax.dynamic_update_slice_in_dim(total, piece, i * step, axis=cut)
 
-  return (lax.fori_loop(0, pieces, one_piece, spmd.zeros_like_varying(leaf)),)
+  total = lax.fori_loop(0, full, one_piece, spmd.zeros_like_varying(leaf))
+  if full * step < size:
+    rest = scatter(lax.slice_in_dim(grad, full * step, size, axis=cut))
+    total = lax.dynamic_update_slice_in_dim(total, rest, full * step, axis=cut)
+  return (total,)
 
 
 gather_cast.defvjp(_gather_cast_forward, _gather_cast_backward)
 
 
-def gather_casts(whole, run) -> dict[str, Any]:
+def casts_before_gather(whole, run) -> dict[str, Any]:
   """``{keystr(path): dtype}``: the float leaves of ``whole`` (a unit's variables, gathered) that
-  ``run(whole)`` only casts, each to the one dtype it casts it to, followed through moves and
-  loops (:func:`tpipe.core.weight_casts.only_cast_dtypes` with ``through_moves``). ``run`` is
-  traced once; nothing runs."""
+  ``run(whole)`` only casts to a narrower float dtype, each element once
+  (:func:`tpipe.core.weight_casts.only_cast_dtypes` with ``through_moves``), so they can be cast
+  before their gather (:func:`gather_cast`). None where casting them first would change what
+  ``run`` returns (its shapes and dtypes: a layer that reads a leaf's dtype in Python). ``run`` is
+  traced, nothing runs."""
   flat = jax.tree_util.tree_flatten_with_path(whole)[0]
   floats = [(jax.tree_util.keystr(path), leaf) for path, leaf in flat
             if jnp.issubdtype(leaf.dtype, jnp.floating)]
@@ -208,8 +214,17 @@ def gather_casts(whole, run) -> dict[str, Any]:
     return run(jax.tree_util.tree_map_with_path(
         lambda path, leaf: replaced.get(jax.tree_util.keystr(path), leaf), whole))
 
-  dtypes = weight_casts.only_cast_dtypes(run_on, [leaf for _, leaf in floats], through_moves=True)
-  return {key: dtype for (key, _), dtype in zip(floats, dtypes) if dtype is not None}
+  leaves = [leaf for _, leaf in floats]
+  dtypes = weight_casts.only_cast_dtypes(run_on, leaves, through_moves=True)
+  casts = {key: dtype for (key, leaf), dtype in zip(floats, dtypes)
+           if dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+           and np.dtype(dtype).itemsize < np.dtype(leaf.dtype).itemsize}
+  if casts:
+    cast = [leaf.astype(casts[key]) if key in casts else leaf for key, leaf in floats]
+    types = lambda tree: [(a.shape, a.dtype) for a in jax.tree.leaves(tree)]
+    if types(jax.eval_shape(run_on, leaves)) != types(jax.eval_shape(run_on, cast)):
+      return {}
+  return casts
 
 
 def _is_spec(value: Any) -> bool:
