@@ -8,8 +8,7 @@ residuals are kept, which under ``remat_granularity="chunk"`` is every unit of t
 The cast is recomputed from the float32 weight for the price of reading it.
 
 :func:`only_cast_dtypes` reads a unit's program (its jaxpr, traced once) and names, per float
-leaf, the one dtype the program converts it to where every use of the leaf is such a cast, else
-None. :func:`tpipe.core.unit_backward.backward_into` then casts those leaves itself before the
+leaf, the dtype the program converts it to where the leaf's one use is such a cast, else None. :func:`tpipe.core.unit_backward.backward_into` then casts those leaves itself before the
 unit's VJP, so the VJP's residuals hold the cast as an input, which the backward casts again
 from the weight instead of keeping. The gradient is the same: a cast's transpose casts the
 cotangent back, the same operation whether the layer or tpipe does the cast.
@@ -45,10 +44,12 @@ MOVES = frozenset({"transpose", "reshape", "squeeze", "slice", "dynamic_slice", 
 
 def only_cast_dtypes(fn: Callable[..., Any], leaves: Sequence[Any], *args,
                      through_moves: bool = False) -> list:
-  """Per leaf of ``leaves``, the dtype ``fn(leaves, *args)`` casts it to where every use of the
-  leaf in the traced program is ``convert_element_type`` to that one dtype, else None. Uses
-  inside a checkpoint or jit count as the body's uses; any other use (an output, another
-  operation or call) means the leaf is used as it is.
+  """Per leaf of ``leaves``, the dtype ``fn(leaves, *args)`` casts it to where the leaf's one use
+  in the traced program is ``convert_element_type`` to that dtype, else None. Uses inside a
+  checkpoint or jit count as the body's uses; any other use (an output, another operation or
+  call) means the leaf is used as it is, and a leaf cast twice is not named either: cast once
+  before both uses, its gradient would be summed in the cast dtype, where the two casts'
+  gradients are summed in the leaf's own.
 
   Args:
     fn: ``fn(leaves, *args)``, any JAX function; traced once (nothing runs).
@@ -59,15 +60,14 @@ def only_cast_dtypes(fn: Callable[..., Any], leaves: Sequence[Any], *args,
       loops: a ``lax.scan``'s scanned inputs (one slice per step), and its constants where each
       step reads its own slice of one (a ``dynamic_slice`` at the step's index, from a scanned
       ``iota``), never its carry. For example, a kernel transposed, cut into vocabulary slices
-      and each slice cast inside a loop counts. Cast once before all those uses, the leaf then
-      gets the same gradient: no element's gradient is summed from two uses (which would sum
-      in the cast dtype), where a leaf cast at two places, or in every step of a loop, does not.
+      and each slice cast inside a loop counts, where a leaf cast in every step of a loop does
+      not: each element reaches one cast once.
   """
   closed = jax.make_jaxpr(lambda leaves: fn(leaves, *args))(list(leaves))
   targets = _cast_targets(closed.jaxpr, len(leaves), through_moves)
   result = []
   for leaf, dtypes in zip(leaves, targets):
-    one = dtypes is not None and (len(dtypes) == 1 if through_moves else len(set(dtypes)) == 1)
+    one = dtypes is not None and len(dtypes) == 1
     result.append(dtypes[0] if one and dtypes[0] != np.dtype(leaf.dtype) else None)
   return result
 
