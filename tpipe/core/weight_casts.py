@@ -8,9 +8,10 @@ residuals are kept, which under ``remat_granularity="chunk"`` is every unit of t
 The cast is recomputed from the float32 weight for the price of reading it.
 
 :func:`only_cast_dtypes` reads a unit's program (its jaxpr, traced once) and names, per float
-leaf, the dtype the program converts it to where the leaf's one use is such a cast, else None. :func:`tpipe.core.unit_backward.backward_into` then casts those leaves itself before the
-unit's VJP, so the VJP's residuals hold the cast as an input, which the backward casts again
-from the weight instead of keeping. The gradient is the same: a cast's transpose casts the
+leaf, the dtype the program converts it to where the leaf's one use is such a cast, else None.
+:func:`tpipe.core.unit_backward.backward_into` then casts those leaves itself before the unit's
+VJP, so the VJP's residuals hold the cast as an input, which the backward casts again from the
+weight instead of keeping. The gradient is the same: a cast's transpose casts the
 cotangent back, the same operation whether the layer or tpipe does the cast.
 
 FSDP uses it too (:mod:`tpipe.core.fsdp`): a weight gathered whole and only cast (followed
