@@ -333,6 +333,9 @@ class ChunkSet:
       return gather({})
     key = (branch, segment, _trace_key(params, args))
     if key not in self._casts_before_gather:
+      # The analysis reads the layer's program on the gathered variables' types (inside
+      # shard_map, the mesh axes they vary over too), so it traces a plain gather first; where
+      # some are then gathered cast, that first gather is dead code, removed by the compiler.
       whole = gather({})
       self._casts_before_gather[key] = fsdp_lib.casts_before_gather(
           whole, lambda v: layer.apply(v, *args))
