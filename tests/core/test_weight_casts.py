@@ -139,3 +139,28 @@ def test_through_moves_a_slice_the_index_may_clamp_to_is_read_twice():
           jnp.bfloat16).sum(), None), jnp.zeros((), jnp.bfloat16), jnp.arange(5))[0]
   assert weight_casts.only_cast_dtypes(rows, _leaves(), None, through_moves=True) == [
       None, None, None]
+
+
+def test_tie_to_steps_keeps_every_value_bit_for_bit_and_the_gradient():
+  # Normal values only: a device that flushes subnormals to zero in arithmetic flushes them
+  # here too (XLA:CPU does in bfloat16).
+  special = jnp.array([-0.0, 0.0, jnp.inf, -jnp.inf, jnp.nan, 1.5, -2.5e-38], jnp.float32)
+  tree = {"w": special, "half": special.astype(jnp.bfloat16), "count": jnp.arange(3)}
+  steps = (jnp.int32(5), jnp.int32(0))
+  tied = jax.jit(lambda t, s: weight_casts.tie_to_steps(t, s))(tree, steps)
+  for key in ("w", "half"):
+    bits = lambda a: np.asarray(a).view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32)
+    np.testing.assert_array_equal(bits(tied[key]), bits(tree[key]))
+  assert tied["count"].dtype == jnp.int32
+  np.testing.assert_array_equal(tied["count"], tree["count"])
+  weights = jnp.arange(1.0, 8.0)
+  grad = jax.grad(lambda w: jnp.sum(weight_casts.tie_to_steps(w, steps) * weights))(special)
+  np.testing.assert_array_equal(grad, weights)
+
+
+def test_tie_to_steps_makes_the_leaves_depend_on_every_step():
+  # The tie is a value of each loop whose index it reads: traced, the result depends on them.
+  jaxpr = jax.make_jaxpr(lambda w, i, t: weight_casts.tie_to_steps(w, (i, t)))(
+      jnp.ones(3), jnp.int32(1), jnp.int32(2))
+  used = {id(v) for eqn in jaxpr.jaxpr.eqns for v in eqn.invars}
+  assert all(id(v) in used for v in jaxpr.jaxpr.invars)

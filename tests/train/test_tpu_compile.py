@@ -191,3 +191,36 @@ def test_gradients_cross_slices_once_per_step_as_each_devices_share():
   assert sends and all(count == 1 for _, count in sends), sends
   # The largest leaf (tile-aligned; smaller ones are halved after padding to TPU tiles).
   assert max(size for size, _ in sends) == max(leaves) // 2, (sends, leaves)
+
+
+def test_a_weight_tied_to_the_loop_steps_is_cast_inside_the_loops():
+  """XLA's loop-invariant code motion hoists a loop-invariant weight's bfloat16 cast out of the
+  loops (for a stack of layers, the whole stack at once); tied to the loops' indices
+  (``weight_casts.tie_to_steps``), each layer's cast stays where it is used."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  from tpipe.core import weight_casts  # pylint: disable=import-outside-toplevel
+  try:
+    device = tpipe.topology_devices("v5p:2x2x1")[0]
+  except ValueError as error:
+    pytest.skip(f"the TPU compiler is not installed here: {error}")
+  layers, width = 8, 512
+
+  def temporaries(tie):
+    def step(stack, x):
+      def tick(t, h):  # A tick loop around a loop over the stage's layers.
+        def layer(i, h):
+          w = weight_casts.tie_to_steps(stack[i], (i, t)) if tie else stack[i]
+          return jnp.tanh(h.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
+        return lax.fori_loop(0, layers, layer, h)
+      return lax.fori_loop(0, 4, tick, x)
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+            for shape in [(layers, width, width), (128, width)]]
+    return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+  stack_bf16 = layers * width * width * 2
+  hoisted, tied = temporaries(False), temporaries(True)
+  assert hoisted >= stack_bf16, hoisted  # The whole stack cast, live across the loops.
+  assert tied <= hoisted - stack_bf16 * 3 // 4, (tied, hoisted)

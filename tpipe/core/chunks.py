@@ -46,6 +46,7 @@ from tpipe.core import ring as ring_lib
 from tpipe.core import signatures as signatures_lib
 from tpipe.core import spmd
 from tpipe.core import taps as taps_lib
+from tpipe.core import weight_casts
 
 # Names that moved to their own modules, kept here for the modules that read them from chunks.
 PARAMS = view_lib.PARAMS
@@ -97,7 +98,7 @@ class ChunkSet:
       self.fsdp = fsdp_lib.Split.of(self.param_specs, axes.fsdp)
     # Per unit call (branch, segment and the types of its arguments): the variables cast
     # before their gather (:meth:`_unit_variables`).
-    self._casts_before_gather: dict[tuple, dict] = {}
+    self._casts: dict[tuple, dict] = {}
     self.ring = Ring.of(plan)
     self.output_example = _without_rows(plan.layer_inputs[-1])
     self.signatures, self.branch_of_chunk = signatures(plan, layout, stats_layout, self.ring)
@@ -258,7 +259,7 @@ class ChunkSet:
     return [(k, seg) for k, seg in enumerate(self.layout.segments[rep]) if not seg.stacked]
 
   def _gather_packed(self, branch: int, segment: int, tree, one_copy: bool = False,
-                     flat_only: bool = False, casts=None):
+                     flat_only: bool = False, casts=None, tie=None):
     """Packed segment ``segment``'s variables (``tree``: this device's pieces where it holds one
     fsdp block) whole, each leaf split over the partitioner's axes (tensor) as its logical names
     say, the split taken before the gather so the gathered leaf is split too.
@@ -266,7 +267,7 @@ class ChunkSet:
     ``one_copy``: ``tree`` is one copy of a run (inside the scan over its copies), whose leaves
     cut as flattened elements were gathered before the scan; ``flat_only``: gather only those,
     the copy axis kept (what :meth:`_chunk_trees` does for a run); ``casts``: ``{keystr(path):
-    dtype}`` of leaves gathered cast (:meth:`_unit_variables`)."""
+    dtype}`` of leaves gathered cast, each through ``tie`` first (:meth:`_unit_variables`)."""
     rep = self.chunks_of[branch][0]
     j = [k for k, _ in self._packed_segments(branch)].index(segment)
     run = self.layout.segments[rep][segment].copies is not None
@@ -290,7 +291,7 @@ class ChunkSet:
       if pieces and dim != places.FLAT:
         piece = self.fsdp.gather_piece(piece, dim - int(one_copy), whole.shape,
                                        None if spec is None else P(*([None] * lead), *spec),
-                                       dtype)
+                                       dtype, tie)
       return piece
 
     shared = {m.path: g for k, g, m in self.layout.shared_members(rep) if k == segment}
@@ -307,41 +308,42 @@ class ChunkSet:
       fsdp_dim = self.fsdp.shared[name] if self.fsdp is not None else fsdp_lib.NOT_SPLIT
       if fsdp_dim != fsdp_lib.NOT_SPLIT:
         value = self.fsdp.gather_piece(value, fsdp_dim, None, self._shared_specs[name],
-                                       casts.get(key))
+                                       casts.get(key), tie)
       return value.T if transposed[key] else value
 
     return jax.tree_util.tree_map_with_path(
         any_leaf, tree, self.layout.piece_dims(rep)[j], self.layout.packed_shapes(rep)[j],
         self._piece_specs(rep)[j])
 
-  def _unit_variables(self, branch: int, segment: int, params, layer, args):
+  def _unit_variables(self, branch: int, segment: int, params, layer, args, steps):
     """Segment ``segment``'s unit variables whole from ``params`` (this device's pieces where it
-    holds one fsdp block), those the unit only casts cast before their gather: which those are
-    is read from the program of ``layer.apply(variables, *args)``
-    (:func:`tpipe.core.fsdp.casts_before_gather`), once per segment and types of ``args``."""
+    holds one fsdp block), those the unit only casts cast before their gather, tied to the
+    loops' ``steps`` so XLA keeps each cast where the gather needs it
+    (:func:`tpipe.core.weight_casts.tie_to_steps`): which those are is read from the program of
+    ``layer.apply(variables, *args)`` (:func:`tpipe.core.fsdp.casts_before_gather`), once per
+    segment and types of ``args``."""
     seg = self.layout.segments[self.chunks_of[branch][0]][segment]
 
-    def gather(casts):
+    def gather(casts, tie=None):
       if self.fsdp is not None and seg.stacked:
-        return self.fsdp.gather_unit(f"layers_{seg.layer}", params, casts=casts)
+        return self.fsdp.gather_unit(f"layers_{seg.layer}", params, casts=casts, tie=tie)
       if not seg.stacked:
         return self._gather_packed(branch, segment, params, one_copy=seg.copies is not None,
-                                   casts=casts)
+                                   casts=casts, tie=tie)
       return params
 
     if self.fsdp is None:
       return gather({})
     key = (branch, segment, _trace_key(params, args))
-    if key not in self._casts_before_gather:
+    if key not in self._casts:
       # The analysis reads the layer's program on the gathered variables' types (inside
       # shard_map, the mesh axes they vary over too), so it traces a plain gather first; where
       # some are then gathered cast, that first gather is dead code, removed by the compiler.
       whole = gather({})
-      self._casts_before_gather[key] = fsdp_lib.casts_before_gather(
-          whole, lambda v: layer.apply(v, *args))
-      if not self._casts_before_gather[key]:
+      self._casts[key] = fsdp_lib.casts_before_gather(whole, lambda v: layer.apply(v, *args))
+      if not self._casts[key]:
         return whole
-    return gather(self._casts_before_gather[key])
+    return gather(self._casts[key], lambda a: weight_casts.tie_to_steps(a, steps))
 
   def _piece_specs(self, rep: int) -> list:
     """:meth:`tpipe.core.layout.StageLayout.piece_specs` of model chunk ``rep`` over the
@@ -400,7 +402,7 @@ class ChunkSet:
       kwargs = layers_lib.layer_keywords(layer, self.split, *side)
       unit_rngs = layers_lib.unit_rngs(rngs, unit, microbatch) if rngs else {}
       params = self._unit_variables(branch, segment, params, layer,
-                                    (stats, h, kwargs, unit_rngs))
+                                    (stats, h, kwargs, unit_rngs), (unit, microbatch))
       if not tapped:
         return layer.apply(params, stats, h, kwargs, unit_rngs), ()
       run = lambda p, s, h, kw, r: layer.apply(p, s, h, kw, r)

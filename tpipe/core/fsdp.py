@@ -107,20 +107,24 @@ class Split:
     return {**slot, layout_lib.PACKED: packed}
 
   def gather_unit(self, layer: str, params, copy_axis: bool = False,
-                  casts: Mapping[str, Any] | None = None):
+                  casts: Mapping[str, Any] | None = None, tie=None):
     """One unit's weights of stacked layer ``layer`` (``"layers_i"``), whole; with
     ``copy_axis``, every leaf still has its copies' axis in front. ``casts``: ``{keystr(path):
-    dtype}`` of the leaves the unit only casts, gathered cast (:func:`gather_cast`)."""
+    dtype}`` of the leaves the unit only casts, gathered cast (:func:`gather_cast`), each
+    passed through ``tie`` first (an array to an array of the same values; see
+    :func:`tpipe.core.weight_casts.tie_to_steps`) where given."""
     dims, casts = self.stacked[layer], casts or {}
 
     def gather(path, leaf):
       key = jax.tree_util.keystr(path)
       d = dims[key]
-      return leaf if d == NOT_SPLIT else self._gather(leaf, d + int(copy_axis), casts.get(key))
+      if d == NOT_SPLIT:
+        return leaf
+      return self._gather(leaf, d + int(copy_axis), casts.get(key), tie)
 
     return jax.tree_util.tree_map_with_path(gather, params)
 
-  def gather_piece(self, piece, dim: int, shape, spec=None, dtype=None):
+  def gather_piece(self, piece, dim: int, shape, spec=None, dtype=None, tie=None):
     """A packed leaf of ``shape`` whole from this device's piece of it
     (:meth:`tpipe.core.layout.StageLayout.chunk_trees` from one block), cut along ``dim`` or
     :data:`tpipe.core.packed_places.FLAT`: one ``all_gather`` over fsdp, whose transpose leaves
@@ -130,11 +134,14 @@ class Split:
     The gather then runs on each device's part (manual over those axes too), so neither it nor
     its transpose, the reduce-scatter of the gradient, ever holds the leaf whole over them.
 
-    ``dtype``: the leaf is cast to it before the gather (:func:`gather_cast`); not with
+    ``dtype``: the leaf is cast to it before the gather (:func:`gather_cast`), passed through
+    ``tie`` first where given (as :meth:`gather_unit`); not with
     :data:`tpipe.core.packed_places.FLAT` (the piece holds other leaves too)."""
     if dim == places.FLAT:
       flat = self._gather(piece, 0)
       return flat[:math.prod(shape)].reshape(shape)
+    if _casts(piece, dtype) and tie is not None:
+      piece = tie(piece)
     if spec is None:
       return self._gather(piece, dim, dtype)
     names = {a for entry in spec if entry is not None
@@ -142,12 +149,17 @@ class Split:
     return jax.shard_map(lambda p: self._gather(p, dim, dtype), in_specs=spec, out_specs=spec,
                          axis_names=names)(piece)
 
-  def _gather(self, leaf, dim: int, dtype=None):
-    if dtype is None or np.dtype(dtype) == leaf.dtype:
+  def _gather(self, leaf, dim: int, dtype=None, tie=None):
+    if not _casts(leaf, dtype):
       whole = lax.all_gather(leaf, self.axis, axis=dim, tiled=True)
     else:
+      leaf = leaf if tie is None else tie(leaf)
       whole = gather_cast(leaf, self.axis, dim, np.dtype(dtype))
     return checkpoint_name(whole, remat_lib.CHUNK_PARAMS_NAME)
+
+
+def _casts(leaf, dtype) -> bool:
+  return dtype is not None and np.dtype(dtype) != leaf.dtype
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

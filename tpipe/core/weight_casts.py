@@ -17,7 +17,10 @@ cotangent back, the same operation whether the layer or tpipe does the cast.
 FSDP uses it too (:mod:`tpipe.core.fsdp`): a weight gathered whole and only cast (followed
 through moves, ``through_moves=True``) is cast before the gather, so the gather moves the
 bfloat16 weight and the backward holds the weight's whole gradient in bfloat16 until it is
-reduce-scattered in float32 a piece at a time.
+reduce-scattered in float32 a piece at a time. That cast is tied to the loops' step
+(:func:`tie_to_steps`), so XLA computes it where the gather needs it instead of hoisting it out
+of the loops, where a bfloat16 copy of every weight shard of the stage would stay live for the
+whole step.
 
 Example::
 
@@ -31,7 +34,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from tpipe.core import jax_compat
 
@@ -226,3 +231,27 @@ def uncast(grads: Sequence[Any], dtypes: Sequence[Any]) -> list:
   """Gradients of cast leaves back in the leaves' own ``dtypes`` (the transpose of
   :func:`cast`)."""
   return [g.astype(d) if g.dtype != d else g for g, d in zip(grads, dtypes)]
+
+
+def tie_to_steps(tree, steps: Sequence[Any]):
+  """``tree`` with each float leaf ``a`` as ``a - z``: ``z`` is a float32 +0.0 computed from the
+  integer loop indices ``steps`` (a unit's number in a scanned run, the tick's micro-batch), so
+  the leaves vary with every loop the indices vary with. Values are unchanged bit for bit
+  (``a - (+0.0)`` is ``a``, signed zeros, infinities and NaNs included; a subnormal value
+  becomes a zero of its sign on a device that flushes subnormals in arithmetic, as TPUs and
+  XLA:CPU's bfloat16 do), and so are gradients.
+
+  A weight the loops only read is loop-invariant, and XLA's loop-invariant code motion hoists
+  what is computed from it alone (its bfloat16 cast; for a run of stacked weights, the cast of
+  the whole stack) out of the loops, where it stays live for the whole step. Tied, the cast is
+  computed where it is used (``a - z`` fuses into it). XLA does not fold ``x * 0.0`` for floats
+  (it is NaN for an infinite ``x``), so ``z`` stays a value of the loop; an optimization barrier
+  does not keep the cast inside on the TPU compiler (measured: the cast was hoisted all the
+  same).
+  """
+  zero = jnp.zeros((), jnp.float32)
+  for step in steps:
+    zero = zero + jnp.abs(jnp.asarray(step).astype(jnp.float32)) * 0.0
+  zero = lax.stop_gradient(zero)
+  tie = lambda a: a - zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  return jax.tree.map(tie, tree)
