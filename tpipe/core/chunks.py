@@ -514,7 +514,7 @@ class ChunkSet:
           leaves = lambda tree: jax.tree.leaves(tree)
           apply = lambda tree, recs, program=program: program.weight_outputs(leaves(tree), recs)
           tree = trees[k]
-          casts = _casts_read_by(program, tree)
+          casts = weight_casts.casts_read_by(program, tree)
           if not seg.stacked:
             tree = self._gather_packed(index, k, tree, casts=casts)
           if seg.copies is not None:
@@ -592,13 +592,3 @@ def _trace_key(*trees) -> tuple:
   leaves, treedef = jax.tree.flatten(trees)
   return str(treedef), tuple(str(jax.typeof(a)) if hasattr(a, "shape") and hasattr(a, "dtype")
                              else repr(a) for a in leaves)
-
-
-def _casts_read_by(program, tree) -> dict:
-  """``{keystr(path): dtype}`` of the leaves of ``tree`` (a unit's variables as stored) that the
-  traced ``program`` (:func:`tpipe.core.taps.trace`) read in another dtype: gathered cast."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  avals = program.closed.in_avals[:program.num_params]
-  assert len(flat) == len(avals), (len(flat), len(avals))
-  return {jax.tree_util.keystr(path): aval.dtype for (path, leaf), aval in zip(flat, avals)
-          if aval.dtype != leaf.dtype}

@@ -255,3 +255,14 @@ def tie_to_steps(tree, steps: Sequence[Any]):
   zero = lax.stop_gradient(zero)
   tie = lambda a: a - zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
   return jax.tree.map(tie, tree)
+
+
+def casts_read_by(program, tree) -> dict:
+  """``{keystr(path): dtype}`` of the leaves of ``tree`` (a unit's variables as stored) that the
+  traced ``program`` (:func:`tpipe.core.taps.trace`) read in another dtype: gathered cast, so a
+  pass over the same program (the weight pass of a split backward) casts the same leaves."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  avals = program.closed.in_avals[:program.num_params]
+  assert len(flat) == len(avals), (len(flat), len(avals))
+  return {jax.tree_util.keystr(path): aval.dtype for (path, leaf), aval in zip(flat, avals)
+          if aval.dtype != leaf.dtype}
