@@ -121,6 +121,10 @@ ROWS = [
         "11.09 (circular, its best)"),
     Row("circular R = 2", "llama3-8b", _layout(4, 8, 2),
         dict(schedule="circular", num_repeats=2, num_microbatches=16)),
+    Row("zb_h1 (weight_recompute none)", "llama3-8b", _layout(4, 8, 2),
+        dict(schedule="zb_h1", num_microbatches=16)),
+    Row("zb_h1, weight_recompute backward", "llama3-8b", _layout(4, 8, 2),
+        dict(schedule="zb_h1", num_microbatches=16, weight_recompute="backward")),
     Row("default (gpipe)", "llama3-8b", _layout(8, 4, 2), dict(schedule=G, num_microbatches=16)),
     Row("1f1b, granularity layer", "llama3-8b", _layout(8, 4, 2),
         dict(schedule=F, num_microbatches=16, remat_granularity="layer")),
@@ -140,7 +144,7 @@ ROWS = [
     Row("1f1b, default granularity", "gemma-256k", _layout(2, 4, 1),
         dict(schedule=F, num_microbatches=8)),
 ]
-SMOKE_ROWS = [ROWS[12]]
+SMOKE_ROWS = [next(row for row in ROWS if row.model == "shape-a")]
 
 
 def config_for(row: Row):
