@@ -426,10 +426,7 @@ class ChunkSet:
     rep = self.chunks_of[branch][0]
     r = self._local(branch, chunk)
     local = self._param_slot(staged[PARAMS], branch, chunk)
-    if tie_to_tick:
-      # Tied to this tick's micro-batch, the slice varies with the tick loop, so XLA cannot
-      # hoist what the layers compute from it alone (their bfloat16 casts of the stage's
-      # weights) out of the loop, where it would stay live for the whole step.
+    if tie_to_tick:  # See :meth:`branch`.
       local, _ = lax.optimization_barrier((local, jnp.asarray(microbatch, jnp.float32)))
     local = checkpoint_name(local, remat_lib.CHUNK_PARAMS_NAME)
     trees = self._chunk_trees(local, branch, chunk)
@@ -454,9 +451,14 @@ class ChunkSet:
     ``jax.checkpoint`` with ``policy`` (``remat.FULL`` for ``None``: save nothing; ``None`` for
     no checkpoint). ``sums`` (with running statistics only) is the chunk's slot of pooled
     statistics. ``tie_to_tick`` ties the parameter slice to the tick (an optimization barrier
-    with the micro-batch index) so the layers' weight casts stay inside the tick; the forward
-    tick loop asks for it, the fused one not (there it raised the step's peak on the TPU target,
-    measured with experiments/tpu_memory.py with and without it)."""
+    with the micro-batch index); the forward tick loop asks for it, the fused one not (there it
+    raised the step's peak on the TPU target, measured with experiments/tpu_memory.py with and
+    without it). It was added to keep the layers' weight casts inside the tick; today's TPU
+    compiler hoists them all the same (the same bytes with and without it on every forward-loop
+    row probed), and FSDP's casts stay inside through :func:`weight_casts.tie_to_steps`.
+    Without it XLA:CPU's autodiff through the forward ticks needs less (8.7 against 13.2 MB in
+    the reference of tests/core/test_remat.py's backward-by-units test, whose 2x margin it
+    would then miss); removing it waits for a change that revisits that comparison."""
 
     # A chunk program's signature: each operand is split, switched or differentiated its own way.
     def run(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk):
