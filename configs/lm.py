@@ -167,7 +167,7 @@ def get_config(arg=None):
   config.family = ""
   # The loss a vocabulary slice at a time (a divisor of vocab_size): the head never forms a
   # micro-batch's whole [batch, seq, vocab] logits. 0: as many slices as keep each slice's
-  # logits on a device near 256 MiB, none while they are under 512 MiB; 1: all at once.
+  # logits on a device at most 64 MiB, none while they are under 512 MiB; 1: all at once.
   config.vocab_chunks = 0
   # How the model is written: "linen" (tpipe.train.models) or "nnx" (tpipe.train.models_nnx,
   # the same LM in Flax NNX; same parameter names, so the same checkpoints).
