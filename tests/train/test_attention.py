@@ -155,19 +155,27 @@ def test_is_causal_adds_the_causal_mask():
         ours, nn.dot_product_attention(query, key, value, mask=combined))
 
 
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("masked", [None, "causal", "per_row"])
 @pytest.mark.parametrize("query_block", [512, 2])
 def test_grouped_attention_equals_its_plain_composition_and_its_gradients(masked, query_block,
                                                                           monkeypatch):
   """Llama's grouped-query attention: the same outputs as softmax of the float32 scores, and
   the gradients autodiff gives the plain composition (float32 inputs: the numerics rule), whole
-  or one block of queries at a time (``query_block=2``: three blocks of six queries)."""
+  or one block of queries at a time (``query_block=2``: three blocks of six queries, each row of
+  the batch of two on its own), with no mask, one mask for every row, or a mask per row."""
   monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
   b, s, g, r, d = 2, 6, 2, 3, 4
-  keys = jax.random.split(jax.random.key(3), 4)
+  keys = jax.random.split(jax.random.key(3), 5)
   q = jax.random.normal(keys[0], (b, s, g, r, d))
   k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
-  mask = (jnp.tril(jnp.ones((s, s), bool))[None, None, None] if masked else None)
+  causal = jnp.tril(jnp.ones((s, s), bool))[None, None, None]
+  # Per row: causal, some keys dropped in each row (never a query's own).
+  dropped = jax.random.bernoulli(keys[4], 0.4, (b, 1, 1, 1, s)) & ~jnp.eye(s, dtype=bool)
+  mask = {None: None, "causal": causal, "per_row": causal & ~dropped}[masked]
+  rows_seen = []
+  block_forward = attention._grouped_block_forward  # pylint: disable=protected-access
+  monkeypatch.setattr(attention, "_grouped_block_forward",
+                      lambda q, *a: rows_seen.append(q.shape[0]) or block_forward(q, *a))
   cotangent = jax.random.normal(keys[3], (b, s, g, r, d))
 
   def plain(q, k, v, float32=True):
@@ -191,6 +199,7 @@ def test_grouped_attention_equals_its_plain_composition_and_its_gradients(masked
   numerics.assert_as_close_as_plain(jax.jit(vjp_of(grouped))(q, k, v, cotangent),
                                     jax.jit(vjp_of(plain))(q, k, v, cotangent), exact,
                                     what="gradients")
+  assert set(rows_seen) == ({b} if query_block > s else {1}), rows_seen
 
 
 def test_llama_blocks_attend_in_query_blocks_inside_a_fused_pipeline(monkeypatch):
