@@ -210,12 +210,13 @@ def _by_rows(fn, arrays, mask):
   keeps its batch axis of 1), the results stacked back into ``[batch, ...]``. ``mask`` has one
   row per batch row or broadcasts (a leading 1), or is None.
 
-  The blocked passes of :func:`grouped_attention` run a row at a time: over several rows the
-  TPU compiler materialises each block's ``[batch, kv heads, groups, block, keys]`` float32
-  intermediates (the mask's and the softmax's) instead of fusing them as it does for one row.
-  The gradient of one layer's attention at sequence 4096 (4 key/value heads of 128, 4 query
-  heads each) on one v5p chip needs 261 MiB of temporaries for one row, 1634 MiB for two rows
-  at once and 516 row by row; 3268 and 470 for four rows."""
+  The blocked passes of :func:`grouped_attention` run a row at a time (a loop of one step for
+  one row, which XLA removes): over several rows at once the TPU compiler materialises each
+  block's ``[batch, kv heads, groups, block, keys]`` float32 intermediates (the mask's and the
+  softmax's) instead of fusing them as it does for one row. The gradient of one layer's
+  attention at sequence 4096 (4 key/value heads of 128, 4 query heads each) on one v5p chip
+  needs 261 MiB of temporaries for one row, 1634 MiB for two rows at once and 335 row by row;
+  3268 and 369 for four rows."""
   per_row = (mask is not None and mask.ndim == arrays[0].ndim
              and mask.shape[0] == arrays[0].shape[0])
 
@@ -244,12 +245,10 @@ def _grouped_forward(query, key, value, mask, sqrt_depth):
   count, _ = _query_blocks(query, mask)
   if count == 1:
     out, peak, total = _grouped_block_forward(query, key, value, mask, sqrt_depth)
-  elif query.shape[0] > 1:
+  else:
     out, peak, total = _by_rows(
         lambda q, k, v, m: _grouped_blocked_forward(q, k, v, m, sqrt_depth),
         (query, key, value), mask)
-  else:
-    out, peak, total = _grouped_blocked_forward(query, key, value, mask, sqrt_depth)
   return out, (query, key, value, mask, peak, total)
 
 
@@ -286,13 +285,10 @@ def _grouped_backward(sqrt_depth, saved, cotangent):
   count, _ = _query_blocks(query, mask)
   if count == 1:
     grads = _grouped_block_backward(query, key, value, mask, peak, total, cotangent, sqrt_depth)
-  elif query.shape[0] > 1:
+  else:
     grads = _by_rows(
         lambda q, k, v, p, t, g, m: _grouped_blocked_backward(q, k, v, m, p, t, g, sqrt_depth),
         (query, key, value, peak, total, cotangent), mask)
-  else:
-    grads = _grouped_blocked_backward(query, key, value, mask, peak, total, cotangent,
-                                      sqrt_depth)
   return (*grads, None)
 
 
