@@ -28,7 +28,9 @@ live at the peak by role, and where the rest of the peak is:
 * **live at peak**: the values live at the buffer assignment's busiest point (the compiler's
   own ``peak_memory_in_bytes`` is this, less padding);
 * **fragmentation**: the temporaries' allocation less what of it is live at the peak (buffers
-  live at other times that could not be packed around the peak);
+  live at other times that could not be packed around the peak). The gradient sums live in the
+  new parameters' output buffers (the step does not donate the parameters, and the update
+  overwrites the sums in place), so they are live at the peak but not in this allocation;
 * **beyond the buffer assignment**: ``memory_analysis()``'s temporaries less the buffer
   assignment's temporary allocation. The TPU compiler reserves it outside the HLO buffer
   assignment; no dumped buffer names it. It is not tpipe's: the grad of a ``lax.scan`` of
@@ -194,7 +196,7 @@ def main():
     allocated = breakdown.allocated_temporaries or 0
     parts.append(
         f"| {row.model} {layout} | {row.label} | " + " | ".join(gib(n) for n in sums.values())
-        + f" | {gib(breakdown.total)} | {gib(allocated - breakdown.temporaries)} | "
+        + f" | {gib(breakdown.total)} | {gib(allocated - breakdown.in_temporaries)} | "
         f"{gib(memory.temp_size_in_bytes - allocated)} | {gib(floor)} | "
         f"{peak_bytes / floor:.2f} |")
     print(table[-1], parts[-1], sep="\n", flush=True)

@@ -114,7 +114,7 @@ def main():
                 f"{gib(breakdown.temporaries)} GiB (no role explains "
                 f"{gib(breakdown.unexplained)} GiB of them). Buffer assignment reserves "
                 f"{gib(allocated)} GiB for temporaries (what is live at other times, packed "
-                f"around the peak: {gib(allocated - breakdown.temporaries)} GiB more); "
+                f"around the peak: {gib(allocated - breakdown.in_temporaries)} GiB more); "
                 f"`memory_analysis()` reports {gib(memory.temp_size_in_bytes)} GiB "
                 f"({gib(memory.temp_size_in_bytes - allocated)} GiB beyond the dumped "
                 "buffer assignment, which this breakdown cannot see into).", "",

@@ -221,6 +221,8 @@ def test_make_train_step_validation():
     tpipe.make_train_step(lambda p, b, r: 0.0, "sgd")
   with pytest.raises(TypeError, match="loss_fn must be callable"):
     tpipe.make_train_step(None, optax.sgd(0.1))
+  with pytest.raises(ValueError, match="donate_params=True needs donate=True"):
+    tpipe.make_train_step(lambda p, b, r: 0.0, optax.sgd(0.1), donate=False, donate_params=True)
 
 
 def _abstract_state(mesh, optimizer, batch):
@@ -254,6 +256,42 @@ def _compile_step(microbatches, schedule="gpipe", repeats=1):
   return step.lower(state, batch, jax.random.key(0)).compile(), state, mesh
 
 
+@pytest.mark.parametrize("donate,donate_params", [(True, False), (True, True), (False, False)])
+def test_the_step_donates_the_optimizer_state_and_the_parameters_if_asked(donate,
+                                                                          donate_params):
+  batch = _batch(64)
+  mesh = tpipe.make_mesh(stages=4, data=2)
+  model = Regressor(stages=4, microbatches=4, data=2)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  state = _abstract_state(mesh, optimizer, batch)
+  batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                      sharding=tpipe.data_sharding(mesh)), batch)
+  step = tpipe.make_train_step(_pipelined_loss_fn(model), optimizer, donate=donate,
+                               donate_params=donate_params)
+  lowered = step.lower(state, batch, jax.random.key(0))
+  assert isinstance(lowered, jax.stages.Lowered)
+  # The donated leaves are the first two arguments' (parameters, the rest of the state).
+  donated = [leaf.donated for leaf in jax.tree.leaves(lowered.args_info[0][:2])]
+  params, rest = len(jax.tree.leaves(state.params)), len(jax.tree.leaves(state)) - len(
+      jax.tree.leaves(state.params))
+  assert donated == [donate_params] * params + [donate] * rest
+
+  # Called for real: the new state is whole and the donated input buffers are gone.
+  params = Regressor(stages=1, microbatches=1, data=1).init(jax.random.key(0), _batch()["x"])
+  real = tpipe.create_train_state(params["params"], optimizer,
+                                  tpipe.shardings(params["params"], mesh, stacked=("blocks",)))
+  step = tpipe.make_train_step(_pipelined_loss_fn(model), optimizer,
+                               shardings=_own_shardings(real), donate=donate,
+                               donate_params=donate_params)
+  new_state, _ = step(real, jax.device_put(_batch(64), tpipe.data_sharding(mesh)),
+                      jax.random.key(0))
+  assert int(new_state.step) == 1
+  kernel = real.params["Dense_0"]["kernel"]
+  momentum = jax.tree.leaves(real.opt_state)[0]
+  assert kernel.is_deleted() == donate_params
+  assert momentum.is_deleted() == donate
+
+
 def _specs_by_path(tree):
   return {jax.tree_util.keystr(path): sharding.spec
           for path, sharding in jax.tree_util.tree_leaves_with_path(tree)}
@@ -265,9 +303,10 @@ def test_data_parallel_reduction_happens_once_per_step_not_per_microbatch(schedu
     compiled, state, mesh = _compile_step(microbatches, schedule, repeats)
     # The step compiled for the stage-split layout: stacked parameters and their momenta over
     # 'stage', the rest replicated, exactly as the abstract state says.
-    compiled_state = compiled.input_shardings[0][0]
-    specs = _specs_by_path(compiled_state.params)
-    specs.update(_specs_by_path(compiled_state.opt_state))
+    # The jitted program takes the parameters and the rest of the state as two arguments.
+    compiled_params, compiled_rest = compiled.input_shardings[0][:2]
+    specs = _specs_by_path(compiled_params)
+    specs.update(_specs_by_path(compiled_rest.opt_state))
     stacked = {path: spec for path, spec in specs.items() if "'blocks'" in path}
     assert len(stacked) == 8 and set(stacked.values()) == {P("stage")}, specs
     assert set(specs.values()) == {P(), P("stage")}, specs

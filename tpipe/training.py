@@ -184,9 +184,41 @@ def create_train_state(params, optimizer: optax.GradientTransformation,
                     model_state=model_state)
 
 
+class TrainStep:
+  """The jitted step :func:`make_train_step` returns: ``step(state, batch, rng) -> (state,
+  metrics)``, and ``step.lower(state, batch, rng)`` for ahead-of-time compilation (a
+  :class:`jax.stages.Lowered`, as ``jax.jit(...).lower`` gives).
+
+  Inside, the jitted program takes the parameters and the rest of the state as two arguments,
+  so that each can be donated or not on its own (``jax.jit`` donates whole arguments).
+  """
+
+  def __init__(self, jitted):
+    self.jitted = jitted  # jitted(params, state without params, batch, rng).
+
+  @staticmethod
+  def _parts(state: TrainState):
+    return state.params, state.replace(params=None)
+
+  def __call__(self, state: TrainState, batch, rng):
+    return self.jitted(*self._parts(state), batch, rng)
+
+  def lower(self, state: TrainState, batch, rng) -> jax.stages.Lowered:
+    return self.jitted.lower(*self._parts(state), batch, rng)
+
+
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
-                    shardings=None, donate: bool = True):
+                    shardings=None, donate: bool = True,
+                    donate_params: bool = False) -> TrainStep:
   """Builds the jitted synchronous-SGD step ``step(state, batch, rng) -> (state, metrics)``.
+
+  By default the step donates the input state's optimizer state (and step counter and model
+  state) to the new state's, and writes the new parameters to buffers of their own. Donating
+  the parameters as well costs more than it saves with the TPU compiler: they are read all
+  through the pipeline's loops and overwritten only at the end, and the compiler then holds
+  about two more copies of them in its temporaries (a Llama-3-8B-shaped step on 64 v5p chips:
+  4.14 GiB of temporaries with the parameters donated, 3.11 without, for 0.54 GiB of
+  parameters per device; ``experiments/results/memory_at_scale.md``).
 
   Args:
     loss_fn: ``loss_fn(params, batch, rng) -> loss``, the mean over the global batch (a
@@ -197,17 +229,26 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     optimizer: an optax gradient transformation.
     shardings: optional ``TrainState`` of shardings (see :func:`shardings`); the new state is
       constrained to them so parameters stay where they were.
-    donate: donate the input state's buffers to the output (halves the state's peak memory).
+    donate: donate the input state's optimizer state, step counter and model state to the
+      output (the optimizer state is most of the state: AdamW's two moments are twice the
+      parameters).
+    donate_params: donate the parameters too (with ``donate``). Off by default (see above);
+      measure with ``step.lower(...).compile().memory_analysis()`` before turning it on.
 
   Returns:
-    The jitted step. ``metrics`` holds ``loss`` (before the update) and ``grad_norm``.
+    The jitted step (a :class:`TrainStep`). ``metrics`` holds ``loss`` (before the update) and
+    ``grad_norm``. The input state's donated buffers are invalid after a call.
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}.")
+  if donate_params and not donate:
+    raise ValueError("donate_params=True needs donate=True: the parameters are donated only "
+                     "with the rest of the state.")
 
-  def step(state: TrainState, batch, rng):
+  def step(params, rest: TrainState, batch, rng):
+    state = rest.replace(params=params)
     if state.model_state is None:
       loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, rng)
       model_state = None
@@ -222,4 +263,5 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       new_state = jax.lax.with_sharding_constraint(new_state, shardings)
     return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+  donated = ((0, 1) if donate_params else (1,)) if donate else ()
+  return TrainStep(jax.jit(step, donate_argnums=donated))

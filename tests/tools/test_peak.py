@@ -85,6 +85,28 @@ def test_values_sharing_a_buffer_count_once_at_the_allocated_size():
   assert "| stash | 512 B | 69.6% |" in breakdown.format()
 
 
+@pytest.mark.unit  # Text only.
+def test_a_temporary_kept_in_an_output_buffer_is_not_counted_in_the_temporaries_allocation():
+  # g (a gradient sum) lives in the buffer of an output that is not a donated argument, as the
+  # TPU compiler keeps the gradient sums in the new parameters' buffers.
+  assignment = ASSIGNMENT.replace(
+      " value: <5 g @0> (size=64,offset=512): f32[4,4]{1,0}\n", "") + (
+      "\nallocation 3: size 64, maybe-live-out:\n"
+      " value: <5 g @0> (size=64,offset=0): f32[4,4]{1,0}")
+  assert peak.output_allocations(assignment) == {3}
+  values = {v.name: v for v in peak.peak_values(LIVE, HLO, assignment_text=assignment)}
+  assert [n for n, v in values.items() if v.in_output] == ["g{}"]
+  breakdown = peak.PeakBreakdown(tuple(values.values()))
+  assert breakdown.temporaries == 608 and breakdown.in_outputs == 64
+  assert breakdown.in_temporaries == 544
+  # Donated arguments' buffers may hold outputs too; the arguments themselves are not counted.
+  donated = assignment.replace("parameter 0, shape |f32[4,4]| at ShapeIndex {}:",
+                               "parameter 0, shape |f32[4,4]| at ShapeIndex {}, maybe-live-out:")
+  assert peak.output_allocations(donated) == {0, 3}
+  values = peak.peak_values(LIVE, HLO, assignment_text=donated)
+  assert peak.PeakBreakdown(tuple(values)).in_outputs == 64
+
+
 # The same program's values with their schedule positions; the dump's own (peak) section names
 # position 3, where fewer bytes are in use than at 5.
 RANGES = '''HloLiveRange (max 9):
@@ -210,7 +232,11 @@ def test_a_gpipe_step_on_cpu_is_explained():
   assert roles["stash"] >= 8 * 8 * 128 * 4, breakdown.format(30)
   assert breakdown.unexplained < 0.1 * breakdown.temporaries, breakdown.format()
   memory = compiled.memory_analysis()
-  assert breakdown.temporaries <= breakdown.allocated_temporaries <= memory.temp_size_in_bytes
+  assert breakdown.in_temporaries <= breakdown.allocated_temporaries <= memory.temp_size_in_bytes
+  # The new parameters are not donated: the compiler may keep values of the step (the gradient
+  # sums on the TPU, a parameter copy here) in their output buffers before the update writes
+  # them; those are the only output buffers (SGD has no state), so they hold no more than that.
+  assert 0 < breakdown.in_outputs <= per_device, breakdown.format(30)
 
 
 @pytest.mark.unit

@@ -106,6 +106,10 @@ class LiveValue:
     shape: its array shape as printed (``"bf16[19,2,1024,2048]"``), or ``""`` if unknown.
     origin: the ``op_name`` of the instruction that made it (through loops), or ``""``.
     role: one of :data:`ROLES`.
+    in_output: it lives in a buffer the program returns (buffer assignment may put a value
+      made during the step in an output's buffer, or a donated argument's, before the output
+      is written there), not in the temporaries' allocation; False when the buffer assignment
+      was not read.
   """
 
   name: str
@@ -113,6 +117,7 @@ class LiveValue:
   shape: str
   origin: str
   role: str
+  in_output: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +155,17 @@ class PeakBreakdown:
     return self.total - self.arguments
 
   @property
+  def in_outputs(self) -> int:
+    """Bytes of the temporaries that live in output buffers (counted by ``memory_analysis()``
+    as outputs, not temporaries)."""
+    return sum(v.bytes for v in self.values if v.in_output and v.role not in ARGUMENT_ROLES)
+
+  @property
+  def in_temporaries(self) -> int:
+    """Bytes of the temporaries that live in the temporaries' allocation."""
+    return self.temporaries - self.in_outputs
+
+  @property
   def unexplained(self) -> int:
     return sum(v.bytes for v in self.values if v.role == "other")
 
@@ -160,8 +176,8 @@ class PeakBreakdown:
     """A table of bytes per role and the ``count`` largest values."""
     gib = _format_bytes
     lines = [f"Live at the peak: {gib(self.total)} (arguments {gib(self.arguments)}, "
-             f"temporaries {gib(self.temporaries)}; unexplained "
-             f"{gib(self.unexplained)})."]
+             f"temporaries {gib(self.temporaries)}, {gib(self.in_outputs)} of them in output "
+             f"buffers; unexplained {gib(self.unexplained)})."]
     if self.allocated_temporaries is not None:
       lines[0] += (f" Buffer assignment reserves {gib(self.allocated_temporaries)} for "
                    "temporaries (buffers live at other times packed around these).")
@@ -262,6 +278,14 @@ def temporary_allocation(buffer_assignment_text: str) -> int:
     if found and "preallocated-temp" in found.group(2) and "color" not in found.group(2):
       total += int(found.group(1))
   return total
+
+
+def output_allocations(buffer_assignment_text: str) -> set[int]:
+  """The allocations of a ``*-buffer-assignment.txt`` dump that may hold the program's
+  outputs (``maybe-live-out``: output buffers of their own and donated arguments')."""
+  found = (re.match(r"^allocation (\d+): .*maybe-live-out", line)
+           for line in buffer_assignment_text.splitlines())
+  return {int(m.group(1)) for m in found if m and "preallocated-temp" not in m.group(0)}
 
 
 def parse_assignment(buffer_assignment_text: str) -> dict:
@@ -467,6 +491,7 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
         param_dims.add(_dims(hlo_lib.ArrayShape(shape.dtype, dims[:1] + dims[2:])))
   param_dims.discard(())
   placed = parse_assignment(assignment_text) if assignment_text else {}
+  outputs = output_allocations(assignment_text) if assignment_text else set()
   buffers: dict = {}  # one entry per buffer: the values that share it
   live = parse_peak(live_range_text)
   ranges = parse_live_ranges(live_range_text) if placed else []
@@ -496,7 +521,8 @@ def peak_values(live_range_text: str, hlo_text: str, *, assignment_text: str = "
         role = "gradient accumulators"
     shape = f"{array.dtype}[{','.join(map(str, array.dims))}]" if array is not None else ""
     value = LiveValue(name=f"{name}{{{','.join(map(str, index))}}}", bytes=size, shape=shape,
-                      origin=origin, role=role)
+                      origin=origin, role=role,
+                      in_output=where is not None and where[0] in outputs)
     buffers.setdefault(key, []).append(value)
   # Of the values sharing a buffer, the most specific role names it (a loop's carried value is
   # a stash or an accumulator where its initial zeros are only a working set).

@@ -254,7 +254,7 @@ class Experiment:
     pipeline: the model's engine pipeline with its split fixed, for training batches.
     optimizer: the optax transformation (on staged parameters).
     train_step: jitted ``step(state, batch, rng) -> (state, {"loss", "grad_norm"})`` from
-      :func:`tpipe.make_train_step`; donates ``state``.
+      :func:`tpipe.make_train_step`; donates ``state``'s optimizer state, not its parameters.
     eval_step: jitted ``eval_step(state, batch) -> {"loss", "correct", "count"}``: sums over
       the batch's real examples (dropout off, BatchNorm's running statistics); ``correct`` is
       absent for tasks without accuracy.
