@@ -223,6 +223,9 @@ def test_make_train_step_validation():
     tpipe.make_train_step(None, optax.sgd(0.1))
   with pytest.raises(ValueError, match="donate_params=True needs donate=True"):
     tpipe.make_train_step(lambda p, b, r: 0.0, optax.sgd(0.1), donate=False, donate_params=True)
+  step = tpipe.make_train_step(lambda p, b, r: 0.0, optax.sgd(0.1))
+  with pytest.raises(TypeError, match="takes a tpipe.TrainState, got dict"):
+    step({"params": {}}, {}, jax.random.key(0))
 
 
 def _abstract_state(mesh, optimizer, batch):

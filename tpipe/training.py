@@ -198,6 +198,9 @@ class TrainStep:
 
   @staticmethod
   def _parts(state: TrainState):
+    if not isinstance(state, TrainState):
+      raise TypeError(f"the train step takes a tpipe.TrainState, got {type(state).__name__}; "
+                      "build one with tpipe.create_train_state(params, optimizer, shardings).")
     return state.params, state.replace(params=None)
 
   def __call__(self, state: TrainState, batch, rng):
@@ -216,7 +219,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   state) to the new state's, and writes the new parameters to buffers of their own. Donating
   the parameters as well costs more than it saves with the TPU compiler: they are read all
   through the pipeline's loops and overwritten only at the end, and the compiler then holds
-  about two more copies of them in its temporaries (a Llama-3-8B-shaped step on 64 v5p chips:
+  about two more copies of them in its temporaries, where with buffers of their own it
+  accumulates the gradient sums in those buffers (a Llama-3-8B-shaped step on 64 v5p chips:
   4.14 GiB of temporaries with the parameters donated, 3.11 without, for 0.54 GiB of
   parameters per device; ``experiments/results/memory_at_scale.md``).
 
