@@ -223,6 +223,8 @@ def test_make_train_step_validation():
     tpipe.make_train_step(None, optax.sgd(0.1))
   with pytest.raises(ValueError, match="donate_params=True needs donate=True"):
     tpipe.make_train_step(lambda p, b, r: 0.0, optax.sgd(0.1), donate=False, donate_params=True)
+  with pytest.raises(TypeError, match="donate_params must be True or False, got 'yes'"):
+    tpipe.make_train_step(lambda p, b, r: 0.0, optax.sgd(0.1), donate_params="yes")
   step = tpipe.make_train_step(lambda p, b, r: 0.0, optax.sgd(0.1))
   with pytest.raises(TypeError, match="takes a tpipe.TrainState, got dict"):
     step({"params": {}}, {}, jax.random.key(0))

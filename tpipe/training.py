@@ -247,6 +247,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}.")
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(f"optimizer must be an optax.GradientTransformation, got {optimizer!r}.")
+  for name, value in (("donate", donate), ("donate_params", donate_params)):
+    if not isinstance(value, bool):
+      raise TypeError(f"{name} must be True or False, got {value!r}.")
   if donate_params and not donate:
     raise ValueError("donate_params=True needs donate=True: the parameters are donated only "
                      "with the rest of the state.")
