@@ -50,6 +50,7 @@ from tpipe.core import checkpoint_form
 from tpipe.core import relayout
 from tpipe.train import architecture
 from tpipe.train import cli
+from tpipe.train import compact_moments
 from tpipe.train import tasks as tasks_lib
 from tpipe.train import tied
 
@@ -197,8 +198,8 @@ def staged_weight_decay(weight_decay: float,
   return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(config: ml_collections.ConfigDict,
-                   layout: layout_lib.StageLayout) -> optax.GradientTransformation:
+def make_optimizer(config: ml_collections.ConfigDict, layout: layout_lib.StageLayout,
+                   compact_leaves=None) -> optax.GradientTransformation:
   """AdamW with linear warm-up then cosine decay, after global-norm clipping, on staged params.
 
   Weight decay applies to matrices and embeddings only (leaves named as :data:`DECAYED_NAMES`
@@ -206,6 +207,8 @@ def make_optimizer(config: ml_collections.ConfigDict,
   With ``config.tie_embeddings`` the embedding's and the head's gradients are summed and
   counted once by the clipping (:mod:`tpipe.train.tied`).
   Padding in the staged buffers has zero gradients, so it stays zero and changes no norm.
+  Adam's moments of the shared leaves in ``compact_leaves``
+  (:func:`tpipe.train.compact_moments.plan`) keep their real entries only.
   """
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0,
@@ -218,7 +221,8 @@ def make_optimizer(config: ml_collections.ConfigDict,
     clip = tied.tied_clip_by_global_norm(config.grad_clip, layout)
   return optax.chain(
       clip,
-      optax.scale_by_adam(b1=0.9, b2=0.95),
+      compact_moments.without_padding(optax.scale_by_adam(b1=0.9, b2=0.95),
+                                      compact_leaves or {}),
       staged_weight_decay(config.weight_decay, layout),
       optax.scale_by_learning_rate(schedule))
 
@@ -277,6 +281,12 @@ class Experiment:
     """Where the parameters live in the stage layout."""
     return self.pipeline.layout
 
+  @functools.cached_property
+  def compact_leaves(self) -> dict[str, compact_moments.CompactLeaf]:
+    """The shared leaves whose optimizer moments keep their real entries only
+    (:mod:`tpipe.train.compact_moments`)."""
+    return compact_moments.plan(self.layout, self.mesh)
+
   @property
   def stats_layout(self) -> layout_lib.StageLayout | None:
     """Where BatchNorm's statistics live (None without any)."""
@@ -311,10 +321,12 @@ class Experiment:
     # over stages on their stage axis; scalars (the step, Adam's count) replicated.
     unplaced = lambda tree: jax.tree.map(
         lambda a: P() if isinstance(a, jax.ShapeDtypeStruct) else a, tree)
+    moment_specs = compact_moments.partition_specs(param_specs, self.compact_leaves)
+    specs_of = lambda t: (moment_specs if compact_moments.is_compact(t, self.compact_leaves)
+                          else param_specs)
     specs = shapes.replace(
         step=P(), params=param_specs,
-        opt_state=unplaced(_map_param_trees(lambda _: param_specs, shapes.opt_state,
-                                            staged_def)),
+        opt_state=unplaced(_map_param_trees(specs_of, shapes.opt_state, staged_def)),
         model_state=(self.stats_layout.partition_specs() if self.stats_layout else None))
     return self._placed(shapes, specs)
 
@@ -363,7 +375,10 @@ class Experiment:
   def _to_logical(self, state):
     (layout, specs), stats = self._collections()
     staged_def = jax.tree.structure(self._abstract_state.params)
-    convert = lambda trees: relayout.to_checkpoint(layout, trees, specs, self.mesh)
+    leaves = self.compact_leaves
+    convert = lambda trees: relayout.to_checkpoint(
+        layout, [compact_moments.expand(t, leaves) if compact_moments.is_compact(t, leaves)
+                 else t for t in trees], specs, self.mesh)
     model_state = None
     if stats is not None:
       model_state = relayout.to_checkpoint(*stats[:1], state.model_state, stats[1], self.mesh)
@@ -387,8 +402,16 @@ class Experiment:
                          "this model's BatchNorm layers need; was it written by another model?")
       everything = {k: state.model_state.get(k, {}) for k in stats[0].logical}
       model_state = relayout.from_checkpoint(stats[0], everything, stats[1], self.mesh)
-    return _map_param_trees_together(convert, state.replace(model_state=None),
-                                     logical_def).replace(model_state=model_state)
+    state = _map_param_trees_together(convert, state.replace(model_state=None), logical_def)
+    # The moments the optimizer keeps compact (tpipe.train.compact_moments), as it keeps them.
+    leaves = self.compact_leaves
+    staged_def = jax.tree.structure(self._abstract_state.params)
+    opt_state = jax.tree.map(
+        lambda t, target: (compact_moments.compact(t, leaves)
+                           if compact_moments.is_compact(target, leaves) else t),
+        state.opt_state, self._abstract_state.opt_state,
+        is_leaf=lambda t: jax.tree.structure(t) == staged_def)
+    return state.replace(opt_state=opt_state, model_state=model_state)
 
   @functools.cached_property
   def _abstract_checkpoint(self):
@@ -487,7 +510,8 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
   model = make_model(config, mesh)
   pipeline = model.pipeline_for(x, rng_names=("dropout",), **kwargs)
   exp = Experiment(config=config, task=task, mesh=mesh, model=model, pipeline=pipeline,
-                   optimizer=make_optimizer(config, pipeline.layout))
+                   optimizer=make_optimizer(
+                       config, pipeline.layout, compact_moments.plan(pipeline.layout, mesh)))
 
   def loss_fn(params, batch, rng, model_state=None):
     x, kwargs = task.model_inputs(batch)
