@@ -29,6 +29,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from tpipe.core import layout as layout_lib
+from tpipe.core import layout_description
 
 SHARED = layout_lib.SHARED
 
@@ -43,12 +44,15 @@ class CompactLeaf:
     staged_shape: the staged leaf's shape ``[P, S, *shape]``.
     spec: the compact array's partition spec (``[E, *shape]``, the stage axis added to the
       first dimension it divides).
+    sources: per entry, the logical weight it holds: ``(layer, path, transposed)``
+      (``layers_{layer}``'s leaf at keystr ``path``, stored transposed when ``transposed``).
   """
 
   name: str
   entries: tuple[tuple[int, int], ...]
   staged_shape: tuple[int, ...]
   spec: P
+  sources: tuple[tuple[int, str, bool], ...] = ()
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -81,7 +85,9 @@ def plan(layout: layout_lib.StageLayout, mesh,
   staged_shapes = layout.staged_shapes()[SHARED]
   out = {}
   for group in layout.shared:
-    entries = tuple(sorted({(m.slot, layout.position(m.chunk)[1]) for m in group.members}))
+    place = lambda m: (m.slot, layout.position(m.chunk)[1])
+    members = sorted(group.members, key=place)
+    entries = tuple(place(m) for m in members)
     if len(entries) >= group.slots * stages:
       continue  # No padding.
     shape = (len(entries),) + tuple(group.shape)
@@ -94,7 +100,8 @@ def plan(layout: layout_lib.StageLayout, mesh,
         while specs and specs[-1] is None:
           specs.pop()
         staged = tuple(staged_shapes[group.name].shape)
-        out[group.name] = CompactLeaf(group.name, entries, staged, P(*specs))
+        sources = tuple((m.layer, m.path, m.transposed) for m in members)
+        out[group.name] = CompactLeaf(group.name, entries, staged, P(*specs), sources)
         break
   return out
 
@@ -115,6 +122,21 @@ def compact(tree: Mapping[str, Any], leaves: Mapping[str, CompactLeaf]) -> dict[
   for k, leaf in leaves.items():
     shared[k] = jnp.stack([shared[k][p, s] for p, s in leaf.entries])
   return {**tree, SHARED: shared}
+
+
+def from_logical(tree: Mapping[str, Any], staged: Mapping[str, Any],
+                 leaves: Mapping[str, CompactLeaf]) -> dict[str, Any]:
+  """The compact form of the logical tree ``tree`` (``layers_i`` per layer), given its staged
+  form ``staged`` for everything but the compact leaves, whose entries are taken from ``tree``
+  directly (never built in the staged form)."""
+  shared = dict(staged.get(SHARED, {}))
+  for k, leaf in leaves.items():
+    weights = []
+    for layer, path, transposed in leaf.sources:
+      weight = layout_description.leaf_at(tree[f"layers_{layer}"], path)
+      weights.append(weight.T if transposed else weight)
+    shared[k] = jnp.stack(weights).astype(shared[k].dtype)
+  return {**staged, SHARED: shared}
 
 
 def expand(tree: Mapping[str, Any], leaves: Mapping[str, CompactLeaf]) -> dict[str, Any]:

@@ -402,16 +402,17 @@ class Experiment:
                          "this model's BatchNorm layers need; was it written by another model?")
       everything = {k: state.model_state.get(k, {}) for k in stats[0].logical}
       model_state = relayout.from_checkpoint(stats[0], everything, stats[1], self.mesh)
-    state = _map_param_trees_together(convert, state.replace(model_state=None), logical_def)
-    # The moments the optimizer keeps compact (tpipe.train.compact_moments), as it keeps them.
+    staged = _map_param_trees_together(convert, state.replace(model_state=None), logical_def)
+    # The moments the optimizer keeps compact (tpipe.train.compact_moments), as it keeps them:
+    # their entries straight from the logical weights.
     leaves = self.compact_leaves
     staged_def = jax.tree.structure(self._abstract_state.params)
     opt_state = jax.tree.map(
-        lambda t, target: (compact_moments.compact(t, leaves)
-                           if compact_moments.is_compact(target, leaves) else t),
-        state.opt_state, self._abstract_state.opt_state,
+        lambda t, logical, target: (compact_moments.from_logical(logical, t, leaves)
+                                    if compact_moments.is_compact(target, leaves) else t),
+        staged.opt_state, state.opt_state, self._abstract_state.opt_state,
         is_leaf=lambda t: jax.tree.structure(t) == staged_def)
-    return state.replace(opt_state=opt_state, model_state=model_state)
+    return staged.replace(opt_state=opt_state, model_state=model_state)
 
   @functools.cached_property
   def _abstract_checkpoint(self):
