@@ -113,8 +113,7 @@ def is_compact(tree: Mapping[str, Any], leaves: Mapping[str, CompactLeaf]) -> bo
   if not isinstance(tree, Mapping):
     return False
   shared = tree.get(SHARED, {})
-  return any(tuple(shared[k].shape) == leaf.shape and leaf.shape != leaf.staged_shape
-             for k, leaf in leaves.items() if k in shared)
+  return any(tuple(shared[k].shape) == leaf.shape for k, leaf in leaves.items() if k in shared)
 
 
 def compact(tree: Mapping[str, Any], leaves: Mapping[str, CompactLeaf]) -> dict[str, Any]:

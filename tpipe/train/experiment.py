@@ -376,15 +376,15 @@ class Experiment:
     (layout, specs), stats = self._collections()
     staged_def = jax.tree.structure(self._abstract_state.params)
     leaves = self.compact_leaves
-    compact = lambda t: compact_moments.is_compact(t, leaves)
+    is_compact = lambda t: compact_moments.is_compact(t, leaves)
 
     def convert(trees):
       # The compact moments' weights straight from their entries (tpipe.train.compact_moments);
       # the staged form handed to the conversion holds zeros there.
       logical = relayout.to_checkpoint(
-          layout, [compact_moments.staged_zeros(t, leaves) if compact(t) else t
+          layout, [compact_moments.staged_zeros(t, leaves) if is_compact(t) else t
                    for t in trees], specs, self.mesh)
-      return [compact_moments.to_logical(out, t, leaves) if compact(t) else out
+      return [compact_moments.to_logical(out, t, leaves) if is_compact(t) else out
               for out, t in zip(logical, trees)]
 
     model_state = None
