@@ -274,12 +274,13 @@ def test_the_step_donates_the_optimizer_state_and_the_parameters_if_asked(donate
   step = tpipe.make_train_step(_pipelined_loss_fn(model), optimizer, donate=donate,
                                donate_params=donate_params)
   lowered = step.lower(state, batch, jax.random.key(0))
-  assert isinstance(lowered, jax.stages.Lowered)
-  # The donated leaves are the first two arguments' (parameters, the rest of the state).
-  donated = [leaf.donated for leaf in jax.tree.leaves(lowered.args_info[0][:2])]
+  # The donated leaves: the parameters' if asked, the rest of the state's; never the batch's.
+  info, batch_info, _ = lowered.args_info[0]
   params, rest = len(jax.tree.leaves(state.params)), len(jax.tree.leaves(state)) - len(
       jax.tree.leaves(state.params))
-  assert donated == [donate_params] * params + [donate] * rest
+  assert [leaf.donated for leaf in jax.tree.leaves(info.params)] == [donate_params] * params
+  assert [leaf.donated for leaf in jax.tree.leaves(info.replace(params=None))] == [donate] * rest
+  assert not any(leaf.donated for leaf in jax.tree.leaves(batch_info))
 
   # Called for real: the new state is whole and the donated input buffers are gone.
   params = Regressor(stages=1, microbatches=1, data=1).init(jax.random.key(0), _batch()["x"])
@@ -297,6 +298,39 @@ def test_the_step_donates_the_optimizer_state_and_the_parameters_if_asked(donate
   assert momentum.is_deleted() == donate
 
 
+def test_the_step_compiled_ahead_of_time_runs_as_the_step_does():
+  """Compile once, read its memory, then run the compiled step: on ``(state, batch, rng)``, bit
+  for bit the jitted step's result."""
+  batch = _batch(16)
+  mesh = tpipe.make_mesh(stages=2, data=2)
+  params = Regressor(stages=1, microbatches=1, data=1).init(jax.random.key(0), batch["x"])
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  placement = tpipe.shardings(params["params"], mesh, stacked=("blocks",))
+  # The step donates the optimizer state: a fresh state for each call.
+  fresh = lambda: tpipe.create_train_state(params["params"], optimizer, placement)
+  batch, rng = jax.device_put(batch, tpipe.data_sharding(mesh)), jax.random.key(1)
+  step = tpipe.make_train_step(_pipelined_loss_fn(Regressor(stages=2, microbatches=2, data=2)),
+                               optimizer, shardings=_own_shardings(fresh()))
+
+  state = fresh()
+  lowered = step.lower(state, batch, rng)
+  assert "stablehlo" in lowered.as_text() and lowered.compiler_ir() is not None
+  compiled = lowered.compile()
+  assert compiled.memory_analysis().argument_size_in_bytes > 0
+  assert compiled.cost_analysis()["flops"] > 0
+  assert "ENTRY" in compiled.as_text()
+  state_shardings = compiled.input_shardings[0][0]
+  assert state_shardings.params["blocks"]["Dense_0"]["kernel"].spec == P("stage")
+  assert isinstance(compiled.output_shardings[0], tpipe.TrainState)
+
+  new_state, metrics = compiled(state, batch, rng)
+  expected = step(fresh(), batch, rng)
+  assert int(new_state.step) == 1
+  jax.tree.map(np.testing.assert_array_equal, (new_state, metrics), expected)
+  with pytest.raises(TypeError, match="takes a tpipe.TrainState, got dict"):
+    compiled({"params": params["params"]}, batch, rng)
+
+
 def _specs_by_path(tree):
   return {jax.tree_util.keystr(path): sharding.spec
           for path, sharding in jax.tree_util.tree_leaves_with_path(tree)}
@@ -308,10 +342,9 @@ def test_data_parallel_reduction_happens_once_per_step_not_per_microbatch(schedu
     compiled, state, mesh = _compile_step(microbatches, schedule, repeats)
     # The step compiled for the stage-split layout: stacked parameters and their momenta over
     # 'stage', the rest replicated, exactly as the abstract state says.
-    # The jitted program takes the parameters and the rest of the state as two arguments.
-    compiled_params, compiled_rest = compiled.input_shardings[0][:2]
-    specs = _specs_by_path(compiled_params)
-    specs.update(_specs_by_path(compiled_rest.opt_state))
+    compiled_state = compiled.input_shardings[0][0]
+    specs = _specs_by_path(compiled_state.params)
+    specs.update(_specs_by_path(compiled_state.opt_state))
     stacked = {path: spec for path, spec in specs.items() if "'blocks'" in path}
     assert len(stacked) == 8 and set(stacked.values()) == {P("stage")}, specs
     assert set(specs.values()) == {P(), P("stage")}, specs

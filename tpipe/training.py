@@ -184,30 +184,107 @@ def create_train_state(params, optimizer: optax.GradientTransformation,
                     model_state=model_state)
 
 
+def _split(state: TrainState):
+  """``(parameters, the rest of the state)``: the jitted step's first two arguments."""
+  if not isinstance(state, TrainState):
+    raise TypeError(f"the train step takes a tpipe.TrainState, got {type(state).__name__}; "
+                    "build one with tpipe.create_train_state(params, optimizer, shardings).")
+  return state.params, state.replace(params=None)
+
+
+def _join(params, rest: TrainState) -> TrainState:
+  """The inverse of :func:`_split`: the state from the parameters and the rest."""
+  return rest.replace(params=params)
+
+
+def _step_arguments(args):
+  """The jitted step's ``(params, rest, batch, rng)`` as the step's ``(state, batch, rng)``,
+  for trees that follow the arguments (``args_info``, ``input_shardings``)."""
+  (params, rest, batch, rng), kwargs = args
+  return (_join(params, rest), batch, rng), kwargs
+
+
 class TrainStep:
   """The jitted step :func:`make_train_step` returns: ``step(state, batch, rng) -> (state,
-  metrics)``, and ``step.lower(state, batch, rng)`` for ahead-of-time compilation (a
-  :class:`jax.stages.Lowered`, as ``jax.jit(...).lower`` gives).
+  metrics)``, and ``step.lower(state, batch, rng)`` for ahead-of-time compilation::
+
+    compiled = step.lower(state, batch, rng).compile()
+    print(compiled.memory_analysis())
+    state, metrics = compiled(state, batch, rng)
 
   Inside, the jitted program takes the parameters and the rest of the state as two arguments,
-  so that each can be donated or not on its own (``jax.jit`` donates whole arguments).
+  so that each can be donated or not on its own (``jax.jit`` donates whole arguments); the
+  lowered and compiled steps hide that split as the step itself does.
   """
 
   def __init__(self, jitted):
     self.jitted = jitted  # jitted(params, state without params, batch, rng).
 
-  @staticmethod
-  def _parts(state: TrainState):
-    if not isinstance(state, TrainState):
-      raise TypeError(f"the train step takes a tpipe.TrainState, got {type(state).__name__}; "
-                      "build one with tpipe.create_train_state(params, optimizer, shardings).")
-    return state.params, state.replace(params=None)
+  def __call__(self, state: TrainState, batch, rng):
+    return self.jitted(*_split(state), batch, rng)
+
+  def lower(self, state: TrainState, batch, rng) -> LoweredTrainStep:
+    """The step lowered for ``state``, ``batch`` and ``rng`` (arrays or
+    ``jax.ShapeDtypeStruct``s with shardings)."""
+    return LoweredTrainStep(self.jitted.lower(*_split(state), batch, rng))
+
+
+class LoweredTrainStep:
+  """A lowered :class:`TrainStep`: what :class:`jax.stages.Lowered` is to a jitted function,
+  with the step's arguments ``(state, batch, rng)``. ``lowered`` is JAX's own, over the jitted
+  program's ``(params, rest of state, batch, rng)``."""
+
+  def __init__(self, lowered: jax.stages.Lowered):
+    self.lowered = lowered
+
+  def compile(self, compiler_options=None) -> CompiledTrainStep:
+    return CompiledTrainStep(self.lowered.compile(compiler_options))
+
+  def as_text(self, dialect: str | None = None, *, debug_info: bool = False) -> str:
+    return self.lowered.as_text(dialect, debug_info=debug_info)
+
+  def compiler_ir(self, dialect: str | None = None):
+    return self.lowered.compiler_ir(dialect)
+
+  def cost_analysis(self):
+    return self.lowered.cost_analysis()
+
+  @property
+  def args_info(self):
+    """``((state, batch, rng), {})`` of :class:`jax.stages.ArgInfo` (``donated``)."""
+    return _step_arguments(self.lowered.args_info)
+
+
+class CompiledTrainStep:
+  """A compiled :class:`TrainStep`: ``compiled(state, batch, rng) -> (state, metrics)``, and
+  what :class:`jax.stages.Compiled` reports, so the :mod:`tpipe.tools` analyses read it too.
+  ``compiled`` is JAX's own, over the jitted program's ``(params, rest of state, batch, rng)``.
+  """
+
+  def __init__(self, compiled: jax.stages.Compiled):
+    self.compiled = compiled
 
   def __call__(self, state: TrainState, batch, rng):
-    return self.jitted(*self._parts(state), batch, rng)
+    return self.compiled(*_split(state), batch, rng)
 
-  def lower(self, state: TrainState, batch, rng) -> jax.stages.Lowered:
-    return self.jitted.lower(*self._parts(state), batch, rng)
+  def as_text(self) -> str:
+    return self.compiled.as_text()
+
+  def memory_analysis(self):
+    return self.compiled.memory_analysis()
+
+  def cost_analysis(self):
+    return self.compiled.cost_analysis()
+
+  @property
+  def input_shardings(self):
+    """``((state, batch, rng), {})`` of shardings."""
+    return _step_arguments(self.compiled.input_shardings)
+
+  @property
+  def output_shardings(self):
+    """``(state, metrics)`` of shardings."""
+    return self.compiled.output_shardings
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
@@ -255,7 +332,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                      "with the rest of the state.")
 
   def step(params, rest: TrainState, batch, rng):
-    state = rest.replace(params=params)
+    state = _join(params, rest)
     if state.model_state is None:
       loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, rng)
       model_state = None
