@@ -62,7 +62,9 @@ class PipelineSpec:
       sequence of layer-unit counts per chunk (a repeated layer of n copies is n units).
     remat: ``"none"``, ``"full"``, ``"dots"`` or a ``jax.checkpoint`` policy.
     remat_granularity: what one checkpoint covers: ``"nested"`` (the default: the chunk, and
-      inside it each unit), ``"chunk"``, ``"layer"`` or an int ``k`` (every ``k`` units).
+      inside it each unit), ``"chunk"``, ``"layer"`` or an int ``k`` (every ``k`` units). It
+      does nothing under ``remat="none"``: with nothing to recompute every granularity runs
+      the ``"chunk"`` program (:attr:`granularity`).
     per_example: names of keyword arguments whose arrays carry the batch as leading axis; they
       are split into micro-batches with the input. Other arrays are broadcast to every layer.
     unroll: layer units per iteration of a repeated layer's ``lax.scan`` (``True``: all).
@@ -150,6 +152,12 @@ class PipelineSpec:
     if unknown:
       raise TypeError(f"Unknown pipeline setting(s) {unknown}; the settings are {field_names()}.")
     return dataclasses.replace(self, **changes)
+
+  @property
+  def granularity(self) -> Any:
+    """The remat granularity the pipeline runs with (:func:`granularity_in_effect`):
+    ``remat_granularity``, except ``"chunk"`` under ``remat="none"``."""
+    return granularity_in_effect(self.remat, self.remat_granularity)
 
   @property
   def table(self) -> schedules.Schedule | schedules.FusedSchedule:
@@ -278,6 +286,20 @@ def check_remat_granularity(granularity) -> int | None:
                      f"{granularity!r}; or choose one of {GRANULARITY_NAMES}.")
   raise TypeError(f"remat_granularity must be one of {GRANULARITY_NAMES} or a positive int, got "
                   f"{granularity!r} of type {type(granularity).__name__}.")
+
+
+def granularity_in_effect(remat, granularity) -> Any:
+  """The remat granularity a pipeline runs with: ``granularity``, except ``"chunk"`` under
+  ``remat="none"`` whatever was given. With nothing to recompute, finer pieces would only add
+  checkpoints that save everything and loops over pieces (re-rolling ``unroll=True``): a slower
+  program that saves no memory (issue 58). So under ``remat="none"`` every granularity is one
+  program, the one that adds nothing. Validates both (raises as :func:`check_remat` and
+  :func:`check_remat_granularity` do)."""
+  check_remat(remat)
+  check_remat_granularity(granularity)
+  if isinstance(remat, str) and remat == "none":
+    return "chunk"
+  return granularity
 
 
 def check_unroll(unroll) -> None:

@@ -27,6 +27,7 @@ from tests.helpers import linen_models as lm
 from tests.helpers import numerics
 from tpipe.core import backward_plan
 from tpipe.tools import flops as flops_lib
+from tpipe.tools import hlo
 
 # (model, schedule, granularity, remat, balance): a chunk of plain layers and Repeat units, the
 # Repeat's remainder shorter than k, and each remat policy within the pieces.
@@ -425,3 +426,45 @@ def test_nnx_passes_the_granularity_to_the_engine():
 
   chunk, layer = checkpoints("chunk"), checkpoints(1)
   assert layer == chunk + 3, (chunk, layer)
+
+
+@pytest.mark.unit
+def test_remat_none_runs_every_granularity_as_chunk():
+  """Under ``remat="none"`` the granularity in effect is ``"chunk"``; a bad one still raises."""
+  for granularity in ("chunk", "layer", "nested", 2):
+    spec = tpipe.PipelineSpec(num_stages=1, num_microbatches=1, remat="none",
+                              remat_granularity=granularity)
+    assert spec.granularity == "chunk"
+    assert spec.remat_granularity == granularity  # As given: spec.replace(remat=...) keeps it.
+    assert spec.replace(remat="full").granularity == granularity
+  with pytest.raises(ValueError, match="Unknown remat_granularity 'block'"):
+    tpipe.PipelineSpec(num_stages=1, num_microbatches=1, remat="none", remat_granularity="block")
+
+
+@pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 2)])
+def test_remat_none_is_one_program_at_every_granularity(stages, microbatches):
+  """With nothing to recompute the granularity must not change the program (issue 58: pieces
+  under a save-everything checkpoint re-rolled ``unroll=True`` into a loop over pieces, 1.16x
+  the plain step's time at S = 1, M = 1): the gradient's jaxpr is the same text at every
+  granularity, with only the chunk's own checkpoints (the tick's, which keeps everything but the
+  parameter slice), and the compiled programs run the same FLOPs; at S = 1 the unrolled layers
+  compile to no loop."""
+  x = jax.random.normal(jax.random.key(1), (8, 8))
+  found = {}
+  for granularity in ("chunk", "layer", "nested", 2):
+    stack = tpipe.pipeline(blocks.MLPBlock, length=4, num_stages=stages,
+                           num_microbatches=microbatches, remat="none", unroll=True,
+                           remat_granularity=granularity, mesh=tpipe.make_mesh(stages=stages))(8)
+    params = jax.eval_shape(stack.init, jax.random.key(0), x)["params"]
+    grad = jax.grad(lambda p, x, stack=stack: jnp.sum(jnp.sin(stack.apply({"params": p}, x))))
+    traced = jax.jit(grad).trace(params, x)
+    compiled = traced.lower().compile()
+    loops = len(hlo.parse_hlo(compiled.as_text()).loops())
+    found[granularity] = (str(traced.jaxpr), _checkpoints(traced.jaxpr.jaxpr),
+                          flops_lib.flop_count(compiled).executed, loops)
+  chunk = found.pop("chunk")
+  for granularity, (text, checkpoints, flops, loops) in found.items():
+    assert text == chunk[0], f"remat_granularity={granularity!r} changed the jaxpr"
+    assert (checkpoints, flops, loops) == chunk[1:], (granularity, chunk[1:])
+  if stages == 1:
+    assert chunk[3] == 0, chunk  # unroll=True: no loop over layers (nor over pieces).

@@ -6,7 +6,9 @@ checkpoints the whole chunk with the remat policy (:func:`chunk_policy`): its ba
 every unit's intermediates of one micro-batch at once. With a finer granularity every ``k``
 consecutive units are checkpointed with the policy, and the chunk's own checkpoint keeps each
 piece's input (marked :data:`PIECE_INPUT_NAME`), so the backward recomputes one piece at a time
-for the same recompute FLOPs.
+for the same recompute FLOPs. Under ``remat="none"`` there is nothing to recompute: every
+granularity runs as ``"chunk"`` (:func:`tpipe.spec.granularity_in_effect`), since pieces would only
+add checkpoints and loops (a run's pieces re-roll ``unroll=True``) and save no memory.
 
 A chunk's parameter slice is marked :data:`CHUNK_PARAMS_NAME` and never saved: it is cheap to
 take again from the stage's parameters, and the tick loop's autodiff would otherwise stash a copy
@@ -63,8 +65,11 @@ def chunk_policy(remat, granularity) -> Any:
   what ``"chunk"`` keeps, and its backward first recomputes the chunk keeping each unit's input
   (the residuals of the units' own checkpoints), then recomputes and differentiates one unit at
   a time: one more forward per unit than ``"chunk"``, one unit's intermediates at a time.
+
+  Under ``remat="none"`` every granularity is ``"chunk"``'s (the remat policy).
   """
   policy = policy_of(remat)
+  granularity = spec_lib.granularity_in_effect(remat, granularity)
   if granularity == "nested" or spec_lib.check_remat_granularity(granularity) is None:
     return policy
   inputs = jax.checkpoint_policies.save_only_these_names(PIECE_INPUT_NAME)
@@ -82,7 +87,8 @@ def apply_units(h, runs, remat, granularity, unroll: int | bool = 1):
       applies one unit. ``n=None`` is a single unit with inputs ``xs``; an int ``n`` is a run of
       ``n`` units scanned over the leading axis of ``xs``' leaves.
     remat: a remat option (see :func:`policy_of`); its policy applies within each piece.
-    granularity: see :func:`tpipe.spec.check_remat_granularity`.
+    granularity: see :func:`tpipe.spec.check_remat_granularity`; ``"chunk"`` under
+      ``remat="none"`` whatever is given (:func:`tpipe.spec.granularity_in_effect`).
     unroll: units per iteration of a run's ``lax.scan``.
 
   Returns:
@@ -96,7 +102,7 @@ def apply_units(h, runs, remat, granularity, unroll: int | bool = 1):
   units (``lax.scan`` over groups, so compile time stays flat), its ``n % k`` remaining units
   are one shorter piece, and no piece spans the boundary of a run.
   """
-  k = spec_lib.check_remat_granularity(granularity)
+  k = spec_lib.check_remat_granularity(spec_lib.granularity_in_effect(remat, granularity))
   if k is None:
     outs = []
     for fn, xs, n in runs:
