@@ -181,6 +181,11 @@ def get_config(arg=None):
   config.warmup_steps = max(1, min(100, num_steps // 10))
   config.weight_decay = 0.1  # AdamW's decoupled weight decay (kernels and embeddings).
   config.grad_clip = 1.0  # Clip the gradients' global norm to this.
+  # Adam's moments of the embedding and the head (one staged leaf, real on two stages) kept at
+  # their real entries only, split over the stages: "auto" (yes, unless the stage axis spans
+  # slices, where the update's all-to-alls of their gradients would cross DCN every step),
+  # "on", "off".
+  config.compact_moments = "auto"
 
   # Start from a pretrained model: a Hugging Face checkpoint directory (config.json and
   # *.safetensors of a Llama, Mistral, Qwen2 or GPT-2 model) or another run's workdir. Its

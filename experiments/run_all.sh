@@ -22,10 +22,12 @@ SCRIPTS=(
   table1_max_depth table2_schedule_efficiency remat scaling core_benchmark
   engine_comparison compile_times fused_schedules search_robustness gpu_action_costs
   weight_placement remat_granularity_grad sequential_memory tpu_memory tpu_gradient_sums
-  scale_3d memory_at_scale checkpoint_memory multislice streamed_inputs digits_baseline
+  scale_3d memory_at_scale checkpoint_memory multislice multislice_moments streamed_inputs
+  digits_baseline
 )
 # The ones that compile for a TPU topology with libtpu.
 TPU=" tpu_memory tpu_gradient_sums scale_3d memory_at_scale checkpoint_memory streamed_inputs "
+TPU+="multislice_moments "
 
 flags=()
 names=()

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from tests.helpers import train_runs
 from tpipe.core import layout as layout_lib
 from tpipe.core import shared_leaves
+from tpipe.tools import analysis
 from tpipe.train import compact_moments
 from tpipe.train import experiment
 
@@ -159,3 +160,77 @@ def test_a_layout_without_padding_keeps_staged_moments():
   assert all(m.shape == p.shape for m, p in zip(jax.tree.leaves(mu),
                                                 jax.tree.leaves(built.abstract_state().params)))
   assert jnp.dtype(mu[SHARED]["shared_0"].dtype) == jnp.float32
+
+
+# --------------------------------------------------------------------------------------------
+# config.compact_moments: staged moments where the stage axis spans slices, unless asked.
+
+
+@pytest.mark.unit  # Raises before anything is built.
+@pytest.mark.parametrize("setting", ["yes", "", "On"])
+def test_a_bad_setting_is_refused_naming_the_choices(setting):
+  config = train_runs.lm_config()
+  config.compact_moments = setting
+  with pytest.raises(ValueError, match=rf"config.compact_moments={setting!r}: write 'auto'"):
+    experiment.validate_config(config)
+
+
+@pytest.fixture(scope="module")
+def two_slices():
+  """The tiny LM with its stages over two emulated slices (links 1 and 3 cross them): by
+  default (auto) and with compact_moments='on'."""
+  built = {}
+  for setting in ("auto", "on"):
+    config = train_runs.lm_config()
+    config.mesh.dcn.stage, config.mesh.emulate_slices = 2, True
+    config.compact_moments = setting
+    built[setting] = experiment.build(config)
+  return built
+
+
+def _moves_over_stage(exp):
+  """The optimizer update's all-to-alls over the stage axis, compiled with the train state's
+  shardings (the step's gradients arrive as the parameters are laid out)."""
+  state = exp.abstract_state()
+  compiled = jax.jit(exp.optimizer.update).lower(state.params, state.opt_state,
+                                                 state.params).compile()
+  return [c for c in analysis.collectives(compiled, exp.mesh)
+          if c.kind == "all-to-all" and c.axes and "stage" in c.axes]
+
+
+def test_over_dcn_the_moments_stay_staged_unless_asked(two_slices):
+  """Over DCN only stage-boundary activations cross the stage axis by default: the ends'
+  moments stay staged and the update moves nothing over it; 'on' compacts them, for an
+  all-to-all of the entries' gradients there and of the updates back."""
+  auto, on = two_slices["auto"], two_slices["on"]
+  assert compact_moments.spans_slices(auto.mesh)
+  assert auto.compact_leaves == {} and list(on.compact_leaves) == ["shared_0"]
+  params = auto.abstract_state().params
+  staged_mu = auto.abstract_state().opt_state[1].mu
+  assert all(m.shape == p.shape and m.sharding == p.sharding
+             for m, p in zip(jax.tree.leaves(staged_mu), jax.tree.leaves(params)))
+  assert _moves_over_stage(auto) == []
+  assert len(_moves_over_stage(on)) == 2
+  assert "the stage axis spans slices): 'on' would save" in compact_moments.describe(
+      "auto", auto.layout, auto.mesh)
+  assert compact_moments.describe("on", on.layout, on.mesh).startswith(
+      "Adam's moments of the ends compact (config.compact_moments='on')")
+
+
+def test_a_checkpoint_restores_across_the_setting(two_slices):
+  """Checkpoints hold the logical moments: a state saved with compact moments restores with
+  staged ones, exactly, and back."""
+  auto, on = two_slices["auto"], two_slices["on"]
+  state = on.init_state(jax.random.key(0))
+  adam = state.opt_state[1]
+  # Moments holding the parameters' values (non-zero, zero in the padding as real moments are).
+  moved = compact_moments.compact(state.params, on.compact_leaves)
+  state = state.replace(opt_state=(state.opt_state[0], adam._replace(mu=moved))
+                        + tuple(state.opt_state[2:]))
+  logical = on.to_checkpoint(state)
+  staged = auto.from_checkpoint(logical)
+  for got, want in zip(jax.tree.leaves(staged.opt_state[1].mu), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(got, want)
+  back = on.from_checkpoint(auto.to_checkpoint(staged))
+  for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(got, want)

@@ -434,6 +434,9 @@ def test_one_slice_prices_every_axis_on_ici(tiny_report):
   assert {row.link for row in comm.rows} == {"ici"}
   assert comm.step_seconds == pytest.approx(comm.compute_seconds + comm.exposed_seconds)
   assert comm.compute_seconds > 0
+  # Inside one slice the ends' moments are compact (config.compact_moments='auto').
+  assert tiny_report.moments.startswith("Adam's moments of the ends compact")
+  assert tiny_report.moments in report_lib.format_report(tiny_report)
 
 
 def test_stages_over_two_slices_send_over_dcn_and_a_delay_hides_what_a_tick_outlasts(
@@ -464,6 +467,12 @@ def test_stages_over_two_slices_send_over_dcn_and_a_delay_hides_what_a_tick_outl
   assert {row["axes"]: row["link"] for row in out["axes"]}["stage"] == "dcn"
   text = report_lib.format_report(delayed)
   assert "Communication priced on v5p links" in text and "stage DCN, data ICI" in text
+  # Over DCN the ends' Adam moments stay staged (config.compact_moments='auto'): nothing but
+  # the pipeline's own traffic crosses the stage axis, and the report says what 'on' would buy.
+  assert not [c for c in delayed.analysis.collectives
+              if c.kind == "all-to-all" and c.axes and "stage" in c.axes]
+  assert "moments of the ends staged (config.compact_moments='auto', the stage axis spans " \
+      "slices)" in text
 
 
 @pytest.mark.unit  # Raises before anything is built or compiled.

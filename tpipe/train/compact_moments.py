@@ -18,6 +18,15 @@ real entries only and handing back staged updates (zero in the padding, as they 
 Checkpoints hold the moments in the logical form, so they do not see the difference:
 :func:`to_logical` and :func:`from_logical` move the compact entries to and from the logical
 weights directly, never through the staged form.
+
+The price is a move over the stage axis: each step the update sends the real entries' gradients
+to where their moments live and the updates back, two all-to-alls over ``stage`` outside the
+tick loop, which nothing overlaps. Inside a slice that is ICI traffic; where the stage axis
+spans slices, half of it (two slices) crosses the data-centre network: at 8B on two v5p slices
+125-250 MiB per device per step, 21-42 ms (0.9-1.7% of the step's compute), for 0.12-0.37 GiB
+saved per device on chips of 95 (``experiments/results/multislice_moments.md``).
+:func:`chosen_plan` therefore keeps the moments staged there unless told otherwise
+(``config.compact_moments``: ``"auto"``, ``"on"``, ``"off"``).
 """
 
 from __future__ import annotations
@@ -30,10 +39,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from tpipe import mesh as mesh_lib
 from tpipe.core import layout as layout_lib
 from tpipe.core import layout_description
+from tpipe.tools import analysis
 
 SHARED = layout_lib.SHARED
+
+# config.compact_moments: "auto" compacts unless the stage axis spans slices; "on", "off".
+SETTINGS = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +120,80 @@ def plan(layout: layout_lib.StageLayout, mesh,
         out[group.name] = CompactLeaf(group.name, entries, staged, P(*specs), sources)
         break
   return out
+
+
+def check_setting(setting) -> str:
+  """``setting`` (``config.compact_moments``) if it is one of :data:`SETTINGS`; else ValueError
+  naming the choices."""
+  if not isinstance(setting, str) or setting not in SETTINGS:
+    raise ValueError(
+        f"config.compact_moments={setting!r}: write 'auto' (the ends' Adam moments at their "
+        "real entries split over the stages, unless the stage axis spans slices, where the "
+        "update's move of their gradients would cross DCN every step), 'on' (also there) or "
+        "'off' (staged, as the parameters).")
+  return setting
+
+
+def spans_slices(mesh, stage_axis: str = "stage") -> bool:
+  """Whether the mesh's stage axis crosses slices (some link of the stage ring is on DCN)."""
+  return any(mesh_lib.crossing_links(mesh, stage_axis))
+
+
+def chosen_plan(setting: str, layout: layout_lib.StageLayout, mesh,
+                stage_axis: str = "stage") -> dict[str, CompactLeaf]:
+  """:func:`plan` where ``setting`` asks for it, else ``{}`` (every moment staged).
+
+  ``"on"``: :func:`plan`. ``"off"``: none. ``"auto"``: :func:`plan` unless the stage axis spans
+  slices (:func:`spans_slices`): there the two all-to-alls over ``stage`` that compact moments
+  cost each step would cross DCN (see the module docstring), where otherwise only the
+  pipeline's own traffic crosses.
+
+  Raises:
+    ValueError: ``setting`` is not one of :data:`SETTINGS`.
+  """
+  setting = check_setting(setting)
+  if setting == "off" or (setting == "auto" and spans_slices(mesh, stage_axis)):
+    return {}
+  return plan(layout, mesh, stage_axis)
+
+
+def saved_bytes(leaves: Mapping[str, CompactLeaf], mesh,
+                staged_specs: Mapping[str, Any]) -> int:
+  """Bytes per device (float32) one moment saves in the compact form of ``leaves``: each
+  leaf's staged shard less its compact shard; Adam keeps two moments."""
+  sizes = dict(mesh.shape)
+
+  def shard(shape, spec):
+    count = 1
+    for d, n in enumerate(shape):
+      entry = spec[d] if d < len(spec) else None
+      count *= n // math.prod(sizes[a] for a in _axes(entry))
+    return count * 4
+
+  return sum(shard(leaf.staged_shape, tuple(staged_specs[SHARED][k]))
+             - shard(leaf.shape, tuple(leaf.spec)) for k, leaf in leaves.items())
+
+
+def describe(setting: str, layout: layout_lib.StageLayout, mesh,
+             stage_axis: str = "stage") -> str:
+  """Whether the ends' moments are compact under ``setting``, and what is at stake: the memory
+  per device it saves (both moments) against two all-to-alls over ``stage`` per step, on DCN
+  where the axis spans slices. One sentence for the report and the trainer's log; "" where no
+  leaf qualifies (:func:`plan`)."""
+  possible = plan(layout, mesh, stage_axis)
+  if not possible:
+    return ""
+  staged_specs = layout.partition_specs(stage_axis, mesh=mesh)
+  saved = analysis.format_bytes(2 * saved_bytes(possible, mesh, staged_specs))
+  link = "DCN" if spans_slices(mesh, stage_axis) else "ICI"
+  moves = (f"two all-to-alls of their gradients and updates over the stage axis ({link}) per "
+           "step")
+  if chosen_plan(setting, layout, mesh, stage_axis):
+    return (f"Adam's moments of the ends compact (config.compact_moments={setting!r}): {saved} "
+            f"less per device, for {moves}")
+  why = ", the stage axis spans slices" if setting == "auto" else ""
+  return (f"Adam's moments of the ends staged (config.compact_moments={setting!r}{why}): 'on' "
+          f"would save {saved} per device, for {moves}")
 
 
 def is_compact(tree: Mapping[str, Any], leaves: Mapping[str, CompactLeaf]) -> bool:

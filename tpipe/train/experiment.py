@@ -115,6 +115,7 @@ def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
         f"config.dtype must be one of {DTYPES} (the computation dtype; parameters and optimizer "
         f"state stay float32), got {config.dtype!r}.")
   tasks_lib.remat_granularity(config)  # Optional field ("chunk" when absent); raises if bad.
+  compact_moments.check_setting(config.get("compact_moments", "auto"))
   spec = spec_from_config(config)
   task.validate(config)
   if spec.is_fused and task.no_fused_schedules:
@@ -227,6 +228,14 @@ def make_optimizer(config: ml_collections.ConfigDict, layout: layout_lib.StageLa
       optax.scale_by_learning_rate(schedule))
 
 
+def compact_leaves_for(config: ml_collections.ConfigDict, layout: layout_lib.StageLayout,
+                       mesh) -> dict[str, compact_moments.CompactLeaf]:
+  """The shared leaves whose Adam moments keep their real entries only, as
+  ``config.compact_moments`` says (:func:`tpipe.train.compact_moments.chosen_plan`: by default
+  all that qualify, none where the stage axis spans slices)."""
+  return compact_moments.chosen_plan(config.get("compact_moments", "auto"), layout, mesh)
+
+
 def _map_param_trees(fn, tree, treedef):
   """Applies ``fn`` to every subtree of ``tree`` with structure ``treedef`` (the parameters and
   the optimizer's parameter-shaped moments)."""
@@ -285,7 +294,7 @@ class Experiment:
   def compact_leaves(self) -> dict[str, compact_moments.CompactLeaf]:
     """The shared leaves whose optimizer moments keep their real entries only
     (:mod:`tpipe.train.compact_moments`)."""
-    return compact_moments.plan(self.layout, self.mesh)
+    return compact_leaves_for(self.config, self.layout, self.mesh)
 
   @property
   def stats_layout(self) -> layout_lib.StageLayout | None:
@@ -520,7 +529,8 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
   pipeline = model.pipeline_for(x, rng_names=("dropout",), **kwargs)
   exp = Experiment(config=config, task=task, mesh=mesh, model=model, pipeline=pipeline,
                    optimizer=make_optimizer(
-                       config, pipeline.layout, compact_moments.plan(pipeline.layout, mesh)))
+                       config, pipeline.layout,
+                       compact_leaves_for(config, pipeline.layout, mesh)))
 
   def loss_fn(params, batch, rng, model_state=None):
     x, kwargs = task.model_inputs(batch)

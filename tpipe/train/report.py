@@ -115,6 +115,8 @@ class Report:
       action per tick, or a forward schedule (simulated under the default costs).
     tick_costs_derived: whether those costs were derived from measured per-unit FLOPs
       (:mod:`tpipe.core.tick_costs`) rather than given.
+    moments: whether Adam's moments of the ends are compact, and the memory and the moves over
+      ``stage`` at stake (:func:`tpipe.train.compact_moments.describe`); "" where none qualify.
   """
 
   config: Any
@@ -139,6 +141,7 @@ class Report:
   tick_costs: Any = None
   tick_costs_derived: bool = False
   backward: str = ""
+  moments: str = ""
 
   @property
   def floor(self):
@@ -240,6 +243,7 @@ class Report:
         "parameters_split_per_axis": list(self.state_split),
         "live_at_peak_bytes_by_role": self.peak.by_role() if self.peak else None,
         "communication": self.communication.to_json() if self.communication else None,
+        "end_moments": self.moments,
     }
 
   @property
@@ -358,6 +362,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
   from tpipe.experimental import links  # pylint: disable=g-import-not-at-top
   from tpipe.train import communication  # pylint: disable=g-import-not-at-top
+  from tpipe.train import compact_moments  # pylint: disable=g-import-not-at-top
   from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
 
   communication.check_efficiency(efficiency)  # Before the compile, not after.
@@ -390,7 +395,10 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                 state_split=analysis.axis_split(state.params, exp.mesh), communication=comm,
                 mesh=exp.mesh, tick_costs=exp.pipeline.spec.given_tick_costs,
                 tick_costs_derived=exp.pipeline.plan.tick_costs is not None,
-                backward=exp.pipeline.backward_plan.describe())
+                backward=exp.pipeline.backward_plan.describe(),
+                moments=compact_moments.describe(config.get("compact_moments", "auto"),
+                                                 exp.layout, exp.mesh,
+                                                 exp.pipeline.spec.stage_axis))
 
 
 def _flops(x: float) -> str:
@@ -438,6 +446,7 @@ def format_report(report: Report) -> str:
       f"**{fb(report.total_bytes)}** |",
       f"| largest device | {fb(report.largest_device_bytes)} |",
       "",
+      *([report.moments + ".", ""] if report.moments else []),
       "| FLOPs per device per step | |",
       "|---|---:|",
       f"| XLA cost_analysis (each loop body once) | {_flops(flops.xla or 0)} |",

@@ -42,6 +42,7 @@ from tpipe.core import streaming
 from tpipe.train import architecture
 from tpipe.train import checkpointing
 from tpipe.train import cli
+from tpipe.train import compact_moments
 from tpipe.train import data
 from tpipe.train import experiment
 from tpipe.train import metrics as metrics_lib
@@ -387,6 +388,10 @@ def _log_pipeline(exp, config) -> None:
   if slices > 1 or any(spec.delays):
     logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",
                  slices, tpipe.mesh.crossing_links(exp.mesh, spec.stage_axis), spec.delays)
+  moments = compact_moments.describe(config.get("compact_moments", "auto"), exp.layout,
+                                     exp.mesh, spec.stage_axis)
+  if moments:
+    logging.info("%s.", moments)
 
 
 @jax.jit
