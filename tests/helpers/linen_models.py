@@ -24,6 +24,7 @@ import tpipe
 from tests.helpers import numerics
 
 VOCAB = 11
+GPT_VOCAB = 32
 
 
 class DenseAct(nn.Module):
@@ -116,12 +117,57 @@ class AnnotatedBlock(nn.Module):
     return x + gate * nn.gelu(nn.LayerNorm()(x) @ w_in) @ w_out
 
 
+class DenseGPTBlock(nn.Module):
+  """A pre-LayerNorm causal GPT block of ``nn.Dense`` layers whose kernels carry logical names
+  (``query``/``key``/``value`` ``[embed, heads]``, ``out`` ``[heads, embed]``, the MLP ``[embed,
+  mlp]`` and ``[mlp, embed]``); the biases and LayerNorms unannotated, as in a plain annotated
+  Flax model."""
+  heads: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, width = x.shape
+    h = nn.LayerNorm()(x)
+    project = lambda name: nn.Dense(width, use_bias=False, kernel_init=_named(("embed", "heads")),
+                                    name=name)(h).reshape(b, t, self.heads, width // self.heads)
+    q, k, v = project("query"), project("key"), project("value")
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(width // self.heads)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(b, t, width)
+    x = x + nn.Dense(width, kernel_init=_named(("heads", "embed")), name="out")(o)
+    h = nn.gelu(nn.Dense(2 * width, kernel_init=_named(("embed", "mlp")), name="mlp_up")(
+        nn.LayerNorm()(x)))
+    return x + nn.Dense(width, kernel_init=_named(("mlp", "embed")), name="mlp_down")(h)
+
+
+class DenseEmbed(nn.Module):
+  """``nn.Embed`` with its table named ``[vocab, embed]``."""
+  vocab: int
+  width: int
+
+  @nn.compact
+  def __call__(self, tokens):
+    init = _named(("vocab", "embed"), nn.initializers.normal(1.0))
+    return nn.Embed(self.vocab, self.width, embedding_init=init)(tokens)
+
+
+class DenseHeadLoss(nn.Module):
+  """:class:`HeadLoss` of ``vocab`` classes, its kernel named ``[embed, vocab]``."""
+  vocab: int
+
+  @nn.compact
+  def __call__(self, x, targets):
+    logits = nn.Dense(self.vocab, kernel_init=_named(("embed", "vocab")))(nn.LayerNorm()(x))
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=-1)
+
+
 # --------------------------------------------------------------------------------------------
 # Loss models.
 
 BATCH = 24
 SEQ = 4
-LOSS_MODELS = ("mlp", "lm", "blocks", "annotated")
+LOSS_MODELS = ("mlp", "lm", "blocks", "annotated", "gpt")
 
 
 def loss_model(name, batch=BATCH, seq=SEQ, width=8):
@@ -136,6 +182,9 @@ def loss_model(name, batch=BATCH, seq=SEQ, width=8):
   * ``"annotated"``: an LM whose weights carry logical axis names (:class:`AnnotatedEmbed`, a
     Repeat of 4 :class:`AnnotatedBlock`, :class:`HeadLoss`; 6 units), for fsdp and tensor
     meshes.
+  * ``"gpt"``: a GPT of Flax's own layers with named kernels and unnamed biases and norms
+    (:class:`DenseEmbed`, a Repeat of 4 :class:`DenseGPTBlock`, :class:`DenseHeadLoss`), width
+    and vocabulary 32, so that every named dimension splits over a tensor axis of 2.
   """
   k1, k2 = jax.random.split(jax.random.key(42))
   if name == "blocks":
@@ -146,6 +195,11 @@ def loss_model(name, batch=BATCH, seq=SEQ, width=8):
               SquaredError()]
     return (layers, jax.random.normal(k1, (batch, 5)), jax.random.normal(k2, (batch, 3)),
             True)
+  if name == "gpt":
+    layers = [DenseEmbed(GPT_VOCAB, 32), tpipe.Repeat(DenseGPTBlock(), 4),
+              DenseHeadLoss(GPT_VOCAB)]
+    return (layers, jax.random.randint(k1, (batch, seq), 0, GPT_VOCAB),
+            jax.random.randint(k2, (batch, seq), 0, GPT_VOCAB), False)
   if name == "annotated":
     layers = [AnnotatedEmbed(width), tpipe.Repeat(AnnotatedBlock(), 4), HeadLoss()]
     return (layers, jax.random.randint(k1, (batch, seq), 0, VOCAB),

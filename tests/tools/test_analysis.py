@@ -1,6 +1,8 @@
 """Tests for tpipe.tools.analysis (and tpipe.tools.flops, tpipe.tools.hlo) on tiny programs with
 answers known by hand."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,6 +154,48 @@ ENTRY %main (x0: f32[2,8]) -> f32[2,8] {
   ROOT %r = f32[2,8]{1,0} all-reduce(%out), channel_id=2, replica_groups=[2,2]<=[4], to_apply=%sum
 }
 """
+
+
+_BRANCHES = """HloModule m, num_partitions=4
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(%a, %b)
+}
+
+%first (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %r = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups=[2,2]<=[4], to_apply=%sum
+}
+
+%second (q: f32[8]) -> f32[8] {
+  %q = f32[8]{0} parameter(0)
+  %g = f32[8]{0} all-reduce(%q), channel_id=2, replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%sum
+  ROOT %s = f32[8]{0} collective-permute(%g), channel_id=3, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+}
+
+ENTRY %main (i: s32[], x: f32[8]) -> f32[8] {
+  %i = s32[] parameter(0)
+  %x = f32[8]{0} parameter(1)
+  ROOT %c = f32[8]{0} conditional(%i, %x, %x), branch_computations={%first, %second}
+}
+"""
+
+
+@pytest.mark.unit  # HLO text and numbers only: no JAX computation.
+def test_cross_branch_collectives_names_what_waits_for_other_branches():
+  # On a (stage 2, tensor 2) mesh: the first branch's all-reduce stays inside a stage (groups
+  # {0, 1}, {2, 3} over tensor); the second's groups {0, 2}, {1, 3} span the stages, and its
+  # collective-permute meets every device on emulated CPU devices.
+  mesh = types.SimpleNamespace(devices=np.zeros((2, 2)), axis_names=("stage", "tensor"))
+  found = analysis.cross_branch_collectives(_BRANCHES, mesh)
+  assert [(c.kind, c.axes) for c in found] == [("all-reduce", ("stage",)),
+                                               ("collective-permute", ("tensor",))]
+  assert all(c.in_branch for c in analysis.collectives(_BRANCHES, mesh))
+  # Without a mesh, the axes are unknown: the collective-permute alone.
+  assert [c.kind for c in analysis.cross_branch_collectives(_BRANCHES)] == [
+      "collective-permute"]
 
 
 @pytest.mark.unit  # HLO text and numbers only: no JAX computation.

@@ -222,6 +222,9 @@ class ChunkSet:
     rep = self.chunks_of[branch][0]
     slots = {key: self._per_chunk(branch, chunk, table)
              for key, table in self.shared_slots[branch].items()}
+    # Pinned again where the leaves are cut: what came through an optimization barrier or a
+    # checkpoint name is a new value the partitioner may split afresh.
+    local = {**local, layout_lib.PACKED: _whole_over_auto_axes(local[layout_lib.PACKED])}
     trees = self.layout.chunk_trees(local, rep, self._packed_at(branch, chunk),
                                     self.held_blocks, shared_slots=slots, canonical=True)
     if self.gathers_pieces:
@@ -238,15 +241,8 @@ class ChunkSet:
     sliced from them as from one buffer per chunk), else its window cut at the traced offset."""
     stacked = self._slot(params[layout_lib.STACKED], self._local(branch, chunk))
     p = self._per_chunk(branch, chunk, self.packed_slot)
-    buffers = {k: self._slot(a, p)[0] for k, a in params[layout_lib.PACKED].items()}
-    if spmd.auto_axes_here():
-      # Whole on every device of the auto axes (tensor). The buffer's leaves start anywhere
-      # in it, and XLA's partitioner, left free, splits it over tensor as some leaf's use
-      # suggests; slicing the other leaves out of that split (and packing their gradients back)
-      # then moves pieces between devices with collective-permutes inside the stage's branch,
-      # which the devices of the other stages never join. Each leaf takes its own split over
-      # tensor where its unit runs (:meth:`_gather_packed`).
-      buffers = jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), buffers)
+    buffers = _whole_over_auto_axes(
+        {k: self._slot(a, p)[0] for k, a in params[layout_lib.PACKED].items()})
     if self._packed_at(branch, chunk) is None:
       buffers = self.layout.window(buffers, self.chunks_of[branch][0],
                                    self._packed_offsets(branch, chunk), self.held_blocks)
@@ -274,6 +270,7 @@ class ChunkSet:
     one_copy = one_copy and run
     lead = int(run and not one_copy)  # A copy axis in front of every leaf of ``tree``.
     pieces, casts = self.gathers_pieces, casts or {}
+    auto = self._mesh is not None and bool(self._auto_axes) and bool(spmd.auto_axes_here())
 
     def leaf(piece, dim, whole, spec, dtype):
       if dim == places.FLAT:
@@ -283,11 +280,14 @@ class ChunkSet:
           return piece
       elif flat_only:
         return piece
-      if spec is not None:
-        # Sliced from the buffer whole on every device, then split: a local slice. Unpinned,
-        # the partitioner would split the slice's operand instead and fetch its neighbours'.
+      if auto:
+        # Sliced from the buffer whole on every device (then split as the leaf's names say): a
+        # local slice. Unpinned, the partitioner may split the slice (as the leaf's use
+        # suggests, names or none) and fetch the neighbours' parts of its operand with
+        # collective-permutes inside the branch (see _whole_over_auto_axes).
         piece = lax.with_sharding_constraint(piece, P())
-        piece = lax.with_sharding_constraint(piece, P(*([None] * lead), *spec))
+        if spec is not None:
+          piece = lax.with_sharding_constraint(piece, P(*([None] * lead), *spec))
       if pieces and dim != places.FLAT:
         piece = self.fsdp.gather_piece(piece, dim - int(one_copy), whole.shape,
                                        None if spec is None else P(*([None] * lead), *spec),
@@ -573,6 +573,19 @@ class ChunkSet:
 # jax.checkpoint's policy for remat="full" is None; this sentinel asks for that checkpoint, where
 # None means no checkpoint at all.
 FULL = object()
+
+
+def _whole_over_auto_axes(buffers):
+  """The packed buffers pinned whole on every device of the partitioner's axes (tensor), where
+  there are such axes. A buffer's leaves start anywhere in it, and XLA's partitioner, left free,
+  splits it over tensor as some leaf's use suggests; cutting the other leaves out of that split
+  (and packing their gradients back) then moves pieces between devices with collective-permutes
+  inside the stage's branch, which the devices of the other stages never join (emulated CPU
+  devices wait for them). Each leaf takes its own split where its unit runs
+  (:meth:`ChunkSet._gather_packed`)."""
+  if not spmd.auto_axes_here():
+    return buffers
+  return jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), buffers)
 
 
 def _checkpointed(fn, policy):

@@ -187,6 +187,30 @@ def summarize_collectives(found: list[Collective]) -> dict[tuple[str, tuple[str,
   return dict(table)
 
 
+def cross_branch_collectives(compiled, mesh=None, stage_axis: str = "stage") -> list[Collective]:
+  """The collectives inside a ``conditional``'s branch that wait for devices taking another
+  branch: what a pipeline must never hold, since its stages take different branches.
+
+  A collective with replica groups (all-reduce, all-gather, reduce-scatter, all-to-all) meets
+  per group, so one whose groups stay inside a stage (over ``tensor``, ``fsdp`` or ``expert``)
+  runs in that stage's branch. A collective-permute meets as one rendezvous of every device its
+  pairs name on emulated CPU devices (all of them, for a permute the partitioner made for the
+  whole mesh), so inside a branch it waits for devices that never come and XLA aborts the
+  process; on a TPU it is point-to-point. Both kinds are reported: a collective-permute anywhere
+  in a branch, and any collective in a branch whose groups span ``stage_axis`` (with ``mesh``).
+
+  Args:
+    compiled: a :class:`jax.stages.Compiled` or its HLO text.
+    mesh: the :class:`jax.sharding.Mesh` it was compiled for (to name the axes groups span).
+    stage_axis: the pipeline's mesh axis.
+
+  Returns:
+    The offending :class:`Collective` list, empty when every device can run the program.
+  """
+  return [c for c in collectives(compiled, mesh) if c.in_branch and (
+      c.kind == "collective-permute" or stage_axis in (c.axes or ()))]
+
+
 # --------------------------------------------------------------------------------------------
 # Memory.
 
