@@ -79,7 +79,8 @@ def test_compound_tick_sends_once_per_tick():
   """The tick loop runs one switch per lane of the table (and a conditional of its own per
   backward adding into the sums by units where a lane holds several,
   tpipe.core.tick_rows.lane_groups) and still exchanges one message each way per tick: two
-  collective-permutes in the loop body, as with one action."""
+  collective-permutes in the loop body, as with one action, and one more for the inputs'
+  conveyors (every lane's carriage in one send), as with one action."""
   mesh = lm.emulated_mesh(4)
   model = lm.loss_sequential("mlp", "1f1b", mesh, 4, tick_costs=COSTS)
   table = model.spec.table
@@ -99,26 +100,26 @@ def test_compound_tick_sends_once_per_tick():
   loops = [body for body in re.split(r"\n(?=\S)", text) if "conditional(" in body
            and body.count("conditional(") == conditionals]
   assert loops, f"no loop body runs {conditionals} conditionals"
-  assert all(body.count("collective-permute(") + body.count("collective-permute-start(") == 2
+  assert all(body.count("collective-permute(") + body.count("collective-permute-start(") == 3
              for body in loops)
 
 
 # (model, schedule, stages, micro-batches per replica, slices, tick costs, what W recomputes,
-# remat, whether the inputs stream): "forward", W runs the chunk's forward again; "backward",
-# its forward and backward (BI forms input gradients only). Where the one-action table streams
-# its inputs (the batch split over the stages), W reads them too.
-RECOMPUTE_CASES = [("lm", "zb_h1", 4, 4, 1, COSTS, "forward", "full", False),
-                   ("blocks", "zbv", 2, 4, 2, None, "forward", "full", True),
-                   ("mlp", "zbv", 2, 6, 1, COSTS, "forward", "full", False),
-                   ("lm", "zb_h1", 4, 4, 1, None, "backward", "full", True),
-                   ("blocks", "zbv", 2, 4, 2, COSTS, "backward", "none", False),
-                   ("mlp", "zb_h1", 4, 4, 1, COSTS, "backward", "dots", False)]
+# remat): "forward", W runs the chunk's forward again; "backward", its forward and backward (BI
+# forms input gradients only). The batch is split over the stages, so the inputs stream (in
+# compound ticks, a conveyor per lane that reads them), and W reads them too.
+RECOMPUTE_CASES = [("lm", "zb_h1", 4, 4, 1, COSTS, "forward", "full"),
+                   ("blocks", "zbv", 2, 4, 2, None, "forward", "full"),
+                   ("mlp", "zbv", 2, 6, 1, COSTS, "forward", "full"),
+                   ("lm", "zb_h1", 4, 4, 1, None, "backward", "full"),
+                   ("blocks", "zbv", 2, 4, 2, COSTS, "backward", "none"),
+                   ("mlp", "zb_h1", 4, 4, 1, COSTS, "backward", "dots")]
 
 
 @pytest.mark.parametrize(
-    "name,schedule,stages,microbatches,slices,costs,recompute,remat,streams", RECOMPUTE_CASES)
+    "name,schedule,stages,microbatches,slices,costs,recompute,remat", RECOMPUTE_CASES)
 def test_weight_recompute_equals_sequential(name, schedule, stages, microbatches, slices, costs,
-                                            recompute, remat, streams):
+                                            recompute, remat):
   mesh = lm.emulated_mesh(stages, slices)
   _, x, _, _ = lm.loss_model(name)
   model = lm.loss_sequential(name, schedule, mesh, microbatches, remat, tick_costs=costs,
@@ -126,5 +127,6 @@ def test_weight_recompute_equals_sequential(name, schedule, stages, microbatches
   assert model.spec.weight_recompute == recompute
   axes = spmd.Axes.of(mesh, model.spec.stage_axis, model.spec.data_axis)
   conveyor = streaming.plan(model.spec.table, axes, x.shape[0], True, reads_at_w=True)
-  assert (conveyor is not None) == streams
+  assert conveyor is not None
+  assert model.spec.table.is_compound == (costs is not None)
   lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))

@@ -17,37 +17,56 @@ from tpipe.core import spmd
 from tpipe.core import streaming
 
 
-def _model(name, schedule, mesh, microbatches, remat, stream=True):
-  # Fused schedules one action per tick: compound tables (their default) gather the inputs
-  # instead (stage 0 can read two micro-batches in one tick; tpipe.core.streaming.plan).
-  plain = {"tick_costs": "plain"} if tpipe.schedules.is_fused(schedule) else {}
+# Per-action costs whose tables are compound at every size here: stage 0 can read two
+# micro-batches in one tick, each over the conveyor of its lane.
+COMPOUND = {"F": 1.0, "B": 3.0, "BI": 2.0, "W": 1.0}
+
+
+def _model(name, schedule, mesh, microbatches, remat, stream=True, tick_costs=COMPOUND):
+  # Fused schedules in compound ticks or one action per tick ("plain").
+  costs = {"tick_costs": tick_costs} if tpipe.schedules.is_fused(schedule) else {}
   return lm.loss_sequential(name, schedule, mesh, microbatches, remat, stream_inputs=stream,
-                            **plain)
+                            **costs)
 
 
-# (model, schedule, stages, micro-batches per replica, remat, slices): on two slices the links
-# between them are delayed (with two stages, both links). "mlp" and "blocks" take float inputs,
-# whose gradients come back along the conveyor; "lm" takes tokens.
+# (model, schedule, stages, micro-batches per replica, remat, slices, fused tables' tick costs):
+# on two slices the links between them are delayed (with two stages, both links). "mlp" and
+# "blocks" take float inputs, whose gradients come back along the conveyor; "lm" takes tokens.
 CASES = [
-    ("mlp", "gpipe", 4, 4, "none", 1),
-    ("lm", "gpipe", 2, 6, "full", 2),
-    ("blocks", "circular", 4, 4, "dots", 1),
-    ("mlp", "1f1b", 2, 6, "full", 2),
-    ("lm", "1f1b", 2, 6, "none", 1),
-    ("blocks", "zbv", 2, 4, "none", 2),
-    ("lm", "zb_h1", 4, 4, "full", 1),
-    ("mlp", "interleaved_1f1b", 2, 6, "dots", 2),
+    ("mlp", "gpipe", 4, 4, "none", 1, None),
+    ("lm", "gpipe", 2, 6, "full", 2, None),
+    ("blocks", "circular", 4, 4, "dots", 1, None),
+    ("mlp", "1f1b", 2, 6, "full", 2, COMPOUND),
+    ("lm", "1f1b", 2, 6, "none", 1, "plain"),
+    ("blocks", "zbv", 2, 4, "none", 2, COMPOUND),
+    ("lm", "zb_h1", 4, 4, "full", 1, "plain"),
+    ("mlp", "zb_h1", 2, 6, "none", 1, COMPOUND),
+    ("mlp", "interleaved_1f1b", 2, 6, "dots", 2, COMPOUND),
 ]
 
 
-@pytest.mark.parametrize("name,schedule,stages,microbatches,remat,slices", CASES)
-def test_streamed_inputs_equal_sequential(name, schedule, stages, microbatches, remat, slices):
+def test_some_case_reads_two_microbatches_in_one_tick():
+  reads = [tpipe.schedules.lane_reads(tpipe.schedules.build(
+      schedule, stages, microbatches, 2 if schedule in lm.TWO_CHUNKS else 1,
+      1 if slices == 2 else None, costs)) for _, schedule, stages, microbatches, _, slices, costs
+      in CASES if costs is COMPOUND]
+  assert any(((r >= 0).sum(axis=0) >= 2).any() for r in reads)
+
+
+@pytest.mark.parametrize("name,schedule,stages,microbatches,remat,slices,tick_costs", CASES)
+def test_streamed_inputs_equal_sequential(name, schedule, stages, microbatches, remat, slices,
+                                          tick_costs):
   mesh = lm.emulated_mesh(stages, slices)
-  model = _model(name, schedule, mesh, microbatches, remat)
+  model = _model(name, schedule, mesh, microbatches, remat, tick_costs=tick_costs)
   _, x, _, _ = lm.loss_model(name)
   axes = spmd.Axes.of(mesh, model.spec.stage_axis, model.spec.data_axis)
-  assert streaming.plan(model.spec.table, axes, x.shape[0], True) is not None
+  conveyor = streaming.plan(model.spec.table, axes, x.shape[0], True)
+  assert conveyor is not None
   assert any(model.spec.delays) == (slices == 2)
+  # Where stage 0 reads two micro-batches in one tick (lanes of a compound tick), each comes
+  # over a conveyor of its own.
+  reads = tpipe.schedules.lane_reads(model.spec.table)
+  assert len(conveyor.lanes) >= (reads >= 0).sum(axis=0).max()
   lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))
 
 
@@ -61,11 +80,11 @@ def _collectives(model, name):
           len(re.findall(r"stablehlo\.collective_permute", text)))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_streaming_replaces_the_gather_of_the_inputs_with_sends(schedule):
+@pytest.mark.parametrize("schedule,name", [("gpipe", "mlp"), ("1f1b", "mlp"), ("zbv", "blocks")])
+def test_streaming_replaces_the_gather_of_the_inputs_with_sends(schedule, name):
   mesh = lm.emulated_mesh(4, 1)
-  gathers, sends = _collectives(_model("mlp", schedule, mesh, 4, "full"), "mlp")
-  gathers_off, sends_off = _collectives(_model("mlp", schedule, mesh, 4, "full", False), "mlp")
+  gathers, sends = _collectives(_model(name, schedule, mesh, 4, "full"), name)
+  gathers_off, sends_off = _collectives(_model(name, schedule, mesh, 4, "full", False), name)
   # One all-gather fewer (the inputs'; the per-example targets every stage reads are still
   # gathered once), and one more send per tick: the conveyor's, one stage left (its transpose,
   # by autodiff, sends gradients back right).

@@ -122,6 +122,18 @@ def test_compound_1f1b_takes_gpipes_step_with_memory_flat_in_m():
     assert f.is_compound == (micro > 1)
 
 
+def test_slots_stop_growing_once_the_steady_state_is_reached(monkeypatch):
+  # A split backward's waiting weights fill the cool-down, so up to M = 4 S the builder may
+  # hold more slots than at a shorter M; beyond 4 S, no more than at 4 S. Shown with the bound
+  # taken at 2 S, where it binds: unbounded, ZB-V at S = 4, M = 16 holds (23, 13, 3) slots, at
+  # M = 8 (11, 8, 3).
+  costs = {"F": 1.0, "B": 2.0, "BI": 1.02, "W": 0.98}
+  compound = importlib.import_module("tpipe.schedules.compound")
+  monkeypatch.setattr(compound, "REFERENCE_MICROBATCHES", 2)
+  held = {m: compound.slots_held(compound.build("zbv", 4, m, costs)) for m in (8, 16)}
+  assert all(a <= b for a, b in zip(held[16], held[8])), held
+
+
 @pytest.mark.parametrize("name,repeats", [("1f1b", 1), ("zb_h1", 1), ("zbv", 2),
                                           ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
 @pytest.mark.parametrize("stages,micro", [(1, 3), (2, 2), (3, 5), (4, 8)])

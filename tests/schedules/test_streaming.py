@@ -86,3 +86,22 @@ def test_a_recomputing_w_reads_the_inputs_too():
   stream = schedules.input_stream(with_w, 2, 4, table.delays)
   assert stream is not None
   np.testing.assert_array_equal(stream.deliveries(), with_w)
+
+
+def test_a_compound_tick_reads_two_microbatches_over_two_lanes():
+  # 1F1B in compound ticks on 2 stages: stage 0 runs a forward beside a backward of chunk 0 in
+  # one tick, so it reads two micro-batches' inputs there, one in each lane.
+  table = schedules.build("1f1b", 2, 4, 1, None, {"F": 1.0, "B": 3.0})
+  assert table.is_compound
+  reads = streaming.lane_reads(table)
+  assert reads.shape == (table.lanes, table.num_ticks)
+  assert ((reads >= 0).sum(axis=0) == 2).any()
+  # Every read of the table, row by row, is in exactly one lane at its tick.
+  rows = streaming.first_stage_reads(table)
+  assert sorted(reads[reads >= 0].tolist()) == sorted(rows[rows >= 0].tolist())
+  for lane in range(table.lanes):
+    stream = streaming.input_stream(reads[lane], 2, 4)
+    np.testing.assert_array_equal(stream.deliveries(), reads[lane])
+  # A table of one action per tick has one lane: its reads.
+  plain = schedules.build("1f1b", 2, 4)
+  np.testing.assert_array_equal(streaming.lane_reads(plain), [streaming.first_stage_reads(plain)])

@@ -104,14 +104,15 @@ class Device:
     self.ring_zero = chunks_lib.zeros_with_rows(run.chunkset.ring.example, self.rows)
     self.output_zero = chunks_lib.zeros_with_rows(run.chunkset.output_example, self.rows)
 
-  def fresh(self, carry: dict, microbatch, conveyor_row):
-    """``(fresh, carry)``: micro-batch ``microbatch``'s inputs where this tick reads them (over
-    the conveyor when it streams, ``conveyor_row`` being its tick's row; what other ticks get
-    is not read)."""
+  def fresh(self, microbatch, conveyed, lane: int):
+    """Micro-batch ``microbatch``'s inputs where lane ``lane`` of this tick reads them: from the
+    batch, or (when the inputs stream) what the lane's conveyor brought this tick, ``conveyed``
+    being the tick's :meth:`tpipe.core.streaming.Conveyor.tick` values (zeros in a lane that
+    never reads inputs; what ticks that do not read get is not read)."""
     if self.conveyor is None:
-      return spmd.read_slot(self.x_mb, microbatch), carry
-    fresh, conveyed = self.conveyor.tick(self.held, carry["conveyor"], conveyor_row)
-    return fresh, dict(carry, conveyor=conveyed)
+      return spmd.read_slot(self.x_mb, microbatch)
+    value = self.conveyor.value_for(conveyed, lane)
+    return self.run.axes.vary(self.x_example) if value is None else value
 
   def inputs(self, mb, msg, fresh):
     """A chunk program's arguments after the parameters, for micro-batch ``mb``, the input

@@ -190,8 +190,9 @@ class _Loop:
       incoming = spmd.select((stage == 0) & (rep > 0), spmd.read_slot(carry["loop_back"], mb),
                              incoming)
     if self.conveyor is not None:
-      fresh, carry["conveyor"] = self.conveyor.tick(device.held, carry["conveyor"],
-                                                    row[streaming.ROW])
+      values, carry["conveyor"] = self.conveyor.tick(device.held, carry["conveyor"],
+                                                     row[streaming.ROW][stage])
+      fresh = self.conveyor.value_for(values, 0)  # One lane: a tick is one step.
     else:
       fresh = spmd.read_slot(device.microbatches, mb)
     results = gated.switch_call(

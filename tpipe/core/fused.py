@@ -43,7 +43,8 @@ table as one SPMD program:
   the chunk's output gradient, and ``W`` runs the chunk's forward and backward again.
 * Inputs: where the batch is split over the stages, each micro-batch's inputs reach stage 0 in
   the ticks that read them (its ``F`` and backward of chunk 0) over a conveyor of one-stage sends
-  (:mod:`tpipe.core.streaming`), else the batch is gathered once before the loop.
+  (:mod:`tpipe.core.streaming`; one per lane of a compound tick that reads them), else the batch
+  is gathered once before the loop.
 * Messages: a forward's output goes to the next model chunk, a backward's input gradient to the
   previous one. After the branch, every device issues the same two ``lax.ppermute`` every tick
   (one to each neighbour; zeros when the table sends nothing that way). A message arrives the
@@ -200,13 +201,16 @@ class _Run:
         mailbox = spmd.write_slot(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
       state, stash, sends = carry["state"], carry["stash"], []
       slots = {"weights": carry["weights"], "residuals": carry["residuals"]}
+      conveyed = None
+      if call.conveyor is not None:  # Every lane's inputs travel once per tick.
+        conveyed, conveyor = call.conveyor.tick(device.held, carry["conveyor"],
+                                                row[streaming.ROW][stage])
       for lane in range(schedule.lanes):  # A compound tick's steps, in the table's order.
         step = jax.tree.map(lambda a: a[lane, stage], row["lanes"])
         msg = spmd.read_slot(mailbox, step["recv_slot"])
         if not collect:
           stash = spmd.write_slot(stash, step["stash"], msg, step["forward"])
-        fresh, carry = device.fresh(carry, step["microbatch"],
-                                    row[streaming.ROW][stage] if call.conveyor else None)
+        fresh = device.fresh(step["microbatch"], conveyed, lane)
         at = {"weights": step["weight_slot"], "residuals": step["stash"]}
         operands = branches_lib.Step(msg, spmd.read_slot(stash, step["stash"]), fresh,
                                      step["microbatch"], step["chunk"])
@@ -218,7 +222,7 @@ class _Run:
       if self.delayed:
         out["pending"] = pending
       if call.conveyor is not None:
-        out["conveyor"] = carry["conveyor"]
+        out["conveyor"] = conveyor
       return out, None
 
     carry, _ = lax.scan(tick, carry, call.rows)

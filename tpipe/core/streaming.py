@@ -28,55 +28,73 @@ ROW = "conveyor_slot"
 
 def plan(table, axes: spmd.Axes, global_batch: int, enabled: bool, reads_at_w: bool = False):
   """The :class:`Conveyor` for a call, or None where the batch is gathered once instead
-  (streaming off, the batch not split over the stages, a table with compound ticks, whose stage
-  0 can read two micro-batches' inputs in one tick, or no feasible table:
-  :func:`tpipe.schedules.input_stream`). ``reads_at_w``: ``W`` of chunk 0 reads the inputs
+  (streaming off, the batch not split over the stages, or no feasible table:
+  :func:`tpipe.schedules.input_stream`). A compound tick's lanes each get a conveyor of their
+  own (:func:`tpipe.schedules.lane_reads`). ``reads_at_w``: ``W`` of chunk 0 reads the inputs
   too (``weight_recompute``)."""
-  compound = getattr(table, "is_compound", False)
-  if not enabled or compound or not axes.splits_over_stages(global_batch):
+  if not enabled or not axes.splits_over_stages(global_batch):
     return None
-  stream = schedules.input_stream(schedules.first_stage_reads(table, reads_at_w),
-                                  table.num_stages,
-                                  table.num_microbatches, table.delays)
-  return None if stream is None else Conveyor(stream, axes)
+  streams = {}
+  for lane, reads in enumerate(schedules.lane_reads(table, reads_at_w)):
+    if np.any(reads >= 0):
+      streams[lane] = schedules.input_stream(reads, table.num_stages, table.num_microbatches,
+                                             table.delays)
+      if streams[lane] is None:
+        return None
+  return Conveyor(streams, axes) if streams else None
 
 
 class Conveyor:
-  """One call's conveyor: its table as a scan row, its carry, and one tick's step."""
+  """One call's conveyors, one per lane in which stage 0 reads inputs: their tables as a scan
+  row, their carry, and one tick's step (every lane's sends at once)."""
 
-  def __init__(self, stream: schedules.InputStream, axes: spmd.Axes):
-    self.stream, self.axes = stream, axes
-    num_stages = stream.num_stages
+  def __init__(self, streams: dict[int, schedules.InputStream], axes: spmd.Axes):
+    self.streams, self.axes = streams, axes
+    self.lanes = tuple(sorted(streams))  # The lanes that read, in the order the carry has.
+    stream = streams[self.lanes[0]]
+    self.per_stage, num_stages = stream.per_stage, stream.num_stages
     self.now, self.late = spmd.split_by_delay(
         spmd.neighbour_pairs(num_stages, -1, wrap=False), stream.delays, -1, num_stages)
 
   def row(self) -> dict:
-    """``{ROW: [T, S]}``: the scan's per-tick slots (:attr:`InputStream.source`)."""
-    return {ROW: np.asarray(self.stream.source, np.int32)}
+    """``{ROW: [T, S, K]}``: the scan's per-tick slots of the ``K`` conveyors
+    (:attr:`InputStream.source`)."""
+    sources = [self.streams[lane].source for lane in self.lanes]
+    return {ROW: np.stack(sources, axis=-1).astype(np.int32)}
 
   def hold(self, local):
     """This stage's part of the inputs, ``[M/S, rows, ...]`` per leaf."""
-    return spmd.split_microbatches(local, self.stream.per_stage)
+    return spmd.split_microbatches(local, self.per_stage)
 
   def start(self, held) -> dict:
-    """The carry before the first tick: an empty carriage (and an empty pending send over
-    delayed links)."""
+    """The carry before the first tick: an empty carriage per conveyor (and an empty pending
+    send over delayed links)."""
     empty = self.axes.vary(jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), held))
-    carry = {"carriage": empty}
+    carry = {"carriage": (empty,) * len(self.lanes)}
     if self.late:
-      carry["carriage_pending"] = empty
+      carry["carriage_pending"] = carry["carriage"]
     return carry
 
-  def tick(self, held, carry: dict, slot):
-    """``(value, carry)``: what this stage puts on the conveyor at this tick (on stage 0, the
-    micro-batch it reads), and the carry for the next tick."""
-    value = spmd.select(slot >= 0, spmd.read_slot(held, jnp.maximum(slot, 0)), carry["carriage"])
-    arrived = spmd.permute_parts(value, self.axes.stage, self.now, self.late,
+  def tick(self, held, carry: dict, slots):
+    """``(values, carry)``: what this stage puts on each conveyor at this tick, given its
+    slots ``[K]`` (on stage 0, the micro-batches its lanes read: :meth:`value_for`), and the
+    carry for the next tick."""
+    values = tuple(
+        spmd.select(slots[k] >= 0, spmd.read_slot(held, jnp.maximum(slots[k], 0)), passing)
+        for k, passing in enumerate(carry["carriage"]))
+    arrived = spmd.permute_parts(values, self.axes.stage, self.now, self.late,
                                  carry.get("carriage_pending"))
     carry = {"carriage": arrived}
     if self.late:
-      carry["carriage_pending"] = value
-    return value, carry
+      carry["carriage_pending"] = values
+    return values, carry
+
+  def value_for(self, values, lane: int):
+    """What lane ``lane`` reads of one tick's :meth:`tick` values (stage 0's micro-batch there);
+    None for a lane that never reads inputs."""
+    if lane not in self.lanes:
+      return None
+    return values[self.lanes.index(lane)]
 
 
 def describe(table, axes: spmd.Axes, global_batch: int, enabled: bool,
@@ -86,11 +104,11 @@ def describe(table, axes: spmd.Axes, global_batch: int, enabled: bool,
     return "inputs replicated over the stages (the batch does not split among them)"
   conveyor = plan(table, axes, global_batch, enabled, reads_at_w)
   if conveyor is not None:
-    return (f"inputs streamed to stage 0 one micro-batch per tick (each stage holds "
-            f"{conveyor.stream.per_stage} of {table.num_microbatches})")
+    lanes = len(conveyor.lanes)
+    per_tick = "one micro-batch per tick" if lanes == 1 else f"up to {lanes} micro-batches per tick"
+    return (f"inputs streamed to stage 0 {per_tick} (each stage holds "
+            f"{conveyor.per_stage} of {table.num_microbatches})")
   why = ("stream_inputs=False" if not enabled
-         else "compound ticks: stage 0 can read two micro-batches in one tick"
-         if getattr(table, "is_compound", False)
          else f"M={table.num_microbatches} is not a multiple of S={table.num_stages}"
          if table.num_microbatches % table.num_stages
          else "a read comes before its inputs could travel over the delayed links")

@@ -70,6 +70,7 @@ from tpipe.schedules.simulate import tick_starts  # noqa: F401 (internal)
 from tpipe.schedules.streaming import InputStream  # noqa: F401 (internal)
 from tpipe.schedules.streaming import first_stage_reads  # noqa: F401 (internal)
 from tpipe.schedules.streaming import input_stream  # noqa: F401 (internal)
+from tpipe.schedules.streaming import lane_reads  # noqa: F401 (internal)
 from tpipe.schedules import compound as _compound
 from tpipe.schedules import forward as _forward
 from tpipe.schedules import orders as _orders

@@ -67,6 +67,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Mapping
@@ -100,6 +101,13 @@ WEIGHT_SLOTS = 2
 # (S = 8, M = 32: 0.04 s each, 1.9 s the whole build); a V's eight (S = 8, M = 32: 200 distinct
 # tables of 512 W, about 0.5 s each).
 SETTLED = {"loop": 64, "v": 8}
+# Micro-batches per stage of the table whose slots bound every longer table's (M > 4 S): a
+# compound table at M holds no more stash, weight and mailbox slots than at M = 4 S, so its
+# memory stops growing with M once the steady state is reached. Below 4 S the weights a split
+# backward leaves waiting fill the cool-down, and bounding them by a shorter table's costs the
+# bubble (ZB-H1, S = 8, M = 32, measured costs, bounded by M = 16's slots: 1.00 -> 1.32 of its
+# natural bubble; ZB-V up to 2x).
+REFERENCE_MICROBATCHES = 4
 # Per fused schedule: (placement, whether the backward is split into BI and W).
 SHAPES = {"1f1b": ("loop", False), "interleaved_1f1b": ("loop", False),
           "zb_h1": ("loop", True), "zbv": ("v", True)}
@@ -458,6 +466,20 @@ def settle_weights(table: fused_lib.FusedSchedule, costs: Mapping[str, float],
                               table.placement, ticks, delays=table.delays)
 
 
+def slots_held(table: fused_lib.FusedSchedule) -> tuple[int, int, int]:
+  """What a table's memory grows with, per stage at its peak: ``(stash slots, weight slots,
+  mailbox slots)`` (the executor allocates each buffer for the busiest stage)."""
+  return (int(table.stash_slots().max()), int(table.awaiting_weight().max()),
+          int(table.mailbox_slots().max()))
+
+
+@functools.lru_cache(maxsize=64)
+def _slots_at(name, num_stages, num_microbatches, costs, num_repeats,
+              delays) -> tuple[int, int, int]:
+  """:func:`slots_held` of the table :func:`build` gives (arguments hashable)."""
+  return slots_held(build(name, num_stages, num_microbatches, dict(costs), num_repeats, delays))
+
+
 def candidates(name: str, num_stages: int):
   """The settings :func:`build` tries, as :func:`pack` keywords (second forwards and the light
   ramp for the V placement only; weight holds of 0 and V - 1 ticks, V the model's chunks, for
@@ -487,10 +509,11 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   again with each smaller weight backlog down to the next one tried) and the one-action-per-tick
   table, and (split backward) the :data:`SETTLED` fastest distinct of them again with their
   weights settled (:func:`settle_weights`, with up to :data:`WEIGHT_SLOTS` S awaiting ``W``
-  where the table held fewer); among the tables within :data:`TOLERANCE` of the shortest step
-  and :data:`BUBBLE_TOLERANCE` of its bubble, the one with the fewest weight slots
-  (micro-batches awaiting ``W``), then the fewest micro-batch chunks in flight, then the fewest
-  ticks.
+  where the table held fewer); for M > 4 S, only tables holding no more slots than the table at
+  M = 4 S (:func:`slots_held`, :data:`REFERENCE_MICROBATCHES`); among the tables within
+  :data:`TOLERANCE` of the shortest step and :data:`BUBBLE_TOLERANCE` of its bubble, the one
+  with the fewest weight slots (micro-batches awaiting ``W``), then the fewest micro-batch
+  chunks in flight, then the fewest ticks.
 
   Args:
     name: ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
@@ -534,6 +557,16 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
     settled = [settle_weights(tables[i], costs, WEIGHT_SLOTS * num_stages) for i in fastest]
     tables += settled
     steps += [round(table.simulate(costs).neighbour, 9) for table in settled]
+
+  if num_microbatches > REFERENCE_MICROBATCHES * num_stages:
+    # Memory flat in M: no more slots than the table at M = 4 S holds (the one-action table,
+    # which holds S, always qualifies with it).
+    bound = _slots_at(name, num_stages, REFERENCE_MICROBATCHES * num_stages,
+                      tuple(sorted(costs.items())), num_repeats,
+                      actions_lib.link_delays(delays, num_stages))
+    keep = [i for i, table in enumerate(tables)
+            if i == 0 or all(n <= b for n, b in zip(slots_held(table), bound))]
+    tables, steps = [tables[i] for i in keep], [steps[i] for i in keep]
 
   # Weight slots hold whole activations (a micro-batch awaiting W keeps its operations' inputs
   # and output gradients): among tables within 1% of the shortest step and 5% of its bubble,

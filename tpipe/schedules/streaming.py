@@ -14,7 +14,9 @@ each tick at most one micro-batch, so no two reads want the same stage in the sa
 table is conflict-free by construction, and :meth:`InputStream.deliveries` replays it to check.
 
 A stage then holds ``M/S`` micro-batches of inputs instead of ``M``, and each transfer is one
-micro-batch that overlaps a tick's compute like the activations' sends.
+micro-batch that overlaps a tick's compute like the activations' sends. A compound tick (several
+rows, :mod:`tpipe.schedules.compound`) can read two micro-batches on stage 0: each of its lanes
+(a tick's first row, its second, ...) gets a conveyor of its own (:func:`lane_reads`).
 
 Example::
 
@@ -56,6 +58,24 @@ def first_stage_reads(table, reads_at_w: bool = False) -> np.ndarray:
   readers = (Action.F, Action.B, Action.BI) + ((Action.W,) if reads_at_w else ())
   uses_inputs = np.isin(kinds, readers) & (table.chunk[:, 0] == 0)
   return np.where(uses_inputs, table.microbatch[:, 0], -1).astype(np.int64)
+
+
+def lane_reads(table, reads_at_w: bool = False) -> np.ndarray:
+  """``[L, T]``: per lane (one step of a compound tick: a tick's ``k``-th row is in lane ``k``)
+  and tick, the micro-batch whose inputs stage 0 reads there, or -1 (:func:`first_stage_reads`
+  row by row). A table without compound ticks has one lane: ``first_stage_reads`` itself.
+
+  Each lane reads at most one micro-batch per tick, so each lane's reads travel on a conveyor
+  of their own (:func:`input_stream`), and a tick whose stage 0 reads two micro-batches gets
+  them by two sends.
+  """
+  reads = first_stage_reads(table, reads_at_w)
+  if not getattr(table, "is_compound", False):
+    return reads[None]
+  lanes = np.arange(table.num_rows) - table.first_rows()[table.tick]
+  out = np.full((table.lanes, table.num_ticks), -1, np.int64)
+  out[lanes, table.tick] = reads
+  return out
 
 
 def hop_ticks(delays) -> np.ndarray:
