@@ -46,6 +46,7 @@ from ml_collections import config_flags
 
 from tpipe.spec import SPLIT_BACKWARD
 from tpipe.spec import check_weight_recompute
+from tpipe.spec import granularity_in_effect
 from tpipe.train import cli
 from tpipe.train import schedule_summary
 
@@ -540,8 +541,9 @@ def format_stages(report: Report) -> list[str]:
     lines += ["", f"remat={report.config.get('remat')!r}: the floor counts the stage inputs a "
               "stash slot keeps under remat='full'; with this policy each slot also keeps the "
               "chunk's saved activations, which the ratio then includes."]
-  granularity = report.config.get("remat_granularity", "chunk")
-  if granularity != "chunk":
+  granularity = granularity_in_effect(report.config.get("remat", "full"),
+                                      report.config.get("remat_granularity", "chunk"))
+  if granularity != "chunk":  # Under remat="none" every granularity runs as "chunk".
     lines += ["", f"remat_granularity={granularity!r}: the floor's working set is the chunk's "
               "forward and backward with its pieces checkpointed, as a tick runs it (each "
               "piece's input, and one piece's intermediates at a time)"
