@@ -51,6 +51,7 @@ from tpipe.tools import stage_costs
 from tpipe.train import experiment
 from tpipe.train import models
 from tpipe.train import report as report_lib
+from tpipe.train import report_text
 
 # The GPipe paper's Transformer in kind, and a tiny stand-in for --smoke.
 GPIPE = dict(num_layers=48, width=2048, num_heads=32, mlp_dim=8192, seq_len=2048,
@@ -455,7 +456,7 @@ def write_lines(results, sizes, stage_counts, costs, flops_seconds):
   for num_stages in stage_counts:
     rep = results[("sequential", num_stages)]["report"]
     lines += ["", f"## Sequential, S = {num_stages}: the report's per-stage table", ""]
-    lines += report_lib.format_stages(rep)
+    lines += report_text.format_stages(rep)
   return lines
 
 

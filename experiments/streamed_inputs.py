@@ -9,12 +9,13 @@ minutes)::
 A pipeline whose inputs are large (what a model gets when its embedding, or a vision encoder,
 runs before the pipeline): a sequence of residual MLP blocks of width ``D`` on bfloat16
 activations ``[rows, T, D]``, compiled for two ``v5p:2x2x1`` slices (8 chips) with the stage axis
-over DCN (``tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2})``), gpipe and 1F1B, M = 8 per
-data replica. The batch arrives split over data and stage (``tpipe.data_sharding``). Per device,
-from the TPU compiler: the step's temporaries and the collectives over ``stage`` that move the
-inputs, outside the tick loop (the gather, blocking the first tick) and inside it (the
-conveyor's sends, one micro-batch per tick, beside the compute), with the gather's time over
-DCN at v5p's 50 Gbit/s per chip (:mod:`tpipe.experimental.links`).
+over DCN (``tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2})``), gpipe, 1F1B, ZB-H1 and ZB-V
+(the fused ones in compound ticks, their default, whose stage 0 may read two micro-batches in one
+tick: a conveyor per lane), M = 8 per data replica. The batch arrives split over data and stage
+(``tpipe.data_sharding``). Per device, from the TPU compiler: the step's temporaries and the
+collectives over ``stage`` that move the inputs, outside the tick loop (the gather, blocking the
+first tick) and inside it (the conveyors' sends, beside the compute), with the gather's time
+over DCN at v5p's 50 Gbit/s per chip (:mod:`tpipe.experimental.links`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def measure(schedule: str, stream: bool, width: int, seq: int, rows: int, layers
   microbatches = 8
   model = tpipe.Sequential([tpipe.Repeat(Block(), layers), MeanSquare()], num_stages=4,
                            num_microbatches=microbatches, schedule=schedule, remat="full",
-                           mesh=mesh, stream_inputs=stream)
+                           mesh=mesh, stream_inputs=stream,
+                           num_repeats=2 if schedule == "zbv" else 1)
   batch = 2 * microbatches * rows
   x = jax.ShapeDtypeStruct((batch, seq, width), jnp.bfloat16,
                            sharding=tpipe.data_sharding(mesh))
@@ -82,7 +84,7 @@ def main():
            f"(bfloat16 [{2 * 8 * rows}, {seq}, {width}] over 8 devices).", "",
            "| schedule | inputs | temporaries MiB | gathered before tick 0 MiB | its DCN time ms "
            "| stage sends per tick MiB |", "|---|---|---:|---:|---:|---:|"]
-  for schedule in ("gpipe", "1f1b"):
+  for schedule in ("gpipe", "1f1b", "zb_h1", "zbv"):
     for stream in (False, True):
       m = measure(schedule, stream, width, seq, rows, layers)
       seconds = dcn.seconds(m["gathered"]) if m["gathered"] else 0.0

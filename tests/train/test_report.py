@@ -23,6 +23,7 @@ from tpipe.tools import stage_costs
 from tpipe.train import communication
 from tpipe.train import experiment
 from tpipe.train import report as report_lib
+from tpipe.train import report_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -115,7 +116,7 @@ def test_parameters_split_over_each_mesh_axis(tiny_report):
   total = 4 * tiny_report.params_bytes
   assert rows["stage"] == {"axis": "stage", "devices": 4, "split_bytes": total, "whole_bytes": 0}
   assert rows["data"] == {"axis": "data", "devices": 2, "split_bytes": 0, "whole_bytes": total}
-  text = report_lib.format_report(tiny_report)
+  text = report_text.format_report(tiny_report)
   assert "mesh data=2 x fsdp=1 x stage=4 x tensor=1 (8 devices)" in text
   assert "| stage | 4 | " in text and "(100.0%) | 0 B (0.0%) |" in text
 
@@ -155,7 +156,7 @@ def test_flops_and_collectives(tiny_report):
   assert transfers["in_loop"] == transfers["instructions"]
   reductions = roles[("all-reduce", "data-parallel reduction")]
   assert reductions["in_loop"] == 0  # once per step, not per micro-batch.
-  text = report_lib.format_report(tiny_report)
+  text = report_text.format_report(tiny_report)
   assert "peak total" in text and "stage-to-stage transfer" in text
   assert "stash per stage: 7 slots" in text
 
@@ -283,7 +284,7 @@ def test_memory_floor_parts_add_up_and_stay_below_the_peak(which, request):
   assert out["memory_floor"]["total"] == floor.total
   assert out["memory_floor"]["peak_over_floor"] == pytest.approx(report.floor_ratio)
   assert [s["param_bytes"] for s in out["stages"]] == [s.param_bytes for s in report.stages]
-  text = report_lib.format_report(report)
+  text = report_text.format_report(report)
   assert "peak / floor" in text and "layers_2 LMHead" in text
 
 
@@ -324,7 +325,7 @@ def test_fused_schedule_reports_its_table_in_flight_and_simulated_step(fused_rep
   roles = {(r["kind"], r["role"]): r for r in report.collective_rows()}
   assert roles[("collective-permute", "stage-to-stage transfer")]["count"] >= 2 * table.num_ticks
   assert roles[("all-reduce", "data-parallel reduction")]["in_loop"] == 0
-  text = report_lib.format_report(report)
+  text = report_text.format_report(report)
   assert f"in flight per stage at most [{', '.join(map(str, in_flight))}]" in text
   assert "derived from measured per-unit FLOPs" in text
   assert "GPipe's neighbour-synchronised step on the same layers and costs: " in text
@@ -436,7 +437,7 @@ def test_one_slice_prices_every_axis_on_ici(tiny_report):
   assert comm.compute_seconds > 0
   # Inside one slice the ends' moments are compact (config.compact_moments='auto').
   assert tiny_report.moments.startswith("Adam's moments of the ends compact")
-  assert tiny_report.moments in report_lib.format_report(tiny_report)
+  assert tiny_report.moments in report_text.format_report(tiny_report)
 
 
 def test_stages_over_two_slices_send_over_dcn_and_a_delay_hides_what_a_tick_outlasts(
@@ -465,7 +466,7 @@ def test_stages_over_two_slices_send_over_dcn_and_a_delay_hides_what_a_tick_outl
   out = delayed.to_json()["communication"]
   assert out["stage_link_delays"] == [0, 1, 0, 1]
   assert {row["axes"]: row["link"] for row in out["axes"]}["stage"] == "dcn"
-  text = report_lib.format_report(delayed)
+  text = report_text.format_report(delayed)
   assert "Communication priced on v5p links" in text and "stage DCN, data ICI" in text
   # Over DCN the ends' Adam moments stay staged (config.compact_moments='auto'): nothing but
   # the pipeline's own traffic crosses the stage axis, and the report says what 'on' would buy.
@@ -494,6 +495,6 @@ def test_a_compound_table_reports_its_costs_and_actions_per_tick():
   costs = {"F": 1.0, "B": 3.0, "BI": 2.0, "W": 1.0}
   assert out["simulated_step"]["costs"] == costs
   assert out["simulated_step"]["neighbour"] == table.simulate(costs).neighbour
-  assert f"compound: up to {table.lanes} actions per stage" in report_lib.format_report(report)
+  assert f"compound: up to {table.lanes} actions per stage" in report_text.format_report(report)
   pipeline = report.analysis.pipeline
   assert pipeline is not None and pipeline.useful <= pipeline.executed <= pipeline.lockstep

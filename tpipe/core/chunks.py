@@ -224,7 +224,7 @@ class ChunkSet:
              for key, table in self.shared_slots[branch].items()}
     # Pinned again where the leaves are cut: what came through an optimization barrier or a
     # checkpoint name is a new value the partitioner may split afresh.
-    local = {**local, layout_lib.PACKED: _whole_over_auto_axes(local[layout_lib.PACKED])}
+    local = {**local, layout_lib.PACKED: spmd.whole_over_auto_axes(local[layout_lib.PACKED])}
     trees = self.layout.chunk_trees(local, rep, self._packed_at(branch, chunk),
                                     self.held_blocks, shared_slots=slots, canonical=True)
     if self.gathers_pieces:
@@ -241,7 +241,7 @@ class ChunkSet:
     sliced from them as from one buffer per chunk), else its window cut at the traced offset."""
     stacked = self._slot(params[layout_lib.STACKED], self._local(branch, chunk))
     p = self._per_chunk(branch, chunk, self.packed_slot)
-    buffers = _whole_over_auto_axes(
+    buffers = spmd.whole_over_auto_axes(
         {k: self._slot(a, p)[0] for k, a in params[layout_lib.PACKED].items()})
     if self._packed_at(branch, chunk) is None:
       buffers = self.layout.window(buffers, self.chunks_of[branch][0],
@@ -284,7 +284,7 @@ class ChunkSet:
         # Sliced from the buffer whole on every device (then split as the leaf's names say): a
         # local slice. Unpinned, the partitioner may split the slice (as the leaf's use
         # suggests, names or none) and fetch the neighbours' parts of its operand with
-        # collective-permutes inside the branch (see _whole_over_auto_axes).
+        # collective-permutes inside the branch (see spmd.whole_over_auto_axes).
         piece = lax.with_sharding_constraint(piece, P())
         if spec is not None:
           piece = lax.with_sharding_constraint(piece, P(*([None] * lead), *spec))
@@ -573,19 +573,6 @@ class ChunkSet:
 # jax.checkpoint's policy for remat="full" is None; this sentinel asks for that checkpoint, where
 # None means no checkpoint at all.
 FULL = object()
-
-
-def _whole_over_auto_axes(buffers):
-  """The packed buffers pinned whole on every device of the partitioner's axes (tensor), where
-  there are such axes. A buffer's leaves start anywhere in it, and XLA's partitioner, left free,
-  splits it over tensor as some leaf's use suggests; cutting the other leaves out of that split
-  (and packing their gradients back) then moves pieces between devices with collective-permutes
-  inside the stage's branch, which the devices of the other stages never join (emulated CPU
-  devices wait for them). Each leaf takes its own split where its unit runs
-  (:meth:`ChunkSet._gather_packed`)."""
-  if not spmd.auto_axes_here():
-    return buffers
-  return jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), buffers)
 
 
 def _checkpointed(fn, policy):

@@ -204,6 +204,19 @@ def auto_axes_here() -> tuple[str, ...]:
                if kind == AxisType.Auto and dict(mesh.shape)[name] > 1)
 
 
+def whole_over_auto_axes(tree):
+  """Every leaf of ``tree`` pinned whole on every device of the partitioner's axes (tensor),
+  where there are such axes (inside ``shard_map``). A packed buffer's leaves start anywhere in
+  it, and XLA's partitioner, left free, splits it over tensor as some leaf's use suggests;
+  cutting the other leaves out of that split (and packing their gradients back) then moves
+  pieces between devices with collective-permutes inside the stage's branch, which the devices
+  of the other stages never join (emulated CPU devices wait for them). Pinned whole, a cut is
+  local, and each leaf takes its own split where its unit runs."""
+  if not auto_axes_here():
+    return tree
+  return jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), tree)
+
+
 def neighbour_pairs(num_stages: int, direction: int, wrap: bool) -> list[tuple[int, int]]:
   """``lax.ppermute`` pairs sending each stage's value one stage over.
 

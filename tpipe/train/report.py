@@ -27,7 +27,7 @@ a TPU VM) and never run. The printed table gives, per device:
 
 The report (``report.md``, ``report.json``) and the schedule's timeline (``timeline.png``) are
 saved in ``--out_dir`` (a new temporary directory by default, printed at the end). Python users
-call :func:`analyze_config` and :func:`format_report`.
+call :func:`analyze_config`, and :func:`tpipe.train.report_text.format_report` for the text.
 """
 
 from __future__ import annotations
@@ -44,10 +44,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from tpipe.spec import SPLIT_BACKWARD
-from tpipe.spec import check_weight_recompute
-from tpipe.spec import granularity_in_effect
 from tpipe.train import cli
+from tpipe.train import report_text
 from tpipe.train import schedule_summary
 
 DEFAULT_CPU_DEVICES = 8
@@ -402,157 +400,6 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                                                  exp.pipeline.spec.stage_axis))
 
 
-def _flops(x: float) -> str:
-  for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6),
-                      ("kFLOP", 1e3)):
-    if abs(x) >= scale:
-      return f"{x / scale:.2f} {unit}"
-  return f"{x:.0f} FLOP"
-
-
-def format_report(report: Report) -> str:
-  """The report as a short markdown text (tables of memory, FLOPs and collectives)."""
-  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
-  from tpipe.train import communication  # pylint: disable=g-import-not-at-top
-
-  fb = analysis.format_bytes
-  c, mem, flops, pipe = report.config, report.analysis.memory, report.analysis.flops, \
-      report.analysis.pipeline
-  # The task's own sizes (an LM's depth and sequence, a convnet's width), where present.
-  sizes = " ".join(f"{label}={c[key]}" for key, label in (("num_layers", "L"), ("width", "width"))
-                   if key in c)
-  seq = f" x seq {c.seq_len}" if "seq_len" in c else ""
-  lines = [
-      f"## tpipe report: {c.get('size', '')} {sizes} params={report.num_params:,}",
-      "",
-      f"mesh {' x '.join(f'{a}={n}' for a, n in report.mesh_shape.items())} "
-      f"({report.num_devices} devices), "
-      f"schedule={c.schedule} M={c.num_microbatches} R={c.num_repeats} remat={c.remat} "
-      f"remat_granularity={c.get('remat_granularity', 'chunk')}, "
-      f"dtype={c.get('dtype', 'float32')}, "
-      f"batch={c.batch_size}{seq}; lowered in {report.lower_seconds:.1f} s, "
-      f"compiled in {report.compile_seconds:.1f} s (not run)"
-      + (f" for the TPU topology {report.topology}." if report.topology else "."),
-      "",
-      *([report.backward.capitalize() + ".", ""] if report.backward else []),
-      "| memory per device | bytes |",
-      "|---|---:|",
-      f"| parameters | {fb(report.params_bytes)} |",
-      f"| optimizer state | {fb(report.opt_state_bytes)} |",
-      f"| batch | {fb(report.batch_bytes)} |",
-      f"| gradients (= parameters, inside temporaries) | {fb(report.gradient_bytes)} |",
-      f"| activations and other temporaries | {fb(report.activation_bytes)} |",
-      f"| outputs not aliased to donated inputs | {fb(mem.outputs - mem.aliased)} |",
-      f"| **peak total** (arguments + outputs - aliased + temporaries + code) | "
-      f"**{fb(report.total_bytes)}** |",
-      f"| largest device | {fb(report.largest_device_bytes)} |",
-      "",
-      *([report.moments + ".", ""] if report.moments else []),
-      "| FLOPs per device per step | |",
-      "|---|---:|",
-      f"| XLA cost_analysis (each loop body once) | {_flops(flops.xla or 0)} |",
-      f"| lockstep (loop bodies x trip counts, every tick busy) | {_flops(flops.executed)} |",
-  ]
-  if pipe is not None:
-    lines += [
-        f"| executed (idle ticks skip the stage) | {_flops(pipe.executed)} |",
-        f"| useful (busy slots' work and work outside the tick loops) | {_flops(pipe.useful)} |",
-        f"| useful / executed (no wasted compute: near 100%) | {pipe.useful_fraction:.1%} |",
-        f"| useful / lockstep (share of the step's time doing useful work) | "
-        f"{pipe.lockstep_efficiency:.1%} |",
-        f"| analytic bubble fraction ({report.schedule.num_ticks} ticks) | "
-        f"{pipe.bubble_fraction:.1%} |",
-    ]
-  if report.state_split:
-    lines += ["", "| parameters per mesh axis | devices | split over it | held whole along it |",
-              "|---|---:|---:|---:|"]
-    for row in report.state_split:
-      total = max(1, row["split_bytes"] + row["whole_bytes"])
-      lines.append(f"| {row['axis']} | {row['devices']} | {fb(row['split_bytes'])} "
-                   f"({row['split_bytes'] / total:.1%}) | {fb(row['whole_bytes'])} "
-                   f"({row['whole_bytes'] / total:.1%}) |")
-  if report.tick_costs is not None:
-    from tpipe.core import tick_costs  # pylint: disable=g-import-not-at-top
-
-    lines += ["", tick_costs.describe(report.tick_costs, report.tick_costs_derived) + "."]
-  lines += [""] + schedule_summary.format_schedule(report.schedule, report.costs)
-  if flops.loops_without_trip_count:
-    lines += ["", f"Warning: XLA proved no trip count for loops "
-              f"{list(flops.loops_without_trip_count)}; each is counted once, so executed FLOPs "
-              "are a lower bound."]
-  lines += ["", "| collectives per step | axes | role | instructions | executions | bytes "
-            "per device | in a loop |", "|---|---|---|---:|---:|---:|---:|"]
-  for row in report.collective_rows():
-    lines.append(f"| {row['kind']} | {row['axes']} | {row['role']} | {row['instructions']} | "
-                 f"{row['count']} | {fb(row['bytes'])} | {row['in_loop']} |")
-  if report.communication is not None:
-    lines += [""] + communication.format_communication(report.communication)
-  if report.stages:
-    lines += [""] + format_stages(report)
-  if report.peak is not None:
-    lines += ["", "### What is live at the memory peak", "",
-              "From XLA's buffer assignment of the compiled step (`tpipe.tools.peak`): the buffers "
-              "live where the program's memory use peaks, each with the role that made it. "
-              f"`memory_analysis()` counts {fb(mem.temporaries)} of temporaries in all.",
-              "", report.peak.format(count=12)]
-  return "\n".join(lines)
-
-
-def format_stages(report: Report) -> list[str]:
-  """The per-stage table and the memory floor, as markdown lines."""
-  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
-
-  fb = analysis.format_bytes
-  lines = [
-      "| stage | layers (chunks separated by /) | parameters | parameter slots (padding) | "
-      "optimizer state | FLOPs "
-      "fwd+bwd per micro-batch | input per micro-batch | stash slots | chunk working set | "
-      "floor |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-  for st in report.stages:
-    lines.append(
-        f"| {st.stage} | {' / '.join(', '.join(chunk) for chunk in st.chunk_layers)} | "
-        f"{fb(st.param_bytes)} | {fb(st.buffer_bytes)} "
-        f"(+{st.padding_fraction:.1%}) | {fb(st.optimizer_bytes)} | {_flops(st.flops)} | "
-        f"{fb(st.input_bytes)} | {st.stash_slots} | {fb(st.working_set_bytes)} | "
-        f"{fb(st.floor.total)} |")
-  floor = report.floor
-  lines += [
-      "",
-      f"Packed parameter buffers: every chunk slot is padded to the largest chunk; the boundary "
-      f"format (what crosses stages) is {fb(report.ring_bytes)} per micro-batch.",
-      "",
-      f"| memory floor (stage {floor.stage}, the largest) | bytes |", "|---|---:|",
-      f"| parameters + optimizer state + gradients (own, no padding) | {fb(floor.state_bytes)} |",
-      f"| in-flight stage inputs (stash slots x one micro-batch's input) | "
-      f"{fb(floor.stash_bytes)} |",
-      f"| working set of one chunk's forward and backward on one micro-batch | "
-      f"{fb(floor.working_set_bytes)} |",
-      f"| **floor** | **{fb(floor.total)}** |",
-      f"| real peak (largest device) | {fb(report.largest_device_bytes)} |",
-      f"| **peak / floor** | **{report.floor_ratio:.2f}x** |",
-  ]
-  # A fused schedule stashes only chunk inputs (its backward recomputes the chunk's forward
-  # from them), except under remat="none": F keeps the VJP's residuals (unless W recomputes).
-  remat, fused = report.config.get("remat"), schedule_summary.is_fused(report.schedule)
-  recomputes = (report.schedule.name in SPLIT_BACKWARD
-                and check_weight_recompute(report.config.get("weight_recompute", False)))
-  keeps_residuals = remat == "none" and fused and not recomputes
-  if remat != "full" and (keeps_residuals or not fused):
-    lines += ["", f"remat={report.config.get('remat')!r}: the floor counts the stage inputs a "
-              "stash slot keeps under remat='full'; with this policy each slot also keeps the "
-              "chunk's saved activations, which the ratio then includes."]
-  granularity = granularity_in_effect(report.config.get("remat", "full"),
-                                      report.config.get("remat_granularity", "chunk"))
-  if granularity != "chunk":  # Under remat="none" every granularity runs as "chunk".
-    lines += ["", f"remat_granularity={granularity!r}: the floor's working set is the chunk's "
-              "forward and backward with its pieces checkpointed, as a tick runs it (each "
-              "piece's input, and one piece's intermediates at a time)"
-              + ("." if schedule_summary.is_fused(report.schedule) else
-                 "; under gpipe/circular each stash slot also keeps the inputs of the chunk's "
-                 "pieces, which the floor does not count.")]
-  return lines
-
-
 def write_report(report: Report, out_dir: str) -> dict[str, str]:
   """Writes ``report.md``, ``report.json`` and ``timeline.png`` to ``out_dir``; returns paths."""
   from tpipe.tools import timeline  # pylint: disable=g-import-not-at-top
@@ -563,7 +410,8 @@ def write_report(report: Report, out_dir: str) -> dict[str, str]:
            "timeline": os.path.join(out_dir, "timeline.png")}
   command = " ".join(["python -m tpipe.train.report"] + sys.argv[1:]) if sys.argv else ""
   with open(paths["markdown"], "w") as f:
-    f.write(format_report(report) + f"\n\n![timeline](timeline.png)\n\nCommand: `{command}`\n")
+    f.write(report_text.format_report(report)
+            + f"\n\n![timeline](timeline.png)\n\nCommand: `{command}`\n")
   with open(paths["json"], "w") as f:
     json.dump(report.to_json(), f, indent=1, default=str)
   # A fused table holds its backward already; a forward one gets autodiff's, reversed.
@@ -599,7 +447,7 @@ def main(argv):
                           efficiency=flags.FLAGS.efficiency)
   out_dir = flags.FLAGS.out_dir or tempfile.mkdtemp(prefix="tpipe_report_")
   paths = write_report(report, out_dir)
-  print(format_report(report))
+  print(report_text.format_report(report))
   print(f"\nSaved {paths['markdown']}, {paths['json']} and {paths['timeline']}")
 
 
