@@ -201,15 +201,17 @@ def test_fused_temporaries_stay_bounded_in_the_number_of_microbatches():
   assert one_f_one_b[16] < gpipe[16], (one_f_one_b, gpipe)
 
 
-def test_backwards_by_units_add_into_the_sums_without_copying_them():
+@pytest.mark.parametrize("tick_costs", ["plain", {"F": 1.0, "B": 3.0}])
+def test_backwards_by_units_add_into_the_sums_without_copying_them(tick_costs):
   """Under remat="full" B adds each unit's parameter gradients into the running sums inside a
-  loop over units. Here two chunk programs run B by units in one lane (the last stage's program
-  holds the loss); each runs in a conditional of its own (tpipe.core.tick_rows.lane_groups), so
-  XLA updates the sums where they lie: no copy of a gradient sum anywhere inside the step's
-  computations but the entry. (In one switch XLA copied the loops' sums in and out of every
-  iteration.) One action per tick (tick_costs="plain"): the default compound table copies
-  them (a known cost of compound lanes, left to the engine)."""
-  model, mesh = _model("blocks", "1f1b", 4, 4, tick_costs="plain")
+  loop over units. Here two chunk programs run B by units (the last stage's program holds the
+  loss), in one lane (one action per tick) or in both lanes of compound ticks, one B beside
+  forwards; each runs in a conditional of its own (tpipe.core.tick_rows.lane_groups) and the
+  forwards' switch never holds the sums, so XLA updates them where they lie: no copy of a
+  gradient sum anywhere inside the step's computations but the entry. (Two loops in one switch
+  were copied in and out of every iteration; one B beside forwards, in every forward.)"""
+  model, mesh = _model("blocks", "1f1b", 4, 4, tick_costs=tick_costs)
+  assert model.spec.table.is_compound == (tick_costs != "plain")
   x, targets = _inputs("blocks", mesh)
   pipeline = model.pipeline_for(x, targets=targets)
   assert len(set(pipeline.programs())) == 2

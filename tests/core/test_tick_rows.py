@@ -119,7 +119,7 @@ def test_a_compound_table_in_lanes():
 
 @pytest.mark.parametrize("in_place,together,apart", [
     ([False, False, False], [0, 1, 2], []),
-    ([False, True, False], [0, 1, 2], []),  # One adding branch shares the switch.
+    ([False, True, False], [0, 2], [1]),  # One adding branch runs apart too.
     ([False, True, False, True], [0, 2], [1, 3]),
     ([0, 1, 1], [0], [1, 2]),
 ])

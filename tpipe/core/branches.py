@@ -235,6 +235,11 @@ class Branches:
                                         else self._weights_rerun_by_vjp)}[plan.weight_grads]
     return make(b, device, slots)
 
+  def forward_only(self, number: int) -> bool:
+    """Whether branch ``number`` (numbered as :meth:`branch`) is idle or a forward: it writes
+    no gradient sum, only the loss (or a forward-only table's outputs)."""
+    return number == 0 or (number - 1) // self.chunkset.num_branches == Action.F
+
   def adds_in_place(self, number: int) -> bool:
     """Whether branch ``number`` (numbered as :meth:`branch`) adds its parameter gradients into
     the running sums inside a loop over units (:func:`tpipe.core.unit_backward.backward_into`):

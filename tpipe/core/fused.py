@@ -13,10 +13,10 @@ table as one SPMD program:
   ``W`` of one chunk program, :class:`tpipe.core.chunks.ChunkSet`), holding only the branches
   the table runs there (:func:`tpipe.core.tick_rows.lane_switches`) and no collective; a
   lane's backwards that add into the running sums by units run each in a conditional of their
-  own after it where a lane holds several (:func:`_lane_runner`). A compound tick
-  (:mod:`tpipe.schedules.compound`) runs its rows as lanes, one switch after another, each
-  reading the mailbox and writing the stash as a tick of its own would; the tick's messages
-  leave once, after the last lane. (On one device the work is serial either
+  own after it, and a switch of forwards never holds the sums (:func:`_lane_runner`). A
+  compound tick (:mod:`tpipe.schedules.compound`) runs its rows as lanes, one switch after
+  another, each reading the mailbox and writing the stash as a tick of its own would; the
+  tick's messages leave once, after the last lane. (On one device the work is serial either
   way, and the lanes share one set of chunk programs where combinations would multiply them.)
 * ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
   activation from the stage's mailbox) and keeps that input in a **stash slot** of the table. A
@@ -93,30 +93,54 @@ def is_split(schedule: schedules.FusedSchedule) -> bool:
   return bool(np.any(np.isin(schedule.action, [Action.BI, Action.W])))
 
 
-def _lane_runner(branches: list[Callable], in_place: list[bool]) -> Callable:
+def _lane_runner(branches: list[Callable], in_place: list[bool],
+                 forward_only: list[bool]) -> Callable:
   """``run(position, state, *operands) -> (state, written, send)``: the lane's branch at
   ``position`` (idle at 0). Branches that add into the running sums inside a loop over units
   (``in_place``: :meth:`~tpipe.core.branches.Branches.adds_in_place`) run each in a conditional
-  of their own after the lane's switch (which idles for them) where the lane holds two or more
+  of their own after the lane's switch (which idles for them)
   (:func:`tpipe.core.tick_rows.lane_groups`). Two such loops in branches of one conditional
   (``B`` of the first, middle and last stages' chunk programs) make XLA copy each updated sum
   in and out of every iteration: on the TPU, the stage's largest gradient leaf once more at the
-  peak. Alone in its conditional, a loop updates the sums where they lie."""
+  peak; one beside forwards made XLA:CPU copy the sums in every forward. Alone in its
+  conditional, a loop updates the sums where they lie. Where every branch of the shared switch
+  is a forward or idle (``forward_only``), the sums stay out of it (:func:`_without_sums`)."""
   together, apart = tick_rows.lane_groups(in_place)
+  switch = lambda position, *operands: lax.switch(position, [branches[p] for p in together],
+                                                  *operands)
+  if all(forward_only[p] for p in together):
+    switch = _without_sums(switch)
   if not apart:
-    return lambda position, *operands: lax.switch(position, branches, *operands)
+    return switch
   index = np.zeros(len(branches), np.int32)  # Position in the switch; idle for the apart.
   index[together] = np.arange(len(together))
 
   def run(position, state, *operands):
-    out = lax.switch(jnp.asarray(index)[position], [branches[p] for p in together], state,
-                     *operands)
+    out = switch(jnp.asarray(index)[position], state, *operands)
     for p in apart:
       out = lax.cond(position == p, lambda out, *a, p=p: branches[p](out[0], *a),
                      lambda out, *a: out, out, *operands)
     return out
 
   return run
+
+
+# What a forward writes of the running state (:meth:`~tpipe.core.branches.Branches.forward_only`).
+_FORWARD_STATE = ("loss", "outputs")
+
+
+def _without_sums(run: Callable) -> Callable:
+  """``run(position, state, *operands)`` of a switch whose branches are all forwards (or idle)
+  with the running gradient sums kept out of its conditional, which passes on the loss (or
+  outputs) alone. Passed through such a switch, XLA copied the sums in every branch (1F1B in
+  compound ticks, remat full, on XLA:CPU: one more copy of the stage's parameters)."""
+
+  def wrapped(position, state, *operands):
+    kept = {k: v for k, v in state.items() if k in _FORWARD_STATE}
+    out, written, send = run(position, kept, *operands)
+    return dict(state, **out), written, send
+
+  return wrapped
 
 
 class Call(NamedTuple):
@@ -170,7 +194,8 @@ class _Run:
     # Each lane switches over the branches the table runs in it only: a split table's B, or
     # the kinds a compound tick runs in its other lanes, are never traced nor compiled.
     lanes = [_lane_runner([branches.branch(n, device, learned, collect) for n in numbers],
-                          [branches.adds_in_place(n) for n in numbers])
+                          [branches.adds_in_place(n) for n in numbers],
+                          [branches.forward_only(n) for n in numbers])
              for numbers in self.switches]
     # Named scopes let a memory breakdown (tpipe.tools.peak) tell the buffers apart.
     with jax.named_scope(spmd.GRADIENTS_SCOPE):

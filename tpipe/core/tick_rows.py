@@ -62,10 +62,12 @@ def lane_groups(in_place) -> tuple[list[int], list[int]]:
   given per position whether the branch adds into the running sums inside a loop over units.
   ``together`` (idle, position 0, among them) share one ``lax.switch``; each of ``apart`` runs
   in a two-way conditional of its own after it (false: pass through; true: the branch), in
-  order. Apart are the adding branches where a lane holds two or more of them: XLA copies the
-  sums in and out of every iteration of such loops when they share one conditional."""
+  order. Apart are all the adding branches: XLA copies the sums in and out of every iteration
+  of such loops when two share one conditional, and copies them in every other branch that
+  passes them through when one shares a conditional with forwards (1F1B in compound ticks,
+  remat full, on XLA:CPU: one more copy of the stage's parameters)."""
   in_place = [bool(flag) for flag in in_place]
-  apart = [p for p, flag in enumerate(in_place) if flag] if sum(in_place) > 1 else []
+  apart = [p for p, flag in enumerate(in_place) if flag]
   return [p for p in range(len(in_place)) if p not in apart], apart
 
 
