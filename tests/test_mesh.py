@@ -186,6 +186,32 @@ def _stand_in_slices(num_slices: int, shape=(2, 2, 1)) -> list:
   return devices
 
 
+@dataclasses.dataclass(eq=False)
+class _StandInMesh:
+  """What slice finding reads of a mesh (hashable by identity, as a Mesh)."""
+  devices: np.ndarray
+  axis_names: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _TopologyTpu:
+  """What ``jax.experimental.topologies`` describes of a TPU device of one slice: its host, no
+  ``slice_index``."""
+  id: int
+  platform: str
+  process_index: int
+
+
+@pytest.mark.unit  # Stand-in devices: no JAX computation.
+def test_the_hosts_of_one_slice_are_one_slice():
+  # A topology of one slice over 4 hosts (two devices each): its stage links use the slice's
+  # interconnect (no delay, nothing over the data-centre network); CPU processes stay slices.
+  tpu = np.array([_TopologyTpu(i, "tpu", i // 2) for i in range(8)]).reshape(4, 2)
+  cpu = np.array([_TopologyTpu(i, "cpu", i // 2) for i in range(8)]).reshape(4, 2)
+  assert mesh_lib.crossing_links(_StandInMesh(tpu, ("stage", "data"))) == (False,) * 4
+  assert mesh_lib.crossing_links(_StandInMesh(cpu, ("stage", "data"))) == (True,) * 4
+
+
 def _slices_along(mesh, axis):
   """The slice of each position along ``axis``, or ValueError if it varies elsewhere."""
   slice_of = np.moveaxis(np.vectorize(lambda d: d.slice_index)(mesh.devices),

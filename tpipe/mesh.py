@@ -163,8 +163,13 @@ def _check_dcn(dcn, sizes: dict, stage_axis: str, data_axis: str) -> dict:
 
 
 def _slice_key(device):
-  """The slice a device is on: its ``slice_index`` (TPU), else its process (one host)."""
-  return device.slice_index if hasattr(device, "slice_index") else device.process_index
+  """The slice a device is on: its ``slice_index`` (TPU), else its process (one host). A TPU
+  device without one (a topology's description of one slice, ``topology_devices``) is on the
+  one slice: its hosts share the slice's interconnect, not the data-centre network."""
+  index = getattr(device, "slice_index", None)
+  if index is not None:
+    return index
+  return 0 if device.platform == "tpu" else device.process_index
 
 
 def _slice_groups(devices: list, slices) -> list[list]:
