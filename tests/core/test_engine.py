@@ -97,8 +97,8 @@ def test_loss_table_is_fused_exactly_when_the_plan_says(schedule, remat, granula
 
 def test_staged_shapes_and_chunk_program():
   pipeline = _build(SPEC.replace(balance=[3, 3]))
-  params, stats = engine.staged_shapes(pipeline)
-  assert stats is None
+  assert pipeline.stats_layout is None
+  params = pipeline.layout.staged_shapes()
   assert params["stacked"]["layers_1"]["kernel"].shape == (1, 2, 2, cl.WIDTH, cl.WIDTH)
   x, targets = cl.inputs()
   fn, args = pipeline.chunk_program(0, x, {"targets": targets})

@@ -49,11 +49,6 @@ def cast_to(leaf, axes: frozenset):
   return lax.pcast(leaf, missing, to="varying") if missing else leaf
 
 
-def cast_like(value, like):
-  """``value`` made to vary over the axes ``like`` varies over (at least its own)."""
-  return cast_to(value, varying_axes(like))
-
-
 def zeros_like_varying(like):
   """Zeros of ``like``'s shape and dtype, varying over the axes ``like`` varies over."""
   return cast_to(jnp.zeros(like.shape, like.dtype), varying_axes(like))

@@ -37,7 +37,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -563,8 +562,3 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
   exp.train_step = tpipe.make_train_step(loss_fn, exp.optimizer,
                                          shardings=exp.state_shardings())
   return exp
-
-
-def abstract_arrays(tree) -> Any:
-  """``tree``'s arrays as ``jax.ShapeDtypeStruct`` (helper for tools that compile steps)."""
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)

@@ -42,7 +42,6 @@ import numpy as np
 from tpipe.train import architecture_fields
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 # Tensors of some checkpoints that are buffers, not parameters (masks, rotary tables).
