@@ -17,6 +17,8 @@ from tests.helpers import core_layers as cl
 from tpipe.core import arguments
 from tpipe.core import backward_plan
 from tpipe.core import chunks as chunks_lib
+from tpipe.core import device_view as view_lib
+from tpipe.core import float_leaves as floats_lib
 from tpipe.core import unit_backward
 
 ROWS = cl.BATCH // 2  # Two micro-batches.
@@ -38,15 +40,15 @@ def _stage_part(staged, stage):
 def _logical_grads(pipeline, staged, sums, stage):
   """The device-view gradient ``sums`` of ``stage`` as logical gradients (zeros elsewhere)."""
   part = _stage_part(staged, stage)
-  leaves = chunks_lib.with_stage_axis(sums, chunks_lib.float_leaves(part))
-  grads = chunks_lib.with_float_leaves(part, leaves)[chunks_lib.PARAMS]
+  leaves = view_lib.with_stage_axis(sums, floats_lib.float_leaves(part))
+  grads = floats_lib.with_float_leaves(part, leaves)[view_lib.PARAMS]
   num_stages = pipeline.spec.num_stages
 
   def place(g, whole):
     parts = [g if s == stage else jnp.zeros_like(g) for s in range(num_stages)]
     return jnp.concatenate(parts, axis=1).reshape(whole.shape)
 
-  return pipeline.layout.to_logical(jax.tree.map(place, grads, staged[chunks_lib.PARAMS]))
+  return pipeline.layout.to_logical(jax.tree.map(place, grads, staged[view_lib.PARAMS]))
 
 
 def _chunk_backward(pipeline, plan, chunk, targets, g_next, seed):
@@ -58,14 +60,14 @@ def _chunk_backward(pipeline, plan, chunk, targets, g_next, seed):
                                    batch_size=cl.BATCH, owner="test")
   chunkset = chunks_lib.ChunkSet(pipeline.layers, pipeline.plan, pipeline.layout, None,
                                  pipeline.spec, split)
-  staged = {chunks_lib.PARAMS: pipeline.layout.to_staged(cl.params())}
-  view = chunks_lib.device_view(_stage_part(staged, pipeline.layout.position(chunk)[1]))
+  staged = {view_lib.PARAMS: pipeline.layout.to_staged(cl.params())}
+  view = view_lib.device_view(_stage_part(staged, pipeline.layout.position(chunk)[1]))
   run = unit_backward.backward_into(chunkset, chunkset.branch_of_chunk[chunk], plan)
-  outputs = lambda results: (chunks_lib.float_leaves(results[0]), results[1])
+  outputs = lambda results: (floats_lib.float_leaves(results[0]), results[1])
   cotangent = lambda out: ([g_next.astype(a.dtype) for a in out[0]], seed)
 
   def backward(view, fresh, incoming, targets):
-    sums = [jnp.zeros_like(a) for a in chunks_lib.float_leaves(view)]
+    sums = [jnp.zeros_like(a) for a in floats_lib.float_leaves(view)]
     args = unit_backward.ChunkArgs(fresh=fresh, incoming=incoming, broadcast=(),
                                    per_example=(targets,), rngs={}, microbatch=0)
     return run(sums, view, args, chunk, outputs, cotangent)

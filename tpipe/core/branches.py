@@ -34,26 +34,24 @@ import jax
 import jax.numpy as jnp
 
 from tpipe import schedules
-from tpipe.core import backward_plan as plan_lib
+from tpipe.core import backward_plan
 from tpipe.core import chunks as chunks_lib
+from tpipe.core import device_view as view_lib
+from tpipe.core import float_leaves as floats_lib
 from tpipe.core import packing
+from tpipe.core import ring as ring_lib
 from tpipe.core import residuals as residuals_lib
 from tpipe.core import spmd
 from tpipe.core import unit_backward
 
 Action = schedules.Action
 
-# Short names for the float-leaf helpers the branches use at every step.
-_is_float = chunks_lib.is_float
-_floats = chunks_lib.float_leaves
-_with_floats = chunks_lib.with_float_leaves
-
 
 def _split_grads(grads: list, trees) -> list[list]:
   """Cuts the flat list of float-leaf gradients of ``trees`` (in order) into one list per tree."""
   parts = []
   for tree in trees:
-    count = len(_floats(tree))
+    count = len(floats_lib.float_leaves(tree))
     parts.append(grads[:count])
     grads = grads[count:]
   return parts
@@ -76,8 +74,9 @@ class Device:
     self.run, axes, schedule = run, run.axes, run.schedule
     self.conveyor = call.conveyor
     self.num_virtual = schedule.num_stages * schedule.num_chunks
-    self.staged_leaves = _floats(staged)  # [C, 1, ...]: where the view drops the stage axis.
-    staged = chunks_lib.device_view(staged)  # [C, ...]; packed parameters [C, 1, n]
+    # [C, 1, ...]: where the view drops the stage axis.
+    self.staged_leaves = floats_lib.float_leaves(staged)
+    staged = view_lib.device_view(staged)  # [C, ...]; packed parameters [C, 1, n]
     m = schedule.num_microbatches
     self.local_batch = call.global_batch // axes.replicas  # The row shard's batch.
     self.rows = self.local_batch // m
@@ -101,8 +100,8 @@ class Device:
                                   self.x)
     self.pex_mb = spmd.split_microbatches(self.per_example, m)
     self.seed = jnp.full((self.rows,), 1.0 / (self.local_batch * axes.replicas))
-    self.ring_zero = chunks_lib.zeros_with_rows(run.chunkset.ring.example, self.rows)
-    self.output_zero = chunks_lib.zeros_with_rows(run.chunkset.output_example, self.rows)
+    self.ring_zero = ring_lib.zeros_with_rows(run.chunkset.ring.example, self.rows)
+    self.output_zero = ring_lib.zeros_with_rows(run.chunkset.output_example, self.rows)
 
   def fresh(self, microbatch, conveyed, lane: int):
     """Micro-batch ``microbatch``'s inputs where lane ``lane`` of this tick reads them: from the
@@ -130,13 +129,13 @@ class Device:
     last = self.is_last(chunk)
     vary = self.run.axes.vary
     ring = [jnp.where(last, jnp.zeros_like(a), vary(g.astype(a.dtype)))
-            for g, a in zip(_floats(msg), ring_out)]
+            for g, a in zip(floats_lib.float_leaves(msg), ring_out)]
     seed = jnp.where(last, vary(self.seed.astype(losses.dtype)), jnp.zeros_like(losses))
     return ring, seed
 
   def send_of(self, stashed, g_in):
-    g_in = _with_floats(stashed, g_in)
-    return self.run.axes.vary(jax.tree.map(lambda g, z: g if _is_float(z) else z, g_in,
+    g_in = floats_lib.with_float_leaves(stashed, g_in)
+    return self.run.axes.vary(jax.tree.map(lambda g, z: g if floats_lib.is_float(z) else z, g_in,
                                            self.ring_zero))
 
 
@@ -193,7 +192,7 @@ class Branches:
   and the message it sends.
   """
 
-  def __init__(self, chunkset: chunks_lib.ChunkSet, plan: plan_lib.BackwardPlan):
+  def __init__(self, chunkset: chunks_lib.ChunkSet, plan: backward_plan.BackwardPlan):
     self.chunkset, self.plan = chunkset, plan
     policy = chunks_lib.tick_policy(chunkset.spec)
     # A backward tick recomputes its chunk's forward from the stashed input under jax.vjp: that
@@ -204,7 +203,7 @@ class Branches:
     self.programs = [chunkset.branch(b, inner) for b in range(count)]
     self.backward_into = ([unit_backward.backward_into(chunkset, b, plan) for b in range(count)]
                           if plan.by_units else [])
-    tapped = plan.split and plan.weight_grads != plan_lib.RERUN_BACKWARD
+    tapped = plan.split and plan.weight_grads != backward_plan.RERUN_BACKWARD
     self.tapped = [chunkset.tapped_branch(b, inner) for b in range(count)] if tapped else []
 
   # ------------------------------------------------------------------------------------------
@@ -225,14 +224,14 @@ class Branches:
     if action == Action.B:
       make = self._backward_by_units if plan.by_units else self._backward_by_vjp
     elif action == Action.BI:
-      rerun = plan.weight_grads == plan_lib.RERUN_BACKWARD
+      rerun = plan.weight_grads == backward_plan.RERUN_BACKWARD
       make = self._input_backward_only if rerun else self._input_backward_filing_taps
     else:
-      make = {plan_lib.FILED_TAPS: self._weights_from_filed_taps,
-              plan_lib.RECOMPUTED_OPERANDS: self._weights_recomputing_operands,
-              plan_lib.OPERANDS_FROM_F: self._weights_with_operands_from_f,
-              plan_lib.RERUN_BACKWARD: (self._weights_rerun_by_units if plan.by_units
-                                        else self._weights_rerun_by_vjp)}[plan.weight_grads]
+      make = {backward_plan.FILED_TAPS: self._weights_from_filed_taps,
+              backward_plan.RECOMPUTED_OPERANDS: self._weights_recomputing_operands,
+              backward_plan.OPERANDS_FROM_F: self._weights_with_operands_from_f,
+              backward_plan.RERUN_BACKWARD: (self._weights_rerun_by_units if plan.by_units
+                                             else self._weights_rerun_by_vjp)}[plan.weight_grads]
     return make(b, device, slots)
 
   def forward_only(self, number: int) -> bool:
@@ -247,7 +246,7 @@ class Branches:
     if number == 0 or not self.plan.by_units:
       return False
     action = (number - 1) // self.chunkset.num_branches
-    rerun = self.plan.weight_grads == plan_lib.RERUN_BACKWARD
+    rerun = self.plan.weight_grads == backward_plan.RERUN_BACKWARD
     return action == Action.B or (action == Action.W and rerun)
 
   # ------------------------------------------------------------------------------------------
@@ -323,7 +322,7 @@ class Branches:
       grads = list(vjp(device.cotangent(chunk, msg, ring_out, losses)))
       g_params, g_fresh, g_in, g_broadcast, g_pex, g_taps = _split_grads(grads, diff)
       state = _file_grads(state, g_params, (g_fresh, g_broadcast, g_pex), mb)
-      output_grads = _with_floats(diff[-1], g_taps)
+      output_grads = floats_lib.with_float_leaves(diff[-1], g_taps)
       filed = (records, output_grads) if self.plan.bi_files_operands else output_grads
       written["weights"] = device.run.axes.vary(packing.pack(
           filed, slots.weight_layouts[b], slots.weight_sizes))
@@ -344,7 +343,7 @@ class Branches:
       g_fresh, g_in, g_broadcast, g_pex, _ = _split_grads(grads, diff[1:])
       state = _file_grads(state, None, (g_fresh, g_broadcast, g_pex), mb)
       written["weights"] = device.run.axes.vary(packing.pack(
-          _floats(msg), slots.weight_layouts[b], slots.weight_sizes))
+          floats_lib.float_leaves(msg), slots.weight_layouts[b], slots.weight_sizes))
       return state, written, device.send_of(stashed, g_in)
 
     return branch
@@ -392,7 +391,8 @@ class Branches:
       written = as_is(slots_, at)
       records, output_grads = records_and_grads(written, step)
       grads = weights(device.staged, step.chunk, records, output_grads)
-      state = dict(state, params=[u + w for u, w in zip(state["params"], _floats(grads))])
+      state = dict(state, params=[u + w for u, w in
+                                  zip(state["params"], floats_lib.float_leaves(grads))])
       return state, written, device.run.axes.vary(device.ring_zero)
 
     return branch
@@ -404,7 +404,8 @@ class Branches:
     def branch(state, slots_, at, step):
       msg, stashed, fresh, mb, chunk = step
       written = as_is(slots_, at)
-      msg = _with_floats(msg, packing.unpack(written["weights"], slots.weight_layouts[b]))
+      msg = floats_lib.with_float_leaves(
+          msg, packing.unpack(written["weights"], slots.weight_layouts[b]))
       sums, *_ = self._by_units(b, device, state, step._replace(msg=msg))
       return dict(state, params=sums), written, device.run.axes.vary(device.ring_zero)
 
@@ -417,7 +418,8 @@ class Branches:
     def branch(state, slots_, at, step):
       msg, stashed, fresh, mb, chunk = step
       written = as_is(slots_, at)
-      msg = _with_floats(msg, packing.unpack(written["weights"], slots.weight_layouts[b]))
+      msg = floats_lib.with_float_leaves(
+          msg, packing.unpack(written["weights"], slots.weight_layouts[b]))
       outputs, vjp, _, _ = self._vjp(b, device, slots, step._replace(msg=msg), stashed,
                                      wrt="params")
       g_params = vjp(device.cotangent(chunk, msg, *outputs))
@@ -434,12 +436,13 @@ class Branches:
     from the stashed input and the output gradient ``msg`` carries: ``(parameter gradient sums
     with this micro-batch's added, g_fresh, g_in, g_broadcast, g_per_example)``."""
     fresh, _, broadcast, pex, rngs, microbatch = device.inputs(step.mb, step.msg, step.fresh)
-    outputs = lambda results: device.run.axes.vary((_floats(results[0]), results[1]))
+    outputs = lambda results: device.run.axes.vary((floats_lib.float_leaves(results[0]),
+                                                    results[1]))
     cotangent = lambda out: device.cotangent(step.chunk, step.msg, *out)
     args = unit_backward.ChunkArgs(fresh, step.stashed, broadcast, pex, rngs, microbatch)
     sums, g_fresh, g_in, g_side = self.backward_into[b](
         state["params"], device.staged, args, step.chunk, outputs, cotangent)
-    count = len(_floats(broadcast))
+    count = len(floats_lib.float_leaves(broadcast))
     return sums, g_fresh, g_in, g_side[:count], g_side[count:]
 
   def _backward_vjp(self, b: int, device: Device, slots: Slots, written: dict, step: Step,
@@ -461,7 +464,7 @@ class Branches:
     rngs, microbatch, chunk = call_args
 
     def fn(*floats):
-      p, f, s, bc, e, t = _with_floats(diff, floats)
+      p, f, s, bc, e, t = floats_lib.with_float_leaves(diff, floats)
       if tapped:
         (to_next, losses), (records, _) = self.tapped[b](p, f, s, bc, e, rngs, microbatch,
                                                          chunk, t)
@@ -469,7 +472,7 @@ class Branches:
         (to_next, losses), records = self.programs[b](p, f, s, bc, e, rngs, microbatch,
                                                       chunk), ()
       # Every output varies over every manual axis (zeros too), so cotangents have their types.
-      return device.run.axes.vary((_floats(to_next), losses)), (records, to_next)
+      return device.run.axes.vary((floats_lib.float_leaves(to_next), losses)), (records, to_next)
 
     return fn
 
@@ -484,8 +487,8 @@ class Branches:
     taps = _zero_taps(slots.tap_shapes[b], device) if tapped else None
     diff = (device.staged, fresh, incoming, broadcast, pex, taps)
     fn = self._chunk_fn(b, device, diff, (rngs, microbatch, chunk), tapped)
-    floats = _floats(diff)
-    num_params = len(_floats(device.staged))
+    floats = floats_lib.float_leaves(diff)
+    num_params = len(floats_lib.float_leaves(device.staged))
     params, inputs = floats[:num_params], floats[num_params:]
     if wrt == "params":
       outputs, vjp, aux = jax.vjp(lambda *p: fn(*p, *inputs), *params, has_aux=True)
@@ -515,8 +518,8 @@ class Branches:
     shared by all programs; and the units' traced programs W uses."""
     msg = device.run.axes.vary(device.ring_zero)
     count = self.chunkset.num_branches
-    if self.plan.weight_grads == plan_lib.RERUN_BACKWARD:  # A message's float leaves.
-      layouts = (packing.layout_of(_floats(msg)),) * count
+    if self.plan.weight_grads == backward_plan.RERUN_BACKWARD:  # A message's float leaves.
+      layouts = (packing.layout_of(floats_lib.float_leaves(msg)),) * count
       return Slots(weight_layouts=layouts, weight_sizes=packing.buffer_sizes(layouts))
     layouts, taps, records, programs = [], [], [], []
     for b in range(count):

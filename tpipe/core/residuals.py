@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from tpipe.core import chunks as chunks_lib
+from tpipe.core import float_leaves as floats_lib
 from tpipe.core import jax_compat
 from tpipe.core import packing
 
@@ -76,7 +76,7 @@ def plan_of(fn_of: Callable, trees: tuple, dynamic: Sequence[bool],
     raise ValueError(f"dynamic has {len(dynamic)} entries for {len(trees)} trees.")
   leaves, treedef = jax.tree.flatten(tuple(trees))
   of_tree = [d for tree, d in zip(trees, dynamic) for _ in jax.tree.leaves(tree)]
-  is_float = [chunks_lib.is_float(a) for a in leaves]
+  is_float = [floats_lib.is_float(a) for a in leaves]
   # Every leaf an input of the traced function (the differentiated ones first), so that the
   # jaxpr names what each residual is computed from.
   order = ([i for i, f in enumerate(is_float) if f]

@@ -20,12 +20,10 @@ from jax import lax
 
 from tpipe.core import backward_plan
 from tpipe.core import chunks as chunks_lib
+from tpipe.core import float_leaves as floats_lib
 from tpipe.core import jax_compat
 from tpipe.core import spmd
 from tpipe.core import weight_casts
-
-_floats = chunks_lib.float_leaves
-_with_floats = chunks_lib.with_float_leaves
 
 
 class ChunkArgs(NamedTuple):
@@ -48,7 +46,7 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int,
   added into running sums: ``fn(sums, staged, args, chunk, outputs, cotangent) -> (sums,
   g_fresh, g_incoming, g_side)``, ``args`` being the chunk program's :class:`ChunkArgs`.
 
-  ``sums`` are the float leaves of ``staged`` (:func:`tpipe.core.chunks.float_leaves`) holding
+  ``sums`` are the float leaves of ``staged`` (:func:`tpipe.core.float_leaves.float_leaves`) holding
   the gradients so far; ``outputs((to_next, output))`` picks the differentiated outputs of the
   chunk's results and ``cotangent(outputs)`` gives their cotangent. The gradients returned are
   those of the float leaves of ``args.fresh``, ``args.incoming`` and ``(args.broadcast,
@@ -74,14 +72,15 @@ def backward_into(chunkset: chunks_lib.ChunkSet, index: int,
     records = units.forward()
     h = records.pop()
     rows = jax.tree.leaves(args.fresh)[0].shape[0]
-    tail = lambda hf: outputs(chunkset.results_of(index, _with_floats(h, hf), rows))
-    out, tail_vjp = jax.vjp(tail, _floats(h))
+    tail = lambda hf: outputs(chunkset.results_of(index, floats_lib.with_float_leaves(h, hf), rows))
+    out, tail_vjp = jax.vjp(tail, floats_lib.float_leaves(h))
     (g_h,) = tail_vjp(cotangent(out))
     g_h, sums, g_side = units.backward(g_h, list(sums), records)
     _, input_vjp = jax.vjp(
-        lambda f, i: _floats(chunkset.input_of(index, chunk, _with_floats(args.fresh, f),
-                                               _with_floats(args.incoming, i))),
-        _floats(args.fresh), _floats(args.incoming))
+        lambda f, i: floats_lib.float_leaves(chunkset.input_of(
+            index, chunk, floats_lib.with_float_leaves(args.fresh, f),
+            floats_lib.with_float_leaves(args.incoming, i))),
+        floats_lib.float_leaves(args.fresh), floats_lib.float_leaves(args.incoming))
     g_fresh, g_incoming = input_vjp(g_h)
     return sums, g_fresh, g_incoming, g_side
 
@@ -103,7 +102,8 @@ class _Units:
     self.unroll = chunkset.spec.unroll
     self.staged, self.args, self.chunk = staged, args, chunk
     self.side = (args.broadcast, args.per_example)
-    self.staged_floats, self.side_floats = _floats(staged), _floats(self.side)
+    self.staged_floats = floats_lib.float_leaves(staged)
+    self.side_floats = floats_lib.float_leaves(self.side)
     # Per segment: its unit's float leaves' own dtypes; the casts of those it only casts; a
     # kept VJP's residuals' sources (the unit's variables and the side inputs are read again).
     self.dtypes: dict[int, list] = {}
@@ -118,18 +118,20 @@ class _Units:
     unit, side, args = read(self.staged, self.chunk, copy), self.side, self.args
 
     def f(unit_floats, h_floats, side_floats):
-      h_out = apply(_with_floats(unit, unit_floats), _with_floats(side, side_floats),
-                    args.rngs, args.microbatch, _with_floats(h_in, h_floats))
-      return _floats(h_out), h_out
+      h_out = apply(floats_lib.with_float_leaves(unit, unit_floats),
+                    floats_lib.with_float_leaves(side, side_floats), args.rngs, args.microbatch,
+                    floats_lib.with_float_leaves(h_in, h_floats))
+      return floats_lib.float_leaves(h_out), h_out
 
-    unit_floats = _floats(unit)
+    unit_floats = floats_lib.float_leaves(unit)
     self.dtypes[k] = [a.dtype for a in unit_floats]
     if self.keep_residuals and k not in self.casts:  # Traced once per segment.
       self.casts[k] = weight_casts.only_cast_dtypes(
           lambda floats, h_floats, side_floats: f(floats, h_floats, side_floats)[0],
-          unit_floats, _floats(h_in), self.side_floats)
+          unit_floats, floats_lib.float_leaves(h_in), self.side_floats)
     unit_floats = weight_casts.cast(unit_floats, self.casts.get(k, [None] * len(unit_floats)))
-    _, vjp, h_out = jax.vjp(f, unit_floats, _floats(h_in), self.side_floats, has_aux=True)
+    _, vjp, h_out = jax.vjp(f, unit_floats, floats_lib.float_leaves(h_in), self.side_floats,
+                            has_aux=True)
     return h_out, vjp, unit_floats
 
   def keep(self, k, vjp, unit_floats) -> list:
@@ -148,7 +150,8 @@ class _Units:
     (cast again) and the side inputs."""
     _, read, _ = self.steps[k]
     treedef, sources = self.reread[k]
-    unit_floats = weight_casts.cast(_floats(read(self.staged, self.chunk, copy)), self.casts[k])
+    unit_floats = weight_casts.cast(
+        floats_lib.float_leaves(read(self.staged, self.chunk, copy)), self.casts[k])
     kept = iter(kept)
     leaves = [next(kept) if where is None else
               (unit_floats if where[0] == "unit" else self.side_floats)[where[1]]
@@ -190,7 +193,8 @@ class _Units:
     d_unit, d_h, d_side = vjp(g_h)
     d_unit = weight_casts.uncast(d_unit, self.dtypes[k])
     _, read_vjp = jax.vjp(
-        lambda floats: _floats(read(_with_floats(self.staged, floats), self.chunk, copy)),
+        lambda floats: floats_lib.float_leaves(
+            read(floats_lib.with_float_leaves(self.staged, floats), self.chunk, copy)),
         self.staged_floats)
     (d_staged,) = read_vjp(d_unit)
     add = lambda total, g: [t + d for t, d in zip(total, g)]

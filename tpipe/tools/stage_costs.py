@@ -315,7 +315,7 @@ def largest_floor(stages: Sequence[StageCost]) -> MemoryFloor:
 def ring_bytes(chunk_inputs: Sequence[Any]) -> int:
   """Bytes of one micro-batch in the format that crosses stage boundaries: every chunk input but
   the first, as it is when all have one type, else packed per dtype and padded to the largest
-  (:class:`tpipe.core.chunks.Ring`)."""
+  (:class:`tpipe.core.ring.Ring`)."""
   boundaries = list(chunk_inputs[1:])
   if not boundaries:
     return 0
