@@ -12,7 +12,8 @@ import pytest
 
 import tpipe
 from tpipe.core import arguments
-from tpipe.core import chunks
+from tpipe.core import chunks as chunks_lib
+from tpipe.core import device_view as view_lib
 from tpipe.core import forward
 from tpipe.core import spmd
 from tpipe.tools import analysis
@@ -35,8 +36,8 @@ def _grads(stack, x, *args):
 @pytest.mark.parametrize("schedule,stages,microbatches,repeats", [
     ("gpipe", 2, 2, 1), ("gpipe", 4, 1, 1), ("circular", 2, 1, 2), ("circular", 4, 2, 2)])
 def test_block_undefined_at_zero_gets_finite_gradients(schedule, stages, microbatches, repeats):
-  # Idle ticks used to run the stage on a zero placeholder: rsqrt(0) = inf, and the masked
-  # result's zero cotangent times that infinite slope made every parameter gradient NaN.
+  # Idle ticks run nothing: a stage run on a zero placeholder would give rsqrt(0) = inf, and the
+  # masked result's zero cotangent times that infinite slope would make every gradient NaN.
   x = jax.random.normal(jax.random.key(1), (8, WIDTH))
   stack = tpipe.pipeline(blocks.RMSNoEpsBlock, length=4 * repeats, num_stages=stages,
                          num_microbatches=microbatches, schedule=schedule, num_repeats=repeats,
@@ -85,12 +86,12 @@ def test_run_on_a_chunkset_equals_the_layers_in_order(schedule, stages, microbat
   stacked = jax.vmap(lambda k: block.init(k, x)["params"])(jax.random.split(keys[1], length))
   pipeline = model.pipeline_for(x)
   split = arguments.split_keywords({}, per_example=(), batch_size=x.shape[0], owner="test")
-  chunkset = chunks.ChunkSet(pipeline.layers, pipeline.plan, pipeline.layout, None,
-                             pipeline.spec, split)
+  chunkset = chunks_lib.ChunkSet(pipeline.layers, pipeline.plan, pipeline.layout, None,
+                                 pipeline.spec, split)
   axes = spmd.Axes.of(mesh, "stage", "data")
 
   def run(params, x):
-    staged = {chunks.PARAMS: pipeline.layout.to_staged({"layers_0": params})}
+    staged = {view_lib.PARAMS: pipeline.layout.to_staged({"layers_0": params})}
     return forward.run(chunkset, staged, x, (), (), {}, schedule=pipeline.spec.table, axes=axes)
 
   got = jax.jit(run)(stacked, jax.device_put(x, tpipe.data_sharding(mesh)))

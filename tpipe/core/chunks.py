@@ -48,19 +48,10 @@ from tpipe.core import spmd
 from tpipe.core import taps as taps_lib
 from tpipe.core import weight_casts
 
-# Names that moved to their own modules, kept here for the modules that read them from chunks.
+# What engine.py reads from here (it owns no import of device_view or signatures).
 PARAMS = view_lib.PARAMS
 STATS = view_lib.STATS
-is_float = floats_lib.is_float
-float_leaves = floats_lib.float_leaves
-with_float_leaves = floats_lib.with_float_leaves
-zeros_with_rows = ring_lib.zeros_with_rows
-_without_rows = ring_lib.without_rows
-Ring = ring_lib.Ring
-Signature = signatures_lib.Signature
 signatures = signatures_lib.signatures
-device_view = view_lib.device_view
-with_stage_axis = view_lib.with_stage_axis
 
 
 def _is_spec(value) -> bool:
@@ -99,9 +90,10 @@ class ChunkSet:
     # Per unit call (branch, segment and the types of its arguments): the variables cast
     # before their gather (:meth:`_unit_variables`).
     self._casts: dict[tuple, dict] = {}
-    self.ring = Ring.of(plan)
-    self.output_example = _without_rows(plan.layer_inputs[-1])
-    self.signatures, self.branch_of_chunk = signatures(plan, layout, stats_layout, self.ring)
+    self.ring = ring_lib.Ring.of(plan)
+    self.output_example = ring_lib.without_rows(plan.layer_inputs[-1])
+    self.signatures, self.branch_of_chunk = signatures_lib.signatures(plan, layout, stats_layout,
+                                                                      self.ring)
     self.chunks_of = [[c for c, b in enumerate(self.branch_of_chunk) if b == index]
                       for index in range(len(self.signatures))]
     # Per model chunk: its local chunk index, and each segment's first unit.
@@ -170,13 +162,14 @@ class ChunkSet:
   def staged_specs(self, staged) -> dict:
     """``shard_map`` in-specs of ``staged`` (``{"params": ..., "stats": ...}``): parameters as
     :attr:`param_specs`, statistics over stages only."""
-    specs = {PARAMS: self.param_specs}
-    if STATS in staged:
-      specs[STATS] = P(None, self.spec.stage_axis)
+    specs = {view_lib.PARAMS: self.param_specs}
+    if view_lib.STATS in staged:
+      specs[view_lib.STATS] = P(None, self.spec.stage_axis)
     return specs
 
   def float_specs(self, staged) -> list:
-    """The in-spec of each float leaf of ``staged`` (:func:`float_leaves` order)."""
+    """The in-spec of each float leaf of ``staged`` (in
+    :func:`~tpipe.core.float_leaves.float_leaves` order)."""
     specs = self.staged_specs(staged)
     out = []
     for key in sorted(staged):
@@ -186,18 +179,20 @@ class ChunkSet:
         key_specs = [key_specs] * len(leaves)
       else:
         key_specs = jax.tree.leaves(key_specs, is_leaf=_is_spec)
-      out += [spec for leaf, spec in zip(leaves, key_specs) if is_float(leaf)]
+      out += [spec for leaf, spec in zip(leaves, key_specs) if floats_lib.is_float(leaf)]
     return out
 
   def split_over_fsdp(self, staged) -> list[bool]:
-    """Per float leaf of ``staged`` (:func:`float_leaves` order), whether it is split over the
-    fsdp axis (its gradient is then reduced over fsdp by the gathers' transposes)."""
+    """Per float leaf of ``staged`` (:func:`~tpipe.core.float_leaves.float_leaves` order), whether
+    it is split over the fsdp axis (its gradient is then reduced over fsdp by the gathers'
+    transposes)."""
     flags = []
     for key in sorted(staged):
       flat = jax.tree_util.tree_flatten_with_path(staged[key])[0]
       for path, leaf in flat:
-        if is_float(leaf):
-          flags.append(key == PARAMS and self.fsdp is not None and self.fsdp.is_split(path))
+        if floats_lib.is_float(leaf):
+          flags.append(key == view_lib.PARAMS and self.fsdp is not None
+                       and self.fsdp.is_split(path))
     return flags
 
   def _slot(self, staged, r):
@@ -235,10 +230,11 @@ class ChunkSet:
 
   def _param_slot(self, params, branch: int, chunk):
     """What model ``chunk`` (one of branch ``branch``'s) reads of the per-device parameters
-    (:func:`device_view`: packed buffers ``[P, 1, n]``): its stacked slot, and the packed
-    buffers as the device holds them (:attr:`held_blocks`; never gathered whole here), whole
-    where the chunk's window starts at a static offset (:meth:`_packed_at`; its leaves are
-    sliced from them as from one buffer per chunk), else its window cut at the traced offset."""
+    (:func:`~tpipe.core.device_view.device_view`: packed buffers ``[P, 1, n]``): its stacked
+    slot, and the packed buffers as the device holds them (:attr:`held_blocks`; never gathered
+    whole here), whole where the chunk's window starts at a static offset (:meth:`_packed_at`;
+    its leaves are sliced from them as from one buffer per chunk), else its window cut at the
+    traced offset."""
     stacked = self._slot(params[layout_lib.STACKED], self._local(branch, chunk))
     p = self._per_chunk(branch, chunk, self.packed_slot)
     buffers = spmd.whole_over_auto_axes(
@@ -370,12 +366,12 @@ class ChunkSet:
     if sig.output_kind == "both":
       return h, h
     if sig.output_kind == "output":
-      return zeros_with_rows(self.ring.example, rows), h
+      return ring_lib.zeros_with_rows(self.ring.example, rows), h
     boundary = self.chunks_of[branch][0]
-    return self.ring.pack(h, boundary), zeros_with_rows(self.output_example, rows)
+    return self.ring.pack(h, boundary), ring_lib.zeros_with_rows(self.output_example, rows)
 
   def _runs(self, branch: int, chunk, trees, stats, side, rngs, microbatch, taps=None,
-            tapped: bool = False, programs: dict | None = None):  # One tick's arguments.
+            tapped: bool = False, programs: dict | None = None):
     """``apply_units`` runs for the branch's segments (tapped: see :meth:`_unit`)."""
     rep = self.chunks_of[branch][0]
     runs = []
@@ -392,7 +388,7 @@ class ChunkSet:
     return runs
 
   def _unit(self, branch, segment, layer, side, rngs, microbatch, tapped,
-            programs=None):  # One tick's arguments, as _runs gets them.
+            programs=None):
     """``fn(h, (params, stats, unit, taps)) -> (h, (statistics, records))`` for one unit.
 
     Tapped, it runs the unit's traced program (:func:`tpipe.core.taps.trace`), and files it in
@@ -422,16 +418,21 @@ class ChunkSet:
 
   def _apply(self, branch: int, staged, fresh, incoming, broadcast, per_example, rngs,
              microbatch, chunk, taps=None, tapped=False, tie_to_tick=False,
-             programs=None):  # A chunk program's arguments, then how it runs.
+             programs=None):
+    """``(results, statistics, records)`` of model ``chunk`` (one of branch ``branch``'s) on one
+    micro-batch: :meth:`results_of` its output, per segment its running statistics and its
+    units' tap records (empty untapped). The chunk program's operands come first, then how it
+    runs: ``taps``, ``tapped`` and ``programs`` as in :meth:`_unit`, ``tie_to_tick`` as in
+    :meth:`branch`."""
     rep = self.chunks_of[branch][0]
     r = self._local(branch, chunk)
-    local = self._param_slot(staged[PARAMS], branch, chunk)
+    local = self._param_slot(staged[view_lib.PARAMS], branch, chunk)
     if tie_to_tick:  # See :meth:`branch`.
       local, _ = lax.optimization_barrier((local, jnp.asarray(microbatch, jnp.float32)))
     local = checkpoint_name(local, remat_lib.CHUNK_PARAMS_NAME)
     trees = self._chunk_trees(local, branch, chunk)
     if self.stats_layout is not None:
-      stats = self.stats_layout.chunk_trees(self._slot(staged[STATS], r), rep)
+      stats = self.stats_layout.chunk_trees(self._slot(staged[view_lib.STATS], r), rep)
     else:
       stats = [{} for _ in trees]
     h = self.input_of(branch, chunk, fresh, incoming)
@@ -450,17 +451,16 @@ class ChunkSet:
     broadcast, per_example, rngs, microbatch, chunk) -> (to_next, output[, sums])``, under
     ``jax.checkpoint`` with ``policy`` (``remat.FULL`` for ``None``: save nothing; ``None`` for
     no checkpoint). ``sums`` (with running statistics only) is the chunk's slot of pooled
-    statistics. ``tie_to_tick`` ties the parameter slice to the tick (an optimization barrier
-    with the micro-batch index); the forward tick loop asks for it, the fused one not (there it
-    raised the step's peak on the TPU target, measured with experiments/tpu_memory.py with and
-    without it). It was added to keep the layers' weight casts inside the tick; today's TPU
-    compiler hoists them all the same (the same bytes with and without it on every forward-loop
-    row probed), and FSDP's casts stay inside through :func:`weight_casts.tie_to_steps`.
-    Without it XLA:CPU's autodiff through the forward ticks needs less (8.7 against 13.2 MB in
-    the reference of tests/core/test_remat.py's backward-by-units test, whose 2x margin it
-    would then miss); removing it waits for a change that revisits that comparison."""
+    statistics. ``tie_to_tick`` puts an optimization barrier between the parameter slice and the
+    micro-batch index, so the slice is taken inside each tick. The forward tick loop asks for it;
+    the fused one does not, as there it raises the step's peak on the TPU target
+    (experiments/tpu_memory.py, with and without it). The TPU compiler hoists the layers' weight
+    casts out of the tick either way (FSDP's casts stay inside through
+    :func:`tpipe.core.weight_casts.tie_to_steps`). On XLA:CPU the barrier makes autodiff through
+    the forward ticks keep more (13.2 against 8.7 MB in the reference of
+    tests/core/test_remat.py's backward-by-units test, whose 2x margin is measured against the
+    tied reference)."""
 
-    # A chunk program's signature: each operand is split, switched or differentiated its own way.
     def run(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk):
       results, statistics, _ = self._apply(index, staged, fresh, incoming, broadcast,
                                            per_example, rngs, microbatch, chunk,
@@ -479,7 +479,6 @@ class ChunkSet:
     with ``taps`` (per segment, per tapped operation; stacked over a run's copies; None to only
     record) added to the tapped operations' outputs, whose weights get no gradient here."""
 
-    # The chunk program's signature, and the taps the split backward differentiates.
     def run(staged, fresh, incoming, broadcast, per_example, rngs, microbatch, chunk, taps):
       results, _, records = self._apply(index, staged, fresh, incoming, broadcast, per_example,
                                         rngs, microbatch, chunk, taps, tapped=True)
@@ -499,7 +498,7 @@ class ChunkSet:
 
   def weight_branch(self, index: int, programs: dict):
     """``W`` of branch ``index``: ``fn(staged, chunk, records, output_grads) -> grads`` shaped
-    like ``staged[PARAMS]``: the tapped operations' weight gradients, from the units' traced
+    like ``staged["params"]``: the tapped operations' weight gradients, from the units' traced
     ``programs`` (:meth:`unit_programs`)."""
     rep = self.chunks_of[index][0]
 
@@ -527,7 +526,7 @@ class ChunkSet:
           outs.append(apply(tree, records[k]))
         return outs
 
-      _, vjp = jax.vjp(outputs, staged[PARAMS])
+      _, vjp = jax.vjp(outputs, staged[view_lib.PARAMS])
       return vjp(output_grads)[0]
 
     return run
@@ -547,10 +546,10 @@ class ChunkSet:
 
       def read(staged, chunk, copy, k=k, seg=seg):
         r = self._local(index, chunk)
-        params = self._chunk_trees(self._param_slot(staged[PARAMS], index, chunk), index,
+        params = self._chunk_trees(self._param_slot(staged[view_lib.PARAMS], index, chunk), index,
                                    chunk)[k]
         if self.stats_layout is not None:
-          stats = self.stats_layout.chunk_trees(self._slot(staged[STATS], r), rep)[k]
+          stats = self.stats_layout.chunk_trees(self._slot(staged[view_lib.STATS], r), rep)[k]
         else:
           stats = {}
         unit = self._first_unit(index, chunk, k)

@@ -72,20 +72,16 @@ from jax.sharding import PartitionSpec as P
 
 from tpipe import schedules
 from tpipe.core import backward_plan
-from tpipe.core import chunks as chunks_lib
 from tpipe.core import branches as branches_lib
+from tpipe.core import chunks as chunks_lib
+from tpipe.core import device_view as view_lib
+from tpipe.core import float_leaves as floats_lib
 from tpipe.core import packing
 from tpipe.core import spmd
 from tpipe.core import streaming
 from tpipe.core import tick_rows
 
 Action = schedules.Action
-
-
-# Short names for the float-leaf helpers the branches use at every step.
-_is_float = chunks_lib.is_float
-_floats = chunks_lib.float_leaves
-_with_floats = chunks_lib.with_float_leaves
 
 
 def is_split(schedule: schedules.FusedSchedule) -> bool:
@@ -259,7 +255,7 @@ class _Run:
                                             self.schedule.num_microbatches)}
     # Running sums of the float leaves' gradients: parameters and broadcast arrays whole,
     # per-example inputs per micro-batch.
-    zeros = lambda tree: [jnp.zeros_like(a) for a in _floats(tree)]
+    zeros = lambda tree: [jnp.zeros_like(a) for a in floats_lib.float_leaves(tree)]
     return {"loss": jnp.zeros((), jnp.float32), "params": zeros(device.staged),
             "broadcast": zeros(device.broadcast),
             "x": zeros(spmd.stacked_zeros(device.x_example, self.schedule.num_microbatches)),
@@ -303,7 +299,7 @@ class _Run:
 
     g_params = [over_rows(g, is_split) for g, is_split in
                 zip(g_params, self.chunkset.split_over_fsdp(device.staged))]
-    g_params = chunks_lib.with_stage_axis(g_params, device.staged_leaves)
+    g_params = view_lib.with_stage_axis(g_params, device.staged_leaves)
     joined = lambda leaves: [a.reshape((device.local_batch,) + a.shape[2:]) for a in leaves]
     g_x, g_pex = joined(state["x"]), joined(state["per_example"])
     if call.over_stages:  # Each stage's part of the inputs' gradients, as its inputs came.
@@ -333,7 +329,8 @@ class _Run:
       # One gradient per float leaf, in the order of the leaves of (staged, x, broadcast,
       # per_example), each split as its input is.
       grad_specs = self.chunkset.float_specs(staged) + [
-          spec for tree, spec in zip(operands[1:4], in_specs[1:4]) for _ in _floats(tree)]
+          spec for tree, spec in zip(operands[1:4], in_specs[1:4])
+          for _ in floats_lib.float_leaves(tree)]
       out_specs = (P(), grad_specs)
     per_device = lambda *operands: self.per_device(call, *operands)
     return axes.shard_map(per_device, in_specs, out_specs)(*operands)
@@ -341,7 +338,7 @@ class _Run:
 
 def forward_outputs(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple,
                     per_example: tuple, rngs: dict, *, schedule: schedules.FusedSchedule,
-                    axes: spmd.Axes):  # The operands are the shard_map's, each split its own way.
+                    axes: spmd.Axes):
   """The last chunk's outputs for the whole batch, by ``schedule``'s forward pass alone
   (:meth:`~tpipe.schedules.FusedSchedule.forward_pass`); not meant to be differentiated."""
   table = schedule if schedule.forward_only else schedule.forward_pass()
@@ -353,7 +350,7 @@ def mean_loss(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple, per_ex
               rngs: dict, *, schedule: schedules.FusedSchedule, axes: spmd.Axes,
               plan: backward_plan.BackwardPlan,
               primal: Callable[..., jax.Array] | None = None
-              ) -> jax.Array:  # The shard_map's operands, then keyword-only settings.
+              ) -> jax.Array:
   """The mean over the global batch of the last chunk's per-example losses, run with a fused
   schedule; differentiable (``jax.custom_vjp``) in ``staged`` and in the float leaves of ``x``,
   ``broadcast`` and ``per_example``.
@@ -380,7 +377,7 @@ def mean_loss(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple, per_ex
                                                     axes=axes))
   inputs = (staged, x, tuple(broadcast), tuple(per_example))
   leaves, treedef = jax.tree.flatten(inputs)
-  is_float = [_is_float(leaf) for leaf in leaves]
+  is_float = [floats_lib.is_float(leaf) for leaf in leaves]
 
   def merge(floats, others):
     floats, others = iter(floats), iter(others)
