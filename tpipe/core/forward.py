@@ -73,7 +73,7 @@ def _tick_rows(schedule: schedules.Schedule, chunkset: chunks_lib.ChunkSet) -> d
 
 def run(chunkset: chunks_lib.ChunkSet, staged: dict, x: Any, broadcast: tuple,
         per_example: tuple, rngs: dict, *, schedule: schedules.Schedule,
-        axes: spmd.Axes) -> Any:  # The operands are the shard_map's, each split its own way.
+        axes: spmd.Axes) -> Any:
   """Runs a forward schedule's ticks on every device at once.
 
   Callers validate arguments first; this function assumes the batch splits into ``M``

@@ -227,8 +227,6 @@ class LayoutDescription:
   shared: tuple[shared_lib.Group, ...] = ()
 
   @classmethod
-  # Ten parameters: the split (groups, S, R, placement) and, as options, what else shapes a
-  # layout (another collection's stacked cut, axis names, mesh, rules, packing).
   def build(cls, groups, logical_shapes: Mapping[str, Any], num_stages: int, num_repeats: int,
             placement: str = "loop", stacked: Mapping[int, int] | None = None, *,
             axes: Mapping[str, Mapping[str, tuple | None]] | None = None,

@@ -317,7 +317,7 @@ def _restore_stacked(block, order, dim, stage_axis: str, num_stages: int, part_b
 
 
 def _restore_packed(buffer, block, start, owner, me, sizes, plan,
-                    part_bytes: int):  # One piece's place: where, from whom, in what bands.
+                    part_bytes: int):
   """``buffer`` (one dtype's packed block ``[P, 1, n]``) with one lined-up packed leaf's piece
   written at ``start = (packed slot, 0, offset)`` on the owner stage, gathered from the
   checkpoint block over ``plan`` (per dimension, the axes, :func:`_gathered_axes`) a band of

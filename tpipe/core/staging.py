@@ -7,9 +7,9 @@ describes (stacked leaves ``[R, S, k, ...]``, packed buffers ``[P, S, n]``, shar
 arithmetic, so a round trip is bit for bit.
 
 The forward direction builds each staged leaf with one operation over the whole tree (one gather
-per stacked leaf, one concatenation of every stage's packed blocks): building per-chunk or
-per-stage pieces and stacking them made XLA (CPU) pad each piece to the whole staged leaf, so
-``S`` copies were live at once.
+per stacked leaf, one concatenation of every stage's packed blocks): per-chunk or per-stage
+pieces stacked afterwards would each be padded by XLA (CPU) to the whole staged leaf, ``S``
+copies live at once.
 """
 
 from __future__ import annotations

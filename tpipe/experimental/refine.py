@@ -436,7 +436,6 @@ class _Problem:
   def _memory(self, spans, caps, placed, fixed, ticks_of, first, stop, constrain):
     """Per stage and freed tick: chunks opened by then less those closed before, at most the
     cap."""
-    # Eight parameters: the spans and their caps, and the window's placement and program.
     for s in range(self.num_stages):
       mine = [(o, c) for o, c in spans if self.stage(o) == s]
       if not any(o in ticks_of or c in ticks_of for o, c in mine):

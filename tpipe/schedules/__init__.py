@@ -149,7 +149,7 @@ def _check_name(name) -> None:
 
 def build(name: str, num_stages: int, num_microbatches: int,
           num_repeats: int = 1, delays=None, costs=None, search: int = 0, refine=None
-          ) -> Schedule | FusedSchedule:  # The table's identity: every argument keys the cache.
+          ) -> Schedule | FusedSchedule:
   """The table of schedule ``name``, cached: the one factory every caller uses.
 
   Args:
@@ -179,8 +179,6 @@ def build(name: str, num_stages: int, num_microbatches: int,
     TypeError, ValueError: an unknown name or a count the schedule does not take; the message
       names the fix.
   """
-  # Eight parameters: the table's sizes, then the delays, the compound costs and the search
-  # that may refine them (each a keyword with a default that leaves it out).
   # Checked before the cache: 2.0 == 2 and True == 1 hash alike, so a cache keyed on the values
   # alone would hand them the int's table. One key however the arguments are written.
   _check_name(name)
@@ -242,7 +240,6 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
   return build(name, num_stages, num_microbatches, num_repeats, delays)
 
 
-# Public: one argument per table setting.
 def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
                         num_repeats: int | None = None, delays=None,
                         costs=None, search: int = 0, refine=None) -> FusedSchedule:
@@ -263,7 +260,6 @@ def make_fused_schedule(name: str, num_stages: int, num_microbatches: int,
   Raises:
     ValueError: for a forward or unknown name, or a chunk count the schedule does not use.
   """
-  # Eight parameters: build()'s, with the schedule's own chunks per stage by default.
   if name in SCHEDULE_NAMES:
     raise ValueError(f"schedule={name!r} is a forward schedule: build it with make_schedule(), "
                      "and its whole step as a fused table with from_forward().")

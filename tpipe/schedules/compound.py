@@ -140,13 +140,14 @@ def check_costs(costs, split: bool | None = None) -> dict[str, float]:
   return out
 
 
-# Keyword-only: the search's settings, one each.
 def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
          costs: Mapping[str, float], *, in_flight: int | None = None,
          weight_backlog: int = 1, deeper_first: bool = True, backward_first: bool = True,
          second_forward: bool = False, light_ramp: bool = False,
          weight_hold: int | None = None, delays=None) -> fused_lib.FusedSchedule:
-  """Schedule ``name`` laid out in compound ticks for ``costs`` (see the module docstring).
+  """Schedule ``name`` laid out in compound ticks for ``costs`` (see the module docstring). The
+  keyword options are the layout's knobs, which :func:`candidates` sweeps and
+  :mod:`tpipe.experimental.costs` sets.
 
   Args:
     name: one of :data:`SHAPES`.
@@ -182,8 +183,6 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
   Returns:
     The validated :class:`~tpipe.schedules.FusedSchedule`.
   """
-  # Thirteen parameters: the schedule's sizes and costs, then the layout's seven knobs and the
-  # links' delays, keywords only (candidates() sweeps them; tpipe.experimental.costs sets them).
   placement, split = SHAPES[name]
   costs = check_costs(costs, split)
   if weight_hold is not None and (isinstance(weight_hold, bool) or not isinstance(weight_hold, int)

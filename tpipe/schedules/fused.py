@@ -267,7 +267,6 @@ class FusedSchedule:
                      for s in range(self.num_stages))
 
 
-# The table's shape and orders; keyword options.
 def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, placement: str,
           orders: list[list[tuple[Action, int, int]]], *,
           forward_only: bool = False, delays=None) -> FusedSchedule:
@@ -320,7 +319,6 @@ def place(name: str, num_stages: int, num_microbatches: int, num_chunks: int, pl
                     forward_only=forward_only, delays=delays)
 
 
-# The table's shape and ticks; keyword options.
 def from_ticks(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
                placement: str, ticks: list[list[list[tuple[Action, int, int]]]], *,
                forward_only: bool = False, delays=None) -> FusedSchedule:
