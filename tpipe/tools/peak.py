@@ -427,7 +427,11 @@ def _argument_role(origin: str) -> str:
 
 def _role(origin: str, array, loop_carried: bool, is_argument: bool, param_dtype: str,
           param_dims: set, head_scopes: Sequence[str],
-          copied_from: str | None = None) -> str:  # One buffer's facts, each read once here.
+          copied_from: str | None = None) -> str:
+  """One of :data:`ROLES` for a buffer, from what is known of it: the op name that made it
+  (``origin``), its array type (or None), whether a loop carries it, whether it is an argument of
+  the step, the parameters' dtype and shapes, the head's scopes, and the op name of the argument
+  it is a copy of (or None)."""
   if is_argument:
     return _argument_role(origin)
   copy_of_parameter = copied_from is not None and _argument_role(copied_from) == "parameters"

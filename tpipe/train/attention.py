@@ -107,8 +107,8 @@ def _attend_forward(query, key, value, mask, precision):
 
 
 def _attend_block_backward(query, key, value, mask, peak, total, cotangent, precision):
-  """``(d_query, d_key, d_value)`` of the queries ``query`` (all or one block of them)."""
-  # Eight parameters: one block's saved values, its cotangent, and the precision.
+  """``(d_query, d_key, d_value)`` of the queries ``query`` (all or one block of them), from
+  what the forward saved (``query`` to ``total``) and the cotangent of its output."""
   scores = _scores(query, key, mask, precision).astype(peak.dtype)
   p = jnp.exp(scores - peak) / total  # A row masked everywhere: uniform, as in the forward.
   d_value = jnp.einsum("...hqk,...qhd->...khd", p.astype(value.dtype), cotangent,
@@ -253,8 +253,8 @@ def _grouped_forward(query, key, value, mask, sqrt_depth):
 
 
 def _grouped_block_backward(query, key, value, mask, peak, total, cotangent, sqrt_depth):
-  """One query block's ``(d_query, d_key, d_value)``."""
-  # Eight parameters: one block's saved values, its cotangent, and the scale.
+  """One query block's ``(d_query, d_key, d_value)``, from what the forward saved (``query``
+  to ``total``) and the cotangent of its output."""
   p = jnp.exp(_grouped_logits(query, key, mask, sqrt_depth) - peak) / total
   d_value = jnp.einsum("bgrst,bsgrk->btgk", p.astype(value.dtype), cotangent)
   d_p = jnp.einsum("bsgrk,btgk->bgrst", cotangent, value).astype(p.dtype)

@@ -333,7 +333,6 @@ def plan_text(num_candidates: int, num_invalid: int, expected: int,
           "candidates do not fit). Ctrl-C stops it and prints the best so far.")
 
 
-# Keyword-only: the search space, one setting each.
 def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
              stages: Sequence[int] | None = None, microbatches: Sequence[int] | None = None,
              remats: Sequence[str] = REMAT_ORDER,
@@ -362,8 +361,6 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
     A :class:`TuneResult`; ``best`` is None when nothing fits. Interrupted (Ctrl-C), the
     result so far, ``interrupted`` set, the candidates not tried rejected as such.
   """
-  # Twelve parameters: the config, the budget, the devices, five restrictable search axes,
-  # the cost model and where progress goes, as what; all but the first two keyword-only.
   if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
     raise TypeError(f"budget_bytes must be a number of bytes, got {budget_bytes!r}.")
   if budget_bytes <= 0:

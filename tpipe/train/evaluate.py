@@ -70,7 +70,6 @@ def define_flags() -> None:
   flags.DEFINE_integer("num_microbatches", 1, "Micro-batches per replica's batch.")
 
 
-# Keyword-only: the evaluation's layout, one setting each.
 def perplexity(config, params, packed: packing.PackedTokens, *, batch_size: int = 8,
                num_stages: int = 1, num_data: int = 1, num_microbatches: int = 1,
                devices=None) -> dict[str, float]:

@@ -122,7 +122,6 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
   Returns:
     ``(valid candidates, [(invalid candidate, reason)])``.
   """
-  # Seven parameters but the config: the search's axes, each restrictable.
   remats, granularities, names = _check_options(remats, granularities, schedules)
   stage_options = list(stages) if stages is not None else _divisors(num_devices)
   valid, invalid = [], []
