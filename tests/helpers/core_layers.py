@@ -73,8 +73,9 @@ def apply_layers(logical, h, first: int, last: int, targets=None):
 
 
 def apply_segments(logical, h, segments, targets=None):
-  """A model chunk applied plainly: its segments (:class:`tpipe.core.layout.Segment`) in order
-  on the logical parameters, a repeated layer's copies ``first_copy ..`` one by one."""
+  """A model chunk applied plainly: its segments
+  (:class:`tpipe.core.layout_description.Segment`) in order on the logical parameters, a
+  repeated layer's copies ``first_copy ..`` one by one."""
   for seg in segments:
     layer, tree = LAYERS[seg.layer], logical[f"layers_{seg.layer}"]
     kwargs = {"targets": targets} if layer.keywords else {}

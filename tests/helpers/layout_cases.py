@@ -12,6 +12,7 @@ import numpy as np
 
 from tests.helpers.shapes import abstract_shapes
 from tpipe.core import layout as layout_lib
+from tpipe.core import layout_description as desc
 from tpipe.core import plan as plan_lib
 
 F32, I32 = jnp.float32, jnp.int32
@@ -62,7 +63,7 @@ CASES = {
 # fsdp 2 cuts the test leaves along a dimension; fsdp 3 divides none of them (flat pieces).
 FSDP = [1, 2, 3]
 # A stage's chunks in one packed buffer (parameters), or a buffer per chunk slot (statistics).
-PACKINGS = list(layout_lib.PACKINGS)
+PACKINGS = list(desc.PACKINGS)
 
 
 def fsdp_mesh(fsdp, num_stages):

@@ -21,10 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from tpipe import axis_rules
 from tpipe import mesh as mesh_lib
-from tpipe.core import layout as layout_lib
+from tpipe.core import layout_description as desc
 from tpipe.core import packed_places as places
 
-STACKED, PACKED, SHARED = layout_lib.STACKED, layout_lib.PACKED, layout_lib.SHARED
+STACKED, PACKED, SHARED = desc.STACKED, desc.PACKED, desc.SHARED
 
 
 def axes_of(entry) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ every boundary has one type, else packed per dtype and padded to the largest,
 agree the first and last chunks need no branch of their own: a chunk selects the fresh input on
 model chunk 0 and hands its result both on and out.
 
-A branch applies its segments (:class:`tpipe.core.layout.Segment`) with
+A branch applies its segments (:class:`tpipe.core.layout_description.Segment`) with
 :func:`tpipe.core.remat.apply_units`, runs of copies scanned, each unit with its keys from
 :func:`tpipe.core.layers.unit_rngs`. In the split form (:meth:`ChunkSet.tapped_branch`) each unit
 runs through :mod:`tpipe.core.taps`, and :meth:`ChunkSet.weight_branch` forms the weight
@@ -39,6 +39,7 @@ from tpipe.core import float_leaves as floats_lib
 from tpipe.core import fsdp as fsdp_lib
 from tpipe.core import layers as layers_lib
 from tpipe.core import layout as layout_lib
+from tpipe.core import layout_description as desc
 from tpipe.core import packed_places as places
 from tpipe.core import plan as plan_lib
 from tpipe.core import remat as remat_lib
@@ -48,7 +49,7 @@ from tpipe.core import spmd
 from tpipe.core import taps as taps_lib
 from tpipe.core import weight_casts
 
-# What engine.py reads from here (it owns no import of device_view or signatures).
+# Read by engine.py as chunks_lib.PARAMS, chunks_lib.STATS and chunks_lib.signatures.
 PARAMS = view_lib.PARAMS
 STATS = view_lib.STATS
 signatures = signatures_lib.signatures
@@ -128,7 +129,7 @@ class ChunkSet:
     # Shared leaves split over the partitioner's axes (tensor) as their names say, per entry.
     self._shared_specs = {g.name: None for g in layout.shared}
     if axes is not None and axes.auto:
-      full = layout.partition_specs(spec.stage_axis, mesh=axes.mesh)[layout_lib.SHARED]
+      full = layout.partition_specs(spec.stage_axis, mesh=axes.mesh)[desc.SHARED]
       for name, full_spec in full.items():
         inner = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in axes.auto)
                  for e in tuple(full_spec)[2:]]
@@ -219,7 +220,7 @@ class ChunkSet:
              for key, table in self.shared_slots[branch].items()}
     # Pinned again where the leaves are cut: what came through an optimization barrier or a
     # checkpoint name is a new value the partitioner may split afresh.
-    local = {**local, layout_lib.PACKED: spmd.whole_over_auto_axes(local[layout_lib.PACKED])}
+    local = {**local, desc.PACKED: spmd.whole_over_auto_axes(local[desc.PACKED])}
     trees = self.layout.chunk_trees(local, rep, self._packed_at(branch, chunk),
                                     self.held_blocks, shared_slots=slots, canonical=True)
     if self.gathers_pieces:
@@ -235,15 +236,15 @@ class ChunkSet:
     whole here), whole where the chunk's window starts at a static offset (:meth:`_packed_at`;
     its leaves are sliced from them as from one buffer per chunk), else its window cut at the
     traced offset."""
-    stacked = self._slot(params[layout_lib.STACKED], self._local(branch, chunk))
+    stacked = self._slot(params[desc.STACKED], self._local(branch, chunk))
     p = self._per_chunk(branch, chunk, self.packed_slot)
     buffers = spmd.whole_over_auto_axes(
-        {k: self._slot(a, p)[0] for k, a in params[layout_lib.PACKED].items()})
+        {k: self._slot(a, p)[0] for k, a in params[desc.PACKED].items()})
     if self._packed_at(branch, chunk) is None:
       buffers = self.layout.window(buffers, self.chunks_of[branch][0],
                                    self._packed_offsets(branch, chunk), self.held_blocks)
-    return {layout_lib.STACKED: stacked, layout_lib.PACKED: buffers,
-            layout_lib.SHARED: dict(params.get(layout_lib.SHARED, {}))}
+    return {desc.STACKED: stacked, desc.PACKED: buffers,
+            desc.SHARED: dict(params.get(desc.SHARED, {}))}
 
   def _packed_segments(self, branch: int) -> list:
     """``(segment index, segment)`` of branch ``branch``'s packed segments, in order."""

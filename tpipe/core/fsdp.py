@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from tpipe.core import layout as layout_lib
+from tpipe.core import layout_description as desc
 from tpipe.core import packed_places as places
 from tpipe.core import remat as remat_lib
 from tpipe.core import spmd
@@ -83,19 +83,19 @@ class Split:
       return NOT_SPLIT
 
     stacked = {}
-    for layer, tree in specs[layout_lib.STACKED].items():
+    for layer, tree in specs[desc.STACKED].items():
       flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_spec)[0]
       stacked[layer] = {jax.tree_util.keystr(path): dim(spec) for path, spec in flat}
-    packed = {k: axis in tuple(spec) for k, spec in specs[layout_lib.PACKED].items()}
-    shared = {k: dim(spec, lead=2) for k, spec in specs.get(layout_lib.SHARED, {}).items()}
+    packed = {k: axis in tuple(spec) for k, spec in specs[desc.PACKED].items()}
+    shared = {k: dim(spec, lead=2) for k, spec in specs.get(desc.SHARED, {}).items()}
     return cls(axis=axis, stacked=stacked, packed=packed, shared=shared)
 
   def is_split(self, path_in_slot) -> bool:
     """Whether the slot leaf at ``path_in_slot`` (a key path in one slot's tree) is split."""
     keys = [getattr(k, "key", None) for k in path_in_slot]
-    if keys[0] == layout_lib.PACKED:
+    if keys[0] == desc.PACKED:
       return self.packed[keys[1]]
-    if keys[0] == layout_lib.SHARED:
+    if keys[0] == desc.SHARED:
       return self.shared[keys[1]] != NOT_SPLIT
     layer = self.stacked[keys[1]]
     return layer[jax.tree_util.keystr(tuple(path_in_slot[2:]))] != NOT_SPLIT
@@ -103,8 +103,8 @@ class Split:
   def gather_packed(self, slot):
     """A slot's packed buffers, each whole (gathered where it is split)."""
     packed = {k: self._gather(a, 0) if self.packed[k] else a
-              for k, a in slot[layout_lib.PACKED].items()}
-    return {**slot, layout_lib.PACKED: packed}
+              for k, a in slot[desc.PACKED].items()}
+    return {**slot, desc.PACKED: packed}
 
   def gather_unit(self, layer: str, params, copy_axis: bool = False,
                   casts: Mapping[str, Any] | None = None, tie=None):

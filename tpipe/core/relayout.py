@@ -39,10 +39,10 @@ from jax import lax
 
 from tpipe import mesh as mesh_lib
 from tpipe.core import checkpoint_form as form
-from tpipe.core import layout as layout_lib
+from tpipe.core import layout_description as desc
 from tpipe.core import packed_places as places
 
-STACKED, PACKED, SHARED = layout_lib.STACKED, layout_lib.PACKED, layout_lib.SHARED
+STACKED, PACKED, SHARED = desc.STACKED, desc.PACKED, desc.SHARED
 
 
 # ----------------------------------------------------------------------------------------------
