@@ -108,6 +108,19 @@ def test_check_per_example_returns_the_names():
                                                    "deterministic")
 
 
+def test_keyword_names_are_none_for_a_call_taking_any():
+  assert arguments.keyword_names(CALL) == ("gate", "bias", "extras", "scale", "deterministic")
+
+  def takes_any(self, x, mask, **kwargs):
+    del self, x, mask, kwargs
+
+  def takes_positions(self, x, *rest, train=False):
+    del self, x, rest, train
+
+  assert arguments.keyword_names(takes_any) is None
+  assert arguments.keyword_names(takes_positions) == ("train",)
+
+
 def test_per_example_array_needs_the_batch_as_leading_axis():
   _, gate, bias = _inputs()
   with pytest.raises(ValueError, match=r"per-example argument 'gate' of SideInputBlock has an "

@@ -77,6 +77,18 @@ def test_batch_size_checks_the_leading_axis():
     layers_lib.batch_size([np.float32(1.0)], "owner")
 
 
+@pytest.mark.unit
+def test_logical_names_are_one_copys():
+  annotations = [("['kernel']", ("layers", "embed", "mlp"), 3), ("['bias']", ("mlp",), 2),
+                 ("['scale']", None, 2)]
+  # Stacked copies: a name on the copy axis (as long as the leaf's dimensions) is dropped.
+  assert layers_lib.logical_names(annotations, copies=4) == {
+      "['kernel']": ("embed", "mlp"), "['bias']": ("mlp",), "['scale']": None}
+  assert layers_lib.logical_names(annotations, copies=None) == {
+      "['kernel']": ("layers", "embed", "mlp"), "['bias']": ("mlp",), "['scale']": None}
+  assert layers_lib.logical_names([("['w']", ["embed"], 1)], None) == {"['w']": ("embed",)}
+
+
 def test_abstract_types_and_copies():
   tree = {"w": jnp.zeros((3, 4, 2), jnp.bfloat16), "b": np.zeros((3,), np.int32)}
   abstract = layers_lib.abstract(tree)

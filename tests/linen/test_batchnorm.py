@@ -311,3 +311,27 @@ def test_pipeline_transform_runs_batchnorm_blocks_like_sequential():
   assert evaluated.shape == x.shape
   with pytest.raises(ValueError, match="mutable=\\['batch_stats'\\]"):
     stack.apply(v, x, train=True)
+
+
+class MaskedBN(nn.Module):
+  """Dense -> BatchNorm given the mask ``mask`` (per example and feature)."""
+
+  @nn.compact
+  def __call__(self, x, mask, *, train: bool = False):
+    return nn.BatchNorm(use_running_average=not train)(nn.Dense(WIDTH)(x), mask=mask)
+
+
+def test_batchnorm_with_a_mask_is_refused_in_training_mode():
+  """As in tpipe.nnx (tests/nnx/test_batchnorm.py): pooling masked statistics would need each
+  micro-batch's count of values; the refusal comes from planning, before anything runs."""
+  x = _inputs()
+  mask = np.arange(BATCH * WIDTH).reshape(BATCH, WIDTH) % 3 > 0
+  model = tpipe.Sequential([MaskedBN(), Head()], num_stages=2, num_microbatches=2,
+                           per_example=("mask",), mesh=tpipe.make_mesh(stages=2))
+  variables = model.init({"params": jax.random.key(1)}, x, mask=mask)
+  with pytest.raises(ValueError, match=r"layers\[0\] \(MaskedBN\) failed .*BatchNorm with a mask "
+                                       r"is not supported in training mode; the statistics pooled "
+                                       r"over micro-batches would need the mask's counts"):
+    model.apply(variables, x, mask=mask, train=True, mutable=["batch_stats"])
+  # Evaluation normalizes with the running averages: the mask plays no part, nothing refused.
+  assert model.apply(variables, x, mask=mask).shape == (BATCH, 2)

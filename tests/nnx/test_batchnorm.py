@@ -254,3 +254,37 @@ def test_other_mutable_state_is_rejected():
     tnnx.Sequential([_Counter(rngs=rngs)], num_stages=1, num_microbatches=1)
   with pytest.raises(ValueError, match="other than nnx.Param"):
     tnnx.Sequential([_Cache(rngs=rngs)], num_stages=1, num_microbatches=1)
+
+
+class _MaskedBN(nnx.Module):
+  """Linear -> BatchNorm given the mask ``mask`` (per example and feature)."""
+
+  def __init__(self, *, rngs):
+    self.linear = nnx.Linear(3, WIDTH, rngs=rngs)
+    self.norm = nnx.BatchNorm(WIDTH, rngs=rngs)
+
+  def __call__(self, x, mask):
+    return self.norm(self.linear(x), mask=mask)
+
+
+def test_batchnorm_with_a_mask_is_refused_in_training_mode():
+  """As in linen (tests/linen/test_batchnorm.py): pooling masked statistics would need each
+  micro-batch's count of values; the refusal comes from planning, before anything runs."""
+  rngs = nnx.Rngs(0)
+  model = tnnx.Sequential([_MaskedBN(rngs=rngs), nnx.Linear(WIDTH, 2, rngs=rngs)], num_stages=2,
+                          num_microbatches=2, per_example=("mask",),
+                          mesh=tpipe.make_mesh(stages=2))
+  x = _inputs()
+  mask = np.arange(BATCH * WIDTH).reshape(BATCH, WIDTH) % 3 > 0
+  before = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+  with pytest.raises(ValueError, match=r"layers\[0\] \(_MaskedBN\) failed .*BatchNorm with a "
+                                       r"mask is not supported in training mode; the statistics "
+                                       r"pooled over micro-batches would need the mask's counts"):
+    model(x, mask=mask)
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)),
+               before)
+  # The user's BatchNorm keeps its own class and still takes a mask outside the pipeline.
+  assert type(model.layers[0].norm) is nnx.BatchNorm
+  # Evaluation normalizes with the running averages: the mask plays no part, nothing refused.
+  model.eval()
+  assert model(x, mask=mask).shape == (BATCH, 2)

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -52,6 +53,16 @@ def extra_parameter_names(call: Callable) -> tuple[str, ...]:
   """Names of the parameters after ``self`` and ``x`` that can be passed by name."""
   params = list(call_signature(call).parameters.values())[2:]
   return tuple(p.name for p in params if p.kind in _NAMED_KINDS)
+
+
+@functools.lru_cache(maxsize=None)
+def keyword_names(call: Callable) -> tuple[str, ...] | None:
+  """Names ``call(self, x, ...)`` takes by keyword after its input; None if it takes any
+  (``**kwargs``): a layer's :attr:`tpipe.core.layers.Layer.keywords`."""
+  params = list(call_signature(call).parameters.values())[2:]
+  if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+    return None
+  return extra_parameter_names(call)
 
 
 def check_per_example(call: Callable, per_example: Sequence[str], owner: str) -> tuple[str, ...]:

@@ -10,7 +10,9 @@ Also here, because every front end and schedule shares them:
   per call; unit ``u`` (0-based over all units) on global micro-batch ``m`` runs with
   ``fold_in(fold_in(K, u), m)``, so random numbers do not depend on the stages, balance,
   schedule, repeats or remat;
-* keyword routing (:func:`layer_keywords`): a keyword reaches every layer whose call takes it.
+* keyword routing (:func:`layer_keywords`): a keyword reaches every layer whose call takes it;
+* a repeated layer's parameters named as one copy's (:func:`logical_names`), and the refusal of
+  a masked normalization in training mode (:func:`check_unmasked`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ ApplyFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any]]
 # ``mean``/``var`` in ``stats``.
 ApplyWithMomentaFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any, dict]]
 
+# apply_with_losses(params, stats, x, kwargs, rngs) -> (y, statistics, side_loss): ``apply``'s
+# results and the sum of the side losses the layer added on this call (a float32 scalar), or
+# None when it added none (see :mod:`tpipe.core.side_losses`).
+ApplyWithLossesFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any, Any]]
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layer:
@@ -55,6 +62,9 @@ class Layer:
     apply_with_momenta: see :data:`ApplyWithMomentaFn`; None for a layer without running
       statistics. Planning traces it once (:func:`tpipe.core.plan.trace_inputs`) and the
       engine updates the running statistics with the momenta it returned.
+    apply_with_losses: see :data:`ApplyWithLossesFn`; None for a layer that never adds side
+      losses. Planning traces it once; where a layer adds some, the engine carries them to the
+      loss (:func:`tpipe.core.side_losses.carry`).
   """
 
   kind: str
@@ -63,6 +73,7 @@ class Layer:
   keywords: tuple[str, ...] | None = None
   identity: Hashable | None = None
   apply_with_momenta: ApplyWithMomentaFn | None = None
+  apply_with_losses: ApplyWithLossesFn | None = None
 
   @property
   def units(self) -> int:
@@ -156,6 +167,32 @@ def outside_mesh(fn, axis_names: tuple[str, ...]):
     return jax.tree.map(lambda a: a[index], run(*args))
 
   return bound
+
+
+def logical_names(annotations, copies: int | None) -> dict[str, tuple | None]:
+  """``{key: names}`` of a layer's parameters from ``(key, names, ndim)`` for each (``names``
+  the axis names its front end annotated, logical or mesh axes, None without annotation). For a
+  repeated layer the names are one copy's: a name given to the leading copy axis (``names`` as
+  long as the stacked leaf has dimensions) is dropped."""
+  out = {}
+  for key, names, ndim in annotations:
+    if names is not None:
+      names = tuple(names)
+      if copies is not None and len(names) == ndim:
+        names = names[1:]
+    out[key] = names
+  return out
+
+
+def check_unmasked(mask, owner: str) -> None:
+  """Raises for a normalization called with a mask in training mode: the engine pools each
+  micro-batch's ``E[x]`` and ``E[x^2]`` with equal weights (:mod:`tpipe.core.statistics`), which
+  is exact when every micro-batch counts as many values; masked statistics would need the mask's
+  counts. A front end calls it while planning traces its layers, before anything runs."""
+  if mask is not None:
+    raise ValueError(f"{owner}: BatchNorm with a mask is not supported in training mode; the "
+                     "statistics pooled over micro-batches would need the mask's counts. Call "
+                     "it without mask= (or in evaluation mode, with the running averages).")
 
 
 def check_keywords(layers, names, owner: str, what: str = "keyword argument") -> None:

@@ -11,8 +11,6 @@ repeated layer from its own key.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any
 
 import flax.linen as nn
@@ -24,19 +22,6 @@ from tpipe.core import layers as layers_lib
 
 # The variable collection of BatchNorm's running statistics.
 STATS = "batch_stats"
-
-
-@functools.lru_cache(maxsize=None)
-def _keywords_of_class(cls) -> tuple[str, ...] | None:
-  params = list(inspect.signature(cls.__call__).parameters.values())[2:]
-  if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
-    return None
-  return arguments.extra_parameter_names(cls.__call__)
-
-
-def keywords_of(module: nn.Module) -> tuple[str, ...] | None:
-  """Keyword names ``module.__call__`` takes after its input; None if it takes ``**kwargs``."""
-  return _keywords_of_class(type(module))
 
 
 def as_layer(module: nn.Module, copies: int | None, owner: str) -> layers_lib.Layer:
@@ -56,8 +41,8 @@ def as_layer(module: nn.Module, copies: int | None, owner: str) -> layers_lib.La
     return apply_with_momenta(params, stats, h, kwargs, rngs)[:2]
 
   return layers_lib.Layer(kind=type(template).__name__, copies=copies, apply=apply,
-                          keywords=keywords_of(template), identity=template,
-                          apply_with_momenta=apply_with_momenta)
+                          keywords=arguments.keyword_names(type(template).__call__),
+                          identity=template, apply_with_momenta=apply_with_momenta)
 
 
 def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
@@ -74,9 +59,7 @@ def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
       use_running = nn.merge_param("use_running_average", module.use_running_average,
                                    use_running)
       if not use_running:
-        if call_kwargs.get("mask") is not None:
-          raise ValueError(f"{owner}: BatchNorm with a mask is not supported; the statistics "
-                           "pooled over micro-batches would need the mask's counts.")
+        layers_lib.check_unmasked(call_kwargs.get("mask"), owner)
         x = args[0]
         x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         feature = {a % x.ndim for a in ((module.axis,) if isinstance(module.axis, int)
@@ -122,7 +105,7 @@ def init_variables(module: nn.Module, copies: int | None, key, h, kwargs, rngs,
 def abstract_variables(module: nn.Module, copies: int | None, h, kwargs, rng_names,
                        axis_names: tuple[str, ...]) -> tuple[dict, dict]:
   """The abstract shapes of a layer's variables (nothing allocated), and its parameters'
-  logical axis names (see :func:`logical_names`)."""
+  logical axis names (:func:`tpipe.core.layers.logical_names`)."""
   rngs = {name: jax.random.key(0) for name in rng_names}
   template = module.clone(parent=None)
 
@@ -135,29 +118,21 @@ def abstract_variables(module: nn.Module, copies: int | None, h, kwargs, rng_nam
     return jax.vmap(lambda k: init_one(k, h, kw))(jax.random.split(k, copies))
 
   boxed = layers_lib.eval_shape(init, jax.random.key(0), h, kwargs)
-  return nn.meta.unbox(boxed), logical_names(boxed.get("params", {}), copies)
+  return nn.meta.unbox(boxed), layers_lib.logical_names(
+      _annotations(boxed.get("params", {})), copies)
 
 
-def logical_names(boxed_params, copies: int | None) -> dict[str, tuple | None]:
-  """``{keystr(path): names}`` of the boxed parameters' annotations.
-
-  ``nn.with_logical_partitioning`` gives logical names, ``nn.with_partitioning`` mesh axis
-  names (kept as they are: a name that is a mesh axis maps to itself); a leaf without
-  annotation gets None. For a repeated layer the names are one copy's: a name given to the copy
-  axis (``nn.scan``'s ``metadata_params``, ``nn.meta.add_axis``) is dropped.
-  """
+def _annotations(boxed_params):
+  """``(keystr(path), names, ndim)`` of each parameter, for
+  :func:`tpipe.core.layers.logical_names`: ``nn.with_logical_partitioning`` gives logical
+  names, ``nn.with_partitioning`` mesh axis names (kept as they are: a name that is a mesh axis
+  maps to itself); a leaf without annotation None. A repeated layer's copy axis carries the name
+  ``nn.scan``'s ``metadata_params`` or ``nn.meta.add_axis`` gave it."""
   is_box = lambda a: isinstance(a, nn.Partitioned)
-  out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(boxed_params, is_leaf=is_box)[0]:
-    key = jax.tree_util.keystr(path)
-    if not is_box(leaf):
-      out[key] = None
-      continue
-    names, ndim = tuple(leaf.names), len(leaf.value.shape)
-    if copies is not None and len(names) == ndim:
-      names = names[1:]
-    out[key] = names
-  return out
+    names = tuple(leaf.names) if is_box(leaf) else None
+    value = leaf.value if is_box(leaf) else leaf
+    yield jax.tree_util.keystr(path), names, len(value.shape)
 
 
 def variable_collections(variables: Any) -> list[str]:

@@ -398,7 +398,7 @@ def variable_shapes(given, layers, spec, x, kwargs, rng_names,
   """Each layer's abstract logical variables ``{"params": ..., "batch_stats": ...}``, each layer
   initialised (abstractly) on the previous layer's output for inputs like ``x``; and the
   parameters' logical axis names ``{"layers_i": {keystr(path): names}}``
-  (:func:`tpipe.linen.layers.logical_names`)."""
+  (:func:`tpipe.core.layers.logical_names`)."""
   batch = layers_lib.batch_size(x, owner)
   split = arguments.split_keywords(dict(kwargs), per_example=spec.per_example,
                                    batch_size=batch, owner=owner)

@@ -13,14 +13,13 @@ copy of the layer from those values and calls it. Nothing of the user's module i
   running averages equal to the micro-batch's own statistics; they are reported as ``E[x]`` (the
   mean) and ``E[x^2]`` (var + mean^2) for the engine to pool over the step, and the layer's own
   momentum is recorded for the one update per step (:mod:`tpipe.core.statistics`). A
-  BatchNorm called with a mask reports its masked statistics, and each micro-batch counts equally
-  in the pooled averages.
+  BatchNorm called with a mask in training mode raises, as in linen
+  (:func:`tpipe.core.layers.check_unmasked`).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import jax
@@ -71,14 +70,6 @@ def batch_norms(layer: nnx.Module) -> dict[tuple, nnx.BatchNorm]:
           if isinstance(node, nnx.BatchNorm)}
 
 
-@functools.lru_cache(maxsize=None)
-def _keywords_of_class(cls) -> tuple[str, ...] | None:
-  params = list(inspect.signature(cls.__call__).parameters.values())[2:]
-  if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
-    return None
-  return arguments.extra_parameter_names(cls.__call__)
-
-
 def _rng_state(template, key):
   """The RNG state with its ``j``-th key ``fold_in(key, j)`` and its counts 0."""
   leaves, tree = jax.tree_util.tree_flatten(template)
@@ -92,24 +83,14 @@ def _rng_state(template, key):
   return jax.tree_util.tree_unflatten(tree, out)
 
 
-def logical_names(layer: nnx.Module, copies: int | None) -> dict[str, tuple | None]:
-  """``{keystr(path): names}`` of ``layer``'s parameters' ``out_sharding`` metadata (what
+def annotations(layer: nnx.Module):
+  """``(key, names, ndim)`` of each of ``layer``'s parameters, for
+  :func:`tpipe.core.layers.logical_names`: ``names`` its ``out_sharding`` metadata (what
   ``nnx.with_partitioning`` and ``nnx.Param(..., out_sharding=...)`` set: mesh axis or logical
-  names, see :mod:`tpipe.axis_rules`), paths as in the layer's pure-dict state; None for a
-  parameter without. A repeated layer's names are one copy's (a name on the copy axis is
-  dropped)."""
-  out = {}
+  names, see :mod:`tpipe.axis_rules`) or None, ``key`` its path in the layer's pure-dict state."""
   for path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
-    key = "".join(f"[{k!r}]" for k in path)
-    names = variable.get_metadata().get("out_sharding")
-    if names is None:
-      out[key] = None
-      continue
-    names = tuple(names)
-    if copies is not None and len(names) == len(variable.get_value().shape):
-      names = names[1:]
-    out[key] = names
-  return out
+    yield ("".join(f"[{k!r}]" for k in path), variable.get_metadata().get("out_sharding"),
+           len(variable.get_value().shape))
 
 
 def as_layer(layer: nnx.Module, copies: int | None,
@@ -141,6 +122,7 @@ def as_layer(layer: nnx.Module, copies: int | None,
     before = {}
     for path, norm in batch_norms(module).items():
       norm.momentum = 0.0  # This copy's running averages become the micro-batch's statistics.
+      norm.__class__ = _refusing_mask(type(norm), where)
       before[path] = norm.mean.get_value()
     y = module(h, **kwargs)
     contributions, momenta = jax.tree.map(jnp.zeros_like, stats), {}
@@ -165,9 +147,28 @@ def as_layer(layer: nnx.Module, copies: int | None,
   except TypeError:
     identity = None
   return (layers_lib.Layer(kind=layer_class.__name__, copies=copies, apply=apply,
-                           keywords=_keywords_of_class(layer_class), identity=identity,
-                           apply_with_momenta=apply_with_momenta),
+                           keywords=arguments.keyword_names(layer_class.__call__),
+                           identity=identity, apply_with_momenta=apply_with_momenta),
           nnx.to_pure_dict(params), nnx.to_pure_dict(stats))
+
+
+@functools.lru_cache(maxsize=None)
+def _refusing_mask(norm_class: type, where: str) -> type:
+  """``norm_class`` (an ``nnx.BatchNorm`` class) whose call refuses a mask in training mode
+  (:func:`tpipe.core.layers.check_unmasked`): the class of the fresh copies :func:`as_layer`
+  merges, so the user's modules keep theirs."""
+
+  def __call__(self, x, *args, **kwargs):
+    use_running = args[0] if args else kwargs.get("use_running_average")
+    if use_running is None:
+      use_running = self.use_running_average
+    if use_running is False:
+      layers_lib.check_unmasked(kwargs.get("mask"), where)
+    return norm_class.__call__(self, x, *args, **kwargs)
+
+  return type(norm_class.__name__, (norm_class,),
+              {"__call__": __call__, "__module__": norm_class.__module__,
+               "__qualname__": norm_class.__qualname__})
 
 
 def one_copy_rng(template, copies):

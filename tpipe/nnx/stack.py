@@ -23,6 +23,7 @@ from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import adapter
 from tpipe.core import engine
+from tpipe.core import layers as layers_lib
 from tpipe.nnx import layers as nnx_layers
 
 
@@ -147,10 +148,10 @@ class Stack:
                          adapter.Variables(params, stats))
 
   def param_axes(self) -> dict[str, Any]:
-    """The parameters' logical axis names per layer (:func:`tpipe.nnx.layers.logical_names`),
+    """The parameters' logical axis names per layer (:func:`tpipe.core.layers.logical_names`),
     which split them over a mesh's ``fsdp`` and ``tensor`` axes."""
-    return {f"layers_{i}": nnx_layers.logical_names(
-        _target(layer), layer.n if isinstance(layer, Repeat) else None)
+    return {f"layers_{i}": layers_lib.logical_names(
+        nnx_layers.annotations(_target(layer)), layer.n if isinstance(layer, Repeat) else None)
         for i, layer in enumerate(self.pipeline_layers())}
 
   def _model(self, layers) -> adapter.Model:
