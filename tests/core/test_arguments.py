@@ -1,5 +1,6 @@
-"""tpipe.core.arguments: a layer's extra call arguments sorted into per-example, broadcast and
-static values, rebuilt for the call, and the errors of the binding rules.
+"""tpipe.core.arguments: a layer's extra call arguments bound to its signature, sorted into
+per-example, broadcast and static values, rebuilt for the call, and the errors of the binding
+rules.
 
 The same rules through the front ends (a pipelined block's side inputs) are in
 tests/linen/test_call_arguments.py.
@@ -27,52 +28,69 @@ def _inputs():
           rng.standard_normal(WIDTH))
 
 
-def test_split_arguments_sorts_by_kind_and_rebuilds_the_call():
+def _split(args, kwargs, per_example=("gate",), batch_size=BATCH):
+  return arguments.split_keywords(arguments.bind(CALL, args, kwargs, owner="SideInputBlock"),
+                                  per_example=per_example, batch_size=batch_size,
+                                  owner="SideInputBlock")
+
+
+def test_bound_arguments_sorted_by_kind_and_rebuilt_as_keywords():
   x, gate, bias = _inputs()
   del x
   extras = {"gain": np.ones(WIDTH), "shift": np.zeros(WIDTH)}
-  split = arguments.split_arguments(
-      CALL, (gate,), {"bias": bias, "extras": extras, "scale": 2.0},
-      per_example=("gate",), batch_size=BATCH, owner="SideInputBlock")
+  split = _split((gate,), {"bias": bias, "extras": extras, "scale": 2.0})
   assert [a.shape for a in split.per_example] == [(BATCH, WIDTH)]
   assert len(split.broadcast) == 3  # bias and the two arrays of the dict.
   assert split.per_example_names() == ("gate",)
   assert sorted(split.broadcast_names()) == ["bias", "extras", "extras"]
-  args, kwargs = split.rebuild(split.broadcast, split.per_example)
-  assert args[0] is gate and args[1] is bias and args[2]["gain"] is extras["gain"]
-  assert kwargs == {"scale": 2.0}
+  kwargs = split.rebuild(split.broadcast, split.per_example)
+  assert kwargs["gate"] is gate and kwargs["bias"] is bias
+  assert kwargs["extras"]["gain"] is extras["gain"] and kwargs["scale"] == 2.0
 
 
 def test_per_example_argument_is_found_by_name_however_it_is_passed():
   _, gate, bias = _inputs()
-  positional = arguments.split_arguments(CALL, (gate, bias), {}, per_example=("gate",),
-                                         batch_size=BATCH, owner="SideInputBlock")
-  keyword = arguments.split_arguments(CALL, (), {"bias": bias, "gate": gate},
-                                      per_example=("gate",), batch_size=BATCH,
-                                      owner="SideInputBlock")
-  for split in (positional, keyword):
+  positional = arguments.bind(CALL, (gate, bias), {}, owner="SideInputBlock")
+  keyword = arguments.bind(CALL, (), {"bias": bias, "gate": gate}, owner="SideInputBlock")
+  assert positional == keyword == {"gate": gate, "bias": bias}
+  for split in (_split((gate, bias), {}), _split((), {"bias": bias, "gate": gate})):
     assert split.per_example == (gate,) and split.broadcast == (bias,)
     assert split.names == ("bias", "gate")
-  # Rebuilt in the signature's order, whatever order they came in.
-  assert keyword.rebuild(keyword.broadcast, keyword.per_example)[0] == (gate, bias)
+
+
+def test_bind_gives_a_var_keyword_parameters_entries_by_name():
+  def call(self, x, mask, **rest):
+    del self, x, mask, rest
+
+  assert arguments.bind(call, (1,), {"train": True}, owner="B") == {"mask": 1, "train": True}
+
+
+def test_bind_refuses_values_that_cannot_be_passed_by_name():
+  def by_position(self, x, mask, /, train=False):
+    del self, x, mask, train
+
+  def rest(self, x, *more, train=False):
+    del self, x, more, train
+
+  with pytest.raises(TypeError, match=r"B.__call__\(self, x, mask, /, train=False\) takes 'mask' "
+                                      r"by position only.*can be passed by keyword"):
+    arguments.bind(by_position, (1,), {}, owner="B")
+  with pytest.raises(TypeError, match=r"takes 'more' by position only"):
+    arguments.bind(rest, (1, 2), {}, owner="B")
+  assert arguments.bind(rest, (), {"train": True}, owner="B") == {"train": True}
 
 
 def test_rebuild_puts_new_arrays_in_place_and_keeps_static_values():
   _, gate, bias = _inputs()
-  split = arguments.split_arguments(CALL, (gate, bias), {"deterministic": False, "scale": 3},
-                                    per_example=("gate",), batch_size=BATCH,
-                                    owner="SideInputBlock")
+  split = _split((gate, bias), {"deterministic": False, "scale": 3})
   # Python numbers and bools are static: neither broadcast nor split, never traced.
   assert split.names == ("bias", "gate")
   micro = gate[:4]
-  args, kwargs = split.rebuild(("new bias",), (micro,))
-  assert args[0] is micro and args[1] == "new bias"
-  assert kwargs == {"scale": 3, "deterministic": False}
+  kwargs = split.rebuild(("new bias",), (micro,))
+  assert kwargs == {"gate": micro, "bias": "new bias", "scale": 3, "deterministic": False}
   # Abstract arrays are arrays too (shapes are planned before any value exists).
-  abstract = arguments.split_arguments(
-      CALL, (jax.ShapeDtypeStruct((BATCH, WIDTH), np.float32),
-             jax.ShapeDtypeStruct((WIDTH,), np.float32)), {},
-      per_example=("gate",), batch_size=BATCH, owner="SideInputBlock")
+  abstract = _split((jax.ShapeDtypeStruct((BATCH, WIDTH), np.float32),
+                     jax.ShapeDtypeStruct((WIDTH,), np.float32)), {})
   assert abstract.names == ("bias", "gate")
 
 
@@ -81,8 +99,7 @@ def test_split_keywords_rebuilds_keywords_only():
   split = arguments.split_keywords({"targets": gate, "bias": bias, "train": True},
                                    per_example=("targets",), batch_size=BATCH, owner="model")
   assert split.per_example == (gate,) and split.broadcast == (bias,)
-  args, kwargs = split.rebuild((bias[:2],), (gate[:4],))
-  assert args == ()
+  kwargs = split.rebuild((bias[:2],), (gate[:4],))
   assert kwargs["targets"].shape == (4, WIDTH) and kwargs["bias"].shape == (2,)
   assert kwargs["train"] is True
 
@@ -127,25 +144,21 @@ def test_per_example_array_needs_the_batch_as_leading_axis():
                                        r"array of shape \(8, 8\), but per-example arrays need "
                                        r"the batch \(16\) as their leading axis.*drop 'gate' "
                                        r"from per_example"):
-    arguments.split_arguments(CALL, (gate[:8], bias), {}, per_example=("gate",),
-                              batch_size=BATCH, owner="SideInputBlock")
+    _split((gate[:8], bias), {})
   extras = {"gain": np.ones(BATCH), "shift": np.zeros(())}
   with pytest.raises(ValueError, match=r"'extras' of SideInputBlock has an array at "
                                        r"\['shift'\] of shape \(\)"):
-    arguments.split_arguments(CALL, (gate, bias, extras), {}, per_example=("extras",),
-                              batch_size=BATCH, owner="SideInputBlock")
+    _split((gate, bias, extras), {}, per_example=("extras",))
 
 
 def test_arguments_that_do_not_fit_the_signature_are_a_type_error():
   _, gate, bias = _inputs()
   with pytest.raises(TypeError, match=r"do not fit SideInputBlock.__call__\(self, x, gate, bias, "
                                       r".*'colour'"):
-    arguments.split_arguments(CALL, (gate, bias), {"colour": 3}, per_example=(),
-                              batch_size=BATCH, owner="SideInputBlock")
+    arguments.bind(CALL, (gate, bias), {"colour": 3}, owner="SideInputBlock")
   with pytest.raises(TypeError, match="do not fit SideInputBlock.__call__.*missing a required "
                                       "argument: 'bias'"):
-    arguments.split_arguments(CALL, (gate,), {}, per_example=(), batch_size=BATCH,
-                              owner="SideInputBlock")
+    arguments.bind(CALL, (gate,), {}, owner="SideInputBlock")
 
 
 def test_module_doctests_pass():

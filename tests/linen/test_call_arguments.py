@@ -82,6 +82,23 @@ def test_unknown_keyword_is_a_clear_type_error():
     stack.init({"params": jax.random.key(1)}, x, gate, bias, colour=3)
 
 
+def test_arguments_that_cannot_be_passed_by_name_are_a_clear_type_error():
+  """The layers take their arguments by keyword (tpipe.core.arguments.bind, as tpipe.nnx.pipeline
+  binds them), so a value for a positional-only parameter is refused, not given to another."""
+
+  class ByPosition(nn.Module):
+
+    @nn.compact
+    def __call__(self, x, gate, /, bias=0.0):
+      return x * gate + bias
+
+  x, gate, _ = _inputs()
+  stack = tpipe.pipeline(ByPosition, length=2, num_stages=1, num_microbatches=1)()
+  with pytest.raises(TypeError, match=r"ByPosition.__call__\(self, x, gate, /, bias=0.0\) takes "
+                                      r"'gate' by position only"):
+    stack.init({"params": jax.random.key(1)}, x, gate)
+
+
 def test_broadcast_array_with_batch_rows_gets_a_per_example_hint():
 
   class PaddingMasked(nn.Module):

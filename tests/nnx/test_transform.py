@@ -163,7 +163,13 @@ def test_bad_arguments_raise_clear_errors():
   model = tnnx.pipeline(MaskedBlock, per_example=("mask",), mesh=tpipe.make_mesh(stages=2),
                         **settings)(WIDTH, rngs=nnx.Rngs(0))
   x, mask, scale = _inputs()
-  with pytest.raises(TypeError, match=r"takes 2 argument\(s\) after x"):
+  # Bound to MaskedBlock.__call__ as tpipe.pipeline binds a linen block's arguments.
+  with pytest.raises(TypeError, match=r"do not fit MaskedBlock.__call__\(self, x, mask, "
+                                      r"scale=None\): too many positional arguments"):
     model(x, mask, scale, 1.0)
-  with pytest.raises(TypeError, match=r"\['mask'\] both by position and by keyword"):
+  with pytest.raises(TypeError, match=r"do not fit MaskedBlock.__call__.*multiple values for "
+                                      r"argument 'mask'"):
     model(x, mask, mask=mask)
+  with pytest.raises(TypeError, match=r"do not fit MaskedBlock.__call__.*unexpected keyword "
+                                      r"argument 'colour'"):
+    model(x, mask, colour=1)

@@ -1,8 +1,9 @@
 """How a layer's extra call arguments reach it inside the pipeline.
 
 A pipelined block is called as ``block(x, *args, **kwargs)``. Everything after ``x`` is bound to
-the block's ``__call__`` signature, so an argument is found by its parameter name whether the
-caller passed it by position or by keyword. Then every value is one of three kinds:
+the block's ``__call__`` signature (:func:`bind`), so an argument is found by its parameter name
+whether the caller passed it by position or by keyword, and the layers get it by keyword. Then
+every value is one of three kinds (:func:`split_keywords`):
 
 * **per-example**: an argument whose parameter is named in ``per_example``. Each of its arrays
   has the batch as its leading axis and is split into micro-batches (and over data replicas)
@@ -17,13 +18,14 @@ Example::
   >>> import numpy as np
   >>> class Block:
   ...   def __call__(self, x, mask, *, deterministic=False): ...
-  >>> split = split_arguments(Block.__call__, (np.ones((4, 3)),), {"deterministic": True},
-  ...                         per_example=("mask",), batch_size=4, owner="Block")
+  >>> kwargs = bind(Block.__call__, (np.ones((4, 3)),), {"deterministic": True}, owner="Block")
+  >>> sorted(kwargs)
+  ['deterministic', 'mask']
+  >>> split = split_keywords(kwargs, per_example=("mask",), batch_size=4, owner="Block")
   >>> [a.shape for a in split.per_example], split.broadcast
   ([(4, 3)], ())
-  >>> args, kwargs = split.rebuild(split.broadcast, split.per_example)
-  >>> kwargs
-  {'deterministic': True}
+  >>> split.rebuild(split.broadcast, split.per_example)["deterministic"]
+  True
 """
 
 from __future__ import annotations
@@ -104,13 +106,12 @@ class SplitArguments:
   broadcast: tuple[Any, ...]
   per_example: tuple[Any, ...]
   names: tuple[str, ...]
-  _signature: inspect.Signature | None
   _treedef: Any
   _leaves: tuple[Any, ...]
   _kinds: tuple[str, ...]
 
-  def rebuild(self, broadcast: Sequence[Any], per_example: Sequence[Any]) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` for the block, with the given arrays in place of the originals."""
+  def rebuild(self, broadcast: Sequence[Any], per_example: Sequence[Any]) -> dict:
+    """The keyword arguments, with the given arrays in place of the originals."""
     broadcast, per_example = iter(broadcast), iter(per_example)
     leaves = []
     for leaf, kind in zip(self._leaves, self._kinds):
@@ -119,11 +120,7 @@ class SplitArguments:
       elif kind == _PER_EXAMPLE:
         leaf = next(per_example)
       leaves.append(leaf)
-    arguments = jax.tree.unflatten(self._treedef, leaves)
-    if self._signature is None:  # keywords only (split_keywords)
-      return (), dict(arguments)
-    bound = inspect.BoundArguments(self._signature, arguments)
-    return bound.args[2:], bound.kwargs
+    return dict(jax.tree.unflatten(self._treedef, leaves))
 
   def per_example_names(self) -> tuple[str, ...]:
     return self.names[len(self.broadcast):]
@@ -132,48 +129,62 @@ class SplitArguments:
     return self.names[:len(self.broadcast)]
 
 
-def split_arguments(call: Callable, args: tuple, kwargs: dict, *, per_example: Sequence[str],
-                    batch_size: int, owner: str) -> SplitArguments:
-  """Binds ``args``/``kwargs`` to ``call(self, x, ...)`` and sorts every value by kind.
+def bind(call: Callable, args: tuple, kwargs: dict, *, owner: str) -> dict:
+  """``args`` and ``kwargs`` bound to ``call(self, x, ...)``: ``{parameter name: value}`` for
+  each argument given, by position or by keyword (a ``**kwargs`` parameter's entries under their
+  own names), as the layers take them.
 
   Args:
     call: the block's ``__call__`` (unbound function).
     args: positional arguments after ``x``.
     kwargs: keyword arguments.
-    per_example: names of parameters whose arrays are split into micro-batches.
-    batch_size: the leading size every per-example array must have.
     owner: the block's name, for messages.
 
   Raises:
-    TypeError: the arguments do not fit the signature (unknown keyword, too many, missing).
-    ValueError: a per-example array's leading axis is not ``batch_size``.
+    TypeError: the arguments do not fit the signature (unknown keyword, too many, missing, one
+      given twice), or a value reaches a parameter that cannot be passed by name (``*args``, or
+      positional-only).
   """
   signature = call_signature(call)
   try:
     bound = signature.bind(None, None, *args, **kwargs)
   except TypeError as e:
     raise TypeError(f"The arguments do not fit {owner}.__call__{signature}: {e}.") from None
-  leading = set(list(signature.parameters)[:2])  # self and x: placeholders, never traced.
-  return _split(dict(bound.arguments), leading, signature, per_example, batch_size, owner)
+  out = {}
+  for name, value in list(bound.arguments.items())[2:]:  # After self and x.
+    kind = signature.parameters[name].kind
+    if kind == inspect.Parameter.VAR_KEYWORD:
+      out.update(value)
+    elif kind in _NAMED_KINDS:
+      out[name] = value
+    else:
+      raise TypeError(f"{owner}.__call__{signature} takes {name!r} by position only, but the "
+                      "pipeline passes its layers' arguments by name; make it a parameter that "
+                      "can be passed by keyword.")
+  return out
 
 
 def split_keywords(kwargs: dict, *, per_example: Sequence[str], batch_size: int,
                    owner: str) -> SplitArguments:
-  """Like :func:`split_arguments` for keyword arguments alone (no signature to bind to);
-  ``rebuild`` returns ``((), kwargs)``."""
-  return _split(dict(kwargs), set(), None, per_example, batch_size, owner)
+  """Sorts every leaf of ``kwargs`` (name -> value, as :func:`bind` gives them) into static,
+  broadcast or per-example.
 
+  Args:
+    kwargs: the keyword arguments.
+    per_example: names of parameters whose arrays are split into micro-batches.
+    batch_size: the leading size every per-example array must have.
+    owner: the block's name, for messages.
 
-def _split(arguments: dict, leading: set, signature, per_example, batch_size: int,
-           owner: str) -> SplitArguments:
-  """Sorts every leaf of ``arguments`` (name -> value) into static, broadcast or per-example."""
+  Raises:
+    ValueError: a per-example array's leading axis is not ``batch_size``.
+  """
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(
-      arguments, is_leaf=lambda v: v is None)
+      dict(kwargs), is_leaf=lambda v: v is None)
   leaves, kinds = [], []
   broadcast, split, broadcast_names, split_names = [], [], [], []
   for path, leaf in leaves_with_path:
     name = path[0].key
-    if name in leading or not _is_array(leaf):
+    if not _is_array(leaf):
       kind = _STATIC
     elif name in per_example:
       shape = np.shape(leaf)
@@ -195,5 +206,5 @@ def _split(arguments: dict, leading: set, signature, per_example, batch_size: in
     leaves.append(leaf)
     kinds.append(kind)
   return SplitArguments(broadcast=tuple(broadcast), per_example=tuple(split),
-                        names=tuple(broadcast_names + split_names), _signature=signature,
-                        _treedef=treedef, _leaves=tuple(leaves), _kinds=tuple(kinds))
+                        names=tuple(broadcast_names + split_names), _treedef=treedef,
+                        _leaves=tuple(leaves), _kinds=tuple(kinds))

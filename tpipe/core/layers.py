@@ -101,7 +101,7 @@ def unit_rngs(rngs: dict, unit, microbatch) -> dict:
 def layer_keywords(layer: Layer, split, broadcast, per_example) -> dict:
   """The keyword arguments ``layer`` takes, rebuilt from ``split`` (a
   :class:`tpipe.core.arguments.SplitArguments`) with the given arrays."""
-  _, kwargs = split.rebuild(broadcast, per_example)
+  kwargs = split.rebuild(broadcast, per_example)
   if layer.keywords is None:
     return kwargs
   return {k: v for k, v in kwargs.items() if k in layer.keywords}

@@ -100,8 +100,7 @@ def pipeline(block_cls: type[nn.Module], *, length: int, spec: spec_lib.Pipeline
   spec = spec_lib.for_stack(OWNER, length, spec, **settings)
   stack = _Stack(block_cls, length, spec,
                  arguments.check_per_example(block_cls.__call__, spec.per_example,
-                                             block_cls.__name__),
-                 arguments.extra_parameter_names(block_cls.__call__))
+                                             block_cls.__name__))
   block_name = block_cls.__name__
 
   class Pipelined(block_cls):
@@ -130,14 +129,12 @@ class _Stack:
     length: L.
     spec: the settings (the blocks cut evenly).
     per_example: checked ``per_example`` names.
-    names: the parameter names of ``block_cls.__call__`` after ``x``.
   """
 
   block_cls: Any
   length: int
   spec: spec_lib.PipelineSpec
   per_example: tuple
-  names: tuple
 
   @property
   def block_name(self) -> str:
@@ -148,11 +145,9 @@ class _Stack:
     mesh = spec.run_mesh(OWNER)
     batch = layers_lib.batch_size(x, OWNER)
     template = self.block_cls(**_block_fields(module, self.block_cls), parent=None)
-    split = arguments.split_arguments(self.block_cls.__call__, args, kwargs,
-                                      per_example=self.per_example, batch_size=batch,
-                                      owner=block_name)
-    call_args, call_kwargs = split.rebuild(split.broadcast, split.per_example)
-    kwargs = {**dict(zip(self.names, call_args)), **call_kwargs}
+    kwargs = arguments.bind(self.block_cls.__call__, args, kwargs, owner=block_name)
+    split = arguments.split_keywords(kwargs, per_example=self.per_example, batch_size=batch,
+                                     owner=block_name)
     streams = tuple(sorted(name for name in module.scope.rngs if name != "params"))
     rngs = {name: module.make_rng(name) for name in streams}
     with _hint_per_example(split, batch, block_name):

@@ -55,7 +55,6 @@ def pipeline(block_cls: type[nnx.Module], *, length: int,
   spec = spec_lib.for_stack(OWNER, length, spec, **settings)
   block_name = block_cls.__name__
   arguments.check_per_example(block_cls.__call__, spec.per_example, block_name)
-  names = arguments.extra_parameter_names(block_cls.__call__)
 
   class Pipelined(stack.Stack, stack.Repeat):
     """``block_cls`` repeated ``length`` times, pipelined (made by :func:`tpipe.nnx.pipeline`)."""
@@ -72,13 +71,8 @@ def pipeline(block_cls: type[nnx.Module], *, length: int,
       return [self]
 
     def __call__(self, x, *args, **kwargs):
-      if len(args) > len(names):
-        raise TypeError(f"{block_name}.__call__ takes {len(names)} argument(s) after x "
-                        f"({names}), got {len(args)}.")
-      doubled = sorted(set(names[:len(args)]) & set(kwargs))
-      if doubled:
-        raise TypeError(f"{block_name}.__call__ got {doubled} both by position and by keyword.")
-      return self._run(x, {**dict(zip(names, args)), **kwargs}, loss=False)
+      kwargs = arguments.bind(block_cls.__call__, args, kwargs, owner=block_name)
+      return self._run(x, kwargs, loss=False)
 
   Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{block_name}"
   Pipelined.__doc__ = (f"{length} x {block_name} pipelined with {spec} (made by "
