@@ -24,22 +24,28 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import io
+import logging
 import os
 import pathlib
 import subprocess
 import sys
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from tests.helpers import numerics
+from tpipe.train import __main__ as train_main
 from tpipe.train import checkpointing
+from tpipe.train import cli
 from tpipe.train import experiment
 from tpipe.train import metrics
 from tpipe.train import models
 from tpipe.train import tasks
+from tpipe.train import trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NUM_STEPS = 20
@@ -74,6 +80,65 @@ def train(workdir, *overrides, base=LM_ARGS, num_cpu_devices=None):
   """Runs the trainer to completion; returns the CompletedProcess (check=False)."""
   return subprocess.run(command(workdir, *overrides, base=base), env=env(num_cpu_devices),
                         cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
+@contextlib.contextmanager
+def captured_log(log_filter=None):
+  """The INFO and higher records logged meanwhile (the trainer's log), as a StringIO; only those
+  ``log_filter`` passes, if given."""
+  stream = io.StringIO()
+  handler = logging.StreamHandler(stream)
+  if log_filter is not None:
+    handler.addFilter(log_filter)
+  root = logging.getLogger()
+  level = root.level
+  root.addHandler(handler)
+  root.setLevel(logging.INFO)
+  try:
+    yield stream
+  finally:
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+def run_cli(*argv) -> subprocess.CompletedProcess:
+  """``python -m tpipe.train ARGV`` in this process, on conftest's 8 CPU devices (the trainer's
+  command line, flags, ``main`` and error handling; only the interpreter is shared): a
+  CompletedProcess whose ``returncode`` is the exit status and whose ``stderr`` holds what was
+  printed to stderr, then the log's messages."""
+  out, err = io.StringIO(), io.StringIO()
+  saved = sys.argv, os.environ.get("JAX_NUM_CPU_DEVICES")
+  sys.argv = ["tpipe.train", *argv]
+  # The devices exist already: the trainer must not ask JAX for another count.
+  os.environ["JAX_NUM_CPU_DEVICES"] = str(jax.device_count())
+  try:
+    quiet = trainer._QuietLibraries()  # The trainer's filter. pylint: disable=protected-access
+    with contextlib.ExitStack() as stack:
+      log = stack.enter_context(captured_log(quiet))
+      stack.enter_context(contextlib.redirect_stdout(out))
+      stack.enter_context(contextlib.redirect_stderr(err))
+      try:
+        cli.run(trainer.main, doc=train_main.__doc__)
+        code = 0
+      except SystemExit as e:
+        code = 0 if e.code is None else e.code
+  finally:
+    flags.FLAGS.unparse_flags()
+    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+      delattr(flags.FLAGS, name)  # The config's field flags, defined anew by the next parse.
+    sys.argv = saved[0]
+    if saved[1] is None:
+      os.environ.pop("JAX_NUM_CPU_DEVICES", None)
+    else:
+      os.environ["JAX_NUM_CPU_DEVICES"] = saved[1]
+  return subprocess.CompletedProcess(["tpipe.train", *argv], code, out.getvalue(),
+                                     err.getvalue() + log.getvalue())
+
+
+def train_here(workdir, *overrides, base=LM_ARGS) -> subprocess.CompletedProcess:
+  """:func:`train` in this process (:func:`run_cli`): for the tests that check a run's results,
+  not what a separate process adds (a kill, several processes)."""
+  return run_cli(f"--workdir={workdir}", *base, *overrides)
 
 
 def check_ok(proc) -> None:

@@ -1,4 +1,7 @@
-"""End-to-end tests of ``python -m tpipe.train`` (subprocesses, the tiny LM config).
+"""End-to-end tests of ``python -m tpipe.train`` (the tiny LM config): a subprocess where the
+process is what is tested (killed by SIGKILL, two processes), else the same command line run in
+this process (``train_runs.train_here``: flags, ``main`` and its error handling as in a process
+of its own; the 8 devices are conftest's, as many as the trainer would emulate).
 
 One uninterrupted reference run (data=2 x stage=4, M=8, 20 steps; :mod:`tests.helpers.train_runs`)
 is shared by the equivalence, resume and multi-host tests (and by the relayout and checkpointing
@@ -92,8 +95,8 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, tmp_path):
   killed_at = train_runs.latest_checkpoint(tmp_path)
   assert killed_at is not None and killed_at < NUM_STEPS
 
-  resumed = subprocess.run(command, env=train_runs.env(), cwd=train_runs.REPO,
-                           capture_output=True, text=True, timeout=train_runs.TIMEOUT, check=False)
+  # The same command again, in this process (the resume is not what needs a process).
+  resumed = train_runs.train_here(tmp_path, "--config.checkpoint_every=5")
   train_runs.check_ok(resumed)
   assert f"Resumed from step {killed_at}" in resumed.stderr
 
@@ -112,9 +115,8 @@ def test_resume_after_sigkill_matches_uninterrupted(reference, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   # Resuming with another batch size would read other data: a clear error, not a silent change.
-  changed = subprocess.run(command + ["--config.batch_size=32"], env=train_runs.env(),
-                           cwd=train_runs.REPO, capture_output=True, text=True,
-                           timeout=train_runs.TIMEOUT, check=False)
+  changed = train_runs.train_here(tmp_path, "--config.checkpoint_every=5",
+                                  "--config.batch_size=32")
   assert changed.returncode == 2
   assert "config.batch_size 16 -> 32" in changed.stderr, changed.stderr[-4000:]
   assert "--config.batch_size=16" in changed.stderr and "Traceback" not in changed.stderr
@@ -171,7 +173,8 @@ def test_two_processes_train_as_one_does(reference, tmp_path):
 
 @pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
-  proc = train_runs.train(tmp_path, "--config.learning_rate=1e12", "--config.checkpoint_every=1")
+  proc = train_runs.train_here(tmp_path, "--config.learning_rate=1e12",
+                               "--config.checkpoint_every=1")
   assert proc.returncode != 0
   line = next((line for line in proc.stderr.splitlines()
                if line.startswith("ERROR: Non-finite")), None)
@@ -191,7 +194,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_bfloat16_run_learns_and_saves_float32_state(reference, tmp_path):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  proc = train_runs.train(tmp_path, "--config.dtype=bfloat16")
+  proc = train_runs.train_here(tmp_path, "--config.dtype=bfloat16")
   train_runs.check_ok(proc)
   losses = train_runs.losses(tmp_path)
   assert sorted(losses) == list(range(1, NUM_STEPS + 1))
@@ -221,7 +224,7 @@ def test_bfloat16_run_learns_and_saves_float32_state(reference, tmp_path):
     ("--config.dtype=float16", "config.dtype must be one of ('float32', 'bfloat16')"),
 ])
 def test_bad_config_is_a_clean_error(tmp_path, override, message):
-  proc = train_runs.train(tmp_path, override)
+  proc = train_runs.train_here(tmp_path, override)
   assert proc.returncode == 2, proc.stderr[-4000:]
   assert "error: " in proc.stderr and message in proc.stderr, proc.stderr[-4000:]
   assert "Traceback" not in proc.stderr
@@ -232,8 +235,8 @@ def test_bad_config_is_a_clean_error(tmp_path, override, message):
 def test_two_emulated_slices_train_as_one_slice_does(reference, single_device, tmp_path):
   """The README's multislice command on this machine: the stages over two emulated slices, the
   links between them delayed, logs the losses of the one-slice run."""
-  proc = train_runs.train(tmp_path / "ms", "--config.mesh.dcn.stage=2",
-                          "--config.mesh.emulate_slices=True")
+  proc = train_runs.train_here(tmp_path / "ms", "--config.mesh.dcn.stage=2",
+                               "--config.mesh.emulate_slices=True")
   train_runs.check_ok(proc)
   assert ("2 slices; stage links crossing them (False, True, False, True); transfers delayed "
           "per link (0, 1, 0, 1)") in proc.stderr

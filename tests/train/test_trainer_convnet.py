@@ -65,7 +65,7 @@ def test_resumed_run_continues_with_the_same_losses(convnet_run, tmp_path):
   workdir = tmp_path / "resumed"
   shutil.copytree(convnet_run, workdir)
   shutil.rmtree(workdir / "checkpoints" / str(NUM_STEPS))
-  proc = train_runs.train(workdir, base=train_runs.CONVNET_ARGS)
+  proc = train_runs.train_here(workdir, base=train_runs.CONVNET_ARGS)  # In this process.
   train_runs.check_ok(proc)
   assert "Resumed from step 10" in proc.stderr
   resumed, uninterrupted = train_runs.losses(workdir), train_runs.losses(convnet_run)

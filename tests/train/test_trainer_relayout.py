@@ -3,9 +3,12 @@
 Parameters are saved in ``nn.scan``'s layout (every layer stacked on axis 0), so a run
 checkpointed with 4 stages x 2 replicas continues with 2 stages x 4 replicas and gives the losses
 the uninterrupted run gave (as close to float64 as the run on one device is); one layer reads
-straight from the files (``checkpointing.read_layer``).
+straight from the files (``checkpointing.read_layer``). The runs are the trainer's command line
+in this process (``train_runs.train_here``): what is tested is the checkpoint, not the process.
 """
 
+import ast
+import re
 import shutil
 
 import jax
@@ -38,8 +41,8 @@ def test_resume_on_a_different_mesh_continues_the_same_run(reference, single_dev
     shutil.rmtree(workdir / "checkpoints" / str(step))
   resume_from = checkpoints[0]
   # 16 examples over 4 replicas: 4 micro-batches of one example each.
-  proc = train_runs.train(workdir, "--config.num_stages=2", "--config.num_data=4",
-                          "--config.num_microbatches=4")
+  proc = train_runs.train_here(workdir, "--config.num_stages=2", "--config.num_data=4",
+                               "--config.num_microbatches=4")
   train_runs.check_ok(proc)
   assert f"Resumed from step {resume_from}" in proc.stderr
   assert sorted(train_runs.losses(workdir)) == list(range(1, NUM_STEPS + 1))
@@ -56,10 +59,12 @@ def test_a_3d_mesh_trains_as_one_device_and_resumes_on_another_layout(single_dev
   one row, split over fsdp as over data); resumed from its first checkpoint on stage 4 x fsdp 2
   it continues the same run."""
   workdir = tmp_path / "3d"
-  proc = train_runs.train(workdir, "--config.num_stages=2", "--config.num_data=1",
-                          "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+  proc = train_runs.train_here(workdir, "--config.num_stages=2", "--config.num_data=1",
+                               "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
   train_runs.check_ok(proc)
-  assert "'fsdp': 2, 'stage': 2, 'tensor': 2" in proc.stderr
+  mesh = ast.literal_eval(re.search(r"mesh (\{.*?\})", proc.stderr).group(1))
+  assert {axis: size for axis, size in mesh.items() if size > 1} == {
+      "fsdp": 2, "stage": 2, "tensor": 2}, mesh
   steps = range(1, NUM_STEPS + 1)
   exact = train_runs.lm_float64_losses()
   single = train_runs.logged_losses(single_device, steps)
@@ -83,8 +88,8 @@ def test_a_3d_mesh_trains_as_one_device_and_resumes_on_another_layout(single_dev
   for step in checkpoints[1:]:
     shutil.rmtree(workdir / "checkpoints" / str(step))
   resume_from = checkpoints[0]
-  proc = train_runs.train(workdir, "--config.num_stages=4", "--config.num_data=1",
-                          "--config.mesh.fsdp=2", "--config.mesh.tensor=1")
+  proc = train_runs.train_here(workdir, "--config.num_stages=4", "--config.num_data=1",
+                               "--config.mesh.fsdp=2", "--config.mesh.tensor=1")
   train_runs.check_ok(proc)
   assert f"Resumed from step {resume_from}" in proc.stderr
   steps = range(resume_from + 1, NUM_STEPS + 1)
