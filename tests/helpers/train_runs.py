@@ -1,11 +1,14 @@
-"""Trainer runs the tests of :mod:`tpipe.train` share: subprocess commands, run-once workdirs,
-and reading a run's metrics and checkpoints back.
+"""Trainer runs the tests of :mod:`tpipe.train` share: the trainer's command line in a subprocess
+or in the test process, run-once workdirs, and reading a run's metrics and checkpoints back.
 
-A trainer subprocess costs tens of seconds on 2 cores, so every test reads the few runs made here
-instead of training its own: :func:`shared_run` makes a run once per pytest session (a ``DONE``
-file in the session's base temporary directory; a file lock when pytest-xdist workers share the
-directory), and test modules wrap it in module-scoped fixtures (:func:`lm_reference`,
-:func:`convnet_reference`). Tests that change a run copy its workdir first.
+A trainer run costs tens of seconds on 2 cores (tracing and compiling its programs; a subprocess
+adds several seconds of start-up), so the tests run the trainer in their own process
+(:func:`train_here`) unless the process is what they test (a kill, several processes, a process
+with one device), and every test reads the few runs made here instead of training its own:
+:func:`shared_run` makes a run once per pytest session (a ``DONE`` file in the session's base
+temporary directory; a file lock when pytest-xdist workers share the directory), and test modules
+wrap it in module-scoped fixtures (:func:`lm_reference`, :func:`convnet_reference`). Tests that
+change a run copy its workdir first.
 
 The runs:
 
@@ -173,11 +176,14 @@ def locked(path):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def shared_run(tmp_path_factory, name: str, *overrides, base=LM_ARGS) -> pathlib.Path:
+def shared_run(tmp_path_factory, name: str, *overrides, base=LM_ARGS,
+               in_process: bool = True) -> pathlib.Path:
   """The workdir of a finished trainer run, made once per session (shared by xdist workers).
 
-  The trainer's stderr is kept beside it, as ``<name>.stderr``. Tests must not write into the
-  workdir: copy it first.
+  The run is the trainer's command line in the test process (:func:`train_here`, conftest's 8
+  devices), or with ``in_process=False`` a subprocess that emulates the devices the config asks
+  for. The trainer's stderr (in the test process: what it printed, then its log) is kept beside
+  it, as ``<name>.stderr``. Tests must not write into the workdir: copy it first.
   """
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -186,7 +192,7 @@ def shared_run(tmp_path_factory, name: str, *overrides, base=LM_ARGS) -> pathlib
   with locked(root / f"{name}.lock"):
     done = root / f"{name}.DONE"
     if not done.exists():
-      proc = train(workdir, *overrides, base=base)
+      proc = (train_here if in_process else train)(workdir, *overrides, base=base)
       check_ok(proc)
       (root / f"{name}.stderr").write_text(proc.stderr)
       done.write_text("ok")
@@ -206,8 +212,9 @@ def lm_reference(tmp_path_factory) -> pathlib.Path:
 
 def lm_single_device(tmp_path_factory) -> pathlib.Path:
   """The tiny LM run on one device (no pipeline, no data parallelism) on the pipelined run's
-  micro-batches: the plain float32 run of the numerics rule."""
-  return shared_run(tmp_path_factory, "lm_single_device", *SINGLE_DEVICE)
+  micro-batches: the plain float32 run of the numerics rule. A subprocess, so that the process
+  has that one device only."""
+  return shared_run(tmp_path_factory, "lm_single_device", *SINGLE_DEVICE, in_process=False)
 
 
 def convnet_reference(tmp_path_factory) -> pathlib.Path:
