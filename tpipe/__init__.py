@@ -25,6 +25,7 @@ from tpipe import nnx
 from tpipe import schedules
 from tpipe.axis_rules import DEFAULT_RULES
 from tpipe.core.engine import Pipeline
+from tpipe.linen.layers import AUX_LOSS
 from tpipe.linen.sequential import Repeat
 from tpipe.linen.sequential import Sequential
 from tpipe.linen.transform import pipeline
@@ -42,6 +43,7 @@ from tpipe.training import make_train_step
 from tpipe.training import shardings
 
 __all__ = [
+    "AUX_LOSS",
     "DEFAULT_RULES",
     "FusedSchedule",
     "Pipeline",

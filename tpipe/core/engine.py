@@ -25,6 +25,7 @@ trainer keeps one for its whole run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -42,6 +43,7 @@ from tpipe.core import layers as layers_lib
 from tpipe.core import layout as layout_lib
 from tpipe.core import plan as plan_lib
 from tpipe.core import remat as remat_lib
+from tpipe.core import aux_losses
 from tpipe.core import spmd
 from tpipe.core import statistics
 
@@ -380,6 +382,13 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
   calls = plan_lib.Calls(split, side, tuple(rng_names), owner,
                          (spec.data_axis, spec.stage_axis))
   traced = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
+  adding = aux_losses.reporting(layers, traced.layer_inputs, param_shapes, stats_shapes,
+                                functools.partial(plan_lib.abstract_apply, calls=calls))
+  if adding:  # Layers add auxiliary losses: they travel to the loss beside the activations.
+    with_stats = frozenset(i for i in range(len(layers))
+                           if jax.tree.leaves(stats_shapes[f"layers_{i}"]))
+    layers = aux_losses.carry(layers, adding, owner, with_stats)
+    traced = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
   plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, traced, calls)
   if plan.tick_costs is not None:  # A fused table in compound ticks for the measured costs.
     spec = spec.replace(tick_costs=plan.tick_costs)

@@ -243,6 +243,19 @@ def abstract_output(layer, params, stats, h, calls: Calls, where: str = ""):
   return _abstract_call(layer, params, stats, h, calls, where)[0]
 
 
+def abstract_apply(layer, apply, params, stats, h, calls: Calls):
+  """The abstract results of ``apply(params, stats, h, kwargs, rngs)`` (one of ``layer``'s
+  apply functions, whatever it returns) with the keywords and random streams ``calls`` gives."""
+  rngs = {name: jax.random.key(0) for name in calls.rng_names}
+  bound = layers_lib.outside_mesh(apply, calls.axis_names)
+
+  def run(params, stats, h, broadcast, per_example):
+    kwargs = layers_lib.layer_keywords(layer, calls.split, broadcast, per_example)
+    return bound(params, stats, h, kwargs, rngs)
+
+  return jax.eval_shape(run, params, stats, h, *calls.side)
+
+
 def _abstract_call(layer, params, stats, h, calls: Calls, where: str = ""):
   """``(abstract output, {path: momentum})``: :func:`abstract_output` and the momenta its
   trace found (empty for a layer without running statistics)."""

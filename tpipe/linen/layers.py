@@ -18,10 +18,27 @@ import jax
 import jax.numpy as jnp
 
 from tpipe.core import arguments
+from tpipe.core import aux_losses
 from tpipe.core import layers as layers_lib
 
 # The variable collection of BatchNorm's running statistics.
 STATS = "batch_stats"
+# The collection a layer sows auxiliary losses into (``self.sow(AUX_LOSS, name, value)``): each a
+# float scalar, which the pipeline adds to the training loss (:mod:`tpipe.core.aux_losses`).
+AUX_LOSS = "aux_loss"
+# What a layer sows on a call (its auxiliary losses, ``intermediates``): outputs of that call,
+# not variables; an initialisation drops them.
+SOWN = (AUX_LOSS, "intermediates")
+
+
+def _init(template, axis_names):
+  """``template.init`` with the mesh's axis names bound, its sown values dropped."""
+  init = layers_lib.outside_mesh(template.init, axis_names)
+
+  def run(*args, **kwargs):
+    return {k: v for k, v in init(*args, **kwargs).items() if k not in SOWN}
+
+  return run
 
 
 def as_layer(module: nn.Module, copies: int | None, owner: str) -> layers_lib.Layer:
@@ -35,21 +52,28 @@ def as_layer(module: nn.Module, copies: int | None, owner: str) -> layers_lib.La
   template = module.clone(parent=None)
 
   def apply_with_momenta(params, stats, h, kwargs, rngs):
-    return _apply_measuring(template, params, stats, h, kwargs, rngs, owner)
+    return _apply_measuring(template, params, stats, h, kwargs, rngs, owner)[:3]
 
   def apply(params, stats, h, kwargs, rngs):
-    return apply_with_momenta(params, stats, h, kwargs, rngs)[:2]
+    return _apply_measuring(template, params, stats, h, kwargs, rngs, owner)[:2]
+
+  def apply_with_aux_loss(params, stats, h, kwargs, rngs):
+    y, contributions, _, sown = _apply_measuring(template, params, stats, h, kwargs, rngs,
+                                                 owner)
+    return y, contributions, aux_losses.total(sown, owner, type(template).__name__)
 
   return layers_lib.Layer(kind=type(template).__name__, copies=copies, apply=apply,
                           keywords=arguments.keyword_names(type(template).__call__),
-                          identity=template, apply_with_momenta=apply_with_momenta)
+                          identity=template, apply_with_momenta=apply_with_momenta,
+                          apply_with_aux_loss=apply_with_aux_loss)
 
 
 def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
   """Applies a layer to one micro-batch; returns its output; shaped like ``stats``, each
   training-mode BatchNorm's ``E[x]`` (in the place of ``mean``) and ``E[x^2]`` (of ``var``),
-  zeros elsewhere; and ``{path: momentum}`` of those BatchNorms. Statistics the layer would
-  update are dropped; missing ones (shape and cost passes) are created."""
+  zeros elsewhere; ``{path: momentum}`` of those BatchNorms; and the auxiliary losses it sowed
+  (``AUX_LOSS``). Statistics the layer would update are dropped; missing ones (shape and cost
+  passes) are created."""
   seen, momenta = {}, {}
 
   def interceptor(next_fun, args, call_kwargs, context):
@@ -72,7 +96,7 @@ def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
 
   variables = {"params": params, **({STATS: stats} if jax.tree.leaves(stats) else {})}
   with nn.intercept_methods(interceptor):
-    out = template.apply(variables, h, **kwargs, rngs=rngs, mutable=[STATS])[0]
+    out, mutated = template.apply(variables, h, **kwargs, rngs=rngs, mutable=[STATS, AUX_LOSS])
 
   def contribution(path, value):
     keys = tuple(getattr(k, "key", None) for k in path)
@@ -81,7 +105,8 @@ def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
     mean, mean_of_squares = seen[keys[:-1]]
     return (mean if keys[-1] == "mean" else mean_of_squares).astype(value.dtype)
 
-  return out, jax.tree_util.tree_map_with_path(contribution, stats), momenta
+  return (out, jax.tree_util.tree_map_with_path(contribution, stats), momenta,
+          mutated.get(AUX_LOSS, {}))
 
 
 # The module, its key and inputs, and the axes to name.
@@ -93,12 +118,13 @@ def init_variables(module: nn.Module, copies: int | None, key, h, kwargs, rngs,
   template = module.clone(parent=None)
 
   def init_one(k):
-    init = layers_lib.outside_mesh(template.init, axis_names)
-    return init({"params": k, **rngs}, h, **kwargs)
+    return _init(template, axis_names)({"params": k, **rngs}, h, **kwargs)
 
   if copies is None:
     return init_one(key)
-  stacked = jax.vmap(init_one)(jax.random.split(key, copies))
+  # A loop over the copies, not a vmap: a layer may use operations without a batching rule
+  # for its weights (jax.lax.ragged_dot's grouped matmul).
+  stacked = jax.lax.map(init_one, jax.random.split(key, copies))
   return nn.meta.add_axis(stacked, 0, {nn.PARTITION_NAME: copy_axis})
 
 
@@ -110,12 +136,12 @@ def abstract_variables(module: nn.Module, copies: int | None, h, kwargs, rng_nam
   template = module.clone(parent=None)
 
   def init_one(k, h, kw):
-    return layers_lib.outside_mesh(template.init, axis_names)({"params": k, **rngs}, h, **kw)
+    return _init(template, axis_names)({"params": k, **rngs}, h, **kw)
 
   def init(k, h, kw):
     if copies is None:
       return init_one(k, h, kw)
-    return jax.vmap(lambda k: init_one(k, h, kw))(jax.random.split(k, copies))
+    return jax.lax.map(lambda k: init_one(k, h, kw), jax.random.split(k, copies))
 
   boxed = layers_lib.eval_shape(init, jax.random.key(0), h, kwargs)
   return nn.meta.unbox(boxed), layers_lib.logical_names(

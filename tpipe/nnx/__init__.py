@@ -5,9 +5,10 @@
 Import as ``from tpipe import nnx as tnnx`` (or use ``tpipe.nnx``); the name does not shadow
 ``flax.nnx`` in user code that imports both."""
 
+from tpipe.nnx.layers import AuxLoss
 from tpipe.nnx.placement import shard
 from tpipe.nnx.sequential import Sequential
 from tpipe.nnx.stack import Repeat
 from tpipe.nnx.transform import pipeline
 
-__all__ = ["Repeat", "Sequential", "pipeline", "shard"]
+__all__ = ["AuxLoss", "Repeat", "Sequential", "pipeline", "shard"]

@@ -27,10 +27,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tpipe.core import arguments
+from tpipe.core import aux_losses
 from tpipe.core import layers as layers_lib
 
 # The engine's stream whose key seeds the layers' own RNG streams.
 RNG_STREAM = "dropout"
+
+
+class AuxLoss(nnx.Intermediate):
+  """An auxiliary loss a layer adds to the training loss: ``self.sow(tpipe.nnx.AuxLoss, name,
+  value)`` with a float scalar (a router's load-balancing loss, a z-loss). The pipeline adds
+  every one a call sows to the loss (:mod:`tpipe.core.aux_losses`); values sown by an earlier
+  call outside the pipeline are not state and are left out."""
 
 
 def split(layer: nnx.Module, where: str, repeated: bool = False):
@@ -38,6 +46,9 @@ def split(layer: nnx.Module, where: str, repeated: bool = False):
   arrays (array attributes that are no ``nnx.Variable``: a layer's fixed table); raises for any
   other state, for a ``BatchStat`` outside an ``nnx.BatchNorm``, and for constants in the copies
   of a repeated layer (``repeated``)."""
+  if jax.tree.leaves(nnx.state(layer, AuxLoss)):  # Sown by an eager call: not state.
+    layer = nnx.clone(layer)
+    nnx.pop(layer, AuxLoss)
   graphdef, params, stats, rng_state, rest = nnx.split(layer, nnx.Param, nnx.BatchStat,
                                                        nnx.RngState, ...)
   flat = nnx.to_flat_state(rest)
@@ -111,7 +122,7 @@ def as_layer(layer: nnx.Module, copies: int | None,
   has_rngs = bool(jax.tree.leaves(rng_template))
   own_momenta = {path: float(norm.momentum) for path, norm in batch_norms(layer).items()}
 
-  def apply_with_momenta(params, stats, h, kwargs, rngs):
+  def apply_measuring(params, stats, h, kwargs, rngs):
     rng = {}
     if has_rngs:
       key = rngs.get(RNG_STREAM)
@@ -135,10 +146,17 @@ def as_layer(layer: nnx.Module, copies: int | None,
       for key in path:
         node = node[key]
       node["mean"], node["var"] = mean, var + mean * mean
-    return y, contributions, momenta
+    return y, contributions, momenta, nnx.pop(module, AuxLoss)
+
+  def apply_with_momenta(params, stats, h, kwargs, rngs):
+    return apply_measuring(params, stats, h, kwargs, rngs)[:3]
 
   def apply(params, stats, h, kwargs, rngs):
-    return apply_with_momenta(params, stats, h, kwargs, rngs)[:2]
+    return apply_measuring(params, stats, h, kwargs, rngs)[:2]
+
+  def apply_with_aux_loss(params, stats, h, kwargs, rngs):
+    y, contributions, _, sown = apply_measuring(params, stats, h, kwargs, rngs)
+    return y, contributions, aux_losses.total(sown, where, type(layer).__name__)
 
   layer_class = type(layer)
   identity = graphdef  # Equal graphs compute the same: they share one cost measurement.
@@ -148,7 +166,8 @@ def as_layer(layer: nnx.Module, copies: int | None,
     identity = None
   return (layers_lib.Layer(kind=layer_class.__name__, copies=copies, apply=apply,
                            keywords=arguments.keyword_names(layer_class.__call__),
-                           identity=identity, apply_with_momenta=apply_with_momenta),
+                           identity=identity, apply_with_momenta=apply_with_momenta,
+                           apply_with_aux_loss=apply_with_aux_loss),
           nnx.to_pure_dict(params), nnx.to_pure_dict(stats))
 
 
