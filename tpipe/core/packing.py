@@ -281,6 +281,11 @@ def unpack(buffers: Mapping[str, jax.Array], layout: Layout):
       raise ValueError(f"Buffer {key!r} has {buffer.shape[-1]} elements"
                        f"{' per row' if lead_rank else ''}, fewer than the {n} the layout needs.")
   leaves = []
+  # Whole over the partitioner's axes where the leaves are cut: left free, it may split a buffer
+  # (as an expert- or tensor-split leaf in it suggests) at places that are no leaf's boundary,
+  # and fetch the pieces a slice needs with collective-permutes inside a stage's branch
+  # (spmd.whole_over_auto_axes). Pinned, the cut is local after one grouped all-gather at most.
+  buffers = spmd.whole_over_auto_axes({key: buffers[key] for key in layout.sizes()})
   for shape, key, offset in zip(layout.shapes, layout.dtypes, layout.offsets):
     buffer = buffers[key]
     part = jax.lax.slice_in_dim(buffer, offset, offset + math.prod(shape), axis=lead_rank)
