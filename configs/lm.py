@@ -85,13 +85,14 @@ def get_config(arg=None):
   # stay float32; logits and the loss are float32).
   config.dtype = "float32"
 
-  # Pipeline and mesh: num_stages * num_data * mesh.fsdp * mesh.tensor devices.
+  # Pipeline and mesh: num_stages * num_data * mesh.fsdp * mesh.expert * mesh.tensor devices.
   config.num_stages = 4
   config.num_data = 2
   # Inside each stage: weights and optimizer state split over mesh.fsdp devices (ZeRO-3, with
-  # each micro-batch's rows), the MLP's, embedding's and head's matrices over mesh.tensor devices
-  # (as the layers' logical axis names say: tpipe.axis_rules.DEFAULT_RULES).
-  config.mesh = ml_collections.ConfigDict({"fsdp": 1, "tensor": 1})
+  # each micro-batch's rows), the MLP's, embedding's and head's matrices over mesh.tensor devices,
+  # a mixture's experts (block="moe") over mesh.expert devices (as the layers' logical axis
+  # names say: tpipe.axis_rules.DEFAULT_RULES).
+  config.mesh = ml_collections.ConfigDict({"fsdp": 1, "expert": 1, "tensor": 1})
   # Over several slices (multislice TPU): how many slices the stage, data and fsdp axes span
   # (product = slices). emulate_slices cuts this machine's devices into that many to try it.
   config.mesh.dcn = ml_collections.ConfigDict({"stage": 1, "data": 1, "fsdp": 1})
@@ -136,9 +137,10 @@ def get_config(arg=None):
   config.balance = "flops"
   # Token ids of the model: 0 takes the tokenizer's vocabulary size (256 for bytes).
   config.vocab_size = 0
-  # The block: "gpt" (LayerNorm, multi-head attention, GELU MLP, dropout) or "llama" (RMSNorm,
+  # The block: "gpt" (LayerNorm, multi-head attention, GELU MLP, dropout), "llama" (RMSNorm,
   # grouped-query attention with num_kv_heads key/value heads, SwiGLU MLP; every matrix named
-  # for fsdp and tensor parallelism). num_kv_heads = None means num_heads.
+  # for fsdp and tensor parallelism) or "moe" (llama's with a mixture of experts, below).
+  # num_kv_heads = None means num_heads.
   config.block = "gpt"
   config.num_kv_heads = ml_collections.FieldReference(None, field_type=int)
   # Positions: "learned" (a table of max_len rows in the embedding) or "rotary" (rotary
@@ -159,6 +161,16 @@ def get_config(arg=None):
   config.head_bias = True
   config.qkv_bias = False
   config.sliding_window = 0
+  # block="moe" (Mixtral's): the llama block whose MLP is a mixture of num_experts SwiGLU
+  # experts (mlp_dim wide each), each token to experts_per_token of them; capacity_factor 0
+  # routes dropless (no token dropped), else each expert takes at most capacity_factor x its
+  # even share. The router's load-balancing loss and z-loss join the training loss with these
+  # weights. The experts split over mesh.expert devices.
+  config.num_experts = 8
+  config.experts_per_token = 2
+  config.capacity_factor = 0.0
+  config.router_aux_loss_coef = 0.01
+  config.router_z_loss_coef = 0.001
   # One matrix for the embedding and the head (two exact copies, their gradients summed:
   # tpipe.train.tied); needs head_bias=False.
   config.tie_embeddings = False

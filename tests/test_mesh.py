@@ -23,10 +23,11 @@ pytestmark = pytest.mark.unit  # Meshes and messages: no JAX computation.
 @pytest.mark.parametrize("stages,data", [(1, 1), (4, 1), (4, 2), (2, 4), (8, 1), (1, 8)])
 def test_make_mesh_shapes(stages, data):
   mesh = tpipe.make_mesh(stages=stages, data=data)
-  assert dict(mesh.shape) == {"data": data, "fsdp": 1, "stage": stages, "tensor": 1}
-  # Slowest to fastest: tensor is the minor axis, then stage.
-  assert mesh.axis_names == ("data", "fsdp", "stage", "tensor")
-  assert mesh.axis_types == (AxisType.Auto,) * 4
+  assert dict(mesh.shape) == {"data": data, "fsdp": 1, "stage": stages, "expert": 1,
+                              "tensor": 1}
+  # Slowest to fastest: tensor is the minor axis, then expert, then stage.
+  assert mesh.axis_names == ("data", "fsdp", "stage", "expert", "tensor")
+  assert mesh.axis_types == (AxisType.Auto,) * 5
   assert sorted(d.id for d in mesh.devices.flat) == [d.id for d in jax.devices()[:stages * data]]
 
 
@@ -35,7 +36,7 @@ def test_make_mesh_shapes(stages, data):
 def test_make_mesh_with_fsdp_and_tensor(sizes):
   mesh = tpipe.make_mesh(**sizes)
   want = {"data": sizes.get("data", 1), "fsdp": sizes.get("fsdp", 1),
-          "stage": sizes["stages"], "tensor": sizes.get("tensor", 1)}
+          "stage": sizes["stages"], "expert": 1, "tensor": sizes.get("tensor", 1)}
   assert dict(mesh.shape) == want
   assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 
@@ -43,7 +44,7 @@ def test_make_mesh_with_fsdp_and_tensor(sizes):
 def test_make_mesh_devices_and_axis_names():
   devices = jax.devices()[4:]
   mesh = tpipe.make_mesh(stages=2, data=2, devices=devices, stage_axis="pipe", data_axis="batch")
-  assert dict(mesh.shape) == {"batch": 2, "fsdp": 1, "pipe": 2, "tensor": 1}
+  assert dict(mesh.shape) == {"batch": 2, "fsdp": 1, "pipe": 2, "expert": 1, "tensor": 1}
   assert sorted(d.id for d in mesh.devices.flat) == [4, 5, 6, 7]
 
 
@@ -53,7 +54,8 @@ def test_make_mesh_devices_and_axis_names():
     (dict(stages=2.0), TypeError, r"^stages must be an int, got 2\.0\.$"),
     (dict(stages=2, data=True), TypeError, r"^data must be an int, got True\.$"),
     (dict(stages=2, stage_axis="x", data_axis="x"), ValueError,
-     r"^stage_axis and data_axis must differ from each other and from 'fsdp' and 'tensor'; "
+     r"^stage_axis and data_axis must differ from each other and from 'fsdp', 'expert' and "
+     r"'tensor'; "
      r"got stage_axis='x', data_axis='x'\.$"),
     (dict(stages=2, data_axis="fsdp"), ValueError, r"data_axis='fsdp'"),
     (dict(stages=2, tensor=0), ValueError, r"^tensor must be >= 1, got 0\.$"),
@@ -105,7 +107,8 @@ def test_check_stage_axis_names_where_the_mesh_came_from():
                                        r"tpipe\.make_mesh\(stages=2, \.\.\.\)\)\.$"):
     mesh_lib.check_stage_axis(mesh, 2, "stage", "the mesh passed to tpipe.Sequential")
   with pytest.raises(ValueError, match=r"^the mesh passed to tpipe\.nnx\.Sequential has axes "
-                                       r"\('data', 'fsdp', 'stage', 'tensor'\) but no stage axis "
+                                       r"\('data', 'fsdp', 'stage', 'expert', 'tensor'\) but no "
+                                       r"stage axis "
                                        r"'pipe'; build one "
                                        r"with tpipe\.make_mesh\(stages=4, data=\.\.\.\) or pass "
                                        r"stage_axis=<your axis name>\.$"):
@@ -119,7 +122,8 @@ def test_resolve_the_mesh_given_the_ambient_one_or_one_device():
   assert dict(default.shape) == {"stage": 1}
   with jax.set_mesh(mesh):
     ambient = mesh_lib.resolve(None, 4, "stage", "tpipe.Sequential")
-    assert dict(ambient.shape) == {"data": 2, "fsdp": 1, "stage": 4, "tensor": 1}
+    assert dict(ambient.shape) == {"data": 2, "fsdp": 1, "stage": 4, "expert": 1,
+                                   "tensor": 1}
 
 
 @pytest.mark.parametrize("owner", ["tpipe.Sequential", "tpipe.nnx.Sequential", "tpipe.pipeline"])
@@ -224,8 +228,9 @@ def test_the_stage_axis_over_slices_comes_first_with_each_slice_one_block(num_sl
   devices = _stand_in_slices(num_slices)
   mesh = tpipe.make_mesh(stages=2 * num_slices, data=2, devices=devices,
                          dcn={"stage": num_slices})
-  assert mesh.axis_names == ("stage", "data", "fsdp", "tensor")
-  assert dict(mesh.shape) == {"stage": 2 * num_slices, "data": 2, "fsdp": 1, "tensor": 1}
+  assert mesh.axis_names == ("stage", "data", "fsdp", "expert", "tensor")
+  assert dict(mesh.shape) == {"stage": 2 * num_slices, "data": 2, "fsdp": 1,
+                              "expert": 1, "tensor": 1}
   # Stages 2k and 2k + 1 on slice k; inside a slice, the topology's order as mesh_utils has it.
   assert _slices_along(mesh, "stage") == [[s // 2] for s in range(2 * num_slices)]
   expected = mesh_utils.create_hybrid_device_mesh((2, 2, 1, 1), (num_slices, 1, 1, 1), devices)
@@ -239,7 +244,7 @@ def test_the_data_axis_over_slices_holds_one_replica_group_per_slice(num_slices)
   devices = _stand_in_slices(num_slices)
   mesh = tpipe.make_mesh(stages=4, data=num_slices, devices=devices,
                          dcn={"data": num_slices})
-  assert mesh.axis_names == ("data", "fsdp", "stage", "tensor")
+  assert mesh.axis_names == ("data", "fsdp", "stage", "expert", "tensor")
   assert _slices_along(mesh, "data") == [[k] for k in range(num_slices)]
   assert _slices_along(mesh, "stage") == [list(range(num_slices))] * 4  # all within slices
   assert mesh_lib.crossing_links(mesh) == (False,) * 4
@@ -248,7 +253,7 @@ def test_the_data_axis_over_slices_holds_one_replica_group_per_slice(num_slices)
 def test_two_axes_over_slices_come_first_in_their_usual_order():
   mesh = tpipe.make_mesh(stages=4, data=2, fsdp=2, devices=_stand_in_slices(4, (2, 2, 2)),
                          dcn={"stage": 2, "data": 2})
-  assert mesh.axis_names == ("data", "stage", "fsdp", "tensor")
+  assert mesh.axis_names == ("data", "stage", "fsdp", "expert", "tensor")
   assert _slices_along(mesh, "data") == [[0, 1], [2, 3]]
   assert _slices_along(mesh, "stage") == [[0, 2], [0, 2], [1, 3], [1, 3]]
 
@@ -259,7 +264,8 @@ def test_emulated_slices_on_cpu_devices_are_remembered_for_the_mesh():
   mesh = tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2}, slices=two)
   assert mesh.axis_names[0] == "stage"
   assert [d.id for d in mesh.devices[:2].flat] == [4, 5, 6, 7]
-  assert mesh_lib.slice_of_devices(mesh).tolist() == [[[[0]], [[0]]]] * 2 + [[[[1]], [[1]]]] * 2
+  slices = mesh_lib.slice_of_devices(mesh)
+  assert slices.reshape(4, 2).tolist() == [[0, 0]] * 2 + [[1, 1]] * 2
   assert mesh_lib.crossing_links(mesh) == (False, True, False, True)
   # Without slices, one process: one slice, no link crosses.
   assert mesh_lib.crossing_links(tpipe.make_mesh(stages=4, data=2)) == (False,) * 4
@@ -269,11 +275,14 @@ def test_emulated_slices_on_cpu_devices_are_remembered_for_the_mesh():
     (dict(stages=4, data=2, dcn={"stage": 4}), ValueError,
      r"dcn=\{'stage': 4\} spans 4 slice\(s\), but the devices are on 2; make the product"),
     (dict(stages=4, data=2, dcn={"pipe": 2}), ValueError,
-     r"dcn names axis 'pipe', but the mesh's axes are \('data', 'fsdp', 'stage', 'tensor'\)"),
+     r"dcn names axis 'pipe', but the mesh's axes are "
+     r"\('data', 'fsdp', 'stage', 'expert', 'tensor'\)"),
     (dict(stages=3, data=2, dcn={"stage": 2}), ValueError,
      r"dcn\['stage'\]=2 does not divide the 'stage' axis's size 3"),
     (dict(stages=2, tensor=4, dcn={"tensor": 2}), ValueError,
      r"tensor parallelism communicates inside every layer and must stay within a slice"),
+    (dict(stages=2, expert=4, dcn={"expert": 2}), ValueError,
+     r"expert parallelism communicates inside every layer and must stay within a slice"),
     (dict(stages=4, data=2, dcn={"stage": 0}), ValueError, r"dcn\['stage'\] must be an int >= 1"),
     (dict(stages=4, data=2, dcn=[("stage", 2)]), TypeError, r"dcn must be a dict"),
     (dict(stages=4, data=4, dcn={"stage": 2}), ValueError,
@@ -290,3 +299,15 @@ def test_slices_given_twice_is_an_error():
   devices = jax.devices()[:8]
   with pytest.raises(ValueError, match="lists a device more than once"):
     tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2}, slices=[devices[:4], devices[:4]])
+
+
+def test_an_expert_axis_sits_between_stage_and_tensor():
+  mesh = tpipe.make_mesh(stages=2, expert=2, tensor=2)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "stage": 2, "expert": 2, "tensor": 2}
+  # Each expert group holds devices of one stage: the tensor pairs inside it are neighbours.
+  devices = np.vectorize(lambda d: d.id)(mesh.devices)[0, 0]
+  np.testing.assert_array_equal(devices, [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+  with pytest.raises(ValueError, match="expert must be >= 1, got 0"):
+    tpipe.make_mesh(stages=2, expert=0)
+  with pytest.raises(ValueError, match="stages=2 x expert=8 needs 16 devices"):
+    tpipe.make_mesh(stages=2, expert=8)

@@ -1,4 +1,4 @@
-"""How a weight splits over the ``fsdp`` and ``tensor`` mesh axes inside its stage.
+"""How a weight splits over the ``fsdp``, ``expert`` and ``tensor`` mesh axes inside its stage.
 
 A layer says how its weights split with **logical** axis names, the Flax way:
 ``nn.with_logical_partitioning(init, ("embed", "mlp"))`` (linen) names each axis of a kernel.
@@ -6,7 +6,8 @@ A layer says how its weights split with **logical** axis names, the Flax way:
 None)`` pairs, the format ``nn.logical_axis_rules`` takes and MaxText's ``logical_axis_rules``
 config uses. tpipe's default, :data:`DEFAULT_RULES`, is the usual FSDP + tensor-parallel split:
 the model dimension (``embed``) over ``fsdp``; the MLP's hidden units, attention heads and the
-vocabulary over ``tensor``; a batch's rows over ``data`` and ``fsdp``.
+vocabulary over ``tensor``; a mixture-of-experts layer's experts (``expert``) over ``expert``;
+a batch's rows over ``data`` and ``fsdp``.
 
 :func:`weight_spec` turns one weight's names into its partition spec (the axes inside a stage;
 the pipeline adds ``stage`` in front):
@@ -39,7 +40,7 @@ from tpipe import mesh as mesh_lib
 
 # (logical name, mesh axes): Flax's rule format. A batch's rows split over data and fsdp, the
 # model width over fsdp (ZeRO-3: gathered one layer at a time), and what a layer computes in
-# parallel (MLP units, heads, vocabulary entries) over tensor.
+# parallel (MLP units, heads, vocabulary entries) over tensor; a mixture's experts over expert.
 DEFAULT_RULES = (
     ("batch", (mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS)),
     ("embed", mesh_lib.FSDP_AXIS),
@@ -47,6 +48,7 @@ DEFAULT_RULES = (
     ("heads", mesh_lib.TENSOR_AXIS),
     ("kv_heads", mesh_lib.TENSOR_AXIS),
     ("vocab", mesh_lib.TENSOR_AXIS),
+    ("expert", mesh_lib.EXPERT_AXIS),
 )
 
 # What a logical name may map to: one mesh axis, several, or None (replicated).

@@ -1,10 +1,13 @@
-"""Device meshes for pipelining: ``data`` replicas, ``fsdp`` and ``tensor`` shards, ``stage``s.
+"""Device meshes for pipelining: ``data`` replicas, ``fsdp``, ``expert`` and ``tensor`` shards,
+``stage``s.
 
 * ``stage``: one pipeline stage per position; the tick loops run manual over it.
 * ``data``: data-parallel replicas, each with the whole (stage's) state; manual too.
 * ``fsdp``: inside a stage, weights and optimizer state split over devices (ZeRO-3) and
   gathered one layer at a time; each micro-batch's rows split over it too. Left to XLA's
   partitioner (an auto axis of a partially manual ``shard_map``).
+* ``expert``: inside a mixture-of-experts layer, its experts split (expert parallelism): a
+  weight's dimension named ``expert`` goes to it; auto as well.
 * ``tensor``: inside a layer, its matrices split (Megatron-style); auto as well.
 
 :func:`make_mesh` builds one; :func:`resolve` finds the mesh a pipeline runs on (the one given,
@@ -23,27 +26,31 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 STAGE_AXIS = "stage"
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
+EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
 
 
-def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, devices=None,
+def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, expert: int = 1, tensor: int = 1,
+              devices=None,
               dcn: Mapping[str, int] | None = None, slices=None,
               stage_axis: str = STAGE_AXIS,
               data_axis: str = DATA_AXIS) -> Mesh:  # The public mesh API: one setting per axis.
-  """A ``(data, fsdp, stage, tensor)`` mesh over the first ``data * fsdp * stages * tensor``
-  devices.
+  """A ``(data, fsdp, stage, expert, tensor)`` mesh over the first
+  ``data * fsdp * stages * expert * tensor`` devices.
 
   Axes run from the slowest-changing to the fastest: ``tensor`` is the minor axis (its
   collectives run inside every layer, so its devices are nearest on the interconnect), then
-  ``stage`` (a send per tick to a neighbour), ``fsdp`` (a gather per layer), and ``data``
-  (one gradient reduction per step). ``jax.make_mesh`` orders the devices by the TPU topology,
-  so each axis's groups are valid sub-slices. Axes of size 1 are kept: every mesh has all four
-  names, so shardings and rules can name them whatever the sizes.
+  ``expert`` (an all-to-all per mixture-of-experts layer), ``stage`` (a send per tick to a
+  neighbour), ``fsdp`` (a gather per layer), and ``data`` (one gradient reduction per step).
+  ``jax.make_mesh`` orders the devices by the TPU topology, so each axis's groups are valid
+  sub-slices. Axes of size 1 are kept: every mesh has all five names, so shardings and rules
+  can name them whatever the sizes.
 
   Args:
     stages: devices per pipeline (size of the ``stage`` axis).
     data: data-parallel replicas (size of the ``data`` axis).
     fsdp: devices each stage's weights and optimizer state are split over (``fsdp`` axis).
+    expert: devices a mixture-of-experts layer's experts are split over (``expert`` axis).
     tensor: devices each layer's matrices are split over (``tensor`` axis).
     devices: devices to use; default ``jax.devices()``.
     dcn: for a job over several slices (multislice TPU, several GPU hosts): how many slices each
@@ -52,7 +59,8 @@ def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, dev
       product is the number of slices; each axis's size counts all its devices and must divide
       by its entry. Axes that cross slices come first in the mesh, slowest-changing (XLA needs
       the cross-slice axis outermost), and within each such axis the slice changes slowest, so
-      every slice holds one contiguous block of it. ``tensor`` never crosses slices. ``None``
+      every slice holds one contiguous block of it. ``expert`` and ``tensor`` never cross
+      slices. ``None``
       or all ones: one slice.
     slices: which devices form each slice, as a list of device lists; default: the devices'
       ``slice_index`` (TPU), else their ``process_index`` (one granule per host, as
@@ -69,11 +77,11 @@ def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, dev
 
     >>> mesh = make_mesh(stages=2, data=2, fsdp=2)
     >>> dict(mesh.shape)
-    {'data': 2, 'fsdp': 2, 'stage': 2, 'tensor': 1}
+    {'data': 2, 'fsdp': 2, 'stage': 2, 'expert': 1, 'tensor': 1}
     >>> two = [jax.devices()[:4], jax.devices()[4:8]]   # two emulated slices
     >>> mesh = make_mesh(stages=4, data=2, dcn={"stage": 2}, slices=two)
     >>> mesh.axis_names
-    ('stage', 'data', 'fsdp', 'tensor')
+    ('stage', 'data', 'fsdp', 'expert', 'tensor')
     >>> crossing_links(mesh)   # link s joins stage s to s + 1 (the last one wraps)
     (False, True, False, True)
 
@@ -82,19 +90,21 @@ def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, dev
       names an axis the mesh does not have or does not divide its size, or the devices span a
       different number of slices than ``dcn`` says.
   """
-  for name, value in (("stages", stages), ("data", data), ("fsdp", fsdp), ("tensor", tensor)):
+  for name, value in (("stages", stages), ("data", data), ("fsdp", fsdp), ("expert", expert),
+                      ("tensor", tensor)):
     if isinstance(value, bool) or not isinstance(value, int):
       raise TypeError(f"{name} must be an int, got {value!r}.")
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}.")
-  names = (data_axis, FSDP_AXIS, stage_axis, TENSOR_AXIS)
+  names = (data_axis, FSDP_AXIS, stage_axis, EXPERT_AXIS, TENSOR_AXIS)
   if len(set(names)) < len(names):
     raise ValueError(f"stage_axis and data_axis must differ from each other and from "
-                     f"{FSDP_AXIS!r} and {TENSOR_AXIS!r}; got stage_axis={stage_axis!r}, "
+                     f"{FSDP_AXIS!r}, {EXPERT_AXIS!r} and {TENSOR_AXIS!r}; got "
+                     f"stage_axis={stage_axis!r}, "
                      f"data_axis={data_axis!r}.")
   devices = list(jax.devices() if devices is None else devices)
-  needed = stages * data * fsdp * tensor
-  sizes = dict(zip(names, (data, fsdp, stages, tensor)))
+  needed = stages * data * fsdp * expert * tensor
+  sizes = dict(zip(names, (data, fsdp, stages, expert, tensor)))
   spans = _check_dcn(dcn, sizes, stage_axis, data_axis)
   if math.prod(spans.values()) > 1 or slices is not None:
     mesh = _hybrid_mesh(sizes, spans, _slice_groups(devices, slices))
@@ -109,13 +119,14 @@ def make_mesh(stages: int, data: int = 1, *, fsdp: int = 1, tensor: int = 1, dev
         f"tpipe.make_mesh(..., dcn={{{stage_axis!r}: <slices>}}) or "
         f"dcn={{{data_axis!r}: <slices>}}.")
   if needed > len(devices):
-    named = (("data", data), ("fsdp", fsdp), ("stages", stages), ("tensor", tensor))
+    named = (("data", data), ("fsdp", fsdp), ("stages", stages), ("expert", expert),
+             ("tensor", tensor))
     sizes = " x ".join(f"{n}={v}" for n, v in named if v > 1 or n in ("data", "stages"))
     raise ValueError(
         f"A mesh of {sizes} needs {needed} devices but {len(devices)} are "
         "available. On CPU, emulate more with JAX_NUM_CPU_DEVICES=8 (or "
         "jax.config.update('jax_num_cpu_devices', 8) before the first JAX call).")
-  shape, types = (data, fsdp, stages, tensor), (AxisType.Auto,) * 4
+  shape, types = (data, fsdp, stages, expert, tensor), (AxisType.Auto,) * 5
   try:
     mesh = jax.make_mesh(shape, names, axis_types=types, devices=devices[:needed])
   except NotImplementedError:
@@ -151,8 +162,8 @@ def _check_dcn(dcn, sizes: dict, stage_axis: str, data_axis: str) -> dict:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
       raise ValueError(f"dcn[{axis!r}] must be an int >= 1 (slices the axis spans), got "
                        f"{count!r}.")
-    if axis == TENSOR_AXIS and count > 1:
-      raise ValueError(f"dcn[{TENSOR_AXIS!r}]={count}: tensor parallelism communicates inside "
+    if axis in (EXPERT_AXIS, TENSOR_AXIS) and count > 1:
+      raise ValueError(f"dcn[{axis!r}]={count}: {axis} parallelism communicates inside "
                        "every layer and must stay within a slice; span slices with "
                        f"{stage_axis!r}, {data_axis!r} or {FSDP_AXIS!r} instead.")
     if sizes[axis] % count:

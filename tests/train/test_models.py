@@ -207,7 +207,7 @@ def test_pipeline_settings_come_from_the_spec_or_keywords():
     (dict(dtype=jnp.int32), ValueError, "decoder_lm dtype must be a floating dtype"),
     (dict(param_dtype="int8"), ValueError, "decoder_lm param_dtype"),
     (dict(vocab_size=0), ValueError, "vocab_size"),
-    (dict(block="bert"), ValueError, r"block must be 'gpt' or 'llama', got 'bert'"),
+    (dict(block="bert"), ValueError, r"block must be 'gpt', 'llama' or 'moe', got 'bert'"),
     (dict(block="llama", num_kv_heads=3), ValueError, "num_kv_heads=3 must divide num_heads=2"),
     (dict(num_kv_heads=1), ValueError, "use block='llama' for grouped-query attention"),
     (dict(block="llama", dropout_rate=0.1), ValueError, "block='llama' has no dropout"),

@@ -85,7 +85,12 @@ def lm_arguments(config) -> dict:
               norm_epsilon=float(value(config, "norm_epsilon")),
               final_norm=value(config, "final_norm"), head_bias=bool(value(config, "head_bias")),
               qkv_bias=bool(value(config, "qkv_bias")), head_dim=head_dim,
-              sliding_window=value(config, "sliding_window") or None)
+              sliding_window=value(config, "sliding_window") or None,
+              num_experts=value(config, "num_experts"),
+              experts_per_token=value(config, "experts_per_token"),
+              capacity_factor=float(value(config, "capacity_factor")),
+              router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.0)),
+              router_z_loss_coef=float(config.get("router_z_loss_coef", 0.0)))
 
 
 def vocab_chunks(config) -> int:

@@ -19,6 +19,7 @@ import numpy as np
 
 from tpipe.train import attention
 from tpipe.train import model_args
+from tpipe.train import moe
 
 _named = model_args.named
 
@@ -246,10 +247,13 @@ class LlamaBlock(nn.Module):
   embedding unless ``rope_theta`` is set: then queries and keys are rotated by their positions
   (rotary embeddings, Hugging Face's half-split convention, :func:`rotary_frequencies`). With
   these settings it is the block of Llama, Mistral (``sliding_window``) and Qwen2
-  (``qkv_bias``), which :mod:`tpipe.train.pretrained` imports. Kernels: ``query [embed, heads,
-  kv]``, ``key``/``value [embed, kv_heads, kv]``, ``out [heads, kv, embed]``, ``gate``/``up
-  [embed, mlp]``, ``down [mlp, embed]``; with ``qkv_bias``, ``query_bias [heads, kv]`` and
-  ``key_bias``/``value_bias [kv_heads, kv]``.
+  (``qkv_bias``), which :mod:`tpipe.train.pretrained` imports; with ``num_experts`` its MLP is a
+  mixture of SwiGLU experts (:class:`tpipe.train.moe.MixtureOfExperts`, Mixtral's block). Kernels:
+  ``query [embed, heads, kv]``, ``key``/``value [embed, kv_heads, kv]``, ``out [heads, kv,
+  embed]``, ``gate``/``up [embed, mlp]``, ``down [mlp, embed]`` (with experts ``moe/router
+  [embed, experts]``, ``moe/gate``/``moe/up [expert, embed, mlp]``, ``moe/down [expert, mlp,
+  embed]``); with ``qkv_bias``, ``query_bias [heads, kv]`` and ``key_bias``/``value_bias
+  [kv_heads, kv]``.
 
   Attributes:
     width: model width.
@@ -266,6 +270,12 @@ class LlamaBlock(nn.Module):
     qkv_bias: biases on the query, key and value projections (Qwen2).
     sliding_window: a query attends at most this many keys, itself included (Mistral); None for
       all earlier ones.
+    num_experts: 0 for the dense SwiGLU MLP; else the experts of a mixture (``mlp_dim`` wide
+      each).
+    experts_per_token: the experts each token goes to (with ``num_experts``).
+    capacity_factor: 0 for dropless routing, else the experts' capacity factor.
+    router_aux_loss_coef: the router's load-balancing loss weight in the training loss.
+    router_z_loss_coef: the router z-loss weight.
   """
 
   width: int
@@ -280,6 +290,11 @@ class LlamaBlock(nn.Module):
   rope_scaling: tuple | None = None
   qkv_bias: bool = False
   sliding_window: int | None = None
+  num_experts: int = 0
+  experts_per_token: int = 2
+  capacity_factor: float = 0.0
+  router_aux_loss_coef: float = 0.0
+  router_z_loss_coef: float = 0.0
 
   @nn.compact
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
@@ -339,6 +354,14 @@ class LlamaBlock(nn.Module):
     y = x + jnp.einsum("bshk,hkd->bsd", attended, weight(
         "out", (self.num_heads, head_dim, self.width), ("heads", "kv", "embed"))).astype(x.dtype)
     h = RMSNorm(dtype, param_dtype, self.epsilon, name="mlp_norm")(y)
+    if self.num_experts:
+      y = y + moe.MixtureOfExperts(
+          num_experts=self.num_experts, experts_per_token=self.experts_per_token,
+          hidden=self.mlp_dim, capacity_factor=self.capacity_factor,
+          router_aux_loss_coef=self.router_aux_loss_coef,
+          router_z_loss_coef=self.router_z_loss_coef, dtype=dtype, param_dtype=param_dtype,
+          name="moe")(h).astype(x.dtype)
+      return y if cache is None else (y, cache)
     gate = h @ weight("gate", (self.width, self.mlp_dim), ("embed", "mlp"))
     up = h @ weight("up", (self.width, self.mlp_dim), ("embed", "mlp"))
     down = weight("down", (self.mlp_dim, self.width), ("mlp", "embed"))

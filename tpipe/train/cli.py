@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import math
 import importlib.util
 import os
 import re
@@ -63,23 +64,25 @@ def parse_profile_steps(value) -> tuple[int, int] | None:
   return first, last
 
 
-def mesh_sizes(config) -> tuple[int, int]:
-  """``(fsdp, tensor)`` from ``config.mesh`` (each 1 where the config has no such field).
+def mesh_sizes(config) -> dict[str, int]:
+  """``{"fsdp": .., "expert": .., "tensor": ..}`` from ``config.mesh`` (each 1 where the config
+  has no such field).
 
   ``config.num_stages`` and ``config.num_data`` size the mesh's ``stage`` and ``data`` axes;
-  ``config.mesh.fsdp`` and ``config.mesh.tensor`` its ``fsdp`` and ``tensor`` axes, which split
-  each stage's weights and optimizer state (and each layer's matrices) over more devices.
+  ``config.mesh.fsdp``, ``config.mesh.expert`` and ``config.mesh.tensor`` its ``fsdp``,
+  ``expert`` and ``tensor`` axes, which split each stage's weights and optimizer state (fsdp),
+  a mixture's experts (expert) and each layer's matrices (tensor) over more devices.
   """
   mesh = config.get("mesh") or {}
-  sizes = []
-  for name in ("fsdp", "tensor"):
+  sizes = {}
+  for name in ("fsdp", "expert", "tensor"):
     value = mesh.get(name, 1)
     if isinstance(value, bool) or not isinstance(value, int):
       raise TypeError(f"config.mesh.{name} must be an int, got {value!r}.")
     if value < 1:
       raise ValueError(f"config.mesh.{name} must be >= 1, got {value}.")
-    sizes.append(value)
-  return tuple(sizes)
+    sizes[name] = value
+  return sizes
 
 
 def mesh_dcn(config) -> dict[str, int]:
@@ -177,9 +180,8 @@ def network_from_flags(topology: str | None = None):
 
 
 def num_devices(config) -> int:
-  """The devices ``config``'s mesh needs: stages x data x fsdp x tensor."""
-  fsdp, tensor = mesh_sizes(config)
-  return int(config.num_stages) * int(config.num_data) * fsdp * tensor
+  """The devices ``config``'s mesh needs: stages x data x fsdp x expert x tensor."""
+  return int(config.num_stages) * int(config.num_data) * math.prod(mesh_sizes(config).values())
 
 
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull")

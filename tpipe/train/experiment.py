@@ -96,13 +96,26 @@ def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
       raise TypeError(f"config.{name} must be an int, got {value!r}.")
     if value < 1:
       raise ValueError(f"config.{name} must be >= 1, got {value}.")
-  fsdp, tensor = cli.mesh_sizes(config)
+  sizes = cli.mesh_sizes(config)
+  fsdp = sizes["fsdp"]
   shards = config.num_data * fsdp  # A batch's rows split over data and fsdp.
   if config.batch_size % shards:
     raise ValueError(
         f"config.batch_size={config.batch_size} must be divisible by config.num_data * "
         f"config.mesh.fsdp = {config.num_data} * {fsdp} (the batch's rows are split over the "
         "'data' and 'fsdp' axes).")
+  experts = architecture.value(config, "num_experts")
+  moe_block = architecture.value(config, "block") == "moe"
+  if moe_block and isinstance(experts, int) and experts % sizes["expert"]:
+    raise ValueError(
+        f"config.num_experts={experts} must be divisible by config.mesh.expert="
+        f"{sizes['expert']} (each device of the expert axis holds an equal share of the "
+        "experts); change one of them.")
+  if sizes["expert"] > 1 and not moe_block:
+    raise ValueError(
+        f"config.mesh.expert={sizes['expert']} splits a mixture's experts, but "
+        f"config.block={architecture.value(config, 'block')!r} has none; use block='moe' or "
+        "mesh.expert=1.")
   per_shard = config.batch_size // shards
   if per_shard % config.num_microbatches:
     raise ValueError(
@@ -124,13 +137,14 @@ def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
         "(or 'circular' with config.num_repeats > 1).")
   if config.learning_rate <= 0:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")
-  needed = config.num_stages * config.num_data * fsdp * tensor
+  needed = cli.num_devices(config)
   available = jax.device_count() if devices is None else len(devices)
   if needed > available:
     where = "JAX sees only" if devices is None else "the devices given are"
     raise ValueError(
-        f"config.num_stages * config.num_data * config.mesh.fsdp * config.mesh.tensor = "
-        f"{config.num_stages} * {config.num_data} * {fsdp} * {tensor} = {needed} devices, but "
+        "config.num_stages * config.num_data * config.mesh.fsdp * config.mesh.expert * "
+        f"config.mesh.tensor = {config.num_stages} * {config.num_data} * {fsdp} * "
+        f"{sizes['expert']} * {sizes['tensor']} = {needed} devices, but "
         f"{where} {available}. Shrink the mesh, or on CPU set JAX_NUM_CPU_DEVICES={needed} "
         "(tpipe.train does this by default).")
 
@@ -261,7 +275,7 @@ class Experiment:
   Attributes:
     config: the config it was built from.
     task: what is trained (:mod:`tpipe.train.tasks`).
-    mesh: the device mesh, axes ``('data', 'fsdp', 'stage', 'tensor')``.
+    mesh: the device mesh, axes ``('data', 'fsdp', 'stage', 'expert', 'tensor')``.
     model: the task's front-end model (``tpipe.Sequential`` or ``tpipe.nnx.Sequential``).
     pipeline: the model's engine pipeline with its split fixed, for training batches.
     optimizer: the optax transformation (on staged parameters).
@@ -511,11 +525,10 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
     config = architecture.resolve(config)
   validate_config(config, devices)
   task = tasks_lib.get_task(config)
-  fsdp, tensor = cli.mesh_sizes(config)
   devices = jax.devices() if devices is None else devices
   try:
-    mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data, fsdp=fsdp,
-                           tensor=tensor, devices=devices, dcn=cli.mesh_dcn(config),
+    mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data,
+                           **cli.mesh_sizes(config), devices=devices, dcn=cli.mesh_dcn(config),
                            slices=cli.slice_groups(config, devices))
   except ValueError as error:
     if "slice" not in str(error):

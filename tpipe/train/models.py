@@ -39,6 +39,7 @@ from tpipe.train import blocks
 from tpipe.train import lm_ends
 from tpipe.train import losses
 from tpipe.train import model_args
+from tpipe.train import moe
 
 
 VOCAB_SIZE = 256
@@ -69,7 +70,9 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
               rope_theta: float = 10000.0, rope_scaling: tuple | None = None,
               norm_epsilon: float = 1e-6, final_norm: str = "layer", head_bias: bool = True,
               qkv_bias: bool = False, head_dim: int | None = None,
-              sliding_window: int | None = None) -> list:
+              sliding_window: int | None = None, num_experts: int = 8,
+              experts_per_token: int = 2, capacity_factor: float = 0.0,
+              router_aux_loss_coef: float = 0.0, router_z_loss_coef: float = 0.0) -> list:
   """The LM's layers ``[TokenEmbedding, tpipe.Repeat(block, L), LMHead]`` (arguments as
   :func:`decoder_lm`), checked; :func:`decoder_lm` pipelines them, and
   :mod:`tpipe.train.generate` applies them one after the other with a key/value cache."""
@@ -88,13 +91,20 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
     raise ValueError(f"num_heads={num_heads} must divide width={width}; pick a divisor.")
   if sliding_window is not None:
     model_args.check_int("sliding_window", sliding_window)
-  if block == "llama":
+  if block in ("llama", "moe"):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     model_args.check_int("num_kv_heads", num_kv_heads)
     if num_heads % num_kv_heads:
       raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}.")
     if dropout_rate:
-      raise ValueError(f"block='llama' has no dropout; got dropout_rate={dropout_rate}.")
+      raise ValueError(f"block={block!r} has no dropout; got dropout_rate={dropout_rate}.")
+    experts = {}
+    if block == "moe":
+      moe.check_routing(num_experts, experts_per_token, capacity_factor, owner="block='moe'")
+      experts = dict(num_experts=num_experts, experts_per_token=experts_per_token,
+                     capacity_factor=float(capacity_factor),
+                     router_aux_loss_coef=float(router_aux_loss_coef),
+                     router_z_loss_coef=float(router_z_loss_coef))
     rotary = positions == "rotary"
     if rotary:
       rotary_frequencies(head_dim or width // num_heads, rope_theta, rope_scaling)  # Checks.
@@ -102,7 +112,7 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
                        mlp_dim=mlp_dim, dtype=dtype, param_dtype=param_dtype, head_dim=head_dim,
                        epsilon=norm_epsilon, rope_theta=rope_theta if rotary else None,
                        rope_scaling=rope_scaling if rotary else None, qkv_bias=qkv_bias,
-                       sliding_window=sliding_window)
+                       sliding_window=sliding_window, **experts)
   elif block == "gpt":
     if num_kv_heads not in (None, num_heads):
       raise ValueError(f"num_kv_heads={num_kv_heads}: block='gpt' has one key/value head per "
@@ -119,7 +129,7 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
                              dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
                              causal=True, epsilon=norm_epsilon)
   else:
-    raise ValueError(f"block must be 'gpt' or 'llama', got {block!r}.")
+    raise ValueError(f"block must be 'gpt', 'llama' or 'moe', got {block!r}.")
   if final_norm not in ("layer", "rms"):
     raise ValueError(f"final_norm must be 'layer' or 'rms', got {final_norm!r}.")
   return [
@@ -147,8 +157,10 @@ def decoder_lm(*, spec: tpipe.PipelineSpec | None = None, **arguments) -> tpipe.
     vocab_chunks: compute the loss this many vocabulary slices at a time (see
       :class:`LMHead`); 1 forms each micro-batch's whole logits.
     block: ``"gpt"`` (:class:`TransformerBlock`: LayerNorm, multi-head attention, GELU MLP,
-      dropout) or ``"llama"`` (:class:`LlamaBlock`: RMSNorm, grouped-query attention with
-      ``num_kv_heads`` key/value heads, SwiGLU MLP, no dropout).
+      dropout), ``"llama"`` (:class:`LlamaBlock`: RMSNorm, grouped-query attention with
+      ``num_kv_heads`` key/value heads, SwiGLU MLP, no dropout) or ``"moe"`` (Mixtral's: the
+      llama block with a mixture of ``num_experts`` SwiGLU experts for its MLP, each token to
+      ``experts_per_token`` of them; :class:`tpipe.train.moe.MixtureOfExperts`).
     num_kv_heads: the key and value heads of a ``"llama"`` block (default ``num_heads``).
     positions: ``"learned"`` (a position table in the embedding) or ``"rotary"`` (rotary
       embeddings in ``"llama"`` blocks, base ``rope_theta``, Hugging Face's ``rope_scaling``
@@ -159,6 +171,10 @@ def decoder_lm(*, spec: tpipe.PipelineSpec | None = None, **arguments) -> tpipe.
     qkv_bias: ``"llama"`` blocks only: biases on the query, key and value projections.
     head_dim: ``"llama"`` blocks only: each head's width (default ``width // num_heads``).
     sliding_window: ``"llama"`` blocks only: attend at most this many keys (None: all).
+    num_experts, experts_per_token, capacity_factor: ``"moe"`` blocks only: the experts, the
+      experts per token, and 0 for dropless routing or the experts' capacity factor.
+    router_aux_loss_coef, router_z_loss_coef: ``"moe"`` blocks only: the weights of the
+      router's load-balancing loss and z-loss in the training loss.
     spec: the pipeline settings (:class:`tpipe.PipelineSpec`), or None to build them from the
       :class:`tpipe.PipelineSpec` fields among ``arguments``; ``per_example`` is always
       :data:`PER_EXAMPLE`.

@@ -23,7 +23,7 @@ from flax import nnx
 
 import tpipe
 from tpipe import nnx as tnnx
-from tpipe.train import attention, losses, models
+from tpipe.train import attention, losses, models, moe
 
 
 def _deterministic(module, deterministic: bool | None) -> bool:
@@ -67,6 +67,49 @@ class TransformerBlock(nnx.Module):
     h = self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(y))))
     h = self.mlp_dropout(h, deterministic=deterministic)
     return (y + h).astype(residual_dtype)
+
+
+class MixtureOfExperts(nnx.Module):
+  """A mixture-of-experts SwiGLU feed-forward layer, as :class:`tpipe.train.moe.MixtureOfExperts`
+  (same parameter names and shapes, same routing): ``[..., width]`` to the same. Its auxiliary
+  losses go to the training loss (``self.sow(tpipe.nnx.AuxLoss, ...)``)."""
+
+  # The layer's settings, keyword-only past the shapes.
+  def __init__(self, width: int, hidden: int, num_experts: int, experts_per_token: int, *,
+               capacity_factor: float = 0.0, router_aux_loss_coef: float = 0.0,
+               router_z_loss_coef: float = 0.0, dtype: Any = None,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    moe.check_routing(num_experts, experts_per_token, capacity_factor)
+    self.experts_per_token = experts_per_token
+    self.capacity_factor = capacity_factor
+    self.router_aux_loss_coef = router_aux_loss_coef
+    self.router_z_loss_coef = router_z_loss_coef
+    self.dtype = dtype
+    expert_init = jax.nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+    param = lambda init, shape, names: nnx.Param(init(rngs.params(), shape, param_dtype),
+                                                 out_sharding=names, eager_sharding=False)
+    self.router = param(jax.nn.initializers.lecun_normal(), (width, num_experts),
+                        ("embed", None))
+    self.gate = param(expert_init, (num_experts, width, hidden), ("expert", "embed", "mlp"))
+    self.up = param(expert_init, (num_experts, width, hidden), ("expert", "embed", "mlp"))
+    self.down = param(expert_init, (num_experts, hidden, width), ("expert", "mlp", "embed"))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dtype = self.dtype or x.dtype
+    tokens = x.reshape(-1, x.shape[-1]).astype(dtype)
+    routing = moe.route(tokens, self.router[...], self.experts_per_token)
+    weights = self.gate[...], self.up[...], self.down[...]
+    if self.capacity_factor:
+      out, _ = moe.with_capacity(tokens, routing, *weights, self.capacity_factor)
+    else:
+      out = moe.dropless(tokens, routing, *weights)
+    if self.router_aux_loss_coef:
+      self.sow(tnnx.AuxLoss, "router_balance",
+               self.router_aux_loss_coef * moe.balance_loss(routing))
+    if self.router_z_loss_coef:
+      self.sow(tnnx.AuxLoss, "router_z", self.router_z_loss_coef * moe.z_loss(routing))
+    return out.reshape(x.shape).astype(dtype)
 
 
 class TokenEmbedding(nnx.Module):

@@ -60,11 +60,14 @@ def lm_forward_flops_per_token(arguments: dict[str, Any], seq_len: int) -> float
   """
   width, heads = arguments["width"], arguments["num_heads"]
   head_dim = arguments.get("head_dim") or width // heads
-  llama = arguments.get("block", "gpt") == "llama"
+  block = arguments.get("block", "gpt")
+  llama = block in ("llama", "moe")
   kv_heads = (arguments.get("num_kv_heads") or heads) if llama else heads
   projections = 2 * width * head_dim * (2 * heads + 2 * kv_heads)  # q, out; k, v.
   attention = 2 * 2 * seq_len * heads * head_dim  # Scores and the weighted sum.
   mlp = 2 * width * arguments["mlp_dim"] * (3 if llama else 2)
+  if block == "moe":  # The experts a token goes to (active FLOPs), and the router.
+    mlp = mlp * arguments["experts_per_token"] + 2 * width * arguments["num_experts"]
   head = 2 * width * arguments["vocab_size"]
   return arguments["num_layers"] * (projections + attention + mlp) + head
 

@@ -10,9 +10,9 @@ Usage::
       --coordinator_address=127.0.0.1:12345 --num_processes=2 --process_id=0   # and =1
 
 On a CPU-only machine the trainer emulates the mesh's devices (``num_stages * num_data *
-mesh.fsdp * mesh.tensor``, 8 by default) unless ``JAX_NUM_CPU_DEVICES`` is set. On a Cloud TPU
-VM, ``jax.distributed`` is initialised automatically, so the same command runs on every worker of
-a pod slice.
+mesh.fsdp * mesh.expert * mesh.tensor``, 8 by default) unless ``JAX_NUM_CPU_DEVICES`` is set. On
+a Cloud TPU VM, ``jax.distributed`` is initialised automatically, so the same command runs on
+every worker of a pod slice.
 
 Re-running the same command with the same workdir resumes from the latest checkpoint, including
 the data iterator's position. A non-finite loss stops the run (exit status 1) with a message that
@@ -87,7 +87,8 @@ def _setup_jax(config) -> None:
     needed = cli.num_devices(config)
     if needed % num_processes:
       raise app.UsageError(
-          f"num_stages * num_data * mesh.fsdp * mesh.tensor = {needed} devices do not split "
+          f"num_stages * num_data * mesh.fsdp * mesh.expert * mesh.tensor = {needed} devices "
+          "do not split "
           "evenly over "
           f"--num_processes={num_processes}.")
     jax.config.update("jax_num_cpu_devices", needed // num_processes)
@@ -330,11 +331,12 @@ def _log_setup(exp, workdir, ckpt_dir: str, rates: throughput.Rates) -> None:
   """Where the run writes, idle devices, and what the throughput figures are based on."""
   used, available = int(exp.mesh.devices.size), jax.device_count()
   if used < available:
-    fsdp, tensor = cli.mesh_sizes(exp.config)
+    sizes = cli.mesh_sizes(exp.config)
     logging.warning(
         "The mesh uses %d of the %d devices (num_stages %d x num_data %d x mesh.fsdp %d x "
-        "mesh.tensor %d); %d stay idle. Make the product %d to use them all.", used, available,
-        exp.config.num_stages, exp.config.num_data, fsdp, tensor, available - used, available)
+        "mesh.expert %d x mesh.tensor %d); %d stay idle. Make the product %d to use them all.",
+        used, available, exp.config.num_stages, exp.config.num_data, sizes["fsdp"],
+        sizes["expert"], sizes["tensor"], available - used, available)
   logging.info("Workdir %s: checkpoints in %s, metrics in %s, TensorBoard events in %s "
                "(tensorboard --logdir=%s).", workdir, ckpt_dir,
                workdir / metrics_lib.METRICS_FILE, metrics_lib.tensorboard_logdir(workdir),

@@ -1,0 +1,259 @@
+"""Mixture-of-experts feed-forward layers: top-k routing, dropless or with a capacity, and the
+router's auxiliary losses.
+
+A token's router scores every expert (float32 softmax over ``E`` experts); it goes to its ``k``
+best, whose SwiGLU outputs are mixed with the top-k probabilities renormalised to sum to one
+(Mixtral's rule). Two ways to run the experts, the same numbers where no token is dropped:
+
+* **dropless** (``capacity_factor=0``, the default): the ``N * k`` (token, expert) pairs sorted
+  by expert and multiplied with one grouped matmul per projection (:func:`grouped_matmul`,
+  ``jax.lax.ragged_dot``): no token dropped, no padding.
+* **capacity** (``capacity_factor=c > 0``): each expert takes at most
+  ``ceil(c * N * k / E)`` pairs, in token order; pairs beyond it are dropped (their share of
+  the output is zero) and counted. The experts run as one batched matmul over ``[E, capacity]``
+  slots, the GShard / Switch layout MaxText's capacity mode uses.
+
+Auxiliary losses (added to the training loss through :mod:`tpipe.core.aux_losses`: linen's
+``self.sow(tpipe.AUX_LOSS, ...)``, NNX's ``self.sow(tpipe.nnx.AuxLoss, ...)``): the
+load-balancing loss as Switch and Mixtral define it, ``E * sum_e f_e * P_e`` with ``f_e`` the
+fraction of tokens routed to expert ``e`` (over the ``k`` choices) and ``P_e`` its mean router
+probability (``k`` when perfectly balanced), and the router z-loss
+``mean(logsumexp(logits) ** 2)`` (ST-MoE), each times its coefficient.
+
+Weights carry logical names: the experts' ``("expert", "embed", "mlp")`` and
+``("expert", "mlp", "embed")``, the router's ``("embed", None)``; under
+:data:`tpipe.DEFAULT_RULES` the experts split over the ``expert`` mesh axis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import custom_batching
+
+import tpipe
+from tpipe.train import model_args
+
+_named = model_args.named
+
+
+class Routing(NamedTuple):
+  """Where each token goes.
+
+  Attributes:
+    experts: int32 ``[N, k]``, each token's experts, best first.
+    weights: float32 ``[N, k]``, their mixing weights (the top-k probabilities, renormalised).
+    probs: float32 ``[N, E]``, the router's softmax.
+    logits: float32 ``[N, E]``, the router's scores.
+  """
+
+  experts: jax.Array
+  weights: jax.Array
+  probs: jax.Array
+  logits: jax.Array
+
+
+def check_routing(num_experts: int, experts_per_token: int, capacity_factor: float,
+                  owner: str = "MixtureOfExperts") -> None:
+  """Raises ValueError for a routing no layer can run, naming the value and the fix."""
+  if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+    raise ValueError(f"{owner}: num_experts must be an int >= 1, got {num_experts!r}.")
+  whole = isinstance(experts_per_token, int) and not isinstance(experts_per_token, bool)
+  if not whole or not 1 <= experts_per_token <= num_experts:
+    raise ValueError(f"{owner}: experts_per_token must be an int from 1 to num_experts = "
+                     f"{num_experts}, got {experts_per_token!r}.")
+  if not isinstance(capacity_factor, (int, float)) or capacity_factor < 0:
+    raise ValueError(f"{owner}: capacity_factor must be >= 0 (0 = dropless), got "
+                     f"{capacity_factor!r}.")
+
+
+def route(x: jax.Array, router: jax.Array, experts_per_token: int) -> Routing:
+  """The top-k routing of tokens ``x`` ``[N, D]`` by router weights ``[D, E]``, in float32 (or
+  wider, for wider inputs)."""
+  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  logits = jnp.dot(x.astype(dtype), router.astype(dtype))
+  probs = jax.nn.softmax(logits, axis=-1)
+  top, experts = jax.lax.top_k(probs, experts_per_token)
+  weights = top / jnp.sum(top, axis=-1, keepdims=True)
+  return Routing(experts.astype(jnp.int32), weights, probs, logits)
+
+
+def balance_loss(routing: Routing) -> jax.Array:
+  """``E * sum_e f_e * P_e``: Switch's / Mixtral's load-balancing loss (``k`` when balanced)."""
+  num_tokens, num_experts = routing.probs.shape
+  counts = expert_load(routing).astype(routing.probs.dtype)
+  return num_experts * jnp.sum(counts / num_tokens * jnp.mean(routing.probs, axis=0))
+
+
+def z_loss(routing: Routing) -> jax.Array:
+  """ST-MoE's router z-loss: the mean over tokens of ``logsumexp(logits) ** 2``."""
+  return jnp.mean(jax.nn.logsumexp(routing.logits, axis=-1) ** 2)
+
+
+def expert_load(routing: Routing) -> jax.Array:
+  """The (token, expert) pairs each expert got, float32 ``[E]``."""
+  num_experts = routing.probs.shape[-1]
+  return jnp.zeros((num_experts,), jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
+
+
+def _batched_at_zero(fn):
+  """``fn`` with a batching rule that batches every operand at axis 0, the unbatched ones
+  broadcast: ``jax.lax.ragged_dot`` batches only so (JAX 0.10), and tpipe runs layers under
+  ``vmap`` (its planning passes bind the mesh's axis names with size-1 ``vmap`` axes)."""
+  wrapped = custom_batching.custom_vmap(fn)
+
+  @wrapped.def_vmap
+  def rule(axis_size, in_batched, *args):
+    grow = lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + jnp.shape(a))
+    leaves, tree = jax.tree.flatten(args)
+    flags = jax.tree.leaves(in_batched)
+    out = jax.vmap(fn)(*jax.tree.unflatten(tree, list(map(grow, leaves, flags))))
+    return out, jax.tree.map(lambda _: True, out)
+
+  return wrapped
+
+
+@_batched_at_zero
+def _grouped_product(x, w, sizes):
+  return jax.lax.ragged_dot(x, w, sizes)
+
+
+@_batched_at_zero
+def _grouped_cotangents(x, w, sizes, cotangent):
+  return jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)[1](cotangent)
+
+
+@jax.custom_vjp
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+  """``jax.lax.ragged_dot(x, w, sizes)``: rows ``x [M, K]`` in groups of ``sizes [G]``
+  consecutive rows, group ``g`` times ``w[g] [K, N]``; ``[M, N]``. Differentiable and batchable
+  under any ``vmap`` (ragged_dot's own rules batch only at axis 0 of every operand)."""
+  return _grouped_product(x, w, sizes)
+
+
+def _grouped_forward(x, w, sizes):
+  return _grouped_product(x, w, sizes), (x, w, sizes)
+
+
+def _grouped_backward(residuals, cotangent):
+  x, w, sizes = residuals
+  dx, dw = _grouped_cotangents(x, w, sizes, cotangent)
+  return dx, dw, np.zeros(sizes.shape, jax.dtypes.float0)
+
+
+grouped_matmul.defvjp(_grouped_forward, _grouped_backward)
+
+
+def _swiglu(gate, up):
+  return nn.silu(gate) * up
+
+
+def dropless(x: jax.Array, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
+  """Every (token, expert) pair through its expert's SwiGLU by grouped matmuls; ``[N, D]``.
+
+  ``w_gate``/``w_up`` ``[E, D, H]``, ``w_down`` ``[E, H, D]``."""
+  num_tokens, k = routing.experts.shape
+  num_experts = w_gate.shape[0]
+  flat = routing.experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  tokens = x[order // k]
+  sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+  hidden = _swiglu(grouped_matmul(tokens, w_gate.astype(x.dtype), sizes),
+                   grouped_matmul(tokens, w_up.astype(x.dtype), sizes))
+  out = grouped_matmul(hidden, w_down.astype(x.dtype), sizes)
+  pairs = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, k, -1)
+  return jnp.einsum("nkd,nk->nd", pairs, routing.weights.astype(x.dtype))
+
+
+def capacity_of(num_tokens: int, experts_per_token: int, num_experts: int,
+                capacity_factor: float) -> int:
+  """Slots per expert: ``ceil(capacity_factor * N * k / E)``, at least 1."""
+  return max(1, math.ceil(capacity_factor * num_tokens * experts_per_token / num_experts))
+
+
+def with_capacity(x: jax.Array, routing: Routing, w_gate, w_up, w_down,
+                  capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+  """The pairs that fit each expert's capacity through its SwiGLU, batched over ``[E, C]``
+  slots; ``(output [N, D], dropped pairs (float32 scalar))``. A token's pairs claim slots in
+  token order, its best expert first."""
+  num_tokens, k = routing.experts.shape
+  num_experts = w_gate.shape[0]
+  capacity = capacity_of(num_tokens, k, num_experts, capacity_factor)
+  onehot = jax.nn.one_hot(routing.experts.T.reshape(-1), num_experts, dtype=jnp.int32)  # [kN, E]
+  position = (jnp.cumsum(onehot, axis=0) - 1) * onehot  # Slot index within the expert.
+  kept = (position < capacity) * onehot
+  slots = jax.nn.one_hot(jnp.sum(position * kept, axis=-1), capacity, dtype=x.dtype)  # [kN, C]
+  dispatch = kept.astype(x.dtype)[:, :, None] * slots[:, None, :]  # [kN, E, C]
+  dispatch = dispatch.reshape(k, num_tokens, num_experts, capacity)
+  inputs = jnp.einsum("knec,nd->ecd", dispatch, x)
+  hidden = _swiglu(jnp.einsum("ecd,edh->ech", inputs, w_gate.astype(x.dtype)),
+                   jnp.einsum("ecd,edh->ech", inputs, w_up.astype(x.dtype)))
+  outputs = jnp.einsum("ech,ehd->ecd", hidden, w_down.astype(x.dtype))
+  combine = dispatch * routing.weights.T.astype(x.dtype)[:, :, None, None]
+  dropped = num_tokens * k - jnp.sum(kept).astype(jnp.float32)
+  return jnp.einsum("knec,ecd->nd", combine, outputs), dropped
+
+
+class MixtureOfExperts(nn.Module):
+  """A mixture-of-experts SwiGLU feed-forward layer: ``[..., D]`` to ``[..., D]``.
+
+  Attributes:
+    num_experts: ``E``.
+    experts_per_token: ``k``, the experts each token goes to.
+    hidden: each expert's hidden width ``H``.
+    capacity_factor: 0 for dropless routing, else the capacity factor (see the module).
+    router_aux_loss_coef: the load-balancing loss's weight in the training loss.
+    router_z_loss_coef: the router z-loss's weight.
+    dtype: the computation's dtype, None for the input's (routing is float32 or wider).
+    param_dtype: the weights' dtype.
+    kernel_init: the experts' and the router's initializer.
+
+  Besides the auxiliary losses (collection ``tpipe.AUX_LOSS``) it sows, to
+  ``"intermediates"``, each expert's load (pairs routed to it) and, with a capacity, the pairs
+  dropped.
+  """
+
+  num_experts: int
+  experts_per_token: int
+  hidden: int
+  capacity_factor: float = 0.0
+  router_aux_loss_coef: float = 0.0
+  router_z_loss_coef: float = 0.0
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x):
+    check_routing(self.num_experts, self.experts_per_token, self.capacity_factor)
+    width = x.shape[-1]
+    e, h = self.num_experts, self.hidden
+    expert_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                   in_axis=-2, out_axis=-1, batch_axis=(0,))
+    router = self.param("router", _named(self.kernel_init, ("embed", None)), (width, e),
+                        self.param_dtype)
+    w_gate = self.param("gate", _named(expert_init, ("expert", "embed", "mlp")), (e, width, h),
+                        self.param_dtype)
+    w_up = self.param("up", _named(expert_init, ("expert", "embed", "mlp")), (e, width, h),
+                      self.param_dtype)
+    w_down = self.param("down", _named(expert_init, ("expert", "mlp", "embed")), (e, h, width),
+                        self.param_dtype)
+    dtype = self.dtype or x.dtype
+    tokens = x.reshape(-1, width).astype(dtype)
+    routing = route(tokens, router, self.experts_per_token)
+    if self.capacity_factor:
+      out, dropped = with_capacity(tokens, routing, w_gate, w_up, w_down, self.capacity_factor)
+      self.sow("intermediates", "dropped_tokens", dropped)
+    else:
+      out = dropless(tokens, routing, w_gate, w_up, w_down)
+    self.sow("intermediates", "expert_load", expert_load(routing))
+    if self.router_aux_loss_coef:
+      self.sow(tpipe.AUX_LOSS, "router_balance", self.router_aux_loss_coef * balance_loss(routing))
+    if self.router_z_loss_coef:
+      self.sow(tpipe.AUX_LOSS, "router_z", self.router_z_loss_coef * z_loss(routing))
+    return out.reshape(x.shape).astype(dtype)
