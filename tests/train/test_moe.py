@@ -198,3 +198,33 @@ def test_the_cases_cover_every_schedule_and_both_front_ends():
   assert {c[2] for c in CASES} == {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1",
                                    "zbv"}
   assert {c[0] for c in CASES} == {"linen", "nnx"} and {c[3] for c in CASES} == {0.0, 1.0}
+
+
+def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():
+  from configs import lm as lm_config  # pylint: disable=g-import-not-at-top
+  from tpipe.train import experiment, throughput  # pylint: disable=g-import-not-at-top
+
+  config = lm_config.get_config("size=tiny")
+  for key, value in dict(block="moe", num_stages=2, num_data=2, num_microbatches=2,
+                         num_experts=4, experts_per_token=2, router_aux_loss_coef=0.1,
+                         router_z_loss_coef=0.01).items():
+    config[key] = value
+  config.mesh.expert = 2
+  exp = experiment.build(config)
+  state = exp.init_state(jax.random.key(0))
+  gate = state.params["stacked"]["layers_1"]["moe"]["gate"]
+  assert gate.shape[-3:] == (4, config.width, config.mlp_dim)
+  assert "expert" in gate.sharding.spec  # Each expert device holds 2 of the 4 experts.
+  rng = np.random.default_rng(0)
+  batch = {k: jnp.asarray(rng.integers(0, 256, (config.batch_size, config.seq_len)), jnp.int32)
+           for k in ("inputs", "targets")}
+  batch = jax.device_put(batch, exp.abstract_batch()["inputs"].sharding)
+  new_state, metrics = exp.train_step(state, batch, jax.random.key(1))
+  assert np.isfinite(float(metrics["loss"])) and int(new_state.step) == 1
+  assert "expert" in new_state.params["stacked"]["layers_1"]["moe"]["gate"].sharding.spec
+  arguments = {"num_layers": 1, "width": 8, "num_heads": 2, "mlp_dim": 16, "vocab_size": 4,
+               "block": "moe", "num_experts": 8, "experts_per_token": 2}
+  dense = dict(arguments, block="llama")
+  per_token = throughput.lm_forward_flops_per_token
+  # Active FLOPs: k experts' MLPs and the router, not E experts'.
+  assert per_token(arguments, 4) - per_token(dense, 4) == 2 * 8 * 16 * 3 + 2 * 8 * 8
