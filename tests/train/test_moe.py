@@ -228,3 +228,20 @@ def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():
   per_token = throughput.lm_forward_flops_per_token
   # Active FLOPs: k experts' MLPs and the router, not E experts'.
   assert per_token(arguments, 4) - per_token(dense, 4) == 2 * 8 * 16 * 3 + 2 * 8 * 8
+
+
+def test_experts_the_expert_axis_does_not_divide_are_refused_by_name():
+  mesh = tpipe.make_mesh(stages=2, expert=4)
+  model = tpipe.Sequential(
+      [mm.Embed(), tpipe.Repeat(_ThreeExperts(), 2), mm.Head()], num_stages=2,
+      num_microbatches=2, per_example=("targets",), mesh=mesh)
+  tokens, targets = mm.inputs()
+  with pytest.raises(ValueError, match="num_experts=3 is not divisible by the mesh's 'expert' "
+                     "axis of 4 devices"):
+    jax.eval_shape(model.init, jax.random.key(0), tokens, targets=targets)
+
+
+class _ThreeExperts(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + moe.MixtureOfExperts(num_experts=3, experts_per_token=1, hidden=4)(x)

@@ -96,6 +96,7 @@ class MixtureOfExperts(nnx.Module):
     self.down = param(expert_init, (num_experts, hidden, width), ("expert", "mlp", "embed"))
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    moe.check_expert_axis(self.router.shape[-1])
     dtype = self.dtype or x.dtype
     tokens = x.reshape(-1, x.shape[-1]).astype(dtype)
     routing = moe.route(tokens, self.router[...], self.experts_per_token)

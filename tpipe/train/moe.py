@@ -37,6 +37,7 @@ import numpy as np
 from jax import custom_batching
 
 import tpipe
+from tpipe import mesh as mesh_lib
 from tpipe.train import model_args
 
 _named = model_args.named
@@ -70,6 +71,18 @@ def check_routing(num_experts: int, experts_per_token: int, capacity_factor: flo
   if not isinstance(capacity_factor, (int, float)) or capacity_factor < 0:
     raise ValueError(f"{owner}: capacity_factor must be >= 0 (0 = dropless), got "
                      f"{capacity_factor!r}.")
+
+
+def check_expert_axis(num_experts: int, owner: str = "MixtureOfExperts") -> None:
+  """Raises ValueError when the ``expert`` axis of the mesh in context (inside a pipeline's
+  ``shard_map`` or ``jax.set_mesh``) does not divide ``num_experts``: the experts would be kept
+  whole on every device of the axis instead of split over it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  size = 1 if mesh.empty else dict(mesh.shape).get(mesh_lib.EXPERT_AXIS, 1)
+  if num_experts % size:
+    raise ValueError(f"{owner}: num_experts={num_experts} is not divisible by the mesh's "
+                     f"{mesh_lib.EXPERT_AXIS!r} axis of {size} devices; use a multiple of "
+                     f"{size} experts or an expert axis that divides {num_experts}.")
 
 
 def route(x: jax.Array, router: jax.Array, experts_per_token: int) -> Routing:
@@ -231,6 +244,7 @@ class MixtureOfExperts(nn.Module):
   @nn.compact
   def __call__(self, x):
     check_routing(self.num_experts, self.experts_per_token, self.capacity_factor)
+    check_expert_axis(self.num_experts)
     width = x.shape[-1]
     e, h = self.num_experts, self.hidden
     expert_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
