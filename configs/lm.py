@@ -174,8 +174,8 @@ def get_config(arg=None):
   # One matrix for the embedding and the head (two exact copies, their gradients summed:
   # tpipe.train.tied); needs head_bias=False.
   config.tie_embeddings = False
-  # The Hugging Face family the architecture comes from ("llama", "mistral", "qwen2",
-  # "gpt2"; set by init_from), which export writes; "" for tpipe's own.
+  # The Hugging Face family the architecture comes from ("llama", "mistral", "mixtral",
+  # "qwen2", "gpt2"; set by init_from), which export writes; "" for tpipe's own.
   config.family = ""
   # The loss a vocabulary slice at a time (a divisor of vocab_size): the head never forms a
   # micro-batch's whole [batch, seq, vocab] logits. 0: as many slices as keep each slice's

@@ -4,8 +4,8 @@ import, export, evaluation and generation tests.
 
 Every parameter is perturbed from its initial value (norm scales away from 1, biases away from
 0), so a tensor mapped to the wrong place shows. :func:`logits` in float64 computes the rotary
-angles in float64 too (``transformers`` computes them in float32 whatever the model's dtype), so
-the float64 run is exact math throughout.
+angles and Mixtral's router softmax in float64 too (``transformers`` computes them in float32
+whatever the model's dtype), so the float64 run is exact math throughout.
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ CASES = {
     "gpt2_tied": ("gpt2", True, {}),
     "gpt2": ("gpt2", False, {}),
 }
+# Mixture-of-experts cases (their own tests: a mesh with an expert axis): Mixtral with 4
+# experts, each token to 2, and a sliding window shorter than the test sequences.
+EXPERTS, EXPERTS_PER_TOKEN = 4, 2
+MOE_CASES = {
+    "mixtral": ("mixtral", False, dict(num_local_experts=EXPERTS,
+                                       num_experts_per_tok=EXPERTS_PER_TOKEN, sliding_window=4)),
+}
 
 
 def _torch():
@@ -41,13 +48,13 @@ def _torch():
 def hf_config(name: str):
   """The ``transformers`` config of case ``name``."""
   import transformers  # pylint: disable=g-import-not-at-top
-  family, tied, extra = CASES[name]
+  family, tied, extra = {**CASES, **MOE_CASES}[name]
   if family == "gpt2":
     return transformers.GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_head=HEADS, n_layer=LAYERS,
                                    n_inner=MLP, n_positions=POSITIONS, tie_word_embeddings=tied,
                                    **extra)
   config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config}[family]
+                  "mixtral": transformers.MixtralConfig, "qwen2": transformers.Qwen2Config}[family]
   return config_class(vocab_size=VOCAB, hidden_size=WIDTH, num_attention_heads=HEADS,
                       num_key_value_heads=KV_HEADS, intermediate_size=MLP,
                       num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS,
@@ -59,7 +66,8 @@ def save(name: str, directory: pathlib.Path) -> pathlib.Path:
   model.safetensors) to ``directory``; returns it."""
   torch = _torch()
   import transformers  # pylint: disable=g-import-not-at-top
-  torch.manual_seed(sorted(CASES).index(name))
+  torch.manual_seed(sorted(CASES).index(name) if name in CASES
+                    else len(CASES) + sorted(MOE_CASES).index(name))
   model = transformers.AutoModelForCausalLM.from_config(hf_config(name))
   with torch.no_grad():
     for parameter in model.parameters():
@@ -78,6 +86,10 @@ def load(directory: str, dtype: str = "float32"):
   model.eval()
   if dtype == "float64" and hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
     model.model.rotary_emb.forward = _exact_rotary(model.config)
+  if dtype == "float64":
+    for module in model.modules():
+      if type(module).__name__ == "MixtralSparseMoeBlock":
+        module.forward = _exact_experts(module)
   return model
 
 
@@ -105,6 +117,39 @@ def _exact_rotary(config):
     return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
   return forward
+
+
+def _exact_experts(block):
+  """A Mixtral sparse block's forward with the router's softmax in the model's dtype, not
+  float32 (written after ``transformers``' ``MixtralSparseMoeBlock.forward``, no jitter)."""
+  torch = _torch()
+
+  def forward(hidden):
+    x = hidden.reshape(-1, hidden.shape[-1])
+    scores = block.gate(x)
+    weights, experts = torch.topk(torch.softmax(scores, dim=-1), block.top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for j, expert in enumerate(block.experts):
+      token, slot = torch.where(experts == j)
+      out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+    return out.reshape(hidden.shape), scores
+
+  return forward
+
+
+def routing_margin(directory, tokens: np.ndarray) -> float:
+  """The smallest gap, in float64, between a token's ``k``-th and ``k+1``-th router
+  probability over every MoE layer: top-k routing is only well defined (the same experts in
+  any float32 arithmetic) where it is not tiny."""
+  torch = _torch()
+  model = load(str(directory), "float64")
+  with torch.no_grad():
+    out = model(torch.as_tensor(np.asarray(tokens), dtype=torch.long), output_router_logits=True)
+  k = model.config.num_experts_per_tok
+  gaps = [np.diff(np.sort(torch.softmax(scores, dim=-1).numpy(), axis=-1)[:, -k - 1:-k + 1])
+          for scores in out.router_logits]
+  return float(np.min(gaps))
 
 
 def logits(directory, tokens: np.ndarray, dtype: str = "float32") -> np.ndarray:

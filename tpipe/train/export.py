@@ -6,7 +6,8 @@ Usage::
   python -m tpipe.train.export --workdir=/tmp/run --out=/tmp/run_hf --step=200 --dtype=bfloat16
 
 Writes ``config.json`` and ``model.safetensors`` (PyTorch's names and layouts) of the family the
-run's model belongs to (Llama, Mistral, Qwen2 or GPT-2: :func:`tpipe.train.pretrained.export`),
+run's model belongs to (Llama, Mistral, Mixtral, Qwen2 or GPT-2:
+:func:`tpipe.train.pretrained.export`; a Mixtral's ``router_aux_loss_coef`` is the run's),
 which ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads; a tokenizer file the run
 used (``tokenizer.json`` and a ``tokenizer_config.json`` beside it) is copied along. A model that
 fits no family (a LayerNorm head with a bias, learned positions with llama blocks) is refused,
@@ -43,6 +44,8 @@ def export_run(workdir: str, out: str, *, step: int | None = None,
   """Exports ``workdir``'s checkpoint (``step``, default the latest) to ``out``."""
   model = loading.load(workdir=workdir, step=step)
   fields = {name: architecture.value(model.config, name) for name in architecture.FIELDS}
+  if "router_aux_loss_coef" in model.config:  # Not architecture: a Mixtral's config has it.
+    fields["router_aux_loss_coef"] = model.config.router_aux_loss_coef
   written = pretrained.export(model.params, fields, out, dtype)
   tokenizer = pathlib.Path(str(model.config.get("tokenizer", "")))
   if tokenizer.suffix == ".json" and tokenizer.is_file():

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and GPT-2, tied or untied.
+"""Hugging Face checkpoints in and out: Llama, Mistral, Mixtral, Qwen2 and GPT-2, tied or untied.
 
 A Hugging Face checkpoint directory holds ``config.json`` and one or more ``*.safetensors``
 files whose tensors carry PyTorch's names and layouts (``model.layers.0.self_attn.q_proj.weight
@@ -18,10 +18,12 @@ do not depend on the stages or mesh, so an imported model trains on any layout; 
 
 The families map to :class:`tpipe.train.models.LlamaBlock` (RMSNorm, rotary positions with
 ``rope_theta`` and ``linear``/``llama3`` ``rope_scaling``, grouped-query attention, SwiGLU;
-Qwen2's query/key/value biases; Mistral's sliding window) and to
+Qwen2's query/key/value biases; Mistral's sliding window; Mixtral's mixture of SwiGLU experts,
+``block="moe"``: :class:`tpipe.train.moe.MixtureOfExperts`, dropless) and to
 :class:`tpipe.train.models.TransformerBlock` (GPT-2: LayerNorm with epsilon 1e-5, learned
 positions, biases, tanh GELU). Anything else in a config (another activation, a bias on the
-attention output, Qwen2's per-layer sliding window) is refused with the field's name.
+attention output, Qwen2's per-layer sliding window, Mixtral's router jitter) is refused with the
+field's name.
 
 Example::
 
@@ -41,9 +43,10 @@ import numpy as np
 
 from tpipe.train import architecture_fields
 
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+            "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "gpt2": "GPT2LMHeadModel"}
 # Tensors of some checkpoints that are buffers, not parameters (masks, rotary tables).
 _BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -106,12 +109,20 @@ def _llama_fields(config: dict, family: str) -> dict[str, Any]:
           use_sliding_window=(False,))
   if family == "llama":
     _refuse(config, family, attention_bias=(False,))
+  if family == "mixtral":
+    # The jitter multiplies a training step's inputs by noise: a router tpipe does not model.
+    _refuse(config, family, router_jitter_noise=(0.0,))
   width, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
   head_dim = int(config.get("head_dim") or width // heads)
   scaling = config.get("rope_scaling")
-  window = config.get("sliding_window") if family == "mistral" else None
+  window = config.get("sliding_window") if family in ("mistral", "mixtral") else None
+  experts = {}
+  if family == "mixtral":
+    experts = dict(num_experts=int(config.get("num_local_experts", 8)),
+                   experts_per_token=int(config.get("num_experts_per_tok", 2)),
+                   capacity_factor=0.0)
   return dict(
-      block="llama", num_layers=int(config["num_hidden_layers"]), width=width,
+      block="moe" if experts else "llama", num_layers=int(config["num_hidden_layers"]), width=width,
       num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
       head_dim=0 if head_dim * heads == width else head_dim,
       mlp_dim=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
@@ -120,7 +131,7 @@ def _llama_fields(config: dict, family: str) -> dict[str, Any]:
       norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), final_norm="rms", head_bias=False,
       qkv_bias=family == "qwen2", sliding_window=int(window or 0),
       max_len=int(config.get("max_position_embeddings", 0)),
-      tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+      tie_embeddings=bool(config.get("tie_word_embeddings", False)), **experts)
 
 
 def _gpt2_fields(config: dict) -> dict[str, Any]:
@@ -261,10 +272,12 @@ def _llama_params(read: _Reader, fields) -> dict[str, Any]:
         "value": read(p + "self_attn.v_proj.weight").T.reshape(width, kv, dim),
         "out": read(p + "self_attn.o_proj.weight").T.reshape(heads, dim, width),
         "mlp_norm": {"scale": read(p + "post_attention_layernorm.weight")},
-        "gate": read(p + "mlp.gate_proj.weight").T,
-        "up": read(p + "mlp.up_proj.weight").T,
-        "down": read(p + "mlp.down_proj.weight").T,
     }
+    if fields["block"] == "moe":
+      block["moe"] = _mixtral_experts(read, p + "block_sparse_moe.", fields["num_experts"])
+    else:
+      block.update(gate=read(p + "mlp.gate_proj.weight").T, up=read(p + "mlp.up_proj.weight").T,
+                   down=read(p + "mlp.down_proj.weight").T)
     if fields["qkv_bias"]:
       block["query_bias"] = read(p + "self_attn.q_proj.bias").reshape(heads, dim)
       block["key_bias"] = read(p + "self_attn.k_proj.bias").reshape(kv, dim)
@@ -275,6 +288,15 @@ def _llama_params(read: _Reader, fields) -> dict[str, Any]:
           "layers_1": _stack(blocks),
           "layers_2": {"final_norm": {"scale": read("model.norm.weight")},
                        "head": {"kernel": _head(read, embedding, fields)}}}
+
+
+def _mixtral_experts(read: _Reader, p: str, num_experts: int) -> dict[str, np.ndarray]:
+  """A Mixtral layer's router and experts: ``gate.weight [E, D]`` is the router transposed,
+  expert ``j``'s ``w1``, ``w3 [H, D]`` and ``w2 [D, H]`` its gate, up and down transposed."""
+  experts = lambda name: np.stack([read(f"{p}experts.{j}.{name}.weight").T
+                                   for j in range(num_experts)])
+  return {"router": read(p + "gate.weight").T, "gate": experts("w1"), "up": experts("w3"),
+          "down": experts("w2")}
 
 
 def _gpt2_params(read: _Reader, fields) -> dict[str, Any]:
@@ -328,6 +350,8 @@ def family_of(fields: dict[str, Any]) -> str:
   if not family:
     if fields["block"] == "gpt":
       family = "gpt2"
+    elif fields["block"] == "moe":
+      family = "mixtral"
     else:
       family = "qwen2" if fields["qkv_bias"] else "mistral" if fields["sliding_window"] \
           else "llama"
@@ -336,6 +360,9 @@ def family_of(fields: dict[str, Any]) -> str:
   else:
     wrong = {"head_bias": False, "final_norm": "rms", "positions": "rotary",
              "qkv_bias": family == "qwen2"}
+  wrong["block"] = {"gpt2": "gpt", "mixtral": "moe"}.get(family, "llama")
+  if family == "mixtral":  # Hugging Face's Mixtral routes dropless: no capacity.
+    wrong["capacity_factor"] = 0.0
   wrong = [f"config.{k}={fields[k]!r} (export needs {v!r})" for k, v in wrong.items()
            if fields[k] != v]
   if family == "qwen2" and fields["sliding_window"]:
@@ -367,8 +394,13 @@ def hf_config(fields: dict[str, Any], family: str, dtype: str = "float32") -> di
             "tie_word_embeddings": bool(fields["tie_embeddings"])}
   if family == "llama":
     config.update(attention_bias=False, mlp_bias=False)
-  if family == "mistral":
+  if family in ("mistral", "mixtral"):
     config["sliding_window"] = fields["sliding_window"] or None
+  if family == "mixtral":
+    config.update(num_local_experts=fields["num_experts"],
+                  num_experts_per_tok=fields["experts_per_token"], router_jitter_noise=0.0)
+    if fields.get("router_aux_loss_coef") is not None:  # A training setting, if known.
+      config["router_aux_loss_coef"] = float(fields["router_aux_loss_coef"])
   return config
 
 
@@ -418,9 +450,16 @@ def hf_tensors(params: dict[str, Any], fields: dict[str, Any], family: str
         out[p + "self_attn.q_proj.bias"] = b("query_bias").reshape(-1)
         out[p + "self_attn.k_proj.bias"] = b("key_bias").reshape(-1)
         out[p + "self_attn.v_proj.bias"] = b("value_bias").reshape(-1)
-      out[p + "mlp.gate_proj.weight"] = b("gate").T
-      out[p + "mlp.up_proj.weight"] = b("up").T
-      out[p + "mlp.down_proj.weight"] = b("down").T
+      if family == "mixtral":
+        q = p + "block_sparse_moe."
+        out[q + "gate.weight"] = b("moe", "router").T
+        for j in range(fields["num_experts"]):
+          for name, weight in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+            out[f"{q}experts.{j}.{name}.weight"] = b("moe", weight)[j].T
+      else:
+        out[p + "mlp.gate_proj.weight"] = b("gate").T
+        out[p + "mlp.up_proj.weight"] = b("up").T
+        out[p + "mlp.down_proj.weight"] = b("down").T
     out["model.embed_tokens.weight"] = get(params, "layers_0", "embed", "embedding")
     out["model.norm.weight"] = get(params, "layers_2", "final_norm", "scale")
     if not fields["tie_embeddings"]:
