@@ -1,6 +1,7 @@
 """Evaluation and generation against ``transformers``: the perplexity of an imported model on
 packed documents is ``transformers``' loss on the same tokens (each document run alone), and
-greedy generation with the key/value cache continues a prompt as ``transformers`` does."""
+greedy generation with the key/value cache continues a prompt as ``transformers`` does: Llama,
+GPT-2 and Mixtral (a mixture of experts, whose router losses are no part of the perplexity)."""
 
 import numpy as np
 import pytest
@@ -16,12 +17,13 @@ from tpipe.train import tokenization
 
 pytest.importorskip("transformers")
 NEW_TOKENS = 16
+NAMES = ("llama", "gpt2_tied", "mixtral")
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   root = tmp_path_factory.mktemp("hf")
-  return {name: hf_models.save(name, root / name) for name in ("llama", "gpt2_tied")}
+  return {name: hf_models.save(name, root / name) for name in NAMES}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +52,11 @@ def _transformers_loss(directory, packed, dtype):
   return np.float64(total / count)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2_tied"])
+@pytest.mark.parametrize("name", NAMES)
 def test_perplexity_is_transformers_loss_on_the_same_tokens(checkpoints, packed, name):
-  model = loading.load(init_from=str(checkpoints[name]), seq_len=16)
+  # A run's router losses (block="moe") would add to its training loss, not to a perplexity.
+  model = loading.load(init_from=str(checkpoints[name]), seq_len=16, router_aux_loss_coef=0.01,
+                       router_z_loss_coef=0.001)
   result = evaluate.perplexity(model.config, model.params, packed, batch_size=4, num_stages=2,
                                num_data=1, num_microbatches=2)
   assert result["tokens"] == int(sum(packed[i]["loss_mask"].sum() for i in range(len(packed))))
@@ -81,11 +85,14 @@ def _smallest_margin(directory, prompt, continuation) -> float:
   return float((top_two[..., 1] - top_two[..., 0]).min())
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2_tied"])
+@pytest.mark.parametrize("name", NAMES)
 def test_greedy_generation_equals_transformers(checkpoints, name):
   prompt = np.random.RandomState(5).randint(0, hf_models.VOCAB, (2, 5)).astype(np.int32)
   expected = _transformers_greedy(checkpoints[name], prompt)
   assert _smallest_margin(checkpoints[name], prompt, expected) > 1e-4
+  if name in hf_models.MOE_CASES:  # And the experts each token goes to are well defined.
+    sequence = np.concatenate([prompt, expected], axis=1)
+    assert hf_models.routing_margin(checkpoints[name], sequence) > 1e-5
   model = loading.load(init_from=str(checkpoints[name]))
   generator = generate.Generator(model.config, model.params)
   got = generator.generate(prompt, NEW_TOKENS)

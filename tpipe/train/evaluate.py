@@ -91,7 +91,9 @@ def perplexity(config, params, packed: packing.PackedTokens, *, batch_size: int 
     raise ValueError(f"--batch_size={batch_size} must be a multiple of --num_data * "
                      f"--num_microbatches = {num_data * num_microbatches}.")
   mesh = tpipe.make_mesh(stages=num_stages, data=num_data, devices=devices)
-  arguments = dict(architecture.lm_arguments(config), dropout_rate=0.0)
+  # The language model's loss alone: a mixture's router losses are training's.
+  arguments = dict(architecture.lm_arguments(config), dropout_rate=0.0, router_aux_loss_coef=0.0,
+                   router_z_loss_coef=0.0)
   model = models.decoder_lm(**arguments, num_stages=num_stages,
                             num_microbatches=num_microbatches, mesh=mesh, remat="none")
   sharding = tpipe.data_sharding(mesh)

@@ -44,8 +44,8 @@ class Generator:
     self.embed, repeat, self.head = models.lm_layers(**arguments)
     self.block, self.num_layers = repeat.module, repeat.n
     heads = arguments["num_heads"]
-    self.kv_heads = (arguments["num_kv_heads"] or heads) if arguments["block"] == "llama" \
-        else heads
+    self.kv_heads = (arguments["num_kv_heads"] or heads) if arguments["block"] in (
+        "llama", "moe") else heads
     self.head_dim = arguments["head_dim"] or arguments["width"] // heads
     self.max_len = arguments["max_len"]
     self.dtype = arguments["dtype"]
