@@ -1,8 +1,9 @@
 """Hugging Face Mixtral checkpoints: imported into the logical form (``block="moe"``) they give
 ``transformers``' logits from the pipelined forward under gpipe, 1f1b and zbv on a stage 2 x
 expert 2 x fsdp 2 mesh (the experts split over the expert axis); export round-trips bit for bit
-and ``transformers`` loads it; what the block does not model is refused by name. Evaluation and
-generation on it are in ``test_evaluate_generate``."""
+and ``transformers`` loads it, also from a trainer run started from it with the experts split;
+what the block does not model is refused by name. Evaluation and generation on it are in
+``test_evaluate_generate``."""
 
 import functools
 import json
@@ -15,9 +16,12 @@ import tpipe
 from configs import lm
 from tests.helpers import hf_models
 from tests.helpers import numerics
+from tests.helpers import text_corpus
 from tpipe.train import architecture
+from tpipe.train import export
 from tpipe.train import models
 from tpipe.train import pretrained
+from tpipe.train import trainer
 
 pytest.importorskip("transformers")
 BATCH, SEQ = 4, 8
@@ -108,3 +112,29 @@ def test_what_the_block_does_not_model_is_refused_by_name(checkpoint, tmp_path):
   with pytest.raises(ValueError, match="tensors tpipe does not map: \\['model.layers.0."
                                        "block_sparse_moe.experts.3"):
     pretrained.load_params(tmp_path)
+
+
+def test_a_trainer_run_from_a_mixtral_with_its_experts_split_exports_it(checkpoint, tmp_path):
+  """The trainer's pretrained path: config.init_from a Mixtral on stage 2 x expert 2 x data 2,
+  one step (the warm-up's first, at learning rate 0: the weights unchanged), then the run's
+  export is the original checkpoint bit for bit, with the run's router_aux_loss_coef."""
+  config = lm.get_config("size=tiny")
+  config.init_from, config.seq_len = str(checkpoint), SEQ
+  config.data = text_corpus.write_jsonl(tmp_path / "docs.jsonl", text_corpus.documents(60))
+  config.tokenizer = text_corpus.word_tokenizer(tmp_path / "words")
+  config.num_stages, config.num_data, config.num_microbatches = 2, 2, 2
+  config.mesh.expert = 2
+  config.batch_size, config.num_steps, config.warmup_steps = 8, 1, 1
+  config.checkpoint_every, config.eval_every = 1, 100
+  config.router_aux_loss_coef = 0.02
+  result = trainer.train(config, str(tmp_path / "run"))
+  assert result["step"] == 1 and np.isfinite(result["loss"])
+  out = export.export_run(str(tmp_path / "run"), str(tmp_path / "out"))
+  original = pretrained.read_safetensors(checkpoint / "model.safetensors")
+  exported = pretrained.read_safetensors(out / "model.safetensors")
+  assert sorted(exported) == sorted(original)
+  for key, tensor in original.items():
+    np.testing.assert_array_equal(exported[key], tensor, err_msg=key)
+  written = json.loads((out / "config.json").read_text())
+  assert written["model_type"] == "mixtral" and written["router_aux_loss_coef"] == 0.02
+  assert pretrained.architecture_of(out) == pretrained.architecture_of(checkpoint)
