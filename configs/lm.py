@@ -200,7 +200,7 @@ def get_config(arg=None):
   config.compact_moments = "auto"
 
   # Start from a pretrained model: a Hugging Face checkpoint directory (config.json and
-  # *.safetensors of a Llama, Mistral, Qwen2 or GPT-2 model) or another run's workdir. Its
+  # *.safetensors of a Llama, Mistral, Mixtral, Qwen2 or GPT-2 model) or another run's workdir. Its
   # architecture replaces the model fields above; "" trains from scratch.
   config.init_from = ""
 
