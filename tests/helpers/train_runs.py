@@ -104,6 +104,14 @@ def captured_log(log_filter=None):
     root.setLevel(level)
 
 
+def reset_flags() -> None:
+  """absl's flags as before a command line was parsed in this process: unparsed, and without the
+  config's field flags (``--config.NAME``), which the next parse of ``--config`` defines anew."""
+  flags.FLAGS.unparse_flags()
+  for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+    delattr(flags.FLAGS, name)
+
+
 def run_cli(*argv) -> subprocess.CompletedProcess:
   """``python -m tpipe.train ARGV`` in this process, on conftest's 8 CPU devices (the trainer's
   command line, flags, ``main`` and error handling; only the interpreter is shared): a
@@ -114,6 +122,7 @@ def run_cli(*argv) -> subprocess.CompletedProcess:
   sys.argv = ["tpipe.train", *argv]
   # The devices exist already: the trainer must not ask JAX for another count.
   os.environ["JAX_NUM_CPU_DEVICES"] = str(jax.device_count())
+  reset_flags()
   try:
     quiet = trainer._QuietLibraries()  # The trainer's filter. pylint: disable=protected-access
     with contextlib.ExitStack() as stack:
@@ -126,9 +135,7 @@ def run_cli(*argv) -> subprocess.CompletedProcess:
       except SystemExit as e:
         code = 0 if e.code is None else e.code
   finally:
-    flags.FLAGS.unparse_flags()
-    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
-      delattr(flags.FLAGS, name)  # The config's field flags, defined anew by the next parse.
+    reset_flags()
     sys.argv = saved[0]
     if saved[1] is None:
       os.environ.pop("JAX_NUM_CPU_DEVICES", None)
