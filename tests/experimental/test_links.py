@@ -51,7 +51,7 @@ def test_axis_links_follow_the_slices():
   two = [devices[:4], devices[4:]]
   stage_over = tpipe.make_mesh(stages=4, data=2, dcn={"stage": 2}, slices=two)
   assert links.axis_links(stage_over) == {"stage": "dcn", "data": "ici", "fsdp": "ici",
-                                          "tensor": "ici"}
+                                          "expert": "ici", "tensor": "ici"}
   data_over = tpipe.make_mesh(stages=4, data=2, dcn={"data": 2}, slices=two)
   assert links.axis_links(data_over)["data"] == "dcn"
   assert links.axis_links(data_over)["stage"] == "ici"

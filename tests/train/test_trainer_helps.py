@@ -117,7 +117,7 @@ def test_the_log_names_where_everything_goes_and_each_save(interrupted):
 def test_a_mesh_leaving_devices_idle_says_so(interrupted):
   log = interrupted[3]
   assert ("The mesh uses 6 of the 8 devices (num_stages 3 x num_data 2 x mesh.fsdp 1 x "
-          "mesh.tensor 1); 2 stay idle. Make the product 8 to use them all.") in log
+          "mesh.expert 1 x mesh.tensor 1); 2 stay idle. Make the product 8 to use them all.") in log
 
 
 def _tensorboard_tags(workdir) -> set[str]:
