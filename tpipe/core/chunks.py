@@ -49,11 +49,6 @@ from tpipe.core import spmd
 from tpipe.core import taps as taps_lib
 from tpipe.core import weight_casts
 
-# Read by engine.py as chunks_lib.PARAMS, chunks_lib.STATS and chunks_lib.signatures.
-PARAMS = view_lib.PARAMS
-STATS = view_lib.STATS
-signatures = signatures_lib.signatures
-
 
 def _is_spec(value) -> bool:
   return isinstance(value, P)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +35,17 @@ import numpy as np
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import arguments
+from tpipe.core import aux_losses
 from tpipe.core import backward_plan as backward_plan_lib
 from tpipe.core import chunks as chunks_lib
+from tpipe.core import device_view
 from tpipe.core import forward
 from tpipe.core import fused
 from tpipe.core import layers as layers_lib
 from tpipe.core import layout as layout_lib
 from tpipe.core import plan as plan_lib
 from tpipe.core import remat as remat_lib
-from tpipe.core import aux_losses
+from tpipe.core import signatures as signatures_lib
 from tpipe.core import spmd
 from tpipe.core import statistics
 
@@ -223,10 +225,10 @@ class Pipeline:
 
   def _staged(self, params, stats):
     self.layout.check_staged(params, what=f"{self.owner}'s staged parameters")
-    staged = {chunks_lib.PARAMS: params}
+    staged = {device_view.PARAMS: params}
     if stats is not None:
       self.stats_layout.check_staged(stats, what=f"{self.owner}'s staged statistics")
-      staged[chunks_lib.STATS] = stats
+      staged[device_view.STATS] = stats
     return staged
 
   def _check_losses(self) -> None:
@@ -313,7 +315,7 @@ class Pipeline:
   def programs(self) -> list[int]:
     """Per model chunk, which of the distinct chunk programs (``lax.switch`` branches) runs it
     (see :mod:`tpipe.core.chunks`)."""
-    return chunks_lib.signatures(self.plan, self.layout, self.stats_layout)[1]
+    return signatures_lib.signatures(self.plan, self.layout, self.stats_layout)[1]
 
   def describe(self) -> str:
     """The split (each chunk's units, cost and share: :meth:`tpipe.core.plan.Plan.describe`)
@@ -403,9 +405,3 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
                                                 stacked=layout.stacked, packing="slot")
   return Pipeline(layers=layers, spec=spec, plan=plan, layout=layout, stats_layout=stats_layout,
                   owner=owner)
-
-
-def staged_shapes(pipeline: Pipeline) -> Any:
-  """The abstract staged parameters (and statistics) of ``pipeline``: ``(params, stats)``."""
-  stats = pipeline.stats_layout.staged_shapes() if pipeline.stats_layout else None
-  return pipeline.layout.staged_shapes(), stats
