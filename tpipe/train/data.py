@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import pathlib
 import sysconfig
 
@@ -42,9 +43,11 @@ def stdlib_root() -> pathlib.Path:
 def list_source_files(root: pathlib.Path | None = None) -> list[pathlib.Path]:
   """All ``*.py`` files under ``root`` (default: the stdlib), sorted by path, no site-packages."""
   root = stdlib_root() if root is None else pathlib.Path(root)
-  files = [p for p in root.rglob("*.py")
-           if "site-packages" not in p.relative_to(root).parts and p.is_file()]
-  return sorted(files)
+  files = []
+  for directory, subdirectories, names in os.walk(root):
+    subdirectories[:] = [d for d in subdirectories if d != "site-packages"]  # Not walked.
+    files += [pathlib.Path(directory, n) for n in names if n.endswith(".py")]
+  return sorted(p for p in files if p.is_file())
 
 
 def _path_hash(relpath: str, salt: str) -> float:
