@@ -176,7 +176,7 @@ def test_3d_example_splits_the_weights_and_equals_the_mlps_in_sequence():
 def test_multislice_example_equals_the_mlps_in_sequence_with_the_crossing_links_delayed():
   page = _page("multislice")
   sliced, far = page["sliced"], page["far"]
-  assert sliced.axis_names == ("stage", "data", "fsdp", "tensor")
+  assert sliced.axis_names == ("stage", "data", "fsdp", "expert", "tensor")
   assert far.spec.delays == (0, 1, 0, 1)
   params, h = page["wide_params"]["layers_0"], page["h"]
   in_order = functools.partial(_mlps_in_order, page["MLP"]())

@@ -117,7 +117,7 @@ def test_parameters_split_over_each_mesh_axis(tiny_report):
   assert rows["stage"] == {"axis": "stage", "devices": 4, "split_bytes": total, "whole_bytes": 0}
   assert rows["data"] == {"axis": "data", "devices": 2, "split_bytes": 0, "whole_bytes": total}
   text = report_text.format_report(tiny_report)
-  assert "mesh data=2 x fsdp=1 x stage=4 x tensor=1 (8 devices)" in text
+  assert "mesh data=2 x fsdp=1 x stage=4 x expert=1 x tensor=1 (8 devices)" in text
   assert "| stage | 4 | " in text and "(100.0%) | 0 B (0.0%) |" in text
 
 
@@ -445,7 +445,8 @@ def test_stages_over_two_slices_send_over_dcn_and_a_delay_hides_what_a_tick_outl
   delayed, plain = two_slice_reports
   for rep in (delayed, plain):
     comm = rep.communication
-    assert comm.links == {"stage": "dcn", "data": "ici", "fsdp": "ici", "tensor": "ici"}
+    assert comm.links == {"stage": "dcn", "data": "ici", "fsdp": "ici", "expert": "ici",
+                          "tensor": "ici"}
     assert comm.crossing == (False, True, False, True)
     stage = next(row for row in comm.rows if row.axes == ("stage",))
     assert stage.link == "dcn" and 0 < stage.exposed_seconds <= stage.seconds

@@ -43,7 +43,7 @@ def tpu_step():
 def test_the_tpu_compiler_builds_the_step_for_the_slice(tpu_step):
   exp, state, compiled = tpu_step
   assert {d.platform for d in exp.mesh.devices.flat} == {"tpu"}
-  assert dict(exp.mesh.shape) == {"data": 1, "fsdp": 2, "stage": 2, "tensor": 2}
+  assert dict(exp.mesh.shape) == {"data": 1, "fsdp": 2, "stage": 2, "expert": 1, "tensor": 2}
   assert ":T(8,128)" in compiled.as_text()  # TPU tiled layouts: not XLA:CPU's program.
   # Each device's arguments hold its share of the state (the TPU pads small arrays to tiles).
   share = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
