@@ -16,6 +16,8 @@ import pathlib
 
 import numpy as np
 
+from tpipe.train import pretrained
+
 VOCAB, WIDTH, HEADS, KV_HEADS, MLP, LAYERS, POSITIONS = 64, 32, 4, 2, 48, 2, 32
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
@@ -158,3 +160,14 @@ def logits(directory, tokens: np.ndarray, dtype: str = "float32") -> np.ndarray:
   with torch.no_grad():
     out = load(str(directory), dtype)(torch.as_tensor(np.asarray(tokens), dtype=torch.long))
   return out.logits.numpy()
+
+
+def assert_same_tensors(original: pathlib.Path, exported: pathlib.Path) -> None:
+  """The exported checkpoint's ``model.safetensors`` holds the original's tensors, names,
+  dtypes and values bit for bit."""
+  want = pretrained.read_safetensors(original / "model.safetensors")
+  got = pretrained.read_safetensors(exported / "model.safetensors")
+  assert sorted(got) == sorted(want)
+  for key, tensor in want.items():
+    assert got[key].dtype == tensor.dtype
+    np.testing.assert_array_equal(got[key], tensor, err_msg=key)

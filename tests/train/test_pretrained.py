@@ -72,12 +72,7 @@ def test_export_round_trips_bit_for_bit_and_transformers_loads_it(checkpoints, n
   fields = pretrained.architecture_of(directory)
   params = pretrained.load_params(directory, fields)
   out = pretrained.export(params, fields, tmp_path / "out")
-  original = pretrained.read_safetensors(directory / "model.safetensors")
-  exported = pretrained.read_safetensors(out / "model.safetensors")
-  assert sorted(exported) == sorted(original)
-  for key, tensor in original.items():
-    assert exported[key].dtype == tensor.dtype
-    np.testing.assert_array_equal(exported[key], tensor, err_msg=key)
+  hf_models.assert_same_tensors(directory, out)
   assert pretrained.architecture_of(out) == fields
   tokens = _tokens(seed=1)
   np.testing.assert_array_equal(hf_models.logits(out, tokens), hf_models.logits(directory, tokens))

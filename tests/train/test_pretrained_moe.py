@@ -75,12 +75,7 @@ def test_export_round_trips_bit_for_bit_and_transformers_loads_it(checkpoint, tm
   fields = pretrained.architecture_of(checkpoint)
   params = pretrained.load_params(checkpoint, fields)
   out = pretrained.export(params, fields, tmp_path / "out")
-  original = pretrained.read_safetensors(checkpoint / "model.safetensors")
-  exported = pretrained.read_safetensors(out / "model.safetensors")
-  assert sorted(exported) == sorted(original)
-  for key, tensor in original.items():
-    assert exported[key].dtype == tensor.dtype
-    np.testing.assert_array_equal(exported[key], tensor, err_msg=key)
+  hf_models.assert_same_tensors(checkpoint, out)
   assert pretrained.architecture_of(out) == fields
   config = json.loads((out / "config.json").read_text())
   assert config["architectures"] == ["MixtralForCausalLM"]
