@@ -11,12 +11,13 @@ on each micro-batch, as gradient accumulation runs it. An auxiliary loss that po
 micro-batch's rows (a balance loss counts tokens per expert) pools over the rows a device holds
 of it: one data-parallel replica's share, as data-parallel training computes it.
 
-How: the auxiliary losses travel with the activations. :func:`carry` rewrites the layer
-sequence so that the first layer starts a per-example running sum of zeros beside its output,
-each layer adds its own auxiliary losses to every row of it, and the last layer adds it to its
-per-example losses. Every schedule then carries the sums stage to stage as it carries
-activations (one float per row), and the loss's gradient reaches each auxiliary loss through
-them: no schedule needs to know.
+How: planning finds the layers that add auxiliary losses while it traces the sequence
+(:attr:`tpipe.core.plan.Traced.adding`), and the auxiliary losses travel with the activations:
+:func:`carry` rewrites the layer sequence so that the first layer starts a per-example running
+sum of zeros beside its output, each layer adds its own auxiliary losses to every row of it, and
+the last layer adds it to its per-example losses. Every schedule then carries the sums stage to
+stage as it carries activations (one float per row), and the loss's gradient reaches each
+auxiliary loss through them: no schedule needs to know.
 """
 
 from __future__ import annotations
@@ -42,29 +43,6 @@ def total(sown, owner: str, where: str):
                        f"and dtype {jnp.result_type(leaf)}; an auxiliary loss is a float "
                        "scalar (reduce it over the tokens first, e.g. with jnp.mean).")
   return sum(jnp.asarray(leaf, jnp.float32) for leaf in leaves)
-
-
-def reporting(layers, layer_inputs, param_shapes, stats_shapes, run) -> tuple[int, ...]:
-  """The indices of the layers that add auxiliary losses on a call like the one traced.
-
-  Args:
-    layers: the :class:`~tpipe.core.layers.Layer` sequence.
-    layer_inputs: the abstract input of each layer on one micro-batch.
-    param_shapes: ``{"layers_i": tree}``, abstract, a repeated layer's stacked.
-    stats_shapes: the same for running statistics.
-    run: ``run(layer, apply, params, stats, h) -> outputs``: one abstract call of ``apply`` (the
-      layer's ``apply_with_aux_loss``) with the call's keywords and random streams.
-  """
-  found = []
-  for i, layer in enumerate(layers):
-    if layer.apply_with_aux_loss is None:
-      continue
-    params, stats = param_shapes[f"layers_{i}"], stats_shapes.get(f"layers_{i}", {})
-    if layer.copies is not None:
-      params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
-    if run(layer, layer.apply_with_aux_loss, params, stats, layer_inputs[i])[2] is not None:
-      found.append(i)
-  return tuple(found)
 
 
 def carry(layers, adding: tuple[int, ...], owner: str,

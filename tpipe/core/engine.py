@@ -25,7 +25,6 @@ trainer keeps one for its whole run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
@@ -384,8 +383,7 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
   calls = plan_lib.Calls(split, side, tuple(rng_names), owner,
                          (spec.data_axis, spec.stage_axis))
   traced = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
-  adding = aux_losses.reporting(layers, traced.layer_inputs, param_shapes, stats_shapes,
-                                functools.partial(plan_lib.abstract_apply, calls=calls))
+  adding = traced.adding
   if adding:  # Layers add auxiliary losses: they travel to the loss beside the activations.
     with_stats = frozenset(i for i in range(len(layers))
                            if jax.tree.leaves(stats_shapes[f"layers_{i}"]))

@@ -177,10 +177,13 @@ class Traced(NamedTuple):
       mode (:attr:`tpipe.core.layers.Layer.apply_with_momenta`) on the keywords traced; the
       engine traces each call that updates running statistics for them (a layer's mode
       follows the call's keywords, e.g. ``train=True``).
+    adding: the indices of the layers that added auxiliary losses on the call traced
+      (:attr:`tpipe.core.layers.Layer.apply_with_aux_loss`; :mod:`tpipe.core.aux_losses`).
   """
 
   layer_inputs: tuple[Any, ...]
   momenta: dict
+  adding: tuple[int, ...] = ()
 
 
 def trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls: Calls) -> Traced:
@@ -198,19 +201,20 @@ def trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls: Calls) -> T
     ValueError: a repeated layer changes its input's type, or a layer fails on the previous
       layer's output (the message names both layers and the type that did not fit).
   """
-  inputs, momenta, h = [], {}, x_micro
+  inputs, momenta, adding, h = [], {}, [], x_micro
   for i, layer in enumerate(layers):
     inputs.append(h)
     params, stats = param_shapes[f"layers_{i}"], stats_shapes.get(f"layers_{i}", {})
     if layer.copies is not None:
       params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
-    out, found = _abstract_call(layer, params, stats, h, calls,
-                                where=failure_message(layers, i, calls.owner))
+    out, found, adds = _abstract_call(layer, params, stats, h, calls,
+                                      where=failure_message(layers, i, calls.owner))
     momenta.update({(i, path): m for path, m in found.items()})
+    adding += [i] if adds else []
     check_repeated(layers, i, h, out, calls.owner)
     h = out
   inputs.append(h)
-  return Traced(tuple(inputs), momenta)
+  return Traced(tuple(inputs), momenta, tuple(adding))
 
 
 def check_repeated(layers, i: int, h, out, owner: str) -> None:
@@ -243,44 +247,45 @@ def abstract_output(layer, params, stats, h, calls: Calls, where: str = ""):
   return _abstract_call(layer, params, stats, h, calls, where)[0]
 
 
-def abstract_apply(layer, apply, params, stats, h, calls: Calls):
-  """The abstract results of ``apply(params, stats, h, kwargs, rngs)`` (one of ``layer``'s
-  apply functions, whatever it returns) with the keywords and random streams ``calls`` gives."""
-  rngs = {name: jax.random.key(0) for name in calls.rng_names}
-  bound = layers_lib.outside_mesh(apply, calls.axis_names)
-
-  def run(params, stats, h, broadcast, per_example):
-    kwargs = layers_lib.layer_keywords(layer, calls.split, broadcast, per_example)
-    return bound(params, stats, h, kwargs, rngs)
-
-  return jax.eval_shape(run, params, stats, h, *calls.side)
-
-
 def _abstract_call(layer, params, stats, h, calls: Calls, where: str = ""):
-  """``(abstract output, {path: momentum})``: :func:`abstract_output` and the momenta its
-  trace found (empty for a layer without running statistics)."""
+  """``(abstract output, {path: momentum}, adds auxiliary losses?)``: :func:`abstract_output`,
+  the momenta its trace found (empty for a layer without running statistics), and whether the
+  layer added auxiliary losses on it. One trace, except for a layer with running statistics that
+  may add auxiliary losses (its momenta and its losses come from two apply functions)."""
   rngs = {name: jax.random.key(0) for name in calls.rng_names}
-  found = []  # The momenta, static: they leave the abstract trace as a Python value.
+  found, adds = [], []  # Static: they leave the abstract traces as Python values.
 
   def measuring(params, stats, h, kwargs, rngs):
     y, contributions, momenta = layer.apply_with_momenta(params, stats, h, kwargs, rngs)
     found.append(momenta)
     return y, contributions
 
-  has_stats = layer.apply_with_momenta is not None and bool(jax.tree.leaves(stats))
-  apply = layers_lib.outside_mesh(measuring if has_stats else layer.apply, calls.axis_names)
+  def adding(params, stats, h, kwargs, rngs):
+    y, contributions, added = layer.apply_with_aux_loss(params, stats, h, kwargs, rngs)
+    adds.append(added is not None)
+    return y, contributions
 
-  def run(params, stats, h, broadcast, per_example):
-    kwargs = layers_lib.layer_keywords(layer, calls.split, broadcast, per_example)
-    return apply(params, stats, h, kwargs, rngs)[0]
+  has_stats = layer.apply_with_momenta is not None and bool(jax.tree.leaves(stats))
+  may_add = layer.apply_with_aux_loss is not None
+  passes = [measuring] if has_stats else []
+  passes += [adding] if may_add else []
+
+  def run(apply):
+    apply = layers_lib.outside_mesh(apply, calls.axis_names)
+
+    def call(params, stats, h, broadcast, per_example):
+      kwargs = layers_lib.layer_keywords(layer, calls.split, broadcast, per_example)
+      return apply(params, stats, h, kwargs, rngs)[0]
+
+    return jax.eval_shape(call, params, stats, h, *calls.side)
 
   try:
-    out = jax.eval_shape(run, params, stats, h, *calls.side)
+    out = [run(apply) for apply in passes or [layer.apply]][0]
   except (TypeError, ValueError) as error:
     if not where:
       raise
     raise located(error, where, h) from error
-  return out, found[0] if found else {}
+  return out, found[0] if found else {}, any(adds)
 
 
 def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs,
