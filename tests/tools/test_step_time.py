@@ -11,6 +11,7 @@ from jax import lax
 
 from tpipe import schedules
 from tpipe.tools import flops as flops_lib
+from tpipe.tools import pipeline_time
 from tpipe.tools import step_time
 
 # TPU v5p's published figures, as the table must hold them.
@@ -312,11 +313,11 @@ def test_pipeline_step_follows_the_table_with_each_actions_price():
     return run
 
   compiled = _fused_tick_program(schedule, [lambda c: c, matmuls(1), matmuls(2)])
-  priced = step_time.fused_action_seconds(compiled, schedule, "v5p", programs=[0, 0])
+  priced = pipeline_time.fused_action_seconds(compiled, schedule, "v5p", programs=[0, 0])
   assert set(priced.actions) == {"F", "B"}
   # B runs two of F's matmul and tanh (what else the branches do, copies, is memory-bound).
   assert priced.actions["F"] < priced.actions["B"] < 3 * priced.actions["F"]
-  step = step_time.pipeline_step_time(compiled, schedule, "v5p", programs=[0, 0])
+  step = pipeline_time.pipeline_step_time(compiled, schedule, "v5p", programs=[0, 0])
   timing = schedule.simulate(priced.actions)
   assert step.seconds == pytest.approx(timing.neighbour + priced.outside)
   assert step.busy == pytest.approx(4 * (priced.actions["F"] + priced.actions["B"]))
