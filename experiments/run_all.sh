@@ -23,11 +23,11 @@ SCRIPTS=(
   engine_comparison compile_times fused_schedules search_robustness gpu_action_costs
   weight_placement remat_granularity_grad sequential_memory tpu_memory tpu_gradient_sums
   scale_3d memory_at_scale checkpoint_memory multislice multislice_moments streamed_inputs
-  digits_baseline moe_memory
+  digits_baseline moe_memory step_time
 )
 # The ones that compile for a TPU topology with libtpu.
 TPU=" tpu_memory tpu_gradient_sums scale_3d memory_at_scale checkpoint_memory streamed_inputs "
-TPU+="multislice_moments moe_memory "
+TPU+="multislice_moments moe_memory step_time "
 
 flags=()
 names=()

@@ -499,3 +499,39 @@ def test_a_compound_table_reports_its_costs_and_actions_per_tick():
   assert f"compound: up to {table.lanes} actions per stage" in report_text.format_report(report)
   pipeline = report.analysis.pipeline
   assert pipeline is not None and pipeline.useful <= pipeline.executed <= pipeline.lockstep
+
+
+def test_the_report_predicts_step_time_tokens_per_second_and_mfu(fused_report, tiny_report):
+  """The step priced on v5p (the default chip off a topology): a fused table tick by tick, a
+  forward one whole with its simulated bubble share; MFU from 6 x parameters x tokens plus
+  attention at v5p's 459 TFLOP/s."""
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import step_time  # pylint: disable=g-import-not-at-top
+  from tpipe.train import architecture  # pylint: disable=g-import-not-at-top
+  from tpipe.train import throughput  # pylint: disable=g-import-not-at-top
+
+  for report in (fused_report, tiny_report):
+    p, config = report.prediction, report.config
+    fused = isinstance(report.schedule, schedules.FusedSchedule)
+    assert p.chip == "v5p" and p.tick_by_tick == fused
+    assert set(p.parts) == {"compute", "memory", "exposed collectives", "bubble"}
+    assert sum(p.parts.values()) == pytest.approx(p.seconds, rel=1e-9)
+    assert 0 < p.parts["bubble"] < p.seconds
+    if not fused:
+      assert p.parts["bubble"] == pytest.approx(
+          p.seconds * flops_lib.simulated_bubble(report.schedule))
+    tokens = config.batch_size * config.seq_len
+    model = throughput.lm_step_flops(architecture.lm_arguments(config),
+                                     batch=config.batch_size, seq_len=config.seq_len)
+    assert (p.tokens, p.model_flops) == (tokens, model)
+    assert p.tokens_per_second == pytest.approx(tokens / p.seconds)
+    assert p.mfu == pytest.approx(model / report.num_devices / p.seconds / 459e12)
+    # The program's own figures are the estimator's on the compiled step.
+    whole = step_time.estimate(report.compiled, "v5p", mesh=report.mesh)
+    assert (p.step_time.flops, p.step_time.hbm_bytes) == (whole.flops, whole.hbm_bytes)
+    assert report.to_json()["prediction"]["mfu"] == p.mfu
+    text = report_text.format_report(report)
+    assert "### Predicted step time on v5p" in text
+    assert f"{p.tokens_per_second:,.0f} tokens/s, MFU {p.mfu:.1%}" in text
+    assert "| bubble (stages idle or waiting) |" in text

@@ -23,7 +23,10 @@ a TPU VM) and never run. The printed table gives, per device:
   micro-batch and the working set of its chunks compiled alone;
 * the **memory floor**: (parameters + optimizer state + gradients) of the largest stage + the
   schedule's in-flight stage inputs + the working set of one chunk on one micro-batch, and the
-  real peak over it (:mod:`tpipe.tools.stage_costs`).
+  real peak over it (:mod:`tpipe.tools.stage_costs`);
+* the **predicted step time** on the topology's chip (v5p off a topology), tokens per second and
+  MFU, and where the time goes: compute, memory, exposed collectives, bubble, recompute
+  (:func:`predict`, :mod:`tpipe.tools.step_time`).
 
 The report (``report.md``, ``report.json``) and the schedule's timeline (``timeline.png``) are
 saved in ``--out_dir`` (a new temporary directory by default, printed at the end). Python users
@@ -116,6 +119,8 @@ class Report:
       (:mod:`tpipe.core.tick_costs`) rather than given.
     moments: whether Adam's moments of the ends are compact, and the memory and the moves over
       ``stage`` at stake (:func:`tpipe.train.compact_moments.describe`); "" where none qualify.
+    prediction: the step's predicted time, tokens per second and MFU on the chip priced
+      (:class:`Prediction`), or None.
   """
 
   config: Any
@@ -141,6 +146,7 @@ class Report:
   tick_costs_derived: bool = False
   backward: str = ""
   moments: str = ""
+  prediction: Any = None
 
   @property
   def floor(self):
@@ -243,12 +249,120 @@ class Report:
         "live_at_peak_bytes_by_role": self.peak.by_role() if self.peak else None,
         "communication": self.communication.to_json() if self.communication else None,
         "end_moments": self.moments,
+        "prediction": self.prediction.to_json() if self.prediction else None,
     }
 
   @property
   def costs(self) -> dict[str, float] | None:
     """:attr:`tick_costs` as a dict (None without)."""
     return None if self.tick_costs is None else dict(self.tick_costs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """The step's predicted time on a chip (:func:`predict`), and where it goes.
+
+  Attributes:
+    chip: the chip priced (:data:`tpipe.tools.step_time.CHIPS`).
+    seconds: the predicted step time.
+    parts: seconds by where they go: ``compute`` (compute-bound instructions), ``memory``
+      (memory-bound ones), ``exposed collectives``, ``bubble`` (stages idle or waiting for a
+      neighbour); they add up to ``seconds``.
+    recompute: the seconds of compute and memory spent rematerialising (a part of them).
+    tick_by_tick: whether the table was followed tick by tick with each action's price
+      (:func:`tpipe.tools.pipeline_time.pipeline_step_time`, fused tables); else the program's
+      own time, its bubble the table's simulated share of it.
+    tokens: tokens per step (None: not a language model).
+    model_flops: the model's FLOPs per step, all devices (6 x parameters x tokens plus
+      attention: :func:`tpipe.train.throughput.lm_step_flops`); None where unknown.
+    num_devices: devices the step runs on.
+    peak_flops: one chip's peak FLOP/s.
+    step_time: the :class:`tpipe.tools.step_time.StepTime` of the program.
+  """
+
+  chip: str
+  seconds: float
+  parts: dict
+  recompute: float
+  tick_by_tick: bool
+  tokens: int | None
+  model_flops: float | None
+  num_devices: int
+  peak_flops: float
+  step_time: Any = dataclasses.field(repr=False, default=None)
+
+  @property
+  def tokens_per_second(self) -> float | None:
+    return self.tokens / self.seconds if self.tokens and self.seconds else None
+
+  @property
+  def mfu(self) -> float | None:
+    """Model FLOPs per device per second over the chip's peak."""
+    if not self.model_flops or not self.seconds:
+      return None
+    return self.model_flops / self.num_devices / self.seconds / self.peak_flops
+
+  def to_json(self) -> dict[str, Any]:
+    return {"chip": self.chip, "seconds": self.seconds, "parts_seconds": dict(self.parts),
+            "recompute_seconds": self.recompute, "tick_by_tick": self.tick_by_tick,
+            "tokens": self.tokens, "tokens_per_second": self.tokens_per_second,
+            "model_flops": self.model_flops, "mfu": self.mfu,
+            "executed_flops_per_device": self.step_time.flops if self.step_time else None,
+            "hbm_bytes_per_device": self.step_time.hbm_bytes if self.step_time else None}
+
+
+def priced_chip(net):
+  """The :class:`tpipe.tools.step_time.Chip` of interconnect ``net`` (its chip's HBM bandwidth,
+  its peak and links as the network flags set them)."""
+  from tpipe.tools import step_time  # pylint: disable=g-import-not-at-top
+
+  return dataclasses.replace(step_time.chip(net.name), flops_per_second=net.flops_per_second,
+                             ici=net.ici, dcn=net.dcn)
+
+
+def predict(compiled, exp, schedule, chip) -> Prediction:
+  """Prices ``exp``'s compiled step on ``chip`` (:mod:`tpipe.tools.step_time`).
+
+  A fused table is followed tick by tick with each action's branch priced, so the bubble is its
+  neighbour-synchronised one; a forward table (autodiff's backward) is priced as one program,
+  its bubble the table's simulated share (:func:`tpipe.tools.flops.simulated_bubble`). The
+  other parts split the rest in the program's proportions of compute, memory and exposed
+  collectives.
+  """
+  from tpipe import schedules  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import pipeline_time  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import step_time  # pylint: disable=g-import-not-at-top
+  from tpipe.train import architecture  # pylint: disable=g-import-not-at-top
+  from tpipe.train import throughput  # pylint: disable=g-import-not-at-top
+
+  chip = step_time.chip(chip)
+  module = step_time.with_trip_counts(compiled.as_text())
+  whole = step_time.estimate(module, chip, mesh=exp.mesh)
+  seconds, bubble, tick_by_tick = whole.seconds, 0.0, False
+  if isinstance(schedule, schedules.FusedSchedule) and schedule.num_stages > 1:
+    try:
+      piped = pipeline_time.pipeline_step_time(module, schedule, chip, mesh=exp.mesh,
+                                               programs=exp.pipeline.programs())
+      seconds, bubble, tick_by_tick = piped.seconds, max(0.0, piped.bubble), True
+    except ValueError:  # No tick loop matching the table (XLA rewrote it): priced whole.
+      pass
+  if not tick_by_tick and getattr(schedule, "num_stages", 1) > 1:
+    bubble = seconds * flops_lib.simulated_bubble(schedule)
+  share = (seconds - bubble) / whole.seconds if whole.seconds else 0.0
+  parts = {part: value * share for part, value in whole.breakdown().items()}
+  parts["bubble"] = bubble
+  config = exp.config
+  tokens = model_flops = None
+  if exp.task.name == "lm":
+    tokens = config.batch_size * config.seq_len
+    model_flops = throughput.lm_step_flops(architecture.lm_arguments(config),
+                                           batch=config.batch_size, seq_len=config.seq_len)
+  return Prediction(chip=chip.name, seconds=seconds, parts=parts,
+                    recompute=whole.recompute_seconds * share, tick_by_tick=tick_by_tick,
+                    tokens=tokens, model_flops=model_flops,
+                    num_devices=int(exp.mesh.devices.size), peak_flops=chip.flops_per_second,
+                    step_time=whole)
 
 
 def compile_train_step(exp, breakdown: bool = False):
@@ -385,6 +499,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   net = network or links.interconnect(topology or "v5p")
   comm = communication.summarize(exp.mesh, schedule, result, net, efficiency=efficiency,
                                  stage_axis=exp.pipeline.spec.stage_axis)
+  prediction = predict(compiled, exp, schedule, priced_chip(net))
   return Report(config=config, num_params=exp.num_params(),
                 num_devices=int(exp.mesh.devices.size), schedule=schedule, analysis=result,
                 lower_seconds=lower_s, compile_seconds=compile_s, compiled=compiled,
@@ -397,7 +512,8 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                 backward=exp.pipeline.backward_plan.describe(),
                 moments=compact_moments.describe(config.get("compact_moments", "auto"),
                                                  exp.layout, exp.mesh,
-                                                 exp.pipeline.spec.stage_axis))
+                                                 exp.pipeline.spec.stage_axis),
+                prediction=prediction)
 
 
 def write_report(report: Report, out_dir: str) -> dict[str, str]:

@@ -98,6 +98,8 @@ def format_report(report) -> str:
                  f"{row['count']} | {fb(row['bytes'])} | {row['in_loop']} |")
   if report.communication is not None:
     lines += [""] + communication.format_communication(report.communication)
+  if getattr(report, "prediction", None) is not None:
+    lines += [""] + format_prediction(report.prediction)
   if report.stages:
     lines += [""] + format_stages(report)
   if report.peak is not None:
@@ -161,4 +163,46 @@ def format_stages(report) -> list[str]:
               + ("." if schedule_summary.is_fused(report.schedule) else
                  "; under gpipe/circular each stash slot also keeps the inputs of the chunk's "
                  "pieces, which the floor does not count.")]
+  return lines
+
+
+def _time(seconds: float) -> str:
+  for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+    if abs(seconds) >= scale:
+      return f"{seconds / scale:.3g} {unit}"
+  return f"{seconds * 1e9:.3g} ns"
+
+
+def format_prediction(prediction) -> list[str]:
+  """The predicted step time, tokens per second, MFU and where the time goes, as markdown lines
+  (``prediction`` a :class:`tpipe.train.report.Prediction`)."""
+  st = prediction.step_time
+  how = ("the table followed tick by tick, each action's branch priced" if prediction.tick_by_tick
+         else "the program priced whole, the bubble the table's simulated share")
+  rates = []
+  if prediction.tokens_per_second:
+    rates.append(f"{prediction.tokens_per_second:,.0f} tokens/s")
+  if prediction.mfu is not None:
+    rates.append(f"MFU {prediction.mfu:.1%} (model FLOPs {_flops(prediction.model_flops)} per "
+                 f"step, 6 x parameters x tokens plus attention)")
+  lines = [f"### Predicted step time on {prediction.chip}", "",
+           f"Roofline of the compiled program (`tpipe.tools.step_time`; {how}): "
+           f"**{_time(prediction.seconds)}** per step"
+           + (", " + ", ".join(rates) if rates else "") + ".",
+           "", "| where the time goes | seconds | share |", "|---|---:|---:|"]
+  total = prediction.seconds or 1.0
+  for part, seconds in prediction.parts.items():
+    label = {"compute": "compute-bound instructions", "memory": "memory-bound instructions",
+             "exposed collectives": "exposed collectives",
+             "bubble": "bubble (stages idle or waiting)"}.get(part, part)
+    lines.append(f"| {label} | {_time(seconds)} | {seconds / total:.1%} |")
+  lines.append(f"| of which rematerialisation (jax.checkpoint recompute) | "
+               f"{_time(prediction.recompute)} | {prediction.recompute / total:.1%} |")
+  if st is not None:
+    unknown = [name for name, n in st.trip_counts.items() if n is None]
+    lines += ["", f"Per device: {_flops(st.flops)} executed, "
+              f"{st.hbm_bytes / 2 ** 30:.3g} GiB of HBM traffic, collectives hidden behind "
+              f"compute {_time(st.hidden_collective_seconds)}; loop trip counts "
+              f"{sorted(n for n in st.trip_counts.values() if n is not None)}"
+              + (f", unknown for {unknown} (counted once)" if unknown else "") + "."]
   return lines
