@@ -171,11 +171,17 @@ def get_config(arg=None):
   config.capacity_factor = 0.0
   config.router_aux_loss_coef = 0.01
   config.router_z_loss_coef = 0.001
+  # How block="moe" mixes a token's experts: by their router probabilities renormalised to sum
+  # to one (True, Mixtral) or as they are (False, Qwen2-MoE).
+  config.normalize_expert_weights = True
+  # The hidden width of block="moe"'s shared expert (Qwen2-MoE's), a SwiGLU MLP every token goes
+  # through, its output scaled by a sigmoid gate of the token; 0: none.
+  config.shared_expert_mlp_dim = 0
   # One matrix for the embedding and the head (two exact copies, their gradients summed:
   # tpipe.train.tied); needs head_bias=False.
   config.tie_embeddings = False
   # The Hugging Face family the architecture comes from ("llama", "mistral", "mixtral",
-  # "qwen2", "gpt2"; set by init_from), which export writes; "" for tpipe's own.
+  # "qwen2", "qwen2_moe", "gpt2"; set by init_from), which export writes; "" for tpipe's own.
   config.family = ""
   # The loss a vocabulary slice at a time (a divisor of vocab_size): the head never forms a
   # micro-batch's whole [batch, seq, vocab] logits. 0: as many slices as keep each slice's

@@ -219,8 +219,19 @@ def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():
   batch = {k: jnp.asarray(rng.integers(0, 256, (config.batch_size, config.seq_len)), jnp.int32)
            for k in ("inputs", "targets")}
   batch = jax.device_put(batch, exp.abstract_batch()["inputs"].sharding)
+  # The loss's terms apart, before the step donates the state: the step's loss is their sum;
+  # evaluation (dropout 0 in the tiny config, as in training) is the task's loss alone.
+  terms = jax.device_get(exp.loss_terms_step(state, batch, jax.random.key(1)))
+  evaluated = jax.device_get(exp.eval_step(state, batch))
   new_state, metrics = exp.train_step(state, batch, jax.random.key(1))
   assert np.isfinite(float(metrics["loss"])) and int(new_state.step) == 1
+  assert set(terms) >= {"loss", "aux_loss/moe/router_balance", "aux_loss/moe/router_z"}
+  with_aux = sum(float(v) for k, v in terms.items() if not k.startswith("aux_metric/"))
+  np.testing.assert_allclose(float(metrics["loss"]), with_aux, rtol=1e-5)
+  np.testing.assert_allclose(float(evaluated["loss"]) / float(evaluated["count"]),
+                             float(terms["loss"]), rtol=1e-5)
+  # Balance: at least k per token, summed over the blocks.
+  assert float(terms["aux_loss/moe/router_balance"]) >= 0.1 * 2 * config.num_layers - 1e-4
   assert "expert" in new_state.params["stacked"]["layers_1"]["moe"]["gate"].sharding.spec
   arguments = {"num_layers": 1, "width": 8, "num_heads": 2, "mlp_dim": 16, "vocab_size": 4,
                "block": "moe", "num_experts": 8, "experts_per_token": 2}
@@ -245,3 +256,116 @@ class _ThreeExperts(nn.Module):
   @nn.compact
   def __call__(self, x):
     return x + moe.MixtureOfExperts(num_experts=3, experts_per_token=1, hidden=4)(x)
+
+
+# Qwen2-MoE's options: the top-k probabilities as they are (norm_topk_prob=False) and a shared
+# expert gated by a sigmoid of the token.
+
+
+def _shared_case(seed=3):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((2, 5, 6)), jnp.float32)
+  return x, dict(num_experts=4, experts_per_token=2, hidden=5)
+
+
+@pytest.mark.unit
+def test_routing_can_keep_the_top_k_probabilities_as_they_are():
+  x, routing, weights = _routing_case()
+  router = jnp.asarray(np.random.default_rng(7).standard_normal((6, 4)), jnp.float32)
+  kept, renormalised = moe.route(x, router, 2, normalize=False), moe.route(x, router, 2)
+  np.testing.assert_array_equal(kept.experts, renormalised.experts)
+  picked = np.take_along_axis(np.asarray(kept.probs), np.asarray(kept.experts), -1)
+  np.testing.assert_array_equal(kept.weights, picked)
+  assert (np.asarray(kept.weights).sum(-1) < 1 - 1e-3).all()  # Not renormalised.
+  np.testing.assert_allclose(moe.dropless(x, kept, *weights),
+                             _each_pair_in_turn(x, kept, *weights), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.unit
+def test_the_shared_expert_adds_its_gated_swiglu_to_the_routed_mix():
+  x, shape = _shared_case()
+  plain = moe.MixtureOfExperts(**shape)
+  params = plain.init(jax.random.key(0), x)["params"]
+  assert sorted(params) == ["down", "gate", "router", "up"]  # Off: Mixtral's tree, unchanged.
+  shared = moe.MixtureOfExperts(**shape, shared_expert_hidden=7, normalize_expert_weights=False)
+  with_shared = nn.unbox(shared.init(jax.random.key(1), x)["params"])
+  assert {k: v.shape for k, v in with_shared.items() if k.startswith("shared")} == {
+      "shared_gate": (6, 7), "shared_up": (6, 7), "shared_down": (7, 6),
+      "shared_router": (6, 1)}
+  routed = {k: with_shared[k] for k in params}
+  got = shared.apply({"params": with_shared}, x) - moe.MixtureOfExperts(
+      **shape, normalize_expert_weights=False).apply({"params": routed}, x)
+  t = np.asarray(x, np.float64).reshape(-1, 6)
+  w = {k: np.asarray(v, np.float64) for k, v in with_shared.items()}
+  gate = t @ w["shared_gate"]
+  want = (1 / (1 + np.exp(-t @ w["shared_router"])) * ((gate / (1 + np.exp(-gate)))
+                                                       * (t @ w["shared_up"])) @ w["shared_down"])
+  np.testing.assert_allclose(np.asarray(got).reshape(-1, 6), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_the_nnx_layer_with_a_shared_expert_is_the_linen_one():
+  from tpipe.train import models_nnx  # pylint: disable=g-import-not-at-top
+  x, shape = _shared_case()
+  options = dict(normalize_expert_weights=False, shared_expert_hidden=7)
+  linen = moe.MixtureOfExperts(**shape, **options)
+  params = nn.unbox(linen.init(jax.random.key(0), x)["params"])
+  layer = models_nnx.MixtureOfExperts(6, shape["hidden"], 4, 2, **options, rngs=nnx.Rngs(0))
+  state = nnx.state(layer, nnx.Param)
+  pure = nnx.to_pure_dict(state)
+  assert jax.tree.map(jnp.shape, pure) == jax.tree.map(jnp.shape, params)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(layer, state)
+  np.testing.assert_array_equal(layer(x), linen.apply({"params": params}, x))
+  # Off, the NNX layer keeps the four weights it had.
+  bare = models_nnx.MixtureOfExperts(6, 5, 4, 2, rngs=nnx.Rngs(0))
+  assert sorted(nnx.to_pure_dict(nnx.state(bare, nnx.Param))) == ["down", "gate", "router", "up"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("options,match", [
+    (dict(shared_expert_hidden=-1), r"shared_expert_hidden \(the shared expert's hidden width\) "
+                                    r"must be an int >= 0 \(0 = no shared expert\), got -1"),
+    (dict(shared_expert_hidden=2.5), "must be an int >= 0 .*got 2.5"),
+    (dict(normalize_expert_weights="no"), r"normalize_expert_weights must be True .* or False "
+                                          r".*got 'no'"),
+])
+def test_a_bad_shared_expert_or_weighting_is_refused_by_name(options, match):
+  from tpipe.train import models_nnx  # pylint: disable=g-import-not-at-top
+  x, shape = _shared_case()
+  with pytest.raises(ValueError, match=match):
+    moe.MixtureOfExperts(**shape, **options).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=match):
+    models_nnx.MixtureOfExperts(6, 5, 4, 2, **options, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.unit
+def test_the_lm_refuses_a_shared_expert_without_experts_and_a_negative_width():
+  from tpipe.train import models  # pylint: disable=g-import-not-at-top
+  sizes = dict(num_layers=1, width=8, num_heads=2, mlp_dim=8, max_len=4, vocab_size=16,
+               positions="rotary", final_norm="rms", head_bias=False)
+  with pytest.raises(ValueError, match="shared_expert_mlp_dim=8 and normalize_expert_weights="
+                                       "True shape a mixture of experts, and block='llama' has "
+                                       "none; use block='moe'"):
+    models.lm_layers(**sizes, block="llama", shared_expert_mlp_dim=8)
+  with pytest.raises(ValueError, match="normalize_expert_weights=False .* block='gpt'"):
+    models.lm_layers(**dict(sizes, positions="learned"), normalize_expert_weights=False)
+  with pytest.raises(ValueError, match=r"shared_expert_mlp_dim must be an int >= 0 \(0: no "
+                                       r"shared expert\), got -2"):
+    models.lm_layers(**sizes, block="moe", num_experts=2, shared_expert_mlp_dim=-2)
+  # A Qwen2-MoE-shaped block: the shared expert's weights beside the experts'.
+  layers = models.lm_layers(**sizes, block="moe", num_experts=2, experts_per_token=1,
+                            normalize_expert_weights=False, shared_expert_mlp_dim=12)
+  block = layers[1].module
+  assert (block.shared_expert_mlp_dim, block.normalize_expert_weights) == (12, False)
+
+
+@pytest.mark.unit
+def test_the_shared_expert_counts_in_the_active_flops():
+  from tpipe.train import throughput  # pylint: disable=g-import-not-at-top
+  arguments = {"num_layers": 1, "width": 8, "num_heads": 2, "mlp_dim": 16, "vocab_size": 4,
+               "block": "moe", "num_experts": 8, "experts_per_token": 2}
+  per_token = throughput.lm_forward_flops_per_token
+  shared = dict(arguments, shared_expert_mlp_dim=12)
+  # Every token through the shared SwiGLU (three matrices) and its gate.
+  assert per_token(shared, 4) - per_token(arguments, 4) == 2 * 8 * 12 * 3 + 2 * 8

@@ -89,6 +89,8 @@ def lm_arguments(config) -> dict:
               num_experts=value(config, "num_experts"),
               experts_per_token=value(config, "experts_per_token"),
               capacity_factor=float(value(config, "capacity_factor")),
+              normalize_expert_weights=value(config, "normalize_expert_weights"),
+              shared_expert_mlp_dim=value(config, "shared_expert_mlp_dim"),
               router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.0)),
               router_z_loss_coef=float(config.get("router_z_loss_coef", 0.0)))
 

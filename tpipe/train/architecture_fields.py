@@ -25,6 +25,8 @@ DEFAULTS = {
     "num_experts": 8,
     "experts_per_token": 2,
     "capacity_factor": 0.0,
+    "normalize_expert_weights": True,
+    "shared_expert_mlp_dim": 0,
     "max_len": 0,
     "tie_embeddings": False,
     "family": "",

@@ -248,12 +248,14 @@ class LlamaBlock(nn.Module):
   (rotary embeddings, Hugging Face's half-split convention, :func:`rotary_frequencies`). With
   these settings it is the block of Llama, Mistral (``sliding_window``) and Qwen2
   (``qkv_bias``), which :mod:`tpipe.train.pretrained` imports; with ``num_experts`` its MLP is a
-  mixture of SwiGLU experts (:class:`tpipe.train.moe.MixtureOfExperts`, Mixtral's block). Kernels:
+  mixture of SwiGLU experts (:class:`tpipe.train.moe.MixtureOfExperts`, Mixtral's block; with a
+  shared expert and the top-k probabilities as they are, Qwen2-MoE's). Kernels:
   ``query [embed, heads, kv]``, ``key``/``value [embed, kv_heads, kv]``, ``out [heads, kv,
   embed]``, ``gate``/``up [embed, mlp]``, ``down [mlp, embed]`` (with experts ``moe/router
   [embed, experts]``, ``moe/gate``/``moe/up [expert, embed, mlp]``, ``moe/down [expert, mlp,
-  embed]``); with ``qkv_bias``, ``query_bias [heads, kv]`` and ``key_bias``/``value_bias
-  [kv_heads, kv]``.
+  embed]``; with a shared expert also ``moe/shared_gate``/``moe/shared_up [embed, mlp]``,
+  ``moe/shared_down [mlp, embed]`` and ``moe/shared_router [embed, 1]``); with ``qkv_bias``,
+  ``query_bias [heads, kv]`` and ``key_bias``/``value_bias [kv_heads, kv]``.
 
   Attributes:
     width: model width.
@@ -276,6 +278,11 @@ class LlamaBlock(nn.Module):
     capacity_factor: 0 for dropless routing, else the experts' capacity factor.
     router_aux_loss_coef: the router's load-balancing loss weight in the training loss.
     router_z_loss_coef: the router z-loss weight.
+    normalize_expert_weights: with experts, mix each token's ``k`` experts by their router
+      probabilities renormalised to sum to one (True, Mixtral) or as they are (False,
+      Qwen2-MoE).
+    shared_expert_mlp_dim: with experts, 0 for none or the hidden width of a shared SwiGLU
+      expert every token goes through, gated by a sigmoid (Qwen2-MoE).
   """
 
   width: int
@@ -295,6 +302,8 @@ class LlamaBlock(nn.Module):
   capacity_factor: float = 0.0
   router_aux_loss_coef: float = 0.0
   router_z_loss_coef: float = 0.0
+  normalize_expert_weights: bool = True
+  shared_expert_mlp_dim: int = 0
 
   @nn.compact
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
@@ -359,7 +368,9 @@ class LlamaBlock(nn.Module):
           num_experts=self.num_experts, experts_per_token=self.experts_per_token,
           hidden=self.mlp_dim, capacity_factor=self.capacity_factor,
           router_aux_loss_coef=self.router_aux_loss_coef,
-          router_z_loss_coef=self.router_z_loss_coef, dtype=dtype, param_dtype=param_dtype,
+          router_z_loss_coef=self.router_z_loss_coef,
+          normalize_expert_weights=self.normalize_expert_weights,
+          shared_expert_hidden=self.shared_expert_mlp_dim, dtype=dtype, param_dtype=param_dtype,
           name="moe")(h).astype(x.dtype)
       return y if cache is None else (y, cache)
     gate = h @ weight("gate", (self.width, self.mlp_dim), ("embed", "mlp"))

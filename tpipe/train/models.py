@@ -72,7 +72,8 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
               qkv_bias: bool = False, head_dim: int | None = None,
               sliding_window: int | None = None, num_experts: int = 8,
               experts_per_token: int = 2, capacity_factor: float = 0.0,
-              router_aux_loss_coef: float = 0.0, router_z_loss_coef: float = 0.0) -> list:
+              router_aux_loss_coef: float = 0.0, router_z_loss_coef: float = 0.0,
+              normalize_expert_weights: bool = True, shared_expert_mlp_dim: int = 0) -> list:
   """The LM's layers ``[TokenEmbedding, tpipe.Repeat(block, L), LMHead]`` (arguments as
   :func:`decoder_lm`), checked; :func:`decoder_lm` pipelines them, and
   :mod:`tpipe.train.generate` applies them one after the other with a key/value cache."""
@@ -91,6 +92,11 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
     raise ValueError(f"num_heads={num_heads} must divide width={width}; pick a divisor.")
   if sliding_window is not None:
     model_args.check_int("sliding_window", sliding_window)
+  if block != "moe" and (shared_expert_mlp_dim or normalize_expert_weights is not True):
+    raise ValueError(f"shared_expert_mlp_dim={shared_expert_mlp_dim!r} and "
+                     f"normalize_expert_weights={normalize_expert_weights!r} shape a mixture of "
+                     f"experts, and block={block!r} has none; use block='moe' or leave them at "
+                     "0 and True.")
   if block in ("llama", "moe"):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     model_args.check_int("num_kv_heads", num_kv_heads)
@@ -100,11 +106,20 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
       raise ValueError(f"block={block!r} has no dropout; got dropout_rate={dropout_rate}.")
     experts = {}
     if block == "moe":
-      moe.check_routing(num_experts, experts_per_token, capacity_factor, owner="block='moe'")
+      whole = isinstance(shared_expert_mlp_dim, int) and not isinstance(shared_expert_mlp_dim,
+                                                                        bool)
+      if not whole or shared_expert_mlp_dim < 0:
+        raise ValueError(f"shared_expert_mlp_dim must be an int >= 0 (0: no shared expert), "
+                         f"got {shared_expert_mlp_dim!r}.")
+      moe.check_routing(num_experts, experts_per_token, capacity_factor, owner="block='moe'",
+                        normalize_expert_weights=normalize_expert_weights,
+                        shared_expert_hidden=shared_expert_mlp_dim)
       experts = dict(num_experts=num_experts, experts_per_token=experts_per_token,
                      capacity_factor=float(capacity_factor),
                      router_aux_loss_coef=float(router_aux_loss_coef),
-                     router_z_loss_coef=float(router_z_loss_coef))
+                     router_z_loss_coef=float(router_z_loss_coef),
+                     normalize_expert_weights=bool(normalize_expert_weights),
+                     shared_expert_mlp_dim=shared_expert_mlp_dim)
     rotary = positions == "rotary"
     if rotary:
       rotary_frequencies(head_dim or width // num_heads, rope_theta, rope_scaling)  # Checks.
@@ -175,6 +190,11 @@ def decoder_lm(*, spec: tpipe.PipelineSpec | None = None, **arguments) -> tpipe.
       experts per token, and 0 for dropless routing or the experts' capacity factor.
     router_aux_loss_coef, router_z_loss_coef: ``"moe"`` blocks only: the weights of the
       router's load-balancing loss and z-loss in the training loss.
+    normalize_expert_weights: ``"moe"`` blocks only: each token's ``k`` experts mixed by their
+      router probabilities renormalised to sum to one (True, Mixtral's) or as they are (False,
+      Qwen2-MoE's).
+    shared_expert_mlp_dim: ``"moe"`` blocks only: 0, or the hidden width of a shared SwiGLU
+      expert every token goes through, its output scaled by a sigmoid gate (Qwen2-MoE's).
     spec: the pipeline settings (:class:`tpipe.PipelineSpec`), or None to build them from the
       :class:`tpipe.PipelineSpec` fields among ``arguments``; ``per_example`` is always
       :data:`PER_EXAMPLE`.

@@ -71,16 +71,22 @@ class TransformerBlock(nnx.Module):
 
 class MixtureOfExperts(nnx.Module):
   """A mixture-of-experts SwiGLU feed-forward layer, as :class:`tpipe.train.moe.MixtureOfExperts`
-  (same parameter names and shapes, same routing): ``[..., width]`` to the same. Its auxiliary
-  losses go to the training loss (``self.sow(tpipe.nnx.AuxLoss, ...)``)."""
+  (same parameter names and shapes, same routing, the same optional shared expert):
+  ``[..., width]`` to the same. Its auxiliary losses go to the training loss
+  (``self.sow(tpipe.nnx.AuxLoss, ...)``)."""
 
   # The layer's settings, keyword-only past the shapes.
   def __init__(self, width: int, hidden: int, num_experts: int, experts_per_token: int, *,
                capacity_factor: float = 0.0, router_aux_loss_coef: float = 0.0,
-               router_z_loss_coef: float = 0.0, dtype: Any = None,
+               router_z_loss_coef: float = 0.0, normalize_expert_weights: bool = True,
+               shared_expert_hidden: int = 0, dtype: Any = None,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    moe.check_routing(num_experts, experts_per_token, capacity_factor)
+    moe.check_routing(num_experts, experts_per_token, capacity_factor,
+                      normalize_expert_weights=normalize_expert_weights,
+                      shared_expert_hidden=shared_expert_hidden)
     self.experts_per_token = experts_per_token
+    self.normalize_expert_weights = normalize_expert_weights
+    self.shared_expert_hidden = shared_expert_hidden
     self.capacity_factor = capacity_factor
     self.router_aux_loss_coef = router_aux_loss_coef
     self.router_z_loss_coef = router_z_loss_coef
@@ -94,17 +100,27 @@ class MixtureOfExperts(nnx.Module):
     self.gate = param(expert_init, (num_experts, width, hidden), ("expert", "embed", "mlp"))
     self.up = param(expert_init, (num_experts, width, hidden), ("expert", "embed", "mlp"))
     self.down = param(expert_init, (num_experts, hidden, width), ("expert", "mlp", "embed"))
+    if shared_expert_hidden:
+      dense = jax.nn.initializers.lecun_normal()
+      self.shared_gate = param(dense, (width, shared_expert_hidden), ("embed", "mlp"))
+      self.shared_up = param(dense, (width, shared_expert_hidden), ("embed", "mlp"))
+      self.shared_down = param(dense, (shared_expert_hidden, width), ("mlp", "embed"))
+      self.shared_router = param(dense, (width, 1), ("embed", None))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     moe.check_expert_axis(self.router.shape[-1])
     dtype = self.dtype or x.dtype
     tokens = x.reshape(-1, x.shape[-1]).astype(dtype)
-    routing = moe.route(tokens, self.router[...], self.experts_per_token)
+    routing = moe.route(tokens, self.router[...], self.experts_per_token,
+                        self.normalize_expert_weights)
     weights = self.gate[...], self.up[...], self.down[...]
     if self.capacity_factor:
       out, _ = moe.with_capacity(tokens, routing, *weights, self.capacity_factor)
     else:
       out = moe.dropless(tokens, routing, *weights)
+    if self.shared_expert_hidden:
+      out = out + moe.shared_expert(tokens, self.shared_gate[...], self.shared_up[...],
+                                    self.shared_down[...], self.shared_router[...])
     if self.router_aux_loss_coef:
       self.sow(tnnx.AuxLoss, "router_balance",
                self.router_aux_loss_coef * moe.balance_loss(routing))

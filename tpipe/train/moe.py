@@ -3,7 +3,11 @@ router's auxiliary losses.
 
 A token's router scores every expert (float32 softmax over ``E`` experts); it goes to its ``k``
 best, whose SwiGLU outputs are mixed with the top-k probabilities renormalised to sum to one
-(Mixtral's rule). Two ways to run the experts, the same numbers where no token is dropped:
+(Mixtral's rule) or, with ``normalize_expert_weights=False``, with the probabilities as they are
+(Qwen2-MoE's ``norm_topk_prob=False``). An optional **shared expert** (Qwen2-MoE's; DeepSeek's
+models have them too) is a dense SwiGLU MLP every token goes through, its output scaled by a
+per-token gate ``sigmoid(x @ shared_router)`` and added to the routed experts' mix. Two ways to
+run the routed experts, the same numbers where no token is dropped:
 
 * **dropless** (``capacity_factor=0``, the default): the ``N * k`` (token, expert) pairs sorted
   by expert and multiplied with one grouped matmul per projection (:func:`grouped_matmul`,
@@ -22,7 +26,9 @@ probability (``k`` when perfectly balanced), and the router z-loss
 
 Weights carry logical names: the experts' ``("expert", "embed", "mlp")`` and
 ``("expert", "mlp", "embed")``, the router's ``("embed", None)``; under
-:data:`tpipe.DEFAULT_RULES` the experts split over the ``expert`` mesh axis.
+:data:`tpipe.DEFAULT_RULES` the experts split over the ``expert`` mesh axis. The shared expert's
+``shared_gate``/``shared_up`` ``("embed", "mlp")`` and ``shared_down`` ``("mlp", "embed")``
+split as a dense MLP's, its gate ``shared_router`` ``[D, 1]`` as the router.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ class Routing(NamedTuple):
 
   Attributes:
     experts: int32 ``[N, k]``, each token's experts, best first.
-    weights: float32 ``[N, k]``, their mixing weights (the top-k probabilities, renormalised).
+    weights: float32 ``[N, k]``, their mixing weights (the top-k probabilities, renormalised
+      to sum to one unless the routing keeps them as they are).
     probs: float32 ``[N, E]``, the router's softmax.
     logits: float32 ``[N, E]``, the router's scores.
   """
@@ -60,8 +67,10 @@ class Routing(NamedTuple):
 
 
 def check_routing(num_experts: int, experts_per_token: int, capacity_factor: float,
-                  owner: str = "MixtureOfExperts") -> None:
-  """Raises ValueError for a routing no layer can run, naming the value and the fix."""
+                  owner: str = "MixtureOfExperts", *, normalize_expert_weights: bool = True,
+                  shared_expert_hidden: int = 0) -> None:
+  """Raises ValueError for a routing (or a shared expert) no layer can run, naming the value and
+  the fix."""
   if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
     raise ValueError(f"{owner}: num_experts must be an int >= 1, got {num_experts!r}.")
   whole = isinstance(experts_per_token, int) and not isinstance(experts_per_token, bool)
@@ -71,6 +80,15 @@ def check_routing(num_experts: int, experts_per_token: int, capacity_factor: flo
   if not isinstance(capacity_factor, (int, float)) or capacity_factor < 0:
     raise ValueError(f"{owner}: capacity_factor must be >= 0 (0 = dropless), got "
                      f"{capacity_factor!r}.")
+  if not isinstance(normalize_expert_weights, (bool, np.bool_)):
+    raise ValueError(f"{owner}: normalize_expert_weights must be True (the top-k weights "
+                     "renormalised to sum to one, Mixtral) or False (the router's probabilities "
+                     f"as they are, Qwen2-MoE), got {normalize_expert_weights!r}.")
+  whole = (isinstance(shared_expert_hidden, (int, np.integer))
+           and not isinstance(shared_expert_hidden, bool))
+  if not whole or shared_expert_hidden < 0:
+    raise ValueError(f"{owner}: shared_expert_hidden (the shared expert's hidden width) must be "
+                     f"an int >= 0 (0 = no shared expert), got {shared_expert_hidden!r}.")
 
 
 def check_expert_axis(num_experts: int, owner: str = "MixtureOfExperts") -> None:
@@ -85,14 +103,16 @@ def check_expert_axis(num_experts: int, owner: str = "MixtureOfExperts") -> None
                      f"{size} experts or an expert axis that divides {num_experts}.")
 
 
-def route(x: jax.Array, router: jax.Array, experts_per_token: int) -> Routing:
+def route(x: jax.Array, router: jax.Array, experts_per_token: int,
+          normalize: bool = True) -> Routing:
   """The top-k routing of tokens ``x`` ``[N, D]`` by router weights ``[D, E]``, in float32 (or
-  wider, for wider inputs)."""
+  wider, for wider inputs); the mixing weights are the top-k probabilities renormalised to sum
+  to one (Mixtral) or, with ``normalize=False``, as they are (Qwen2-MoE)."""
   dtype = jnp.promote_types(x.dtype, jnp.float32)
   logits = jnp.dot(x.astype(dtype), router.astype(dtype))
   probs = jax.nn.softmax(logits, axis=-1)
   top, experts = jax.lax.top_k(probs, experts_per_token)
-  weights = top / jnp.sum(top, axis=-1, keepdims=True)
+  weights = top / jnp.sum(top, axis=-1, keepdims=True) if normalize else top
   return Routing(experts.astype(jnp.int32), weights, probs, logits)
 
 
@@ -183,6 +203,14 @@ def dropless(x: jax.Array, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
   return jnp.einsum("nkd,nk->nd", pairs, routing.weights.astype(x.dtype))
 
 
+def shared_expert(x: jax.Array, w_gate, w_up, w_down, w_router) -> jax.Array:
+  """The shared expert: every token ``x [N, D]`` through one SwiGLU (``w_gate``/``w_up``
+  ``[D, H]``, ``w_down [H, D]``), scaled by its gate ``sigmoid(x @ w_router)``
+  (``w_router [D, 1]``); ``[N, D]`` in ``x``'s dtype."""
+  hidden = _swiglu(x @ w_gate.astype(x.dtype), x @ w_up.astype(x.dtype))
+  return jax.nn.sigmoid(x @ w_router.astype(x.dtype)) * (hidden @ w_down.astype(x.dtype))
+
+
 def capacity_of(num_tokens: int, experts_per_token: int, num_experts: int,
                 capacity_factor: float) -> int:
   """Slots per expert: ``ceil(capacity_factor * N * k / E)``, at least 1."""
@@ -222,9 +250,13 @@ class MixtureOfExperts(nn.Module):
     capacity_factor: 0 for dropless routing, else the capacity factor (see the module).
     router_aux_loss_coef: the load-balancing loss's weight in the training loss.
     router_z_loss_coef: the router z-loss's weight.
+    normalize_expert_weights: mix the ``k`` experts with their router probabilities
+      renormalised to sum to one (True, Mixtral) or as they are (False, Qwen2-MoE).
+    shared_expert_hidden: 0 for none, else the hidden width of a shared SwiGLU expert every
+      token goes through, gated by ``sigmoid(x @ shared_router)`` (Qwen2-MoE's).
     dtype: the computation's dtype, None for the input's (routing is float32 or wider).
     param_dtype: the weights' dtype.
-    kernel_init: the experts' and the router's initializer.
+    kernel_init: the experts', the router's and the shared expert's initializer.
 
   Besides the auxiliary losses (collection ``tpipe.AUX_LOSS``) it sows, to
   ``"intermediates"``, each expert's load (pairs routed to it) and, with a capacity, the pairs
@@ -237,13 +269,17 @@ class MixtureOfExperts(nn.Module):
   capacity_factor: float = 0.0
   router_aux_loss_coef: float = 0.0
   router_z_loss_coef: float = 0.0
+  normalize_expert_weights: bool = True
+  shared_expert_hidden: int = 0
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Any = nn.initializers.lecun_normal()
 
   @nn.compact
   def __call__(self, x):
-    check_routing(self.num_experts, self.experts_per_token, self.capacity_factor)
+    check_routing(self.num_experts, self.experts_per_token, self.capacity_factor,
+                  normalize_expert_weights=self.normalize_expert_weights,
+                  shared_expert_hidden=self.shared_expert_hidden)
     check_expert_axis(self.num_experts)
     width = x.shape[-1]
     e, h = self.num_experts, self.hidden
@@ -259,12 +295,21 @@ class MixtureOfExperts(nn.Module):
                         self.param_dtype)
     dtype = self.dtype or x.dtype
     tokens = x.reshape(-1, width).astype(dtype)
-    routing = route(tokens, router, self.experts_per_token)
+    routing = route(tokens, router, self.experts_per_token, self.normalize_expert_weights)
     if self.capacity_factor:
       out, dropped = with_capacity(tokens, routing, w_gate, w_up, w_down, self.capacity_factor)
       self.sow("intermediates", "dropped_tokens", dropped)
     else:
       out = dropless(tokens, routing, w_gate, w_up, w_down)
+    if self.shared_expert_hidden:
+      shared = self.shared_expert_hidden
+      dense = lambda name, shape, names: self.param(name, _named(self.kernel_init, names), shape,
+                                                    self.param_dtype)
+      out = out + shared_expert(
+          tokens, dense("shared_gate", (width, shared), ("embed", "mlp")),
+          dense("shared_up", (width, shared), ("embed", "mlp")),
+          dense("shared_down", (shared, width), ("mlp", "embed")),
+          dense("shared_router", (width, 1), ("embed", None)))
     self.sow("intermediates", "expert_load", expert_load(routing))
     if self.router_aux_loss_coef:
       self.sow(tpipe.AUX_LOSS, "router_balance", self.router_aux_loss_coef * balance_loss(routing))

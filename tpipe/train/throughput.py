@@ -68,6 +68,8 @@ def lm_forward_flops_per_token(arguments: dict[str, Any], seq_len: int) -> float
   mlp = 2 * width * arguments["mlp_dim"] * (3 if llama else 2)
   if block == "moe":  # The experts a token goes to (active FLOPs), and the router.
     mlp = mlp * arguments["experts_per_token"] + 2 * width * arguments["num_experts"]
+    shared = arguments.get("shared_expert_mlp_dim") or 0  # Every token's, and its gate.
+    mlp += 2 * width * shared * 3 + 2 * width if shared else 0
   head = 2 * width * arguments["vocab_size"]
   return arguments["num_layers"] * (projections + attention + mlp) + head
 
