@@ -26,6 +26,7 @@ from tpipe import schedules
 from tpipe.axis_rules import DEFAULT_RULES
 from tpipe.core.engine import Pipeline
 from tpipe.linen.layers import AUX_LOSS
+from tpipe.linen.layers import AUX_METRIC
 from tpipe.linen.sequential import Repeat
 from tpipe.linen.sequential import Sequential
 from tpipe.linen.transform import pipeline
@@ -44,6 +45,7 @@ from tpipe.training import shardings
 
 __all__ = [
     "AUX_LOSS",
+    "AUX_METRIC",
     "DEFAULT_RULES",
     "FusedSchedule",
     "Pipeline",

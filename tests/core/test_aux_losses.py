@@ -1,5 +1,6 @@
-"""Auxiliary losses from inside the stages: carried to the loss through every schedule, equal to
-the layers run in sequence on each micro-batch (each replica's rows), gradients included."""
+"""Auxiliary losses and metrics from inside the stages: carried to the loss through every
+schedule, equal to the layers run in sequence on each micro-batch (each replica's rows),
+gradients included; the loss's terms reported apart."""
 
 import dataclasses
 
@@ -24,35 +25,50 @@ def _aux(h, y):
   return 0.3 * jnp.mean(jnp.tanh(h)) ** 2 + 0.1 * jnp.mean(y ** 2)
 
 
+def _metric(y):
+  """Reported only: a loss that counted it would differ."""
+  return jnp.mean(jnp.abs(y))
+
+
 def _block_with_aux(params, stats, h, kwargs, rngs):
   y, stats = cl.LAYERS[1].apply(params, stats, h, kwargs, rngs)
-  return y, stats, _aux(h, y)
+  return y, stats, {"aux_loss/block": _aux(h, y), "aux_metric/size": _metric(y)}
 
 
 def _project_with_aux(params, stats, x, kwargs, rngs):
   y, stats = cl.LAYERS[0].apply(params, stats, x, kwargs, rngs)
-  return y, stats, 0.5 * jnp.mean(y) ** 2
+  return y, stats, {"aux_loss/project": 0.5 * jnp.mean(y) ** 2}
 
 
-LAYERS = (dataclasses.replace(cl.LAYERS[0], apply_with_aux_loss=_project_with_aux),
-          dataclasses.replace(cl.LAYERS[1], apply_with_aux_loss=_block_with_aux),
-          dataclasses.replace(cl.LAYERS[2], apply_with_aux_loss=lambda *a: (*cl._loss(*a), None)))
+LAYERS = (dataclasses.replace(cl.LAYERS[0], apply_with_aux_values=_project_with_aux),
+          dataclasses.replace(cl.LAYERS[1], apply_with_aux_values=_block_with_aux),
+          dataclasses.replace(cl.LAYERS[2],
+                              apply_with_aux_values=lambda *a: (*cl._loss(*a), None)))
+NAMES = ("aux_loss/block", "aux_loss/project", "aux_metric/size")
 
 
-def _sequential_loss(params, x, targets, groups):
+def _sequential_terms(params, x, targets, groups):
   """The layers in order on each of ``groups`` contiguous row groups: the mean per-example loss
-  plus the mean over groups of every auxiliary loss."""
-  total = 0.0
+  and the mean over groups of each auxiliary value (summed over the layers that sow it)."""
+  terms = dict.fromkeys(("loss",) + NAMES, 0.0)
   for xg, tg in zip(jnp.split(x, groups), jnp.split(targets, groups)):
     h = cl.LAYERS[0].apply(params["layers_0"], {}, xg, {}, {})[0]
-    aux = 0.5 * jnp.mean(h) ** 2
+    terms["aux_loss/project"] += 0.5 * jnp.mean(h) ** 2 / groups
     for j in range(cl.COPIES):
       y = cl.LAYERS[1].apply(jax.tree.map(lambda a, j=j: a[j], params["layers_1"]), {}, h, {},
                              {})[0]
-      aux, h = aux + _aux(h, y), y
+      terms["aux_loss/block"] += _aux(h, y) / groups
+      terms["aux_metric/size"] += _metric(y) / groups
+      h = y
     losses = cl.LAYERS[2].apply(params["layers_2"], {}, h, {"targets": tg}, {})[0]
-    total = total + jnp.mean(losses) + aux
-  return total / groups
+    terms["loss"] += jnp.mean(losses) / groups
+  return terms
+
+
+def _sequential_loss(params, x, targets, groups):
+  """The loss: the mean per-example loss plus every auxiliary loss (no metric)."""
+  terms = _sequential_terms(params, x, targets, groups)
+  return terms["loss"] + terms["aux_loss/block"] + terms["aux_loss/project"]
 
 
 def _build(spec, layers=LAYERS):
@@ -73,7 +89,8 @@ def test_aux_losses_reach_the_loss_and_gradients_under_every_schedule(schedule, 
                             num_repeats=repeats, per_example=("targets",))
   pipeline = _build(spec)
   # The first layer starts the running sums, the last adds them to its per-example losses.
-  assert all(layer.apply_with_aux_loss is None for layer in pipeline.layers)
+  assert all(layer.apply_with_aux_values is None for layer in pipeline.layers)
+  assert pipeline.aux_names == NAMES
   x, targets = cl.inputs()
   mesh = tpipe.make_mesh(stages=2, data=data)
   staged, _ = pipeline.stage(cl.params())
@@ -111,7 +128,8 @@ def test_layers_without_aux_losses_are_left_as_they_are():
   pipeline = _build(tpipe.PipelineSpec(num_stages=2, num_microbatches=2,
                                        per_example=("targets",)), layers=cl.LAYERS)
   assert pipeline.layers == cl.LAYERS
-  assert aux_losses.carry(cl.LAYERS, (), "test") == cl.LAYERS
+  assert aux_losses.carry(cl.LAYERS, (), (), "test") == cl.LAYERS
+  assert pipeline.aux_names == ()
 
 
 @pytest.mark.unit
@@ -119,9 +137,9 @@ def test_bad_sequences_are_refused_before_tracing():
   repeated_first = (LAYERS[1], LAYERS[2])
   with pytest.raises(ValueError, match=r"layers\[0\] repeats Block; start the sequence with a "
                      "plain layer"):
-    aux_losses.carry(repeated_first, (0,), "test")
+    aux_losses.carry(repeated_first, (0,), NAMES, "test")
   with pytest.raises(ValueError, match=r"layers\[1\] \(Block\) keeps running statistics"):
-    aux_losses.carry(LAYERS, (1,), "test", with_stats=frozenset({1}))
+    aux_losses.carry(LAYERS, (1,), NAMES, "test", with_stats=frozenset({1}))
   no_per_example = dataclasses.replace(
       cl.LAYERS[2], apply=lambda p, s, h, k, r: (h @ p["kernel"], s))
   spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=2, per_example=("targets",))
@@ -131,9 +149,53 @@ def test_bad_sequences_are_refused_before_tracing():
 
 
 @pytest.mark.unit
-def test_total_sums_scalars_and_refuses_other_shapes():
-  assert aux_losses.total({}, "test", "layers[1]") is None
-  assert float(aux_losses.total({"a": (1.5, jnp.float32(2.0))}, "test", "layers[1]")) == 3.5
-  with pytest.raises(ValueError, match=r"layers\[1\] added an auxiliary loss of shape \(3,\).*"
-                     "reduce it over the tokens first"):
-    aux_losses.total({"a": (jnp.ones(3),)}, "test", "layers[1]")
+def test_named_values_sum_per_name_and_refuse_other_shapes():
+  assert aux_losses.named({"aux_loss": {}, "aux_metric": {}}, "test", "layers[1]") is None
+  sown = {"aux_loss": {"moe": {"balance": (1.5, jnp.float32(2.0))}},
+          "aux_metric": {"load": (jnp.float32(0.25),)}}
+  named = aux_losses.named(sown, "test", "layers[1]")
+  assert {k: float(v) for k, v in named.items()} == {"aux_loss/moe/balance": 3.5,
+                                                     "aux_metric/load": 0.25}
+  assert aux_losses.is_loss("aux_loss/moe/balance")
+  assert not aux_losses.is_loss("aux_metric/load")
+  with pytest.raises(ValueError, match=r"layers\[1\] sowed an auxiliary value \(aux_loss\) of "
+                     r"shape \(3,\).*reduce over the tokens first"):
+    aux_losses.named({"aux_loss": {"a": (jnp.ones(3),)}}, "test", "layers[1]")
+
+
+@pytest.mark.parametrize("schedule,data", [("gpipe", 2), ("zbv", 1)])
+def test_loss_terms_report_each_value_apart_and_add_up_to_the_loss(schedule, data):
+  repeats = 2 if schedule == "zbv" else 1
+  spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=MICROBATCHES, schedule=schedule,
+                            num_repeats=repeats, per_example=("targets",))
+  pipeline = _build(spec)
+  x, targets = cl.inputs()
+  mesh = tpipe.make_mesh(stages=2, data=data)
+  staged, _ = pipeline.stage(cl.params())
+  kwargs = {"targets": targets}
+  terms = jax.jit(lambda p: pipeline.loss_terms(p, x, kwargs, mesh=mesh))(staged)
+  assert sorted(terms) == sorted(("loss",) + NAMES)
+  groups = MICROBATCHES * data
+  run = jax.jit(_sequential_terms, static_argnums=3)
+  plain = run(cl.params(), x, targets, groups)
+  reference = numerics.float64_reference(run, cl.params(), x, targets, groups)
+  for name in terms:
+    numerics.assert_as_close_as_plain(terms[name], plain[name], reference[name], what=name)
+  # The loss is its own term plus the auxiliary losses, not the metric.
+  loss = jax.jit(lambda p: pipeline.loss(p, x, kwargs, mesh=mesh))(staged)
+  np.testing.assert_allclose(
+      loss, terms["loss"] + terms["aux_loss/block"] + terms["aux_loss/project"], rtol=1e-6)
+  assert float(terms["aux_metric/size"]) > 1e-2
+
+
+@pytest.mark.unit
+def test_loss_terms_of_layers_without_aux_values_is_the_loss_alone():
+  pipeline = _build(tpipe.PipelineSpec(num_stages=2, num_microbatches=2,
+                                       per_example=("targets",)), layers=cl.LAYERS)
+  x, targets = cl.inputs()
+  staged, _ = pipeline.stage(cl.params())
+  mesh = tpipe.make_mesh(stages=2)
+  terms = pipeline.loss_terms(staged, x, {"targets": targets}, mesh=mesh)
+  assert list(terms) == ["loss"]
+  np.testing.assert_allclose(terms["loss"], jnp.mean(cl.plain_loss(cl.params(), x, targets)),
+                             rtol=2e-6)

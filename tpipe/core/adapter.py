@@ -160,7 +160,8 @@ def _staged(pipeline: engine.Pipeline, variables: Variables):
 
 
 def call(model: Model, variables: Variables, x, kwargs: dict | None = None, *,
-         loss: bool = False, rngs: Mapping[str, Any] | None = None, mesh=None) -> Result:
+         loss: bool = False, terms: bool = False, rngs: Mapping[str, Any] | None = None,
+         mesh=None) -> Result:
   """Builds the pipeline for ``x``, stages ``variables``, and runs it.
 
   Args:
@@ -170,6 +171,8 @@ def call(model: Model, variables: Variables, x, kwargs: dict | None = None, *,
     kwargs: the keyword arguments (see :meth:`tpipe.core.engine.Pipeline.apply`).
     loss: run :meth:`~tpipe.core.engine.Pipeline.loss` (the mean of the last layer's
       per-example losses), else :meth:`~tpipe.core.engine.Pipeline.apply`.
+    terms: run :meth:`~tpipe.core.engine.Pipeline.loss_terms` instead (the loss's terms apart;
+      running statistics are not updated).
     rngs: ``{stream: key}`` for the call.
     mesh: the mesh to run on; default the spec's.
 
@@ -179,6 +182,8 @@ def call(model: Model, variables: Variables, x, kwargs: dict | None = None, *,
   rngs = dict(rngs or {})
   pipeline = build(model, x, kwargs, tuple(rngs), variables)
   params, stats = _staged(pipeline, variables)
+  if terms:
+    return Result(pipeline.loss_terms(params, x, kwargs, stats=stats, rngs=rngs, mesh=mesh))
   run = pipeline.loss if loss else pipeline.apply
   result = run(params, x, kwargs, stats=stats, rngs=rngs, mesh=mesh)
   if stats is None:

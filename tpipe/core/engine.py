@@ -54,12 +54,18 @@ class Pipeline:
   """A layer sequence planned and laid out for one input type.
 
   Attributes:
-    layers: the :class:`~tpipe.core.layers.Layer` sequence.
+    layers: the :class:`~tpipe.core.layers.Layer` sequence it runs (where layers sow auxiliary
+      losses or metrics, rewritten to carry them: :func:`tpipe.core.aux_losses.carry`).
     spec: the pipeline's settings.
     plan: the cut into chunks (:class:`~tpipe.core.plan.Plan`).
     layout: where the parameters live (:class:`~tpipe.core.layout.StageLayout`).
     stats_layout: where running statistics live, or None when no layer has any.
     owner: the API the user called, for messages.
+    given_layers: the layers as given (:meth:`rebuild` plans them again).
+    aux_names: the names of the auxiliary losses and metrics the layers sow, sorted (``()``
+      when none does).
+    terms: the last layer returns its per-example losses and the auxiliary sums apart (what
+      :meth:`loss_terms` runs), not their sum.
   """
 
   layers: tuple[layers_lib.Layer, ...]
@@ -68,6 +74,9 @@ class Pipeline:
   layout: layout_lib.StageLayout
   stats_layout: layout_lib.StageLayout | None
   owner: str
+  given_layers: tuple[layers_lib.Layer, ...] = ()
+  aux_names: tuple[str, ...] = ()
+  terms: bool = False
 
   @property
   def backward_plan(self) -> backward_plan_lib.BackwardPlan:
@@ -200,6 +209,26 @@ class Pipeline:
                            split.per_example, dict(rngs or {}), schedule=table, axes=axes,
                            plan=self.backward_plan)
 
+  def loss_terms(self, params, x, kwargs: dict | None = None, *, stats=None, rngs=None,
+                 mesh=None) -> dict[str, jax.Array]:
+    """The loss's terms over the global batch, for reporting (not differentiable under fused
+    schedules): ``{"loss": mean of the last layer's per-example losses}`` and, per auxiliary
+    loss or metric the layers sow, ``{"aux_loss/<path>" or "aux_metric/<path>": its mean over
+    micro-batches}`` (values of one name summed over the layers that sow it). :meth:`loss` is
+    ``"loss"`` plus every ``aux_loss/...``. A forward pass; arguments as for :meth:`apply`
+    (with ``stats``, the running statistics are not updated).
+    """
+    self._check_losses()
+    terms = self
+    if self.aux_names and not self.terms:
+      terms = self.rebuild(x, kwargs, tuple(rngs or {}), terms=True)
+    out = terms.apply(params, x, kwargs, stats=stats, rngs=rngs, mesh=mesh)
+    if stats is not None:
+      out = out[0]
+    if not terms.aux_names:
+      return {"loss": jnp.mean(jnp.asarray(out, jnp.float32))}
+    return aux_losses.means(terms.aux_names, *out)
+
   def _momenta(self, x, split, rngs) -> dict:
     """``{(layer index, path): momentum}`` of the normalizations this call runs in training mode
     (its keywords decide): the layers traced abstractly on one micro-batch like it
@@ -231,6 +260,9 @@ class Pipeline:
     return staged
 
   def _check_losses(self) -> None:
+    if self.terms:
+      raise ValueError(f"{self.owner}: this pipeline returns the loss's terms apart "
+                       "(loss_terms); differentiate the pipeline built without terms.")
     leaves = jax.tree.leaves(self.output)
     per_example = (len(leaves) == 1 and len(leaves[0].shape) == 1
                    and jnp.issubdtype(leaves[0].dtype, jnp.floating))
@@ -248,14 +280,16 @@ class Pipeline:
             "model.loss(...) in NNX), or use schedule='gpipe'/'circular' to differentiate the "
             "outputs.")
 
-  def rebuild(self, x, kwargs: dict | None = None, rng_names: Sequence[str] = ()) -> "Pipeline":
+  def rebuild(self, x, kwargs: dict | None = None, rng_names: Sequence[str] = (), *,
+              terms: bool = False) -> "Pipeline":
     """The same layers and split, planned for calls like ``x`` and ``kwargs`` (other keywords,
-    another batch): the parameters' layout is the same."""
+    another batch): the parameters' layout is the same. ``terms``: the pipeline
+    :meth:`loss_terms` runs."""
     spec = self.spec.replace(balance=list(self.plan.counts))
     stats = self.stats_layout.logical if self.stats_layout is not None else {}
-    return build(self.layers, spec, param_shapes=self.layout.logical, stats_shapes=stats, x=x,
-                 kwargs=kwargs, rng_names=rng_names, owner=self.owner,
-                 param_axes=self.layout.axes)
+    return build(self.given_layers or self.layers, spec, param_shapes=self.layout.logical,
+                 stats_shapes=stats, x=x, kwargs=kwargs, rng_names=rng_names, owner=self.owner,
+                 param_axes=self.layout.axes, terms=terms)
 
   # ------------------------------------------------------------------------------------------
   # For analysis.
@@ -352,7 +386,8 @@ def micro_inputs(x, split, batch: int, num_microbatches: int):
 
 def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, param_shapes,
           stats_shapes, x, kwargs: dict | None = None, rng_names: Sequence[str] = (),
-          owner: str = "tpipe", param_axes=None) -> Pipeline:  # Keyword-only, each named.
+          owner: str = "tpipe", param_axes=None,
+          terms: bool = False) -> Pipeline:  # Keyword-only, each named.
   """Plans and lays out ``layers`` for ``spec`` and inputs like ``x`` (before any tracing of the
   pipeline: every check raises here).
 
@@ -368,6 +403,8 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
     owner: the API the user called, for messages.
     param_axes: the parameters' logical axis names, as
       :attr:`tpipe.core.layout.StageLayout.axes` holds them (from the layers' annotations).
+    terms: where layers sow auxiliary losses or metrics, the last layer returns its own losses
+      and the auxiliary sums apart (what :meth:`Pipeline.loss_terms` runs).
 
   Returns:
     The :class:`Pipeline`.
@@ -383,11 +420,12 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
   calls = plan_lib.Calls(split, side, tuple(rng_names), owner,
                          (spec.data_axis, spec.stage_axis))
   traced = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
-  adding = traced.adding
-  if adding:  # Layers add auxiliary losses: they travel to the loss beside the activations.
+  given, aux_names = layers, traced.aux_names
+  if traced.adding:  # Layers sow auxiliary values: they travel to the loss with the activations.
     with_stats = frozenset(i for i in range(len(layers))
                            if jax.tree.leaves(stats_shapes[f"layers_{i}"]))
-    layers = aux_losses.carry(layers, adding, owner, with_stats)
+    layers = aux_losses.carry(layers, traced.adding, traced.aux_names, owner, with_stats,
+                              terms=terms)
     traced = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
   plan = plan_lib.make_plan(layers, spec, param_shapes, stats_shapes, traced, calls)
   if plan.tick_costs is not None:  # A fused table in compound ticks for the measured costs.
@@ -402,4 +440,5 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
                                                 spec.num_repeats, spec.placement,
                                                 stacked=layout.stacked, packing="slot")
   return Pipeline(layers=layers, spec=spec, plan=plan, layout=layout, stats_layout=stats_layout,
-                  owner=owner)
+                  owner=owner, given_layers=given, aux_names=aux_names,
+                  terms=terms and bool(aux_names))

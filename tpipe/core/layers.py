@@ -38,10 +38,11 @@ ApplyFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any]]
 # ``mean``/``var`` in ``stats``.
 ApplyWithMomentaFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any, dict]]
 
-# apply_with_aux_loss(params, stats, x, kwargs, rngs) -> (y, statistics, aux_loss): ``apply``'s
-# results and the sum of the auxiliary losses the layer added on this call (a float32 scalar), or
-# None when it added none (see :mod:`tpipe.core.aux_losses`).
-ApplyWithAuxLossFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any, Any]]
+# apply_with_aux_values(params, stats, x, kwargs, rngs) -> (y, statistics, values): ``apply``'s
+# results and the auxiliary losses and metrics the layer sowed on this call,
+# ``{"<kind>/<path>": float32 scalar}``, or None when it sowed none (see
+# :mod:`tpipe.core.aux_losses`).
+ApplyWithAuxValuesFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any, Any]]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,9 +63,9 @@ class Layer:
     apply_with_momenta: see :data:`ApplyWithMomentaFn`; None for a layer without running
       statistics. Planning traces it once (:func:`tpipe.core.plan.trace_inputs`) and the
       engine updates the running statistics with the momenta it returned.
-    apply_with_aux_loss: see :data:`ApplyWithAuxLossFn`; None for a layer that never adds side
-      losses. Planning traces it once; where a layer adds some, the engine carries them to the
-      loss (:func:`tpipe.core.aux_losses.carry`).
+    apply_with_aux_values: see :data:`ApplyWithAuxValuesFn`; None for a layer that never sows
+      auxiliary losses or metrics. Planning traces it once; where a layer sows some, the engine
+      carries them to the loss (:func:`tpipe.core.aux_losses.carry`).
   """
 
   kind: str
@@ -73,7 +74,7 @@ class Layer:
   keywords: tuple[str, ...] | None = None
   identity: Hashable | None = None
   apply_with_momenta: ApplyWithMomentaFn | None = None
-  apply_with_aux_loss: ApplyWithAuxLossFn | None = None
+  apply_with_aux_values: ApplyWithAuxValuesFn | None = None
 
   @property
   def units(self) -> int:

@@ -177,13 +177,15 @@ class Traced(NamedTuple):
       mode (:attr:`tpipe.core.layers.Layer.apply_with_momenta`) on the keywords traced; the
       engine traces each call that updates running statistics for them (a layer's mode
       follows the call's keywords, e.g. ``train=True``).
-    adding: the indices of the layers that added auxiliary losses on the call traced
-      (:attr:`tpipe.core.layers.Layer.apply_with_aux_loss`; :mod:`tpipe.core.aux_losses`).
+    adding: the indices of the layers that sowed auxiliary losses or metrics on the call traced
+      (:attr:`tpipe.core.layers.Layer.apply_with_aux_values`; :mod:`tpipe.core.aux_losses`).
+    aux_names: every name they sowed, sorted.
   """
 
   layer_inputs: tuple[Any, ...]
   momenta: dict
   adding: tuple[int, ...] = ()
+  aux_names: tuple[str, ...] = ()
 
 
 def trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls: Calls) -> Traced:
@@ -201,20 +203,21 @@ def trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls: Calls) -> T
     ValueError: a repeated layer changes its input's type, or a layer fails on the previous
       layer's output (the message names both layers and the type that did not fit).
   """
-  inputs, momenta, adding, h = [], {}, [], x_micro
+  inputs, momenta, adding, names, h = [], {}, [], set(), x_micro
   for i, layer in enumerate(layers):
     inputs.append(h)
     params, stats = param_shapes[f"layers_{i}"], stats_shapes.get(f"layers_{i}", {})
     if layer.copies is not None:
       params, stats = layers_lib.one_copy(params), layers_lib.one_copy(stats)
-    out, found, adds = _abstract_call(layer, params, stats, h, calls,
+    out, found, sown = _abstract_call(layer, params, stats, h, calls,
                                       where=failure_message(layers, i, calls.owner))
     momenta.update({(i, path): m for path, m in found.items()})
-    adding += [i] if adds else []
+    adding += [i] if sown else []
+    names.update(sown)
     check_repeated(layers, i, h, out, calls.owner)
     h = out
   inputs.append(h)
-  return Traced(tuple(inputs), momenta, tuple(adding))
+  return Traced(tuple(inputs), momenta, tuple(adding), tuple(sorted(names)))
 
 
 def check_repeated(layers, i: int, h, out, owner: str) -> None:
@@ -248,12 +251,13 @@ def abstract_output(layer, params, stats, h, calls: Calls, where: str = ""):
 
 
 def _abstract_call(layer, params, stats, h, calls: Calls, where: str = ""):
-  """``(abstract output, {path: momentum}, adds auxiliary losses?)``: :func:`abstract_output`,
-  the momenta its trace found (empty for a layer without running statistics), and whether the
-  layer added auxiliary losses on it. One trace, except for a layer with running statistics that
-  may add auxiliary losses (its momenta and its losses come from two apply functions)."""
+  """``(abstract output, {path: momentum}, names)``: :func:`abstract_output`, the momenta its
+  trace found (empty for a layer without running statistics), and the names of the auxiliary
+  losses and metrics the layer sowed on it (empty when none). One trace, except for a layer with
+  running statistics that may sow auxiliary values (its momenta and its values come from two
+  apply functions)."""
   rngs = {name: jax.random.key(0) for name in calls.rng_names}
-  found, adds = [], []  # Static: they leave the abstract traces as Python values.
+  found, sown = [], []  # Static: they leave the abstract traces as Python values.
 
   def measuring(params, stats, h, kwargs, rngs):
     y, contributions, momenta = layer.apply_with_momenta(params, stats, h, kwargs, rngs)
@@ -261,12 +265,12 @@ def _abstract_call(layer, params, stats, h, calls: Calls, where: str = ""):
     return y, contributions
 
   def adding(params, stats, h, kwargs, rngs):
-    y, contributions, added = layer.apply_with_aux_loss(params, stats, h, kwargs, rngs)
-    adds.append(added is not None)
+    y, contributions, added = layer.apply_with_aux_values(params, stats, h, kwargs, rngs)
+    sown.append(tuple(added or ()))
     return y, contributions
 
   has_stats = layer.apply_with_momenta is not None and bool(jax.tree.leaves(stats))
-  may_add = layer.apply_with_aux_loss is not None
+  may_add = layer.apply_with_aux_values is not None
   passes = [measuring] if has_stats else []
   passes += [adding] if may_add else []
 
@@ -285,7 +289,7 @@ def _abstract_call(layer, params, stats, h, calls: Calls, where: str = ""):
     if not where:
       raise
     raise located(error, where, h) from error
-  return out, found[0] if found else {}, any(adds)
+  return out, found[0] if found else {}, frozenset().union(*sown)
 
 
 def unit_costs(layers, kind: str, param_shapes, stats_shapes, layer_inputs,

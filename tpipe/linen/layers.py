@@ -25,10 +25,13 @@ from tpipe.core import layers as layers_lib
 STATS = "batch_stats"
 # The collection a layer sows auxiliary losses into (``self.sow(AUX_LOSS, name, value)``): each a
 # float scalar, which the pipeline adds to the training loss (:mod:`tpipe.core.aux_losses`).
-AUX_LOSS = "aux_loss"
-# What a layer sows on a call (its auxiliary losses, ``intermediates``): outputs of that call,
+AUX_LOSS = aux_losses.LOSS
+# The collection a layer sows auxiliary metrics into (``self.sow(AUX_METRIC, name, value)``):
+# float scalars the pipeline carries like auxiliary losses but only reports (``loss_terms``).
+AUX_METRIC = aux_losses.METRIC
+# What a layer sows on a call (its auxiliary values, ``intermediates``): outputs of that call,
 # not variables; an initialisation drops them.
-SOWN = (AUX_LOSS, "intermediates")
+SOWN = (AUX_LOSS, AUX_METRIC, "intermediates")
 
 
 def _init(template, axis_names):
@@ -57,23 +60,23 @@ def as_layer(module: nn.Module, copies: int | None, owner: str) -> layers_lib.La
   def apply(params, stats, h, kwargs, rngs):
     return _apply_measuring(template, params, stats, h, kwargs, rngs, owner)[:2]
 
-  def apply_with_aux_loss(params, stats, h, kwargs, rngs):
+  def apply_with_aux_values(params, stats, h, kwargs, rngs):
     y, contributions, _, sown = _apply_measuring(template, params, stats, h, kwargs, rngs,
                                                  owner)
-    return y, contributions, aux_losses.total(sown, owner, type(template).__name__)
+    return y, contributions, aux_losses.named(sown, owner, type(template).__name__)
 
   return layers_lib.Layer(kind=type(template).__name__, copies=copies, apply=apply,
                           keywords=arguments.keyword_names(type(template).__call__),
                           identity=template, apply_with_momenta=apply_with_momenta,
-                          apply_with_aux_loss=apply_with_aux_loss)
+                          apply_with_aux_values=apply_with_aux_values)
 
 
 def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
   """Applies a layer to one micro-batch; returns its output; shaped like ``stats``, each
   training-mode BatchNorm's ``E[x]`` (in the place of ``mean``) and ``E[x^2]`` (of ``var``),
-  zeros elsewhere; ``{path: momentum}`` of those BatchNorms; and the auxiliary losses it sowed
-  (``AUX_LOSS``). Statistics the layer would update are dropped; missing ones (shape and cost
-  passes) are created."""
+  zeros elsewhere; ``{path: momentum}`` of those BatchNorms; and the auxiliary values it sowed
+  (``{AUX_LOSS: tree, AUX_METRIC: tree}``). Statistics the layer would update are dropped;
+  missing ones (shape and cost passes) are created."""
   seen, momenta = {}, {}
 
   def interceptor(next_fun, args, call_kwargs, context):
@@ -96,7 +99,8 @@ def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
 
   variables = {"params": params, **({STATS: stats} if jax.tree.leaves(stats) else {})}
   with nn.intercept_methods(interceptor):
-    out, mutated = template.apply(variables, h, **kwargs, rngs=rngs, mutable=[STATS, AUX_LOSS])
+    out, mutated = template.apply(variables, h, **kwargs, rngs=rngs,
+                                  mutable=[STATS, AUX_LOSS, AUX_METRIC])
 
   def contribution(path, value):
     keys = tuple(getattr(k, "key", None) for k in path)
@@ -106,7 +110,7 @@ def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
     return (mean if keys[-1] == "mean" else mean_of_squares).astype(value.dtype)
 
   return (out, jax.tree_util.tree_map_with_path(contribution, stats), momenta,
-          mutated.get(AUX_LOSS, {}))
+          {kind: mutated.get(kind, {}) for kind in (AUX_LOSS, AUX_METRIC)})
 
 
 # The module, its key and inputs, and the axes to name.

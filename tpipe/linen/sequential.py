@@ -222,8 +222,13 @@ class Sequential(_SequentialFields):
     """The mean of the last layer's per-example losses over the global batch."""
     return self._run(x, kwargs, True)
 
+  def loss_terms(self, x, **kwargs):
+    """The loss's terms apart, for reporting: ``{"loss": mean per-example loss, "aux_loss/...":
+    ..., "aux_metric/...": ...}`` (:meth:`tpipe.core.engine.Pipeline.loss_terms`)."""
+    return self._run(x, kwargs, False, terms=True)
+
   @nn.compact
-  def _run(self, x, kwargs, loss: bool):
+  def _run(self, x, kwargs, loss: bool, terms: bool = False):
     self.spec.run_mesh(OWNER)  # Raises first where the spec's mesh does not fit the devices.
     front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER)
     streams = tuple(sorted(name for name in self.scope.rngs if name != "params"))
@@ -245,7 +250,8 @@ class Sequential(_SequentialFields):
         if name in variables.stats:
           self.put_variable(STATS, name, tree)
 
-    return front.run(self, variables, x, kwargs, loss=loss, rngs=rngs, store_stats=store)
+    return front.run(self, variables, x, kwargs, loss=loss, terms=terms, rngs=rngs,
+                     store_stats=store)
 
   def _call_variables(self) -> adapter.Variables:
     """The module's variables for a call: each collection logical, or staged where it holds
@@ -303,7 +309,7 @@ class LinenLayers:
                          param_shapes=shapes["params"], stats_shapes=shapes[STATS])
 
   def run(self, module: nn.Module, variables: adapter.Variables, x, kwargs, *, loss: bool,
-          rngs, store_stats):
+          rngs, store_stats, terms: bool = False):
     """Runs a call inside ``module``'s call (:func:`tpipe.core.adapter.call`).
 
     Args:
@@ -312,12 +318,14 @@ class LinenLayers:
       x: the input.
       kwargs: the keyword arguments.
       loss: return the mean loss (else the outputs).
+      terms: return the loss's terms apart (:meth:`tpipe.core.engine.Pipeline.loss_terms`).
       rngs: ``{stream: key}`` for the call.
       store_stats: called with the updated statistics (in ``variables.stats``' form) after a
         training step of BatchNorm layers.
     """
     model = self.model(x, kwargs, tuple(rngs))
-    call = functools.partial(adapter.call, model, loss=loss, mesh=self.spec.run_mesh(self.owner))
+    call = functools.partial(adapter.call, model, loss=loss, terms=terms,
+                             mesh=self.spec.run_mesh(self.owner))
     if module.is_initializing():  # Like Flax: init does not update the statistics.
       # Fresh logical variables: the forward as one compiled program (eagerly, every operation
       # would compile on its own).

@@ -6,9 +6,10 @@ Import as ``from tpipe import nnx as tnnx`` (or use ``tpipe.nnx``); the name doe
 ``flax.nnx`` in user code that imports both."""
 
 from tpipe.nnx.layers import AuxLoss
+from tpipe.nnx.layers import AuxMetric
 from tpipe.nnx.placement import shard
 from tpipe.nnx.sequential import Sequential
 from tpipe.nnx.stack import Repeat
 from tpipe.nnx.transform import pipeline
 
-__all__ = ["AuxLoss", "Repeat", "Sequential", "pipeline", "shard"]
+__all__ = ["AuxLoss", "AuxMetric", "Repeat", "Sequential", "pipeline", "shard"]

@@ -41,14 +41,24 @@ class AuxLoss(nnx.Intermediate):
   call outside the pipeline are not state and are left out."""
 
 
+class AuxMetric(nnx.Intermediate):
+  """An auxiliary metric a layer reports beside the loss: ``self.sow(tpipe.nnx.AuxMetric, name,
+  value)`` with a float scalar (a router's expert load). Carried through the pipeline as
+  auxiliary losses are, never added to the loss; ``Sequential.loss_terms`` returns its mean over
+  micro-batches (:mod:`tpipe.core.aux_losses`)."""
+
+
+_SOWN = {aux_losses.LOSS: AuxLoss, aux_losses.METRIC: AuxMetric}
+
+
 def split(layer: nnx.Module, where: str, repeated: bool = False):
   """``layer``'s graph definition, its ``Param``, ``BatchStat`` and RNG states, and its constant
   arrays (array attributes that are no ``nnx.Variable``: a layer's fixed table); raises for any
   other state, for a ``BatchStat`` outside an ``nnx.BatchNorm``, and for constants in the copies
   of a repeated layer (``repeated``)."""
-  if jax.tree.leaves(nnx.state(layer, AuxLoss)):  # Sown by an eager call: not state.
+  if jax.tree.leaves(nnx.state(layer, AuxLoss, AuxMetric)):  # Sown by an eager call: not state.
     layer = nnx.clone(layer)
-    nnx.pop(layer, AuxLoss)
+    nnx.pop(layer, AuxLoss, AuxMetric)
   graphdef, params, stats, rng_state, rest = nnx.split(layer, nnx.Param, nnx.BatchStat,
                                                        nnx.RngState, ...)
   flat = nnx.to_flat_state(rest)
@@ -146,7 +156,8 @@ def as_layer(layer: nnx.Module, copies: int | None,
       for key in path:
         node = node[key]
       node["mean"], node["var"] = mean, var + mean * mean
-    return y, contributions, momenta, nnx.pop(module, AuxLoss)
+    return y, contributions, momenta, {kind: nnx.to_pure_dict(nnx.pop(module, variable))
+                                       for kind, variable in _SOWN.items()}
 
   def apply_with_momenta(params, stats, h, kwargs, rngs):
     return apply_measuring(params, stats, h, kwargs, rngs)[:3]
@@ -154,9 +165,9 @@ def as_layer(layer: nnx.Module, copies: int | None,
   def apply(params, stats, h, kwargs, rngs):
     return apply_measuring(params, stats, h, kwargs, rngs)[:2]
 
-  def apply_with_aux_loss(params, stats, h, kwargs, rngs):
+  def apply_with_aux_values(params, stats, h, kwargs, rngs):
     y, contributions, _, sown = apply_measuring(params, stats, h, kwargs, rngs)
-    return y, contributions, aux_losses.total(sown, where, type(layer).__name__)
+    return y, contributions, aux_losses.named(sown, where, type(layer).__name__)
 
   layer_class = type(layer)
   identity = graphdef  # Equal graphs compute the same: they share one cost measurement.
@@ -167,7 +178,7 @@ def as_layer(layer: nnx.Module, copies: int | None,
   return (layers_lib.Layer(kind=layer_class.__name__, copies=copies, apply=apply,
                            keywords=arguments.keyword_names(layer_class.__call__),
                            identity=identity, apply_with_momenta=apply_with_momenta,
-                           apply_with_aux_loss=apply_with_aux_loss),
+                           apply_with_aux_values=apply_with_aux_values),
           nnx.to_pure_dict(params), nnx.to_pure_dict(stats))
 
 

@@ -80,3 +80,8 @@ class Sequential(stack.Stack, nnx.Module):
   def loss(self, x, **kwargs):
     """The mean over the global batch of the last layer's per-example losses."""
     return self._run(x, kwargs, loss=True)
+
+  def loss_terms(self, x, **kwargs):
+    """The loss's terms apart, for reporting: ``{"loss": mean per-example loss, "aux_loss/...":
+    ..., "aux_metric/...": ...}`` (:meth:`tpipe.core.engine.Pipeline.loss_terms`)."""
+    return self._run(x, kwargs, loss=False, terms=True)

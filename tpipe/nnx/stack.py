@@ -157,14 +157,14 @@ class Stack:
   def _model(self, layers) -> adapter.Model:
     return adapter.Model(layers, self.spec, self.owner, param_axes=self.param_axes())
 
-  def _run(self, x, kwargs: dict, loss: bool):
+  def _run(self, x, kwargs: dict, loss: bool, terms: bool = False):
     layers, params, stats = self.core_layers()
     rngs = {}
     if self._has_rng_streams():
       stream = "dropout" if "dropout" in self.rngs else "default"
       rngs[nnx_layers.RNG_STREAM] = self.rngs[stream]()
     result = adapter.call(self._model(layers), adapter.Variables(params, stats), x, kwargs,
-                          loss=loss, rngs=rngs)
+                          loss=loss, terms=terms, rngs=rngs)
     new_stats = result.stats()
     if new_stats is not None:  # BatchNorm in training mode: one update per call, into the layers.
       self.load_variables({"batch_stats": new_stats})

@@ -286,6 +286,10 @@ class Experiment:
       absent for tasks without accuracy.
     loss_fn: the training loss (dropout on, BatchNorm in training mode), as
       :func:`tpipe.make_train_step` takes it.
+    loss_terms_step: where the model's layers sow auxiliary losses or metrics (a mixture of
+      experts' router), jitted ``loss_terms_step(state, batch, rng) -> {"loss", "aux_loss/...",
+      "aux_metric/..."}``: the training loss's terms apart on a batch, a forward pass
+      (:meth:`tpipe.core.engine.Pipeline.loss_terms`); else None.
   """
 
   config: ml_collections.ConfigDict
@@ -297,6 +301,7 @@ class Experiment:
   train_step: Callable = None
   eval_step: Callable = None
   loss_fn: Callable = None
+  loss_terms_step: Callable = None
 
   @property
   def layout(self) -> layout_lib.StageLayout:
@@ -554,6 +559,9 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
 
   # Accuracy needs the logits: the model without the labels (the same split and layout).
   logits = pipeline.rebuild(x) if task.measures_accuracy else None
+  # Evaluation reports the task's loss without the auxiliary losses layers sow: a pipeline that
+  # returns them apart.
+  evaluated = pipeline.rebuild(x, kwargs, terms=True) if pipeline.aux_names else pipeline
 
   @jax.jit
   def eval_step(state, batch):
@@ -562,8 +570,9 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
     # Padded evaluation batches mark their real examples; a batch without a mask is all real.
     mask = batch["mask"].astype(jnp.float32) if "mask" in batch else jnp.ones(rows, jnp.float32)
     run = lambda p, x, kw: p.apply(state.params, x, kw, stats=state.model_state)
-    losses = run(pipeline, x, kwargs)
+    losses = run(evaluated, x, kwargs)
     losses = losses[0] if state.model_state is not None else losses
+    losses = losses[0] if evaluated.terms else losses
     out = {"loss": (losses * mask).sum(), "count": mask.sum()}
     if logits is not None:
       result = run(logits, x, {})
@@ -571,7 +580,15 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
       out["correct"] = (task.correct(result, batch) * mask).sum()
     return out
 
+  @jax.jit
+  def loss_terms_step(state, batch, rng):
+    x, kwargs = task.model_inputs(batch)
+    kwargs = {**kwargs, **task.train_keywords}
+    return pipeline.loss_terms(state.params, x, kwargs, stats=state.model_state,
+                               rngs={"dropout": rng})
+
   exp.loss_fn, exp.eval_step = loss_fn, eval_step
+  exp.loss_terms_step = loss_terms_step if pipeline.aux_names else None
   exp.train_step = tpipe.make_train_step(loss_fn, exp.optimizer,
                                          shardings=exp.state_shardings())
   return exp

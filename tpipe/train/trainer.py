@@ -438,6 +438,29 @@ def _check_pending(pending: list, last_checkpoint, directory) -> dict:
   return {"loss": float(host[-1]["loss"]), "grad_norm": float(host[-1]["grad_norm"])}
 
 
+def _logs_at(step: int, config) -> bool:
+  """Whether ``step`` is logged on schedule (every ``log_every``, ``eval_every`` and
+  ``checkpoint_every`` steps, and the last; a preemption's save logs too, unscheduled)."""
+  return (step == config.num_steps
+          or any(step % config[name] == 0
+                 for name in ("log_every", "eval_every", "checkpoint_every")))
+
+
+def _loss_terms_record(terms, config) -> dict[str, float]:
+  """The training loss's terms on a logged step (:meth:`tpipe.core.engine.Pipeline.loss_terms`):
+  ``task_loss`` (the loss without the auxiliary losses), each auxiliary loss as the loss counts
+  it (``aux_loss/...``: summed over the blocks), each auxiliary metric as the mean over the
+  blocks (``aux_metric/...``: every block of the trainer's MoE models sows it)."""
+  host = jax.device_get(terms)
+  record = {"task_loss": float(host["loss"])}
+  for name, value in host.items():
+    if name.startswith("aux_loss/"):
+      record[name] = float(value)
+    elif name.startswith("aux_metric/"):
+      record[name] = float(value) / config.num_layers
+  return record
+
+
 def _log_initial_eval(exp, state, eval_set, is_chief: bool) -> None:
   """Evaluates the initial state, a baseline for the eval curve (logged only: the metrics
   records are of training steps)."""
@@ -512,7 +535,12 @@ def train(config, workdir: str) -> dict:
       if profile and step == profile[0]:
         _start_profile(profile, profile_dir, is_chief)
       batch = data.to_global(next(train_iter), sharding)
-      state, step_metrics = exp.train_step(state, batch, jax.random.fold_in(step_key, step))
+      rng = jax.random.fold_in(step_key, step)
+      terms = None
+      if exp.loss_terms_step is not None and _logs_at(step, config):
+        # The loss's terms on the step's batch and parameters, before the step donates them.
+        terms = exp.loss_terms_step(state, batch, rng)
+      state, step_metrics = exp.train_step(state, batch, rng)
       pending.append((step, step_metrics))
       if profile and step == profile[1]:
         jax.block_until_ready(state)
@@ -528,6 +556,8 @@ def train(config, workdir: str) -> dict:
         continue
 
       record = _check_pending(pending, last_checkpoint, ckpt.directory)
+      if terms is not None:
+        record.update(_loss_terms_record(terms, config))
       if do_eval:
         began = time.perf_counter()
         record.update(exp.evaluate(state, eval_set))
