@@ -4,8 +4,8 @@ import, export, evaluation and generation tests.
 
 Every parameter is perturbed from its initial value (norm scales away from 1, biases away from
 0), so a tensor mapped to the wrong place shows. :func:`logits` in float64 computes the rotary
-angles and Mixtral's router softmax in float64 too (``transformers`` computes them in float32
-whatever the model's dtype), so the float64 run is exact math throughout.
+angles and the Mixtral and Qwen2-MoE routers' softmax in float64 too (``transformers`` computes
+them in float32 whatever the model's dtype), so the float64 run is exact math throughout.
 """
 
 from __future__ import annotations
@@ -33,11 +33,18 @@ CASES = {
     "gpt2": ("gpt2", False, {}),
 }
 # Mixture-of-experts cases (their own tests: a mesh with an expert axis): Mixtral with 4
-# experts, each token to 2, and a sliding window shorter than the test sequences.
+# experts, each token to 2, and a sliding window shorter than the test sequences; Qwen2-MoE
+# (tied) with 4 experts, each token to 2 mixed by its probabilities as they are, a shared expert,
+# the experts', the shared expert's and the (unused) dense width all different.
 EXPERTS, EXPERTS_PER_TOKEN = 4, 2
+QWEN_MOE_MLP, QWEN_SHARED_MLP = 24, 40
 MOE_CASES = {
     "mixtral": ("mixtral", False, dict(num_local_experts=EXPERTS,
                                        num_experts_per_tok=EXPERTS_PER_TOKEN, sliding_window=4)),
+    "qwen2_moe_tied": ("qwen2_moe", True, dict(
+        num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
+        moe_intermediate_size=QWEN_MOE_MLP, shared_expert_intermediate_size=QWEN_SHARED_MLP,
+        norm_topk_prob=False)),
 }
 
 
@@ -56,7 +63,8 @@ def hf_config(name: str):
                                    n_inner=MLP, n_positions=POSITIONS, tie_word_embeddings=tied,
                                    **extra)
   config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "mixtral": transformers.MixtralConfig, "qwen2": transformers.Qwen2Config}[family]
+                  "mixtral": transformers.MixtralConfig, "qwen2": transformers.Qwen2Config,
+                  "qwen2_moe": transformers.Qwen2MoeConfig}[family]
   return config_class(vocab_size=VOCAB, hidden_size=WIDTH, num_attention_heads=HEADS,
                       num_key_value_heads=KV_HEADS, intermediate_size=MLP,
                       num_hidden_layers=LAYERS, max_position_embeddings=POSITIONS,
@@ -90,7 +98,7 @@ def load(directory: str, dtype: str = "float32"):
     model.model.rotary_emb.forward = _exact_rotary(model.config)
   if dtype == "float64":
     for module in model.modules():
-      if type(module).__name__ == "MixtralSparseMoeBlock":
+      if type(module).__name__ in ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock"):
         module.forward = _exact_experts(module)
   return model
 
@@ -122,19 +130,25 @@ def _exact_rotary(config):
 
 
 def _exact_experts(block):
-  """A Mixtral sparse block's forward with the router's softmax in the model's dtype, not
-  float32 (written after ``transformers``' ``MixtralSparseMoeBlock.forward``, no jitter)."""
+  """A Mixtral or Qwen2-MoE sparse block's forward with the router's softmax in the model's
+  dtype, not float32 (written after ``transformers``' ``MixtralSparseMoeBlock.forward``, no
+  jitter, and ``Qwen2MoeSparseMoeBlock.forward``: top-k weights renormalised only with
+  ``norm_topk_prob``, plus the sigmoid-gated shared expert)."""
   torch = _torch()
+  normalize = getattr(block, "norm_topk_prob", True)  # Mixtral always renormalises.
 
   def forward(hidden):
     x = hidden.reshape(-1, hidden.shape[-1])
     scores = block.gate(x)
     weights, experts = torch.topk(torch.softmax(scores, dim=-1), block.top_k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if normalize:
+      weights = weights / weights.sum(dim=-1, keepdim=True)
     out = torch.zeros_like(x)
     for j, expert in enumerate(block.experts):
       token, slot = torch.where(experts == j)
       out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+    if hasattr(block, "shared_expert"):
+      out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
     return out.reshape(hidden.shape), scores
 
   return forward
@@ -160,6 +174,43 @@ def logits(directory, tokens: np.ndarray, dtype: str = "float32") -> np.ndarray:
   with torch.no_grad():
     out = load(str(directory), dtype)(torch.as_tensor(np.asarray(tokens), dtype=torch.long))
   return out.logits.numpy()
+
+
+def document_loss(directory, packed, dtype: str = "float32") -> np.float64:
+  """``transformers``' mean next-token cross-entropy over the unmasked targets of packed
+  windows (:class:`tpipe.train.packing.PackedTokens`), each window's documents run one at a
+  time from position 0 (as tpipe restarts positions per document), in float64 from ``dtype``
+  logits."""
+  total = count = 0.0
+  for i in range(len(packed)):
+    window = packed[i]
+    for segment in np.unique(window["segment_ids"]):
+      rows = window["segment_ids"] == segment
+      scores = logits(directory, window["inputs"][rows][None], dtype)[0].astype(np.float64)
+      peak = scores.max(axis=-1, keepdims=True)
+      log_z = (peak + np.log(np.exp(scores - peak).sum(axis=-1, keepdims=True)))[:, 0]
+      target = scores[np.arange(len(scores)), window["targets"][rows]]
+      mask = window["loss_mask"][rows]
+      total += float(((log_z - target) * mask).sum())
+      count += float(mask.sum())
+  return np.float64(total / count)
+
+
+def greedy(directory, prompt: np.ndarray, new_tokens: int) -> tuple[np.ndarray, float]:
+  """``transformers``' greedy continuation ``[batch, new_tokens]`` of ``prompt`` (no end
+  token), and the smallest float64 gap between the two best logits along it (greedy decoding is
+  only well defined, the same in any float32 arithmetic, where that gap is not tiny)."""
+  torch = _torch()
+  model = load(str(directory))
+  model.generation_config.eos_token_id = None
+  with torch.no_grad():
+    out = model.generate(torch.as_tensor(prompt, dtype=torch.long), max_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+  continuation = out[:, prompt.shape[1]:].numpy()
+  sequence = np.concatenate([prompt, continuation], axis=1)
+  scores = logits(directory, sequence, "float64")[:, prompt.shape[1] - 1:-1]
+  best_two = np.sort(scores, axis=-1)[..., -2:]
+  return continuation, float((best_two[..., 1] - best_two[..., 0]).min())
 
 
 def assert_same_tensors(original: pathlib.Path, exported: pathlib.Path) -> None:

@@ -1,9 +1,10 @@
-"""Hugging Face Mixtral checkpoints: imported into the logical form (``block="moe"``) they give
-``transformers``' logits from the pipelined forward under gpipe, 1f1b and zbv on a stage 2 x
-expert 2 x fsdp 2 mesh (the experts split over the expert axis); export round-trips bit for bit
-and ``transformers`` loads it, also from a trainer run started from it with the experts split;
-what the block does not model is refused by name. Evaluation and generation on it are in
-``test_evaluate_generate``."""
+"""Hugging Face Mixtral and Qwen2-MoE checkpoints: imported into the logical form
+(``block="moe"``; Qwen2-MoE's with its shared expert and its top-k weights not renormalised)
+they give ``transformers``' logits from the pipelined forward under gpipe, 1f1b and zbv on a
+stage 2 x expert 2 x fsdp 2 mesh (the experts split over the expert axis); export round-trips
+bit for bit and ``transformers`` loads it, also (Mixtral) from a trainer run started from it
+with the experts split; what the block does not model is refused by name. Evaluation and
+generation on Mixtral are in ``test_evaluate_generate``, on Qwen2-MoE here."""
 
 import functools
 import json
@@ -18,9 +19,14 @@ from tests.helpers import hf_models
 from tests.helpers import numerics
 from tests.helpers import text_corpus
 from tpipe.train import architecture
+from tpipe.train import evaluate
 from tpipe.train import export
+from tpipe.train import generate
+from tpipe.train import loading
 from tpipe.train import models
+from tpipe.train import packing
 from tpipe.train import pretrained
+from tpipe.train import tokenization
 from tpipe.train import trainer
 
 pytest.importorskip("transformers")
@@ -28,11 +34,30 @@ BATCH, SEQ = 4, 8
 SCHEDULES = {"gpipe": dict(schedule="gpipe"), "1f1b": dict(schedule="1f1b"),
              "zbv": dict(schedule="zbv", num_repeats=2)}
 MESH = dict(stages=2, expert=2, fsdp=2)
+QWEN = "qwen2_moe_tied"
+# What each case's config becomes: the mixture's fields and those that tell the families apart.
+EXPECTED = {
+    "mixtral": dict(family="mixtral", num_experts=hf_models.EXPERTS,
+                    experts_per_token=hf_models.EXPERTS_PER_TOKEN, capacity_factor=0.0,
+                    sliding_window=4, mlp_dim=hf_models.MLP, normalize_expert_weights=True,
+                    shared_expert_mlp_dim=0, qkv_bias=False, tie_embeddings=False),
+    QWEN: dict(family="qwen2_moe", num_experts=hf_models.EXPERTS,
+               experts_per_token=hf_models.EXPERTS_PER_TOKEN, capacity_factor=0.0,
+               sliding_window=0, mlp_dim=hf_models.QWEN_MOE_MLP,
+               normalize_expert_weights=False, shared_expert_mlp_dim=hf_models.QWEN_SHARED_MLP,
+               qkv_bias=True, tie_embeddings=True),
+}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  return hf_models.save("mixtral", tmp_path_factory.mktemp("hf") / "mixtral")
+def checkpoints(tmp_path_factory):
+  root = tmp_path_factory.mktemp("hf")
+  return {name: hf_models.save(name, root / name) for name in EXPECTED}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints):
+  return checkpoints["mixtral"]
 
 
 def _tokens(seed=0):
@@ -52,23 +77,29 @@ def _forward(directory, schedule):
   return jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))
 
 
+@pytest.mark.parametrize("name", sorted(EXPECTED))
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_imported_logits_equal_transformers_under_every_schedule(checkpoint, schedule):
-  tokens = _tokens()
+def test_imported_logits_equal_transformers_under_every_schedule(checkpoints, name, schedule):
+  checkpoint, tokens = checkpoints[name], _tokens()
   # Top-k routing is discontinuous: the tokens' k-th and k+1-th experts are well apart.
   assert hf_models.routing_margin(checkpoint, tokens) > 1e-5
   fields = pretrained.architecture_of(checkpoint)
-  assert fields["block"] == "moe" and fields["family"] == "mixtral"
-  assert (fields["num_experts"], fields["experts_per_token"], fields["capacity_factor"],
-          fields["sliding_window"], fields["mlp_dim"]) == (
-              hf_models.EXPERTS, hf_models.EXPERTS_PER_TOKEN, 0.0, 4, hf_models.MLP)
+  assert fields["block"] == "moe"
+  assert {k: fields[k] for k in EXPECTED[name]} == EXPECTED[name]
   params = pretrained.load_params(checkpoint, fields)
-  assert params["layers_1"]["moe"]["gate"].shape == (
-      hf_models.LAYERS, hf_models.EXPERTS, hf_models.WIDTH, hf_models.MLP)
+  moe = params["layers_1"]["moe"]
+  assert moe["gate"].shape == (hf_models.LAYERS, hf_models.EXPERTS, hf_models.WIDTH,
+                               fields["mlp_dim"])
+  shared = fields["shared_expert_mlp_dim"]
+  assert sorted(moe) == sorted(["router", "gate", "up", "down"] + (
+      ["shared_gate", "shared_up", "shared_down", "shared_router"] if shared else []))
+  if shared:
+    assert moe["shared_down"].shape == (hf_models.LAYERS, shared, hf_models.WIDTH)
+    assert moe["shared_router"].shape == (hf_models.LAYERS, hf_models.WIDTH, 1)
   got = _forward(checkpoint, schedule)(params, tokens)
   numerics.assert_as_close_as_plain(
       got, hf_models.logits(checkpoint, tokens), hf_models.logits(checkpoint, tokens, "float64"),
-      what=f"mixtral logits under {schedule}")
+      what=f"{name} logits under {schedule}")
 
 
 def test_export_round_trips_bit_for_bit_and_transformers_loads_it(checkpoint, tmp_path):
@@ -133,3 +164,94 @@ def test_a_trainer_run_from_a_mixtral_with_its_experts_split_exports_it(checkpoi
   written = json.loads((out / "config.json").read_text())
   assert written["model_type"] == "mixtral" and written["router_aux_loss_coef"] == 0.02
   assert pretrained.architecture_of(out) == pretrained.architecture_of(checkpoint)
+
+
+def test_qwen2_moe_export_round_trips_bit_for_bit(checkpoints, tmp_path):
+  checkpoint = checkpoints[QWEN]
+  fields = pretrained.architecture_of(checkpoint)
+  params = pretrained.load_params(checkpoint, fields)
+  out = pretrained.export(params, fields, tmp_path / "out")
+  hf_models.assert_same_tensors(checkpoint, out)
+  assert pretrained.architecture_of(out) == fields
+  config = json.loads((out / "config.json").read_text())
+  assert config["architectures"] == ["Qwen2MoeForCausalLM"]
+  assert (config["norm_topk_prob"], config["shared_expert_intermediate_size"],
+          config["moe_intermediate_size"]) == (False, hf_models.QWEN_SHARED_MLP,
+                                               hf_models.QWEN_MOE_MLP)
+  tokens = _tokens(seed=1)
+  np.testing.assert_array_equal(hf_models.logits(out, tokens), hf_models.logits(checkpoint, tokens))
+  # A model from scratch with a shared expert exports as Qwen2-MoE.
+  scratch = {k: v for k, v in fields.items() if k != "family"}
+  out = pretrained.export(params, {**scratch, "router_aux_loss_coef": 0.02}, tmp_path / "again")
+  assert json.loads((out / "config.json").read_text())["router_aux_loss_coef"] == 0.02
+  assert pretrained.architecture_of(out) == fields
+  # What neither Hugging Face mixture has is refused, naming the field.
+  for change, match in (
+      (dict(sliding_window=4), "Qwen2MoeForCausalLM: config.sliding_window=4 \\(export needs 0\\)"),
+      (dict(capacity_factor=1.0), "config.capacity_factor=1.0 \\(export needs 0.0\\)"),
+      (dict(shared_expert_mlp_dim=0, family="qwen2_moe"),
+       "config.shared_expert_mlp_dim=0 \\(export needs a shared expert, >= 1\\)"),
+      (dict(family="mixtral"),
+       "MixtralForCausalLM: config.qkv_bias=True \\(export needs False\\); config.shared_expert_"
+       "mlp_dim=40 \\(export needs 0\\); config.normalize_expert_weights=False \\(export needs "
+       "True\\)"),
+      (dict(shared_expert_mlp_dim=0, qkv_bias=False),  # No shared expert: Mixtral's routing.
+       "MixtralForCausalLM: config.normalize_expert_weights=False \\(export needs True\\)")):
+    with pytest.raises(ValueError, match=match):
+      pretrained.export(params, {**scratch, **change}, tmp_path / "x")
+
+
+def test_what_qwen2_moe_does_not_model_is_refused_by_name(checkpoints, tmp_path):
+  config = json.loads((checkpoints[QWEN] / "config.json").read_text())
+  refused = (
+      (dict(decoder_sparse_step=2), "qwen2_moe checkpoint has decoder_sparse_step=2; tpipe "
+                                    "supports decoder_sparse_step in \\(1,\\)"),
+      (dict(mlp_only_layers=[1]), "mlp_only_layers=\\[1\\] \\(dense layers among the mixtures\\);"
+                                  " tpipe supports mlp_only_layers=\\[\\]"),
+      (dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0; tpipe "
+                                                "supports shared_expert_intermediate_size >= 1"),
+      (dict(num_experts=0), "num_experts=0; tpipe supports num_experts >= 1"),
+      (dict(use_sliding_window=True), "use_sliding_window=True; tpipe supports"),
+      (dict(hidden_act="gelu"), "hidden_act='gelu'; tpipe supports"))
+  for change, match in refused:
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=match):
+      pretrained.architecture_of(tmp_path)
+  # What it does model either way: biases on or off, the top-k weights renormalised or not.
+  (tmp_path / "config.json").write_text(json.dumps({**config, "qkv_bias": False,
+                                                    "norm_topk_prob": True}))
+  fields = pretrained.architecture_of(tmp_path)
+  assert (fields["qkv_bias"], fields["normalize_expert_weights"]) == (False, True)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+  tokenizer = tokenization.load(text_corpus.word_tokenizer(tmp_path_factory.mktemp("words")))
+  assert tokenizer.vocab_size <= hf_models.VOCAB
+  ids = tokenizer.encode_batch(text_corpus.documents(12, seed=1))
+  return packing.PackedTokens.of(ids, tokenizer.eod_id, seq_len=16)
+
+
+def test_a_qwen2_moe_perplexity_is_transformers_loss_on_the_same_tokens(checkpoints, packed):
+  # The router losses a run would weigh are training's, no part of a perplexity.
+  model = loading.load(init_from=str(checkpoints[QWEN]), seq_len=16, router_aux_loss_coef=0.01,
+                       router_z_loss_coef=0.001)
+  assert model.config.shared_expert_mlp_dim == hf_models.QWEN_SHARED_MLP
+  result = evaluate.perplexity(model.config, model.params, packed, batch_size=4, num_stages=2,
+                               num_data=1, num_microbatches=2)
+  assert result["tokens"] == int(sum(packed[i]["loss_mask"].sum() for i in range(len(packed))))
+  numerics.assert_as_close_as_plain(
+      np.float32(result["loss"]),
+      np.float32(hf_models.document_loss(checkpoints[QWEN], packed)),
+      hf_models.document_loss(checkpoints[QWEN], packed, "float64"), what="qwen2_moe loss")
+
+
+def test_a_qwen2_moe_generates_greedily_as_transformers(checkpoints):
+  prompt = np.random.RandomState(5).randint(0, hf_models.VOCAB, (2, 5)).astype(np.int32)
+  expected, margin = hf_models.greedy(checkpoints[QWEN], prompt, 12)
+  assert margin > 1e-4  # The greedy path and the experts on it are well defined.
+  assert hf_models.routing_margin(checkpoints[QWEN],
+                                  np.concatenate([prompt, expected], axis=1)) > 1e-5
+  model = loading.load(init_from=str(checkpoints[QWEN]))
+  got = generate.Generator(model.config, model.params).generate(prompt, 12)
+  np.testing.assert_array_equal(got, expected)

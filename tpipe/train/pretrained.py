@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama, Mistral, Mixtral, Qwen2 and GPT-2, tied or untied.
+"""Hugging Face checkpoints in and out: Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE and GPT-2, tied
+or untied.
 
 A Hugging Face checkpoint directory holds ``config.json`` and one or more ``*.safetensors``
 files whose tensors carry PyTorch's names and layouts (``model.layers.0.self_attn.q_proj.weight
@@ -19,10 +20,12 @@ do not depend on the stages or mesh, so an imported model trains on any layout; 
 The families map to :class:`tpipe.train.models.LlamaBlock` (RMSNorm, rotary positions with
 ``rope_theta`` and ``linear``/``llama3`` ``rope_scaling``, grouped-query attention, SwiGLU;
 Qwen2's query/key/value biases; Mistral's sliding window; Mixtral's mixture of SwiGLU experts,
-``block="moe"``: :class:`tpipe.train.moe.MixtureOfExperts`, dropless) and to
+``block="moe"``: :class:`tpipe.train.moe.MixtureOfExperts`, dropless; Qwen2-MoE's, with its
+shared expert and its top-k weights not renormalised, ``norm_topk_prob=False``) and to
 :class:`tpipe.train.models.TransformerBlock` (GPT-2: LayerNorm with epsilon 1e-5, learned
 positions, biases, tanh GELU). Anything else in a config (another activation, a bias on the
-attention output, Qwen2's per-layer sliding window, Mixtral's router jitter) is refused with the
+attention output, Qwen2's per-layer sliding window, Mixtral's router jitter, Qwen2-MoE's dense
+layers among the sparse ones: ``decoder_sparse_step``, ``mlp_only_layers``) is refused with the
 field's name.
 
 Example::
@@ -43,10 +46,12 @@ import numpy as np
 
 from tpipe.train import architecture_fields
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
+FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "gpt2")
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "gpt2": "GPT2LMHeadModel"}
+            "qwen2_moe": "Qwen2MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}
+# The mixture-of-experts families.
+_MOE = ("mixtral", "qwen2_moe")
 # Tensors of some checkpoints that are buffers, not parameters (masks, rotary tables).
 _BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -112,24 +117,43 @@ def _llama_fields(config: dict, family: str) -> dict[str, Any]:
   if family == "mixtral":
     # The jitter multiplies a training step's inputs by noise: a router tpipe does not model.
     _refuse(config, family, router_jitter_noise=(0.0,))
+  if family == "qwen2_moe":
+    # Every layer a mixture: dense layers in between (every decoder_sparse_step-th layer sparse,
+    # or the layers listed dense) would make the stacked blocks differ.
+    _refuse(config, family, decoder_sparse_step=(1,))
+    if config.get("mlp_only_layers"):
+      raise ValueError(f"this qwen2_moe checkpoint has mlp_only_layers="
+                       f"{config['mlp_only_layers']!r} (dense layers among the mixtures); tpipe "
+                       "supports mlp_only_layers=[] (every layer a mixture of experts).")
+    for key in ("num_experts", "shared_expert_intermediate_size"):
+      if int(config.get(key, 0)) < 1:
+        raise ValueError(f"this qwen2_moe checkpoint has {key}={config.get(key)!r}; tpipe "
+                         f"supports {key} >= 1.")
   width, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
   head_dim = int(config.get("head_dim") or width // heads)
   scaling = config.get("rope_scaling")
   window = config.get("sliding_window") if family in ("mistral", "mixtral") else None
-  experts = {}
+  experts, mlp_dim, qkv_bias = {}, int(config["intermediate_size"]), family == "qwen2"
   if family == "mixtral":
     experts = dict(num_experts=int(config.get("num_local_experts", 8)),
                    experts_per_token=int(config.get("num_experts_per_tok", 2)),
-                   capacity_factor=0.0)
+                   capacity_factor=0.0, normalize_expert_weights=True, shared_expert_mlp_dim=0)
+  if family == "qwen2_moe":  # intermediate_size is its dense layers' width: it has none.
+    experts = dict(num_experts=int(config["num_experts"]),
+                   experts_per_token=int(config.get("num_experts_per_tok", 4)),
+                   capacity_factor=0.0,
+                   normalize_expert_weights=bool(config.get("norm_topk_prob", False)),
+                   shared_expert_mlp_dim=int(config["shared_expert_intermediate_size"]))
+    mlp_dim, qkv_bias = int(config["moe_intermediate_size"]), bool(config.get("qkv_bias", True))
   return dict(
       block="moe" if experts else "llama", num_layers=int(config["num_hidden_layers"]), width=width,
       num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
       head_dim=0 if head_dim * heads == width else head_dim,
-      mlp_dim=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+      mlp_dim=mlp_dim, vocab_size=int(config["vocab_size"]),
       positions="rotary", rope_theta=float(config.get("rope_theta", 10000.0)),
       rope_scaling=json.dumps(scaling, sort_keys=True) if scaling else "",
       norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), final_norm="rms", head_bias=False,
-      qkv_bias=family == "qwen2", sliding_window=int(window or 0),
+      qkv_bias=qkv_bias, sliding_window=int(window or 0),
       max_len=int(config.get("max_position_embeddings", 0)),
       tie_embeddings=bool(config.get("tie_word_embeddings", False)), **experts)
 
@@ -273,7 +297,9 @@ def _llama_params(read: _Reader, fields) -> dict[str, Any]:
         "out": read(p + "self_attn.o_proj.weight").T.reshape(heads, dim, width),
         "mlp_norm": {"scale": read(p + "post_attention_layernorm.weight")},
     }
-    if fields["block"] == "moe":
+    if fields["family"] == "qwen2_moe":
+      block["moe"] = _qwen2_moe_experts(read, p + "mlp.", fields["num_experts"])
+    elif fields["block"] == "moe":
       block["moe"] = _mixtral_experts(read, p + "block_sparse_moe.", fields["num_experts"])
     else:
       block.update(gate=read(p + "mlp.gate_proj.weight").T, up=read(p + "mlp.up_proj.weight").T,
@@ -297,6 +323,21 @@ def _mixtral_experts(read: _Reader, p: str, num_experts: int) -> dict[str, np.nd
                                    for j in range(num_experts)])
   return {"router": read(p + "gate.weight").T, "gate": experts("w1"), "up": experts("w3"),
           "down": experts("w2")}
+
+
+def _qwen2_moe_experts(read: _Reader, p: str, num_experts: int) -> dict[str, np.ndarray]:
+  """A Qwen2-MoE layer's router, experts and shared expert: ``gate.weight [E, D]`` is the
+  router transposed, expert ``j``'s ``gate_proj``, ``up_proj [H, D]`` and ``down_proj [D, H]``
+  its gate, up and down transposed, the shared expert's likewise, and ``shared_expert_gate.weight
+  [1, D]`` the shared expert's gate ``shared_router [D, 1]``."""
+  experts = lambda name: np.stack([read(f"{p}experts.{j}.{name}.weight").T
+                                   for j in range(num_experts)])
+  return {"router": read(p + "gate.weight").T, "gate": experts("gate_proj"),
+          "up": experts("up_proj"), "down": experts("down_proj"),
+          "shared_gate": read(p + "shared_expert.gate_proj.weight").T,
+          "shared_up": read(p + "shared_expert.up_proj.weight").T,
+          "shared_down": read(p + "shared_expert.down_proj.weight").T,
+          "shared_router": read(p + "shared_expert_gate.weight").T}
 
 
 def _gpt2_params(read: _Reader, fields) -> dict[str, Any]:
@@ -350,8 +391,8 @@ def family_of(fields: dict[str, Any]) -> str:
   if not family:
     if fields["block"] == "gpt":
       family = "gpt2"
-    elif fields["block"] == "moe":
-      family = "mixtral"
+    elif fields["block"] == "moe":  # Only Qwen2-MoE has a shared expert.
+      family = "qwen2_moe" if fields.get("shared_expert_mlp_dim") else "mixtral"
     else:
       family = "qwen2" if fields["qkv_bias"] else "mistral" if fields["sliding_window"] \
           else "llama"
@@ -360,13 +401,23 @@ def family_of(fields: dict[str, Any]) -> str:
   else:
     wrong = {"head_bias": False, "final_norm": "rms", "positions": "rotary",
              "qkv_bias": family == "qwen2"}
-  wrong["block"] = {"gpt2": "gpt", "mixtral": "moe"}.get(family, "llama")
-  if family == "mixtral":  # Hugging Face's Mixtral routes dropless: no capacity.
+  wrong["block"] = "gpt" if family == "gpt2" else "moe" if family in _MOE else "llama"
+  if family in _MOE:  # Hugging Face's mixtures route dropless: no capacity.
     wrong["capacity_factor"] = 0.0
-  wrong = [f"config.{k}={fields[k]!r} (export needs {v!r})" for k, v in wrong.items()
-           if fields[k] != v]
+  if family == "qwen2_moe":  # Its biases are optional, its window is per layer.
+    del wrong["qkv_bias"]
+    wrong["sliding_window"] = 0
+  if family != "qwen2_moe":  # Mixtral's experts (and a dense MLP): no shared expert, the
+    # top-k weights renormalised.
+    wrong.update(shared_expert_mlp_dim=0, normalize_expert_weights=True)
+  given = {**architecture_fields.DEFAULTS, **fields}  # A config from before a field: its default.
+  wrong = [f"config.{k}={given[k]!r} (export needs {v!r})" for k, v in wrong.items()
+           if given[k] != v]
   if family == "qwen2" and fields["sliding_window"]:
     wrong.append("config.sliding_window with qkv_bias (no Hugging Face family has both)")
+  if family == "qwen2_moe" and given["shared_expert_mlp_dim"] < 1:
+    wrong.append(f"config.shared_expert_mlp_dim={given['shared_expert_mlp_dim']!r} (export "
+                 "needs a shared expert, >= 1)")
   if wrong:
     raise ValueError(f"this model does not fit Hugging Face's {_CLASSES[family]}: "
                      f"{'; '.join(wrong)}.")
@@ -399,8 +450,17 @@ def hf_config(fields: dict[str, Any], family: str, dtype: str = "float32") -> di
   if family == "mixtral":
     config.update(num_local_experts=fields["num_experts"],
                   num_experts_per_tok=fields["experts_per_token"], router_jitter_noise=0.0)
-    if fields.get("router_aux_loss_coef") is not None:  # A training setting, if known.
-      config["router_aux_loss_coef"] = float(fields["router_aux_loss_coef"])
+  if family == "qwen2_moe":  # Every layer a mixture (intermediate_size: dense layers', none).
+    config.update(num_experts=fields["num_experts"],
+                  num_experts_per_tok=fields["experts_per_token"],
+                  moe_intermediate_size=fields["mlp_dim"],
+                  shared_expert_intermediate_size=fields["shared_expert_mlp_dim"],
+                  intermediate_size=fields["shared_expert_mlp_dim"],
+                  norm_topk_prob=bool(fields["normalize_expert_weights"]),
+                  qkv_bias=bool(fields["qkv_bias"]), decoder_sparse_step=1, mlp_only_layers=[],
+                  use_sliding_window=False)
+  if family in _MOE and fields.get("router_aux_loss_coef") is not None:  # A training setting.
+    config["router_aux_loss_coef"] = float(fields["router_aux_loss_coef"])
   return config
 
 
@@ -450,12 +510,18 @@ def hf_tensors(params: dict[str, Any], fields: dict[str, Any], family: str
         out[p + "self_attn.q_proj.bias"] = b("query_bias").reshape(-1)
         out[p + "self_attn.k_proj.bias"] = b("key_bias").reshape(-1)
         out[p + "self_attn.v_proj.bias"] = b("value_bias").reshape(-1)
-      if family == "mixtral":
-        q = p + "block_sparse_moe."
+      if family in _MOE:
+        q = p + ("block_sparse_moe." if family == "mixtral" else "mlp.")
+        names = (("w1", "gate"), ("w3", "up"), ("w2", "down")) if family == "mixtral" else (
+            ("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
         out[q + "gate.weight"] = b("moe", "router").T
         for j in range(fields["num_experts"]):
-          for name, weight in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+          for name, weight in names:
             out[f"{q}experts.{j}.{name}.weight"] = b("moe", weight)[j].T
+        if family == "qwen2_moe":
+          for name, weight in names:
+            out[f"{q}shared_expert.{name}.weight"] = b("moe", "shared_" + weight).T
+          out[q + "shared_expert_gate.weight"] = b("moe", "shared_router").T
       else:
         out[p + "mlp.gate_proj.weight"] = b("gate").T
         out[p + "mlp.up_proj.weight"] = b("up").T
