@@ -338,3 +338,31 @@ def test_rematerialised_work_is_told_apart():
   t = step_time.estimate(remat, "v5p")
   # The recomputed forward: a share of the step, no more than the forward's own time.
   assert 0.0 < t.recompute_seconds < t.seconds / 2
+
+
+@pytest.mark.unit
+def test_a_tpu_prefetch_and_permute_overlap_the_work_between_start_and_done():
+  # As the TPU compiler prints them: a copy to on-chip memory (S(1)) and a collective-permute
+  # whose start returns (operand, result, context).
+  text = _module(
+      "ENTRY %e (g: f32[1048576], a: bf16[1024,1024], b: bf16[1024,1024]) -> "
+      "(f32[1048576], f32[1048576], bf16[1024,1024]) {\n"
+      "  %g = f32[1048576]{0} parameter(0)\n  %a = bf16[1024,1024]{1,0} parameter(1)\n"
+      "  %b = bf16[1024,1024]{1,0} parameter(2)\n"
+      "  %cs = (f32[1048576]{0:S(1)}, f32[1048576]{0}, u32[]{:S(2)}) copy-start(%g)\n"
+      "  %ps = (f32[1048576]{0}, f32[1048576]{0}, u32[], u32[]) collective-permute-start(%g), "
+      "source_target_pairs={{0,1},{1,0}}\n"
+      f"  {BIG_DOT}\n"
+      "  %cd = f32[1048576]{0:S(1)} copy-done(%cs)\n"
+      "  %pd = f32[1048576]{0} collective-permute-done(%ps)\n"
+      "  ROOT %t = (f32[1048576]{0:S(1)}, f32[1048576]{0}, bf16[1024,1024]{1,0}) "
+      "tuple(%cd, %pd, %d)\n}", header="HloModule m, is_scheduled=true, num_partitions=2")
+  t = step_time.estimate(text, "v5p")
+  copy = 4 * 2 ** 20 / HBM  # The HBM side of the copy only.
+  permute = ICI_LATENCY + 4 * 2 ** 20 / ICI  # One neighbour's payload.
+  assert copy < BIG_DOT_SECONDS < permute
+  assert t.collective_bytes == {("collective-permute", None): 4.0 * 2 ** 20}
+  assert t.memory_seconds == 0.0  # The copy hides behind the dot.
+  assert t.exposed_collective_seconds == pytest.approx(permute - BIG_DOT_SECONDS, rel=1e-12)
+  assert t.seconds == pytest.approx(permute, rel=1e-12)
+  assert t.hbm_bytes == 4 * 2 ** 20 + 3 * 2 * 2 ** 20

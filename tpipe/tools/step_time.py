@@ -316,9 +316,10 @@ class _Pricer:
   def collective(self, comp, ins, kind: str) -> tuple[float, tuple, float]:
     """``(seconds, (kind, axes), payload bytes)`` of one run of a collective."""
     operands = sum(hlo_lib.shape_bytes(_operand_shape(comp, o)) for o in ins.operands)
-    result = hlo_lib.shape_bytes(ins.shape)
-    if ins.opcode.endswith("-start"):  # Its result holds the operands too.
-      result = max(0, result - operands)
+    if ins.opcode.endswith("-start"):  # Its result tuple holds the operand, result, contexts.
+      result = max((a.nbytes for a in hlo_lib.parse_shape(ins.shape) if a.dims), default=0)
+    else:
+      result = hlo_lib.shape_bytes(ins.shape)
     payload = max(operands, result)
     try:
       groups = ins.device_groups(self.num_devices)
