@@ -6,8 +6,8 @@ Usage::
   python -m tpipe.train.export --workdir=/tmp/run --out=/tmp/run_hf --step=200 --dtype=bfloat16
 
 Writes ``config.json`` and ``model.safetensors`` (PyTorch's names and layouts) of the family the
-run's model belongs to (Llama, Mistral, Mixtral, Qwen2 or GPT-2:
-:func:`tpipe.train.pretrained.export`; a Mixtral's ``router_aux_loss_coef`` is the run's),
+run's model belongs to (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE or GPT-2:
+:func:`tpipe.train.pretrained.export`; a mixture's ``router_aux_loss_coef`` is the run's),
 which ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads; a tokenizer file the run
 used (``tokenizer.json`` and a ``tokenizer_config.json`` beside it) is copied along. A model that
 fits no family (a LayerNorm head with a bias, learned positions with llama blocks) is refused,
