@@ -134,12 +134,30 @@ def test_slots_stop_growing_once_the_steady_state_is_reached(monkeypatch):
   assert all(a <= b for a, b in zip(held[16], held[8])), held
 
 
-@pytest.mark.parametrize("name,repeats", [("1f1b", 1), ("zb_h1", 1), ("zbv", 2),
-                                          ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
-@pytest.mark.parametrize("stages,micro", [(1, 3), (2, 2), (3, 5), (4, 8)])
-@pytest.mark.parametrize("costs", [COSTS, {"F": 1.0, "B": 2.0, "BI": 1.0, "W": 1.0},
-                                   {"F": 2.0, "B": 9.0, "BI": 5.0, "W": 4.0}])
-@pytest.mark.parametrize("delays", [None, 1])
+BUILT_SCHEDULES = [("1f1b", 1), ("zb_h1", 1), ("zbv", 2), ("interleaved_1f1b", 2),
+                   ("interleaved_1f1b", 3)]
+BUILT_SHAPES = [(1, 3), (2, 2), (3, 5), (4, 8)]  # (stages, micro-batches)
+BUILT_COSTS = [COSTS, {"F": 1.0, "B": 2.0, "BI": 1.0, "W": 1.0},
+               {"F": 2.0, "B": 9.0, "BI": 5.0, "W": 4.0}]
+BUILT_DELAYS = [None, 1]
+# Every schedule at every shape, each with one of the costs and one of the delays, chosen so that
+# every schedule and every shape meets every cost and both delays, and every cost both delays
+# (each pair of axes in full; the whole product is 6 times as many builds).
+BUILT = [(*BUILT_SCHEDULES[i], *BUILT_SHAPES[j], BUILT_COSTS[(i + j) % 3],
+          BUILT_DELAYS[(i + j // 2) % 2])
+         for i in range(len(BUILT_SCHEDULES)) for j in range(len(BUILT_SHAPES))]
+
+
+def test_the_built_cases_pair_every_axis_with_every_other():
+  key = lambda costs: tuple(sorted(costs.items()))
+  axes = [lambda c: c[:2], lambda c: c[2:4], lambda c: key(c[4]), lambda c: c[5]]
+  sizes = [len(BUILT_SCHEDULES), len(BUILT_SHAPES), len(BUILT_COSTS), len(BUILT_DELAYS)]
+  for a, b in [(a, b) for a in range(4) for b in range(a + 1, 4)]:
+    pairs = {(axes[a](case), axes[b](case)) for case in BUILT}
+    assert len(pairs) == sizes[a] * sizes[b], (a, b, pairs)
+
+
+@pytest.mark.parametrize("name,repeats,stages,micro,costs,delays", BUILT)
 def test_built_tables_are_valid_and_never_slower(name, repeats, stages, micro, costs, delays):
   f = schedules.build(name, stages, micro, repeats, delays, costs)
   plain = schedules.build(name, stages, micro, repeats, delays)
