@@ -8,6 +8,7 @@ device only its share of every logical leaf, with no collective but all-to-alls 
 where the pieces line up.
 """
 
+import functools
 import re
 
 import jax
@@ -31,6 +32,17 @@ LAYOUTS = {
 
 
 def _experiment(name, **overrides):
+  """The tiny LM's experiment in layout ``name``; without overrides built once per test process
+  (the tests only read it)."""
+  return _build(name, **overrides) if overrides else _shared(name)
+
+
+@functools.cache
+def _shared(name):
+  return _build(name)
+
+
+def _build(name, **overrides):
   stages, data, fsdp, tensor, schedule, repeats, balance = LAYOUTS[name]
   config = lm.get_config("size=tiny")
   config.update(dict(num_stages=stages, num_data=data, schedule=schedule, num_repeats=repeats,
@@ -78,28 +90,30 @@ def test_checkpoint_form_equals_to_logical_and_inverts_exactly(name):
 
 @pytest.mark.parametrize("name", ["stage2_fsdp2_tensor2_uneven", "stage2_fsdp2_data2_zbv",
                                   "stage4_fsdp2"])
-@pytest.mark.parametrize("part_bytes", [64, 3000])
-def test_conversions_in_small_parts_are_exact(name, part_bytes):
+def test_conversions_in_small_parts_are_exact(name):
   # Parts far smaller than a leaf, in loops: stacked leaves move a copy at a time both ways,
   # packed pieces come back a band of rows at a time (3000 bytes: bands that do not divide the
   # rows, so the last band overlaps the one before it). Eight blocks: several copies of the
-  # Repeat per stage.
+  # Repeat per stage. Both part sizes on one experiment (one build, one init, one whole save).
   exp = _experiment(name, num_layers=8, **({"balance": "4,6"} if "uneven" in name else {}))
   assert max(exp.layout.stacked.values()) > 1
   params = exp.init_state(jax.random.key(0)).params
   specs, save, _ = _convert(exp)
   want = save(params)
-  save_parts = jax.jit(lambda s: relayout.to_checkpoint(exp.layout, s, specs, exp.mesh,
-                                                        part_bytes=part_bytes))
-  load_parts = jax.jit(lambda t: relayout.from_checkpoint(exp.layout, t, specs, exp.mesh,
-                                                          part_bytes=part_bytes))
-  assert "while" in save_parts.lower(params).as_text()
-  assert "while" in load_parts.lower(want).as_text()
-  logical = save_parts(params)
-  for got, expected in zip(jax.tree.leaves(logical), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
-  for got, staged in zip(jax.tree.leaves(load_parts(logical)), jax.tree.leaves(params)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(staged))
+  for part_bytes in (64, 3000):
+    what = f"part_bytes={part_bytes}"
+    save_parts = jax.jit(lambda s, n=part_bytes: relayout.to_checkpoint(
+        exp.layout, s, specs, exp.mesh, part_bytes=n)).lower(params)
+    load_parts = jax.jit(lambda t, n=part_bytes: relayout.from_checkpoint(
+        exp.layout, t, specs, exp.mesh, part_bytes=n)).lower(want)
+    assert "while" in save_parts.as_text(), what
+    assert "while" in load_parts.as_text(), what
+    logical = save_parts.compile()(params)
+    for got, expected in zip(jax.tree.leaves(logical), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), err_msg=what)
+    for got, staged in zip(jax.tree.leaves(load_parts.compile()(logical)),
+                           jax.tree.leaves(params)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(staged), err_msg=what)
 
 
 @pytest.mark.parametrize("part_bytes", [0, -5, 2.5, True])
