@@ -366,3 +366,21 @@ def test_a_tpu_prefetch_and_permute_overlap_the_work_between_start_and_done():
   assert t.exposed_collective_seconds == pytest.approx(permute - BIG_DOT_SECONDS, rel=1e-12)
   assert t.seconds == pytest.approx(permute, rel=1e-12)
   assert t.hbm_bytes == 4 * 2 ** 20 + 3 * 2 * 2 ** 20
+
+
+@pytest.mark.parametrize("shapes, options", [
+    (((2, 4, 5), (6, 4, 3)), dict(window_strides=(1,), padding=[(1, 1)], lhs_dilation=(3,))),
+    (((2, 4, 9), (6, 4, 3)), dict(window_strides=(2,), padding=[(2, 0)], rhs_dilation=(2,))),
+])
+def test_convolutions_count_only_the_taps_that_meet_the_input_as_xla_does(shapes, options):
+  # The TPU compiler writes a batched matmul as a convolution over a dilated input: only the
+  # taps that meet an input element (not a hole or padding) multiply anything.
+  conv = lambda x, k: lax.conv_general_dilated(x, k, dimension_numbers=("NCH", "OIH", "NCH"),
+                                               **options)
+  compiled = jax.jit(conv).lower(*(jnp.ones(s) for s in shapes)).compile()
+  assert step_time.estimate(compiled, "v5p").flops == compiled.cost_analysis()["flops"]
+  # By hand for the first: 5 inputs dilated by 3 (13 positions, 4 holes between each), padded
+  # 1 each side, window 3: 13 outputs; 5 x 3 of the (output, tap) pairs meet an input element
+  # (each input under each tap once, padding permitting) less the two that fall off the ends.
+  if "lhs_dilation" in options:
+    assert compiled.cost_analysis()["flops"] == 2 * 2 * 6 * 13 * 4

@@ -461,7 +461,8 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
     topology: compile for this accelerator topology (``"v5p:2x2x2"``,
       :func:`tpipe.mesh.topology_devices`) instead of this machine's devices. Its compiler
       prints no loop trip counts, so the report then has no pipeline FLOPs (useful against
-      bubble) and counts each loop's FLOPs once.
+      bubble) and counts each loop's FLOPs once; the predicted step time reads the trip counts
+      off the loops' counters (:mod:`tpipe.tools.trip_counts`) and counts them all.
     breakdown: break the peak down by role (:mod:`tpipe.tools.peak`).
     network: the :class:`tpipe.experimental.links.Interconnect` to price communication with; default
       the topology's chip, else v5p's.
