@@ -83,6 +83,7 @@ def test_the_router_losses_by_their_definitions():
   _, routing, _ = _routing_case(tokens=64, experts=4, k=2)
   counts = np.bincount(np.asarray(routing.experts).ravel(), minlength=4)
   np.testing.assert_allclose(moe.expert_load(routing), counts)
+  np.testing.assert_allclose(moe.load_imbalance(routing), counts.max() / counts.mean())
   want = 4 * np.sum(counts / 64 * np.asarray(routing.probs).mean(0))
   np.testing.assert_allclose(moe.balance_loss(routing), want, rtol=1e-6)
   lse = jax.scipy.special.logsumexp(np.asarray(routing.logits, np.float64), axis=-1)
@@ -232,6 +233,9 @@ def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():
                              float(terms["loss"]), rtol=1e-5)
   # Balance: at least k per token, summed over the blocks.
   assert float(terms["aux_loss/moe/router_balance"]) >= 0.1 * 2 * config.num_layers - 1e-4
+  # The busiest expert's load over the mean, between 1 and E, summed over the blocks.
+  load = float(terms["aux_metric/moe/expert_load"]) / config.num_layers
+  assert 1.0 <= load <= 4.0
   assert "expert" in new_state.params["stacked"]["layers_1"]["moe"]["gate"].sharding.spec
   arguments = {"num_layers": 1, "width": 8, "num_heads": 2, "mlp_dim": 16, "vocab_size": 4,
                "block": "moe", "num_experts": 8, "experts_per_token": 2}

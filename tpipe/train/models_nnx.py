@@ -14,6 +14,8 @@ which ``model.train()``/``model.eval()`` set).
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import jax
@@ -115,12 +117,13 @@ class MixtureOfExperts(nnx.Module):
                         self.normalize_expert_weights)
     weights = self.gate[...], self.up[...], self.down[...]
     if self.capacity_factor:
-      out, _ = moe.with_capacity(tokens, routing, *weights, self.capacity_factor)
+      out, dropped = moe.with_capacity(tokens, routing, *weights, self.capacity_factor)
     else:
-      out = moe.dropless(tokens, routing, *weights)
+      out, dropped = moe.dropless(tokens, routing, *weights), None
     if self.shared_expert_hidden:
       out = out + moe.shared_expert(tokens, self.shared_gate[...], self.shared_up[...],
                                     self.shared_down[...], self.shared_router[...])
+    moe.sow_metrics(functools.partial(self.sow, tnnx.AuxMetric), routing, dropped)
     if self.router_aux_loss_coef:
       self.sow(tnnx.AuxLoss, "router_balance",
                self.router_aux_loss_coef * moe.balance_loss(routing))

@@ -33,6 +33,7 @@ split as a dense MLP's, its gate ``shared_router`` ``[D, 1]`` as the router.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -132,6 +133,21 @@ def expert_load(routing: Routing) -> jax.Array:
   """The (token, expert) pairs each expert got, float32 ``[E]``."""
   num_experts = routing.probs.shape[-1]
   return jnp.zeros((num_experts,), jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
+
+
+def load_imbalance(routing: Routing) -> jax.Array:
+  """The busiest expert's pairs over the mean per expert (1 when the load is even, ``E`` when
+  one expert takes every pair), float32."""
+  load = expert_load(routing)
+  return jnp.max(load) / jnp.mean(load)
+
+
+def sow_metrics(sow, routing: Routing, dropped=None) -> None:
+  """Sows the router's metrics with ``sow(name, value)``: ``expert_load``
+  (:func:`load_imbalance`) and, with a capacity, ``dropped`` (the share of pairs dropped)."""
+  sow("expert_load", load_imbalance(routing))
+  if dropped is not None:
+    sow("dropped", dropped / routing.experts.size)
 
 
 def _batched_at_zero(fn):
@@ -258,9 +274,10 @@ class MixtureOfExperts(nn.Module):
     param_dtype: the weights' dtype.
     kernel_init: the experts', the router's and the shared expert's initializer.
 
-  Besides the auxiliary losses (collection ``tpipe.AUX_LOSS``) it sows, to
-  ``"intermediates"``, each expert's load (pairs routed to it) and, with a capacity, the pairs
-  dropped.
+  Besides the auxiliary losses (collection ``tpipe.AUX_LOSS``) it sows auxiliary metrics
+  (``tpipe.AUX_METRIC``, reported by ``loss_terms`` and the trainer): ``expert_load``, the busiest
+  expert's pairs over the mean (:func:`load_imbalance`), and with a capacity ``dropped``, the
+  share of pairs dropped.
   """
 
   num_experts: int
@@ -298,9 +315,8 @@ class MixtureOfExperts(nn.Module):
     routing = route(tokens, router, self.experts_per_token, self.normalize_expert_weights)
     if self.capacity_factor:
       out, dropped = with_capacity(tokens, routing, w_gate, w_up, w_down, self.capacity_factor)
-      self.sow("intermediates", "dropped_tokens", dropped)
     else:
-      out = dropless(tokens, routing, w_gate, w_up, w_down)
+      out, dropped = dropless(tokens, routing, w_gate, w_up, w_down), None
     if self.shared_expert_hidden:
       shared = self.shared_expert_hidden
       dense = lambda name, shape, names: self.param(name, _named(self.kernel_init, names), shape,
@@ -310,7 +326,7 @@ class MixtureOfExperts(nn.Module):
           dense("shared_up", (width, shared), ("embed", "mlp")),
           dense("shared_down", (shared, width), ("mlp", "embed")),
           dense("shared_router", (width, 1), ("embed", None)))
-    self.sow("intermediates", "expert_load", expert_load(routing))
+    sow_metrics(functools.partial(self.sow, tpipe.AUX_METRIC), routing, dropped)
     if self.router_aux_loss_coef:
       self.sow(tpipe.AUX_LOSS, "router_balance", self.router_aux_loss_coef * balance_loss(routing))
     if self.router_z_loss_coef:
