@@ -384,3 +384,20 @@ def test_convolutions_count_only_the_taps_that_meet_the_input_as_xla_does(shapes
   # (each input under each tap once, padding permitting) less the two that fall off the ends.
   if "lhs_dilation" in options:
     assert compiled.cost_analysis()["flops"] == 2 * 2 * 6 * 13 * 4
+
+
+@pytest.mark.unit
+def test_a_fusion_reads_only_the_slices_it_takes_through_bitcasts():
+  fused = """%slicing (p0: f32[64,1024], i: s32[]) -> f32[1,1024] {
+  %p0 = f32[64,1024]{1,0} parameter(0)
+  %b = f32[64,1024]{1,0} bitcast(%p0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%b, %i, %z), dynamic_slice_sizes={1,1024}
+}"""
+  text = _module(
+      "ENTRY %e (buf: f32[64,1024], i: s32[]) -> f32[1,1024] {\n"
+      "  %buf = f32[64,1024]{1,0} parameter(0)\n  %i = s32[] parameter(1)\n"
+      "  ROOT %f = f32[1,1024]{1,0} fusion(%buf, %i), kind=kLoop, calls=%slicing\n}", fused)
+  # One row read (4 KiB) of the 256 KiB buffer, the index (4 B), the row written (4 KiB).
+  assert step_time.estimate(text, "v5p").hbm_bytes == 4096 + 4 + 4096

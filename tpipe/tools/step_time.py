@@ -101,24 +101,24 @@ def _operand_shape(comp: hlo_lib.Computation, name: str) -> str:
 
 
 def _fused_parameter_bytes(fused: hlo_lib.Computation, index: int, full: int) -> int:
-  """Bytes a fusion reads of its ``index``-th operand: only the slices where every use is a
-  dynamic slice of it or a dynamic update slice into it (the update written in place)."""
+  """Bytes a fusion reads of its ``index``-th operand: only the slices where every use (through
+  bitcasts) is a slice or dynamic slice of it, or a dynamic update slice into it (the update
+  written in place)."""
   param = next((i for i in fused.instructions
                 if i.opcode == "parameter" and i.operands and i.operands[0] == str(index)), None)
   if param is None:
     return full
-  users = [i for i in fused.instructions if param.name in i.operands]
-  if not users:
-    return 0
-  read = 0
-  for user in users:
-    if user.opcode == "dynamic-slice" and user.operands[0] == param.name:
-      read += hbm_bytes(user.shape)
-    elif user.opcode == "dynamic-update-slice" and user.operands[0] == param.name:
-      continue
-    else:
-      return full
-  return read
+  read, pending = 0, [param.name]
+  while pending:
+    name = pending.pop()
+    for user in (i for i in fused.instructions if name in i.operands):
+      if user.opcode == "bitcast":
+        pending.append(user.name)
+      elif user.opcode in ("dynamic-slice", "slice") and user.operands[0] == name:
+        read += hlo_lib.shape_bytes(user.shape)
+      elif not (user.opcode == "dynamic-update-slice" and user.operands[0] == name):
+        return full
+  return min(read, full)
 
 
 def _written_bytes(comp: hlo_lib.Computation, ins: hlo_lib.Instruction) -> int:
@@ -126,6 +126,8 @@ def _written_bytes(comp: hlo_lib.Computation, ins: hlo_lib.Instruction) -> int:
   its update only."""
   if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:  # Into the result's memory.
     return min(hbm_bytes(ins.shape), hlo_lib.shape_bytes(_operand_shape(comp, ins.operands[1])))
+  if ins.opcode == "bitcast" and ins.operands and ins.operands[0] in comp.by_name:
+    return _written_bytes(comp, comp.by_name[ins.operands[0]])
   if ins.opcode == "tuple":
     return sum(_written_bytes(comp, comp.by_name[o]) if o in comp.by_name else 0
                for o in ins.operands)
@@ -142,7 +144,7 @@ def instruction_bytes(module: hlo_lib.HloModule, comp: hlo_lib.Computation,
     fused = module.computations[ins.called[0]]
     read = sum(_fused_parameter_bytes(fused, i, b) for i, b in enumerate(operands))
     root = next((i for i in fused.instructions if i.is_root), None)
-    if root is not None and root.opcode in ("dynamic-update-slice", "tuple"):
+    if root is not None and root.opcode in ("dynamic-update-slice", "tuple", "bitcast"):
       return read + _written_bytes(fused, root)
     return read + hbm_bytes(ins.shape)
   if ins.opcode == "dynamic-slice":
