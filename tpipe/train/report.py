@@ -340,7 +340,9 @@ def predict(compiled, exp, schedule, chip) -> Prediction:
   module = step_time.with_trip_counts(compiled.as_text())
   whole = step_time.estimate(module, chip, mesh=exp.mesh)
   seconds, bubble, tick_by_tick = whole.seconds, 0.0, False
-  if isinstance(schedule, schedules.FusedSchedule) and schedule.num_stages > 1:
+  # Every fused table, one stage's too: the program prices each lane's conditional at its
+  # slowest branch on every tick (F's tick then also pays for B's branch); the table runs one.
+  if isinstance(schedule, schedules.FusedSchedule):
     try:
       piped = pipeline_time.pipeline_step_time(module, schedule, chip, mesh=exp.mesh,
                                                programs=exp.pipeline.programs())
