@@ -12,6 +12,7 @@ tick's routing, the sums after the loop, the optimizer) is added to the simulate
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Mapping
 
 import numpy as np
@@ -80,8 +81,9 @@ def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None
   adding = lambda n: n > 0 and (n - 1) // count in (schedules_lib.Action.B,
                                                     schedules_lib.Action.W)
   conditionals = [flops_lib._branch_names(ins)  # pylint: disable=protected-access
-                  for ins in module.computations[loop.body].instructions
-                  if ins.opcode == "conditional"]
+                  for ins in _in_creation_order(
+                      [i for i in module.computations[loop.body].instructions
+                       if i.opcode == "conditional"])]
   sizes = lambda layout: [size for together, apart in layout
                           for size in [len(together)] * (len(together) > 1) + [2] * len(apart)]
   layout = None
@@ -110,6 +112,19 @@ def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None
   outside = lockstep - loop.outer * schedule.num_ticks * busiest
   return ActionSeconds(actions=actions, outside=outside, lockstep=lockstep,
                        tick_loop=found.tick_loop)
+
+
+def _in_creation_order(instructions):
+  """Instructions in the order the program made them: by their names' numbers (``conditional.8``
+  before ``conditional.9``) where every name has one, else as printed. A scheduled module prints
+  the order they run in, and the TPU compiler runs independent lanes' conditionals in any order
+  (a one-stage table's backward before its forward), while the lanes are matched to the
+  conditionals in the order the tick body makes them."""
+  numbers = [re.search(r"\.(\d+)$", ins.name) for ins in instructions]
+  if not all(numbers):
+    return instructions
+  return [ins for _, ins in sorted(zip((int(n.group(1)) for n in numbers), instructions),
+                                   key=lambda pair: pair[0])]
 
 
 @dataclasses.dataclass(frozen=True)
