@@ -401,3 +401,17 @@ def test_a_fusion_reads_only_the_slices_it_takes_through_bitcasts():
       "  ROOT %f = f32[1,1024]{1,0} fusion(%buf, %i), kind=kLoop, calls=%slicing\n}", fused)
   # One row read (4 KiB) of the 256 KiB buffer, the index (4 B), the row written (4 KiB).
   assert step_time.estimate(text, "v5p").hbm_bytes == 4096 + 4 + 4096
+
+
+@pytest.mark.unit
+def test_lanes_meet_their_conditionals_in_the_order_the_program_made_them():
+  # The TPU compiler printed a one-stage table's backward conditional (made second) first.
+  named = lambda *names: [types.SimpleNamespace(name=n) for n in names]
+  order = pipeline_time._in_creation_order  # pylint: disable=protected-access
+  assert [i.name for i in order(named("conditional.9", "conditional.8"))] == [
+      "conditional.8", "conditional.9"]
+  assert [i.name for i in order(named("conditional.10", "conditional.9"))] == [
+      "conditional.9", "conditional.10"]
+  # Without a number on every name: as printed.
+  assert [i.name for i in order(named("conditional", "conditional.1"))] == [
+      "conditional", "conditional.1"]
