@@ -199,3 +199,25 @@ def test_loss_terms_of_layers_without_aux_values_is_the_loss_alone():
   assert list(terms) == ["loss"]
   np.testing.assert_allclose(terms["loss"], jnp.mean(cl.plain_loss(cl.params(), x, targets)),
                              rtol=2e-6)
+
+
+@pytest.mark.unit
+def test_metrics_alone_are_dropped_where_the_last_layer_returns_no_loss():
+  loss = jax.ShapeDtypeStruct((4,), jnp.float32)
+  logits = jax.ShapeDtypeStruct((4, 2), jnp.float32)
+  assert aux_losses.carried(("aux_metric/size",), loss) == ("aux_metric/size",)
+  assert aux_losses.carried(("aux_metric/size",), logits) == ()
+  # An auxiliary loss needs a loss to join: carried, so that carry refuses the layers by name.
+  assert aux_losses.carried(NAMES, logits) == NAMES
+
+  def block_with_metric(params, stats, h, kwargs, rngs):
+    y, stats = cl.LAYERS[1].apply(params, stats, h, kwargs, rngs)
+    return y, stats, {"aux_metric/size": _metric(y)}
+
+  logits_layer = dataclasses.replace(
+      cl.LAYERS[2], apply=lambda p, s, h, k, r: (h @ p["kernel"], s))
+  reporting = dataclasses.replace(cl.LAYERS[1], apply_with_aux_values=block_with_metric)
+  layers = (cl.LAYERS[0], reporting, logits_layer)
+  pipeline = _build(tpipe.PipelineSpec(num_stages=2, num_microbatches=2,
+                                       per_example=("targets",)), layers=layers)
+  assert pipeline.aux_names == () and pipeline.layers == layers

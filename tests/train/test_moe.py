@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import tpipe
 from tests.helpers import moe_models as mm
@@ -373,3 +374,30 @@ def test_the_shared_expert_counts_in_the_active_flops():
   shared = dict(arguments, shared_expert_mlp_dim=12)
   # Every token through the shared SwiGLU (three matrices) and its gate.
   assert per_token(shared, 4) - per_token(arguments, 4) == 2 * 8 * 12 * 3 + 2 * 8
+
+
+# Outside the experts, the expert axis carries data inside a pipeline's stage.
+
+
+def _lowered_rows(mesh_sizes, fn=None):
+  """The StableHLO of ``moe.rows_over_expert`` (or ``fn``) on ``[8, 3]`` rows inside a
+  ``shard_map`` manual over stage, as a pipeline's stage runs it."""
+  mesh = tpipe.make_mesh(**mesh_sizes)
+  body = jax.shard_map(fn or moe.rows_over_expert, mesh=mesh, in_specs=P("stage"),
+                       out_specs=P("stage"), axis_names={"stage"})
+  return jax.jit(body).lower(jnp.zeros((16, 3))).as_text()
+
+
+@pytest.mark.unit
+def test_rows_split_over_the_expert_axis_only_inside_a_stage_without_tensor():
+  x = jnp.arange(12.0).reshape(4, 3)
+  assert moe.rows_over_expert(x) is x and moe.rows_whole(x) is x  # No mesh.
+  with jax.set_mesh(tpipe.make_mesh(stages=2, expert=4)):  # A mesh, no manual axis.
+    assert moe.rows_over_expert(x) is x
+  constraint = lambda text: [line for line in text.splitlines() if "sharding_constraint" in line]
+  split = constraint(_lowered_rows(dict(stages=2, expert=4)))
+  assert len(split) == 1 and '"expert"' in split[0]
+  whole = constraint(_lowered_rows(dict(stages=2, expert=4), moe.rows_whole))
+  assert len(whole) == 1 and '"expert"' not in whole[0]
+  # Beside a tensor axis the TPU compiler's partitioner fails on the split: rows stay whole.
+  assert not constraint(_lowered_rows(dict(stages=2, expert=2, tensor=2)))

@@ -79,6 +79,20 @@ def is_loss(name: str) -> bool:
   return name.startswith(LOSS + "/")
 
 
+def carried(names: tuple[str, ...], output) -> tuple[str, ...]:
+  """The auxiliary values a pipeline carries, of those the layers sow (``names``), for the last
+  layer's abstract ``output`` on a micro-batch: all of them where the output is one float per
+  example (a loss) or an auxiliary loss is among them (:func:`carry` then asks for a loss);
+  none where only metrics are sown and the output is not a loss (a model run for its logits:
+  its metrics have no loss to be reported beside, and are dropped)."""
+  leaves = jax.tree.leaves(output)
+  per_example = (len(leaves) == 1 and len(leaves[0].shape) == 1
+                 and jnp.issubdtype(leaves[0].dtype, jnp.floating))
+  if per_example or any(map(is_loss, names)):
+    return tuple(names)
+  return ()
+
+
 def carry(layers, adding: tuple[int, ...], names: tuple[str, ...], owner: str,
           with_stats: frozenset = frozenset(), terms: bool = False
           ) -> tuple[layers_lib.Layer, ...]:

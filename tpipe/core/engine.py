@@ -420,8 +420,8 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
   calls = plan_lib.Calls(split, side, tuple(rng_names), owner,
                          (spec.data_axis, spec.stage_axis))
   traced = plan_lib.trace_inputs(layers, param_shapes, stats_shapes, x_micro, calls)
-  given, aux_names = layers, traced.aux_names
-  if traced.adding:  # Layers sow auxiliary values: they travel to the loss with the activations.
+  given, aux_names = layers, aux_losses.carried(traced.aux_names, traced.layer_inputs[-1])
+  if aux_names:  # Layers sow auxiliary values: they travel to the loss with the activations.
     with_stats = frozenset(i for i in range(len(layers))
                            if jax.tree.leaves(stats_shapes[f"layers_{i}"]))
     layers = aux_losses.carry(layers, traced.adding, traced.aux_names, owner, with_stats,

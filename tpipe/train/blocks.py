@@ -331,6 +331,7 @@ class LlamaBlock(nn.Module):
     dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
     head_dim = self.head_dim or self.width // self.num_heads
     groups = self.num_heads // self.num_kv_heads
+    x = moe.rows_over_expert(x)  # The expert axis carries data outside the experts.
     init = nn.linear.default_kernel_init
     weight = lambda name, shape, names: self.param(name, _named(init, names), shape,
                                                    param_dtype).astype(dtype)
@@ -364,7 +365,7 @@ class LlamaBlock(nn.Module):
         "out", (self.num_heads, head_dim, self.width), ("heads", "kv", "embed"))).astype(x.dtype)
     h = RMSNorm(dtype, param_dtype, self.epsilon, name="mlp_norm")(y)
     if self.num_experts:
-      y = y + moe.MixtureOfExperts(
+      y = moe.rows_over_expert(y) + moe.MixtureOfExperts(
           num_experts=self.num_experts, experts_per_token=self.experts_per_token,
           hidden=self.mlp_dim, capacity_factor=self.capacity_factor,
           router_aux_loss_coef=self.router_aux_loss_coef,

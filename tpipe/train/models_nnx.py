@@ -112,7 +112,7 @@ class MixtureOfExperts(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     moe.check_expert_axis(self.router.shape[-1])
     dtype = self.dtype or x.dtype
-    tokens = x.reshape(-1, x.shape[-1]).astype(dtype)
+    tokens = moe.rows_whole(x.reshape(-1, x.shape[-1]).astype(dtype))
     routing = moe.route(tokens, self.router[...], self.experts_per_token,
                         self.normalize_expert_weights)
     weights = self.gate[...], self.up[...], self.down[...]
@@ -129,7 +129,7 @@ class MixtureOfExperts(nnx.Module):
                self.router_aux_loss_coef * moe.balance_loss(routing))
     if self.router_z_loss_coef:
       self.sow(tnnx.AuxLoss, "router_z", self.router_z_loss_coef * moe.z_loss(routing))
-    return out.reshape(x.shape).astype(dtype)
+    return moe.rows_over_expert(out.reshape(x.shape).astype(dtype))
 
 
 class TokenEmbedding(nnx.Module):

@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import tpipe
 from tpipe import mesh as mesh_lib
@@ -102,6 +104,48 @@ def check_expert_axis(num_experts: int, owner: str = "MixtureOfExperts") -> None
     raise ValueError(f"{owner}: num_experts={num_experts} is not divisible by the mesh's "
                      f"{mesh_lib.EXPERT_AXIS!r} axis of {size} devices; use a multiple of "
                      f"{size} experts or an expert axis that divides {num_experts}.")
+
+
+def _expert_devices_here() -> int:
+  """The devices of the ``expert`` axis where a pipeline's stage leaves it to XLA's partitioner
+  as its only split (the mesh in context has manual axes, an auto ``expert`` axis, and no other
+  auto axis of more than one device), else 1.
+
+  With ``tensor`` beside it, rows split over ``expert`` and heads over ``tensor`` stop the TPU
+  compiler's SPMD partitioner on a failed check (``spmd_partitioner_util.cc:497``, jax 0.10.2's
+  libtpu; reproduced on ``v5p:2x2x2``), so there the rows stay whole."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or AxisType.Manual not in mesh.axis_types:
+    return 1
+  sizes = dict(mesh.shape)
+  auto = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+          if kind == AxisType.Auto and sizes[name] > 1]
+  if auto != [mesh_lib.EXPERT_AXIS]:
+    return 1
+  return sizes[mesh_lib.EXPERT_AXIS]
+
+
+def rows_over_expert(x: jax.Array) -> jax.Array:
+  """``x`` with its rows (the leading axis) split over the ``expert`` axis inside a pipeline's
+  stage, where that axis has devices and divides the rows; ``x`` as it is elsewhere.
+
+  Outside the mixture-of-experts layers the expert axis carries data: attention, norms and the
+  stash between stages hold ``1 / expert`` of a micro-batch's rows per device instead of all of
+  them. The layers take the rows whole (:func:`rows_whole`) and hand them back split. Not
+  beside a ``tensor`` axis (see :func:`_expert_devices_here`)."""
+  size = _expert_devices_here()
+  if size == 1 or x.shape[0] % size:
+    return x
+  return jax.lax.with_sharding_constraint(x, P(mesh_lib.EXPERT_AXIS))
+
+
+def rows_whole(x: jax.Array) -> jax.Array:
+  """``x`` whole on every device of the partitioner's axes inside a pipeline's stage that has an
+  ``expert`` axis (the tokens a mixture-of-experts layer routes: the partitioner gathers them
+  there); ``x`` as it is elsewhere."""
+  if _expert_devices_here() == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, P())
 
 
 def route(x: jax.Array, router: jax.Array, experts_per_token: int,
@@ -311,7 +355,7 @@ class MixtureOfExperts(nn.Module):
     w_down = self.param("down", _named(expert_init, ("expert", "mlp", "embed")), (e, h, width),
                         self.param_dtype)
     dtype = self.dtype or x.dtype
-    tokens = x.reshape(-1, width).astype(dtype)
+    tokens = rows_whole(x.reshape(-1, width).astype(dtype))
     routing = route(tokens, router, self.experts_per_token, self.normalize_expert_weights)
     if self.capacity_factor:
       out, dropped = with_capacity(tokens, routing, w_gate, w_up, w_down, self.capacity_factor)
@@ -331,4 +375,4 @@ class MixtureOfExperts(nn.Module):
       self.sow(tpipe.AUX_LOSS, "router_balance", self.router_aux_loss_coef * balance_loss(routing))
     if self.router_z_loss_coef:
       self.sow(tpipe.AUX_LOSS, "router_z", self.router_z_loss_coef * z_loss(routing))
-    return out.reshape(x.shape).astype(dtype)
+    return rows_over_expert(out.reshape(x.shape).astype(dtype))
