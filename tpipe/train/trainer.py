@@ -37,18 +37,15 @@ import numpy as np
 from ml_collections import config_flags
 
 import tpipe
-from tpipe.core import spmd
-from tpipe.core import streaming
 from tpipe.train import architecture
 from tpipe.train import checkpointing
 from tpipe.train import cli
-from tpipe.train import compact_moments
 from tpipe.train import data
 from tpipe.train import experiment
 from tpipe.train import metrics as metrics_lib
 from tpipe.train import pretrained
+from tpipe.train import step_log
 from tpipe.train import tasks
-from tpipe.train import throughput
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=True)
@@ -118,13 +115,6 @@ class _QuietLibraries:
     return record.levelno >= 30 or not noisy  # 30 = WARNING.
 
 
-def _format_eta(seconds: float) -> str:
-  if not math.isfinite(seconds):
-    return "?"
-  seconds = int(seconds)
-  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
 def _non_finite(what: str, step: int, last_checkpoint: int | None,
                 ckpt_dir) -> NonFiniteLossError:
   where = (f"the last good checkpoint is step {last_checkpoint} in {ckpt_dir}"
@@ -132,10 +122,6 @@ def _non_finite(what: str, step: int, last_checkpoint: int | None,
   return NonFiniteLossError(
       f"Non-finite {what} at step {step}; stopping without checkpointing this state ({where}). "
       f"Lower the learning rate or check the data.")
-
-
-def _format_eval(metrics: dict) -> str:
-  return " | ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval_"))
 
 
 def _check_finite(step: int, metrics: dict, last_checkpoint: int | None, ckpt_dir) -> None:
@@ -284,71 +270,6 @@ def _with_pretrained_params(exp, state, source: str):
   return exp.from_checkpoint(logical.replace(params=params))
 
 
-def _log_step(writer, record: dict, step: int, num_steps: int, timing, is_chief: bool,
-              rates: throughput.Rates) -> None:
-  """Adds the rates to ``record`` (``timing``: last logged time and step, now, and the seconds
-  spent evaluating since), writes it and logs one line with the ETA."""
-  t_last, step_last, now, eval_seconds = timing
-  if t_last is not None:
-    step_seconds = max(now - t_last - eval_seconds, 1e-9) / (step - step_last)
-    record["steps_per_sec"] = 1.0 / step_seconds
-    record.update(rates.of(step_seconds))
-    eta = (num_steps - step) * step_seconds
-  else:
-    eta = float("nan")  # The first interval includes compilation.
-  writer.write(step, record)
-  if is_chief:
-    parts = [f"step {step}/{num_steps}", f"loss {record['loss']:.4f}"]
-    if "eval_loss" in record:
-      parts.append(_format_eval(record))
-    parts.append(f"{record['steps_per_sec']:.2f} steps/s" if "steps_per_sec" in record
-                 else "- steps/s")
-    if "tokens_per_s" in record:
-      parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
-    if "tflops_per_device" in record:
-      parts.append(f"{record['tflops_per_device']:.3g} TFLOP/s/device")
-    if "mfu" in record:
-      parts.append(f"MFU {100 * record['mfu']:.1f}%")
-    parts.append(f"ETA {_format_eta(eta)}")
-    logging.info("%s", " | ".join(parts))
-
-
-def _rates(exp) -> throughput.Rates:
-  """The throughput figures of ``exp``'s step: tokens and model FLOPs for the LM, and the
-  devices' peak (``config.peak_tflops``, else from the device kind)."""
-  config = exp.config
-  tokens = step_flops = None
-  if exp.task.name == "lm":
-    tokens = config.batch_size * config.seq_len
-    step_flops = throughput.lm_step_flops(architecture.lm_arguments(config),
-                                          batch=config.batch_size, seq_len=config.seq_len)
-  kind = exp.mesh.devices.flat[0].device_kind
-  return throughput.Rates(step_flops, tokens, int(exp.mesh.devices.size),
-                          throughput.peak_tflops(kind, config.get("peak_tflops", 0.0)))
-
-
-def _log_setup(exp, workdir, ckpt_dir: str, rates: throughput.Rates) -> None:
-  """Where the run writes, idle devices, and what the throughput figures are based on."""
-  used, available = int(exp.mesh.devices.size), jax.device_count()
-  if used < available:
-    sizes = cli.mesh_sizes(exp.config)
-    logging.warning(
-        "The mesh uses %d of the %d devices (num_stages %d x num_data %d x mesh.fsdp %d x "
-        "mesh.expert %d x mesh.tensor %d); %d stay idle. Make the product %d to use them all.",
-        used, available, exp.config.num_stages, exp.config.num_data, sizes["fsdp"],
-        sizes["expert"], sizes["tensor"], available - used, available)
-  logging.info("Workdir %s: checkpoints in %s, metrics in %s, TensorBoard events in %s "
-               "(tensorboard --logdir=%s).", workdir, ckpt_dir,
-               workdir / metrics_lib.METRICS_FILE, metrics_lib.tensorboard_logdir(workdir),
-               metrics_lib.tensorboard_logdir(workdir))
-  kind = exp.mesh.devices.flat[0].device_kind
-  if rates.step_flops:
-    peak = (f"peak {rates.peak:g} TFLOP/s per device ({kind})" if rates.peak else
-            f"no peak known for device kind {kind!r}, so no MFU (set --config.peak_tflops)")
-    logging.info("Model FLOPs per step: %.4g (3 x the forward's matrix multiplies; recompute "
-                 "not counted); %s.", rates.step_flops, peak)
-
-
 def resumed_config(config, workdir):
   """``config``, or, when it resumes a run that started from ``config.init_from``, a copy
   whose ``init_from`` is the workdir itself: the checkpoint holds the weights and the workdir's
@@ -372,28 +293,6 @@ def _write_config(config, workdir, start: int) -> None:
   elif without_source(config_file.read_text()) != without_source(config_json):
     logging.warning("This run's config differs from %s, the config the run in this workdir "
                     "started with; keeping that file.", config_file)
-
-
-def _log_pipeline(exp, config) -> None:
-  """Logs the run's devices, mesh, pipeline table, backward plan and slices (the chief)."""
-  logging.info("%d processes, %d devices (%s); mesh %s; %s parameters.", jax.process_count(),
-               jax.device_count(), jax.devices()[0].platform, dict(exp.mesh.shape),
-               f"{exp.num_params():,}")
-  spec = exp.pipeline.spec
-  axes = spmd.Axes.of(exp.mesh, spec.stage_axis, spec.data_axis)
-  backward = exp.pipeline.backward_plan
-  logging.info("Pipeline: %s.", streaming.describe(
-      exp.pipeline.loss_table, axes, config.batch_size, spec.stream_inputs,
-      backward.w_recomputes))
-  logging.info("%s.", backward.describe().capitalize())
-  slices = int(tpipe.mesh.slice_of_devices(exp.mesh).max()) + 1
-  if slices > 1 or any(spec.delays):
-    logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",
-                 slices, tpipe.mesh.crossing_links(exp.mesh, spec.stage_axis), spec.delays)
-  moments = compact_moments.describe(config.get("compact_moments", "auto"), exp.layout,
-                                     exp.mesh, spec.stage_axis)
-  if moments:
-    logging.info("%s.", moments)
 
 
 @jax.jit
@@ -438,38 +337,6 @@ def _check_pending(pending: list, last_checkpoint, directory) -> dict:
   return {"loss": float(host[-1]["loss"]), "grad_norm": float(host[-1]["grad_norm"])}
 
 
-def _logs_at(step: int, config) -> bool:
-  """Whether ``step`` is logged on schedule (every ``log_every``, ``eval_every`` and
-  ``checkpoint_every`` steps, and the last; a preemption's save logs too, unscheduled)."""
-  return (step == config.num_steps
-          or any(step % config[name] == 0
-                 for name in ("log_every", "eval_every", "checkpoint_every")))
-
-
-def _loss_terms_record(terms, config) -> dict[str, float]:
-  """The training loss's terms on a logged step (:meth:`tpipe.core.engine.Pipeline.loss_terms`):
-  ``task_loss`` (the loss without the auxiliary losses), each auxiliary loss as the loss counts
-  it (``aux_loss/...``: summed over the blocks), each auxiliary metric as the mean over the
-  blocks (``aux_metric/...``: every block of the trainer's MoE models sows it)."""
-  host = jax.device_get(terms)
-  record = {"task_loss": float(host["loss"])}
-  for name, value in host.items():
-    if name.startswith("aux_loss/"):
-      record[name] = float(value)
-    elif name.startswith("aux_metric/"):
-      record[name] = float(value) / config.num_layers
-  return record
-
-
-def _log_initial_eval(exp, state, eval_set, is_chief: bool) -> None:
-  """Evaluates the initial state, a baseline for the eval curve (logged only: the metrics
-  records are of training steps)."""
-  initial = exp.evaluate(state, eval_set)
-  if is_chief:
-    logging.info("step 0/%d | %s at initialisation", exp.config.num_steps,
-                 _format_eval(initial))
-
-
 def _close_run(profiling: bool, ckpt, writer, train_iter) -> None:
   """Stops a profile still running, waits for pending saves (so the last good checkpoint is
   complete) and closes the writer and the data iterator."""
@@ -502,15 +369,15 @@ def train(config, workdir: str) -> dict:
   exp = experiment.build(config)
   sharding = tpipe.data_sharding(exp.mesh)
   if is_chief:
-    _log_pipeline(exp, config)
+    step_log.log_pipeline(exp, config)
 
   train_iter, data_spec, eval_set = _load_data(exp, config, sharding)
 
   ckpt = checkpointing.Checkpointer(checkpointing.checkpoint_directory(workdir),
                                     max_to_keep=config.keep_checkpoints, handle_sigterm=True)
-  rates = _rates(exp)
+  rates = step_log.rates(exp)
   if is_chief:
-    _log_setup(exp, workdir, ckpt.directory, rates)
+    step_log.log_setup(exp, workdir, ckpt.directory, rates)
   profile = cli.parse_profile_steps(config.get("profile_steps", ""))
   profile_dir = workdir / "profile"
   state, start = _restore_or_init(exp, ckpt, train_iter, data_spec, is_chief)
@@ -527,7 +394,7 @@ def train(config, workdir: str) -> dict:
   t_last, step_last = None, start
 
   if start == 0:  # A baseline for the eval curve (in the log only).
-    _log_initial_eval(exp, state, eval_set, is_chief)
+    step_log.log_initial_eval(exp, state, eval_set, is_chief)
 
   eval_seconds = 0.0  # Evaluating and saving since the last logged step (not in the rates).
   try:
@@ -537,7 +404,7 @@ def train(config, workdir: str) -> dict:
       batch = data.to_global(next(train_iter), sharding)
       rng = jax.random.fold_in(step_key, step)
       terms = None
-      if exp.loss_terms_step is not None and _logs_at(step, config):
+      if exp.loss_terms_step is not None and step_log.logs_at(step, config):
         # The loss's terms on the step's batch and parameters, before the step donates them.
         terms = exp.loss_terms_step(state, batch, rng)
       state, step_metrics = exp.train_step(state, batch, rng)
@@ -557,15 +424,15 @@ def train(config, workdir: str) -> dict:
 
       record = _check_pending(pending, last_checkpoint, ckpt.directory)
       if terms is not None:
-        record.update(_loss_terms_record(terms, config))
+        record.update(step_log.loss_terms_record(terms, config))
       if do_eval:
         began = time.perf_counter()
         record.update(exp.evaluate(state, eval_set))
         eval_seconds += time.perf_counter() - began
 
       now = time.perf_counter()
-      _log_step(writer, record, step, config.num_steps, (t_last, step_last, now, eval_seconds),
-                is_chief, rates)
+      step_log.log_step(writer, record, step, config.num_steps,
+                        (t_last, step_last, now, eval_seconds), is_chief, rates)
       t_last, step_last, eval_seconds = now, step, 0.0
 
       if do_ckpt:
