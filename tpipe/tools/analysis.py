@@ -52,10 +52,9 @@ from tpipe.tools.flops import PipelineFlops
 from tpipe.tools.flops import flop_count
 from tpipe.tools.flops import fused_flops
 from tpipe.tools.flops import pipeline_flops
-# Collective kinds, with the opcodes that start them (``-done`` halves are not counted).
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
-                    "all-to-all")
-_COLLECTIVE_OPCODES = {
+
+# Collective opcodes and the kind each starts (an async pair's ``-done`` half is not listed).
+COLLECTIVE_OPCODES = {
     "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
     "all-gather": "all-gather", "all-gather-start": "all-gather",
     "reduce-scatter": "reduce-scatter",
@@ -63,6 +62,9 @@ _COLLECTIVE_OPCODES = {
     "collective-permute-start": "collective-permute",
     "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all",
 }
+# The collective kinds counted.
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                    "all-to-all")
 
 
 def _check_compiled(compiled) -> None:
@@ -151,7 +153,7 @@ def collectives(compiled, mesh=None) -> list[Collective]:
   num_devices = module.num_partitions * module.num_replicas
   found = []
   for comp, ins in module.instructions():
-    kind = _COLLECTIVE_OPCODES.get(ins.opcode)
+    kind = COLLECTIVE_OPCODES.get(ins.opcode)
     if kind is None or mult.get(comp.name, 0) == 0:
       continue
     operand_bytes = 0

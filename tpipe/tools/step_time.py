@@ -63,6 +63,7 @@ from typing import Mapping
 import numpy as np
 
 from tpipe.experimental import links as links_lib
+from tpipe.tools import analysis
 from tpipe.tools import flops as flops_lib
 from tpipe.tools import hlo as hlo_lib
 from tpipe.tools.chips import CHIPS  # noqa: F401  (part of this module's surface)
@@ -159,14 +160,7 @@ def instruction_bytes(module: hlo_lib.HloModule, comp: hlo_lib.Computation,
 # --------------------------------------------------------------------------------------------
 # Collectives.
 
-COLLECTIVE_OPCODES = {
-    "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
-    "all-gather": "all-gather", "all-gather-start": "all-gather",
-    "reduce-scatter": "reduce-scatter",
-    "collective-permute": "collective-permute",
-    "collective-permute-start": "collective-permute",
-    "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all",
-}
+COLLECTIVE_OPCODES = analysis.COLLECTIVE_OPCODES
 
 
 def ring_factor(kind: str, group_size: int) -> float:

@@ -333,7 +333,6 @@ def predict(compiled, exp, schedule, chip) -> Prediction:
   from tpipe.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from tpipe.tools import pipeline_time  # pylint: disable=g-import-not-at-top
   from tpipe.tools import step_time  # pylint: disable=g-import-not-at-top
-  from tpipe.train import architecture  # pylint: disable=g-import-not-at-top
   from tpipe.train import throughput  # pylint: disable=g-import-not-at-top
 
   chip = step_time.chip(chip)
@@ -354,12 +353,7 @@ def predict(compiled, exp, schedule, chip) -> Prediction:
   share = (seconds - bubble) / whole.seconds if whole.seconds else 0.0
   parts = {part: value * share for part, value in whole.breakdown().items()}
   parts["bubble"] = bubble
-  config = exp.config
-  tokens = model_flops = None
-  if exp.task.name == "lm":
-    tokens = config.batch_size * config.seq_len
-    model_flops = throughput.lm_step_flops(architecture.lm_arguments(config),
-                                           batch=config.batch_size, seq_len=config.seq_len)
+  tokens, model_flops = throughput.step_counts(exp.config, exp.task.name)
   return Prediction(chip=chip.name, seconds=seconds, parts=parts,
                     recompute=whole.recompute_seconds * share, tick_by_tick=tick_by_tick,
                     tokens=tokens, model_flops=model_flops,

@@ -15,7 +15,6 @@ import jax
 import tpipe
 from tpipe.core import spmd
 from tpipe.core import streaming
-from tpipe.train import architecture
 from tpipe.train import cli
 from tpipe.train import compact_moments
 from tpipe.train import metrics as metrics_lib
@@ -68,11 +67,7 @@ def rates(exp) -> throughput.Rates:
   """The throughput figures of ``exp``'s step: tokens and model FLOPs for the LM, and the
   devices' peak (``config.peak_tflops``, else from the device kind)."""
   config = exp.config
-  tokens = step_flops = None
-  if exp.task.name == "lm":
-    tokens = config.batch_size * config.seq_len
-    step_flops = throughput.lm_step_flops(architecture.lm_arguments(config),
-                                          batch=config.batch_size, seq_len=config.seq_len)
+  tokens, step_flops = throughput.step_counts(config, exp.task.name)
   kind = exp.mesh.devices.flat[0].device_kind
   return throughput.Rates(step_flops, tokens, int(exp.mesh.devices.size),
                           throughput.peak_tflops(kind, config.get("peak_tflops", 0.0)))

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tpipe.train import architecture
+
 # Dense bfloat16 peak TFLOP/s per chip, by a piece of the device kind JAX reports; the first
 # match wins (so "TPU v5 lite" is v5e, not v5p). Public figures of each vendor.
 PEAK_TFLOPS = (
@@ -108,3 +110,13 @@ class Rates:
       if self.peak:
         out["mfu"] = tflops / self.peak
     return out
+
+
+def step_counts(config, task_name: str) -> tuple[int | None, float | None]:
+  """``(tokens, model FLOPs)`` of one training step of ``config``: the LM's (``task_name``
+  ``"lm"``), from its architecture (:func:`lm_step_flops`); ``(None, None)`` for other tasks."""
+  if task_name != "lm":
+    return None, None
+  tokens = config.batch_size * config.seq_len
+  return tokens, lm_step_flops(architecture.lm_arguments(config), batch=config.batch_size,
+                               seq_len=config.seq_len)
