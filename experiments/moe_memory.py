@@ -94,8 +94,9 @@ def config_for(row: Row):
   stages, expert, fsdp, tensor = row.layout
   model = MODELS[row.model]
   c = lm.get_config("size=base")
+  chunks = stages * row.fields.get("num_repeats", 1)
   c.update(dict(model, dropout=0.0, dtype="bfloat16", remat="full", num_stages=stages,
-                num_data=1, balance=scale_3d.balance(model["num_layers"], stages),
+                num_data=1, balance=scale_3d.balance(model["num_layers"], chunks),
                 router_aux_loss_coef=0.02, router_z_loss_coef=0.001))
   c.update(row.fields)
   c.mesh.update(dict(fsdp=fsdp, expert=expert, tensor=tensor))
