@@ -379,6 +379,8 @@ def test_convolutions_count_only_the_taps_that_meet_the_input_as_xla_does(shapes
                                                **options)
   compiled = jax.jit(conv).lower(*(jnp.ones(s) for s in shapes)).compile()
   assert step_time.estimate(compiled, "v5p").flops == compiled.cost_analysis()["flops"]
+  count = flops_lib.flop_count(compiled)  # The FLOP counter both read.
+  assert count.static == count.xla == compiled.cost_analysis()["flops"]
   # By hand for the first: 5 inputs dilated by 3 (13 positions, 4 holes between each), padded
   # 1 each side, window 3: 13 outputs; 5 x 3 of the (output, tap) pairs meet an input element
   # (each input under each tap once, padding permitting) less the two that fall off the ends.

@@ -24,7 +24,7 @@ transcendental ops (exp, log, tanh, ...) count as transcendentals, not FLOPs; a 
 ``(input - output elements)`` applications of its reducer; a conditional counts its most
 expensive branch. Our own count of the HLO reproduces ``cost_analysis()['flops']`` (tested on
 tiny programs); executed FLOPs add what the loop bodies' extra trips cost on top of XLA's number.
-Convolutions are counted approximately (padding taps included).
+A convolution counts the taps that meet input elements, as XLA does.
 
 Example::
 

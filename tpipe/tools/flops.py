@@ -14,7 +14,8 @@ size``; each elementwise arithmetic op, compare, select and convert is 1 FLOP pe
 transcendental ops (exp, log, tanh, ...) count as transcendentals, not FLOPs; a reduction is
 ``(input - output elements)`` applications of its reducer; a conditional counts its most
 expensive branch. Our own count of the HLO reproduces ``cost_analysis()['flops']`` (tested on
-tiny programs). Convolutions are counted approximately (padding taps included).
+tiny programs). A convolution counts the taps that meet input elements
+(:func:`convolution_flops`), as XLA does.
 """
 
 from __future__ import annotations
@@ -77,6 +78,45 @@ class FlopCount:
     return tuple(name for name, trips, _ in self.loops if trips is None)
 
 
+def convolution_flops(comp: hlo_lib.Computation, ins: hlo_lib.Instruction) -> float:
+  """FLOPs of a ``convolution``: 2 x the multiply-adds whose taps land on input elements.
+
+  The TPU compiler writes batched matmuls (attention heads, stacked weights) as convolutions
+  whose batch is a spatial dimension with a dilated input (``window={size=8 lhs_dilate=8}``):
+  only one tap in 8 meets an input element, the rest meet the holes the dilation inserts. Per
+  spatial dimension this counts the (output position, tap) pairs that meet one, with strides,
+  padding and both dilations, as XLA's own cost analysis does; each such pair multiplies the
+  kernel's input features.
+  """
+  lhs, kernel = comp.operand_shape(ins, 0), comp.operand_shape(ins, 1)
+  out = hlo_lib.parse_shape(ins.shape)
+  labels = ins.attr("dim_labels") or ""
+  if not (lhs and kernel and out) or "_" not in labels or "->" not in labels:
+    return 0.0
+  lhs_labels, rest = labels.split("_", 1)
+  kernel_labels, out_labels = rest.split("->")
+  fields = dict(re.findall(r"(\w+)=([^\s}]+)", ins.attr("window") or ""))
+  spatial = [c for c in lhs_labels if c.isdigit()]
+  each = lambda key, default: ([int(x) for x in fields[key].split("x")] if key in fields
+                               else [default] * len(spatial))
+  sizes, strides = each("size", 1), each("stride", 1)
+  lhs_dilation, rhs_dilation = each("lhs_dilate", 1), each("rhs_dilate", 1)
+  pads = ([int(p.split("_")[0]) for p in fields["pad"].split("x")] if "pad" in fields
+          else [0] * len(spatial))
+  pairs, out_positions = 1, 1
+  for j, dim in enumerate(sorted(spatial)):
+    n = lhs[0].dims[lhs_labels.index(dim)]
+    o = out[0].dims[out_labels.index(dim)]
+    position = (np.arange(o)[:, None] * strides[j] + np.arange(sizes[j])[None, :]
+                * rhs_dilation[j] - pads[j])
+    meets = ((position >= 0) & (position <= (n - 1) * lhs_dilation[j])
+             & (position % lhs_dilation[j] == 0))
+    pairs *= int(meets.sum())
+    out_positions *= o
+  features = kernel[0].dims[kernel_labels.index("i")] if "i" in kernel_labels else 1
+  return 2.0 * (out[0].size // max(out_positions, 1)) * pairs * features
+
+
 class _FlopCounter:
   """Counts FLOPs per computation, with loop bodies counted once or trip-count times."""
 
@@ -127,14 +167,7 @@ class _FlopCounter:
       contracted = math.prod(lhs[0].dims[int(d)] for d in re.findall(r"\d+", dims)) if lhs else 1
       return 2.0 * out_size * contracted, 0.0
     if op == "convolution":
-      kernel = comp.operand_shape(ins, 1)
-      labels = ins.attr("dim_labels") or ""
-      kernel_labels = labels.split("_")[1].split("->")[0] if "_" in labels else ""
-      if kernel and "o" in kernel_labels:
-        per_output = kernel[0].size // kernel[0].dims[kernel_labels.index("o")]
-      else:
-        per_output = kernel[0].size if kernel else 1
-      return 2.0 * out_size * per_output, 0.0
+      return convolution_flops(comp, ins), 0.0
     if op in _ELEMENTWISE:
       return float(out_size), 0.0
     if op in _TRANSCENDENTAL:
