@@ -102,22 +102,30 @@ def test_imported_logits_equal_transformers_under_every_schedule(checkpoints, na
       what=f"{name} logits under {schedule}")
 
 
-def test_export_round_trips_bit_for_bit_and_transformers_loads_it(checkpoint, tmp_path):
+def _round_trip(checkpoint, tmp_path, architecture: str):
+  """Exports an imported checkpoint and checks what every family must give back: the same
+  tensors bit for bit, the same fields, transformers' class and logits; then a model from
+  scratch (no family) with a trained load-balancing weight exports as the same family. Returns
+  ``(fields, params, exported config, fields without the family)``."""
   fields = pretrained.architecture_of(checkpoint)
   params = pretrained.load_params(checkpoint, fields)
   out = pretrained.export(params, fields, tmp_path / "out")
   hf_models.assert_same_tensors(checkpoint, out)
   assert pretrained.architecture_of(out) == fields
   config = json.loads((out / "config.json").read_text())
-  assert config["architectures"] == ["MixtralForCausalLM"]
-  assert "router_aux_loss_coef" not in config  # Unknown here: transformers' default.
+  assert config["architectures"] == [architecture]
   tokens = _tokens(seed=1)
   np.testing.assert_array_equal(hf_models.logits(out, tokens), hf_models.logits(checkpoint, tokens))
-  # A trained model's load-balancing weight goes along; a model from scratch exports too.
   scratch = {k: v for k, v in fields.items() if k != "family"}
-  out = pretrained.export(params, {**scratch, "router_aux_loss_coef": 0.02}, tmp_path / "again")
-  assert json.loads((out / "config.json").read_text())["router_aux_loss_coef"] == 0.02
-  assert pretrained.architecture_of(out) == fields
+  again = pretrained.export(params, {**scratch, "router_aux_loss_coef": 0.02}, tmp_path / "again")
+  assert json.loads((again / "config.json").read_text())["router_aux_loss_coef"] == 0.02
+  assert pretrained.architecture_of(again) == fields
+  return fields, params, config, scratch
+
+
+def test_export_round_trips_bit_for_bit_and_transformers_loads_it(checkpoint, tmp_path):
+  fields, params, config, _ = _round_trip(checkpoint, tmp_path, "MixtralForCausalLM")
+  assert "router_aux_loss_coef" not in config  # Unknown here: transformers' default.
   # Hugging Face's Mixtral is dropless; a dense family has no experts.
   with pytest.raises(ValueError, match="config.capacity_factor=1.0 \\(export needs 0.0\\)"):
     pretrained.export(params, {**fields, "capacity_factor": 1.0}, tmp_path / "x")
@@ -167,24 +175,11 @@ def test_a_trainer_run_from_a_mixtral_with_its_experts_split_exports_it(checkpoi
 
 
 def test_qwen2_moe_export_round_trips_bit_for_bit(checkpoints, tmp_path):
-  checkpoint = checkpoints[QWEN]
-  fields = pretrained.architecture_of(checkpoint)
-  params = pretrained.load_params(checkpoint, fields)
-  out = pretrained.export(params, fields, tmp_path / "out")
-  hf_models.assert_same_tensors(checkpoint, out)
-  assert pretrained.architecture_of(out) == fields
-  config = json.loads((out / "config.json").read_text())
-  assert config["architectures"] == ["Qwen2MoeForCausalLM"]
+  # A model from scratch with a shared expert exports as Qwen2-MoE (in _round_trip).
+  _, params, config, scratch = _round_trip(checkpoints[QWEN], tmp_path, "Qwen2MoeForCausalLM")
   assert (config["norm_topk_prob"], config["shared_expert_intermediate_size"],
           config["moe_intermediate_size"]) == (False, hf_models.QWEN_SHARED_MLP,
                                                hf_models.QWEN_MOE_MLP)
-  tokens = _tokens(seed=1)
-  np.testing.assert_array_equal(hf_models.logits(out, tokens), hf_models.logits(checkpoint, tokens))
-  # A model from scratch with a shared expert exports as Qwen2-MoE.
-  scratch = {k: v for k, v in fields.items() if k != "family"}
-  out = pretrained.export(params, {**scratch, "router_aux_loss_coef": 0.02}, tmp_path / "again")
-  assert json.loads((out / "config.json").read_text())["router_aux_loss_coef"] == 0.02
-  assert pretrained.architecture_of(out) == fields
   # What neither Hugging Face mixture has is refused, naming the field.
   for change, match in (
       (dict(sliding_window=4), "Qwen2MoeForCausalLM: config.sliding_window=4 \\(export needs 0\\)"),
