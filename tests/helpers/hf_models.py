@@ -176,6 +176,18 @@ def logits(directory, tokens: np.ndarray, dtype: str = "float32") -> np.ndarray:
   return out.logits.numpy()
 
 
+def packed_documents(directory: pathlib.Path):
+  """Twelve word-level documents packed into windows of 16 tokens
+  (:class:`tpipe.train.packing.PackedTokens`), their tokenizer written to ``directory``: what
+  the perplexity tests read."""
+  from tests.helpers import text_corpus  # pylint: disable=g-import-not-at-top
+  from tpipe.train import packing, tokenization  # pylint: disable=g-import-not-at-top
+  tokenizer = tokenization.load(text_corpus.word_tokenizer(directory))
+  assert tokenizer.vocab_size <= VOCAB
+  ids = tokenizer.encode_batch(text_corpus.documents(12, seed=1))
+  return packing.PackedTokens.of(ids, tokenizer.eod_id, seq_len=16)
+
+
 def document_loss(directory, packed, dtype: str = "float32") -> np.float64:
   """``transformers``' mean next-token cross-entropy over the unmasked targets of packed
   windows (:class:`tpipe.train.packing.PackedTokens`), each window's documents run one at a

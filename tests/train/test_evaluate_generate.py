@@ -8,12 +8,9 @@ import pytest
 
 from tests.helpers import hf_models
 from tests.helpers import numerics
-from tests.helpers import text_corpus
 from tpipe.train import evaluate
 from tpipe.train import generate
 from tpipe.train import loading
-from tpipe.train import packing
-from tpipe.train import tokenization
 
 pytest.importorskip("transformers")
 NEW_TOKENS = 16
@@ -28,28 +25,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
-  tokenizer = tokenization.load(text_corpus.word_tokenizer(tmp_path_factory.mktemp("words")))
-  assert tokenizer.vocab_size <= hf_models.VOCAB
-  ids = tokenizer.encode_batch(text_corpus.documents(12, seed=1))
-  return packing.PackedTokens.of(ids, tokenizer.eod_id, seq_len=16)
-
-
-def _transformers_loss(directory, packed, dtype):
-  """Mean cross-entropy of ``transformers`` over the windows' unmasked targets, each document
-  piece of a window run by itself (positions from 0, as tpipe's restart per document)."""
-  total = count = 0.0
-  for i in range(len(packed)):
-    window = packed[i]
-    for segment in np.unique(window["segment_ids"]):
-      where = window["segment_ids"] == segment
-      logits = hf_models.logits(directory, window["inputs"][where][None], dtype)[0]
-      logits = logits.astype(np.float64)
-      top = logits.max(axis=-1)
-      log_total = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
-      picked = logits[np.arange(len(logits)), window["targets"][where]]
-      total += float(((log_total - picked) * window["loss_mask"][where]).sum())
-      count += float(window["loss_mask"][where].sum())
-  return np.float64(total / count)
+  return hf_models.packed_documents(tmp_path_factory.mktemp("words"))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -62,34 +38,15 @@ def test_perplexity_is_transformers_loss_on_the_same_tokens(checkpoints, packed,
   assert result["tokens"] == int(sum(packed[i]["loss_mask"].sum() for i in range(len(packed))))
   assert result["perplexity"] == pytest.approx(np.exp(result["loss"]))
   numerics.assert_as_close_as_plain(
-      np.float32(result["loss"]), np.float32(_transformers_loss(checkpoints[name], packed,
-                                                                "float32")),
-      _transformers_loss(checkpoints[name], packed, "float64"), what=f"{name} loss")
-
-
-def _transformers_greedy(directory, prompt):
-  import torch  # pylint: disable=g-import-not-at-top
-  model = hf_models.load(str(directory))
-  model.generation_config.eos_token_id = None
-  out = model.generate(torch.as_tensor(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
-                       pad_token_id=0)
-  return out[:, prompt.shape[1]:].numpy()
-
-
-def _smallest_margin(directory, prompt, continuation) -> float:
-  """The smallest gap, in float64, between the top two logits along the greedy path: greedy
-  decoding is only well defined (the same in any float32 arithmetic) where it is not tiny."""
-  sequence = np.concatenate([prompt, continuation], axis=1)
-  logits = hf_models.logits(directory, sequence, "float64")[:, prompt.shape[1] - 1:-1]
-  top_two = np.sort(logits, axis=-1)[..., -2:]
-  return float((top_two[..., 1] - top_two[..., 0]).min())
+      np.float32(result["loss"]), np.float32(hf_models.document_loss(checkpoints[name], packed)),
+      hf_models.document_loss(checkpoints[name], packed, "float64"), what=f"{name} loss")
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_generation_equals_transformers(checkpoints, name):
   prompt = np.random.RandomState(5).randint(0, hf_models.VOCAB, (2, 5)).astype(np.int32)
-  expected = _transformers_greedy(checkpoints[name], prompt)
-  assert _smallest_margin(checkpoints[name], prompt, expected) > 1e-4
+  expected, margin = hf_models.greedy(checkpoints[name], prompt, NEW_TOKENS)
+  assert margin > 1e-4
   if name in hf_models.MOE_CASES:  # And the experts each token goes to are well defined.
     sequence = np.concatenate([prompt, expected], axis=1)
     assert hf_models.routing_margin(checkpoints[name], sequence) > 1e-5

@@ -24,9 +24,7 @@ from tpipe.train import export
 from tpipe.train import generate
 from tpipe.train import loading
 from tpipe.train import models
-from tpipe.train import packing
 from tpipe.train import pretrained
-from tpipe.train import tokenization
 from tpipe.train import trainer
 
 pytest.importorskip("transformers")
@@ -221,10 +219,7 @@ def test_what_qwen2_moe_does_not_model_is_refused_by_name(checkpoints, tmp_path)
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
-  tokenizer = tokenization.load(text_corpus.word_tokenizer(tmp_path_factory.mktemp("words")))
-  assert tokenizer.vocab_size <= hf_models.VOCAB
-  ids = tokenizer.encode_batch(text_corpus.documents(12, seed=1))
-  return packing.PackedTokens.of(ids, tokenizer.eod_id, seq_len=16)
+  return hf_models.packed_documents(tmp_path_factory.mktemp("words"))
 
 
 def test_a_qwen2_moe_perplexity_is_transformers_loss_on_the_same_tokens(checkpoints, packed):
