@@ -85,10 +85,7 @@ def carried(names: tuple[str, ...], output) -> tuple[str, ...]:
   example (a loss) or an auxiliary loss is among them (:func:`carry` then asks for a loss);
   none where only metrics are sown and the output is not a loss (a model run for its logits:
   its metrics have no loss to be reported beside, and are dropped)."""
-  leaves = jax.tree.leaves(output)
-  per_example = (len(leaves) == 1 and len(leaves[0].shape) == 1
-                 and jnp.issubdtype(leaves[0].dtype, jnp.floating))
-  if per_example or any(map(is_loss, names)):
+  if layers_lib.is_per_example_loss(output) or any(map(is_loss, names)):
     return tuple(names)
   return ()
 

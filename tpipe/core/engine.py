@@ -263,10 +263,7 @@ class Pipeline:
     if self.terms:
       raise ValueError(f"{self.owner}: this pipeline returns the loss's terms apart "
                        "(loss_terms); differentiate the pipeline built without terms.")
-    leaves = jax.tree.leaves(self.output)
-    per_example = (len(leaves) == 1 and len(leaves[0].shape) == 1
-                   and jnp.issubdtype(leaves[0].dtype, jnp.floating))
-    if not per_example:
+    if not layers_lib.is_per_example_loss(self.output):
       raise ValueError(
           f"{self.owner}: the loss is the mean of the last layer's per-example losses, so the "
           "last layer must return one float array [batch]; it returns "

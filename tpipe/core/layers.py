@@ -22,6 +22,7 @@ import functools
 from typing import Any, Callable, Hashable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # apply(params, stats, x, kwargs, rngs) -> (y, statistics): one copy of a layer on one
@@ -121,6 +122,14 @@ def types(tree):
 def same_type(a, b) -> bool:
   """Whether two pytrees have the same structure, shapes and dtypes."""
   return jax.tree.structure(a) == jax.tree.structure(b) and types(a) == types(b)
+
+
+def is_per_example_loss(tree) -> bool:
+  """Whether ``tree`` (a layer's output on a micro-batch) is one float loss per example: a
+  single floating ``[rows]`` array, what a pipeline's loss averages."""
+  leaves = jax.tree.leaves(tree)
+  return (len(leaves) == 1 and len(leaves[0].shape) == 1
+          and jnp.issubdtype(leaves[0].dtype, jnp.floating))
 
 
 def one_copy(tree):

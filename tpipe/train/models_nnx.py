@@ -15,7 +15,6 @@ which ``model.train()``/``model.eval()`` set).
 from __future__ import annotations
 
 import functools
-
 from typing import Any
 
 import jax
@@ -74,8 +73,9 @@ class TransformerBlock(nnx.Module):
 class MixtureOfExperts(nnx.Module):
   """A mixture-of-experts SwiGLU feed-forward layer, as :class:`tpipe.train.moe.MixtureOfExperts`
   (same parameter names and shapes, same routing, the same optional shared expert):
-  ``[..., width]`` to the same. Its auxiliary losses go to the training loss
-  (``self.sow(tpipe.nnx.AuxLoss, ...)``)."""
+  ``[..., width]`` to the same, computed by :func:`tpipe.train.moe.mixture` as linen's is. Its
+  auxiliary losses go to the training loss (``tpipe.nnx.AuxLoss``), its router's metrics to
+  ``tpipe.nnx.AuxMetric``."""
 
   # The layer's settings, keyword-only past the shapes.
   def __init__(self, width: int, hidden: int, num_experts: int, experts_per_token: int, *,
@@ -111,25 +111,13 @@ class MixtureOfExperts(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     moe.check_expert_axis(self.router.shape[-1])
-    dtype = self.dtype or x.dtype
-    tokens = moe.rows_whole(x.reshape(-1, x.shape[-1]).astype(dtype))
-    routing = moe.route(tokens, self.router[...], self.experts_per_token,
-                        self.normalize_expert_weights)
-    weights = self.gate[...], self.up[...], self.down[...]
-    if self.capacity_factor:
-      out, dropped = moe.with_capacity(tokens, routing, *weights, self.capacity_factor)
-    else:
-      out, dropped = moe.dropless(tokens, routing, *weights), None
+    shared = None
     if self.shared_expert_hidden:
-      out = out + moe.shared_expert(tokens, self.shared_gate[...], self.shared_up[...],
-                                    self.shared_down[...], self.shared_router[...])
-    moe.sow_metrics(functools.partial(self.sow, tnnx.AuxMetric), routing, dropped)
-    if self.router_aux_loss_coef:
-      self.sow(tnnx.AuxLoss, "router_balance",
-               self.router_aux_loss_coef * moe.balance_loss(routing))
-    if self.router_z_loss_coef:
-      self.sow(tnnx.AuxLoss, "router_z", self.router_z_loss_coef * moe.z_loss(routing))
-    return moe.rows_over_expert(out.reshape(x.shape).astype(dtype))
+      shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...],
+                self.shared_router[...])
+    return moe.mixture(x, self.router[...], (self.gate[...], self.up[...], self.down[...]),
+                       shared, self, sow_loss=functools.partial(self.sow, tnnx.AuxLoss),
+                       sow_metric=functools.partial(self.sow, tnnx.AuxMetric))
 
 
 class TokenEmbedding(nnx.Module):

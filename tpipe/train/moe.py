@@ -300,6 +300,42 @@ def with_capacity(x: jax.Array, routing: Routing, w_gate, w_up, w_down,
   return jnp.einsum("knec,ecd->nd", combine, outputs), dropped
 
 
+def mixture(x: jax.Array, router, experts, shared, settings, *, sow_loss, sow_metric):
+  """A mixture-of-experts layer's computation on ``x`` ``[..., D]``, both front ends' (linen's
+  :class:`MixtureOfExperts` and :class:`tpipe.train.models_nnx.MixtureOfExperts`).
+
+  Args:
+    x: the activations.
+    router: ``[D, E]``.
+    experts: ``(gate, up, down)``, ``[E, D, H]``, ``[E, D, H]``, ``[E, H, D]``.
+    shared: the shared expert's ``(gate, up, down, router)``, or None.
+    settings: the layer (its ``experts_per_token``, ``capacity_factor``,
+      ``normalize_expert_weights``, ``router_aux_loss_coef``, ``router_z_loss_coef`` and
+      ``dtype``).
+    sow_loss: ``sow_loss(name, value)`` adds an auxiliary loss.
+    sow_metric: ``sow_metric(name, value)`` reports an auxiliary metric.
+
+  Returns:
+    ``[..., D]`` in ``settings.dtype`` (None: ``x``'s), its rows split over the expert axis
+    where :func:`rows_over_expert` splits them.
+  """
+  dtype = settings.dtype or x.dtype
+  tokens = rows_whole(x.reshape(-1, x.shape[-1]).astype(dtype))
+  routing = route(tokens, router, settings.experts_per_token, settings.normalize_expert_weights)
+  if settings.capacity_factor:
+    out, dropped = with_capacity(tokens, routing, *experts, settings.capacity_factor)
+  else:
+    out, dropped = dropless(tokens, routing, *experts), None
+  if shared is not None:
+    out = out + shared_expert(tokens, *shared)
+  sow_metrics(sow_metric, routing, dropped)
+  if settings.router_aux_loss_coef:
+    sow_loss("router_balance", settings.router_aux_loss_coef * balance_loss(routing))
+  if settings.router_z_loss_coef:
+    sow_loss("router_z", settings.router_z_loss_coef * z_loss(routing))
+  return rows_over_expert(out.reshape(x.shape).astype(dtype))
+
+
 class MixtureOfExperts(nn.Module):
   """A mixture-of-experts SwiGLU feed-forward layer: ``[..., D]`` to ``[..., D]``.
 
@@ -354,25 +390,15 @@ class MixtureOfExperts(nn.Module):
                       self.param_dtype)
     w_down = self.param("down", _named(expert_init, ("expert", "mlp", "embed")), (e, h, width),
                         self.param_dtype)
-    dtype = self.dtype or x.dtype
-    tokens = rows_whole(x.reshape(-1, width).astype(dtype))
-    routing = route(tokens, router, self.experts_per_token, self.normalize_expert_weights)
-    if self.capacity_factor:
-      out, dropped = with_capacity(tokens, routing, w_gate, w_up, w_down, self.capacity_factor)
-    else:
-      out, dropped = dropless(tokens, routing, w_gate, w_up, w_down), None
+    shared = None
     if self.shared_expert_hidden:
-      shared = self.shared_expert_hidden
+      hidden = self.shared_expert_hidden
       dense = lambda name, shape, names: self.param(name, _named(self.kernel_init, names), shape,
                                                     self.param_dtype)
-      out = out + shared_expert(
-          tokens, dense("shared_gate", (width, shared), ("embed", "mlp")),
-          dense("shared_up", (width, shared), ("embed", "mlp")),
-          dense("shared_down", (shared, width), ("mlp", "embed")),
-          dense("shared_router", (width, 1), ("embed", None)))
-    sow_metrics(functools.partial(self.sow, tpipe.AUX_METRIC), routing, dropped)
-    if self.router_aux_loss_coef:
-      self.sow(tpipe.AUX_LOSS, "router_balance", self.router_aux_loss_coef * balance_loss(routing))
-    if self.router_z_loss_coef:
-      self.sow(tpipe.AUX_LOSS, "router_z", self.router_z_loss_coef * z_loss(routing))
-    return rows_over_expert(out.reshape(x.shape).astype(dtype))
+      shared = (dense("shared_gate", (width, hidden), ("embed", "mlp")),
+                dense("shared_up", (width, hidden), ("embed", "mlp")),
+                dense("shared_down", (hidden, width), ("mlp", "embed")),
+                dense("shared_router", (width, 1), ("embed", None)))
+    return mixture(x, router, (w_gate, w_up, w_down), shared, self,
+                   sow_loss=functools.partial(self.sow, tpipe.AUX_LOSS),
+                   sow_metric=functools.partial(self.sow, tpipe.AUX_METRIC))
