@@ -408,12 +408,19 @@ def test_a_fusion_reads_only_the_slices_it_takes_through_bitcasts():
 @pytest.mark.unit
 def test_lanes_meet_their_conditionals_in_the_order_the_program_made_them():
   # The TPU compiler printed a one-stage table's backward conditional (made second) first.
-  named = lambda *names: [types.SimpleNamespace(name=n) for n in names]
-  order = pipeline_time._in_creation_order  # pylint: disable=protected-access
-  assert [i.name for i in order(named("conditional.9", "conditional.8"))] == [
-      "conditional.8", "conditional.9"]
-  assert [i.name for i in order(named("conditional.10", "conditional.9"))] == [
-      "conditional.9", "conditional.10"]
+  def order(*names):
+    """The branch lists tick_conditionals returns for conditionals printed as ``names`` (each
+    conditional's one branch named after it)."""
+    body = types.SimpleNamespace(instructions=[
+        types.SimpleNamespace(name=n, opcode="conditional",
+                              attr=lambda key, n=n: ("{%s_branch}" % n
+                                                     if key == "branch_computations" else None))
+        for n in names])
+    module = types.SimpleNamespace(computations={"body": body})
+    return [branches[0].removesuffix("_branch")
+            for branches in flops_lib.tick_conditionals(module, "body")]
+
+  assert order("conditional.9", "conditional.8") == ["conditional.8", "conditional.9"]
+  assert order("conditional.10", "conditional.9") == ["conditional.9", "conditional.10"]
   # Without a number on every name: as printed.
-  assert [i.name for i in order(named("conditional", "conditional.1"))] == [
-      "conditional", "conditional.1"]
+  assert order("conditional", "conditional.1") == ["conditional", "conditional.1"]

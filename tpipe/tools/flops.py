@@ -405,6 +405,70 @@ def _branch_names(conditional) -> list[str]:
   return [n.strip().lstrip("%") for n in listed.strip("{}").split(",") if n.strip()]
 
 
+def tick_conditionals(module: hlo_lib.HloModule, body: str) -> list[list[str]]:
+  """The branch computations of each conditional in a tick loop's ``body``, the conditionals in
+  the order the program made them: by their names' numbers (``conditional.8`` before
+  ``conditional.9``) where every name has one, else as printed. A scheduled module prints the
+  order they run in, and the TPU compiler runs independent lanes' conditionals in any order (a
+  one-stage table's backward before its forward), while the lanes meet the conditionals in the
+  order the tick body makes them."""
+  instructions = [i for i in module.computations[body].instructions if i.opcode == "conditional"]
+  numbers = [re.search(r"\.(\d+)$", ins.name) for ins in instructions]
+  if all(numbers):
+    instructions = [ins for _, ins in sorted(zip((int(n.group(1)) for n in numbers),
+                                                 instructions), key=lambda pair: pair[0])]
+  return [_branch_names(ins) for ins in instructions]
+
+
+def _lane_layouts(schedule, programs) -> list:
+  """The two ways the lanes of ``schedule``'s compound ticks may split into conditionals (per
+  lane's switch, :func:`tpipe.core.tick_rows.lane_groups`' ``(together, apart)``): a lane whose
+  backwards add into the running sums by units runs each of those in a two-way conditional of
+  its own after its switch; whether they do is the step's remat setting."""
+  count = max(programs) + 1
+  adding = lambda n: n > 0 and (n - 1) // count in (schedules_lib.Action.B,
+                                                    schedules_lib.Action.W)
+  switches = tick_rows.lane_switches(schedule, programs)
+  return [[tick_rows.lane_groups([flag(n) for n in numbers]) for numbers in switches]
+          for flag in (lambda n: False, adding)]
+
+
+def _branch_counts(layout) -> list[int]:
+  """The branches of each conditional ``layout`` makes, in order (a switch left with idle alone
+  is no conditional: ``lax.switch`` calls a lone branch)."""
+  return [size for together, apart in layout
+          for size in [len(together)] * (len(together) > 1) + [2] * len(apart)]
+
+
+def lane_layout(schedule, programs, conditionals):
+  """How the lanes of ``schedule``'s compound ticks split into ``conditionals`` (the branch
+  names of each, :func:`tick_conditionals`), of the two ways they may (:func:`_lane_layouts`),
+  or None when neither fits."""
+  counts = [len(names) for names in conditionals]
+  return next((layout for layout in _lane_layouts(schedule, programs)
+               if _branch_counts(layout) == counts), None)
+
+
+def branch_costs(schedule, programs, conditionals, layout, cost) -> tuple[np.ndarray, float]:
+  """Each branch number's cost (:func:`tpipe.core.tick_rows.tick_branches`), ``cost(branch
+  computation name)`` less its lane's idle branch (for a conditional run apart, less its other
+  branch, which passes the sums through); NaN for a branch no lane holds. And the busiest tick's
+  cost above the idle branches: what a conditional's costliest branch adds on every trip."""
+  count = max(programs) + 1
+  action_cost, busiest = np.full(1 + 4 * count, np.nan), 0.0
+  conditionals = iter(conditionals)
+  for numbers, (together, apart) in zip(tick_rows.lane_switches(schedule, programs), layout):
+    if len(together) > 1:
+      each = np.array([cost(n) for n in next(conditionals)])
+      busiest += float(each.max() - each[0])
+      action_cost[[numbers[p] for p in together]] = each - each[0]
+    for p in apart:  # lax.cond's branches: false (pass through), then true.
+      passing, running = (cost(n) for n in next(conditionals))
+      busiest += max(running, passing) - passing
+      action_cost[numbers[p]] = running - passing
+  return action_cost, busiest
+
+
 def fused_flops(compiled, schedule, programs=None,
                 flops: FlopCount | None = None) -> FusedFlops:
   """Per-action and per-stage FLOPs of a step compiled with a fused schedule.
@@ -436,45 +500,21 @@ def fused_flops(compiled, schedule, programs=None,
   num_virtual = schedule.num_stages * schedule.num_chunks
   programs = list(range(num_virtual)) if programs is None else list(programs)
   count = max(programs) + 1
-  # The lanes' switches, in the order the body runs them (each lane's state feeds the next).
-  # A lane whose backwards add into the running sums by units runs each of those in a two-way
-  # conditional of its own after its switch (tick_rows.lane_groups); whether they do is the
-  # step's remat setting, so both layouts are tried.
-  switches = tick_rows.lane_switches(schedule, programs)
-  adding = lambda n: n > 0 and (n - 1) // count in (schedules_lib.Action.B,
-                                                    schedules_lib.Action.W)
-  layouts = [[tick_rows.lane_groups([flag(n) for n in numbers]) for numbers in switches]
-             for flag in (lambda n: False, adding)]
-  # A switch left with idle alone is no conditional (lax.switch calls a lone branch).
-  sizes = lambda layout: [size for together, apart in layout
-                          for size in [len(together)] * (len(together) > 1) + [2] * len(apart)]
   found = None
   for loop in loops:
-    conditionals = [_branch_names(ins) for ins in module.computations[loop.body].instructions
-                    if ins.opcode == "conditional"]
-    for layout in layouts:
-      if [len(names) for names in conditionals] == sizes(layout) and found is None:
-        found = (loop, conditionals, layout)
+    conditionals = tick_conditionals(module, loop.body)
+    layout = lane_layout(schedule, programs, conditionals)
+    if layout is not None and found is None:
+      found = (loop, conditionals, layout)
   if found is None:
+    expected = _branch_counts(_lane_layouts(schedule, programs)[0])
     raise ValueError(f"No tick loop of {schedule.num_ticks} trips with conditionals of "
-                     f"{sizes(layouts[0])} branches was found; pass the schedule the step was "
-                     "compiled with and its pipeline's programs().")
+                     f"{expected} branches was found; pass the schedule the step was compiled "
+                     "with and its pipeline's programs().")
   loop, conditionals, layout = found
-  # FLOPs of each branch number (tick_rows.tick_branches) less its lane's idle branch (for one
-  # run apart, less its conditional's other branch, which passes the sums through); NaN for a
-  # branch no lane holds.
   kinds = ("F", "B", "BI", "W")
-  action_cost, busiest = np.full(1 + len(kinds) * count, np.nan), 0.0
-  conditionals = iter(conditionals)
-  for numbers, (together, apart) in zip(switches, layout):
-    if len(together) > 1:
-      branch_flops = np.array([counter.computation(n)[0] for n in next(conditionals)])
-      busiest += float(branch_flops.max() - branch_flops[0])
-      action_cost[[numbers[p] for p in together]] = branch_flops - branch_flops[0]
-    for p in apart:  # lax.cond's branches: false (pass through), then true.
-      passing, running = (counter.computation(n)[0] for n in next(conditionals))
-      busiest += max(running, passing) - passing
-      action_cost[numbers[p]] = running - passing
+  action_cost, busiest = branch_costs(schedule, programs, conditionals, layout,
+                                      lambda name: counter.computation(name)[0])
   actions = {kind: action_cost[1 + k * count + np.asarray(programs)]
              for k, kind in enumerate(kinds)}
   table, _ = tick_rows.tick_branches(schedule, programs)

@@ -12,7 +12,6 @@ tick's routing, the sums after the loop, the optimizer) is added to the simulate
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Mapping
 
 import numpy as np
@@ -63,8 +62,6 @@ def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None
   Raises:
     ValueError: no tick loop matching the schedule.
   """
-  from tpipe import schedules as schedules_lib  # pylint: disable=g-import-not-at-top
-  from tpipe.core import tick_rows  # pylint: disable=g-import-not-at-top
 
   module = with_trip_counts(hlo_lib.module_of(hlo))
   found = flops_lib.fused_flops(module, schedule, programs)  # Finds and checks the tick loop.
@@ -77,33 +74,10 @@ def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None
   programs = (list(range(schedule.num_stages * schedule.num_chunks)) if programs is None
               else list(programs))
   count = max(programs) + 1
-  switches = tick_rows.lane_switches(schedule, programs)
-  adding = lambda n: n > 0 and (n - 1) // count in (schedules_lib.Action.B,
-                                                    schedules_lib.Action.W)
-  conditionals = [flops_lib._branch_names(ins)  # pylint: disable=protected-access
-                  for ins in _in_creation_order(
-                      [i for i in module.computations[loop.body].instructions
-                       if i.opcode == "conditional"])]
-  sizes = lambda layout: [size for together, apart in layout
-                          for size in [len(together)] * (len(together) > 1) + [2] * len(apart)]
-  layout = None
-  for flag in (lambda n: False, adding):
-    candidate = [tick_rows.lane_groups([flag(n) for n in numbers]) for numbers in switches]
-    if layout is None and [len(c) for c in conditionals] == sizes(candidate):
-      layout = candidate
-  seconds = lambda n: pricer.computation(n).seconds
-  cost = np.full(1 + 4 * count, np.nan)
-  busiest = 0.0
-  branches = iter(conditionals)
-  for numbers, (together, apart) in zip(switches, layout):
-    if len(together) > 1:
-      each = np.array([seconds(n) for n in next(branches)])
-      busiest += float(each.max() - each[0])
-      cost[[numbers[p] for p in together]] = each - each[0]
-    for p in apart:
-      passing, running = (seconds(n) for n in next(branches))
-      busiest += max(running, passing) - passing
-      cost[numbers[p]] = running - passing
+  conditionals = flops_lib.tick_conditionals(module, loop.body)
+  layout = flops_lib.lane_layout(schedule, programs, conditionals)
+  cost, busiest = flops_lib.branch_costs(schedule, programs, conditionals, layout,
+                                         lambda name: pricer.computation(name).seconds)
   actions = {}
   for k, kind in enumerate(("F", "B", "BI", "W")):
     per_chunk = cost[1 + k * count + np.asarray(programs)]
@@ -112,19 +86,6 @@ def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None
   outside = lockstep - loop.outer * schedule.num_ticks * busiest
   return ActionSeconds(actions=actions, outside=outside, lockstep=lockstep,
                        tick_loop=found.tick_loop)
-
-
-def _in_creation_order(instructions):
-  """Instructions in the order the program made them: by their names' numbers (``conditional.8``
-  before ``conditional.9``) where every name has one, else as printed. A scheduled module prints
-  the order they run in, and the TPU compiler runs independent lanes' conditionals in any order
-  (a one-stage table's backward before its forward), while the lanes are matched to the
-  conditionals in the order the tick body makes them."""
-  numbers = [re.search(r"\.(\d+)$", ins.name) for ins in instructions]
-  if not all(numbers):
-    return instructions
-  return [ins for _, ins in sorted(zip((int(n.group(1)) for n in numbers), instructions),
-                                   key=lambda pair: pair[0])]
 
 
 @dataclasses.dataclass(frozen=True)
