@@ -4,7 +4,7 @@ between its stage layout and the layout-independent checkpoint form, from the TP
 The models and layouts are those of ``experiments/scale_3d.py`` (Llama-3-shaped, float32
 parameters and AdamW moments) on the 64 chips of ``v5p:4x4x4``. A checkpoint holds the logical
 state (``{"layers_i": tree}``, a repeated block's copies stacked ``[L, ...]``), every leaf split
-over the whole mesh (:mod:`tpipe.core.relayout`). Rows:
+over the whole mesh (:mod:`tpipe.core.layout.relayout`). Rows:
 
 * **save**: ``Experiment.to_checkpoint`` compiled on the layout's abstract state: the staged state
   in (the arguments), the checkpoint form out;

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import tpipe
 from experiments import _common
 from experiments import fused_schedules
-from tpipe.core import unit_cost
+from tpipe.core.planning import unit_cost
 from tpipe.train import models
 
 SIZES = dict(width=2048, heads=16, mlp=8192, rows=4, seq=1024)

@@ -70,7 +70,7 @@ def main():
       "lockstep SPMD an idle tick lasts as long as a busy one, so the step's duration follows "
       "these.",
       "- **executed FLOPs**: what runs. Idle ticks skip the stage (a conditional on the busy "
-      "flag, `tpipe.core.gated`), so executed = lockstep - bubble x the stage's work in the "
+      "flag, `tpipe.core.loops.gated`), so executed = lockstep - bubble x the stage's work in the "
       "tick loops: the bubble costs time, not FLOPs.",
       "- **useful / executed**: useful FLOPs (the busy slots' work and everything outside the "
       "tick loops: embedding, head, loss, optimizer) over executed FLOPs. Below 100% only by the "

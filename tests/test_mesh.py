@@ -89,7 +89,7 @@ def test_data_sharding_and_the_single_device_mesh():
 def test_the_batch_splits_over_stages_on_entering_the_pipeline_not_in_data_sharding():
   """The README's streamed inputs: ``data_sharding`` splits rows over ``data`` (and ``fsdp``)
   only; the pipeline's input spec adds ``stage`` where each row shard divides among them."""
-  from tpipe.core import spmd  # pylint: disable=import-outside-toplevel
+  from tpipe.core.base import spmd  # pylint: disable=import-outside-toplevel
 
   mesh = tpipe.make_mesh(stages=4, data=2)
   assert "stage" not in jax.tree.leaves(tuple(tpipe.data_sharding(mesh).spec))

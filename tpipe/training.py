@@ -3,7 +3,7 @@
 The step is an ordinary ``jax.jit`` program over global arrays: the batch is split over the
 ``data`` mesh axis, pipelined parameters over the ``stage`` axis, the rest replicated. Inside
 the pipeline, gradients accumulate over micro-batches in the tick loop and are summed across data
-replicas once per step (see :mod:`tpipe.core.forward`): with a loss that is the mean over the
+replicas once per step (see :mod:`tpipe.core.loops.forward`): with a loss that is the mean over the
 global batch, that sum is the average of the replicas' gradients, so one step equals one step of
 plain SGD on the whole batch on one device.
 

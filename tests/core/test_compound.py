@@ -12,9 +12,9 @@ import pytest
 
 import tpipe
 from tests.helpers import linen_models as lm
-from tpipe.core import spmd
-from tpipe.core import streaming
-from tpipe.core import tick_rows
+from tpipe.core.base import spmd
+from tpipe.core.loops import streaming
+from tpipe.core.loops import tick_rows
 
 # Per-action costs with the backward three forwards (a full-remat block): compound ticks pair
 # a forward with a backward.
@@ -78,7 +78,7 @@ def test_searched_table_equals_sequential():
 def test_compound_tick_sends_once_per_tick():
   """The tick loop runs one switch per lane of the table (and a conditional of its own per
   backward adding into the sums by units where a lane holds several,
-  tpipe.core.tick_rows.lane_groups) and still exchanges one message each way per tick: two
+  tpipe.core.loops.tick_rows.lane_groups) and still exchanges one message each way per tick: two
   collective-permutes in the loop body, as with one action, and one more for the inputs'
   conveyors (every lane's carriage in one send), as with one action."""
   mesh = lm.emulated_mesh(4)

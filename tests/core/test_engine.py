@@ -13,7 +13,7 @@ import tpipe
 from tests.helpers import core_layers as cl
 from tpipe import schedules
 from tpipe.core import engine
-from tpipe.core import layers as layers_lib
+from tpipe.core.base import layers as layers_lib
 from tpipe.linen import layers as linen_layers
 
 SPEC = tpipe.PipelineSpec(num_stages=2, num_microbatches=2, per_example=("targets",))

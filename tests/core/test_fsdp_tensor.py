@@ -285,7 +285,7 @@ def test_weights_a_layer_only_casts_are_gathered_cast_with_the_same_gradients(
   and sliced before its cast), and the loss and gradients are those of gathering float32 and
   casting after: the same values, the gradients summed over fsdp in float32 either way."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from tpipe.core import fsdp  # pylint: disable=import-outside-toplevel
+  from tpipe.core.programs import fsdp  # pylint: disable=import-outside-toplevel
   from tpipe.train import models  # pylint: disable=import-outside-toplevel
 
   mesh = tpipe.make_mesh(**MESHES["stage2-fsdp2-tensor2"])

@@ -1,7 +1,8 @@
-"""The RNG rule of :mod:`tpipe.core.layers`, checked against the layers run one by one.
+"""The RNG rule of :mod:`tpipe.core.base.layers`, checked against the layers run one by one.
 
 The rule: a pipelined call gets one key ``K`` per random stream; unit ``u`` (0-based over all
-units, a ``Repeat`` of n counting n, :func:`tpipe.core.plan.group_units`) on global micro-batch
+units, a ``Repeat`` of n counting n, :func:`tpipe.core.planning.plan.group_units`) on global
+micro-batch
 ``m`` (micro-batch ``i`` of data replica ``d`` is ``m = d * M + i``: the batch's ``m``-th block of
 rows) runs with ``k = fold_in(fold_in(K, u), m)``, a linen layer with ``rngs={name: k}``. For
 :meth:`tpipe.core.engine.Pipeline.apply` ``K`` is the key passed; for ``tpipe.Sequential`` it is

@@ -1,4 +1,4 @@
-"""A tiny layer sequence written directly as core layers (:class:`tpipe.core.layers.Layer`), no
+"""A tiny layer sequence written directly as core layers (:class:`tpipe.core.base.layers.Layer`), no
 front end: an input projection, a repeated residual block and a per-example squared-error loss.
 The unit tests of the engine's middle (``tests/core``) build pipelines of it with
 :func:`tpipe.core.engine.build` and compare with :func:`plain_loss`, the layers applied in order.
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpipe.core import engine
-from tpipe.core import layers as layers_lib
+from tpipe.core.base import layers as layers_lib
 
 WIDTH = 4
 IN_WIDTH = 3
@@ -74,7 +74,7 @@ def apply_layers(logical, h, first: int, last: int, targets=None):
 
 def apply_segments(logical, h, segments, targets=None):
   """A model chunk applied plainly: its segments
-  (:class:`tpipe.core.layout_description.Segment`) in order on the logical parameters, a
+  (:class:`tpipe.core.layout.description.Segment`) in order on the logical parameters, a
   repeated layer's copies ``first_copy ..`` one by one."""
   for seg in segments:
     layer, tree = LAYERS[seg.layer], logical[f"layers_{seg.layer}"]

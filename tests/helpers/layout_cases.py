@@ -2,8 +2,8 @@
 
 Each case names layers (trees of ``(shape, dtype)``), which of them are repeated, the units per
 chunk, the stages, repeats and placement; :func:`case` builds its
-:class:`tpipe.core.layout.StageLayout` from :func:`tpipe.core.plan.group_units` as the engine
-does, without tracing a model.
+:class:`tpipe.core.layout.stage_layout.StageLayout` from
+:func:`tpipe.core.planning.plan.group_units` as the engine does, without tracing a model.
 """
 
 import jax
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests.helpers.shapes import abstract_shapes
-from tpipe.core import layout as layout_lib
-from tpipe.core import layout_description as desc
-from tpipe.core import plan as plan_lib
+from tpipe.core.layout import description as desc
+from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.planning import plan as plan_lib
 
 F32, I32 = jnp.float32, jnp.int32
 

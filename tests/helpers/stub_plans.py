@@ -4,7 +4,7 @@ input of every layer given, for tests of what a plan's boundaries and groups dec
 import jax
 import jax.numpy as jnp
 
-from tpipe.core import plan as plan_lib
+from tpipe.core.planning import plan as plan_lib
 
 
 def rows(shape, dtype=jnp.float32, batch=2):
@@ -13,7 +13,7 @@ def rows(shape, dtype=jnp.float32, batch=2):
 
 
 def plan(copies, counts, layer_inputs, num_stages):
-  """A :class:`tpipe.core.plan.Plan` of layers with ``copies`` (None for a plain layer) cut
+  """A :class:`tpipe.core.planning.plan.Plan` of layers with ``copies`` (None for a plain layer) cut
   into ``counts`` units per chunk; ``layer_inputs`` is every layer's input and last the
   output."""
   groups = plan_lib.group_units(list(copies), tuple(counts))

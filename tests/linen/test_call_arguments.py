@@ -2,8 +2,8 @@
 broadcast and static, through the front end.
 
 Equality of outputs and gradients with the sequential model, side inputs included, is in
-tests/linen/test_transform_transparency.py; the binding rules alone (tpipe.core.arguments) in
-tests/core/test_arguments.py; here are the rules and their errors as a pipelined stack applies
+tests/linen/test_transform_transparency.py; the binding rules alone (tpipe.core.base.arguments) in
+tests/core/base/test_arguments.py; here are the rules and their errors as a pipelined stack applies
 them.
 """
 
@@ -83,7 +83,8 @@ def test_unknown_keyword_is_a_clear_type_error():
 
 
 def test_arguments_that_cannot_be_passed_by_name_are_a_clear_type_error():
-  """The layers take their arguments by keyword (tpipe.core.arguments.bind, as tpipe.nnx.pipeline
+  """The layers take their arguments by keyword (tpipe.core.base.arguments.bind, as
+  tpipe.nnx.pipeline
   binds them), so a value for a positional-only parameter is refused, not given to another."""
 
   class ByPosition(nn.Module):

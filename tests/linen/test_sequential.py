@@ -26,7 +26,7 @@ import tpipe
 from tests.helpers import numerics
 from tests.helpers.linen_models import VOCAB, Block, DenseAct, Embed, HeadLoss, Residual
 from tpipe import partition
-from tpipe.core import unit_cost
+from tpipe.core.planning import unit_cost
 
 BATCH = 16
 SEQ = 4

@@ -1,6 +1,6 @@
 """The zero-bubble split backward of NNX layers: the weight gradients move to ``W``.
 
-:mod:`tpipe.core.taps` traces a layer's function to a jaxpr whatever the front end, so a
+:mod:`tpipe.core.programs.taps` traces a layer's function to a jaxpr whatever the front end, so a
 ``tpipe.nnx.Sequential`` of NNX layers run with ``"zb_h1"`` (S=2, M=4) or ``"zbv"`` (S=2, two
 chunks per stage) splits each chunk's backward as a linen ``tpipe.Sequential`` of the same
 layers does. Measured on the compiled loss-gradient step (``tpipe.tools.analysis.fused_flops``,

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpipe import schedules
-from tpipe.core import tick_rows
+from tpipe.core.loops import tick_rows
 from tpipe.tools import analysis
 from tpipe.tools import hlo
 
@@ -440,7 +440,7 @@ def test_pipeline_flops_skip_the_idle_share_of_conditionals():
 
 def _fused_tick_program(schedule, branches):
   """A loop of ``schedule.num_ticks`` trips whose body switches over ``branches``: the shape of a
-  fused schedule's compiled tick loop (:mod:`tpipe.core.fused`)."""
+  fused schedule's compiled tick loop (:mod:`tpipe.core.loops.fused`)."""
 
   def f(x, index):
     y, _ = lax.scan(lambda c, i: (lax.switch(i, branches, c), None), x, index)

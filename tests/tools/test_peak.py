@@ -241,7 +241,7 @@ def test_a_gpipe_step_on_cpu_is_explained():
 
 @pytest.mark.unit
 def test_the_scopes_it_reads_are_the_ones_the_tick_loops_write():
-  from tpipe.core import spmd  # pylint: disable=g-import-not-at-top
+  from tpipe.core.base import spmd  # pylint: disable=g-import-not-at-top
 
   assert set(peak.SCOPE_ROLES) == {spmd.MAILBOX_SCOPE, spmd.BOUNDARY_SCOPE, spmd.STASH_SCOPE,
                                    spmd.GRADIENTS_SCOPE}

@@ -290,7 +290,7 @@ def test_a_compiled_jit_step_agrees_with_the_flop_counter():
 
 def _fused_tick_program(schedule, branches):
   """A loop over a fused table's ticks switching over ``branches`` (the shape of
-  tpipe.core.fused's compiled tick loop), as tests/tools/test_analysis.py builds it."""
+  tpipe.core.loops.fused's compiled tick loop), as tests/tools/test_analysis.py builds it."""
 
   def f(x, index):
     y, _ = lax.scan(lambda c, i: (lax.switch(i, branches, c), None), x, index)

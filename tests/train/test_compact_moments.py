@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.helpers import train_runs
-from tpipe.core import layout as layout_lib
-from tpipe.core import shared_leaves
+from tpipe.core.layout import shared_leaves
+from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.tools import analysis
 from tpipe.train import compact_moments
 from tpipe.train import experiment

@@ -13,7 +13,7 @@ import tpipe
 from configs import lm
 from tests.helpers import numerics
 from tests.helpers import train_runs
-from tpipe.core import layout as layout_lib
+from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.train import architecture
 from tpipe.train import experiment
 from tpipe.train import models

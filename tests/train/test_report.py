@@ -16,9 +16,9 @@ from configs import lm
 from configs import transformer_gpipe
 from tests.helpers import blocks
 from tests.helpers import numerics
-from tpipe.core import layout as layout_lib
-from tpipe.tools import analysis
+from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.experimental import links
+from tpipe.tools import analysis
 from tpipe.tools import stage_costs
 from tpipe.train import communication
 from tpipe.train import experiment

@@ -81,7 +81,7 @@ def test_collectives_on_the_tpu_stay_where_they_belong(tpu_step):
 def _tick_body_order(text: str, ops=("send", "recv", "send-done", "recv-done")) -> list[str]:
   """In the fused tick loop's body (the computation whose switch picks among the action
   branches: idle and the forwards of the model's two chunk programs, their backwards each in a
-  conditional of its own, tpipe.core.tick_rows.lane_groups), the order of the instructions
+  conditional of its own, tpipe.core.loops.tick_rows.lane_groups), the order of the instructions
   ``ops`` (by default its DCN sends and receives: ``send``/``recv`` to the megascale runtime,
   with their rendezvous) and of the action conditionals (each ``COMPUTE``)."""
   for computation in re.split(r"\n(?=\S)", text):
@@ -199,7 +199,7 @@ def test_a_weight_tied_to_the_loop_steps_is_cast_inside_the_loops():
   (``weight_casts.tie_to_steps``), each layer's cast stays where it is used."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from jax import lax  # pylint: disable=import-outside-toplevel
-  from tpipe.core import weight_casts  # pylint: disable=import-outside-toplevel
+  from tpipe.core.programs import weight_casts  # pylint: disable=import-outside-toplevel
   try:
     device = tpipe.topology_devices("v5p:2x2x1")[0]
   except ValueError as error:

@@ -1,24 +1,18 @@
-"""The pipeline engine, free of any front end (no Flax).
+"""The pipeline engine, free of any front end (no Flax), in five layers, each importing only the
+ones above it in this list:
 
-From the bottom up:
+* :mod:`tpipe.core.base` - what every layer shares: a layer as pure functions, a call's
+  arguments, packed buffers, the axes and casts inside ``shard_map``, JAX internals.
+* :mod:`tpipe.core.planning` - the plan for one input type: unit shapes and costs, the cut into
+  chunks, remat, how each backward action runs, auxiliary losses, pooled statistics.
+* :mod:`tpipe.core.layout` - where variables live on the stages: the stage layout, packing a
+  chunk, its bytes, logical to staged and back, checkpoints' form and relayout.
+* :mod:`tpipe.core.programs` - the chunk programs the tick loops run: the ring between chunks,
+  signatures, FSDP gathers, the split backward and a chunk's backward one unit at a time.
+* :mod:`tpipe.core.loops` - the tick loops: forward (GPipe, circular) and fused (1F1B,
+  interleaved, ZB-H1, ZB-V), with the branches a fused tick chooses and streamed inputs.
 
-* :mod:`~tpipe.core.arguments` - a call's extra arguments: per-example, broadcast, static.
-* :mod:`~tpipe.core.packing` - pytrees to one flat buffer per dtype and back.
-* :mod:`~tpipe.core.spmd` - what the tick loops share inside ``shard_map``: axes, casts, slots.
-* :mod:`~tpipe.core.gated` - run one of several functions only on busy ticks, with its own VJP.
-* :mod:`~tpipe.core.remat` - remat policies and the checkpointed pieces of a chunk.
-* :mod:`~tpipe.core.layers` - a layer as pure functions, the RNG rule, keyword routing.
-* :mod:`~tpipe.core.unit_cost` - FLOPs or time of one layer unit, cached.
-* :mod:`~tpipe.core.tick_costs` - a fused table's per-action costs from the units' FLOPs.
-* :mod:`~tpipe.core.plan` - unit shapes and costs, the cut into chunks.
-* :mod:`~tpipe.core.layout` - where variables live on the stages (per leaf, or packed).
-* :mod:`~tpipe.core.taps` - the split backward (``BI`` / ``W``) of any layer, from its jaxpr.
-* :mod:`~tpipe.core.chunks` - the chunk programs the tick loops run, one per signature.
-* :mod:`~tpipe.core.residuals` - a chunk's VJP residuals kept from its forward for its backward.
-* :mod:`~tpipe.core.unit_backward` - a chunk's backward one unit at a time, summed in place.
-* :mod:`~tpipe.core.statistics` - running statistics pooled over a step (BatchNorm).
-* :mod:`~tpipe.core.forward` - the forward tick loop (GPipe, circular).
-* :mod:`~tpipe.core.branches` - what F, B, BI and W do on one device of a fused tick.
-* :mod:`~tpipe.core.fused` - the fused tick loop (1F1B, interleaved, ZB-H1, ZB-V).
-* :mod:`~tpipe.core.engine` - a planned, laid-out sequence and its runs.
+On top, :mod:`tpipe.core.engine` plans and lays out a sequence and runs it, and
+:mod:`tpipe.core.adapter` is the one call every front end makes of it: build, stage, run,
+statistics back.
 """

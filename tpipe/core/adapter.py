@@ -6,7 +6,7 @@ way, here: it plans the pipeline for the call's input (:func:`build`, over
 a collection already staged, :class:`Staged`, passes as it is), runs ``apply`` or ``loss``, and
 hands back the running statistics a training step updated, in the form they came in
 (:meth:`Result.stats`). A front end turns its modules into layers
-(:class:`~tpipe.core.layers.Layer`) and its variables into logical trees, and writes the
+(:class:`~tpipe.core.base.layers.Layer`) and its variables into logical trees, and writes the
 statistics back where it keeps them. :func:`check_structure` is what every front end checks of
 its layers and settings when it is constructed.
 
@@ -24,13 +24,14 @@ from typing import Any, Mapping, Sequence
 
 from tpipe import spec as spec_lib
 from tpipe.core import engine
-from tpipe.core import layers as layers_lib
+from tpipe.core.base import layers as layers_lib
 
 
 @dataclasses.dataclass(frozen=True)
 class Staged:
   """A collection already in the pipeline's stage layout: ``tree`` is what
-  :meth:`tpipe.core.layout.StageLayout.to_staged` returns. A training state kept staged moves
+  :meth:`tpipe.core.layout.stage_layout.StageLayout.to_staged` returns. A training state kept
+  staged moves
   nothing between stages in a step; it needs the split it was made with."""
 
   tree: Any
@@ -55,11 +56,11 @@ class Model:
   """A front end's layers, as the adapter builds pipelines of them.
 
   Attributes:
-    layers: the :class:`~tpipe.core.layers.Layer` sequence.
+    layers: the :class:`~tpipe.core.base.layers.Layer` sequence.
     spec: the pipeline's settings.
     owner: the API the user called, for messages.
     param_axes: the parameters' logical axis names per layer
-      (:attr:`tpipe.core.layout.StageLayout.axes`), or None.
+      (:attr:`tpipe.core.layout.stage_layout.StageLayout.axes`), or None.
     param_shapes: the abstract logical parameters, for a call whose parameters are
       :class:`Staged` (logical parameters give their own shapes).
     stats_shapes: the abstract logical statistics (``{}`` without); logical statistics a call

@@ -1,18 +1,18 @@
 """The one pipeline engine: a layer sequence planned for one input type, and how to run it.
 
-:func:`build` plans a sequence of :class:`~tpipe.core.layers.Layer` for a
+:func:`build` plans a sequence of :class:`~tpipe.core.base.layers.Layer` for a
 :class:`~tpipe.PipelineSpec` and an input type (the type of every unit's input, the cut into
-chunks, :mod:`tpipe.core.plan`), and lays out its variables on the stages
-(:mod:`tpipe.core.layout`). The :class:`Pipeline` it returns runs them:
+chunks, :mod:`tpipe.core.planning.plan`), and lays out its variables on the stages
+(:mod:`tpipe.core.layout.stage_layout`). The :class:`Pipeline` it returns runs them:
 
 * :meth:`Pipeline.apply`: the last layer's outputs for the whole batch, the same kind under
-  every schedule. Forward schedules run the forward tick loop (:mod:`tpipe.core.forward`) and
+  every schedule. Forward schedules run the forward tick loop (:mod:`tpipe.core.loops.forward`) and
   differentiate through it; fused schedules run their table's forward pass
-  (:func:`tpipe.core.fused.forward_outputs`), which is not meant to be differentiated (their
+  (:func:`tpipe.core.loops.fused.forward_outputs`), which is not meant to be differentiated (their
   backward runs inside the schedule: differentiate :meth:`Pipeline.loss`).
 * :meth:`Pipeline.loss`: the mean over the global batch of the last layer's per-example losses,
   differentiable under every schedule; with a fused schedule one differentiated call runs forward
-  and backward together (:func:`tpipe.core.fused.mean_loss`). So does a forward schedule where
+  and backward together (:func:`tpipe.core.loops.fused.mean_loss`). So does a forward schedule where
   its backward plan says so (:attr:`Pipeline.backward_plan`, under ``remat="full"`` with
   ``remat_granularity`` ``"chunk"`` or ``"nested"``): its forward ticks and autodiff's backward
   ticks run as one fused table (:func:`tpipe.schedules.from_forward`), whose backward sums the
@@ -33,20 +33,20 @@ import numpy as np
 
 from tpipe import schedules
 from tpipe import spec as spec_lib
-from tpipe.core import arguments
-from tpipe.core import aux_losses
-from tpipe.core import backward_plan as backward_plan_lib
-from tpipe.core import chunks as chunks_lib
-from tpipe.core import device_view
-from tpipe.core import forward
-from tpipe.core import fused
-from tpipe.core import layers as layers_lib
-from tpipe.core import layout as layout_lib
-from tpipe.core import plan as plan_lib
-from tpipe.core import remat as remat_lib
-from tpipe.core import signatures as signatures_lib
-from tpipe.core import spmd
-from tpipe.core import statistics
+from tpipe.core.base import arguments
+from tpipe.core.base import layers as layers_lib
+from tpipe.core.base import spmd
+from tpipe.core.layout import device_view
+from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.loops import forward
+from tpipe.core.loops import fused
+from tpipe.core.planning import aux_losses
+from tpipe.core.planning import backward_plan as backward_plan_lib
+from tpipe.core.planning import plan as plan_lib
+from tpipe.core.planning import remat as remat_lib
+from tpipe.core.planning import statistics
+from tpipe.core.programs import chunks as chunks_lib
+from tpipe.core.programs import signatures as signatures_lib
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -54,11 +54,11 @@ class Pipeline:
   """A layer sequence planned and laid out for one input type.
 
   Attributes:
-    layers: the :class:`~tpipe.core.layers.Layer` sequence it runs (where layers sow auxiliary
-      losses or metrics, rewritten to carry them: :func:`tpipe.core.aux_losses.carry`).
+    layers: the :class:`~tpipe.core.base.layers.Layer` sequence it runs (where layers sow auxiliary
+      losses or metrics, rewritten to carry them: :func:`tpipe.core.planning.aux_losses.carry`).
     spec: the pipeline's settings.
-    plan: the cut into chunks (:class:`~tpipe.core.plan.Plan`).
-    layout: where the parameters live (:class:`~tpipe.core.layout.StageLayout`).
+    plan: the cut into chunks (:class:`~tpipe.core.planning.plan.Plan`).
+    layout: where the parameters live (:class:`~tpipe.core.layout.stage_layout.StageLayout`).
     stats_layout: where running statistics live, or None when no layer has any.
     owner: the API the user called, for messages.
     given_layers: the layers as given (:meth:`rebuild` plans them again).
@@ -80,7 +80,7 @@ class Pipeline:
 
   @property
   def backward_plan(self) -> backward_plan_lib.BackwardPlan:
-    """How the loss's backward actions run (:func:`tpipe.core.backward_plan.resolve`)."""
+    """How the loss's backward actions run (:func:`tpipe.core.planning.backward_plan.resolve`)."""
     return backward_plan_lib.resolve(self.spec, has_stats=self.stats_layout is not None,
                                      owner=self.owner)
 
@@ -103,7 +103,7 @@ class Pipeline:
   def stage(self, params, stats=None):
     """Logical variables (``{"layers_i": tree}``) to the staged ones :meth:`apply` and
     :meth:`loss` run on: ``(params, stats)``, each None where given None. Every front end stages
-    through here (:meth:`~tpipe.core.layout.StageLayout.to_staged`)."""
+    through here (:meth:`~tpipe.core.layout.stage_layout.StageLayout.to_staged`)."""
     staged = None if params is None else self.layout.to_staged(params)
     if stats is None:
       return staged, None
@@ -139,7 +139,7 @@ class Pipeline:
     """The last layer's outputs for the whole batch (the layers applied in order).
 
     Args:
-      params: the staged parameters (:meth:`~tpipe.core.layout.StageLayout.to_staged`).
+      params: the staged parameters (:meth:`~tpipe.core.layout.stage_layout.StageLayout.to_staged`).
       x: the input, a pytree of arrays with the batch as leading axis.
       kwargs: keyword arguments; those named in ``spec.per_example`` are split into
         micro-batches with ``x``, other arrays are broadcast, the rest passed as they are.
@@ -149,8 +149,8 @@ class Pipeline:
 
     Returns:
       The outputs; with ``stats``, ``(outputs, new_stats)``: the running statistics updated once
-      from the statistics pooled over the step (:mod:`tpipe.core.statistics`), staged, or None
-      when no normalization ran in training mode (nothing to update).
+      from the statistics pooled over the step (:mod:`tpipe.core.planning.statistics`), staged, or
+      None when no normalization ran in training mode (nothing to update).
     """
     axes = self._axes(mesh)
     split = self._call(x, kwargs, axes)
@@ -232,7 +232,7 @@ class Pipeline:
   def _momenta(self, x, split, rngs) -> dict:
     """``{(layer index, path): momentum}`` of the normalizations this call runs in training mode
     (its keywords decide): the layers traced abstractly on one micro-batch like it
-    (:func:`tpipe.core.plan.trace_inputs`)."""
+    (:func:`tpipe.core.planning.plan.trace_inputs`)."""
     batch = layers_lib.batch_size(x, self.owner)
     x_micro, side = micro_inputs(x, split, batch, self.spec.num_microbatches)
     calls = plan_lib.Calls(split, side, tuple(rngs), self.owner,
@@ -344,12 +344,13 @@ class Pipeline:
 
   def programs(self) -> list[int]:
     """Per model chunk, which of the distinct chunk programs (``lax.switch`` branches) runs it
-    (see :mod:`tpipe.core.chunks`)."""
+    (see :mod:`tpipe.core.programs.chunks`)."""
     return signatures_lib.signatures(self.plan, self.layout, self.stats_layout)[1]
 
   def describe(self) -> str:
-    """The split (each chunk's units, cost and share: :meth:`tpipe.core.plan.Plan.describe`)
-    and the backward plan (:meth:`tpipe.core.backward_plan.BackwardPlan.describe`)."""
+    """The split (each chunk's units, cost and share:
+    :meth:`tpipe.core.planning.plan.Plan.describe`)
+    and the backward plan (:meth:`tpipe.core.planning.backward_plan.BackwardPlan.describe`)."""
     return f"{self.plan.describe()}\n{self.backward_plan.describe()}"
 
 
@@ -399,7 +400,8 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
     rng_names: the random streams the call will pass.
     owner: the API the user called, for messages.
     param_axes: the parameters' logical axis names, as
-      :attr:`tpipe.core.layout.StageLayout.axes` holds them (from the layers' annotations).
+      :attr:`tpipe.core.layout.stage_layout.StageLayout.axes` holds them (from the layers'
+      annotations).
     terms: where layers sow auxiliary losses or metrics, the last layer returns its own losses
       and the auxiliary sums apart (what :meth:`Pipeline.loss_terms` runs).
 

@@ -1,10 +1,10 @@
 """Flax linen modules as the core's layers: pure functions of their variables.
 
 :func:`as_layer` turns a linen module (or ``n`` stacked copies of one) into a
-:class:`tpipe.core.layers.Layer` whose ``apply(params, stats, x, kwargs, rngs)`` is
+:class:`tpipe.core.base.layers.Layer` whose ``apply(params, stats, x, kwargs, rngs)`` is
 ``module.apply`` on those variables. A ``nn.BatchNorm`` that runs in training mode inside it
 reports ``E[x]`` and ``E[x^2]`` of its input in the place of its mean and var (the engine pools
-them over the step, :mod:`tpipe.core.statistics`) and records its momentum in the layer's
+them over the step, :mod:`tpipe.core.planning.statistics`) and records its momentum in the layer's
 ``momenta`` at trace time. :func:`init_variables` initialises a layer's variables, each copy of a
 repeated layer from its own key.
 """
@@ -17,14 +17,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tpipe.core import arguments
-from tpipe.core import aux_losses
-from tpipe.core import layers as layers_lib
+from tpipe.core.base import arguments
+from tpipe.core.base import layers as layers_lib
+from tpipe.core.planning import aux_losses
 
 # The variable collection of BatchNorm's running statistics.
 STATS = "batch_stats"
 # The collection a layer sows auxiliary losses into (``self.sow(AUX_LOSS, name, value)``): each a
-# float scalar, which the pipeline adds to the training loss (:mod:`tpipe.core.aux_losses`).
+# float scalar, which the pipeline adds to the training loss
+# (:mod:`tpipe.core.planning.aux_losses`).
 AUX_LOSS = aux_losses.LOSS
 # The collection a layer sows auxiliary metrics into (``self.sow(AUX_METRIC, name, value)``):
 # float scalars the pipeline carries like auxiliary losses but only reports (``loss_terms``).
@@ -135,7 +136,7 @@ def init_variables(module: nn.Module, copies: int | None, key, h, kwargs, rngs,
 def abstract_variables(module: nn.Module, copies: int | None, h, kwargs, rng_names,
                        axis_names: tuple[str, ...]) -> tuple[dict, dict]:
   """The abstract shapes of a layer's variables (nothing allocated), and its parameters'
-  logical axis names (:func:`tpipe.core.layers.logical_names`)."""
+  logical axis names (:func:`tpipe.core.base.layers.logical_names`)."""
   rngs = {name: jax.random.key(0) for name in rng_names}
   template = module.clone(parent=None)
 
@@ -154,7 +155,7 @@ def abstract_variables(module: nn.Module, copies: int | None, h, kwargs, rng_nam
 
 def _annotations(boxed_params):
   """``(keystr(path), names, ndim)`` of each parameter, for
-  :func:`tpipe.core.layers.logical_names`: ``nn.with_logical_partitioning`` gives logical
+  :func:`tpipe.core.base.layers.logical_names`: ``nn.with_logical_partitioning`` gives logical
   names, ``nn.with_partitioning`` mesh axis names (kept as they are: a name that is a mesh axis
   maps to itself); a leaf without annotation None. A repeated layer's copy axis carries the name
   ``nn.scan``'s ``metadata_params`` or ``nn.meta.add_axis`` gave it."""

@@ -33,11 +33,11 @@ import jax
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import adapter
-from tpipe.core import arguments
 from tpipe.core import engine
-from tpipe.core import layers as layers_lib
-from tpipe.core import layout as layout_lib
-from tpipe.core import plan as plan_lib
+from tpipe.core.base import arguments
+from tpipe.core.base import layers as layers_lib
+from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.planning import plan as plan_lib
 from tpipe.linen import layers as linen_layers
 
 OWNER = "tpipe.Sequential"
@@ -113,7 +113,7 @@ class Sequential(_SequentialFields):
   ``{"params": {"staged": layout.to_staged(params)}}`` with :meth:`with_split`), so a step moves
   no parameter between stages.
 
-  RNG: see :mod:`tpipe.core.layers` (one key per stream per call, ``K = self.make_rng(name)``;
+  RNG: see :mod:`tpipe.core.base.layers` (one key per stream per call, ``K = self.make_rng(name)``;
   unit ``u`` on global micro-batch ``m`` gets ``fold_in(fold_in(K, u), m)``). Layer ``i`` is
   initialised from ``fold_in(self.make_rng("params"), i)`` (a Repeat: each copy from its own
   split of it).
@@ -121,7 +121,7 @@ class Sequential(_SequentialFields):
   BatchNorm: call with ``train=True`` (or however the layers take it) and
   ``mutable=["batch_stats"]``; each micro-batch is normalized with its own statistics and the
   running averages are updated once per step from statistics pooled over every micro-batch and
-  replica (:mod:`tpipe.core.statistics`).
+  replica (:mod:`tpipe.core.planning.statistics`).
   """
 
   def __init__(self, layers, spec: spec_lib.PipelineSpec | None = None, **kwargs):
@@ -191,8 +191,8 @@ class Sequential(_SequentialFields):
     return self.clone(balance=[sum(g.size for g in chunk) for chunk in layout.groups])
 
   def plan_for(self, x, **kwargs) -> plan_lib.Plan:
-    """The :class:`~tpipe.core.plan.Plan` for inputs like ``x``: unit names, each unit's cost
-    under ``balance`` (its parameter count for explicit counts) and the split.
+    """The :class:`~tpipe.core.planning.plan.Plan` for inputs like ``x``: unit names, each unit's
+    cost under ``balance`` (its parameter count for explicit counts) and the split.
 
     ``model.clone(balance="flops").plan_for(x)`` gives every unit's forward-and-backward FLOPs on
     one micro-batch (``batch / M`` rows of ``x``) whatever split ``model`` uses.
@@ -406,7 +406,7 @@ def variable_shapes(given, layers, spec, x, kwargs, rng_names,
   """Each layer's abstract logical variables ``{"params": ..., "batch_stats": ...}``, each layer
   initialised (abstractly) on the previous layer's output for inputs like ``x``; and the
   parameters' logical axis names ``{"layers_i": {keystr(path): names}}``
-  (:func:`tpipe.core.layers.logical_names`)."""
+  (:func:`tpipe.core.base.layers.logical_names`)."""
   batch = layers_lib.batch_size(x, owner)
   split = arguments.split_keywords(dict(kwargs), per_example=spec.per_example,
                                    batch_size=batch, owner=owner)

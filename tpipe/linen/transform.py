@@ -19,8 +19,8 @@ import numpy as np
 
 from tpipe import spec as spec_lib
 from tpipe.core import adapter
-from tpipe.core import arguments
-from tpipe.core import layers as layers_lib
+from tpipe.core.base import arguments
+from tpipe.core.base import layers as layers_lib
 from tpipe.linen import sequential
 
 OWNER = "tpipe.pipeline"
@@ -60,7 +60,7 @@ def pipeline(block_cls: type[nn.Module], *, length: int, spec: spec_lib.Pipeline
   the schedule says. The result equals applying the layers in sequence.
 
   Arguments after ``x`` are bound to ``block_cls.__call__``'s signature, so they are found by name
-  whether passed by position or keyword (see :mod:`tpipe.core.arguments`): parameters named in
+  whether passed by position or keyword (see :mod:`tpipe.core.base.arguments`): parameters named in
   ``per_example`` hold arrays with the batch as leading axis, split into micro-batches with ``x``;
   other arrays, at any depth of a pytree, are broadcast whole to every layer; non-array values
   (``deterministic=True``) are passed through untraced. Gradients reach every float array.
@@ -68,7 +68,7 @@ def pipeline(block_cls: type[nn.Module], *, length: int, spec: spec_lib.Pipeline
   Parameters use ``nn.scan``'s layout: every leaf of the block's params stacked on a leading axis
   of length ``length``, layer ``l`` at index ``l``, each layer initialised from its own key
   (``jax.random.split(self.make_rng("params"), length)``). Partitioning metadata is kept, with
-  ``stage_axis`` naming the new layer axis. RNG streams follow :mod:`tpipe.core.layers`' rule
+  ``stage_axis`` naming the new layer axis. RNG streams follow :mod:`tpipe.core.base.layers`' rule
   (unit ``l`` is layer ``l``). BatchNorm statistics (``batch_stats``) are pooled as in
   :class:`tpipe.Sequential`. A block that ``sow`` s into a collection the caller made mutable
   raises: the stack does not return sown values.

@@ -3,7 +3,7 @@
 
 :func:`as_layer` splits an NNX layer (or the stacked copies of a :class:`tpipe.nnx.Repeat`) into
 its graph definition and its ``nnx.Param``, ``nnx.BatchStat`` and RNG states, and returns a
-:class:`tpipe.core.layers.Layer` whose ``apply(params, stats, x, kwargs, rngs)`` merges a fresh
+:class:`tpipe.core.base.layers.Layer` whose ``apply(params, stats, x, kwargs, rngs)`` merges a fresh
 copy of the layer from those values and calls it. Nothing of the user's module is touched.
 
 * RNG streams (an ``nnx.Dropout``'s): the copy's ``j``-th ``nnx.RngKey`` (in ``nnx.split``
@@ -12,9 +12,9 @@ copy of the layer from those values and calls it. Nothing of the user's module i
 * ``nnx.BatchNorm``: the fresh copy's momentum is set to 0, so a training-mode call leaves its
   running averages equal to the micro-batch's own statistics; they are reported as ``E[x]`` (the
   mean) and ``E[x^2]`` (var + mean^2) for the engine to pool over the step, and the layer's own
-  momentum is recorded for the one update per step (:mod:`tpipe.core.statistics`). A
+  momentum is recorded for the one update per step (:mod:`tpipe.core.planning.statistics`). A
   BatchNorm called with a mask in training mode raises, as in linen
-  (:func:`tpipe.core.layers.check_unmasked`).
+  (:func:`tpipe.core.base.layers.check_unmasked`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tpipe.core import arguments
-from tpipe.core import aux_losses
-from tpipe.core import layers as layers_lib
+from tpipe.core.base import arguments
+from tpipe.core.base import layers as layers_lib
+from tpipe.core.planning import aux_losses
 
 # The engine's stream whose key seeds the layers' own RNG streams.
 RNG_STREAM = "dropout"
@@ -37,7 +37,8 @@ RNG_STREAM = "dropout"
 class AuxLoss(nnx.Intermediate):
   """An auxiliary loss a layer adds to the training loss: ``self.sow(tpipe.nnx.AuxLoss, name,
   value)`` with a float scalar (a router's load-balancing loss, a z-loss). The pipeline adds
-  every one a call sows to the loss (:mod:`tpipe.core.aux_losses`); values sown by an earlier
+  every one a call sows to the loss (:mod:`tpipe.core.planning.aux_losses`); values sown by an
+  earlier
   call outside the pipeline are not state and are left out."""
 
 
@@ -45,7 +46,7 @@ class AuxMetric(nnx.Intermediate):
   """An auxiliary metric a layer reports beside the loss: ``self.sow(tpipe.nnx.AuxMetric, name,
   value)`` with a float scalar (a router's expert load). Carried through the pipeline as
   auxiliary losses are, never added to the loss; ``Sequential.loss_terms`` returns its mean over
-  micro-batches (:mod:`tpipe.core.aux_losses`)."""
+  micro-batches (:mod:`tpipe.core.planning.aux_losses`)."""
 
 
 _SOWN = {aux_losses.LOSS: AuxLoss, aux_losses.METRIC: AuxMetric}
@@ -106,7 +107,7 @@ def _rng_state(template, key):
 
 def annotations(layer: nnx.Module):
   """``(key, names, ndim)`` of each of ``layer``'s parameters, for
-  :func:`tpipe.core.layers.logical_names`: ``names`` its ``out_sharding`` metadata (what
+  :func:`tpipe.core.base.layers.logical_names`: ``names`` its ``out_sharding`` metadata (what
   ``nnx.with_partitioning`` and ``nnx.Param(..., out_sharding=...)`` set: mesh axis or logical
   names, see :mod:`tpipe.axis_rules`) or None, ``key`` its path in the layer's pure-dict state."""
   for path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
@@ -185,7 +186,7 @@ def as_layer(layer: nnx.Module, copies: int | None,
 @functools.lru_cache(maxsize=None)
 def _refusing_mask(norm_class: type, where: str) -> type:
   """``norm_class`` (an ``nnx.BatchNorm`` class) whose call refuses a mask in training mode
-  (:func:`tpipe.core.layers.check_unmasked`): the class of the fresh copies :func:`as_layer`
+  (:func:`tpipe.core.base.layers.check_unmasked`): the class of the fresh copies :func:`as_layer`
   merges, so the user's modules keep theirs."""
 
   def __call__(self, x, *args, **kwargs):

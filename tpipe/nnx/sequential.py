@@ -49,7 +49,7 @@ class Sequential(stack.Stack, nnx.Module):
       ``dropout`` stream, else its default one; one key per call.
     **settings: :class:`tpipe.PipelineSpec` fields, overriding ``spec``'s.
 
-  Randomness follows the rule of :mod:`tpipe.core.layers`, with the NNX step of
+  Randomness follows the rule of :mod:`tpipe.core.base.layers`, with the NNX step of
   :mod:`tpipe.nnx.layers`: unit ``u`` on global micro-batch ``m`` runs with its ``j``-th
   ``nnx.RngKey`` set to ``fold_in(fold_in(fold_in(K, u), m), j)``, ``K`` the call's key.
 

@@ -23,7 +23,7 @@ from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core import adapter
 from tpipe.core import engine
-from tpipe.core import layers as layers_lib
+from tpipe.core.base import layers as layers_lib
 from tpipe.nnx import layers as nnx_layers
 
 
@@ -148,7 +148,7 @@ class Stack:
                          adapter.Variables(params, stats))
 
   def param_axes(self) -> dict[str, Any]:
-    """The parameters' logical axis names per layer (:func:`tpipe.core.layers.logical_names`),
+    """The parameters' logical axis names per layer (:func:`tpipe.core.base.layers.logical_names`),
     which split them over a mesh's ``fsdp`` and ``tensor`` axes."""
     return {f"layers_{i}": layers_lib.logical_names(
         nnx_layers.annotations(_target(layer)), layer.n if isinstance(layer, Repeat) else None)

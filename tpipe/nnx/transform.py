@@ -21,7 +21,7 @@ import flax.linen as nn
 from flax import nnx
 
 from tpipe import spec as spec_lib
-from tpipe.core import arguments
+from tpipe.core.base import arguments
 from tpipe.nnx import stack
 
 OWNER = "tpipe.nnx.pipeline"

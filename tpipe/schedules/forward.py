@@ -9,8 +9,8 @@ indexed ``[tick, stage]``:
   GPipe; ``0..R-1`` for the circular schedule), ``IDLE`` when idle.
 
 Their backward pass comes from automatic differentiation through the tick loop, which replays the
-forward ticks in reverse order (:meth:`Schedule.backward_tables`); :mod:`tpipe.core.forward` runs
-them. Pure NumPy.
+forward ticks in reverse order (:meth:`Schedule.backward_tables`); :mod:`tpipe.core.loops.forward`
+runs them. Pure NumPy.
 
 Example::
 

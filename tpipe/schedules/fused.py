@@ -8,7 +8,7 @@ derived and validated on construction. :func:`place` lays per-stage action order
 forward schedule and autodiff's backward as one table, so every schedule can be analysed side by
 side and run by the fused tick loop (a forward schedule's loss under ``remat="full"`` with
 ``"chunk"`` or ``"nested"`` granularity). :meth:`FusedSchedule.forward_pass` is the table's
-forward actions alone (what a call that is not differentiated runs). :mod:`tpipe.core.fused`
+forward actions alone (what a call that is not differentiated runs). :mod:`tpipe.core.loops.fused`
 runs these tables. Pure NumPy.
 
 Example::

@@ -5,7 +5,7 @@
   tick's actions together); a program whose ticks all end together (a barrier every tick) takes
   this long.
 * **neighbour-synchronised**: the constraint of one SPMD program with a send to each neighbour
-  per tick (:mod:`tpipe.core.fused`), as a model: a stage starts tick ``t`` when it and the
+  per tick (:mod:`tpipe.core.loops.fused`), as a model: a stage starts tick ``t`` when it and the
   stages it exchanges messages with (the stage before and after it, around the ring when chunks
   wrap) have finished tick ``t - 1``; no other barrier. A slow action delays its neighbours one
   tick later, theirs the tick after, so a tick's cost spreads only as far as the table lets it.

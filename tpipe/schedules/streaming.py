@@ -1,7 +1,7 @@
 """Streamed inputs: each micro-batch's data reaches stage 0 in the tick that reads it (pure NumPy).
 
 Where a row shard's batch is split over the stages as well (the data loader's layout, see
-:meth:`tpipe.core.spmd.Axes.io_spec`), stage ``s`` holds micro-batches ``s * M/S ... (s + 1) *
+:meth:`tpipe.core.base.spmd.Axes.io_spec`), stage ``s`` holds micro-batches ``s * M/S ... (s + 1) *
 M/S - 1`` whole when ``M`` is a multiple of ``S``. Only stage 0 reads them (the first model chunk
 lives there). Rather than gathering the whole batch onto every stage before the first tick (one
 blocking transfer), the inputs ride a **conveyor**: every tick each stage ``s > 0`` sends one

@@ -27,7 +27,7 @@ import re
 import numpy as np
 
 from tpipe import schedules as schedules_lib
-from tpipe.core import tick_rows
+from tpipe.core.loops import tick_rows
 from tpipe.tools import hlo as hlo_lib
 
 # Elementwise ops XLA counts as one FLOP per output element.
@@ -355,8 +355,8 @@ class FusedFlops:
   from the branches of its compiled tick loop, per device.
 
   Each tick a device runs one branch of a conditional: idle, or action ``F``, ``B``, ``BI`` or
-  ``W`` of one model chunk (see :mod:`tpipe.core.fused`). Counting each branch's FLOPs once and
-  weighting it by the ticks the table runs it gives exact per-stage totals.
+  ``W`` of one model chunk (see :mod:`tpipe.core.loops.fused`). Counting each branch's FLOPs once
+  and weighting it by the ticks the table runs it gives exact per-stage totals.
 
   Attributes:
     actions: per action name, ``[V]`` FLOPs of one such action on model chunk ``v`` (NaN for
@@ -422,8 +422,8 @@ def tick_conditionals(module: hlo_lib.HloModule, body: str) -> list[list[str]]:
 
 def _lane_layouts(schedule, programs) -> list:
   """The two ways the lanes of ``schedule``'s compound ticks may split into conditionals (per
-  lane's switch, :func:`tpipe.core.tick_rows.lane_groups`' ``(together, apart)``): a lane whose
-  backwards add into the running sums by units runs each of those in a two-way conditional of
+  lane's switch, :func:`tpipe.core.loops.tick_rows.lane_groups`' ``(together, apart)``): a lane
+  whose backwards add into the running sums by units runs each of those in a two-way conditional of
   its own after its switch; whether they do is the step's remat setting."""
   count = max(programs) + 1
   adding = lambda n: n > 0 and (n - 1) // count in (schedules_lib.Action.B,
@@ -450,7 +450,7 @@ def lane_layout(schedule, programs, conditionals):
 
 
 def branch_costs(schedule, programs, conditionals, layout, cost) -> tuple[np.ndarray, float]:
-  """Each branch number's cost (:func:`tpipe.core.tick_rows.tick_branches`), ``cost(branch
+  """Each branch number's cost (:func:`tpipe.core.loops.tick_rows.tick_branches`), ``cost(branch
   computation name)`` less its lane's idle branch (for a conditional run apart, less its other
   branch, which passes the sums through); NaN for a branch no lane holds. And the busiest tick's
   cost above the idle branches: what a conditional's costliest branch adds on every trip."""
@@ -475,8 +475,8 @@ def fused_flops(compiled, schedule, programs=None,
 
   The tick loop is the ``while`` loop whose trip count is ``schedule.num_ticks``; its
   conditionals (one per lane of a compound tick) hold the idle branch and the actions the table
-  runs in that lane (:func:`tpipe.core.tick_rows.lane_switches`): ``F``, ``B``, ``BI``, ``W`` of
-  the distinct chunk programs. An action the table never runs is in no conditional, and its
+  runs in that lane (:func:`tpipe.core.loops.tick_rows.lane_switches`): ``F``, ``B``, ``BI``, ``W``
+  of the distinct chunk programs. An action the table never runs is in no conditional, and its
   FLOPs are NaN (``B`` of a split backward: compare with a table that runs it).
 
   Args:

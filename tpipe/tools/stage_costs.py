@@ -7,8 +7,8 @@ sequence. Per stage this module gathers:
   repeated layer 1, both ends included);
 * its parameter bytes, and what its parameter buffers occupy: every chunk's slot holds the copies
   a repeated layer keeps per leaf, and the stage's packed buffers are padded to the fullest
-  stage's (:meth:`tpipe.core.layout.StageLayout.stage_bytes`), so a stage lighter than the
-  heaviest pays the difference as padding;
+  stage's (:meth:`tpipe.core.layout.stage_layout.StageLayout.stage_bytes`), so a stage lighter than
+  the heaviest pays the difference as padding;
 * its optimizer state (the stage's share of every optimizer leaf laid out like the staged
   parameters, e.g. Adam's moments) and its FLOPs (forward and backward of one micro-batch);
 * what its backward pass keeps in flight: the schedule's stash slots times the stage's input
@@ -42,8 +42,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from tpipe.core import packing
-from tpipe.core import unit_cost
+from tpipe.core.base import packing
+from tpipe.core.planning import unit_cost
 from tpipe.tools import analysis
 
 
@@ -100,7 +100,7 @@ def compile_forward_backward(fn: Callable, *args):
   The program computes ``fn(*args)`` and its VJP with respect to every floating leaf of
   ``args`` (integer leaves, such as token ids, are held fixed), for an output cotangent that is
   an argument of the program, so XLA cannot fold the backward pass away
-  (:func:`tpipe.core.unit_cost.forward_backward`, what balancing by FLOPs measures).
+  (:func:`tpipe.core.planning.unit_cost.forward_backward`, what balancing by FLOPs measures).
 
   Args:
     fn: a JAX-traceable function.
@@ -133,9 +133,9 @@ def group_names(layout, unit_names: Sequence[str]) -> list[tuple[str, ...]]:
   """Per chunk, a name per layer group: ``layers_1[0..5] TransformerBlock``, ``layers_0 Embed``.
 
   Args:
-    layout: a :class:`tpipe.core.layout.StageLayout`.
+    layout: a :class:`tpipe.core.layout.stage_layout.StageLayout`.
     unit_names: a name per layer unit, ``"layers_{i}[{j}] Kind"`` or ``"layers_{i} Kind"``
-      (:attr:`tpipe.core.plan.Plan.unit_names`).
+      (:attr:`tpipe.core.planning.plan.Plan.unit_names`).
   """
   names = []
   for chunk in layout.groups:
@@ -180,7 +180,7 @@ class StageCost:
     chunk_layers: per chunk, the layer groups it holds, in order (see :func:`group_names`).
     param_bytes: its own parameters' bytes.
     buffer_bytes: what its parameter buffers occupy, as large as the fullest stage's
-      (:meth:`tpipe.core.layout.StageLayout.stage_bytes`).
+      (:meth:`tpipe.core.layout.stage_layout.StageLayout.stage_bytes`).
     optimizer_bytes: its own share of the optimizer state.
     flops: forward and backward FLOPs of one micro-batch through all its chunks (per-unit costs,
       without remat's recomputation).
@@ -244,7 +244,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
   """Per stage, its layers, bytes, FLOPs and floor parts.
 
   Args:
-    layout: the model's :class:`tpipe.core.layout.StageLayout`.
+    layout: the model's :class:`tpipe.core.layout.stage_layout.StageLayout`.
     schedule: the :class:`tpipe.schedules.Schedule` the step runs (its stash slots).
     unit_names: a name per layer unit (``Plan.unit_names``).
     unit_flops: forward-and-backward FLOPs of one micro-batch per layer unit (the ``costs`` of a
@@ -315,7 +315,7 @@ def largest_floor(stages: Sequence[StageCost]) -> MemoryFloor:
 def ring_bytes(chunk_inputs: Sequence[Any]) -> int:
   """Bytes of one micro-batch in the format that crosses stage boundaries: every chunk input but
   the first, as it is when all have one type, else packed per dtype and padded to the largest
-  (:class:`tpipe.core.ring.Ring`)."""
+  (:class:`tpipe.core.programs.ring.Ring`)."""
   boundaries = list(chunk_inputs[1:])
   if not boundaries:
     return 0

@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tpipe.core import spmd
+from tpipe.core.base import spmd
 
 
 def _masked(scores: jax.Array, mask: jax.Array | None) -> jax.Array:

@@ -1,6 +1,6 @@
 """The optimizer's moments of the shared leaves, kept without the stages' padding.
 
-A shared leaf (:mod:`tpipe.core.shared_leaves`) is a staged array ``[P, S, *shape]``: every
+A shared leaf (:mod:`tpipe.core.layout.shared_leaves`) is a staged array ``[P, S, *shape]``: every
 stage has ``P`` entries, though most stages hold no weight of that shape. A Llama-shaped LM
 keeps its embedding on stage 0 and its head on stage ``S - 1`` in one ``[1, S, vocab, width]``
 leaf, so ``S - 2`` of its ``S`` entries are padding. The pipeline reads the parameters in that
@@ -40,8 +40,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from tpipe import mesh as mesh_lib
-from tpipe.core import layout as layout_lib
-from tpipe.core import layout_description
+from tpipe.core.layout import description as layout_description
+from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.tools import analysis
 
 SHARED = layout_lib.SHARED

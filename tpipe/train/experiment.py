@@ -44,9 +44,9 @@ from jax.sharding import PartitionSpec as P
 import tpipe
 from tpipe import spec as spec_lib
 from tpipe.core import engine
-from tpipe.core import layout as layout_lib
-from tpipe.core import checkpoint_form
-from tpipe.core import relayout
+from tpipe.core.layout import checkpoint_form
+from tpipe.core.layout import relayout
+from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.train import architecture
 from tpipe.train import cli
 from tpipe.train import compact_moments
@@ -186,9 +186,10 @@ def staged_weight_decay(weight_decay: float,
   (:data:`DECAYED_NAMES`).
 
   Per-leaf parameters decay by their names, as optax's mask would; in the packed buffers the
-  decayed elements are ranges the layout knows (:meth:`~tpipe.core.layout.StageLayout.packed_mask`),
+  decayed elements are ranges the layout knows
+  (:meth:`~tpipe.core.layout.stage_layout.StageLayout.packed_mask`),
   so the mask is computed in the update, never stored; a shared leaf's entries decay by the
-  names of the weights they hold (:meth:`~tpipe.core.layout.StageLayout.shared_mask`).
+  names of the weights they hold (:meth:`~tpipe.core.layout.stage_layout.StageLayout.shared_mask`).
   """
   masks = layout.packed_mask(_decayed)
   shared_masks = layout.shared_mask(_decayed)
@@ -451,8 +452,8 @@ class Experiment:
 
   @functools.cached_property
   def _abstract_checkpoint(self):
-    # Every logical leaf split over the mesh (tpipe.core.relayout): a device holds about its own
-    # share of the state while a checkpoint is written or read, never the whole model.
+    # Every logical leaf split over the mesh (tpipe.core.layout.relayout): a device holds about its
+    # own share of the state while a checkpoint is written or read, never the whole model.
     shapes = jax.eval_shape(self._to_logical, self._abstract_state)
     (layout, specs), stats = self._collections()
     logical_specs = checkpoint_form.checkpoint_specs(layout, specs, self.mesh)
@@ -489,7 +490,8 @@ class Experiment:
   def to_checkpoint(self, state):
     """The train state in the logical layout (``layers_i``, a repeated layer's copies stacked),
     which does not depend on the stages, split, schedule, repeats or mesh; exact. Each leaf is
-    split over the whole mesh (:mod:`tpipe.core.relayout`), so no device gathers the model."""
+    split over the whole mesh (:mod:`tpipe.core.layout.relayout`), so no device gathers the
+    model."""
     return self.save_program(state)
 
   def from_checkpoint(self, logical_state):

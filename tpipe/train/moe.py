@@ -17,7 +17,7 @@ run the routed experts, the same numbers where no token is dropped:
   the output is zero) and counted. The experts run as one batched matmul over ``[E, capacity]``
   slots, the GShard / Switch layout MaxText's capacity mode uses.
 
-Auxiliary losses (added to the training loss through :mod:`tpipe.core.aux_losses`: linen's
+Auxiliary losses (added to the training loss through :mod:`tpipe.core.planning.aux_losses`: linen's
 ``self.sow(tpipe.AUX_LOSS, ...)``, NNX's ``self.sow(tpipe.nnx.AuxLoss, ...)``): the
 load-balancing loss as Switch and Mixtral define it, ``E * sum_e f_e * P_e`` with ``f_e`` the
 fraction of tokens routed to expert ``e`` (over the ``k`` choices) and ``P_e`` its mean router

@@ -96,7 +96,7 @@ class Report:
       wall-clock time on a shared machine.
     stages: a :class:`tpipe.tools.stage_costs.StageCost` per stage: its layers, parameter
       bytes and padding, optimizer bytes, FLOPs and memory-floor parts.
-    layout: the model's :class:`tpipe.core.layout.StageLayout` (its split into chunks).
+    layout: the model's :class:`tpipe.core.layout.stage_layout.StageLayout` (its split into chunks).
     ring_bytes: one micro-batch in the format that crosses stage boundaries.
     floor_seconds: wall-clock time to measure the stages (per-unit FLOPs and each distinct
       chunk's forward and backward compiled alone).
@@ -111,12 +111,12 @@ class Report:
       (:class:`tpipe.train.communication.Communication`).
     mesh: the mesh the step was compiled for.
     backward: how the step's backward actions run
-      (:meth:`tpipe.core.backward_plan.BackwardPlan.describe`).
+      (:meth:`tpipe.core.planning.backward_plan.BackwardPlan.describe`).
     tick_costs: the per-action costs the fused table was laid out for (the pipeline's
       ``spec.tick_costs``, pairs), also the costs its step is simulated under; None: one
       action per tick, or a forward schedule (simulated under the default costs).
     tick_costs_derived: whether those costs were derived from measured per-unit FLOPs
-      (:mod:`tpipe.core.tick_costs`) rather than given.
+      (:mod:`tpipe.core.planning.tick_costs`) rather than given.
     moments: whether Adam's moments of the ends are compact, and the memory and the moves over
       ``stage`` at stake (:func:`tpipe.train.compact_moments.describe`); "" where none qualify.
     prediction: the step's predicted time, tokens per second and MFU on the chip priced
@@ -469,8 +469,8 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   """
   import tpipe  # pylint: disable=g-import-not-at-top
 
-  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
   from tpipe.experimental import links  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
   from tpipe.train import communication  # pylint: disable=g-import-not-at-top
   from tpipe.train import compact_moments  # pylint: disable=g-import-not-at-top
   from tpipe.train import experiment  # pylint: disable=g-import-not-at-top

@@ -7,9 +7,9 @@ analyze_config` returns) and reads nothing else.
 
 from __future__ import annotations
 
-from tpipe.spec import SPLIT_BACKWARD
 from tpipe.spec import check_weight_recompute
 from tpipe.spec import granularity_in_effect
+from tpipe.spec import SPLIT_BACKWARD
 from tpipe.train import schedule_summary
 
 
@@ -83,7 +83,7 @@ def format_report(report) -> str:
                    f"({row['split_bytes'] / total:.1%}) | {fb(row['whole_bytes'])} "
                    f"({row['whole_bytes'] / total:.1%}) |")
   if report.tick_costs is not None:
-    from tpipe.core import tick_costs  # pylint: disable=g-import-not-at-top
+    from tpipe.core.planning import tick_costs  # pylint: disable=g-import-not-at-top
 
     lines += ["", tick_costs.describe(report.tick_costs, report.tick_costs_derived) + "."]
   lines += [""] + schedule_summary.format_schedule(report.schedule, report.costs)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from tpipe import schedules
 from tpipe import spec as spec_lib
-from tpipe.core import tick_costs
+from tpipe.core.planning import tick_costs
 
 REMAT_ORDER = ("none", "dots", "full")
 GRANULARITY_ORDER = ("chunk", "layer")
@@ -179,7 +179,8 @@ def _schedule_points(config, s: int, data: int, m: int, name: str, invalid: list
 def analytic_step(config, candidate: Candidate) -> float:
   """The candidate's step per device before compiling, in forwards of the whole model on one
   example: the table's neighbour-synchronised step (:mod:`tpipe.schedules.simulate`) under the
-  per-action costs its remat gives a matmul model (:func:`tpipe.core.tick_costs.from_flops`),
+  per-action costs its remat gives a matmul model
+  (:func:`tpipe.core.planning.tick_costs.from_flops`),
   each action on one micro-batch (``batch / (data * M)`` examples) through one of the
   ``S * R`` chunks. It charges the bubble and the recomputation; communication and what XLA
   makes of the program are left to the compile."""

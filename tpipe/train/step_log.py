@@ -13,8 +13,8 @@ from absl import logging
 import jax
 
 import tpipe
-from tpipe.core import spmd
-from tpipe.core import streaming
+from tpipe.core.base import spmd
+from tpipe.core.loops import streaming
 from tpipe.train import cli
 from tpipe.train import compact_moments
 from tpipe.train import metrics as metrics_lib

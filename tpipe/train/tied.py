@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tpipe.core import layout as layout_lib
+from tpipe.core.layout import stage_layout as layout_lib
 
 
 def _paths(params) -> tuple[tuple[str, ...], tuple[str, ...]]:

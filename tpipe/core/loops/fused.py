@@ -1,0 +1,406 @@
+"""The fused tick loop: forward and backward interleaved in one table, memory bounded in S.
+
+The forward loop (:mod:`tpipe.core.loops.forward`) gets its backward pass from autodiff through its
+tick
+scan, so every stage keeps one stage input per forward tick until the backward begins: activation
+memory grows with the number of micro-batches M. A fused schedule
+(:class:`tpipe.schedules.FusedSchedule`: 1F1B, interleaved 1F1B, ZB-H1, ZB-V) instead says per
+``[tick, stage]`` whether a stage runs a forward ``F``, a backward ``B`` or the two halves of a
+split backward (``BI``, ``W``) of one micro-batch on one of its chunks, and this module runs that
+table as one SPMD program:
+
+* One ``lax.scan`` over the table's ticks inside ``jax.shard_map``. Each tick every device looks
+  up its action and runs it as one branch of a ``lax.switch`` (idle, or ``F``, ``B``, ``BI``,
+  ``W`` of one chunk program, :class:`tpipe.core.programs.chunks.ChunkSet`), holding only the
+  branches
+  the table runs there (:func:`tpipe.core.loops.tick_rows.lane_switches`) and no collective; a
+  lane's backwards that add into the running sums by units run each in a conditional of their
+  own after it, and a switch of forwards never holds the sums (:func:`_lane_runner`). A
+  compound tick (:mod:`tpipe.schedules.compound`) runs its rows as lanes, one switch after
+  another, each reading the mailbox and writing the stash as a tick of its own would; the
+  tick's messages leave once, after the last lane. (On one device the work is serial either
+  way, and the lanes share one set of chunk programs where combinations would multiply them.)
+* ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
+  activation from the stage's mailbox) and keeps that input in a **stash slot** of the table. A
+  stage allocates as many slots as the table's peak of micro-batches in flight (``min(S, M)``
+  for 1F1B), never M.
+* ``B`` takes the stashed input and the output gradient (from the mailbox; for the last chunk the
+  seed ``1 / N`` per example of the mean loss), recomputes the chunk's forward under ``jax.vjp``
+  and applies its VJP: ``remat="full"`` at the granularity of a chunk, the remat policy deciding
+  only what the chunk keeps *within* the ``B`` tick. Under ``remat="none"`` ``F`` runs the VJP
+  instead and keeps its residuals in a **residual slot** beside the stash
+  (:mod:`tpipe.core.programs.residuals`), and ``B`` (or ``BI``) applies it without the forward.
+  Under
+  ``remat="full"`` (the backward plan, :mod:`tpipe.core.planning.backward_plan`), ``B`` runs the
+  chunk's
+  units backwards one at a time instead and adds each unit's parameter gradient into the running
+  sums in place (:func:`tpipe.core.programs.unit_backward.backward_into`), so no tick builds its
+  chunk's whole parameter gradient first. What each action does is :mod:`tpipe.core.loops.branches`.
+* ``BI`` is ``B`` with the chunk's operations linear in a weight tapped
+(:mod:`tpipe.core.programs.taps`):
+  it yields the input gradient and those operations' output gradients, filed with their other
+  operands in a **weight slot** (packed per stage, as many slots as the table's most
+  micro-batches awaiting ``W``); ``W`` forms the weight gradients from the slot. Nothing is
+  computed twice. Under ``remat="none"`` ``F`` files the other operands beside its residuals
+  instead, so neither ``BI`` nor ``W`` runs the forward. With ``weight_recompute="forward"`` the
+  slot holds the output gradients only, and ``W`` runs the chunk's forward again from the stash
+  for the other operands; with ``"backward"`` ``BI`` forms input gradients only, the slot holds
+  the chunk's output gradient, and ``W`` runs the chunk's forward and backward again.
+* Inputs: where the batch is split over the stages, each micro-batch's inputs reach stage 0 in
+  the ticks that read them (its ``F`` and backward of chunk 0) over a conveyor of one-stage sends
+  (:mod:`tpipe.core.loops.streaming`; one per lane of a compound tick that reads them), else the
+  batch is gathered once before the loop.
+* Messages: a forward's output goes to the next model chunk, a backward's input gradient to the
+  previous one. After the branch, every device issues the same two ``lax.ppermute`` every tick
+  (one to each neighbour; zeros when the table sends nothing that way). A message arrives the
+  next tick and waits in the receiver's **mailbox** at the slot the table routes it to.
+* Parameter gradients accumulate in one running sum per stage (the scan's carry); gradients of
+  per-example inputs are filed per micro-batch. Once, after the loop: the sum over data replicas
+  of the parameter gradients (the step's one all-reduce), and sums over stages of the input
+  gradients and the loss.
+
+:func:`mean_loss` wraps the run in a ``jax.custom_vjp`` whose forward runs the schedule with a unit
+cotangent, so one pass yields the loss and every gradient, and whose backward scales them by the
+incoming cotangent. A call that is not differentiated takes the primal path, the table's forward
+pass alone (:func:`forward_outputs`, also what a fused schedule's model returns outputs with).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from tpipe import schedules
+from tpipe.core.base import float_leaves as floats_lib
+from tpipe.core.base import packing
+from tpipe.core.base import spmd
+from tpipe.core.layout import device_view as view_lib
+from tpipe.core.loops import branches as branches_lib
+from tpipe.core.loops import streaming
+from tpipe.core.loops import tick_rows
+from tpipe.core.planning import backward_plan
+from tpipe.core.programs import chunks as chunks_lib
+
+Action = schedules.Action
+
+
+def is_split(schedule: schedules.FusedSchedule) -> bool:
+  """Whether the table splits backwards into ``BI`` and ``W``."""
+  return bool(np.any(np.isin(schedule.action, [Action.BI, Action.W])))
+
+
+def _lane_runner(branches: list[Callable], in_place: list[bool],
+                 forward_only: list[bool]) -> Callable:
+  """``run(position, state, *operands) -> (state, written, send)``: the lane's branch at
+  ``position`` (idle at 0). Branches that add into the running sums inside a loop over units
+  (``in_place``: :meth:`~tpipe.core.loops.branches.Branches.adds_in_place`) run each in a
+  conditional of their own after the lane's switch (which idles for them)
+  (:func:`tpipe.core.loops.tick_rows.lane_groups`). Two such loops in branches of one conditional
+  (``B`` of the first, middle and last stages' chunk programs) make XLA copy each updated sum
+  in and out of every iteration: on the TPU, the stage's largest gradient leaf once more at the
+  peak; one beside forwards made XLA:CPU copy the sums in every forward. Alone in its
+  conditional, a loop updates the sums where they lie. Where every branch of the shared switch
+  is a forward or idle (``forward_only``), the sums stay out of it (:func:`_without_sums`)."""
+  together, apart = tick_rows.lane_groups(in_place)
+  switch = lambda position, *operands: lax.switch(position, [branches[p] for p in together],
+                                                  *operands)
+  if all(forward_only[p] for p in together):
+    switch = _without_sums(switch)
+  if not apart:
+    return switch
+  index = np.zeros(len(branches), np.int32)  # Position in the switch; idle for the apart.
+  index[together] = np.arange(len(together))
+
+  def run(position, state, *operands):
+    out = switch(jnp.asarray(index)[position], state, *operands)
+    for p in apart:
+      out = lax.cond(position == p, lambda out, *a, p=p: branches[p](out[0], *a),
+                     lambda out, *a: out, out, *operands)
+    return out
+
+  return run
+
+
+# What a forward writes of the running state
+# (:meth:`~tpipe.core.loops.branches.Branches.forward_only`).
+_FORWARD_STATE = ("loss", "outputs")
+
+
+def _without_sums(run: Callable) -> Callable:
+  """``run(position, state, *operands)`` of a switch whose branches are all forwards (or idle)
+  with the running gradient sums kept out of its conditional, which passes on the loss (or
+  outputs) alone. Passed through such a switch, XLA copied the sums in every branch (1F1B in
+  compound ticks, remat full, on XLA:CPU: one more copy of the stage's parameters)."""
+
+  def wrapped(position, state, *operands):
+    kept = {k: v for k, v in state.items() if k in _FORWARD_STATE}
+    out, written, send = run(position, kept, *operands)
+    return dict(state, **out), written, send
+
+  return wrapped
+
+
+class Call(NamedTuple):
+  """What one call of a fused run fixes from its inputs.
+
+  Attributes:
+    global_batch: the batch size of the call.
+    over_stages: whether the batch's rows are split over the stages.
+    conveyor: the inputs' conveyor to stage 0 (:mod:`tpipe.core.loops.streaming`), or None.
+    rows: the tick scan's rows (the table's, with the conveyor's).
+  """
+
+  global_batch: int
+  over_stages: bool
+  conveyor: Any
+  rows: dict
+
+
+class _Run:
+  """``run(staged, x, broadcast, per_example, rngs)``: a fused table in ``shard_map``.
+
+  In training mode it returns ``(loss, grads)``: the mean loss and the gradient of each float
+  leaf of ``(staged, x, broadcast, per_example)`` in leaf order. With a forward-only table
+  (:meth:`~tpipe.schedules.FusedSchedule.forward_pass`) it returns the last chunk's outputs.
+  """
+
+  def __init__(self, chunkset: chunks_lib.ChunkSet, schedule: schedules.FusedSchedule,
+               axes: spmd.Axes, plan: backward_plan.BackwardPlan):
+    self.chunkset, self.schedule, self.axes, self.plan = chunkset, schedule, axes, plan
+    self.rows_table = tick_rows.tick_rows(schedule, chunkset.branch_of_chunk)
+    self.switches = tick_rows.lane_switches(schedule, chunkset.branch_of_chunk)
+    wrap, num_stages, delays = schedule.num_chunks > 1, schedule.num_stages, schedule.delays
+    # Pairs over links without delay send at the end of a tick; over delayed links, during the
+    # next tick (what a delayed table expects: arrival two ticks after the send).
+    self.right = spmd.split_by_delay(spmd.neighbour_pairs(num_stages, 1, wrap), delays, 1,
+                                     num_stages)
+    self.left = spmd.split_by_delay(spmd.neighbour_pairs(num_stages, -1, wrap), delays, -1,
+                                    num_stages)
+    self.delayed = any(delays)
+    self.branches = branches_lib.Branches(chunkset, plan)
+
+  # ------------------------------------------------------------------------------------------
+  # The loop.
+
+  def per_device(self, call: Call, staged, x, broadcast, per_example, rngs):
+    device = branches_lib.Device(self, call, (staged, x, broadcast, per_example, rngs))
+    schedule, axes, branches = self.schedule, self.axes, self.branches
+    collect = schedule.forward_only
+    learned = branches.learn(device, collect)
+
+    # Each lane switches over the branches the table runs in it only: a split table's B, or
+    # the kinds a compound tick runs in its other lanes, are never traced nor compiled.
+    lanes = [_lane_runner([branches.branch(n, device, learned, collect) for n in numbers],
+                          [branches.adds_in_place(n) for n in numbers],
+                          [branches.forward_only(n) for n in numbers])
+             for numbers in self.switches]
+    # Named scopes let a memory breakdown (tpipe.tools.peak) tell the buffers apart.
+    with jax.named_scope(spmd.GRADIENTS_SCOPE):
+      carry = {"state": axes.vary(self._initial_state(device, collect))}
+    with jax.named_scope(spmd.STASH_SCOPE):
+      carry["weights"] = axes.vary(spmd.stacked_zeros(
+          packing.empty(learned.weight_sizes),
+          max(1, int(schedule.awaiting_weight().max()))))
+      carry["stash"] = axes.vary(spmd.stacked_zeros(
+          device.ring_zero, max(1, int(schedule.stash_slots().max()))))
+      carry["residuals"] = axes.vary(spmd.stacked_zeros(
+          packing.empty(learned.residual_sizes),
+          max(1, int(schedule.stash_slots().max()))))
+    with jax.named_scope(spmd.MAILBOX_SCOPE):
+      carry["mailbox"] = axes.vary(spmd.stacked_zeros(
+          device.ring_zero, max(1, int(schedule.mailbox_slots().max()))))
+      carry["arrived"] = axes.vary((device.ring_zero,) * 3)
+      if self.delayed:  # What went to each side last tick, for the delayed links.
+        carry["pending"] = axes.vary((device.ring_zero,) * 2)
+    if call.conveyor is not None:
+      carry["conveyor"] = call.conveyor.start(device.held)
+
+    def tick(carry, row):
+      stage = device.stage
+      mailbox = carry["mailbox"]
+      for k, message in enumerate(carry["arrived"]):  # from the left, from the right, own
+        slot = row["arrival"][stage, k]
+        mailbox = spmd.write_slot(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
+      state, stash, sends = carry["state"], carry["stash"], []
+      slots = {"weights": carry["weights"], "residuals": carry["residuals"]}
+      conveyed = None
+      if call.conveyor is not None:  # Every lane's inputs travel once per tick.
+        conveyed, conveyor = call.conveyor.tick(device.held, carry["conveyor"],
+                                                row[streaming.ROW][stage])
+      for lane in range(schedule.lanes):  # A compound tick's steps, in the table's order.
+        step = jax.tree.map(lambda a: a[lane, stage], row["lanes"])
+        msg = spmd.read_slot(mailbox, step["recv_slot"])
+        if not collect:
+          stash = spmd.write_slot(stash, step["stash"], msg, step["forward"])
+        fresh = device.fresh(step["microbatch"], conveyed, lane)
+        at = {"weights": step["weight_slot"], "residuals": step["stash"]}
+        operands = branches_lib.Step(msg, spmd.read_slot(stash, step["stash"]), fresh,
+                                     step["microbatch"], step["chunk"])
+        state, written, send = lanes[lane](step["branch"], state, slots, at, operands)
+        slots = {k: spmd.write_slot(slots[k], at[k], written[k]) for k in slots}
+        sends.append((send, step))
+      arrived, pending = self._send(sends, carry.get("pending"))
+      out = {"state": state, "stash": stash, "mailbox": mailbox, "arrived": arrived, **slots}
+      if self.delayed:
+        out["pending"] = pending
+      if call.conveyor is not None:
+        out["conveyor"] = conveyor
+      return out, None
+
+    carry, _ = lax.scan(tick, carry, call.rows)
+    return self._reduce(device, call, carry["state"])
+
+  def _initial_state(self, device: branches_lib.Device, collect: bool):
+    if collect:
+      return {"outputs": spmd.stacked_zeros(device.output_zero,
+                                            self.schedule.num_microbatches)}
+    # Running sums of the float leaves' gradients: parameters and broadcast arrays whole,
+    # per-example inputs per micro-batch.
+    zeros = lambda tree: [jnp.zeros_like(a) for a in floats_lib.float_leaves(tree)]
+    return {"loss": jnp.zeros((), jnp.float32), "params": zeros(device.staged),
+            "broadcast": zeros(device.broadcast),
+            "x": zeros(spmd.stacked_zeros(device.x_example, self.schedule.num_microbatches)),
+            "per_example": zeros(device.pex_mb)}
+
+  def _send(self, sends, pending):
+    """``(arrived, pending)``: what reaches each stage from its left, its right and itself for
+    the next tick, and what this tick sent each way (the delayed links carry it next tick).
+    ``sends`` holds each step's ``(message, step row)``; a tick sends at most one message each
+    way (the table checks it), so each way takes the one step that sends there."""
+    zeros = jax.tree.map(jnp.zeros_like, sends[0][0])
+    to_right, to_left, own = zeros, zeros, zeros
+    for send, step in sends:
+      direction, on = step["send_dir"], step["sends"]
+      pick = lambda cond, now: jax.tree.map(lambda a, b: jnp.where(cond, a, b), send, now)
+      to_right = pick(on & (direction == 1), to_right)
+      to_left = pick(on & (direction == -1), to_left)
+      own = pick(on & (direction == 0), own)
+    stage = self.axes.stage
+    pending = pending or (None, None)  # None: no link is delayed, so none is read.
+    arrived = (spmd.permute_parts(to_right, stage, *self.right, pending[0]),
+               spmd.permute_parts(to_left, stage, *self.left, pending[1]), own)
+    return arrived, (to_right, to_left)
+
+  def _reduce(self, device: branches_lib.Device, call: Call, state):
+    """Once per step, outside the loop: sums over stages and replicas."""
+    axes = self.axes
+    if self.schedule.forward_only:
+      outputs = spmd.join_microbatches(state["outputs"])
+      return (axes.scatter_stages(outputs) if call.over_stages
+              else lax.psum(outputs, axes.stage))
+    loss = lax.psum(state["loss"], axes.manual) / (device.local_batch * axes.replicas)
+    g_params = state["params"]
+    g_broadcast = lax.psum(state["broadcast"], axes.manual)
+
+    # Over row shards: data always; fsdp where a parameter is not split over it (a split one's
+    # gathers already summed its gradient over fsdp).
+    def over_rows(g, is_split):
+      over = tuple(a for a in axes.rows if not (is_split and a == axes.fsdp))
+      return lax.psum(g, over) if over else g
+
+    g_params = [over_rows(g, is_split) for g, is_split in
+                zip(g_params, self.chunkset.split_over_fsdp(device.staged))]
+    g_params = view_lib.with_stage_axis(g_params, device.staged_leaves)
+    joined = lambda leaves: [a.reshape((device.local_batch,) + a.shape[2:]) for a in leaves]
+    g_x, g_pex = joined(state["x"]), joined(state["per_example"])
+    if call.over_stages:  # Each stage's part of the inputs' gradients, as its inputs came.
+      g_x, g_pex = axes.scatter_stages((g_x, g_pex))
+    else:
+      g_x, g_pex = lax.psum((g_x, g_pex), axes.stage)
+    return loss, g_params + g_x + g_broadcast + g_pex
+
+  def call_of(self, global_batch: int) -> Call:
+    """What a call with a batch of ``global_batch`` rows fixes (:class:`Call`)."""
+    # W reading the stashed input again keeps the inputs on the conveyor until then.
+    conveyor = streaming.plan(self.schedule, self.axes, global_batch,
+                              self.chunkset.spec.stream_inputs, self.plan.w_recomputes)
+    rows = self.rows_table if conveyor is None else dict(self.rows_table, **conveyor.row())
+    return Call(global_batch, self.axes.splits_over_stages(global_batch), conveyor, rows)
+
+  def __call__(self, staged, x, broadcast, per_example, rngs):
+    axes = self.axes
+    global_batch = jax.tree.leaves(x)[0].shape[0]
+    call = self.call_of(global_batch)
+    io = axes.io_spec(global_batch)
+    in_specs = (self.chunkset.staged_specs(staged), io, P(), io, P())
+    operands = (staged, x, tuple(broadcast), tuple(per_example), rngs)
+    if self.schedule.forward_only:
+      out_specs = io
+    else:
+      # One gradient per float leaf, in the order of the leaves of (staged, x, broadcast,
+      # per_example), each split as its input is.
+      grad_specs = self.chunkset.float_specs(staged) + [
+          spec for tree, spec in zip(operands[1:4], in_specs[1:4])
+          for _ in floats_lib.float_leaves(tree)]
+      out_specs = (P(), grad_specs)
+    per_device = lambda *operands: self.per_device(call, *operands)
+    return axes.shard_map(per_device, in_specs, out_specs)(*operands)
+
+
+def forward_outputs(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple,
+                    per_example: tuple, rngs: dict, *, schedule: schedules.FusedSchedule,
+                    axes: spmd.Axes):
+  """The last chunk's outputs for the whole batch, by ``schedule``'s forward pass alone
+  (:meth:`~tpipe.schedules.FusedSchedule.forward_pass`); not meant to be differentiated."""
+  table = schedule if schedule.forward_only else schedule.forward_pass()
+  plan = backward_plan.resolve(chunkset.spec, split=False)  # Nothing runs backwards.
+  return _Run(chunkset, table, axes, plan)(staged, x, broadcast, per_example, rngs)
+
+
+def mean_loss(chunkset: chunks_lib.ChunkSet, staged, x, broadcast: tuple, per_example: tuple,
+              rngs: dict, *, schedule: schedules.FusedSchedule, axes: spmd.Axes,
+              plan: backward_plan.BackwardPlan,
+              primal: Callable[..., jax.Array] | None = None
+              ) -> jax.Array:
+  """The mean over the global batch of the last chunk's per-example losses, run with a fused
+  schedule; differentiable (``jax.custom_vjp``) in ``staged`` and in the float leaves of ``x``,
+  ``broadcast`` and ``per_example``.
+
+  Callers validate arguments first; this function assumes the batch splits into ``M``
+  micro-batches per data replica and that the last chunk returns one float loss per example.
+
+  Args:
+    chunkset: the chunk programs.
+    staged: ``{"params": staged tree}``, every leaf ``[C, S, ...]``, split over the stage axis.
+    x: pytree of arrays ``[N, ...]``, the global batch.
+    broadcast: arrays every chunk sees whole.
+    per_example: arrays ``[N, ...]`` split into micro-batches like ``x``.
+    rngs: ``{stream: key}``.
+    schedule: the fused schedule to run.
+    axes: the mesh and its manual axes.
+    plan: how the backward actions run (:func:`tpipe.core.planning.backward_plan.resolve`).
+    primal: ``primal(staged, x, broadcast, per_example, rngs)``, the same mean computed without
+      gradients, for calls that are not differentiated; default: the table's forward pass.
+  """
+  run = _Run(chunkset, schedule, axes, plan)
+  if primal is None:
+    primal = lambda *args: jnp.mean(forward_outputs(chunkset, *args, schedule=schedule,
+                                                    axes=axes))
+  inputs = (staged, x, tuple(broadcast), tuple(per_example))
+  leaves, treedef = jax.tree.flatten(inputs)
+  is_float = [floats_lib.is_float(leaf) for leaf in leaves]
+
+  def merge(floats, others):
+    floats, others = iter(floats), iter(others)
+    return jax.tree.unflatten(treedef, [next(floats) if f else next(others) for f in is_float])
+
+  @jax.custom_vjp
+  def loss_of(floats, others, rngs):
+    return primal(*merge(floats, others), rngs)
+
+  def loss_fwd(floats, others, rngs):
+    loss, grads = run(*merge(floats, others), rngs)
+    return loss, tuple(grads)
+
+  def loss_bwd(grads, cotangent):
+    return tuple(g * cotangent.astype(g.dtype) for g in grads), None, None
+
+  loss_of.defvjp(loss_fwd, loss_bwd)
+  floats = tuple(leaf for leaf, f in zip(leaves, is_float) if f)
+  others = tuple(leaf for leaf, f in zip(leaves, is_float) if not f)
+  return loss_of(floats, others, rngs)

@@ -1,0 +1,113 @@
+"""A fused table as the rows the tick loop scans over (NumPy).
+
+Per tick and lane (one step of a compound tick, :attr:`tpipe.schedules.FusedSchedule.lanes`),
+per stage: the ``lax.switch`` branch (:func:`tick_branches`, :func:`lane_switches`), the
+micro-batch, the stash, weight (:func:`weight_slots`) and mailbox slots, and where the step
+sends; per tick, where arriving messages go. :mod:`tpipe.core.loops.fused` runs them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpipe import schedules
+
+Action = schedules.Action
+
+
+def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
+  """``[R, S]``: the weight slot each ``BI`` fills and its ``W`` empties (0 elsewhere).
+
+  A slot is taken from ``BI`` to ``W``, both ticks included, and reused from the next tick; each
+  stage uses as many slots as its most micro-batches awaiting ``W``
+  (:meth:`~tpipe.schedules.FusedSchedule.awaiting_weight`).
+  """
+  slots = np.zeros(schedule.action.shape, np.int32)
+  for s in range(schedule.num_stages):
+    held: dict[tuple[int, int], int] = {}
+    for t in range(schedule.num_rows):
+      key = (int(schedule.microbatch[t, s]), int(schedule.chunk[t, s]))
+      if schedule.action[t, s] == Action.BI:
+        busy = set(held.values())
+        slots[t, s] = held[key] = min(k for k in range(len(busy) + 1) if k not in busy)
+      elif schedule.action[t, s] == Action.W:
+        slots[t, s] = held.pop(key)
+  return slots
+
+
+def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarray, np.ndarray]:
+  """``([R, S] branch, [R, S] model chunk)``: the ``lax.switch`` branch of every table entry
+  (0 idle, ``1 + a * B + b`` for action ``a`` (``F``, ``B``, ``BI``, ``W``) of chunk program
+  ``b``, ``programs[v]`` being model chunk ``v``'s and ``B`` their number) and its model chunk."""
+  vstage = schedule.virtual_stage
+  v = vstage[np.arange(schedule.num_stages)[None, :], np.maximum(schedule.chunk, 0)]
+  program = np.asarray(programs, np.int64)[v]
+  count = int(max(programs)) + 1
+  branch = np.where(schedule.action >= 0,
+                    1 + schedule.action.astype(np.int64) * count + program, 0)
+  return branch.astype(np.int32), v.astype(np.int32)
+
+
+def lane_switches(schedule: schedules.FusedSchedule, programs) -> list[tuple[int, ...]]:
+  """Per lane (:func:`by_lanes`), the :func:`tick_branches` numbers its ``lax.switch`` holds,
+  ascending: idle (0) and the branches the table runs in that lane, on any tick and stage. A
+  branch no entry of the lane runs is left out of its switch (a split backward's table never
+  runs ``B``; a compound tick's lanes each run a few kinds), so the program compiles only what
+  the table runs."""
+  return _switches(by_lanes(schedule, tick_branches(schedule, programs)[0]))
+
+
+def lane_groups(in_place) -> tuple[list[int], list[int]]:
+  """``(together, apart)``: how a lane runs the branches of its switch (:func:`lane_switches`),
+  given per position whether the branch adds into the running sums inside a loop over units.
+  ``together`` (idle, position 0, among them) share one ``lax.switch``; each of ``apart`` runs
+  in a two-way conditional of its own after it (false: pass through; true: the branch), in
+  order. Apart are all the adding branches: XLA copies the sums in and out of every iteration
+  of such loops when two share one conditional, and copies them in every other branch that
+  passes them through when one shares a conditional with forwards (1F1B in compound ticks,
+  remat full, on XLA:CPU: one more copy of the stage's parameters)."""
+  in_place = [bool(flag) for flag in in_place]
+  apart = [p for p, flag in enumerate(in_place) if flag]
+  return [p for p in range(len(in_place)) if p not in apart], apart
+
+
+def _switches(branch: np.ndarray) -> list[tuple[int, ...]]:
+  """:func:`lane_switches` of the ``[T, L, S]`` branch numbers :func:`by_lanes` gives."""
+  return [tuple(int(b) for b in np.union1d([0], branch[:, lane]))
+          for lane in range(branch.shape[1])]
+
+
+def by_lanes(schedule: schedules.FusedSchedule, table: np.ndarray, fill=0) -> np.ndarray:
+  """A per-row table ``[R, S, ...]`` as ``[T, L, S, ...]``: each tick's rows in its lanes (the
+  steps the loop runs in a tick), a tick with fewer rows than :attr:`lanes` padded with
+  ``fill`` (an idle step)."""
+  table = np.asarray(table)
+  lane = np.arange(schedule.num_rows) - schedule.first_rows()[schedule.tick]
+  out = np.full((schedule.num_ticks, schedule.lanes) + table.shape[1:], fill, table.dtype)
+  out[schedule.tick, lane] = table
+  return out
+
+
+def tick_rows(schedule: schedules.FusedSchedule, branch_of_chunk) -> dict:
+  """The per-tick rows the scan consumes: ``lanes``, each ``[T, L, S]`` (one step of a tick per
+  lane, see :func:`by_lanes`; ``branch`` is the position in the lane's switch of the
+  :func:`tick_branches` number, :func:`lane_switches`; ``branch_of_chunk`` is the chunk program
+  of each model chunk), and ``arrival``, ``[T, S, 3]``."""
+  branch, v = tick_branches(schedule, branch_of_chunk)
+  branch = by_lanes(schedule, branch)
+  for lane, numbers in enumerate(_switches(branch)):  # Each lane's position in its switch.
+    branch[:, lane] = np.searchsorted(numbers, branch[:, lane])
+  lanes = {
+      "chunk": v,
+      "microbatch": np.maximum(schedule.microbatch, 0),
+      "stash": np.maximum(schedule.stash_slot, 0),
+      "forward": (schedule.action == Action.F),
+      "send_dir": schedule.send_dir,
+      "sends": schedule.send_slot != schedules.IDLE,
+      "send_slot": np.maximum(schedule.send_slot, 0),
+      "recv_slot": np.maximum(schedule.recv_slot, 0),
+      "weight_slot": weight_slots(schedule),
+  }
+  lanes = {key: by_lanes(schedule, value) for key, value in lanes.items()}
+  lanes["branch"] = branch
+  return {"lanes": lanes, "arrival": schedule.arrival_slots()[schedule.first_rows()]}
