@@ -6,11 +6,14 @@ The made class takes the block's constructor arguments and holds a ``tpipe.nnx.R
 under ``lax.scan``) against a float64 reference (numerics rule: :mod:`tests.helpers.numerics`),
 for a block with a per-example argument given by position and a broadcast one given by keyword,
 over a few (schedule, stages, micro-batches, data) cases, two with the copies placed over the
-stages by ``tpipe.nnx.shard``. Bad arguments raise clear errors.
+stages by ``tpipe.nnx.shard``. Bad arguments raise clear errors, a bad call the very error
+``tpipe.pipeline`` raises for the same linen block.
 """
 
 import functools
+import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,3 +176,56 @@ def test_bad_arguments_raise_clear_errors():
   with pytest.raises(TypeError, match=r"do not fit MaskedBlock.__call__.*unexpected keyword "
                                       r"argument 'colour'"):
     model(x, mask, colour=1)
+
+
+def _linen_masked_block():
+  """The linen twin of :class:`MaskedBlock`: its name and its call's signature."""
+
+  class MaskedBlock(nn.Module):  # pylint: disable=redefined-outer-name
+
+    @nn.compact
+    def __call__(self, x, mask, scale=None):
+      return x + mask[:, None, None] * scale * nn.Dense(WIDTH)(x)
+
+  return MaskedBlock
+
+
+def _error(call):
+  """``(type, message)`` of the error ``call()`` raises, the front end's name written as linen's."""
+  with pytest.raises((TypeError, ValueError)) as caught:
+    call()
+  return type(caught.value), re.sub(r"tpipe\.nnx\.pipeline(\(MaskedBlock\))?", "tpipe.pipeline",
+                                    str(caught.value))
+
+
+@pytest.mark.parametrize("settings,bad_call", [
+    ({}, lambda x, mask, scale: ((x, mask, scale, 1.0), {})),  # Too many positional arguments.
+    ({}, lambda x, mask, scale: ((x, mask), {"mask": mask})),  # One given twice.
+    ({}, lambda x, mask, scale: ((x, mask), {"colour": 1})),  # An unknown keyword.
+    ({}, lambda x, mask, scale: ((x,), {"scale": scale})),  # A missing one.
+    ({}, lambda x, mask, scale: ((x[0, 0, 0], mask), {})),  # An input without a batch axis.
+    ({"per_example": ("mask",)}, lambda x, mask, scale: ((x, mask[:8]), {})),  # Rows != batch.
+    # Broadcast, one row per example: the layer fails, and the hint names the fix.
+    ({}, lambda x, mask, scale: ((x, mask), {"scale": scale})),
+])
+def test_a_bad_call_raises_what_tpipe_pipeline_raises(settings, bad_call):
+  settings = dict(length=4, num_stages=2, num_microbatches=2, mesh=tpipe.make_mesh(stages=2),
+                  **settings)
+  args, kwargs = bad_call(*_inputs())
+  linen = tpipe.pipeline(_linen_masked_block(), **settings)()
+  nnx_model = tnnx.pipeline(MaskedBlock, **settings)(WIDTH, rngs=nnx.Rngs(0))
+  linen_error = _error(lambda: linen.init({"params": jax.random.key(0)}, *args, **kwargs))
+  nnx_error = _error(lambda: nnx_model(*args, **kwargs))
+  if "failed on one micro-batch" in linen_error[1]:
+    # The layer's own failure reads as its front end says it; what tpipe adds is the same.
+    linen_error, nnx_error = [(kind, message.splitlines()[-1])
+                              for kind, message in (linen_error, nnx_error)]
+    assert "pass per_example=('mask',) to tpipe.pipeline." in linen_error[1]
+  assert nnx_error == linen_error
+
+
+@pytest.mark.parametrize("per_example", [("labels",), ("x",), "mask"])
+def test_bad_settings_raise_what_tpipe_pipeline_raises(per_example):
+  settings = dict(length=4, num_stages=2, num_microbatches=2, per_example=per_example)
+  assert (_error(lambda: tnnx.pipeline(MaskedBlock, **settings))
+          == _error(lambda: tpipe.pipeline(_linen_masked_block(), **settings)))

@@ -9,7 +9,6 @@ layout.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -30,23 +29,6 @@ STATS = sequential.STATS
 def _block_fields(module: nn.Module, block_cls) -> dict[str, Any]:
   return {f.name: getattr(module, f.name) for f in dataclasses.fields(block_cls)
           if f.init and f.name not in ("parent", "name")}
-
-
-@contextlib.contextmanager
-def _hint_per_example(split, batch: int, block_name: str):
-  """Re-raises a failed trace of one layer with a hint when a broadcast array looks per-example."""
-  try:
-    yield
-  except (TypeError, ValueError) as error:
-    suspects = sorted({name for name, a in zip(split.broadcast_names(), split.broadcast)
-                       if np.ndim(a) and np.shape(a)[0] == batch})
-    if not suspects:
-      raise
-    raise ValueError(
-        f"{block_name} failed on one micro-batch: {type(error).__name__}: {error}\nThe broadcast "
-        f"argument(s) {suspects} have the batch size {batch} as their leading axis, but every "
-        "layer sees broadcast arrays whole while x is split into micro-batches. If they hold one "
-        f"row per example, pass per_example={tuple(suspects)!r} to tpipe.pipeline.") from error
 
 
 def pipeline(block_cls: type[nn.Module], *, length: int, spec: spec_lib.PipelineSpec | None = None,
@@ -150,7 +132,7 @@ class _Stack:
                                      owner=block_name)
     streams = tuple(sorted(name for name in module.scope.rngs if name != "params"))
     rngs = {name: module.make_rng(name) for name in streams}
-    with _hint_per_example(split, batch, block_name):
+    with arguments.hint_per_example(split, batch, failed=block_name, owner=OWNER):
       if module.is_initializing():
         self.init_blocks(module, template, x, kwargs, rngs, mesh)
       self.check_sown(module, template, x, kwargs, rngs, mesh)

@@ -22,6 +22,7 @@ from flax import nnx
 
 from tpipe import spec as spec_lib
 from tpipe.core.base import arguments
+from tpipe.core.base import layers as layers_lib
 from tpipe.nnx import stack
 
 OWNER = "tpipe.nnx.pipeline"
@@ -35,7 +36,8 @@ def pipeline(block_cls: type[nnx.Module], *, length: int,
   makes the copies as ``tpipe.nnx.Repeat(lambda r: block_cls(*args, rngs=r, **kwargs), length,
   rngs=rngs)`` does. Its ``__call__(x, *args, **kwargs)`` applies the copies in order to ``x``;
   the other arguments are bound to ``block_cls.__call__``'s parameter names and given to every
-  copy, those named in ``per_example`` split into micro-batches with ``x``, the others whole.
+  copy, those named in ``per_example`` split into micro-batches with ``x``, the others whole
+  (:mod:`tpipe.core.base.arguments`, with the errors and hints of :func:`tpipe.pipeline`).
 
   Args:
     block_cls: an ``nnx.Module`` class whose constructor takes ``rngs=`` and whose
@@ -71,8 +73,14 @@ def pipeline(block_cls: type[nnx.Module], *, length: int,
       return [self]
 
     def __call__(self, x, *args, **kwargs):
+      # Bound, sorted and checked as tpipe.pipeline does a linen block's, with its errors.
       kwargs = arguments.bind(block_cls.__call__, args, kwargs, owner=block_name)
-      return self._run(x, kwargs, loss=False)
+      self.spec.run_mesh(self.owner)
+      batch = layers_lib.batch_size(x, self.owner)
+      split = arguments.split_keywords(kwargs, per_example=spec.per_example, batch_size=batch,
+                                       owner=block_name)
+      with arguments.hint_per_example(split, batch, failed=block_name, owner=OWNER):
+        return self._run(x, kwargs, loss=False)
 
   Pipelined.__name__ = Pipelined.__qualname__ = f"Pipelined{block_name}"
   Pipelined.__doc__ = (f"{length} x {block_name} pipelined with {spec} (made by "

@@ -161,6 +161,35 @@ def test_arguments_that_do_not_fit_the_signature_are_a_type_error():
     arguments.bind(CALL, (gate,), {}, owner="SideInputBlock")
 
 
+def test_a_failure_with_a_batch_like_broadcast_argument_names_per_example_as_the_fix():
+  """What both front ends' pipeline transforms raise (tpipe.pipeline, tpipe.nnx.pipeline)."""
+  _, gate, bias = _inputs()
+  extras = {"gain": np.ones((BATCH, 1)), "shift": np.zeros(WIDTH)}
+  split = _split((gate, bias, extras), {}, per_example=())
+  assert arguments.batch_like_broadcast(split, BATCH) == ("extras", "gate")
+  with pytest.raises(ValueError, match=r"^SideInputBlock failed on one micro-batch: TypeError: "
+                                       r"shapes\nThe broadcast argument\(s\) \['extras', 'gate'\] "
+                                       r"have the batch size 16 .* pass per_example=\('extras', "
+                                       r"'gate'\) to tpipe.pipeline\.$") as caught:
+    with arguments.hint_per_example(split, BATCH, failed="SideInputBlock",
+                                    owner="tpipe.pipeline"):
+      raise TypeError("shapes")
+  assert isinstance(caught.value.__cause__, TypeError)
+  # Without such an argument (gate split per example, bias one row) the error passes as it was.
+  split = _split((gate, bias), {})
+  assert arguments.batch_like_broadcast(split, BATCH) == ()
+  with pytest.raises(TypeError, match="^shapes$"):
+    with arguments.hint_per_example(split, BATCH, failed="SideInputBlock",
+                                    owner="tpipe.pipeline"):
+      raise TypeError("shapes")
+  # Other errors are not the layers' shape errors: they pass too.
+  split = _split((gate, bias, extras), {}, per_example=())
+  with pytest.raises(KeyError):
+    with arguments.hint_per_example(split, BATCH, failed="SideInputBlock",
+                                    owner="tpipe.pipeline"):
+      raise KeyError("gain")
+
+
 def test_module_doctests_pass():
   result = doctest.testmod(arguments)
   assert result.attempted >= 6 and result.failed == 0

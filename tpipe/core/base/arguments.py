@@ -26,10 +26,15 @@ Example::
   ([(4, 3)], ())
   >>> split.rebuild(split.broadcast, split.per_example)["deterministic"]
   True
+
+A broadcast array whose leading axis happens to be the batch is most often a per-example one
+left out of ``per_example``: when the layers then fail on a micro-batch, :func:`hint_per_example`
+says so, in every front end alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -208,3 +213,39 @@ def split_keywords(kwargs: dict, *, per_example: Sequence[str], batch_size: int,
   return SplitArguments(broadcast=tuple(broadcast), per_example=tuple(split),
                         names=tuple(broadcast_names + split_names), _treedef=treedef,
                         _leaves=tuple(leaves), _kinds=tuple(kinds))
+
+
+def batch_like_broadcast(split: SplitArguments, batch_size: int) -> tuple[str, ...]:
+  """The names of the broadcast arguments with an array whose leading axis is ``batch_size``:
+  per-example arguments, likely, that ``per_example`` does not name."""
+  return tuple(sorted({name for name, a in zip(split.broadcast_names(), split.broadcast)
+                       if np.ndim(a) and np.shape(a)[0] == batch_size}))
+
+
+@contextlib.contextmanager
+def hint_per_example(split: SplitArguments, batch_size: int, *, failed: str, owner: str):
+  """Re-raises a failure of the layers with a hint when a broadcast argument looks per-example.
+
+  Every layer sees a broadcast array whole while ``x`` is split into micro-batches, so an array
+  with one row per example left out of ``per_example`` breaks a layer with a shape error that
+  does not name the cause. Inside this context a ``TypeError`` or ``ValueError`` becomes a
+  ``ValueError`` naming the broadcast arguments whose leading axis is ``batch_size``
+  (:func:`batch_like_broadcast`) and the fix; without such an argument it passes unchanged.
+
+  Args:
+    split: the call's arguments, as :func:`split_keywords` sorted them.
+    batch_size: the batch of ``x``.
+    failed: what failed, for the message (the block's class name).
+    owner: the API whose ``per_example`` setting is the fix (``tpipe.pipeline``).
+  """
+  try:
+    yield
+  except (TypeError, ValueError) as error:
+    suspects = batch_like_broadcast(split, batch_size)
+    if not suspects:
+      raise
+    raise ValueError(
+        f"{failed} failed on one micro-batch: {type(error).__name__}: {error}\nThe broadcast "
+        f"argument(s) {list(suspects)} have the batch size {batch_size} as their leading axis, "
+        "but every layer sees broadcast arrays whole while x is split into micro-batches. If "
+        f"they hold one row per example, pass per_example={suspects!r} to {owner}.") from error
