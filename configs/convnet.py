@@ -14,7 +14,7 @@ Commands::
 
   python -m tpipe.train --config=configs/convnet.py --workdir=/tmp/digits
   python -m tpipe.train --config=configs/convnet.py:size=tiny --workdir=/tmp/d --config.num_steps=20
-  python -m tpipe.train.report --config=configs/convnet.py
+  python -m tpipe.train.cli.report --config=configs/convnet.py
 """
 
 import ml_collections

@@ -214,7 +214,7 @@ def get_config(arg=None):
   # files (several separated by commas), tokenized, documents packed into seq_len tokens.
   config.data = "stdlib"
   # The files' format: "" (from each suffix), "text" (a document per file), "jsonl", "parquet"
-  # or "arrayrecord" (python -m tpipe.train.write_corpus writes one).
+  # or "arrayrecord" (python -m tpipe.train.cli.write_corpus writes one).
   config.data_format = ""
   # The JSONL field or Parquet column holding each document's text.
   config.text_field = "text"

@@ -44,7 +44,7 @@ NUM_DEVICES = 8
 # What the ahead-of-time experiments (the ones that compile configs/lm.py) state under their header.
 AOT_NOTE = (
     "Every number comes from an ahead-of-time compile of the real training step "
-    "(`tpipe.train.report.analyze_config`); nothing was run. Memory is per device: XLA's "
+    "(`tpipe.train.cli.config_costs.analyze_config`); nothing was run. Memory is per device: XLA's "
     "`memory_analysis()` peak (arguments + outputs - aliased + temporaries).")
 
 
@@ -184,14 +184,14 @@ def config(*, num_layers: int, width: int = 256, num_heads: int = 4, mlp_dim: in
 
 
 def measure(cfg, per_stage: bool = False):
-  """AOT-compiles the train step for ``cfg``: a :class:`tpipe.train.report.Report`.
+  """AOT-compiles the train step for ``cfg``: a :class:`tpipe.train.cli.config_costs.Report`.
 
   ``per_stage`` also measures every stage and the memory floor (each distinct chunk compiled
   alone), which the step's own figures do not need.
   """
-  from tpipe.train import report  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import config_costs  # pylint: disable=g-import-not-at-top
 
-  return report.analyze_config(cfg, per_stage=per_stage)
+  return config_costs.analyze_config(cfg, per_stage=per_stage)
 
 
 # --------------------------------------------------------------------------------------------

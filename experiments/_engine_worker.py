@@ -7,7 +7,7 @@ code. For the same reason it imports nothing from ``experiments`` (not even the 
 emulated CPU devices come from the environment ``engine_comparison``'s preamble set
 (``JAX_PLATFORMS``, ``JAX_NUM_CPU_DEVICES``), which the subprocess inherits. The code runs on
 both APIs: the previous one (``tpipe.param_shardings``, ``tpipe.report``) and today's
-(``tpipe.shardings``, ``tpipe.train.report``). It prints one line, ``RESULT {json}``.
+(``tpipe.shardings``, ``tpipe.train.cli.report``). It prints one line, ``RESULT {json}``.
 
 Kinds:
 
@@ -106,10 +106,13 @@ def stack(width: int, batch: int, length: int, stages: int, microbatches: int, r
 def report(size: str) -> dict:
   from configs import transformer_gpipe  # pylint: disable=g-import-not-at-top
 
-  try:
-    report_lib = importlib.import_module("tpipe.train.report")
-  except ModuleNotFoundError:  # The previous layout: tpipe/report.py.
-    report_lib = importlib.import_module("tpipe.report")
+  # The report's library in this tree's layout, or in an older one (a run against a past commit).
+  for name in ("tpipe.train.cli.config_costs", "tpipe.train.report", "tpipe.report"):
+    try:
+      report_lib = importlib.import_module(name)
+      break
+    except ModuleNotFoundError:
+      continue
   config = transformer_gpipe.get_config(f"size={size}")
   rep = report_lib.analyze_config(config, per_stage=False)
   memory = rep.analysis.memory

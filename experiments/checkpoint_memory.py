@@ -36,7 +36,7 @@ import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top
 from experiments import scale_3d  # noqa: E402  pylint: disable=g-import-not-at-top
-from tpipe.train import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
+from tpipe.train.cli import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
 
 # (model, stages, fsdp, tensor, schedule)
 LAYOUTS = [

@@ -19,7 +19,7 @@ Two questions, each answered by running the same measurement in both trees in th
    shared cores). Are today's step and compile times within 3% of the previous engine's?
 2. **Per-device peak of the GPipe configs** (``--sizes``): ``analyze_config(config,
    per_stage=False)`` of ``configs/transformer_gpipe.py`` at each size (``tpipe.report`` in the
-   previous tree, ``tpipe.train.report`` in this one), compile only: the per-device peak of the
+   previous tree, ``tpipe.train.cli.report`` in this one), compile only: the per-device peak of the
    train step (``memory_analysis()``: arguments + outputs - aliased + temporaries) and its
    parameter and optimizer argument bytes. Is the per-leaf stage layout's peak no worse than the
    previous layout's?
@@ -196,8 +196,8 @@ def report_section(results: list[dict]) -> list[str]:
   lines = [
       "## Per-device peak of the GPipe configs", "",
       "`analyze_config(transformer_gpipe.get_config('size=...'), per_stage=False)`: the previous "
-      "tree's `tpipe.report`, this tree's `tpipe.train.report`; compile only. Peak: the largest "
-      "device's arguments + outputs - aliased + temporaries (`memory_analysis()`).", "",
+      "tree's report library, this tree's `tpipe.train.cli.config_costs`; compile only. Peak: "
+      "the largest device's arguments + outputs - aliased + temporaries (`memory_analysis()`).", "",
       "| config | tree | report module | **peak (largest device)** | parameters + optimizer "
       "arguments | parameters | optimizer state | temporaries | compile CPU s |",
       "|---|---|---|---:|---:|---:|---:|---:|---:|"]

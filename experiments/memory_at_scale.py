@@ -1,7 +1,8 @@
 """Memory per device at the scale TPU users train, beside MaxText's, with every byte explained.
 
 Every row is ``configs/lm.py`` with a model, a layout and a schedule, built by
-``tpipe.train.experiment.build`` on the devices of a TPU topology (:func:`tpipe.topology_devices`)
+``tpipe.train.cli.experiment.build`` on the devices of a TPU topology
+(:func:`tpipe.topology_devices`)
 and its whole train step compiled ahead of time by the TPU compiler on this CPU machine; nothing
 runs on a TPU. bfloat16 compute, float32 parameters and AdamW state, remat full; "default" rows
 leave everything else as the trainer's config has it (granularity, vocabulary slices).

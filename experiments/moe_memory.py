@@ -2,7 +2,8 @@
 second shape of many small experts), beside MaxText's.
 
 Each row is ``configs/lm.py`` with ``block="moe"`` (Mixtral's: llama attention, a mixture of 8
-SwiGLU experts, top-2, dropless), built by ``tpipe.train.experiment.build`` on the devices of the
+SwiGLU experts, top-2, dropless), built by ``tpipe.train.cli.experiment.build`` on the devices of
+the
 ``v5p:4x4x4`` topology (:func:`tpipe.topology_devices`) and its whole train step compiled ahead of
 time by the TPU compiler on this CPU machine; nothing runs on a TPU. The model: 32 blocks of width
 4096, 32 query heads and 8 key/value heads, experts of MLP 14336, vocabulary 32000, sequence 4096,

@@ -48,7 +48,7 @@ import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top
 from experiments import memory_at_scale  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.experimental import links  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import hlo  # noqa: E402  pylint: disable=g-import-not-at-top
-from tpipe.train import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
+from tpipe.train.cli import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
 
 SLICES, SLICE = 2, "v5p:4x4x2"
 EFFICIENCY = 0.5

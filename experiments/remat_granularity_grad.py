@@ -12,7 +12,7 @@ joins the first stage's blocks, the head the last's). For ``schedule`` in gpipe 
 ``remat_granularity`` in chunk / layer it compiles ``jax.grad`` of the mean loss
 (``method="loss"``; no optimizer; parameters in the stage layout, split over the stages, as the
 train step keeps them) and reads ``memory_analysis()`` per device. The whole train step's
-numbers (optimizer included) come from ``python -m tpipe.train.report
+numbers (optimizer included) come from ``python -m tpipe.train.cli.report
 --config=configs/transformer_gpipe.py --config.remat_granularity=...``.
 """
 

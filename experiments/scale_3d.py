@@ -13,7 +13,7 @@ and head; the loss 8 vocabulary slices at a time), remat full with per-layer pie
 Differences from Llama 3: positions are a learned table in the embedding (no rotary embedding),
 and the embedding carries no tensor axis (it sits in a chunk's packed buffer, split over fsdp).
 
-Each row builds the experiment with ``tpipe.train.experiment.build`` on the 64 devices of the
+Each row builds the experiment with ``tpipe.train.cli.experiment.build`` on the 64 devices of the
 TPU topology ``v5p:4x4x4`` (:func:`tpipe.topology_devices`), lowers the whole train step on the
 abstract state and compiles it with the TPU compiler on this CPU machine; nothing runs on a TPU.
 Columns: the state a device holds (parameters and AdamW moments: the step's arguments), the
@@ -55,7 +55,7 @@ import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import peak  # noqa: E402  pylint: disable=g-import-not-at-top
-from tpipe.train import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
+from tpipe.train.cli import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:4x4x4"
 # name -> (num_layers, width, num_heads, num_kv_heads, mlp_dim)

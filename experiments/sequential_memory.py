@@ -15,9 +15,9 @@ time for the same mesh:
   ``jax.jit`` on the whole batch, replicated over the stages; only the block stack is pipelined,
   by ``tpipe.pipeline(TransformerBlock, ...)``, its parameters stacked ``[L, ...]`` and split over
   ``stage`` (``tpipe.shardings``); AdamW on that tree. The model is defined here.
-* **sequential**: ``tpipe.train.experiment.build(config)``: a ``tpipe.Sequential`` of
+* **sequential**: ``tpipe.train.cli.experiment.build(config)``: a ``tpipe.Sequential`` of
   [TokenEmbedding, Repeat(TransformerBlock, 48), LMHead with the loss], split by FLOPs, its train
-  state in the stage layout. Measured by ``tpipe.train.report.analyze_config``.
+  state in the stage layout. Measured by ``tpipe.train.cli.config_costs.analyze_config``.
 
 For each: the per-device peak (``memory_analysis()``: arguments + outputs - aliased +
 temporaries), the largest and smallest stage's own parameter + optimizer bytes, the memory floor
@@ -48,10 +48,10 @@ from tpipe import schedules
 from tpipe.tools import analysis
 from tpipe.tools import hlo
 from tpipe.tools import stage_costs
-from tpipe.train import experiment
 from tpipe.train import models
-from tpipe.train import report as report_lib
-from tpipe.train import report_text
+from tpipe.train.cli import config_costs
+from tpipe.train.cli import experiment
+from tpipe.train.cli import report_text
 
 # The GPipe paper's Transformer in kind, and a tiny stand-in for --smoke.
 GPIPE = dict(num_layers=48, width=2048, num_heads=32, mlp_dim=8192, seq_len=2048,
@@ -210,7 +210,7 @@ def unit_flops(config) -> tuple[float, ...]:
 def measure_sequential(config, costs) -> dict[str, Any]:
   counts = partition.balanced_split(costs, config.num_stages * config.num_repeats)
   config.balance = ",".join(str(n) for n in counts)
-  rep = report_lib.analyze_config(config, unit_flops=costs)
+  rep = config_costs.analyze_config(config, unit_flops=costs)
   layout = rep.layout
   head_chunks = [c for c, groups in enumerate(layout.groups)
                  if any(g.layer == len(layout.logical) - 1 for g in groups)]
@@ -265,7 +265,7 @@ def vocab_placement(compiled, vocab: int, programs) -> dict[str, set[str]]:
   ``"outside"`` the pipeline's stage switch, or ``"chunk k"``: inside a branch of a tick
   conditional (forward or backward) that runs chunk k. Such a conditional has one branch per
   distinct chunk program after the idle one; ``programs[c]`` is chunk c's (see
-  :meth:`tpipe.core.engine.Pipeline.programs`).
+  :meth:`tpipe.core.engine.PlannedPipeline.programs`).
   """
   module = hlo.parse_hlo(compiled.as_text())
   runs: dict[int, list[int]] = {}
@@ -387,7 +387,7 @@ def write_lines(results, sizes, stage_counts, costs, flops_seconds):
       f"whole batch, replicated over stages; the {c.num_layers} blocks pipelined by "
       "`tpipe.pipeline(TransformerBlock, ...)`, stacked `[L, ...]` and split over `stage` "
       "(`tpipe.shardings`; the model is defined in the script).",
-      "- **sequential**: `tpipe.train.experiment.build(config)`: `tpipe.Sequential` "
+      "- **sequential**: `tpipe.train.cli.experiment.build(config)`: `tpipe.Sequential` "
       f"[TokenEmbedding, Repeat(TransformerBlock, {c.num_layers}), LMHead + loss], split by "
       "FLOPs, train state in the stage layout.", "",
       f"Per-unit forward+backward FLOPs on one micro-batch (measured once, {flops_seconds:.0f} s): "

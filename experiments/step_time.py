@@ -5,8 +5,8 @@ step only).
 
 Each TPU row is ``configs/lm.py`` with the fields below, its train step compiled by the TPU
 compiler for the topology ``v5p:2x2x2`` (8 chips) on this CPU machine and never run, then
-priced as ``python -m tpipe.train.report --topology=v5p:2x2x2`` prices it
-(:func:`tpipe.train.report.predict`): every top-level instruction by the roofline of v5p's
+priced as ``python -m tpipe.train.cli.report --topology=v5p:2x2x2`` prices it
+(:func:`tpipe.train.cli.config_costs.predict`): every top-level instruction by the roofline of v5p's
 459 TFLOP/s and 2765 GB/s, loop bodies times the trip counts read from their counters, the
 collectives on ICI (async ones overlapped with the compute between start and done), a fused
 table followed tick by tick with each action's branch priced (the bubble counted), a forward
@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import chips  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import flops as flops_lib  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import step_time  # noqa: E402  pylint: disable=g-import-not-at-top
-from tpipe.train import report  # noqa: E402  pylint: disable=g-import-not-at-top
+from tpipe.train.cli import config_costs  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:2x2x2"
 # (label, schedule, num_stages, num_data, M).
@@ -71,8 +71,8 @@ def _ms(seconds: float) -> str:
 
 def tpu_row(label, schedule, stages, data, microbatches, smoke):
   start = time.perf_counter()
-  measured = report.analyze_config(lm_config(schedule, stages, data, microbatches, smoke),
-                                   per_stage=False, topology=TOPOLOGY)
+  measured = config_costs.analyze_config(
+      lm_config(schedule, stages, data, microbatches, smoke), per_stage=False, topology=TOPOLOGY)
   p = measured.prediction
   kinds = ("compute", "memory", "exposed collectives", "bubble")
   parts = " / ".join(_ms(p.parts[k]) for k in kinds)

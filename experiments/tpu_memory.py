@@ -6,12 +6,12 @@ bfloat16 compute with float32 parameters and AdamW state, remat full, pipeline 4
 last rows: 4 x fsdp 2, each stage's state and rows split over the fsdp pair), the
 layers cut 5,4,4,5 (embedding and head one unit each; 3,2,2,2,2,2,2,3 for the 8 chunks of
 circular R = 2). Each row is ``configs/lm.py`` with those
-fields, built with ``tpipe.train.experiment.build`` on the devices of the TPU topology
+fields, built with ``tpipe.train.cli.experiment.build`` on the devices of the TPU topology
 ``v5p:2x2x2`` (8 chips; :func:`tpipe.topology_devices`), its whole train step lowered on the
 abstract state and compiled by the TPU compiler on this CPU machine. Nothing runs on a TPU.
 
-Each row is what ``python -m tpipe.train.report --topology=v5p:2x2x2`` measures for that
-config (:func:`tpipe.train.report.analyze_config`): the arguments, temporaries and peak of
+Each row is what ``python -m tpipe.train.cli.report --topology=v5p:2x2x2`` measures for that
+config (:func:`tpipe.train.cli.config_costs.analyze_config`): the arguments, temporaries and peak of
 ``memory_analysis()``, and the breakdown of what is live at the memory peak
 (:mod:`tpipe.tools.peak`) by role. MaxText's numbers are quoted from
 the issue (MaxText 0.2.5, jax 0.11.1, libtpu 0.0.46.3, the same model and target); this script
@@ -29,7 +29,7 @@ from experiments import _common
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # One host: no slice discovery.
 
-from tpipe.train import report  # noqa: E402  pylint: disable=g-import-not-at-top
+from tpipe.train.cli import config_costs  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:2x2x2"
 # (label, schedule, M, remat_granularity, num_repeats, vocab_chunks[, fsdp]): with fsdp = 2 the
@@ -81,9 +81,9 @@ def lm_config(schedule: str, microbatches: int, granularity: str, repeats: int,
 
 
 def compile_row(schedule, microbatches, granularity, repeats, vocab_chunks, fsdp=1):
-  measured = report.analyze_config(lm_config(schedule, microbatches, granularity, repeats,
-                                             vocab_chunks, fsdp),
-                                   per_stage=False, topology=TOPOLOGY, breakdown=True)
+  measured = config_costs.analyze_config(
+      lm_config(schedule, microbatches, granularity, repeats, vocab_chunks, fsdp),
+      per_stage=False, topology=TOPOLOGY, breakdown=True)
   return measured.compiled.memory_analysis(), measured.peak
 
 

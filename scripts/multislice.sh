@@ -17,7 +17,7 @@
 #   --config.mesh.dcn.stage=2 puts the pipeline's halves on the two slices, so only
 #   stage-boundary activations cross the data-centre network; the links between slices are
 #   delayed by default (--config.transfer_delay=auto). Check the layout first on this machine:
-#   python -m tpipe.train.report --config=... --topology=v5p:4x4x4 --config.mesh.dcn.stage=2
+#   python -m tpipe.train.cli.report --config=... --topology=v5p:4x4x4 --config.mesh.dcn.stage=2
 # Every slice's hosts join one jax.distributed job by themselves (the TPU runtime sets it up);
 # the workdir must be shared, e.g. gs://BUCKET/run.
 set -euo pipefail

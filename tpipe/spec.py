@@ -77,7 +77,7 @@ class PipelineSpec:
       (where M is a multiple of S) rather than being gathered once before the first tick.
     tick_costs: fused schedules only: how the table is laid out. None (default): in compound
       ticks for per-action costs derived from the layers' FLOPs when the pipeline is built
-      (:mod:`tpipe.core.planning.tick_costs`; ``describe()`` shows them). A mapping ``{"F": .., "B":
+      (:mod:`tpipe.schedules.derived_costs`; ``describe()`` shows them). A mapping ``{"F": .., "B":
       ..}`` (with ``"BI"`` and ``"W"`` for the zero-bubble schedules) overrides them, kept as a
       sorted tuple of ``(action, cost)`` pairs; ``"plain"``: one action per tick.
     tick_search: experimental (:mod:`tpipe.experimental.refine`): sweeps of exact window

@@ -191,7 +191,7 @@ def test_the_llama_train_step_has_no_collective_permute_inside_a_stage_branch():
   head whole): XLA's partitioner splits what runs inside a stage over tensor, and nothing tpipe
   packs (a chunk's plain layers, the residuals of a stage's branch) is left for it to split."""
   from configs import lm as lm_config  # pylint: disable=import-outside-toplevel
-  from tpipe.train import experiment  # pylint: disable=import-outside-toplevel
+  from tpipe.train.cli import experiment  # pylint: disable=import-outside-toplevel
 
   config = lm_config.get_config("size=tiny")
   config.update(dict(num_stages=2, num_data=1, block="llama", num_kv_heads=1))

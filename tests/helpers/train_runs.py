@@ -43,12 +43,12 @@ import optax
 from tests.helpers import numerics
 from tpipe.train import __main__ as train_main
 from tpipe.train import checkpointing
-from tpipe.train import cli
-from tpipe.train import experiment
-from tpipe.train import metrics
 from tpipe.train import models
-from tpipe.train import tasks
-from tpipe.train import trainer
+from tpipe.train.cli import experiment
+from tpipe.train.cli import metrics
+from tpipe.train.cli import startup
+from tpipe.train.cli import tasks
+from tpipe.train.cli import trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NUM_STEPS = 20
@@ -130,7 +130,7 @@ def run_cli(*argv) -> subprocess.CompletedProcess:
       stack.enter_context(contextlib.redirect_stdout(out))
       stack.enter_context(contextlib.redirect_stderr(err))
       try:
-        cli.run(trainer.main, doc=train_main.__doc__)
+        startup.run(trainer.main, doc=train_main.__doc__)
         code = 0
       except SystemExit as e:
         code = 0 if e.code is None else e.code

@@ -57,7 +57,7 @@ def test_chip_table_holds_the_published_figures():
 
 @pytest.mark.unit
 def test_peaks_agree_with_the_trainers_mfu_table():
-  from tpipe.train import throughput  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import throughput  # pylint: disable=g-import-not-at-top
 
   for kind, name in (("TPU v4", "v4"), ("TPU v5 lite", "v5e"), ("TPU v5p", "v5p"),
                      ("TPU v6 lite", "v6e"), ("NVIDIA H100 80GB HBM3", "h100"),

@@ -1,4 +1,5 @@
-"""Tests for tpipe.train.autotune: a tight budget forces more stages or remat; the choice fits."""
+"""Tests for tpipe.train.cli.autotune: a tight budget forces more stages or remat; the choice
+fits."""
 
 import re
 
@@ -7,10 +8,10 @@ import pytest
 from configs import lm
 from tpipe import schedules
 from tpipe.tools import flops as flops_lib
-from tpipe.train import autotune
-from tpipe.train import multislice
-from tpipe.train import report as report_lib
-from tpipe.train import search_space
+from tpipe.train.cli import autotune
+from tpipe.train.cli import config_costs
+from tpipe.train.cli import multislice
+from tpipe.train.cli import search_space
 
 
 def _config():
@@ -198,7 +199,7 @@ def test_pruning_rejects_before_compiling_with_reasons(monkeypatch):
 
 @pytest.mark.unit  # No JAX computation.
 def test_the_step_lasts_the_tables_neighbour_synchronised_time():
-  zb = schedules.zb_h1(8, 32)
+  zb = schedules.build("zb_h1", 8, 32)
   measured = lambda costs: flops_lib.PipelineFlops(
       lockstep=1e5, executed=9e4, useful=8e4, in_tick_loops=9e4, gated=8e4, tick_loops=("w",),
       bubble_fraction=zb.bubble_fraction, action_costs=costs, outside_actions=7.0)
@@ -214,7 +215,7 @@ def test_the_step_lasts_the_tables_neighbour_synchronised_time():
   default = zb.simulate()
   expected = 9e4 * default.neighbour / default.lockstep
   assert flops_lib.step_flops(zb, measured({"F": 100.0}), 9e4) == pytest.approx(expected)
-  assert flops_lib.step_flops(schedules.gpipe(4, 8), None, 9e4) == pytest.approx(9e4)
+  assert flops_lib.step_flops(schedules.build("gpipe", 4, 8), None, 9e4) == pytest.approx(9e4)
 
 
 def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
@@ -231,7 +232,7 @@ def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
   over = [c for c, reason in result.rejected if reason.startswith("over budget")]
   assert autotune.Candidate(1, 2, 2, "none") in over
   # The chosen configuration compiles and fits when built from the returned config.
-  check = report_lib.analyze_config(result.config, per_stage=False)
+  check = config_costs.analyze_config(result.config, per_stage=False)
   assert check.largest_device_bytes == result.best.memory_bytes <= budget
   assert ((result.config.num_stages, result.config.remat, result.config.schedule)
           == (choice.num_stages, choice.remat, "gpipe"))

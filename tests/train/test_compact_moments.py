@@ -16,7 +16,7 @@ from tpipe.core.layout import shared_leaves
 from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.tools import analysis
 from tpipe.train import compact_moments
-from tpipe.train import experiment
+from tpipe.train.cli import experiment
 
 SHARED = layout_lib.SHARED
 

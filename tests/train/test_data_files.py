@@ -10,7 +10,7 @@ from tests.helpers import text_corpus
 from tpipe.train import packing
 from tpipe.train import sources
 from tpipe.train import tokenization
-from tpipe.train import write_corpus
+from tpipe.train.cli import write_corpus
 
 pytestmark = pytest.mark.unit  # No JAX computation.
 

@@ -8,9 +8,9 @@ import pytest
 
 from tests.helpers import hf_models
 from tests.helpers import numerics
-from tpipe.train import evaluate
-from tpipe.train import generate
-from tpipe.train import loading
+from tpipe.train.cli import evaluate
+from tpipe.train.cli import generate
+from tpipe.train.cli import loading
 
 pytest.importorskip("transformers")
 NEW_TOKENS = 16

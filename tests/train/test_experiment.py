@@ -1,4 +1,4 @@
-"""Tests for tpipe.train.experiment: the mesh, model and steps from a config; AOT compile."""
+"""Tests for tpipe.train.cli.experiment: the mesh, model and steps from a config; AOT compile."""
 
 import functools
 
@@ -15,9 +15,9 @@ from tests.helpers import numerics
 from tests.helpers import train_runs
 from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.train import architecture
-from tpipe.train import experiment
 from tpipe.train import models
-from tpipe.train import tasks
+from tpipe.train.cli import experiment
+from tpipe.train.cli import tasks
 
 
 def _config(**overrides):

@@ -1,11 +1,12 @@
-"""Tests for tpipe.train.metrics: remote workdirs, the resumed writer and a torn metrics file."""
+"""Tests for tpipe.train.cli.metrics: remote workdirs, the resumed writer and a torn metrics
+file."""
 
 import pathlib
 import struct
 
 import pytest
 
-from tpipe.train import metrics
+from tpipe.train.cli import metrics
 
 pytestmark = pytest.mark.unit
 

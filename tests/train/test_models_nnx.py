@@ -18,11 +18,11 @@ from flax import nnx
 import tpipe
 from tests.helpers import numerics
 from tpipe.train import checkpointing
-from tpipe.train import experiment
-from tpipe.train import metrics
 from tpipe.train import models
 from tpipe.train import models_nnx
-from tpipe.train import trainer
+from tpipe.train.cli import experiment
+from tpipe.train.cli import metrics
+from tpipe.train.cli import trainer
 
 SIZES = dict(num_layers=2, width=16, num_heads=2, mlp_dim=32, max_len=8, vocab_size=20)
 

@@ -204,7 +204,8 @@ def test_the_cases_cover_every_schedule_and_both_front_ends():
 
 def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():
   from configs import lm as lm_config  # pylint: disable=g-import-not-at-top
-  from tpipe.train import experiment, throughput  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import experiment
+  from tpipe.train.cli import throughput  # pylint: disable=g-import-not-at-top
 
   config = lm_config.get_config("size=tiny")
   for key, value in dict(block="moe", num_stages=2, num_data=2, num_microbatches=2,
@@ -367,7 +368,7 @@ def test_the_lm_refuses_a_shared_expert_without_experts_and_a_negative_width():
 
 @pytest.mark.unit
 def test_the_shared_expert_counts_in_the_active_flops():
-  from tpipe.train import throughput  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import throughput  # pylint: disable=g-import-not-at-top
   arguments = {"num_layers": 1, "width": 8, "num_heads": 2, "mlp_dim": 16, "vocab_size": 4,
                "block": "moe", "num_experts": 8, "experts_per_token": 2}
   per_token = throughput.lm_forward_flops_per_token

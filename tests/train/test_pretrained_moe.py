@@ -19,13 +19,13 @@ from tests.helpers import hf_models
 from tests.helpers import numerics
 from tests.helpers import text_corpus
 from tpipe.train import architecture
-from tpipe.train import evaluate
-from tpipe.train import export
-from tpipe.train import generate
-from tpipe.train import loading
 from tpipe.train import models
 from tpipe.train import pretrained
-from tpipe.train import trainer
+from tpipe.train.cli import evaluate
+from tpipe.train.cli import export
+from tpipe.train.cli import generate
+from tpipe.train.cli import loading
+from tpipe.train.cli import trainer
 
 pytest.importorskip("transformers")
 BATCH, SEQ = 4, 8

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import train_runs
-from tpipe.train import metrics
 from tpipe.train import pretrained
+from tpipe.train.cli import metrics
 
 RECIPE = train_runs.REPO / "docs" / "guide" / "finetune.md"
 ROOT = "/tmp/tpipe-recipe"

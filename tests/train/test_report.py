@@ -1,4 +1,4 @@
-"""Tests for tpipe.train.report: its figures are those of the real train step's compile."""
+"""Tests for tpipe.train.cli.report: its figures are those of the real train step's compile."""
 
 import json
 import os
@@ -20,10 +20,11 @@ from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.experimental import links
 from tpipe.tools import analysis
 from tpipe.tools import stage_costs
-from tpipe.train import communication
-from tpipe.train import experiment
-from tpipe.train import report as report_lib
-from tpipe.train import report_text
+from tpipe.train.cli import communication
+from tpipe.train.cli import config_costs
+from tpipe.train.cli import experiment
+from tpipe.train.cli import report as report_program
+from tpipe.train.cli import report_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,19 +55,19 @@ def _circular_config():
 
 @pytest.fixture(scope="module")
 def tiny_report():
-  return report_lib.analyze_config(_tiny_config())
+  return config_costs.analyze_config(_tiny_config())
 
 
 @pytest.fixture(scope="module")
 def circular_report():
-  return report_lib.analyze_config(_circular_config())
+  return config_costs.analyze_config(_circular_config())
 
 
 @pytest.fixture(scope="module")
 def fused_report():
   config = _tiny_config()
   config.schedule = "1f1b"
-  return report_lib.analyze_config(config)
+  return config_costs.analyze_config(config)
 
 
 def test_memory_agrees_with_memory_analysis_of_the_real_train_step(tiny_report):
@@ -164,7 +165,7 @@ def test_flops_and_collectives(tiny_report):
 def test_bad_config_is_a_clean_error(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO)
   result = subprocess.run(
-      [sys.executable, "-m", "tpipe.train.report", "--config=configs/lm.py:size=tiny",
+      [sys.executable, "-m", "tpipe.train.cli.report", "--config=configs/lm.py:size=tiny",
        "--config.num_microbatches=3", f"--out_dir={tmp_path}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 2
@@ -176,7 +177,7 @@ def test_command_line_writes_report_and_timeline(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO)
   env.pop("JAX_NUM_CPU_DEVICES", None)  # the tool sets 8 emulated devices itself.
   result = subprocess.run(
-      [sys.executable, "-m", "tpipe.train.report",
+      [sys.executable, "-m", "tpipe.train.cli.report",
        "--config=configs/transformer_gpipe.py:size=tiny", "--config.num_layers=2",
        "--config.num_stages=2", "--config.num_data=1", "--config.num_microbatches=2",
        f"--out_dir={tmp_path}"],
@@ -200,7 +201,7 @@ def test_command_line_writes_report_and_timeline(tmp_path):
   assert floor["peak_over_floor"] >= 1
   with open(tmp_path / "timeline.png", "rb") as f:
     assert f.read(4) == b"\x89PNG"
-  assert "python -m tpipe.train.report" in (tmp_path / "report.md").read_text()
+  assert "python -m tpipe.train.cli.report" in (tmp_path / "report.md").read_text()
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ def test_memory_floor_parts_add_up_and_stay_below_the_peak(which, request):
   assert report.floor_ratio >= 1
   # Differentiated through its tick loop (the tiny LM: remat none) GPipe keeps a stash slot per
   # forward tick; under remat full (circular here) the step runs the forward and backward ticks
-  # as one fused table (tpipe.schedules.from_forward): a slot per micro-batch chunk the stage
+  # as one fused table (tpipe.schedules.whole_step): a slot per micro-batch chunk the stage
   # holds, R x M. Past the first stage, a slot holds one device's micro-batch of activations
   # [B / (data * M), seq, width] in the computation dtype.
   table, chunks = report.schedule, config.num_repeats * config.num_microbatches
@@ -336,7 +337,7 @@ def test_fused_schedule_reports_its_table_in_flight_and_simulated_step(fused_rep
   # remat='none': F keeps the chunk's VJP residuals in its slot beside the input.
   assert "each slot also keeps the chunk's saved activations" in text
   # The timeline draws the fused table as it is (forward and backward already in it).
-  paths = report_lib.write_report(report, str(tmp_path))
+  paths = report_program.write_report(report, str(tmp_path))
   with open(paths["timeline"], "rb") as f:
     assert f.read(4) == b"\x89PNG"
   assert config.schedule in (tmp_path / "report.md").read_text()
@@ -425,8 +426,8 @@ def _two_slice_config(**overrides):
 def two_slice_reports():
   """The tiny config with its stages over two emulated slices, with the default delay on the
   links between them and without."""
-  return (report_lib.analyze_config(_two_slice_config(), per_stage=False),
-          report_lib.analyze_config(_two_slice_config(transfer_delay="0"), per_stage=False))
+  return (config_costs.analyze_config(_two_slice_config(), per_stage=False),
+          config_costs.analyze_config(_two_slice_config(transfer_delay="0"), per_stage=False))
 
 
 def test_one_slice_prices_every_axis_on_ici(tiny_report):
@@ -481,7 +482,7 @@ def test_stages_over_two_slices_send_over_dcn_and_a_delay_hides_what_a_tick_outl
 @pytest.mark.parametrize("efficiency", [0, 1.5, True, "half"])
 def test_a_bad_efficiency_is_an_error_before_the_compile(efficiency):
   with pytest.raises(ValueError, match=r"efficiency must be in \(0, 1\]"):
-    report_lib.analyze_config(_two_slice_config(), efficiency=efficiency)
+    config_costs.analyze_config(_two_slice_config(), efficiency=efficiency)
 
 
 def test_a_compound_table_reports_its_costs_and_actions_per_tick():
@@ -489,7 +490,7 @@ def test_a_compound_table_reports_its_costs_and_actions_per_tick():
   it was built for and reads the tick loop's lanes (one conditional per lane)."""
   config = _tiny_config()
   config.schedule, config.tick_costs = "zb_h1", "F=1,B=3,BI=2,W=1"
-  report = report_lib.analyze_config(config, per_stage=False)
+  report = config_costs.analyze_config(config, per_stage=False)
   table = report.schedule
   out = report.to_json()["schedule"]
   assert table.is_compound and out["steps_per_tick"] == table.lanes > 1
@@ -509,7 +510,7 @@ def test_the_report_predicts_step_time_tokens_per_second_and_mfu(fused_report, t
   from tpipe.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from tpipe.tools import step_time  # pylint: disable=g-import-not-at-top
   from tpipe.train import architecture  # pylint: disable=g-import-not-at-top
-  from tpipe.train import throughput  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import throughput  # pylint: disable=g-import-not-at-top
 
   for report in (fused_report, tiny_report):
     p, config = report.prediction, report.config

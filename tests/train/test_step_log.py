@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tpipe.train import step_log
+from tpipe.train.cli import step_log
 
 pytestmark = pytest.mark.unit
 

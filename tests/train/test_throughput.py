@@ -7,8 +7,8 @@ import pytest
 from configs import lm
 from tpipe.tools import flops as flops_lib
 from tpipe.train import architecture
-from tpipe.train import experiment
-from tpipe.train import throughput
+from tpipe.train.cli import experiment
+from tpipe.train.cli import throughput
 
 
 @pytest.mark.unit

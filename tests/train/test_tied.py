@@ -15,9 +15,9 @@ from configs import lm
 from tests.helpers import numerics
 from tests.helpers import train_runs
 from tpipe.train import architecture
-from tpipe.train import experiment
 from tpipe.train import models
 from tpipe.train import tied
+from tpipe.train.cli import experiment
 
 STEPS = 3
 

@@ -15,7 +15,7 @@ from configs import lm
 from tests.helpers import linen_models
 from tpipe.tools import analysis
 from tpipe.tools import hlo
-from tpipe.train import experiment
+from tpipe.train.cli import experiment
 
 TOPOLOGY = "v5p:2x2x2"
 

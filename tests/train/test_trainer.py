@@ -23,7 +23,7 @@ import pytest
 from tests.helpers import numerics
 from tests.helpers import train_runs
 from tests.helpers.train_runs import NUM_STEPS
-from tpipe.train import metrics
+from tpipe.train.cli import metrics
 
 
 STEPS = range(1, NUM_STEPS + 1)

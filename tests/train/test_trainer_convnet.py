@@ -15,8 +15,8 @@ import pytest
 
 from tests.helpers import train_runs
 from tests.helpers.train_runs import NUM_STEPS
-from tpipe.train import experiment
-from tpipe.train import metrics
+from tpipe.train.cli import experiment
+from tpipe.train.cli import metrics
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 One in-process run (shared by the module) on 6 of the 8 devices, from a JSONL file with a BPE
 tokenizer, profiling a step and stopped by SIGINT, gives the log, metrics, TensorBoard events and
-trace most tests read; the command-line errors and ``--help`` run ``cli.run`` in-process too.
+trace most tests read; the command-line errors and ``--help`` run ``startup.run`` in-process too.
 """
 
 import dataclasses
@@ -27,11 +27,11 @@ from tests.helpers import train_runs
 from tpipe.train import __main__ as train_main
 from tpipe.train import architecture
 from tpipe.train import checkpointing
-from tpipe.train import cli
-from tpipe.train import metrics
 from tpipe.train import pretrained
-from tpipe.train import tasks
-from tpipe.train import trainer
+from tpipe.train.cli import metrics
+from tpipe.train.cli import startup
+from tpipe.train.cli import tasks
+from tpipe.train.cli import trainer
 
 STOP_AT, NUM_STEPS, PEAK = 4, 6, 0.5
 
@@ -174,7 +174,7 @@ def _run_cli(monkeypatch, capsys, *argv):
   monkeypatch.setattr(sys, "argv", ["tpipe.train", *argv])
   try:
     with pytest.raises(SystemExit) as exit_:
-      cli.run(trainer.main, doc=train_main.__doc__)
+      startup.run(trainer.main, doc=train_main.__doc__)
   finally:
     flags.FLAGS.unparse_flags()
   out = capsys.readouterr()
@@ -227,7 +227,7 @@ def test_help_lists_the_config_fields_with_defaults_and_meanings(monkeypatch, ca
   assert undocumented == ["  --config.size='tiny'"] or not undocumented, undocumented
 
 
-@pytest.mark.skipif(cli.tpu_host(), reason="a TPU host: JAX should start its TPU backend")
+@pytest.mark.skipif(startup.tpu_host(), reason="a TPU host: JAX should start its TPU backend")
 def test_no_libtpu_noise_on_a_cpu_only_machine():
   import importlib.util  # pylint: disable=g-import-not-at-top
   if importlib.util.find_spec("libtpu") is None:
@@ -237,7 +237,7 @@ def test_no_libtpu_noise_on_a_cpu_only_machine():
                                     text=True, timeout=120, cwd=train_runs.REPO)
   noisy = run("import jax; jax.devices()")  # What a run without the fix prints.
   assert "jellyfish" in noisy.stderr or "libtpu" in noisy.stderr, noisy.stderr[-2000:]
-  quiet = run("from tpipe.train import cli; cli.quiet_absent_tpu(); import jax; "
+  quiet = run("from tpipe.train.cli import startup; startup.quiet_absent_tpu(); import jax; "
               "print(jax.devices()[0].platform)")
   assert quiet.returncode == 0 and quiet.stdout.strip() == "cpu", quiet.stderr[-2000:]
   for noise in ("jellyfish", "INVALID_ARGUMENT", "libtpu", "TPU"):

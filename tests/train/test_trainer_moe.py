@@ -5,7 +5,7 @@ import numpy as np
 
 from tests.helpers import train_runs
 from tests.train import test_metrics
-from tpipe.train import metrics
+from tpipe.train.cli import metrics
 
 MOE = ["--config.block=moe", "--config.num_experts=4", "--config.experts_per_token=2",
        "--config.capacity_factor=1.0", "--config.router_aux_loss_coef=0.1",

@@ -40,6 +40,7 @@ from tpipe.core.layout import device_view
 from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.core.loops import forward
 from tpipe.core.loops import fused
+from tpipe.core.loops import streaming
 from tpipe.core.planning import aux_losses
 from tpipe.core.planning import backward_plan as backward_plan_lib
 from tpipe.core.planning import plan as plan_lib
@@ -120,6 +121,13 @@ class Pipeline:
   def _axes(self, mesh) -> spmd.Axes:
     mesh = self.spec.run_mesh(self.owner) if mesh is None else mesh
     return spmd.Axes.of(mesh, self.spec.stage_axis, self.spec.data_axis)
+
+  def describe_inputs(self, global_batch: int, mesh=None) -> str:
+    """How a training step's table (:attr:`loss_table`) gets a batch of ``global_batch``
+    examples: streamed one micro-batch per tick, or gathered onto every stage once per step, and
+    why (:func:`tpipe.core.loops.streaming.describe`)."""
+    return streaming.describe(self.loss_table, self._axes(mesh), global_batch,
+                              self.spec.stream_inputs, self.backward_plan.w_recomputes)
 
   def _call(self, x, kwargs, axes: spmd.Axes):
     """Checks a call's input and keywords; returns the keywords split by kind."""

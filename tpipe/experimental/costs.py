@@ -2,7 +2,7 @@
 
 Experimental (research). The stable path needs none of this: a fused schedule's table is laid
 out in compound ticks for costs derived from measured FLOPs
-(:mod:`tpipe.core.planning.tick_costs`), and
+(:mod:`tpipe.schedules.derived_costs`), and
 ``PipelineSpec.tick_costs`` takes a mapping to override them. Here:
 
 * :func:`parse`: costs written by hand, ``"F=1,B=3,BI=2,W=1"`` (what ``config.tick_costs``

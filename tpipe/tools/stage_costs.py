@@ -23,7 +23,7 @@ compiled step's per-device memory) over the floor says how much an implementatio
 padding, whole-batch buffers, copies, fragmentation.
 
 Nothing here reads a config: the functions take layouts, schedules, abstract shapes and compiled
-programs (see :mod:`tpipe.train.report` for the glue).
+programs (see :mod:`tpipe.train.cli.report` for the glue).
 
 Example::
 

@@ -12,8 +12,8 @@ SIGTERM saves a checkpoint and stops. Override any config field with --config.NA
 fields, their defaults and meanings are listed below.
 """
 
-from tpipe.train import cli
-from tpipe.train import trainer
+from tpipe.train.cli import startup
+from tpipe.train.cli import trainer
 
 if __name__ == "__main__":
-  cli.run(trainer.main, doc=__doc__)
+  startup.run(trainer.main, doc=__doc__)

@@ -1,6 +1,6 @@
 """The LM's architecture in a config: its fields, their defaults, and what fills them in.
 
-The LM task (:mod:`tpipe.train.tasks`) builds :func:`tpipe.train.models.decoder_lm` from the
+The LM task (:mod:`tpipe.train.cli.tasks`) builds :func:`tpipe.train.models.decoder_lm` from the
 fields of :data:`DEFAULTS` (``configs/lm.py`` documents each). Two things can set them instead
 of the config (:func:`resolve`, which the trainer and the other entry points call first):
 

@@ -76,7 +76,7 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
               normalize_expert_weights: bool = True, shared_expert_mlp_dim: int = 0) -> list:
   """The LM's layers ``[TokenEmbedding, tpipe.Repeat(block, L), LMHead]`` (arguments as
   :func:`decoder_lm`), checked; :func:`decoder_lm` pipelines them, and
-  :mod:`tpipe.train.generate` applies them one after the other with a key/value cache."""
+  :mod:`tpipe.train.cli.generate` applies them one after the other with a key/value cache."""
   for name, value in (("num_layers", num_layers), ("width", width), ("num_heads", num_heads),
                       ("mlp_dim", mlp_dim), ("max_len", max_len), ("vocab_size", vocab_size)):
     model_args.check_int(name, value)

@@ -10,7 +10,7 @@ suffix, or from ``config.data_format`` for every file:
 * ``parquet`` (``.parquet``, via pyarrow): one document per row of the ``text_field`` column;
 * ``arrayrecord`` (``.arrayrecord``, ``.array_record``, read with grain's
   ``ArrayRecordDataSource``): one UTF-8 document per record, as
-  ``python -m tpipe.train.write_corpus`` writes them.
+  ``python -m tpipe.train.cli.write_corpus`` writes them.
 
 Each document is named by its file and its index there (:class:`Document`), which
 :func:`split` hashes to hold out an evaluation share that does not depend on the order or number

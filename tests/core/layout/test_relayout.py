@@ -18,7 +18,7 @@ import pytest
 from tpipe.core.layout import checkpoint_form
 from tpipe.core.layout import relayout
 from tests.helpers.shapes import abstract_shapes
-from tpipe.train import experiment
+from tpipe.train.cli import experiment
 from configs import lm
 
 # name: (stages, data, fsdp, tensor, schedule, repeats, balance)

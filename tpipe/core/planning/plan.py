@@ -25,8 +25,8 @@ from tpipe import partition
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.core.base import layers as layers_lib
-from tpipe.core.planning import tick_costs as tick_costs_lib
 from tpipe.core.planning import unit_cost
+from tpipe.schedules import derived_costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ class Plan:
     num_stages: S.
     placement: where model chunks live (see :func:`tpipe.schedules.virtual_stages`).
     tick_costs: a fused schedule's per-action costs derived from the units' measured FLOPs
-      (:mod:`tpipe.core.planning.tick_costs`), for its compound ticks; None where the spec gives
+      (:mod:`tpipe.schedules.derived_costs`), for its compound ticks; None where the spec gives
       them (or ``"plain"``) or the schedule is a forward one.
   """
 
@@ -145,7 +145,7 @@ class Plan:
       where = ", ".join(f"chunk {c} -> stage {self.stage_of(c)}" for c in range(self.num_chunks))
       text = f"{text}\n({self.placement} placement: {where})"
     if self.tick_costs is not None:
-      text = f"{text}\n{tick_costs_lib.describe(self.tick_costs, derived=True)}"
+      text = f"{text}\n{derived_costs.describe(self.tick_costs, derived=True)}"
     return text
 
 
@@ -378,8 +378,8 @@ def make_plan(layers, spec: spec_lib.PipelineSpec, param_shapes, stats_shapes, t
   derived = None
   if spec.is_fused and spec.tick_costs is None:  # Compound ticks for the measured costs.
     flops = action_flops(layers, param_shapes, stats_shapes, layer_inputs, calls)
-    derived = tick_costs_lib.from_flops(flops, spec.remat, spec.remat_granularity,
-                                        spec.weight_recompute)
+    derived = derived_costs.from_flops(flops, spec.remat, spec.remat_granularity,
+                                       spec.weight_recompute)
   return Plan(unit_names=layers_lib.unit_names(layers), costs=costs, counts=tuple(counts),
               groups=groups, layer_inputs=tuple(layer_inputs), num_stages=spec.num_stages,
               placement=spec.placement, tick_costs=derived)

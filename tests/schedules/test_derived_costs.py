@@ -1,5 +1,5 @@
 """Good by default: a fused schedule's table is laid out in compound ticks for per-action costs
-derived from the layers' measured FLOPs (:mod:`tpipe.core.planning.tick_costs`) with nothing typed;
+derived from the layers' measured FLOPs (:mod:`tpipe.schedules.derived_costs`) with nothing typed;
 ``tick_costs`` overrides them and ``"plain"`` keeps one action per tick; the derived table runs
 exactly."""
 
@@ -8,7 +8,7 @@ import pytest
 
 import tpipe
 from tests.helpers import linen_models as lm
-from tpipe.core.planning import tick_costs
+from tpipe.schedules import derived_costs
 
 MATMUL = {"forward": 2.0, "backward_input": 2.0, "backward_weight": 2.0}
 
@@ -21,14 +21,14 @@ MATMUL = {"forward": 2.0, "backward_input": 2.0, "backward_weight": 2.0}
     ("dots", "layer", {"F": 1, "B": 3, "BI": 2, "W": 1}),
 ])
 def test_costs_count_the_forwards_each_backward_recomputes(remat, granularity, expected):
-  assert dict(tick_costs.from_flops(MATMUL, remat, granularity)) == expected
+  assert dict(derived_costs.from_flops(MATMUL, remat, granularity)) == expected
 
 
 @pytest.mark.unit
 def test_weight_recompute_moves_work_into_w():
-  plain = dict(tick_costs.from_flops(MATMUL, "full", "chunk"))
-  forward = dict(tick_costs.from_flops(MATMUL, "full", "chunk", "forward"))
-  backward = dict(tick_costs.from_flops(MATMUL, "full", "chunk", "backward"))
+  plain = dict(derived_costs.from_flops(MATMUL, "full", "chunk"))
+  forward = dict(derived_costs.from_flops(MATMUL, "full", "chunk", "forward"))
+  backward = dict(derived_costs.from_flops(MATMUL, "full", "chunk", "backward"))
   assert forward["W"] == plain["W"] + 1 and forward["BI"] == plain["BI"]
   assert backward["W"] == plain["B"] and backward["BI"] == plain["BI"]
 
@@ -36,9 +36,9 @@ def test_weight_recompute_moves_work_into_w():
 @pytest.mark.unit
 def test_no_measured_flops_fall_back_to_a_matmul_and_costs_stay_positive():
   none = {"forward": 0.0, "backward_input": 0.0, "backward_weight": 0.0}
-  assert dict(tick_costs.from_flops(none, "none")) == {"F": 1, "B": 2, "BI": 1, "W": 1}
+  assert dict(derived_costs.from_flops(none, "none")) == {"F": 1, "B": 2, "BI": 1, "W": 1}
   no_weights = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 0.0}
-  assert dict(tick_costs.from_flops(no_weights, "none"))["W"] > 0
+  assert dict(derived_costs.from_flops(no_weights, "none"))["W"] > 0
 
 
 def _pipeline(schedule, **settings):

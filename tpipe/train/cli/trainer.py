@@ -39,13 +39,13 @@ from ml_collections import config_flags
 import tpipe
 from tpipe.train import architecture
 from tpipe.train import checkpointing
-from tpipe.train import cli
 from tpipe.train import data
-from tpipe.train import experiment
-from tpipe.train import metrics as metrics_lib
 from tpipe.train import pretrained
-from tpipe.train import step_log
-from tpipe.train import tasks
+from tpipe.train.cli import experiment
+from tpipe.train.cli import metrics as metrics_lib
+from tpipe.train.cli import startup
+from tpipe.train.cli import step_log
+from tpipe.train.cli import tasks
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.", lock_config=True)
@@ -79,9 +79,9 @@ def _setup_jax(config) -> None:
     raise app.UsageError("--num_processes/--process_id need --coordinator_address=HOST:PORT.")
   # The CPU backend's device count only matters when CPU is the platform; on TPU/GPU hosts it is
   # harmless. Each process emulates its share of the mesh.
-  if cli.user_cpu_device_count() is None:
+  if startup.user_cpu_device_count() is None:
     num_processes = _NUM_PROCESSES.value or 1
-    needed = cli.num_devices(config)
+    needed = startup.num_devices(config)
     if needed % num_processes:
       raise app.UsageError(
           f"num_stages * num_data * mesh.fsdp * mesh.expert * mesh.tensor = {needed} devices "
@@ -89,13 +89,13 @@ def _setup_jax(config) -> None:
           "evenly over "
           f"--num_processes={num_processes}.")
     jax.config.update("jax_num_cpu_devices", needed // num_processes)
-  cli.quiet_absent_tpu()
+  startup.quiet_absent_tpu()
   if distributed:
     jax.distributed.initialize(
         coordinator_address=_COORDINATOR.value,
         num_processes=_NUM_PROCESSES.value,
         process_id=_PROCESS_ID.value)
-  elif importlib.util.find_spec("libtpu") is not None and cli.tpu_host():
+  elif importlib.util.find_spec("libtpu") is not None and startup.tpu_host():
     # A Cloud TPU VM: a no-op on one host, joins all workers on a pod slice.
     try:
       jax.distributed.initialize()
@@ -144,7 +144,7 @@ def validate_train_config(config) -> None:
     value = config.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"config.{name} must be an int >= 1, got {value!r}.")
-  profile = cli.parse_profile_steps(config.get("profile_steps", ""))
+  profile = startup.parse_profile_steps(config.get("profile_steps", ""))
   if profile and profile[1] > config.num_steps:
     raise ValueError(f"config.profile_steps={config.profile_steps!r} ends after "
                      f"config.num_steps={config.num_steps}; profile steps up to num_steps.")
@@ -378,7 +378,7 @@ def train(config, workdir: str) -> dict:
   rates = step_log.rates(exp)
   if is_chief:
     step_log.log_setup(exp, workdir, ckpt.directory, rates)
-  profile = cli.parse_profile_steps(config.get("profile_steps", ""))
+  profile = startup.parse_profile_steps(config.get("profile_steps", ""))
   profile_dir = workdir / "profile"
   state, start = _restore_or_init(exp, ckpt, train_iter, data_spec, is_chief)
   last_checkpoint = start or None
@@ -461,7 +461,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
   logging.get_absl_handler().addFilter(_QuietLibraries())
-  validate_train_config(config)  # Before any work; a ValueError exits 2 (cli.run).
+  validate_train_config(config)  # Before any work; a ValueError exits 2 (startup.run).
   _setup_jax(config)
   try:
     final = train(config, _WORKDIR.value)

@@ -1,11 +1,11 @@
-r"""Perplexity of a model on a data source: ``python -m tpipe.train.evaluate``.
+r"""Perplexity of a model on a data source: ``python -m tpipe.train.cli.evaluate``.
 
 Usage::
 
   # A run's latest checkpoint, on held-out files (its tokenizer and sequence length).
-  python -m tpipe.train.evaluate --workdir=/tmp/run --data='data/test/*.jsonl'
+  python -m tpipe.train.cli.evaluate --workdir=/tmp/run --data='data/test/*.jsonl'
   # An imported Hugging Face checkpoint.
-  python -m tpipe.train.evaluate --init_from=/models/llama \
+  python -m tpipe.train.cli.evaluate --init_from=/models/llama \
       --tokenizer=/models/llama/tokenizer.json --data=data/test.jsonl --seq_len=512
 
 The documents are tokenized and packed as for training (:mod:`tpipe.train.packing`: each
@@ -31,13 +31,13 @@ import numpy as np
 
 import tpipe
 from tpipe.train import architecture
-from tpipe.train import cli
 from tpipe.train import data as data_lib
-from tpipe.train import loading
 from tpipe.train import models
 from tpipe.train import packing
 from tpipe.train import sources
 from tpipe.train import tokenization
+from tpipe.train.cli import loading
+from tpipe.train.cli import startup
 
 
 FLAGS = flags.FLAGS
@@ -121,8 +121,8 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if not FLAGS.data:
     raise ValueError("--data is required: a path or glob of the documents to evaluate on.")
-  cli.quiet_absent_tpu()
-  if cli.user_cpu_device_count() is None:
+  startup.quiet_absent_tpu()
+  if startup.user_cpu_device_count() is None:
     jax.config.update("jax_num_cpu_devices", FLAGS.num_stages * FLAGS.num_data)
   model = loading.load(workdir=FLAGS.workdir, init_from=FLAGS.init_from, step=FLAGS.step,
                        tokenizer=FLAGS.tokenizer, seq_len=FLAGS.seq_len,
@@ -141,4 +141,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  cli.run(main, doc=__doc__)
+  startup.run(main, doc=__doc__)

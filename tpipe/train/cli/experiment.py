@@ -43,15 +43,12 @@ from jax.sharding import PartitionSpec as P
 
 import tpipe
 from tpipe import spec as spec_lib
-from tpipe.core import engine
-from tpipe.core.layout import checkpoint_form
-from tpipe.core.layout import relayout
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe import staging
 from tpipe.train import architecture
-from tpipe.train import cli
 from tpipe.train import compact_moments
-from tpipe.train import tasks as tasks_lib
 from tpipe.train import tied
+from tpipe.train.cli import startup
+from tpipe.train.cli import tasks as tasks_lib
 
 # The fields every task's config has (each task adds its own: tasks_lib.*.fields).
 _REQUIRED_FIELDS = (
@@ -70,9 +67,9 @@ def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.Pipe
       schedule=config.schedule, num_repeats=config.num_repeats,
       balance=parse_balance(config.balance), remat=config.remat,
       remat_granularity=tasks_lib.remat_granularity(config), mesh=mesh,
-      transfer_delay=cli.parse_transfer_delay(config.get("transfer_delay", "auto")),
+      transfer_delay=startup.parse_transfer_delay(config.get("transfer_delay", "auto")),
       stream_inputs=config.get("stream_inputs", True),
-      tick_costs=cli.parse_tick_costs(config.get("tick_costs", "")),
+      tick_costs=startup.parse_tick_costs(config.get("tick_costs", "")),
       tick_search=config.get("tick_search", 0),
       weight_recompute=config.get("weight_recompute", False))
 
@@ -96,7 +93,7 @@ def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
       raise TypeError(f"config.{name} must be an int, got {value!r}.")
     if value < 1:
       raise ValueError(f"config.{name} must be >= 1, got {value}.")
-  sizes = cli.mesh_sizes(config)
+  sizes = startup.mesh_sizes(config)
   fsdp = sizes["fsdp"]
   shards = config.num_data * fsdp  # A batch's rows split over data and fsdp.
   if config.batch_size % shards:
@@ -137,7 +134,7 @@ def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
         "(or 'circular' with config.num_repeats > 1).")
   if config.learning_rate <= 0:
     raise ValueError(f"config.learning_rate must be > 0, got {config.learning_rate}.")
-  needed = cli.num_devices(config)
+  needed = startup.num_devices(config)
   available = jax.device_count() if devices is None else len(devices)
   if needed > available:
     where = "JAX sees only" if devices is None else "the devices given are"
@@ -181,7 +178,7 @@ def _decayed(path) -> bool:
 
 
 def staged_weight_decay(weight_decay: float,
-                        layout: layout_lib.StageLayout) -> optax.GradientTransformation:
+                        layout: staging.StageLayout) -> optax.GradientTransformation:
   """``optax.add_decayed_weights`` for staged parameters, decaying matrices and embeddings only
   (:data:`DECAYED_NAMES`).
 
@@ -201,19 +198,19 @@ def staged_weight_decay(weight_decay: float,
   def update(updates, state, params):
     decay = lambda u, p, m: u + weight_decay * jnp.where(m, p, 0).astype(u.dtype)
     stacked = jax.tree_util.tree_map_with_path(
-        lambda path, u, p: decay(u, p, _decayed(path)), updates[layout_lib.STACKED],
-        params[layout_lib.STACKED])
-    packed = {k: decay(u, params[layout_lib.PACKED][k], masks[k](u.shape))
-              for k, u in updates[layout_lib.PACKED].items()}
-    shared = {k: decay(u, params[layout_lib.SHARED][k], shared_masks[k])
-              for k, u in updates[layout_lib.SHARED].items()}
-    return {layout_lib.STACKED: stacked, layout_lib.PACKED: packed,
-            layout_lib.SHARED: shared}, state
+        lambda path, u, p: decay(u, p, _decayed(path)), updates[staging.STACKED],
+        params[staging.STACKED])
+    packed = {k: decay(u, params[staging.PACKED][k], masks[k](u.shape))
+              for k, u in updates[staging.PACKED].items()}
+    shared = {k: decay(u, params[staging.SHARED][k], shared_masks[k])
+              for k, u in updates[staging.SHARED].items()}
+    return {staging.STACKED: stacked, staging.PACKED: packed,
+            staging.SHARED: shared}, state
 
   return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(config: ml_collections.ConfigDict, layout: layout_lib.StageLayout,
+def make_optimizer(config: ml_collections.ConfigDict, layout: staging.StageLayout,
                    compact_leaves=None) -> optax.GradientTransformation:
   """AdamW with linear warm-up then cosine decay, after global-norm clipping, on staged params.
 
@@ -242,7 +239,7 @@ def make_optimizer(config: ml_collections.ConfigDict, layout: layout_lib.StageLa
       optax.scale_by_learning_rate(schedule))
 
 
-def compact_leaves_for(config: ml_collections.ConfigDict, layout: layout_lib.StageLayout,
+def compact_leaves_for(config: ml_collections.ConfigDict, layout: staging.StageLayout,
                        mesh) -> dict[str, compact_moments.CompactLeaf]:
   """The shared leaves whose Adam moments keep their real entries only, as
   ``config.compact_moments`` says (:func:`tpipe.train.compact_moments.chosen_plan`: by default
@@ -275,7 +272,7 @@ class Experiment:
 
   Attributes:
     config: the config it was built from.
-    task: what is trained (:mod:`tpipe.train.tasks`).
+    task: what is trained (:mod:`tpipe.train.cli.tasks`).
     mesh: the device mesh, axes ``('data', 'fsdp', 'stage', 'expert', 'tensor')``.
     model: the task's front-end model (``tpipe.Sequential`` or ``tpipe.nnx.Sequential``).
     pipeline: the model's engine pipeline with its split fixed, for training batches.
@@ -297,7 +294,7 @@ class Experiment:
   task: Any
   mesh: Any
   model: Any
-  pipeline: engine.Pipeline
+  pipeline: tpipe.Pipeline
   optimizer: optax.GradientTransformation
   train_step: Callable = None
   eval_step: Callable = None
@@ -305,7 +302,7 @@ class Experiment:
   loss_terms_step: Callable = None
 
   @property
-  def layout(self) -> layout_lib.StageLayout:
+  def layout(self) -> staging.StageLayout:
     """Where the parameters live in the stage layout."""
     return self.pipeline.layout
 
@@ -316,7 +313,7 @@ class Experiment:
     return compact_leaves_for(self.config, self.layout, self.mesh)
 
   @property
-  def stats_layout(self) -> layout_lib.StageLayout | None:
+  def stats_layout(self) -> staging.StageLayout | None:
     """Where BatchNorm's statistics live (None without any)."""
     return self.pipeline.stats_layout
 
@@ -394,7 +391,7 @@ class Experiment:
 
   def _collections(self):
     """``(layout, staged specs)`` of the parameters and of BatchNorm's statistics (or None)."""
-    specs = checkpoint_form.staged_specs_of(self._abstract_state)
+    specs = staging.staged_specs_of(self._abstract_state)
     stats = None
     if self.stats_layout is not None:
       stats = (self.stats_layout, specs.model_state)
@@ -409,7 +406,7 @@ class Experiment:
     def convert(trees):
       # The compact moments' weights straight from their entries (tpipe.train.compact_moments);
       # the staged form handed to the conversion holds zeros there.
-      logical = relayout.to_checkpoint(
+      logical = staging.to_checkpoint(
           layout, [compact_moments.staged_zeros(t, leaves) if is_compact(t) else t
                    for t in trees], specs, self.mesh)
       return [compact_moments.to_logical(out, t, leaves) if is_compact(t) else out
@@ -417,7 +414,7 @@ class Experiment:
 
     model_state = None
     if stats is not None:
-      model_state = relayout.to_checkpoint(*stats[:1], state.model_state, stats[1], self.mesh)
+      model_state = staging.to_checkpoint(*stats[:1], state.model_state, stats[1], self.mesh)
       model_state = {k: v for k, v in model_state.items() if jax.tree.leaves(v)}  # As Flax.
     return _map_param_trees_together(convert, state.replace(model_state=None),
                                      staged_def).replace(model_state=model_state)
@@ -425,7 +422,7 @@ class Experiment:
   def _to_staged(self, state):
     (layout, specs), stats = self._collections()
     logical_def = jax.tree.structure(layout.logical)
-    convert = lambda trees: relayout.from_checkpoint(
+    convert = lambda trees: staging.from_checkpoint(
         layout, [jax.tree.map(lambda a, s: a.astype(s.dtype), t, layout.logical) for t in trees],
         specs, self.mesh)
     model_state = None
@@ -437,7 +434,7 @@ class Experiment:
         raise ValueError(f"the checkpoint's model_state has no statistics for {missing}, which "
                          "this model's BatchNorm layers need; was it written by another model?")
       everything = {k: state.model_state.get(k, {}) for k in stats[0].logical}
-      model_state = relayout.from_checkpoint(stats[0], everything, stats[1], self.mesh)
+      model_state = staging.from_checkpoint(stats[0], everything, stats[1], self.mesh)
     staged = _map_param_trees_together(convert, state.replace(model_state=None), logical_def)
     # The moments the optimizer keeps compact (tpipe.train.compact_moments), as it keeps them:
     # their entries straight from the logical weights.
@@ -456,7 +453,7 @@ class Experiment:
     # own share of the state while a checkpoint is written or read, never the whole model.
     shapes = jax.eval_shape(self._to_logical, self._abstract_state)
     (layout, specs), stats = self._collections()
-    logical_specs = checkpoint_form.checkpoint_specs(layout, specs, self.mesh)
+    logical_specs = staging.checkpoint_specs(layout, specs, self.mesh)
     logical_def = jax.tree.structure(layout.logical)
     placed = _map_param_trees(lambda _: logical_specs, shapes.replace(model_state=None),
                               logical_def)
@@ -464,7 +461,7 @@ class Experiment:
                           is_leaf=lambda a: isinstance(a, (P, jax.ShapeDtypeStruct)))
     model_state = None
     if stats is not None:
-      stats_specs = checkpoint_form.checkpoint_specs(stats[0], stats[1], self.mesh)
+      stats_specs = staging.checkpoint_specs(stats[0], stats[1], self.mesh)
       model_state = {k: stats_specs[k] for k in shapes.model_state}
     return self._placed(shapes, placed.replace(model_state=model_state))
 
@@ -521,7 +518,7 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
       any tracing.
     devices: the devices of the mesh; default ``jax.devices()``. Devices of a TPU topology
       description (``jax.experimental.topologies``) compile the steps for that target from any
-      machine (:mod:`tpipe.train.report`'s ``--topology``).
+      machine (:mod:`tpipe.train.cli.report`'s ``--topology``).
 
   Returns:
     An :class:`Experiment`, whose ``config`` is ``config`` with the LM's architecture filled
@@ -535,8 +532,9 @@ def build(config: ml_collections.ConfigDict, devices=None) -> Experiment:
   devices = jax.devices() if devices is None else devices
   try:
     mesh = tpipe.make_mesh(stages=config.num_stages, data=config.num_data,
-                           **cli.mesh_sizes(config), devices=devices, dcn=cli.mesh_dcn(config),
-                           slices=cli.slice_groups(config, devices))
+                           **startup.mesh_sizes(config), devices=devices,
+                           dcn=startup.mesh_dcn(config),
+                           slices=startup.slice_groups(config, devices))
   except ValueError as error:
     if "slice" not in str(error):
       raise

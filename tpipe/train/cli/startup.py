@@ -13,7 +13,7 @@ from typing import Callable
 
 from absl import app
 
-from tpipe.train import config_help
+from tpipe.train.cli import config_help
 
 
 def user_cpu_device_count() -> int | None:

@@ -13,12 +13,10 @@ from absl import logging
 import jax
 
 import tpipe
-from tpipe.core.base import spmd
-from tpipe.core.loops import streaming
-from tpipe.train import cli
 from tpipe.train import compact_moments
-from tpipe.train import metrics as metrics_lib
-from tpipe.train import throughput
+from tpipe.train.cli import metrics as metrics_lib
+from tpipe.train.cli import startup
+from tpipe.train.cli import throughput
 
 
 def format_eta(seconds: float) -> str:
@@ -77,7 +75,7 @@ def log_setup(exp, workdir, ckpt_dir: str, rates: throughput.Rates) -> None:
   """Where the run writes, idle devices, and what the throughput figures are based on."""
   used, available = int(exp.mesh.devices.size), jax.device_count()
   if used < available:
-    sizes = cli.mesh_sizes(exp.config)
+    sizes = startup.mesh_sizes(exp.config)
     logging.warning(
         "The mesh uses %d of the %d devices (num_stages %d x num_data %d x mesh.fsdp %d x "
         "mesh.expert %d x mesh.tensor %d); %d stay idle. Make the product %d to use them all.",
@@ -101,12 +99,8 @@ def log_pipeline(exp, config) -> None:
                jax.device_count(), jax.devices()[0].platform, dict(exp.mesh.shape),
                f"{exp.num_params():,}")
   spec = exp.pipeline.spec
-  axes = spmd.Axes.of(exp.mesh, spec.stage_axis, spec.data_axis)
-  backward = exp.pipeline.backward_plan
-  logging.info("Pipeline: %s.", streaming.describe(
-      exp.pipeline.loss_table, axes, config.batch_size, spec.stream_inputs,
-      backward.w_recomputes))
-  logging.info("%s.", backward.describe().capitalize())
+  logging.info("Pipeline: %s.", exp.pipeline.describe_inputs(config.batch_size, exp.mesh))
+  logging.info("%s.", exp.pipeline.backward_plan.describe().capitalize())
   slices = int(tpipe.mesh.slice_of_devices(exp.mesh).max()) + 1
   if slices > 1 or any(spec.delays):
     logging.info("%d slices; stage links crossing them %s; transfers delayed per link %s.",

@@ -1,55 +1,23 @@
-r"""What a configuration costs per device, from an ahead-of-time compile of its training step.
+"""What a configuration costs per device, from an ahead-of-time compile of its training step:
+the library behind ``python -m tpipe.train.cli.report`` (:mod:`tpipe.train.cli.report`, which
+documents every figure), the auto-tuner and the multislice comparison.
 
-Usage::
-
-  python -m tpipe.train.report --config=configs/lm.py --config.num_stages=8 \
-      --config.num_data=1 --config.num_microbatches=32
-  python -m tpipe.train.report --config=configs/lm.py:size=tiny --out_dir=/tmp/report
-
-The training step of the experiment (:func:`tpipe.train.experiment.build`) is lowered and
-compiled for the configured mesh (emulated CPU devices on a CPU-only machine, the real devices on
-a TPU VM) and never run. The printed table gives, per device:
-
-* memory: parameters, optimizer state and batch (the step's arguments, split by their
-  shardings), gradients (the size of the parameters, part of XLA's temporaries), activations and
-  other temporaries (the rest of the temporaries), the peak total and the largest device;
-* FLOPs: executed per step (every loop body counted as many times as it runs), useful (minus the
-  bubble slots' share of the tick loops) and the schedule's analytic bubble fraction;
-* collectives per step by kind and mesh axes: stage-to-stage transfers (collective-permute over
-  ``stage``) and data-parallel reductions (all-reduce over ``data``);
-* per stage: the layers it holds (``layers_1[0..5] TransformerBlock``), its parameter bytes and
-  the padding of its parameter slots, its optimizer state, its forward-and-backward
-  FLOPs on one micro-batch (the per-unit costs of ``balance="flops"``), its input on one
-  micro-batch and the working set of its chunks compiled alone;
-* the **memory floor**: (parameters + optimizer state + gradients) of the largest stage + the
-  schedule's in-flight stage inputs + the working set of one chunk on one micro-batch, and the
-  real peak over it (:mod:`tpipe.tools.stage_costs`);
-* the **predicted step time** on the topology's chip (v5p off a topology), tokens per second and
-  MFU, and where the time goes: compute, memory, exposed collectives, bubble, recompute
-  (:func:`predict`, :mod:`tpipe.tools.step_time`).
-
-The report (``report.md``, ``report.json``) and the schedule's timeline (``timeline.png``) are
-saved in ``--out_dir`` (a new temporary directory by default, printed at the end). Python users
-call :func:`analyze_config`, and :func:`tpipe.train.report_text.format_report` for the text.
+:func:`analyze_config` builds the experiment (:func:`tpipe.train.cli.experiment.build`), lowers
+and compiles its training step for the configured mesh or a TPU topology, never runs it, and
+returns a :class:`Report`: memory by kind, FLOPs, collectives, per-stage costs, the memory floor
+and the predicted step time (:func:`predict`). :func:`tpipe.train.cli.report_text.format_report`
+gives its text.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import sys
-import tempfile
 import time
 from typing import Any
 
-from absl import app
-from absl import flags
-from ml_collections import config_flags
 
-from tpipe.train import cli
-from tpipe.train import report_text
-from tpipe.train import schedule_summary
+from tpipe.train.cli import schedule_summary
+from tpipe.train.cli import startup
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -64,14 +32,14 @@ def setup_cpu_devices(config=None, num_devices: int | None = None) -> int:
   """
   import jax  # pylint: disable=g-import-not-at-top
 
-  chosen = cli.user_cpu_device_count()
+  chosen = startup.user_cpu_device_count()
   if chosen is not None:
     return chosen
   needed = DEFAULT_CPU_DEVICES
   if num_devices is not None:
     needed = max(needed, int(num_devices))
   elif config is not None and "num_stages" in config and "num_data" in config:
-    needed = max(needed, cli.num_devices(config))
+    needed = max(needed, startup.num_devices(config))
   jax.config.update("jax_num_cpu_devices", needed)
   return needed
 
@@ -108,7 +76,7 @@ class Report:
     state_split: per mesh axis, how the parameters split over it
       (:func:`tpipe.tools.analysis.axis_split`).
     communication: the step's collectives priced on their links (ICI, DCN) beside its compute
-      (:class:`tpipe.train.communication.Communication`).
+      (:class:`tpipe.train.cli.communication.Communication`).
     mesh: the mesh the step was compiled for.
     backward: how the step's backward actions run
       (:meth:`tpipe.core.planning.backward_plan.BackwardPlan.describe`).
@@ -116,7 +84,7 @@ class Report:
       ``spec.tick_costs``, pairs), also the costs its step is simulated under; None: one
       action per tick, or a forward schedule (simulated under the default costs).
     tick_costs_derived: whether those costs were derived from measured per-unit FLOPs
-      (:mod:`tpipe.core.planning.tick_costs`) rather than given.
+      (:mod:`tpipe.schedules.derived_costs`) rather than given.
     moments: whether Adam's moments of the ends are compact, and the memory and the moves over
       ``stage`` at stake (:func:`tpipe.train.compact_moments.describe`); "" where none qualify.
     prediction: the step's predicted time, tokens per second and MFU on the chip priced
@@ -274,7 +242,7 @@ class Prediction:
       own time, its bubble the table's simulated share of it.
     tokens: tokens per step (None: not a language model).
     model_flops: the model's FLOPs per step, all devices (6 x parameters x tokens plus
-      attention: :func:`tpipe.train.throughput.lm_step_flops`); None where unknown.
+      attention: :func:`tpipe.train.cli.throughput.lm_step_flops`); None where unknown.
     num_devices: devices the step runs on.
     peak_flops: one chip's peak FLOP/s.
     step_time: the :class:`tpipe.tools.step_time.StepTime` of the program.
@@ -333,7 +301,7 @@ def predict(compiled, exp, schedule, chip) -> Prediction:
   from tpipe.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from tpipe.tools import pipeline_time  # pylint: disable=g-import-not-at-top
   from tpipe.tools import step_time  # pylint: disable=g-import-not-at-top
-  from tpipe.train import throughput  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import throughput  # pylint: disable=g-import-not-at-top
 
   chip = step_time.chip(chip)
   module = step_time.with_trip_counts(compiled.as_text())
@@ -401,7 +369,7 @@ def measure_stages(exp, schedule, unit_flops=None):
   alone on one micro-batch, with dropout as in training.
 
   Args:
-    exp: a :class:`tpipe.train.experiment.Experiment`.
+    exp: a :class:`tpipe.train.cli.experiment.Experiment`.
     schedule: the schedule its step runs.
     unit_flops: the per-unit FLOPs if already measured (``Plan.costs`` of a ``balance="flops"``
       plan for one device's micro-batch); measured here when None.
@@ -471,13 +439,13 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
 
   from tpipe.experimental import links  # pylint: disable=g-import-not-at-top
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
-  from tpipe.train import communication  # pylint: disable=g-import-not-at-top
   from tpipe.train import compact_moments  # pylint: disable=g-import-not-at-top
-  from tpipe.train import experiment  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import communication  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import experiment  # pylint: disable=g-import-not-at-top
 
   communication.check_efficiency(efficiency)  # Before the compile, not after.
   num_slices = 1
-  for count in cli.mesh_dcn(config).values():
+  for count in startup.mesh_dcn(config).values():
     num_slices *= count
   devices = tpipe.topology_devices(topology, num_slices=num_slices) if topology else None
   per_stage = per_stage and topology is None
@@ -511,59 +479,3 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                                                  exp.layout, exp.mesh,
                                                  exp.pipeline.spec.stage_axis),
                 prediction=prediction)
-
-
-def write_report(report: Report, out_dir: str) -> dict[str, str]:
-  """Writes ``report.md``, ``report.json`` and ``timeline.png`` to ``out_dir``; returns paths."""
-  from tpipe.tools import timeline  # pylint: disable=g-import-not-at-top
-
-  os.makedirs(out_dir, exist_ok=True)
-  paths = {"markdown": os.path.join(out_dir, "report.md"),
-           "json": os.path.join(out_dir, "report.json"),
-           "timeline": os.path.join(out_dir, "timeline.png")}
-  command = " ".join(["python -m tpipe.train.report"] + sys.argv[1:]) if sys.argv else ""
-  with open(paths["markdown"], "w") as f:
-    f.write(report_text.format_report(report)
-            + f"\n\n![timeline](timeline.png)\n\nCommand: `{command}`\n")
-  with open(paths["json"], "w") as f:
-    json.dump(report.to_json(), f, indent=1, default=str)
-  # A fused table holds its backward already; a forward one gets autodiff's, reversed.
-  timeline.save_timeline(report.schedule, paths["timeline"],
-                         backward=not schedule_summary.is_fused(report.schedule))
-  return paths
-
-
-def define_flags() -> None:
-  """Defines the command-line flags (only when run as a program, so imports never clash)."""
-  config_flags.DEFINE_config_file(
-      "config", None, "Experiment config file, e.g. configs/lm.py:size=tiny.",
-      lock_config=False)
-  flags.DEFINE_string(
-      "topology", None, "Compile for this TPU topology instead of this machine's devices, e.g. "
-      "v5p:2x2x2 (needs the TPU compiler: pip install -e '.[tpu]'); nothing runs.")
-  flags.DEFINE_string(
-      "out_dir", None, "Directory for report.md, report.json and timeline.png (default: a new "
-      "temporary directory).")
-  cli.define_network_flags()
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  config = flags.FLAGS.config
-  if config is None:
-    raise app.UsageError("--config is required, e.g. --config=configs/lm.py:size=tiny.")
-  if not flags.FLAGS.topology:
-    setup_cpu_devices(config)
-  report = analyze_config(config, topology=flags.FLAGS.topology, breakdown=True,
-                          network=cli.network_from_flags(flags.FLAGS.topology),
-                          efficiency=flags.FLAGS.efficiency)
-  out_dir = flags.FLAGS.out_dir or tempfile.mkdtemp(prefix="tpipe_report_")
-  paths = write_report(report, out_dir)
-  print(report_text.format_report(report))
-  print(f"\nSaved {paths['markdown']}, {paths['json']} and {paths['timeline']}")
-
-
-if __name__ == "__main__":
-  define_flags()
-  cli.run(main)

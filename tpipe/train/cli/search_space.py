@@ -3,7 +3,7 @@ candidate costs analytically before anything compiles.
 
 :func:`candidates` lists every point (stages x replicas x micro-batches x schedule with each of
 its ``num_repeats`` x remat x granularity) with the invalid ones and their reasons;
-:func:`analytic_step` and :func:`analytic_memory` are what :mod:`tpipe.train.autotune` orders
+:func:`analytic_step` and :func:`analytic_memory` are what :mod:`tpipe.train.cli.autotune` orders
 and prunes them by. Pure NumPy: nothing here compiles.
 """
 
@@ -14,7 +14,7 @@ from typing import Sequence
 
 from tpipe import schedules
 from tpipe import spec as spec_lib
-from tpipe.core.planning import tick_costs
+from tpipe.schedules import derived_costs
 
 REMAT_ORDER = ("none", "dots", "full")
 GRANULARITY_ORDER = ("chunk", "layer")
@@ -180,12 +180,12 @@ def analytic_step(config, candidate: Candidate) -> float:
   """The candidate's step per device before compiling, in forwards of the whole model on one
   example: the table's neighbour-synchronised step (:mod:`tpipe.schedules.simulate`) under the
   per-action costs its remat gives a matmul model
-  (:func:`tpipe.core.planning.tick_costs.from_flops`),
+  (:func:`tpipe.schedules.derived_costs.from_flops`),
   each action on one micro-batch (``batch / (data * M)`` examples) through one of the
   ``S * R`` chunks. It charges the bubble and the recomputation; communication and what XLA
   makes of the program are left to the compile."""
   c = candidate
-  costs = dict(tick_costs.from_flops(tick_costs.MATMUL_PARTS, c.remat, c.remat_granularity))
+  costs = dict(derived_costs.from_flops(derived_costs.MATMUL_PARTS, c.remat, c.remat_granularity))
   table = schedule_table(c.schedule, c.num_stages, c.num_microbatches, c.num_repeats)
   step = schedules.whole_step(table).simulate(costs).neighbour
   examples = config.batch_size / (c.num_data * c.num_microbatches)

@@ -1,8 +1,8 @@
-"""The cost report of :mod:`tpipe.train.report` as markdown text: memory, FLOPs, collectives,
+"""The cost report of :mod:`tpipe.train.cli.report` as markdown text: memory, FLOPs, collectives,
 the per-stage table and the notes on what the floor counts.
 
-Every function takes a :class:`tpipe.train.report.Report` (what :func:`tpipe.train.report.
-analyze_config` returns) and reads nothing else.
+Every function takes a :class:`tpipe.train.cli.config_costs.Report` (what
+:func:`tpipe.train.cli.report. analyze_config` returns) and reads nothing else.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from tpipe.spec import check_weight_recompute
 from tpipe.spec import granularity_in_effect
 from tpipe.spec import SPLIT_BACKWARD
-from tpipe.train import schedule_summary
+from tpipe.train.cli import schedule_summary
 
 
 def _flops(x: float) -> str:
@@ -24,7 +24,7 @@ def _flops(x: float) -> str:
 def format_report(report) -> str:
   """The report as a short markdown text (tables of memory, FLOPs and collectives)."""
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
-  from tpipe.train import communication  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import communication  # pylint: disable=g-import-not-at-top
 
   fb = analysis.format_bytes
   c, mem, flops, pipe = report.config, report.analysis.memory, report.analysis.flops, \
@@ -83,9 +83,9 @@ def format_report(report) -> str:
                    f"({row['split_bytes'] / total:.1%}) | {fb(row['whole_bytes'])} "
                    f"({row['whole_bytes'] / total:.1%}) |")
   if report.tick_costs is not None:
-    from tpipe.core.planning import tick_costs  # pylint: disable=g-import-not-at-top
+    from tpipe.schedules import derived_costs  # pylint: disable=g-import-not-at-top
 
-    lines += ["", tick_costs.describe(report.tick_costs, report.tick_costs_derived) + "."]
+    lines += ["", derived_costs.describe(report.tick_costs, report.tick_costs_derived) + "."]
   lines += [""] + schedule_summary.format_schedule(report.schedule, report.costs)
   if flops.loops_without_trip_count:
     lines += ["", f"Warning: XLA proved no trip count for loops "
@@ -175,7 +175,7 @@ def _time(seconds: float) -> str:
 
 def format_prediction(prediction) -> list[str]:
   """The predicted step time, tokens per second, MFU and where the time goes, as markdown lines
-  (``prediction`` a :class:`tpipe.train.report.Prediction`)."""
+  (``prediction`` a :class:`tpipe.train.cli.config_costs.Prediction`)."""
   st = prediction.step_time
   how = ("the table followed tick by tick, each action's branch priced" if prediction.tick_by_tick
          else "the program priced whole, the bubble the table's simulated share")

@@ -1,7 +1,7 @@
 """What the trainer trains: a task pairs a pipelined model with its data and its metrics.
 
-The trainer (:mod:`tpipe.train.trainer`) and the experiment builder
-(:mod:`tpipe.train.experiment`) are the same for every task; ``config.task`` picks one of:
+The trainer (:mod:`tpipe.train.cli.trainer`) and the experiment builder
+(:mod:`tpipe.train.cli.experiment`) are the same for every task; ``config.task`` picks one of:
 
 * ``"lm"`` (:class:`LanguageModelling`): the byte-level decoder LM on the Python standard
   library's source (``configs/lm.py``); batches ``{"inputs", "targets"}``, metric: loss.

@@ -1,4 +1,4 @@
-"""Per-action costs of a fused schedule's compound ticks, derived from measured per-unit FLOPs.
+"""Per-action costs of a fused schedule (F, B, BI, W on one chunk), derived from measured FLOPs.
 
 A fused schedule lays its table out in compound ticks (:mod:`tpipe.schedules.compound`) for the
 relative costs of its actions ``F``, ``B``, ``BI`` and ``W`` on one chunk. Nothing needs to be

@@ -1,9 +1,9 @@
-r"""Exports a run's model as a Hugging Face checkpoint: ``python -m tpipe.train.export``.
+r"""Exports a run's model as a Hugging Face checkpoint: ``python -m tpipe.train.cli.export``.
 
 Usage::
 
-  python -m tpipe.train.export --workdir=/tmp/run --out=/tmp/run_hf
-  python -m tpipe.train.export --workdir=/tmp/run --out=/tmp/run_hf --step=200 --dtype=bfloat16
+  python -m tpipe.train.cli.export --workdir=/tmp/run --out=/tmp/run_hf
+  python -m tpipe.train.cli.export --workdir=/tmp/run --out=/tmp/run_hf --step=200 --dtype=bfloat16
 
 Writes ``config.json`` and ``model.safetensors`` (PyTorch's names and layouts) of the family the
 run's model belongs to (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE or GPT-2:
@@ -23,9 +23,9 @@ from absl import app
 from absl import flags
 
 from tpipe.train import architecture
-from tpipe.train import cli
-from tpipe.train import loading
 from tpipe.train import pretrained
+from tpipe.train.cli import loading
+from tpipe.train.cli import startup
 
 
 FLAGS = flags.FLAGS
@@ -66,4 +66,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  cli.run(main, doc=__doc__)
+  startup.run(main, doc=__doc__)

@@ -1,9 +1,9 @@
-r"""Text from a prompt, greedy or sampled, with a key/value cache (``tpipe.train.generate``).
+r"""Text from a prompt, greedy or sampled, with a key/value cache (``tpipe.train.cli.generate``).
 
 Usage::
 
-  python -m tpipe.train.generate --workdir=/tmp/run --prompt="def main(" --max_new_tokens=64
-  python -m tpipe.train.generate --init_from=/models/llama \
+  python -m tpipe.train.cli.generate --workdir=/tmp/run --prompt="def main(" --max_new_tokens=64
+  python -m tpipe.train.cli.generate --init_from=/models/llama \
       --tokenizer=/models/llama/tokenizer.json --prompt="Once upon a time" --temperature=0.8
 
 A first, simple version, for checking a model: it runs the model's layers one after the other on
@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpipe.train import architecture
-from tpipe.train import cli
-from tpipe.train import loading
 from tpipe.train import models
 from tpipe.train import tokenization
+from tpipe.train.cli import loading
+from tpipe.train.cli import startup
 
 
 class Generator:
@@ -132,7 +132,7 @@ def define_flags() -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  cli.quiet_absent_tpu()
+  startup.quiet_absent_tpu()
   model = loading.load(workdir=FLAGS.workdir, init_from=FLAGS.init_from, step=FLAGS.step,
                        tokenizer=FLAGS.tokenizer)
   config = model.config
@@ -151,4 +151,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  cli.run(main, doc=__doc__)
+  startup.run(main, doc=__doc__)

@@ -4,13 +4,13 @@ the fsdp axis over DCN, compared on one config.
 For each axis whose size the slice count divides, the config is compiled with that axis spread
 over ``num_slices`` slices (``config.mesh.dcn``; on emulated CPU devices grouped into slices,
 or for a TPU topology of that many slices) and its step's communication priced on its links
-(:mod:`tpipe.train.communication`). Pipelining sends only stage-boundary activations per tick,
+(:mod:`tpipe.train.cli.communication`). Pipelining sends only stage-boundary activations per tick,
 the data axis one gradient reduction per step, FSDP every weight gather of every layer on every
 tick; which is cheapest over DCN depends on the model, the batch and the schedule, so the
 choice is made from the numbers: the least predicted step time (compute plus exposed
 communication) wins.
 
-Usage: ``python -m tpipe.train.autotune --config=configs/lm.py:size=tiny --dcn_slices=2``.
+Usage: ``python -m tpipe.train.cli.autotune --config=configs/lm.py:size=tiny --dcn_slices=2``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Option:
 
   Attributes:
     axis: the axis spread over the slices.
-    communication: the :class:`tpipe.train.communication.Communication` of its step, or None
+    communication: the :class:`tpipe.train.cli.communication.Communication` of its step, or None
       when it could not be built (then ``reason`` says why).
     peak_bytes: per-device peak memory of the step.
     reason: why the option was not measured ("" when it was).
@@ -71,7 +71,7 @@ def compare(config, num_slices: int, *, network=None, efficiency: float = 0.5,
   Raises:
     ValueError: ``num_slices`` < 2.
   """
-  from tpipe.train import report as report_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import config_costs  # pylint: disable=g-import-not-at-top
 
   if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 2:
     raise ValueError(f"num_slices must be an int >= 2 (the slices of a multislice job), got "
@@ -84,9 +84,9 @@ def compare(config, num_slices: int, *, network=None, efficiency: float = 0.5,
                                          "slices"))
       continue
     try:
-      rep = report_lib.analyze_config(with_dcn(config, axis, num_slices, topology is None),
-                                      per_stage=False, topology=topology, network=network,
-                                      efficiency=efficiency)
+      rep = config_costs.analyze_config(
+          with_dcn(config, axis, num_slices, topology is None), per_stage=False,
+          topology=topology, network=network, efficiency=efficiency)
     except (ValueError, TypeError) as error:
       options.append(Option(axis, reason=f"invalid: {error}"))
       continue

@@ -1,7 +1,7 @@
 """What the report says about the schedule a step runs: ticks, stash, simulated step time.
 
 :func:`schedule_json` is the schedule's part of ``report.json``, :func:`format_schedule` its
-lines of ``report.md`` (:mod:`tpipe.train.report`). The simulated step time is the table's under
+lines of ``report.md`` (:mod:`tpipe.train.cli.report`). The simulated step time is the table's under
 the default per-action costs in the three time models of :mod:`tpipe.schedules.simulate`.
 Imports of tpipe are deferred to the calls, like the report's own: the command line sets the
 emulated device count before JAX starts.

@@ -3,12 +3,12 @@ configuration that fits in memory.
 
 Usage::
 
-  python -m tpipe.train.autotune --config=configs/lm.py --budget_gib=2
-  python -m tpipe.train.autotune --config=configs/lm.py:size=tiny --budget_gib=0.002 \
+  python -m tpipe.train.cli.autotune --config=configs/lm.py --budget_gib=2
+  python -m tpipe.train.cli.autotune --config=configs/lm.py:size=tiny --budget_gib=0.002 \
       --microbatches=2,4,8 --remats=none,full --remat_granularities=chunk,layer \
       --schedules=gpipe,1f1b
-  # Which axis should cross the slices of a multislice job (tpipe.train.multislice):
-  python -m tpipe.train.autotune --config=configs/lm.py:size=tiny --config.num_data=2 \
+  # Which axis should cross the slices of a multislice job (tpipe.train.cli.multislice):
+  python -m tpipe.train.cli.autotune --config=configs/lm.py:size=tiny --config.num_data=2 \
       --config.mesh.fsdp=2 --config.num_stages=2 --dcn_slices=2
 
 For every candidate (``num_stages`` dividing the device count and the layer count,
@@ -17,7 +17,7 @@ schedule, forward and fused, each with the ``num_repeats`` it takes (1; 2 for ZB
 circular and interleaved 1F1B every divisor >= 2 of the layers per stage), ``remat`` in
 none/dots/full, ``remat_granularity`` in chunk/layer or ints for ``remat`` dots and full; with
 ``"none"`` nothing is recomputed, so only ``"chunk"`` is tried; the space and the analytic
-costs are :mod:`tpipe.train.search_space`) the real training step can be compiled ahead of time
+costs are :mod:`tpipe.train.cli.search_space`) the real training step can be compiled ahead of time
 (never run) and measured with :mod:`tpipe.tools.analysis`. A candidate fits when its peak
 per-device memory (largest device) is at most the budget. Among those that fit, the one with
 the least predicted step time wins.
@@ -54,7 +54,7 @@ Pruning, so the search compiles few programs (every skipped or failed candidate 
 result with its reason):
 
 * order: candidates go fastest analytic step first
-  (:func:`~tpipe.train.search_space.analytic_step`: the table's neighbour-synchronised step
+  (:func:`~tpipe.train.cli.search_space.analytic_step`: the table's neighbour-synchronised step
   under the costs its remat gives, bubble and recomputation charged, no compile), so a good
   fitting trial comes early;
 * dominated: for a fixed (stages, micro-batches, schedule, repeats) the remat policies are tried
@@ -64,7 +64,7 @@ result with its reason):
   compiled only if its analytic step is shorter, and on another mesh only within
   :data:`PRUNE_RATIO` of the fitting trial's;
 * analytic memory: once the parameter count is known, a candidate whose lower bound
-  (:func:`~tpipe.train.search_space.analytic_memory`: a stage's parameters, gradients and
+  (:func:`~tpipe.train.cli.search_space.analytic_memory`: a stage's parameters, gradients and
   optimizer state, and its stashed inputs) exceeds the budget is not compiled.
 """
 
@@ -81,13 +81,13 @@ from ml_collections import config_flags
 from tpipe import schedules
 from tpipe.tools import analysis
 from tpipe.tools import flops as flops_lib
-from tpipe.train import cli
-from tpipe.train.search_space import Candidate
-from tpipe.train.search_space import GRANULARITY_ORDER
-from tpipe.train.search_space import REMAT_ORDER
-from tpipe.train.search_space import analytic_memory
-from tpipe.train.search_space import analytic_step
-from tpipe.train.search_space import candidates
+from tpipe.train.cli import startup
+from tpipe.train.cli.search_space import analytic_memory
+from tpipe.train.cli.search_space import analytic_step
+from tpipe.train.cli.search_space import Candidate
+from tpipe.train.cli.search_space import candidates
+from tpipe.train.cli.search_space import GRANULARITY_ORDER
+from tpipe.train.cli.search_space import REMAT_ORDER
 
 # A candidate is compiled only while its analytic step (see analytic_step) is within this
 # factor of the fastest fitting trial's: a larger bubble or more recomputation than that is
@@ -202,14 +202,14 @@ def measure(config, candidate: Candidate, budget_bytes: int,
             cost_model: CostModel = CostModel()) -> Trial:
   """Compiles ``config`` with ``candidate`` applied and measures it against the budget; a
   config already compiled in this process is not compiled again."""
-  from tpipe.train import report as report_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import config_costs  # pylint: disable=g-import-not-at-top
 
   applied = _apply(config, candidate)
   key = (applied.to_json(), int(budget_bytes), cost_model)
   if key in _TRIALS:
     return dataclasses.replace(_TRIALS[key], candidate=candidate)
   # The step's memory, FLOPs and collectives; the per-stage floor is not needed here.
-  rep = report_lib.analyze_config(applied, per_stage=False)
+  rep = config_costs.analyze_config(applied, per_stage=False)
   a = rep.analysis
   memory = rep.largest_device_bytes
   compute = flops_lib.step_flops(rep.schedule, a.pipeline, a.flops.executed)
@@ -466,38 +466,38 @@ def define_flags() -> None:
                     "fused one tpipe.Sequential runs).")
   flags.DEFINE_integer("dcn_slices", None, "Instead of the search: compare the stage, data and "
                        "fsdp axes over this many slices (DCN) and recommend one "
-                       "(tpipe.train.multislice).")
+                       "(tpipe.train.cli.multislice).")
   flags.DEFINE_string("topology", None, "With --dcn_slices: compile for this TPU topology "
                       "(that many slices of it) instead of emulated slices of CPU devices.")
   flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "tpipe",
                                                 "autotune"),
                       "JAX's persistent compilation cache, so a program compiled by an earlier "
                       "search is not compiled again ('' for none).")
-  cli.define_network_flags()
+  startup.define_network_flags()
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
-  from tpipe.train import report as report_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import config_costs  # pylint: disable=g-import-not-at-top
 
   config = f.config
   if config is not None and f.dcn_slices:
-    from tpipe.train import multislice  # pylint: disable=g-import-not-at-top
+    from tpipe.train.cli import multislice  # pylint: disable=g-import-not-at-top
 
     if not f.topology:
-      report_lib.setup_cpu_devices(num_devices=f.num_devices or cli.num_devices(config))
+      config_costs.setup_cpu_devices(num_devices=f.num_devices or startup.num_devices(config))
     options = multislice.compare(config, f.dcn_slices, topology=f.topology,
-                                 network=cli.network_from_flags(f.topology),
+                                 network=startup.network_from_flags(f.topology),
                                  efficiency=f.efficiency)
     print(multislice.format_choice(options))
     return
   if config is None or f.budget_gib is None:
     raise app.UsageError("--config and --budget_gib are required (or --config and "
                          "--dcn_slices).")
-  num_devices = f.num_devices or cli.num_devices(config)
-  report_lib.setup_cpu_devices(num_devices=num_devices)
+  num_devices = f.num_devices or startup.num_devices(config)
+  config_costs.setup_cpu_devices(num_devices=num_devices)
   if f.cache_dir:
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -527,4 +527,4 @@ def _search_from_flags(f, config, num_devices: int, config_path: str) -> TuneRes
 
 if __name__ == "__main__":
   define_flags()
-  cli.run(main)
+  startup.run(main)

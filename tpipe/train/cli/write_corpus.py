@@ -2,7 +2,7 @@ r"""Writes documents to an ArrayRecord file once, for fast reuse as ``config.dat
 
 Usage::
 
-  python -m tpipe.train.write_corpus --data='raw/*.jsonl' --text_field=text \
+  python -m tpipe.train.cli.write_corpus --data='raw/*.jsonl' --text_field=text \
       --out=data/corpus.arrayrecord
   python -m tpipe.train --config=configs/lm.py --workdir=/tmp/run \
       --config.data=data/corpus.arrayrecord --config.tokenizer=data/tokenizer.json
@@ -21,8 +21,8 @@ import pathlib
 from absl import app
 from absl import flags
 
-from tpipe.train import cli
 from tpipe.train import sources
+from tpipe.train.cli import startup
 
 
 FLAGS = flags.FLAGS
@@ -71,4 +71,4 @@ def main(argv):
 
 if __name__ == "__main__":
   define_flags()
-  cli.run(main)
+  startup.run(main)
