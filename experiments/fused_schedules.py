@@ -57,6 +57,7 @@ import numpy as np
 
 import tpipe
 from experiments import _common
+from tpipe.experimental import refine
 from tpipe.tools import analysis
 from tpipe.train import models
 
@@ -187,7 +188,7 @@ def flops_table(stages: int, num_layers: int, ms: tuple[int, ...],
       _, pipeline, compiled = compile_step(name, repeats, stages=stages, microbatches=m,
                                            num_layers=num_layers, **sizes)
       # GPipe and circular under remat full run their loss as one fused table too (the forward
-      # ticks, then autodiff's backward ticks: tpipe.schedules.from_forward).
+      # ticks, then autodiff's backward ticks: tpipe.schedules.whole_step).
       table = pipeline.loss_table
       found = analysis.fused_flops(compiled, table, pipeline.programs())
       mean = {k: float(np.mean(v)) for k, v in found.actions.items()}
@@ -415,11 +416,11 @@ def compound_table(stages: int, measured, tpu) -> list[str]:
 
 
 def search_table(stages: int, measured, tpu) -> list[str]:
-  """The compound tables again with four sweeps of exact window search (``tick_search``,
-  :mod:`tpipe.experimental.refine`): 1F1B and ZB-H1 under every cost set, ZB-V at M = 8 under the
-  FLOP-based ones (a V table's windows hold twice the actions: minutes each)."""
+  """The compound tables again with four sweeps of exact window search
+  (:func:`tpipe.experimental.refine.refine`): 1F1B and ZB-H1 under every cost set, ZB-V at M = 8
+  under the FLOP-based ones (a V table's windows hold twice the actions: minutes each)."""
   lines = [f"### Exact window search (S = {stages}): `tick_search=4`", "",
-           "Each table above searched again (`tpipe.schedules.build(..., costs=, search=4)`: "
+           "Each table above searched again (`refine(table, costs, sweeps=4)`: "
            "the actions of six ticks at a time re-placed by a mixed-integer program, up to four "
            "sweeps of windows while a sweep finds a shorter step or, as long, one whose ticks "
            "end earlier, from the built table and from three re-timings of it that run the last "
@@ -442,7 +443,7 @@ def search_table(stages: int, measured, tpu) -> list[str]:
       plain = tpipe.schedules.build(name, stages, m, repeats).simulate(costs)
       built = tpipe.schedules.build(name, stages, m, repeats, costs=costs)
       start = time.perf_counter()
-      searched = tpipe.schedules.build(name, stages, m, repeats, costs=costs, search=4)
+      searched = refine.refine(built, costs, sweeps=4)
       seconds = time.perf_counter() - start
       before, after = built.simulate(costs), searched.simulate(costs)
       slots = lambda t: int(t.awaiting_weight().max())

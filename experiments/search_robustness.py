@@ -1,4 +1,4 @@
-"""How reliably the exact window search (``tick_search``, :mod:`tpipe.experimental.refine`) finds
+"""How reliably the exact window search (:mod:`tpipe.experimental.refine`) finds
 the shorter ZB-H1 table, at S = 8, M = 8, under the remat-none costs measured by
 ``experiments/fused_schedules.py`` and under costs near them.
 
@@ -23,6 +23,7 @@ import numpy as np
 
 from experiments import _common
 import tpipe
+from tpipe.experimental import refine
 
 # ZB-H1's per-chunk costs in FLOPs, S = 8, M = 8, remat none, from the compiled step of
 # experiments/fused_schedules.py (2026-11-27): BI is the measured BI less a forward (the
@@ -34,11 +35,11 @@ SCALES = (("FLOPs", 1.0), ("MFLOP", 1e-6), ("seconds at 1 PFLOP/s", 1e-15),
 
 def search(stages: int, microbatches: int, costs: dict) -> tuple[float, float, float, bool]:
   """(builder's bubble ratio, searched bubble ratio, seconds, memory no more than the builder's)
-  of ``tick_search=4`` on ZB-H1 under ``costs``."""
+  of four sweeps of exact window search on ZB-H1 under ``costs``."""
   natural = tpipe.schedules.build("zb_h1", stages, microbatches).simulate(costs).natural_bubble
   built = tpipe.schedules.build("zb_h1", stages, microbatches, costs=costs)
   start = time.perf_counter()
-  found = tpipe.schedules.build("zb_h1", stages, microbatches, costs=costs, search=4)
+  found = refine.refine(built, costs, sweeps=4)
   seconds = time.perf_counter() - start
   slots = lambda t: (t.peak_in_flight(), t.awaiting_weight().max(axis=0, initial=0))
   fits = all(np.all(now <= was) for now, was in zip(slots(found), slots(built)))

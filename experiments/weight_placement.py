@@ -117,7 +117,7 @@ def place_weights(table, costs, *, slots=WEIGHT_SLOTS, time_limit=TIME_LIMIT, ex
     ticks_of.setdefault(w, []).append(i)
   for placements in ticks_of.values():  # Every W runs once.
     constrain([(i, 1.0) for i in placements], 1, 1)
-  partners = tpipe.schedules.exchange_partners(num_stages, num_chunks > 1)
+  partners = tpipe.schedules.simulate.exchange_partners(num_stages, num_chunks > 1)
   cost = lambda t, s: [(i, -costs["W"]) for i in at.get((t, s), [])]
   for t in range(1, num_ticks):
     for s in range(num_stages):

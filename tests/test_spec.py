@@ -23,7 +23,7 @@ unit = pytest.mark.unit
 
 SETTINGS = ("num_stages", "num_microbatches", "schedule", "num_repeats", "balance", "remat",
             "remat_granularity", "per_example", "unroll", "mesh", "transfer_delay",
-            "stream_inputs", "tick_costs", "tick_search", "weight_recompute",
+            "stream_inputs", "tick_costs", "weight_recompute",
             "stage_axis", "data_axis")
 
 

@@ -14,7 +14,8 @@ the ones below it):
 * :mod:`tpipe.core`: the engine (planning, stage layout, chunk programs, the two tick loops);
 * :class:`PipelineSpec`, :mod:`tpipe.mesh`, :mod:`tpipe.axis_rules`, :mod:`tpipe.schedules`,
   :mod:`tpipe.partition`: settings, meshes, how weights split over ``fsdp`` and ``tensor``,
-  schedule tables and balancing, pure where they can be.
+  schedule tables (``tpipe.schedules.build``, ``tpipe.schedules.Schedule``, ...) and balancing,
+  pure where they can be.
 
 Research tools outside the stable API (the exact window search, link pricing, hand-written
 tick costs) are :mod:`tpipe.experimental`, imported by name; nothing above imports it.
@@ -33,10 +34,6 @@ from tpipe.linen.transform import pipeline
 from tpipe.mesh import data_sharding
 from tpipe.mesh import make_mesh
 from tpipe.mesh import topology_devices
-from tpipe.schedules import FusedSchedule
-from tpipe.schedules import Schedule
-from tpipe.schedules import make_fused_schedule
-from tpipe.schedules import make_schedule
 from tpipe.spec import PipelineSpec
 from tpipe.training import TrainState
 from tpipe.training import create_train_state
@@ -47,19 +44,15 @@ __all__ = [
     "AUX_LOSS",
     "AUX_METRIC",
     "DEFAULT_RULES",
-    "FusedSchedule",
     "Pipeline",
     "PipelineSpec",
     "Repeat",
-    "Schedule",
     "Sequential",
     "TrainState",
     "axis_rules",
     "create_train_state",
     "data_sharding",
-    "make_fused_schedule",
     "make_mesh",
-    "make_schedule",
     "make_train_step",
     "nnx",
     "pipeline",

@@ -80,8 +80,6 @@ class PipelineSpec:
       (:mod:`tpipe.schedules.derived_costs`; ``describe()`` shows them). A mapping ``{"F": .., "B":
       ..}`` (with ``"BI"`` and ``"W"`` for the zero-bubble schedules) overrides them, kept as a
       sorted tuple of ``(action, cost)`` pairs; ``"plain"``: one action per tick.
-    tick_search: experimental (:mod:`tpipe.experimental.refine`): sweeps of exact window
-      search over the compound table (0, the default: none).
     weight_recompute: split backward only (``"zb_h1"``, ``"zbv"``): what ``W`` computes again
       rather than a micro-batch awaiting it keeping it: False (nothing), ``"forward"`` (or True)
       or ``"backward"``.
@@ -102,7 +100,6 @@ class PipelineSpec:
   transfer_delay: Any = None
   stream_inputs: bool = True
   tick_costs: Any = None
-  tick_search: int = 0
   weight_recompute: bool | str = False
   stage_axis: str = mesh_lib.STAGE_AXIS
   data_axis: str = mesh_lib.DATA_AXIS
@@ -123,15 +120,13 @@ class PipelineSpec:
                         f"{type(self.mesh).__name__}.")
       mesh_lib.check_stage_axis(self.mesh, self.num_stages, self.stage_axis, "the mesh given")
     if self.transfer_delay is not None:  # Raises for a bad value; a sequence kept as a tuple.
-      delays = schedules.link_delays(self.transfer_delay, self.num_stages)
+      delays = schedules.actions.link_delays(self.transfer_delay, self.num_stages)
       if not isinstance(self.transfer_delay, (int, np.integer)):
         object.__setattr__(self, "transfer_delay", delays)
     if not isinstance(self.stream_inputs, (bool, np.bool_)):
       raise TypeError(f"stream_inputs must be True or False, got {self.stream_inputs!r}.")
     if not (isinstance(self.tick_costs, str) and self.tick_costs == PLAIN_TICKS):
       object.__setattr__(self, "tick_costs", schedules.check_costs(self.tick_costs))
-    object.__setattr__(self, "tick_search",
-                       schedules.check_search(self.tick_search, self.given_tick_costs))
     object.__setattr__(self, "weight_recompute", check_weight_recompute(self.weight_recompute))
     if self.weight_recompute and self.schedule not in SPLIT_BACKWARD:
       raise ValueError(f"weight_recompute={self.weight_recompute!r} recomputes what W needs in a "
@@ -147,10 +142,12 @@ class PipelineSpec:
       raise ValueError(f"stage_axis and data_axis must differ, both are {self.stage_axis!r}.")
 
   def replace(self, **changes) -> "PipelineSpec":
-    """A copy with ``changes`` (setting names as keywords), validated again."""
-    unknown = sorted(set(changes) - set(field_names()))
+    """A copy with ``changes`` (setting names as keywords), validated again; of the same class
+    (a variant such as :class:`tpipe.experimental.search.SearchedSpec` keeps its own settings)."""
+    names = tuple(f.name for f in dataclasses.fields(self))
+    unknown = sorted(set(changes) - set(names))
     if unknown:
-      raise TypeError(f"Unknown pipeline setting(s) {unknown}; the settings are {field_names()}.")
+      raise TypeError(f"Unknown pipeline setting(s) {unknown}; the settings are {names}.")
     return dataclasses.replace(self, **changes)
 
   @property
@@ -162,14 +159,8 @@ class PipelineSpec:
   @property
   def table(self) -> schedules.Schedule | schedules.FusedSchedule:
     """The schedule's table, from the cached factory :func:`tpipe.schedules.build`."""
-    refine = None
-    if self.tick_search:  # Research: the search lives in tpipe.experimental.
-      from tpipe.experimental import refine as refine_lib  # pylint: disable=g-import-not-at-top
-
-      refine = refine_lib.refine
     return schedules.build(self.schedule, self.num_stages, self.num_microbatches,
-                           self.num_repeats, self.delays, self.given_tick_costs, self.tick_search,
-                           refine)
+                           self.num_repeats, self.delays, self.given_tick_costs)
 
   @property
   def given_tick_costs(self) -> tuple[tuple[str, float], ...] | None:
@@ -183,7 +174,7 @@ class PipelineSpec:
     ambient mesh (``jax.set_mesh``) is abstract inside ``jit``, without devices to tell slices
     apart: with one, give ``transfer_delay`` (or ``mesh=``) to delay links."""
     if self.transfer_delay is not None:
-      return schedules.link_delays(self.transfer_delay, self.num_stages)
+      return schedules.actions.link_delays(self.transfer_delay, self.num_stages)
     if self.mesh is None:
       return (0,) * self.num_stages
     return tuple(int(c) for c in mesh_lib.crossing_links(self.mesh, self.stage_axis))

@@ -15,6 +15,7 @@ from tests.helpers import linen_models as lm
 from tpipe.core.base import spmd
 from tpipe.core.loops import streaming
 from tpipe.core.loops import tick_rows
+from tpipe.experimental import search
 
 # Per-action costs with the backward three forwards (a full-remat block): compound ticks pair
 # a forward with a backward.
@@ -62,12 +63,15 @@ def test_held_and_settled_weights_equal_sequential():
 
 
 def test_searched_table_equals_sequential():
-  """A ZB-H1 table the exact window search re-placed (tick_search; tpipe.experimental.refine)
+  """A ZB-H1 table the exact window search re-placed (tpipe.experimental.search.with_search)
   runs exactly: the measured remat-none costs at S = 4, M = 2, where the search finds a table
   2% shorter than the builder's (5073.1 against 5194.5), which no rule of the builder makes."""
   costs = {"F": 403.4, "BI": 528.9, "W": 407.5}
   mesh = lm.emulated_mesh(4)
-  model = lm.loss_sequential("mlp", "zb_h1", mesh, 2, "full", tick_costs=costs, tick_search=1)
+  spec = search.with_search(tpipe.PipelineSpec(num_stages=4, num_microbatches=2,
+                                               schedule="zb_h1", tick_costs=costs), 1)
+  model = lm.loss_sequential("mlp", "zb_h1", mesh, 2, "full", spec=spec, tick_costs=costs)
+  assert model.spec.tick_search == 1
   table = model.spec.table
   built = model.spec.replace(tick_search=0).table
   assert table.actions() != built.actions()

@@ -87,7 +87,7 @@ def test_loss_table_is_fused_exactly_when_the_plan_says(schedule, remat, granula
   table = pipeline.loss_table
   assert isinstance(table, schedules.FusedSchedule) == (fused_table or schedule == "1f1b")
   if fused_table:
-    whole = schedules.from_forward(pipeline.spec.table)  # Forward ticks, then backward ticks.
+    whole = schedules.whole_step(pipeline.spec.table)  # Forward ticks, then backward ticks.
     np.testing.assert_array_equal(table.action, whole.action)
     assert {int(a) for a in np.unique(table.action)} == {-1, schedules.Action.F,
                                                          schedules.Action.B}

@@ -33,6 +33,6 @@ def test_delayed_transfers_equal_sequential(name, schedule, stages, microbatches
   mesh = lm.emulated_mesh(stages, slices=2)
   model = lm.loss_sequential(name, schedule, mesh, microbatches, remat, transfer_delay=delay)
   crossing = (0, 1, 0, 1) if stages == 4 else (1, 1)
-  expected = crossing if delay is None else tpipe.schedules.link_delays(delay, stages)
+  expected = crossing if delay is None else tpipe.schedules.actions.link_delays(delay, stages)
   assert model.spec.delays == expected and model.spec.table.delays == expected
   lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))

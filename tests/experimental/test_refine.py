@@ -13,8 +13,9 @@ import pytest
 
 import tpipe
 from tpipe import schedules
-from tpipe.schedules import compound
 from tpipe.experimental import refine
+from tpipe.experimental import search
+from tpipe.schedules import compound
 
 # ZB-H1's per-chunk MFLOP from experiments/fused_schedules.py, remat none: BI about 1.3 F, so a
 # stage's F, BI and W nearly tie and neither one action per tick nor compound ticks fit well.
@@ -86,37 +87,43 @@ def test_bad_input_raises():
 def _forward_only():
   """A forward-only fused table (the forward of GPipe as one)."""
   rows = [[(schedules.Action.F, 0, 0)], [(schedules.Action.F, 1, 0)]]
-  return schedules.from_ticks("gpipe", 1, 2, 1, "loop", [[row] for row in rows],
-                              forward_only=True)
+  return schedules.fused.from_ticks("gpipe", 1, 2, 1, "loop", [[row] for row in rows],
+                                    forward_only=True)
 
 
-def test_the_factory_and_the_spec_search_only_when_asked():
-  """S = 3, M = 3: the search shortens the builder's table (5320 -> 5199), the factory caches
-  it, and a second search gives the same table (no time limit: the same on every host)."""
+def test_a_searched_spec_runs_the_search_only_when_asked():
+  """S = 3, M = 3: the search shortens the builder's table (5320 -> 5199); the spec variant
+  caches it, and a second search gives the same table (no time limit: the same on every
+  host). The stable spec and factory know nothing of the search."""
   costs = MEASURED
   built = schedules.build("zb_h1", 3, 3, 1, None, costs)
-  # The search is passed in: the schedules package does not import the experimental one.
-  with pytest.raises(ValueError, match="pass refine=tpipe.experimental.refine.refine"):
+  plain = tpipe.PipelineSpec(num_stages=3, num_microbatches=3, schedule="zb_h1",
+                             tick_costs=costs)
+  assert "tick_search" not in tpipe.spec.field_names()
+  with pytest.raises(TypeError, match="unexpected keyword argument 'search'"):
     schedules.build("zb_h1", 3, 3, 1, None, costs, search=1)
-  searched = schedules.build("zb_h1", 3, 3, 1, None, costs, search=1, refine=refine.refine)
-  assert searched is schedules.build("zb_h1", 3, 3, 1, None, costs, search=1,
-                                     refine=refine.refine)  # Cached.
+  spec = search.with_search(plain, 1)
+  searched = spec.table
+  assert isinstance(spec, tpipe.PipelineSpec) and spec.tick_search == 1
+  assert search.with_search(plain, 1).table is searched  # Cached.
   assert searched.actions() == refine.refine(built, costs, sweeps=1).actions()  # Deterministic.
   assert searched.simulate(costs).neighbour < built.simulate(costs).neighbour
-  assert schedules.make_fused_schedule("zb_h1", 3, 3, costs=costs, search=1,
-                                       refine=refine.refine) is searched
-  spec = tpipe.PipelineSpec(num_stages=3, num_microbatches=3, schedule="zb_h1",
-                            tick_costs=costs, tick_search=1)
-  assert spec.table is searched and spec.replace(tick_search=0).table is built
+  assert plain.table is built and spec.replace(tick_search=0).table is built
+  assert spec.replace(num_microbatches=4).tick_search == 1  # replace keeps the variant.
   with pytest.raises(ValueError, match=r"search=1 re-places .* pass costs \(tick_costs\)"):
     spec.replace(tick_costs=None)
+  with pytest.raises(ValueError, match=r"search=1 re-places .* pass costs \(tick_costs\)"):
+    search.with_search(plain.replace(tick_costs="plain"), 1)
   with pytest.raises(ValueError, match="must be >= 0 sweeps, got -1"):
     spec.replace(tick_search=-1)
   with pytest.raises(TypeError, match="must be an int >= 0"):
     spec.replace(tick_search=True)
   with pytest.raises(TypeError, match="must be an int >= 0"):
-    schedules.build("zb_h1", 4, 4, 1, None, costs, search=1.0)
+    search.with_search(plain, 1.0)
+  with pytest.raises(TypeError, match="spec must be a tpipe.PipelineSpec"):
+    search.with_search({"schedule": "zb_h1"}, 1)
 
 
-def test_module_doctest_passes():
+def test_module_doctests_pass():
   assert doctest.testmod(refine).failed == 0
+  assert doctest.testmod(search).failed == 0

@@ -182,7 +182,7 @@ def test_the_tick_loop_stashes_what_the_schedule_says(schedule, microbatches, re
   params = jax.eval_shape(lambda: stack.init({"params": jax.random.key(0)}, x)["params"])
   jax.ad_checkpoint.print_saved_residuals(lambda p: stack.apply({"params": p}, x).sum(), params)
   saved = capsys.readouterr().out
-  slots = schedules.make_schedule(schedule, stages, microbatches, repeats).stash_slots()
+  slots = schedules.build(schedule, stages, microbatches, repeats).stash_slots()
   # With remat="full" each stage saves its [rows, WIDTH] input at every tick; shard_map stacks
   # the stages' stashes along the leading axis.
   assert f"f32[{stages * slots[0]},{rows},{WIDTH}]" in saved, saved

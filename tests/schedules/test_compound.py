@@ -112,7 +112,7 @@ def test_bad_tick_arrays_raise(tick, match):
 
 def test_compound_1f1b_takes_gpipes_step_with_memory_flat_in_m():
   for stages, micro in ((4, 8), (4, 16), (3, 2)):
-    f = schedules.make_fused_schedule("1f1b", stages, micro, costs=COSTS)
+    f = schedules.build("1f1b", stages, micro, costs=COSTS)
     timing = f.simulate(COSTS)
     gpipe = (micro + stages - 1) * (COSTS["F"] + COSTS["B"])
     assert timing.natural == timing.neighbour == timing.lockstep == gpipe
@@ -325,11 +325,11 @@ def test_costs_shape_the_table_and_are_checked():
   with pytest.raises(ValueError, match="forward schedule"):
     schedules.build("gpipe", 4, 8, 1, None, COSTS)
   with pytest.raises(ValueError, match=r"needs \['F', 'B'\]"):
-    schedules.make_fused_schedule("1f1b", 4, 8, costs={"F": 1, "BI": 2, "W": 1})
+    schedules.build("1f1b", 4, 8, costs={"F": 1, "BI": 2, "W": 1})
   with pytest.raises(TypeError, match=r"costs\['F'\] must be a number"):
-    schedules.make_fused_schedule("1f1b", 4, 8, costs={"F": "1", "B": 2})
+    schedules.build("1f1b", 4, 8, costs={"F": "1", "B": 2})
   with pytest.raises(ValueError, match="finite"):
-    schedules.make_fused_schedule("1f1b", 4, 8, costs={"F": float("nan"), "B": 2})
+    schedules.build("1f1b", 4, 8, costs={"F": float("nan"), "B": 2})
 
 
 def test_module_doctests_pass():

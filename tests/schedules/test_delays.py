@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
     ((0, 1, 0, 1), 4, (0, 1, 0, 1)), (np.array([1, 0]), 2, (1, 0)),
 ])
 def test_link_delays_normalize_to_one_per_link(given, stages, expected):
-  assert schedules.link_delays(given, stages) == expected
+  assert schedules.actions.link_delays(given, stages) == expected
 
 
 @pytest.mark.parametrize("given,stages,error,match", [
@@ -33,7 +33,7 @@ def test_link_delays_normalize_to_one_per_link(given, stages, expected):
 ])
 def test_bad_delays_name_the_fix(given, stages, error, match):
   with pytest.raises(error, match=match):
-    schedules.link_delays(given, stages)
+    schedules.actions.link_delays(given, stages)
 
 
 def test_the_link_of_a_message_and_the_delay_of_each_hop():
@@ -47,7 +47,7 @@ def test_the_link_of_a_message_and_the_delay_of_each_hop():
 
 @pytest.mark.parametrize("delays", [(0, 1, 0, 1), (1, 1, 1, 1), (1, 0, 0, 0)])
 def test_gpipe_stages_start_one_tick_later_per_delayed_link(delays):
-  table = schedules.gpipe(4, 3, delays)
+  table = schedules.build("gpipe", 4, 3, delays=delays)
   start = [int(np.argmax(table.microbatch[:, s] == 0)) for s in range(4)]
   assert start == [s + sum(delays[:s]) for s in range(4)]
   assert table.num_ticks == 3 + 3 + sum(delays[:3])
@@ -55,7 +55,7 @@ def test_gpipe_stages_start_one_tick_later_per_delayed_link(delays):
 
 
 def test_circular_laps_wait_for_the_closing_link():
-  table = schedules.circular(4, 4, 2, (0, 0, 0, 1))
+  table = schedules.build("circular", 4, 4, 2, delays=(0, 0, 0, 1))
   # Micro-batch 0 leaves stage 3 at tick 3; over the delayed closing link it reaches stage 0 for
   # its second lap at tick 5, so the lap period is max(M, S + sum(delays)) = 5.
   assert table.microbatch[5, 0] == 0 and table.repeat[5, 0] == 1
@@ -109,8 +109,8 @@ def test_every_message_over_a_delayed_link_is_read_two_ticks_after_its_send(name
 
 
 def test_1f1b_warms_up_one_more_forward_per_delayed_link_ahead():
-  plain = schedules.one_f_one_b(4, 8)
-  table = schedules.one_f_one_b(4, 8, (0, 1, 0, 0))
+  plain = schedules.build("1f1b", 4, 8)
+  table = schedules.build("1f1b", 4, 8, delays=(0, 1, 0, 0))
   assert table.peak_in_flight().tolist() == [5, 4, 2, 1]
   assert plain.peak_in_flight().tolist() == [4, 3, 2, 1]
   # Two ticks per delayed link between stages, one each way: nothing more.
@@ -118,7 +118,7 @@ def test_1f1b_warms_up_one_more_forward_per_delayed_link_ahead():
 
 
 def test_a_hand_written_table_that_reads_a_delayed_message_too_early_is_rejected():
-  good = schedules.one_f_one_b(2, 1, (1, 0))
+  good = schedules.build("1f1b", 2, 1, delays=(1, 0))
   # F0 leaves stage 0 at tick 0 and arrives at 2; its gradient leaves stage 1 at 3, arrives 5.
   assert good.describe().split("\n") == ["stage 0: F0  .  .  .  . B0",
                                          "stage 1:  .  . F0 B0  .  ."]

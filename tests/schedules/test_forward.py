@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tpipe import schedules
+from tpipe.schedules import forward
 
 pytestmark = pytest.mark.unit
 
@@ -15,7 +16,7 @@ _ = schedules.IDLE
 
 
 def test_gpipe_table_by_hand():
-  s = schedules.gpipe(num_stages=3, num_microbatches=4)
+  s = schedules.build("gpipe", num_stages=3, num_microbatches=4)
   np.testing.assert_array_equal(s.microbatch, [
       [0, _, _],
       [1, 0, _],
@@ -31,7 +32,7 @@ def test_gpipe_table_by_hand():
 
 
 def test_circular_table_by_hand():
-  s = schedules.circular(num_stages=2, num_microbatches=2, num_repeats=2)
+  s = schedules.build("circular", num_stages=2, num_microbatches=2, num_repeats=2)
   np.testing.assert_array_equal(s.microbatch, [
       [0, _],
       [1, 0],
@@ -49,12 +50,12 @@ def test_circular_table_by_hand():
   assert s.bubble_fraction == pytest.approx(1 / 5)  # (S-1) / (R*M+S-1)
   # Chunk r of stage s is model chunk r * S + s: the "loop" placement the fused tables use too.
   assert (s.num_chunks, s.placement) == (2, "loop")
-  np.testing.assert_array_equal(schedules.virtual_stages(s.placement, 2, s.num_chunks),
+  np.testing.assert_array_equal(schedules.actions.virtual_stages(s.placement, 2, s.num_chunks),
                                 [[0, 2], [1, 3]])
 
 
 def test_circular_pads_laps_when_fewer_microbatches_than_stages():
-  s = schedules.circular(num_stages=3, num_microbatches=1, num_repeats=2)
+  s = schedules.build("circular", num_stages=3, num_microbatches=1, num_repeats=2)
   # A micro-batch needs 3 ticks per lap; it restarts on stage 0 only after the last stage is done.
   np.testing.assert_array_equal(s.microbatch, [
       [0, _, _],
@@ -70,14 +71,14 @@ def test_circular_pads_laps_when_fewer_microbatches_than_stages():
 @pytest.mark.parametrize("stages,microbatches,repeats", [
     (1, 1, 1), (2, 8, 1), (4, 16, 1), (8, 32, 1), (4, 4, 2), (4, 8, 4), (8, 32, 2)])
 def test_bubble_matches_formula_when_microbatches_cover_stages(stages, microbatches, repeats):
-  s = schedules.circular(stages, microbatches, repeats)
+  s = schedules.build("circular", stages, microbatches, repeats)
   expected = (stages - 1) / (repeats * microbatches + stages - 1)
   assert s.bubble_fraction == pytest.approx(expected)
   assert s.efficiency == pytest.approx(1 - expected)
 
 
 def test_every_stage_runs_every_microbatch_once_per_repeat():
-  s = schedules.circular(num_stages=4, num_microbatches=3, num_repeats=3)
+  s = schedules.build("circular", num_stages=4, num_microbatches=3, num_repeats=3)
   for stage in range(4):
     busy = s.microbatch[:, stage] != _
     pairs = sorted(zip(s.microbatch[busy, stage], s.repeat[busy, stage]))
@@ -86,13 +87,13 @@ def test_every_stage_runs_every_microbatch_once_per_repeat():
 
 @pytest.mark.parametrize("schedule,slots,stashed", [
     # GPipe: M + S - 1 ticks, each stage stashes its input every tick; M of them are real.
-    (schedules.gpipe(4, 8), 8 + 4 - 1, 8),
-    (schedules.gpipe(4, 2), 2 + 4 - 1, 2),
+    (schedules.build("gpipe", 4, 8), 8 + 4 - 1, 8),
+    (schedules.build("gpipe", 4, 2), 2 + 4 - 1, 2),
     # Circular: laps of P = max(M, S) ticks, (R - 1) * P + M + S - 1 ticks; R * M real.
-    (schedules.circular(2, 4, 3), 2 * 4 + 4 + 2 - 1, 12),
+    (schedules.build("circular", 2, 4, 3), 2 * 4 + 4 + 2 - 1, 12),
     # M < S: laps are padded to S ticks, so 2 of every lap's 4 ticks are bubbles on every stage.
-    (schedules.circular(4, 2, 2), 1 * 4 + 2 + 4 - 1, 4),
-    (schedules.circular(4, 3, 3), 2 * 4 + 3 + 4 - 1, 9),
+    (schedules.build("circular", 4, 2, 2), 1 * 4 + 2 + 4 - 1, 4),
+    (schedules.build("circular", 4, 3, 3), 2 * 4 + 3 + 4 - 1, 9),
 ])
 def test_stash_slots_and_stashed_microbatches_per_stage(schedule, slots, stashed):
   stages = schedule.num_stages
@@ -102,16 +103,16 @@ def test_stash_slots_and_stashed_microbatches_per_stage(schedule, slots, stashed
 
 
 def test_backward_tables_reverse_the_ticks():
-  s = schedules.gpipe(2, 2)
+  s = schedules.build("gpipe", 2, 2)
   microbatch, repeat = s.backward_tables()
   np.testing.assert_array_equal(microbatch, [[_, 1], [1, 0], [0, _]])
   np.testing.assert_array_equal(repeat, [[_, 0], [0, 0], [0, _]])
 
 
 def test_describe_draws_the_table():
-  assert schedules.gpipe(2, 2).describe() == "stage 0:  0  1  .\nstage 1:  .  0  1"
-  assert schedules.circular(2, 1, 2).describe() == ("stage 0: 0:0   . 0:1   .\n"
-                                                    "stage 1:   . 0:0   . 0:1")
+  assert schedules.build("gpipe", 2, 2).describe() == "stage 0:  0  1  .\nstage 1:  .  0  1"
+  assert schedules.build("circular", 2, 1, 2).describe() == ("stage 0: 0:0   . 0:1   .\n"
+                                                             "stage 1:   . 0:0   . 0:1")
 
 
 def test_tables_are_read_only_copies():
@@ -150,10 +151,10 @@ def test_tables_of_different_shapes_are_rejected():
 
 
 @pytest.mark.parametrize("builder,args,error,match", [
-    (schedules.gpipe, (0, 2), ValueError, "num_stages must be >= 1, got 0"),
-    (schedules.gpipe, (2, 2.0), TypeError, "num_microbatches must be an int, got 2.0"),
-    (schedules.circular, (2, 2, 0), ValueError, "num_repeats must be >= 1, got 0"),
-    (schedules.circular, (True, 2, 1), TypeError, "num_stages must be an int, got True"),
+    (forward.gpipe, (0, 2), ValueError, "num_stages must be >= 1, got 0"),
+    (forward.gpipe, (2, 2.0), TypeError, "num_microbatches must be an int, got 2.0"),
+    (forward.circular, (2, 2, 0), ValueError, "num_repeats must be >= 1, got 0"),
+    (forward.circular, (True, 2, 1), TypeError, "num_stages must be an int, got True"),
 ])
 def test_builders_check_their_counts(builder, args, error, match):
   with pytest.raises(error, match=match):

@@ -41,19 +41,19 @@ def test_parse_reads_the_drawing():
 
 def test_fused_describe_draws_the_table():
   # Stage 0's BI0 waits for stage 1's (sent at tick 2, arrives at tick 3).
-  assert schedules.zb_h1(2, 1).describe() == ("stage 0:  F0   .   . BI0  W0\n"
-                                              "stage 1:   .  F0 BI0  W0   .")
-  assert schedules.zbv(1, 1).describe() == "stage 0:  F0/0  F0/1 BI0/1  W0/1 BI0/0  W0/0"
+  assert schedules.build("zb_h1", 2, 1).describe() == ("stage 0:  F0   .   . BI0  W0\n"
+                                                       "stage 1:   .  F0 BI0  W0   .")
+  assert schedules.build("zbv", 1, 1).describe() == "stage 0:  F0/0  F0/1 BI0/1  W0/1 BI0/0  W0/0"
 
 
 def test_actions_list_the_work_by_tick_then_stage():
-  assert schedules.zb_h1(2, 1).actions() == [
+  assert schedules.build("zb_h1", 2, 1).actions() == [
       (0, 0, "F", 0, 0), (1, 1, "F", 0, 1), (2, 1, "BI", 0, 1), (3, 0, "BI", 0, 0),
       (3, 1, "W", 0, 1), (4, 0, "W", 0, 0)]
   # ZB-V on one stage: local chunk 1 is model chunk 1 here; on two stages stage 0 holds model
   # chunks 0 and 3 (the V).
-  assert [a[4] for a in schedules.zbv(1, 1).actions()] == [0, 1, 1, 1, 0, 0]
-  table = schedules.zbv(2, 2)
+  assert [a[4] for a in schedules.build("zbv", 1, 1).actions()] == [0, 1, 1, 1, 0, 0]
+  table = schedules.build("zbv", 2, 2)
   listed = table.actions()
   assert len(listed) == int(table.busy.sum())
   assert {(s, v) for _, s, _, _, v in listed} == {(0, 0), (0, 3), (1, 1), (1, 2)}
@@ -66,25 +66,25 @@ def test_actions_list_the_work_by_tick_then_stage():
 
 
 def test_from_forward_is_the_step_autodiff_runs():
-  s = schedules.from_forward(schedules.gpipe(2, 2))
+  s = schedules.whole_step(schedules.build("gpipe", 2, 2))
   assert_table(s, """
       F0 F1 .  .  B1 B0
       .  F0 F1 B1 B0 .
   """)
   np.testing.assert_array_equal(s.peak_in_flight(), [2, 2])
   assert not s.forward_only
-  c = schedules.circular(2, 2, 2)
-  f = schedules.from_forward(c)
+  c = schedules.build("circular", 2, 2, 2)
+  f = schedules.whole_step(c)
   assert f.name == "circular" and f.num_chunks == 2 and f.placement == "loop"
   assert f.bubble_fraction == pytest.approx(c.bubble_fraction)
   np.testing.assert_array_equal(f.peak_in_flight(), [4, 4])  # R * M per stage.
 
 
 def test_gpipe_and_circular_messages_too():
-  assert schedule_tables.replay_mailboxes(schedules.from_forward(schedules.gpipe(3, 4))) == (
+  assert schedule_tables.replay_mailboxes(schedules.whole_step(schedules.build("gpipe", 3, 4))) == (
       2 * 4 * 2)
   assert schedule_tables.replay_mailboxes(
-      schedules.from_forward(schedules.circular(2, 3, 2))) == 2 * 3 * 3
+      schedules.whole_step(schedules.build("circular", 2, 3, 2))) == 2 * 3 * 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def test_place_reports_orders_that_deadlock():
   with pytest.raises(ValueError, match=r"hand: the action orders deadlock at tick 1; stages wait "
                                        r"on \{0: \(<Action.B: 1>, 0, 0\), 1: \(<Action.F: 0>, 1, "
                                        r"0\)\}"):
-    schedules.place("hand", 2, 2, 1, "loop", orders)
+    schedules.fused.place("hand", 2, 2, 1, "loop", orders)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,13 +177,13 @@ def _every_table():
   """Every named fused table and every forward schedule's step, on a few sizes."""
   tables = []
   for stages, microbatches in ((1, 1), (1, 3), (2, 1), (2, 2), (3, 5), (4, 4), (4, 9)):
-    tables += [schedules.make_fused_schedule(name, stages, microbatches,
-                                             num_repeats=2 if name == "interleaved_1f1b" else None)
+    tables += [schedules.build(name, stages, microbatches,
+                               num_repeats=2 if name == "interleaved_1f1b" else None)
                for name in schedules.FUSED_SCHEDULE_NAMES]
-    tables += [schedules.from_forward(schedules.gpipe(stages, microbatches)),
-               schedules.from_forward(schedules.circular(stages, microbatches, 3))]
-  tables += [schedules.make_fused_schedule("interleaved_1f1b", 3, 5, 3),
-             schedules.make_fused_schedule("interleaved_1f1b", 4, 8, 3)]
+    tables += [schedules.whole_step(schedules.build("gpipe", stages, microbatches)),
+               schedules.whole_step(schedules.build("circular", stages, microbatches, 3))]
+  tables += [schedules.build("interleaved_1f1b", 3, 5, 3),
+             schedules.build("interleaved_1f1b", 4, 8, 3)]
   return tables
 
 
@@ -217,13 +217,13 @@ def test_forward_pass_runs_each_forward_once_in_the_tables_order(table):
 
 @pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 3), (3, 2), (4, 8)])
 def test_forward_pass_of_gpipe_like_tables_is_gpipe(stages, microbatches):
-  gpipe = schedules.gpipe(stages, microbatches)
+  gpipe = schedules.build("gpipe", stages, microbatches)
   for name in ("1f1b", "zb_h1"):
-    f = schedules.make_fused_schedule(name, stages, microbatches).forward_pass()
+    f = schedules.build(name, stages, microbatches).forward_pass()
     np.testing.assert_array_equal(f.microbatch, gpipe.microbatch)
     np.testing.assert_array_equal(f.chunk, gpipe.repeat)
-  for forward in (gpipe, schedules.circular(stages, microbatches, 2)):
-    f = schedules.from_forward(forward).forward_pass()
+  for forward in (gpipe, schedules.build("circular", stages, microbatches, 2)):
+    f = schedules.whole_step(forward).forward_pass()
     np.testing.assert_array_equal(f.microbatch, forward.microbatch)
     np.testing.assert_array_equal(f.chunk, forward.repeat)
 
@@ -231,7 +231,7 @@ def test_forward_pass_of_gpipe_like_tables_is_gpipe(stages, microbatches):
 def test_forward_pass_of_zbv_by_hand():
   # V placement: stage 0 holds model chunks 0 and 3, stage 1 chunks 1 and 2. Stage 0 runs its
   # forwards in ZB-V's order F0/0 F1/0 F0/1 F1/1, each as soon as its input is there.
-  f = schedules.make_fused_schedule("zbv", num_stages=2, num_microbatches=2).forward_pass()
+  f = schedules.build("zbv", num_stages=2, num_microbatches=2).forward_pass()
   assert_table(f, """
       F0/0 F1/0 .    F0/1 .    F1/1
       .    F0/0 F0/1 F1/0 F1/1 .

@@ -21,7 +21,7 @@ _ = schedules.IDLE
 
 def test_1f1b_two_stages_three_microbatches_by_hand():
   # Stage 0: one warm-up forward, then F/B in turn; it waits at tick 2 for B0 from stage 1.
-  s = schedules.make_fused_schedule("1f1b", num_stages=2, num_microbatches=3)
+  s = schedules.build("1f1b", num_stages=2, num_microbatches=3)
   _assert_table(s, """
       F0 F1 .  B0 F2 B1 .  B2
       .  F0 B0 F1 B1 F2 B2 .
@@ -45,7 +45,7 @@ def test_1f1b_two_stages_three_microbatches_by_hand():
 
 
 def test_1f1b_three_stages_four_microbatches_by_hand():
-  s = schedules.one_f_one_b(num_stages=3, num_microbatches=4)
+  s = schedules.build("1f1b", num_stages=3, num_microbatches=4)
   _assert_table(s, """
       F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
       .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
@@ -67,7 +67,7 @@ def test_1f1b_three_stages_four_microbatches_by_hand():
 
 def test_zb_h1_two_stages_two_microbatches_by_hand():
   # Stage 1 (s = 1) defers one W: its BI go back as early as possible and W0 fills the tail.
-  s = schedules.make_fused_schedule("zb_h1", num_stages=2, num_microbatches=2)
+  s = schedules.build("zb_h1", num_stages=2, num_microbatches=2)
   _assert_table(s, """
       F0 F1 .   BI0 W0  BI1 W1
       .  F0 BI0 F1  BI1 W0  W1
@@ -82,7 +82,7 @@ def test_zb_h1_two_stages_two_microbatches_by_hand():
 
 
 def test_zb_h1_three_stages_three_microbatches_by_hand():
-  s = schedules.zb_h1(num_stages=3, num_microbatches=3)
+  s = schedules.build("zb_h1", num_stages=3, num_microbatches=3)
   _assert_table(s, """
       F0 F1 F2 .   .   BI0 W0  BI1 W1  BI2 W2
       .  F0 F1 .   BI0 F2  BI1 W0  BI2 W1  W2
@@ -95,7 +95,7 @@ def test_zb_h1_three_stages_three_microbatches_by_hand():
 def test_interleaved_1f1b_two_stages_two_chunks_four_microbatches_by_hand():
   # Stage s holds model chunks s (chunk 0) and 2 + s (chunk 1). Groups of S = 2 micro-batches go
   # through chunk 0 then chunk 1; warm-up: 2 (S-1-s) + (R-1) S forwards (4 and 2).
-  s = schedules.make_fused_schedule("interleaved_1f1b", 2, 4, num_repeats=2)
+  s = schedules.build("interleaved_1f1b", 2, 4, num_repeats=2)
   _assert_table(s, """
       F0/0 F1/0 F0/1 F1/1 F2/0 B0/1 F3/0 B1/1 F2/1 B0/0 F3/1 B1/0 .    B2/1 .    B3/1 B2/0 B3/0
       .    F0/0 F1/0 F0/1 B0/1 F1/1 B1/1 F2/0 B0/0 F3/0 B1/0 F2/1 B2/1 F3/1 B3/1 B2/0 B3/0 .
@@ -107,7 +107,7 @@ def test_interleaved_1f1b_two_stages_two_chunks_four_microbatches_by_hand():
 
 def test_zbv_two_stages_two_microbatches_by_hand():
   # V placement: stage 0 holds model chunks 0 and 3 (the loss), stage 1 chunks 1 and 2.
-  s = schedules.make_fused_schedule("zbv", num_stages=2, num_microbatches=2)
+  s = schedules.build("zbv", num_stages=2, num_microbatches=2)
   _assert_table(s, """
       F0/0 F1/0 .    F0/1 BI0/1 W0/1 F1/1 BI1/1 W1/1 BI0/0 W0/0 .    BI1/0 W1/0
       .    F0/0 F0/1 F1/0 F1/1  BI0/1 W0/1 BI0/0 W0/0 BI1/1 W1/1 BI1/0 W1/0 .
@@ -124,7 +124,7 @@ def test_zbv_two_stages_two_microbatches_by_hand():
 
 def test_zbv_two_stages_three_microbatches_by_hand():
   # M = 2S - 1: the whole pattern; one idle tick per stage.
-  s = schedules.zbv(num_stages=2, num_microbatches=3)
+  s = schedules.build("zbv", num_stages=2, num_microbatches=3)
   _assert_table(s, """
       F0/0 F1/0 F2/0 F0/1 BI0/1 W0/1 F1/1 BI1/1 W1/1 BI0/0
       .    F0/0 F0/1 F1/0 F1/1  BI0/1 W0/1 F2/0  BI0/0 W0/0
@@ -138,26 +138,26 @@ def test_zbv_two_stages_three_microbatches_by_hand():
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 8, 12])
 def test_1f1b_properties(stages, microbatches):
-  s = schedules.one_f_one_b(stages, microbatches)
-  gpipe = schedules.gpipe(stages, microbatches)
+  s = schedules.build("1f1b", stages, microbatches)
+  gpipe = schedules.build("gpipe", stages, microbatches)
   np.testing.assert_array_equal(s.peak_in_flight(),
                                 [min(stages - i, microbatches) for i in range(stages)])
   np.testing.assert_array_equal(s.stash_slots(), s.peak_in_flight())
   # Unit ticks: GPipe's bubble. F = 1, B = 2, dependency-driven: GPipe's step time too.
   assert s.bubble_fraction == pytest.approx(gpipe.bubble_fraction)
   costs = {"F": 1, "B": 2}
-  assert s.simulate(costs).natural == schedules.from_forward(gpipe).simulate(costs).natural
+  assert s.simulate(costs).natural == schedules.whole_step(gpipe).simulate(costs).natural
   assert s.simulate(costs).natural == 3 * (microbatches + stages - 1)
   # Lockstep: a tick with any B lasts 2, so 1F1B pays for its interleaving once S > 1.
   assert s.simulate(costs).lockstep >= s.simulate(costs).natural
   if stages > 1 and microbatches > 1:
-    assert s.simulate(costs).lockstep > schedules.from_forward(gpipe).simulate(costs).lockstep
+    assert s.simulate(costs).lockstep > schedules.whole_step(gpipe).simulate(costs).lockstep
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 8, 12])
 def test_zb_h1_properties(stages, microbatches):
-  s = schedules.zb_h1(stages, microbatches)
+  s = schedules.build("zb_h1", stages, microbatches)
   np.testing.assert_array_equal(s.peak_in_flight(), [min(stages, microbatches)] * stages)
   if microbatches < stages:
     return
@@ -167,7 +167,7 @@ def test_zb_h1_properties(stages, microbatches):
   assert timing.lockstep == timing.natural == 3 * microbatches + stages - 1
   idle = timing.lockstep - timing.busy
   np.testing.assert_allclose(idle / timing.busy, (stages - 1) / (3 * microbatches))
-  one_f_one_b = schedules.one_f_one_b(stages, microbatches).simulate({"F": 1, "B": 2})
+  one_f_one_b = schedules.build("1f1b", stages, microbatches).simulate({"F": 1, "B": 2})
   np.testing.assert_allclose(one_f_one_b.natural - one_f_one_b.busy, 3 * idle)
   assert s.bubble_fraction == pytest.approx((stages - 1) / (3 * microbatches + stages - 1))
 
@@ -175,7 +175,7 @@ def test_zb_h1_properties(stages, microbatches):
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 8, 12, 24])
 def test_zbv_properties(stages, microbatches):
-  s = schedules.zbv(stages, microbatches)
+  s = schedules.build("zbv", stages, microbatches)
   assert s.num_chunks == 2
   if microbatches < 2 * stages:
     assert s.peak_in_flight().max() <= 2 * stages
@@ -192,7 +192,7 @@ def test_zbv_properties(stages, microbatches):
     (1, 1, 2), (1, 3, 3), (2, 1, 2), (2, 2, 2), (2, 4, 3), (3, 6, 2), (4, 8, 2), (4, 4, 4),
     (2, 3, 2), (3, 4, 2), (4, 6, 3)])
 def test_interleaved_properties(stages, microbatches, repeats):
-  s = schedules.interleaved_1f1b(stages, microbatches, repeats)
+  s = schedules.build("interleaved_1f1b", stages, microbatches, repeats)
   total = repeats * microbatches
   warmup = [min(2 * (stages - 1 - i) + (repeats - 1) * stages + 1, total) for i in range(stages)]
   if microbatches % stages == 0:  # Megatron's condition for the bubble (S-1)/(R*M+S-1).
@@ -208,7 +208,7 @@ def test_interleaved_runs_microbatch_counts_that_are_not_multiples_of_the_stages
   # The docstring's promise: when S does not divide M the schedule still runs, a few ticks later.
   for microbatches in range(1, 13):
     for repeats in (2, 3, 4):
-      s = schedules.interleaved_1f1b(stages, microbatches, repeats)
+      s = schedules.build("interleaved_1f1b", stages, microbatches, repeats)
       assert s.num_ticks >= 2 * (repeats * microbatches + stages - 1)
 
 
@@ -216,8 +216,8 @@ def test_interleaved_runs_microbatch_counts_that_are_not_multiples_of_the_stages
 @pytest.mark.parametrize("stages,microbatches", [(1, 1), (1, 4), (2, 1), (3, 2), (4, 4), (4, 9),
                                                  (8, 3), (8, 16)])
 def test_every_message_is_read_once_from_the_slot_it_was_written_to(name, stages, microbatches):
-  s = schedules.make_fused_schedule(name, stages, microbatches,
-                                    num_repeats=2 if name == "interleaved_1f1b" else None)
+  s = schedules.build(name, stages, microbatches,
+                      num_repeats=2 if name == "interleaved_1f1b" else None)
   # Each micro-batch sends an activation and a gradient across each of the V - 1 chunk borders.
   assert schedule_tables.replay_mailboxes(s) == 2 * microbatches * (s.virtual_stage.size - 1)
   np.testing.assert_array_equal(s.stash_slots(), s.peak_in_flight())

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from tpipe import schedules
+from tpipe.schedules import simulate as simulate_lib
 from tpipe.schedules.simulate import action_costs
 
 pytestmark = pytest.mark.unit
 
 
 def test_simulate_lockstep_and_natural_time_by_hand():
-  s = schedules.one_f_one_b(2, 3)
+  s = schedules.build("1f1b", 2, 3)
   timing = s.simulate({"F": 1, "B": 2})
   # Per tick, the slowest stage: F F | B B B B B B (tick 2 onwards has a B somewhere).
   assert timing.lockstep == 1 + 1 + 6 * 2
@@ -24,10 +25,10 @@ def test_simulate_lockstep_and_natural_time_by_hand():
 
 
 def test_default_costs_and_the_function_agree_with_the_method():
-  s = schedules.zb_h1(2, 2)
+  s = schedules.build("zb_h1", 2, 2)
   assert schedules.DEFAULT_COSTS == {"F": 1.0, "B": 2.0, "BI": 1.0, "W": 1.0}
   default = s.simulate()
-  explicit = schedules.simulate(s, {"F": 1, "BI": 1, "W": 1})
+  explicit = simulate_lib.simulate(s, {"F": 1, "BI": 1, "W": 1})
   assert (default.lockstep, default.natural) == (explicit.lockstep, explicit.natural) == (7, 7)
   np.testing.assert_array_equal(default.busy, explicit.busy)
   # Unequal costs. The table: stage 0  F0 F1 .   BI0 W0  BI1 W1
@@ -42,7 +43,7 @@ def test_default_costs_and_the_function_agree_with_the_method():
 
 
 def test_a_forward_only_table_costs_its_forwards():
-  f = schedules.one_f_one_b(3, 4).forward_pass()
+  f = schedules.build("1f1b", 3, 4).forward_pass()
   timing = f.simulate({"F": 2})
   assert timing.lockstep == timing.natural == 2 * (4 + 3 - 1)
   np.testing.assert_array_equal(timing.busy, [8, 8, 8])
@@ -55,26 +56,26 @@ def test_a_forward_only_table_costs_its_forwards():
 ])
 def test_simulate_bad_costs(costs, match):
   with pytest.raises(ValueError, match=match):
-    schedules.zb_h1(2, 2).simulate(costs)
+    schedules.build("zb_h1", 2, 2).simulate(costs)
 
 
 def test_neighbour_synchronised_time_by_hand():
   # Three stages, two ticks; stage 2 exchanges with stage 1 only, unless the chunks wrap.
   cost = np.array([[3.0, 0.0, 1.0],
                    [1.0, 1.0, 3.0]])
-  straight = schedules.exchange_partners(3, wrap=False)
+  straight = simulate_lib.exchange_partners(3, wrap=False)
   assert straight == [(1,), (0, 2), (1,)]
   # Tick 0 ends at [3, 0, 1]. Tick 1: stage 0 waits for itself and stage 1 (3), stage 1 for all
   # three (3), stage 2 for itself and stage 1 (1): ends [4, 4, 4].
-  assert schedules.neighbour_time(cost, straight) == 4
+  assert simulate_lib.neighbour_time(cost, straight) == 4
   # Round the ring stage 2 also waits for stage 0 (3) and ends at 6: the lockstep time here.
-  ring = schedules.exchange_partners(3, wrap=True)
+  ring = simulate_lib.exchange_partners(3, wrap=True)
   assert ring == [(1, 2), (0, 2), (0, 1)]
-  assert schedules.neighbour_time(cost, ring) == 6 == cost.max(axis=1).sum()
+  assert simulate_lib.neighbour_time(cost, ring) == 6 == cost.max(axis=1).sum()
 
 
 def test_one_f_one_b_on_three_stages_by_hand():
-  s = schedules.one_f_one_b(3, 2)
+  s = schedules.build("1f1b", 3, 2)
   # stage 0: F0 F1  .  .  . B0  . B1
   # stage 1:  . F0 F1  . B0  . B1  .
   # stage 2:  .  . F0 B0 F1 B1  .  .
@@ -107,15 +108,15 @@ def test_the_three_time_models_are_ordered(name, stages, microbatches, repeats, 
 ])
 def test_neighbour_time_rejects_mismatched_costs_and_partners(cost, partners, match):
   with pytest.raises(ValueError, match=match):
-    schedules.neighbour_time(cost, partners)
+    simulate_lib.neighbour_time(cost, partners)
 
 
 def test_whole_step_is_a_fused_table_itself_or_a_forward_schedules_from_forward():
-  fused = schedules.one_f_one_b(2, 3)
+  fused = schedules.build("1f1b", 2, 3)
   assert schedules.whole_step(fused) is fused
-  gpipe = schedules.gpipe(2, 3)
+  gpipe = schedules.build("gpipe", 2, 3)
   np.testing.assert_array_equal(schedules.whole_step(gpipe).action,
-                                schedules.from_forward(gpipe).action)
+                                schedules.whole_step(gpipe).action)
 
 
 # ------------------------------------------------------------------------------------------
@@ -127,8 +128,8 @@ def test_instant_transfers_without_delays_are_the_neighbour_model(name, repeats)
   step = schedules.whole_step(schedules.build(name, 4, 8, repeats))
   cost = action_costs(step)
   wrap = step.num_chunks > 1
-  assert schedules.linked_time(cost, schedules.ring_links(4, wrap)) == schedules.neighbour_time(
-      cost, schedules.exchange_partners(4, wrap))
+  linked = simulate_lib.linked_time(cost, simulate_lib.ring_links(4, wrap))
+  assert linked == simulate_lib.neighbour_time(cost, simulate_lib.exchange_partners(4, wrap))
   assert step.simulate().exposed_transfer == 0
 
 
@@ -137,15 +138,15 @@ def test_transfer_time_by_hand():
   cost = np.array([[1.0, 0.0], [0.0, 1.0]])
   # Without delay the exchange starts when both ended tick 0 (at 1) and takes 0.5: tick 1 starts
   # at 1.5 on both, stage 1 ends at 2.5.
-  assert schedules.linked_time(cost, [0], transfer=[0.5, 0.0]) == 2.5
+  assert simulate_lib.linked_time(cost, [0], transfer=[0.5, 0.0]) == 2.5
   # Delayed, it starts with tick 0 (at 0) and is done at 0.5, before stage 0 finishes tick 0:
   # tick 1 starts at 1 on stage 0 and at 0.5 on stage 1, which ends at 1.5.
-  assert schedules.linked_time(cost, [0], transfer=[0.5, 0.0], delays=(1, 0)) == 1.5
+  assert simulate_lib.linked_time(cost, [0], transfer=[0.5, 0.0], delays=(1, 0)) == 1.5
   # A send longer than the tick shows only by what exceeds it: 1.2 - 0 on stage 1.
-  assert schedules.linked_time(cost, [0], transfer=[1.2, 0.0], delays=(1, 0)) == 2.2
-  assert schedules.ring_links(4, wrap=False) == (0, 1, 2)
-  assert schedules.ring_links(4, wrap=True) == (0, 1, 2, 3)
-  assert schedules.ring_links(1, wrap=True) == ()
+  assert simulate_lib.linked_time(cost, [0], transfer=[1.2, 0.0], delays=(1, 0)) == 2.2
+  assert simulate_lib.ring_links(4, wrap=False) == (0, 1, 2)
+  assert simulate_lib.ring_links(4, wrap=True) == (0, 1, 2, 3)
+  assert simulate_lib.ring_links(1, wrap=True) == ()
 
 
 @pytest.mark.parametrize("name,repeats", [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("zbv", 2)])
@@ -164,7 +165,7 @@ def test_delaying_the_slow_links_hides_their_sends_behind_a_tick_of_compute(name
 ])
 def test_linked_time_rejects_bad_links_and_transfers(links, transfer, match):
   with pytest.raises(ValueError, match=match):
-    schedules.linked_time(np.zeros((2, 2)), links, transfer)
+    simulate_lib.linked_time(np.zeros((2, 2)), links, transfer)
 
 
 # ------------------------------------------------------------------------------------------
@@ -176,24 +177,24 @@ def test_critical_path_by_hand():
   # Tick 1 starts at 1 on stage 0 (it and stage 1 are done at 1) and at 3 on stages 1 and 2
   # (stage 2 ends tick 0 at 3); tick 2 starts at max(3, 4) = 4 on stage 2 (stage 1 ends tick 1
   # at 4) and ends at 5: the chain is stage 2's tick 0, stage 1's tick 1, stage 2's tick 2.
-  assert schedules.linked_time(cost, [0, 1]) == 5
-  assert schedules.critical_path(cost, [0, 1]) == [(0, 2), (1, 1), (2, 2)]
+  assert simulate_lib.linked_time(cost, [0, 1]) == 5
+  assert simulate_lib.critical_path(cost, [0, 1]) == [(0, 2), (1, 1), (2, 2)]
   # With a transfer of 0.5 on link 1 the chain is the same and crosses link 1 twice: 5 + 1.
-  assert schedules.linked_time(cost, [0, 1], transfer=[0.0, 0.5, 0.0]) == 6
-  assert schedules.critical_path(cost, [0, 1], transfer=[0.0, 0.5, 0.0]) == [
+  assert simulate_lib.linked_time(cost, [0, 1], transfer=[0.0, 0.5, 0.0]) == 6
+  assert simulate_lib.critical_path(cost, [0, 1], transfer=[0.0, 0.5, 0.0]) == [
       (0, 2), (1, 1), (2, 2)]
   # Link 1 delayed: tick 1 on stage 1 waits only for stage 2 to *start* tick 0 (at 0), so it
   # runs 1-2 beside stage 2's tick 0; stage 2 starts tick 2 at max(3, start of stage 1's tick
   # 1 = 1) = 3: its own ticks alone set the step, 3 + 1.
-  assert schedules.linked_time(cost, [0, 1], delays=(0, 1, 0)) == 4
-  assert schedules.critical_path(cost, [0, 1], delays=(0, 1, 0)) == [(0, 2), (2, 2)]
-  assert schedules.critical_path(np.zeros((0, 3)), [0, 1]) == []
+  assert simulate_lib.linked_time(cost, [0, 1], delays=(0, 1, 0)) == 4
+  assert simulate_lib.critical_path(cost, [0, 1], delays=(0, 1, 0)) == [(0, 2), (2, 2)]
+  assert simulate_lib.critical_path(np.zeros((0, 3)), [0, 1]) == []
   # Over a delayed link a tick waits for the neighbour's *start* of the tick before, so that
   # tick's cost is not on the chain. Stage 0 runs 0-5 (tick 1) and 5-9 (tick 2); stage 1 starts
   # tick 3 when stage 0 started tick 2, at 5, and ends at 11: stage 0's tick 1, stage 1's tick 3.
   cost = np.array([[0.0, 1.0], [5.0, 0.0], [4.0, 0.0], [0.0, 6.0]])
-  assert schedules.linked_time(cost, [0], delays=(1, 0)) == 11
-  assert schedules.critical_path(cost, [0], delays=(1, 0)) == [(1, 0), (3, 1)]
+  assert simulate_lib.linked_time(cost, [0], delays=(1, 0)) == 11
+  assert simulate_lib.critical_path(cost, [0], delays=(1, 0)) == [(1, 0), (3, 1)]
 
 
 @pytest.mark.parametrize("name,repeats,delays,transfer", [
@@ -228,18 +229,18 @@ def test_tick_slack_by_hand():
   # step is 5 (stage 0). Stage 0's tick 0 could end at 3, when tick 1 starts anyway (2 to
   # spare); stage 1's tick 1 ends at 4 (1 to spare); the other two set the step.
   cost = np.array([[1.0, 3.0], [2.0, 1.0]])
-  np.testing.assert_allclose(schedules.tick_slack(cost, [0]), [[2.0, 0.0], [0.0, 1.0]])
+  np.testing.assert_allclose(simulate_lib.tick_slack(cost, [0]), [[2.0, 0.0], [0.0, 1.0]])
   # A transfer on the link delays both ticks 1 alike: the same slack.
-  np.testing.assert_allclose(schedules.tick_slack(cost, [0], transfer=0.5),
+  np.testing.assert_allclose(simulate_lib.tick_slack(cost, [0], transfer=0.5),
                              [[2.0, 0.0], [0.0, 1.0]])
   # Delayed link: tick 1 waits for the neighbour's *start* of tick 0. Stage 0 runs 1-3, stage 1
   # 3-4 (its own tick 0 ends at 3): step 4. Stage 0 has 1 to spare in each tick: its tick 0 may
   # end at 2, so its tick 1 still ends at 4.
-  np.testing.assert_allclose(schedules.tick_slack(cost, [0], delays=(1, 0)),
+  np.testing.assert_allclose(simulate_lib.tick_slack(cost, [0], delays=(1, 0)),
                              [[1.0, 0.0], [1.0, 0.0]])
-  assert schedules.tick_slack(np.zeros((0, 2)), [0]).shape == (0, 2)
+  assert simulate_lib.tick_slack(np.zeros((0, 2)), [0]).shape == (0, 2)
   with pytest.raises(ValueError, match="links must be in range"):
-    schedules.tick_slack(cost, [2])
+    simulate_lib.tick_slack(cost, [2])
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -250,17 +251,17 @@ def test_tick_slack_is_exactly_what_an_entry_may_add(seed):
   for _ in range(8):
     ticks, stages = int(rng.integers(1, 7)), int(rng.integers(2, 6))
     cost = rng.integers(0, 5, (ticks, stages)).astype(float)
-    links = schedules.ring_links(stages, bool(rng.integers(2)) and stages > 2)
+    links = simulate_lib.ring_links(stages, bool(rng.integers(2)) and stages > 2)
     delays = tuple(int(d) for d in rng.integers(0, 2, stages)) if rng.integers(2) else None
     transfer = rng.random(stages) if rng.integers(2) else None
-    step = schedules.linked_time(cost, links, transfer, delays)
-    slack = schedules.tick_slack(cost, links, transfer, delays)
+    step = simulate_lib.linked_time(cost, links, transfer, delays)
+    slack = simulate_lib.tick_slack(cost, links, transfer, delays)
     assert (slack >= -1e-12).all()
     for t, s in np.ndindex(cost.shape):
       more = cost.copy()
       more[t, s] += slack[t, s]
-      assert schedules.linked_time(more, links, transfer, delays) == pytest.approx(step)
+      assert simulate_lib.linked_time(more, links, transfer, delays) == pytest.approx(step)
       more[t, s] += 0.01
-      assert schedules.linked_time(more, links, transfer, delays) > step
-    for t, s in schedules.critical_path(cost, links, transfer, delays):
+      assert simulate_lib.linked_time(more, links, transfer, delays) > step
+    for t, s in simulate_lib.critical_path(cost, links, transfer, delays):
       assert slack[t, s] == pytest.approx(0.0, abs=1e-12)

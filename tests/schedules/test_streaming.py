@@ -28,9 +28,9 @@ def _delays(given, stages):
 def test_every_read_gets_its_microbatch_from_its_holder(name, stages, microbatches, given):
   delays = _delays(given, stages)
   table = schedules.build(name, stages, microbatches, CHUNKS[name], delays)
-  reads = schedules.first_stage_reads(table)
-  stream = schedules.input_stream(reads, stages, microbatches, delays)
-  travel = streaming.hop_ticks(schedules.link_delays(delays, stages))
+  reads = streaming.first_stage_reads(table)
+  stream = streaming.input_stream(reads, stages, microbatches, delays)
+  travel = streaming.hop_ticks(schedules.actions.link_delays(delays, stages))
   # Feasible exactly where every read comes no sooner than its data can travel from its holder.
   per = microbatches // stages
   feasible = all(t >= travel[m // per] for t, m in enumerate(reads) if m >= 0)
@@ -49,7 +49,7 @@ def test_every_read_gets_its_microbatch_from_its_holder(name, stages, microbatch
 
 def test_a_fused_table_reads_inputs_at_forward_and_backward_of_the_first_chunk():
   table = schedules.build("1f1b", 2, 4)
-  reads = schedules.first_stage_reads(table)
+  reads = streaming.first_stage_reads(table)
   actions = [table.action[t, 0] for t in range(table.num_ticks)]
   expected = [int(table.microbatch[t, 0]) if a >= 0 and a != schedules.Action.W else -1
               for t, a in enumerate(actions)]
@@ -59,10 +59,10 @@ def test_a_fused_table_reads_inputs_at_forward_and_backward_of_the_first_chunk()
 
 def test_the_conveyor_waits_an_extra_tick_over_a_delayed_link():
   table = schedules.build("gpipe", 2, 4, delays=1)
-  stream = schedules.input_stream(schedules.first_stage_reads(table), 2, 4, 1)
+  stream = streaming.input_stream(streaming.first_stage_reads(table), 2, 4, 1)
   # Stage 1 holds micro-batches 2 and 3, read at ticks 2 and 3: they leave two ticks earlier.
   assert stream.source[:, 1].tolist()[:2] == [0, 1]
-  assert schedules.input_stream(schedules.first_stage_reads(table), 2, 4, 0).source[
+  assert streaming.input_stream(streaming.first_stage_reads(table), 2, 4, 0).source[
       :, 1].tolist()[:3] == [-1, 0, 1]
 
 
@@ -73,17 +73,17 @@ def test_the_conveyor_waits_an_extra_tick_over_a_delayed_link():
 ])
 def test_no_table_where_the_inputs_cannot_stream(stages, microbatches, delays):
   table = schedules.build("gpipe", stages, microbatches, delays=delays)
-  assert schedules.input_stream(schedules.first_stage_reads(table), stages, microbatches,
+  assert streaming.input_stream(streaming.first_stage_reads(table), stages, microbatches,
                                 delays) is None
 
 
 def test_a_recomputing_w_reads_the_inputs_too():
   table = schedules.build("zb_h1", 2, 4)
-  plain, with_w = schedules.first_stage_reads(table), schedules.first_stage_reads(table, True)
+  plain, with_w = streaming.first_stage_reads(table), streaming.first_stage_reads(table, True)
   w_ticks = np.nonzero((table.action[:, 0] == schedules.Action.W))[0]
   assert np.all(plain[w_ticks] == -1)
   np.testing.assert_array_equal(with_w[w_ticks], table.microbatch[w_ticks, 0])
-  stream = schedules.input_stream(with_w, 2, 4, table.delays)
+  stream = streaming.input_stream(with_w, 2, 4, table.delays)
   assert stream is not None
   np.testing.assert_array_equal(stream.deliveries(), with_w)
 

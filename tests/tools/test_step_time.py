@@ -302,7 +302,7 @@ def _fused_tick_program(schedule, branches):
 
 def test_pipeline_step_follows_the_table_with_each_actions_price():
   # 1F1B, S = 2, M = 4: F one matmul, B two.
-  schedule = schedules.make_fused_schedule("1f1b", 2, 4)
+  schedule = schedules.build("1f1b", 2, 4)
   w = jnp.ones((256, 256))
 
   def matmuls(n):

@@ -15,7 +15,7 @@ def _boxes(fig):
 
 
 def test_one_box_per_busy_slot_coloured_by_microbatch():
-  schedule = schedules.gpipe(num_stages=3, num_microbatches=4)
+  schedule = schedules.build("gpipe", num_stages=3, num_microbatches=4)
   fig = timeline.draw_timeline(schedule)
   boxes = _boxes(fig)
   assert len(boxes) == int(schedule.busy.sum()) == 12
@@ -29,7 +29,7 @@ def test_one_box_per_busy_slot_coloured_by_microbatch():
 
 
 def test_backward_doubles_the_boxes_and_circular_hatches_repeats():
-  schedule = schedules.circular(num_stages=2, num_microbatches=2, num_repeats=2)
+  schedule = schedules.build("circular", num_stages=2, num_microbatches=2, num_repeats=2)
   fig = timeline.draw_timeline(schedule, backward=True)
   boxes = _boxes(fig)
   assert len(boxes) == 2 * int(schedule.busy.sum())
@@ -40,24 +40,24 @@ def test_backward_doubles_the_boxes_and_circular_hatches_repeats():
 
 
 def test_save_timeline_writes_a_png(tmp_path):
-  path = timeline.save_timeline(schedules.gpipe(4, 8), tmp_path / "sub" / "t.png",
+  path = timeline.save_timeline(schedules.build("gpipe", 4, 8), tmp_path / "sub" / "t.png",
                                 backward=True)
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-  small = timeline.save_timeline(schedules.gpipe(2, 1), tmp_path / "small.png")
+  small = timeline.save_timeline(schedules.build("gpipe", 2, 1), tmp_path / "small.png")
   assert (tmp_path / "sub" / "t.png").stat().st_size > (tmp_path / "small.png").stat().st_size
   assert small.endswith("small.png")
 
 
 def test_bad_arguments():
-  with pytest.raises(TypeError, match="make_schedule"):
+  with pytest.raises(TypeError, match=r"tpipe.schedules.build\(name, num_stages"):
     timeline.save_timeline("gpipe", "/tmp/x.png")
   with pytest.raises(ValueError, match="extension"):
-    timeline.save_timeline(schedules.gpipe(2, 2), "/tmp/no_extension")
+    timeline.save_timeline(schedules.build("gpipe", 2, 2), "/tmp/no_extension")
 
 
 def test_fused_schedule_boxes_are_coloured_by_action_with_a_legend():
-  schedule = schedules.make_fused_schedule("1f1b", num_stages=2, num_microbatches=3)
+  schedule = schedules.build("1f1b", num_stages=2, num_microbatches=3)
   fig = timeline.draw_timeline(schedule)
   boxes = _boxes(fig)
   assert len(boxes) == int(schedule.busy.sum()) == 12
@@ -73,7 +73,7 @@ def test_fused_schedule_boxes_are_coloured_by_action_with_a_legend():
 
 
 def test_zbv_draws_three_actions_and_hatches_its_two_chunks():
-  schedule = schedules.make_fused_schedule("zbv", num_stages=2, num_microbatches=2)
+  schedule = schedules.build("zbv", num_stages=2, num_microbatches=2)
   fig = timeline.draw_timeline(schedule)
   boxes = _boxes(fig)
   assert len(boxes) == int(schedule.busy.sum()) == 24
@@ -87,7 +87,7 @@ def test_zbv_draws_three_actions_and_hatches_its_two_chunks():
 
 
 def test_fused_schedule_saves_and_rejects_backward(tmp_path):
-  schedule = schedules.make_fused_schedule("zb_h1", 4, 8)
+  schedule = schedules.build("zb_h1", 4, 8)
   path = timeline.save_timeline(schedule, tmp_path / "zb_h1.png")
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -96,7 +96,7 @@ def test_fused_schedule_saves_and_rejects_backward(tmp_path):
 
 
 def test_forward_pass_draws_forward_boxes_only():
-  schedule = schedules.make_fused_schedule("zbv", num_stages=2, num_microbatches=2)
+  schedule = schedules.build("zbv", num_stages=2, num_microbatches=2)
   forward = schedule.forward_pass()
   fig = timeline.draw_timeline(forward)
   boxes = _boxes(fig)
@@ -110,7 +110,7 @@ def test_forward_pass_draws_forward_boxes_only():
 
 def test_a_compound_tick_splits_its_box_into_its_actions_inside_an_outline():
   costs = {"F": 1.0, "B": 3.0}
-  table = schedules.make_fused_schedule("1f1b", 3, 4, costs=costs)
+  table = schedules.build("1f1b", 3, 4, costs=costs)
   fig = timeline.draw_timeline(table)
   filled = [b for b in _boxes(fig) if b.get_fill()]
   outlines = [b for b in _boxes(fig) if not b.get_fill()]
@@ -127,7 +127,7 @@ def test_a_compound_tick_splits_its_box_into_its_actions_inside_an_outline():
 
 def test_costs_draw_a_fused_table_in_neighbour_synchronised_time(tmp_path):
   costs = {"F": 1.0, "B": 3.0}
-  table = schedules.make_fused_schedule("1f1b", 3, 4, costs=costs)
+  table = schedules.build("1f1b", 3, 4, costs=costs)
   fig = timeline.draw_timeline(table, costs=costs)
   widths = sorted({round(b.get_width(), 6) for b in _boxes(fig) if b.get_fill()})
   assert widths == [1.0, 3.0]  # Each action as wide as its cost.
@@ -138,6 +138,6 @@ def test_costs_draw_a_fused_table_in_neighbour_synchronised_time(tmp_path):
   path = timeline.save_timeline(table, tmp_path / "timed.png", costs=costs)
   assert (tmp_path / "timed.png").stat().st_size > 0 and path.endswith("timed.png")
   with pytest.raises(ValueError, match="forward schedule"):
-    timeline.draw_timeline(schedules.gpipe(2, 2), costs=costs)
+    timeline.draw_timeline(schedules.build("gpipe", 2, 2), costs=costs)
   with pytest.raises(ValueError, match="costs has no entry for 'B'"):
     timeline.draw_timeline(table, costs={"F": 1.0})

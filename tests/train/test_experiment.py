@@ -388,8 +388,7 @@ def test_config_tick_costs_give_compound_tables():
   searched = experiment.spec_from_config(_config(schedule="zb_h1", tick_costs=costs,
                                                  tick_search=1))
   assert searched.tick_search == 1
-  from tpipe.experimental import refine  # pylint: disable=g-import-not-at-top
-  assert searched.table is tpipe.schedules.build("zb_h1", searched.num_stages,
-                                                 searched.num_microbatches, 1, None,
-                                                 searched.tick_costs, search=1,
-                                                 refine=refine.refine)
+  from tpipe.experimental import search  # pylint: disable=g-import-not-at-top
+  plain = experiment.spec_from_config(_config(schedule="zb_h1", tick_costs=costs))
+  assert type(plain) is tpipe.PipelineSpec  # pylint: disable=unidiomatic-typecheck
+  assert searched.table is search.with_search(plain, 1).table

@@ -15,7 +15,7 @@ chunks, :mod:`tpipe.core.planning.plan`), and lays out its variables on the stag
   and backward together (:func:`tpipe.core.loops.fused.mean_loss`). So does a forward schedule where
   its backward plan says so (:attr:`Pipeline.backward_plan`, under ``remat="full"`` with
   ``remat_granularity`` ``"chunk"`` or ``"nested"``): its forward ticks and autodiff's backward
-  ticks run as one fused table (:func:`tpipe.schedules.from_forward`), whose backward sums the
+  ticks run as one fused table (:func:`tpipe.schedules.whole_step`), whose backward sums the
   parameter gradients in place.
 
 Front ends (``tpipe.Sequential``, ``tpipe.pipeline``, ``tpipe.nnx``) build one per call; the
@@ -89,11 +89,11 @@ class Pipeline:
   def loss_table(self):
     """The table :meth:`loss` runs (what a training step runs): a fused schedule's own; a
     forward schedule's forward ticks and autodiff's backward ticks as one fused table
-    (:func:`tpipe.schedules.from_forward`) where the backward plan says so; else the forward
+    (:func:`tpipe.schedules.whole_step`) where the backward plan says so; else the forward
     schedule, differentiated through its tick loop."""
     table = self.spec.table
     if self.backward_plan.fused_loss_table:
-      return schedules.from_forward(table)
+      return schedules.whole_step(table)
     return table
 
   @property
@@ -191,7 +191,7 @@ class Pipeline:
     Differentiable under every schedule: a forward schedule differentiates through its tick
     loop; a fused schedule's backward runs inside the schedule (one differentiated call runs
     forward and backward together), as does a forward schedule's under ``remat="full"`` with
-    ``"chunk"`` or ``"nested"`` granularity (its table as :func:`tpipe.schedules.from_forward`
+    ``"chunk"`` or ``"nested"`` granularity (its table as :func:`tpipe.schedules.whole_step`
     writes it).
     Arguments as for :meth:`apply`; the last layer must return one float loss per example
     (``[batch]``).

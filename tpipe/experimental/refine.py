@@ -40,13 +40,12 @@ the costs relative to the largest: HiGHS works to fixed tolerances, and given co
 table's where the same costs in MFLOP found a shorter step.
 
 It costs tens of seconds for a ZB-H1 table at S = 8, M = 8 and minutes for a ZB-V one (two
-chunks per stage: twice the actions per window), so the builder runs it only when asked
-(``tick_search`` in :class:`tpipe.PipelineSpec`, ``search`` and ``refine=refine`` in
-:func:`tpipe.schedules.build`). ZB-H1 at S = 8, M = 8 under the measured remat-none costs of
-``experiments/fused_schedules.py`` (BI about 1.3 F, W about F): the neighbour-synchronised
-bubble goes from 1.16x the schedule's natural bubble to 1.14x, in the same memory, whatever
-the costs' unit; so it does for each of sixteen cost sets drawn within 1% of those
-(``experiments/search_robustness.py``).
+chunks per stage: twice the actions per window), so it runs only when asked: on a table, or in
+a pipeline through a spec :func:`tpipe.experimental.search.with_search` returns. ZB-H1 at
+S = 8, M = 8 under the measured remat-none costs of ``experiments/fused_schedules.py`` (BI about
+1.3 F, W about F): the neighbour-synchronised bubble goes from 1.16x the schedule's natural
+bubble to 1.14x, in the same memory, whatever the costs' unit; so it does for each of sixteen
+cost sets drawn within 1% of those (``experiments/search_robustness.py``).
 
 Example::
 
@@ -114,7 +113,7 @@ def refine(table: fused_lib.FusedSchedule, costs: Mapping[str, float], *,
     ValueError: a forward-only table, a cost missing or not > 0, or a bad count.
   """
   if not isinstance(table, fused_lib.FusedSchedule):
-    raise TypeError(f"refine takes a FusedSchedule (tpipe.schedules.make_fused_schedule), got "
+    raise TypeError(f"refine takes a FusedSchedule (tpipe.schedules.build of a fused name), got "
                     f"{type(table).__name__}.")
   if table.forward_only:
     raise ValueError("refine re-places forward and backward actions; this table is forward-only.")

@@ -10,7 +10,8 @@ indexed ``[tick, stage]``:
 
 Their backward pass comes from automatic differentiation through the tick loop, which replays the
 forward ticks in reverse order (:meth:`Schedule.backward_tables`); :mod:`tpipe.core.loops.forward`
-runs them. Pure NumPy.
+runs them. Pure NumPy. The builders here are what :func:`tpipe.schedules.build` calls; make
+tables with that, which validates its arguments and caches the table.
 
 Example::
 

@@ -5,6 +5,8 @@ Each schedule is written as the order in which every stage runs its actions; :fu
 are done) and validates the table. Every builder takes ``delays`` (per link, 0 or 1 extra tick,
 :func:`~tpipe.schedules.actions.link_delays`): the same orders, laid out with the longer
 transfers (1F1B and ZB-H1 warm up with one more forward per delayed link ahead). Pure NumPy.
+The builders here are what :func:`tpipe.schedules.build` calls; make tables with that, which
+validates its arguments and caches the table.
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def pipeline_flops(compiled, schedule, flops: FlopCount | None = None,
   if not hasattr(schedule, "num_ticks") or not hasattr(schedule, "bubble_fraction"):
     raise TypeError(f"schedule must be a tpipe.schedules.Schedule, got "
                     f"{type(schedule).__name__}; build one with "
-                    "tpipe.schedules.make_schedule(name, S, M, R).")
+                    "tpipe.schedules.build(name, S, M, R).")
   flops = flops if flops is not None else flop_count(compiled)
   if isinstance(schedule, schedules_lib.FusedSchedule):
     found = fused_flops(compiled, schedule, programs, flops)
@@ -534,7 +534,7 @@ def fused_flops(compiled, schedule, programs=None,
 def simulated_timing(table, costs=None) -> schedules_lib.Timing:
   """The whole step (forward and backward) of ``table`` simulated under per-action ``costs``
   (default :data:`tpipe.schedules.DEFAULT_COSTS`): a forward schedule as
-  :func:`tpipe.schedules.from_forward` writes it."""
+  :func:`tpipe.schedules.whole_step` writes it."""
   return schedules_lib.whole_step(table).simulate(costs)
 
 

@@ -20,10 +20,10 @@ matplotlib is imported only when a picture is drawn (Agg backend, no display nee
 
   from tpipe import schedules
   from tpipe.tools import timeline
-  timeline.save_timeline(schedules.gpipe(4, 8), "/tmp/gpipe.png", backward=True)
-  timeline.save_timeline(schedules.make_fused_schedule("zb_h1", 4, 8), "/tmp/zb_h1.png")
+  timeline.save_timeline(schedules.build("gpipe", 4, 8), "/tmp/gpipe.png", backward=True)
+  timeline.save_timeline(schedules.build("zb_h1", 4, 8), "/tmp/zb_h1.png")
   costs = {"F": 1, "B": 3, "BI": 2, "W": 1}
-  timeline.save_timeline(schedules.make_fused_schedule("zbv", 4, 8, costs=costs),
+  timeline.save_timeline(schedules.build("zbv", 4, 8, costs=costs),
                          "/tmp/zbv_compound.png", costs=costs)
 """
 
@@ -56,8 +56,8 @@ def _pyplot():
 def _check_schedule(schedule) -> None:
   if not isinstance(schedule, (schedules_lib.Schedule, schedules_lib.FusedSchedule)):
     raise TypeError(f"Expected a tpipe.schedules.Schedule or FusedSchedule, got "
-                    f"{type(schedule).__name__}; build one with tpipe.schedules.make_schedule"
-                    "(name, num_stages, num_microbatches) or make_fused_schedule(...).")
+                    f"{type(schedule).__name__}; build one with tpipe.schedules.build"
+                    "(name, num_stages, num_microbatches).")
 
 
 def _colours(num_microbatches: int):

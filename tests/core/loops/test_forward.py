@@ -57,7 +57,7 @@ def test_idle_ticks_run_no_layer_flops():
   params = stack.init({"params": jax.random.key(0)}, x)["params"]
   compiled = jax.jit(stack.apply).lower({"params": params}, x).compile()
   module = hlo_lib.parse_hlo(compiled.as_text())
-  schedule = tpipe.make_schedule("gpipe", stages, microbatches)
+  schedule = tpipe.schedules.build("gpipe", stages, microbatches)
   tick_loops = [loop for loop in module.loops() if loop.trip_count == schedule.num_ticks]
   assert tick_loops
   bodies = {loop.body for loop in tick_loops}

@@ -133,8 +133,8 @@ def test_differentiating_a_fused_models_outputs_names_the_loss_method():
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_a_loss_without_gradients_runs_the_forward_ticks_only(schedule):
   """Evaluating the loss takes the custom_vjp's primal path: the table's forward pass alone
-  (:meth:`~tpipe.FusedSchedule.forward_pass`), one conditional per tick with only the idle and
-  forward branches (no backward), and the same loss."""
+  (:meth:`~tpipe.schedules.FusedSchedule.forward_pass`), one conditional per tick with only the
+  idle and forward branches (no backward), and the same loss."""
   model, mesh = _model("mlp", schedule, 2, 3, 2)
   x, targets = _inputs("mlp", mesh)
   params = lm.random_params("mlp")

@@ -46,7 +46,7 @@ CASES = [
 
 
 def test_some_case_reads_two_microbatches_in_one_tick():
-  reads = [tpipe.schedules.lane_reads(tpipe.schedules.build(
+  reads = [tpipe.schedules.streaming.lane_reads(tpipe.schedules.build(
       schedule, stages, microbatches, 2 if schedule in lm.TWO_CHUNKS else 1,
       1 if slices == 2 else None, costs)) for _, schedule, stages, microbatches, _, slices, costs
       in CASES if costs is COMPOUND]
@@ -65,7 +65,7 @@ def test_streamed_inputs_equal_sequential(name, schedule, stages, microbatches, 
   assert any(model.spec.delays) == (slices == 2)
   # Where stage 0 reads two micro-batches in one tick (lanes of a compound tick), each comes
   # over a conveyor of its own.
-  reads = tpipe.schedules.lane_reads(model.spec.table)
+  reads = tpipe.schedules.streaming.lane_reads(model.spec.table)
   assert len(conveyor.lanes) >= (reads >= 0).sum(axis=0).max()
   lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))
 

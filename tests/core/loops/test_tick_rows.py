@@ -38,8 +38,8 @@ def _zb_h1():
 
 
 def test_the_drawn_tables_are_the_named_schedules():
-  assert_table(schedules.make_fused_schedule("1f1b", 2, 2), ONE_F_ONE_B)
-  assert_table(schedules.make_fused_schedule("zb_h1", 2, 2), ZB_H1)
+  assert_table(schedules.build("1f1b", 2, 2), ONE_F_ONE_B)
+  assert_table(schedules.build("zb_h1", 2, 2), ZB_H1)
 
 
 def test_tick_branches_of_1f1b():
@@ -103,7 +103,7 @@ def test_tick_rows_of_zb_h1_positions_and_weight_slots():
 
 
 def test_a_compound_table_in_lanes():
-  table = schedules.make_fused_schedule("1f1b", 2, 2, costs={"F": 1, "B": 2})
+  table = schedules.build("1f1b", 2, 2, costs={"F": 1, "B": 2})
   np.testing.assert_array_equal(table.tick, [0, 1, 1, 2, 2, 3])
   assert table.lanes == 2
   by_lane = tick_rows.by_lanes(table, table.action, fill=-1)
@@ -134,7 +134,7 @@ def test_lane_groups(in_place, together, apart):
 @pytest.mark.parametrize("name,stages,microbatches", [("zb_h1", 4, 8), ("zbv", 4, 6),
                                                       ("zb_h1", 3, 2)])
 def test_weight_slots_are_never_shared_and_fit_the_peak_awaiting_w(name, stages, microbatches):
-  table = schedules.make_fused_schedule(name, stages, microbatches)
+  table = schedules.build(name, stages, microbatches)
   slots = tick_rows.weight_slots(table)
   awaiting = table.awaiting_weight()
   for s in range(stages):
@@ -157,7 +157,7 @@ def test_weight_slots_are_never_shared_and_fit_the_peak_awaiting_w(name, stages,
 def test_each_lane_switches_over_the_branches_it_runs_only(name, costs):
   """The tick loop's switch of each lane holds idle and exactly the branches the table runs in
   that lane (a split table no B), and a row's position in it names the table's branch."""
-  table = schedules.make_fused_schedule(name, 3, 4, costs=costs)
+  table = schedules.build(name, 3, 4, costs=costs)
   programs = list(range(table.num_stages * table.num_chunks))
   numbers, _ = tick_rows.tick_branches(table, programs)
   by_lane = tick_rows.by_lanes(table, numbers)

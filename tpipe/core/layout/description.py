@@ -187,7 +187,7 @@ class LayoutDescription:
     groups: per model chunk (in model-chunk order), its groups.
     num_stages: S.
     num_repeats: R, chunks per stage.
-    placement: where model chunk ``c`` lives (:func:`tpipe.schedules.virtual_stages`).
+    placement: where model chunk ``c`` lives (:func:`tpipe.schedules.actions.virtual_stages`).
     logical: the logical variables' abstract shapes ``{"layers_i": tree}``.
     stacked: ``{layer: k}``: the copies per chunk a repeated layer keeps per leaf.
     segments: per model chunk, its :class:`Segment` s in order.
@@ -255,7 +255,7 @@ class LayoutDescription:
       raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}.")
     if len(groups) != num_stages * num_repeats:
       raise ValueError(f"{len(groups)} chunks for {num_stages} stages x {num_repeats} repeats.")
-    schedules.virtual_stages(placement, num_stages, num_repeats)  # Raises if unknown.
+    schedules.actions.virtual_stages(placement, num_stages, num_repeats)  # Raises if unknown.
     logical = layers_lib.abstract(dict(logical_shapes))
     if stacked is None:
       stacked = _default_stacked(groups, logical)

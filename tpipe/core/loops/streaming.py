@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpipe import schedules
 from tpipe.core.base import spmd
+from tpipe.schedules import streaming as conveyor_tables
 
 # The scan row with each (tick, stage)'s conveyor slot.
 ROW = "conveyor_slot"
@@ -30,16 +30,16 @@ ROW = "conveyor_slot"
 def plan(table, axes: spmd.Axes, global_batch: int, enabled: bool, reads_at_w: bool = False):
   """The :class:`Conveyor` for a call, or None where the batch is gathered once instead
   (streaming off, the batch not split over the stages, or no feasible table:
-  :func:`tpipe.schedules.input_stream`). A compound tick's lanes each get a conveyor of their
-  own (:func:`tpipe.schedules.lane_reads`). ``reads_at_w``: ``W`` of chunk 0 reads the inputs
-  too (``weight_recompute``)."""
+  :func:`tpipe.schedules.streaming.input_stream`). A compound tick's lanes each get a conveyor
+  of their own (:func:`tpipe.schedules.streaming.lane_reads`). ``reads_at_w``: ``W`` of chunk 0
+  reads the inputs too (``weight_recompute``)."""
   if not enabled or not axes.splits_over_stages(global_batch):
     return None
   streams = {}
-  for lane, reads in enumerate(schedules.lane_reads(table, reads_at_w)):
+  for lane, reads in enumerate(conveyor_tables.lane_reads(table, reads_at_w)):
     if np.any(reads >= 0):
-      streams[lane] = schedules.input_stream(reads, table.num_stages, table.num_microbatches,
-                                             table.delays)
+      streams[lane] = conveyor_tables.input_stream(reads, table.num_stages,
+                                                   table.num_microbatches, table.delays)
       if streams[lane] is None:
         return None
   return Conveyor(streams, axes) if streams else None
@@ -49,7 +49,7 @@ class Conveyor:
   """One call's conveyors, one per lane in which stage 0 reads inputs: their tables as a scan
   row, their carry, and one tick's step (every lane's sends at once)."""
 
-  def __init__(self, streams: dict[int, schedules.InputStream], axes: spmd.Axes):
+  def __init__(self, streams: dict[int, conveyor_tables.InputStream], axes: spmd.Axes):
     self.streams, self.axes = streams, axes
     self.lanes = tuple(sorted(streams))  # The lanes that read, in the order the carry has.
     stream = streams[self.lanes[0]]

@@ -64,7 +64,7 @@ class BackwardPlan:
     unit_residuals: with ``input_grads="units"``, whether the recomputed forward keeps every
       unit's VJP residuals (granularity ``"chunk"``) rather than each unit's input.
     fused_loss_table: whether a forward schedule's loss runs as one fused table (its forward
-      ticks, then autodiff's backward ticks: :func:`tpipe.schedules.from_forward`).
+      ticks, then autodiff's backward ticks: :func:`tpipe.schedules.whole_step`).
   """
 
   input_grads: str

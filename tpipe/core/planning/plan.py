@@ -102,7 +102,7 @@ class Plan:
     layer_inputs: the abstract input of every layer on one micro-batch, and last the sequence's
       output.
     num_stages: S.
-    placement: where model chunks live (see :func:`tpipe.schedules.virtual_stages`).
+    placement: where model chunks live (see :func:`tpipe.schedules.actions.virtual_stages`).
     tick_costs: a fused schedule's per-action costs derived from the units' measured FLOPs
       (:mod:`tpipe.schedules.derived_costs`), for its compound ticks; None where the spec gives
       them (or ``"plain"``) or the schedule is a forward one.
@@ -134,7 +134,7 @@ class Plan:
   def stage_of(self, chunk: int) -> int:
     """The stage model chunk ``chunk`` runs on."""
     num_repeats = self.num_chunks // self.num_stages
-    vstage = schedules.virtual_stages(self.placement, self.num_stages, num_repeats)
+    vstage = schedules.actions.virtual_stages(self.placement, self.num_stages, num_repeats)
     return int(np.argwhere(vstage == chunk)[0][0])
 
   def describe(self) -> str:

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 import tpipe
 from tpipe import spec as spec_lib
 from tpipe import staging
+from tpipe.experimental import search
 from tpipe.train import architecture
 from tpipe.train import compact_moments
 from tpipe.train import tied
@@ -61,8 +62,9 @@ DTYPES = ("float32", "bfloat16")
 
 
 def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.PipelineSpec:
-  """The pipeline settings ``config`` gives (errors name the config)."""
-  return spec_lib.make(
+  """The pipeline settings ``config`` gives (errors name the config). ``config.tick_search``
+  (research) > 0: the spec :func:`tpipe.experimental.search.with_search` returns."""
+  spec = spec_lib.make(
       "config", num_stages=config.num_stages, num_microbatches=config.num_microbatches,
       schedule=config.schedule, num_repeats=config.num_repeats,
       balance=parse_balance(config.balance), remat=config.remat,
@@ -70,8 +72,14 @@ def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.Pipe
       transfer_delay=startup.parse_transfer_delay(config.get("transfer_delay", "auto")),
       stream_inputs=config.get("stream_inputs", True),
       tick_costs=startup.parse_tick_costs(config.get("tick_costs", "")),
-      tick_search=config.get("tick_search", 0),
       weight_recompute=config.get("weight_recompute", False))
+  sweeps = config.get("tick_search", 0)
+  if isinstance(sweeps, bool) or sweeps != 0:
+    try:
+      spec = search.with_search(spec, sweeps)
+    except (TypeError, ValueError) as error:
+      raise type(error)(f"config: {error}") from None
+  return spec
 
 
 def validate_config(config: ml_collections.ConfigDict, devices=None) -> None:
