@@ -79,5 +79,5 @@ def test_staged_parameters_need_the_models_shapes():
 
 def test_pipeline_is_exported_where_pipeline_for_returns_it():
   model, _, _, x = _model()
-  assert isinstance(model.pipeline_for(x), tpipe.Pipeline)
-  assert "Pipeline" in tpipe.__all__
+  assert isinstance(model.pipeline_for(x), tpipe.PlannedPipeline)
+  assert "PlannedPipeline" in tpipe.__all__

@@ -1,5 +1,5 @@
 """tpipe.core.engine: what :func:`build` refuses before anything is traced, what a
-:class:`Pipeline` reports (its split and backward plan, the table its loss runs) and that its
+:class:`PlannedPipeline` reports (its split and backward plan, the table its loss runs) and that its
 loss and gradients are the plain layers', on the tiny core-layer pipeline
 (:mod:`tests.helpers.core_layers`)."""
 

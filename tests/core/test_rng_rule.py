@@ -5,8 +5,8 @@ units, a ``Repeat`` of n counting n, :func:`tpipe.core.planning.plan.group_units
 micro-batch
 ``m`` (micro-batch ``i`` of data replica ``d`` is ``m = d * M + i``: the batch's ``m``-th block of
 rows) runs with ``k = fold_in(fold_in(K, u), m)``, a linen layer with ``rngs={name: k}``. For
-:meth:`tpipe.core.engine.Pipeline.apply` ``K`` is the key passed; for ``tpipe.Sequential`` it is
-``self.make_rng(name)``, drawn once per call.
+:meth:`tpipe.core.engine.PlannedPipeline.apply` ``K`` is the key passed; for
+``tpipe.Sequential`` it is ``self.make_rng(name)``, drawn once per call.
 
 The model is a few dense layers with ``nn.Dropout`` (``deterministic=False``), one a
 ``tpipe.Repeat``. Its activation is ``{"h": features, "seen": int32}``: each unit doubles
@@ -160,7 +160,7 @@ def test_the_model_draws_a_mask_per_unit_and_microbatch():
 
 def test_pipeline_apply_uses_the_key_passed_as_k():
   model, mesh = _model()
-  _assert_follows_the_rule(_engine_call(model, mesh, 1), 1, "Pipeline.apply")
+  _assert_follows_the_rule(_engine_call(model, mesh, 1), 1, "PlannedPipeline.apply")
 
 
 def test_sequential_draws_k_with_make_rng_once_per_call():

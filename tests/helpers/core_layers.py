@@ -92,8 +92,8 @@ def plain_loss(logical, x, targets):
   return jnp.mean(apply_layers(logical, x, 0, len(LAYERS), targets))
 
 
-def build(spec, batch: int = BATCH) -> engine.Pipeline:
-  """A :class:`tpipe.core.engine.Pipeline` of :data:`LAYERS` for ``spec`` and a batch of
+def build(spec, batch: int = BATCH) -> engine.PlannedPipeline:
+  """A :class:`tpipe.core.engine.PlannedPipeline` of :data:`LAYERS` for ``spec`` and a batch of
   ``batch`` rows."""
   x, targets = inputs(batch=batch)
   return engine.build(LAYERS, spec, param_shapes=layers_lib.abstract(params()), stats_shapes={},

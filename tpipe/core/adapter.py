@@ -2,12 +2,12 @@
 
 Every front end (``tpipe.Sequential``, ``tpipe.pipeline``, ``tpipe.nnx``) runs a call the same
 way, here: it plans the pipeline for the call's input (:func:`build`, over
-:func:`tpipe.core.engine.build`), stages the variables (:meth:`tpipe.core.engine.Pipeline.stage`;
-a collection already staged, :class:`Staged`, passes as it is), runs ``apply`` or ``loss``, and
-hands back the running statistics a training step updated, in the form they came in
-(:meth:`Result.stats`). A front end turns its modules into layers
-(:class:`~tpipe.core.base.layers.Layer`) and its variables into logical trees, and writes the
-statistics back where it keeps them. :func:`check_structure` is what every front end checks of
+:func:`tpipe.core.engine.build`), stages the variables
+(:meth:`tpipe.core.engine.PlannedPipeline.stage`; a collection already staged, :class:`Staged`,
+passes as it is), runs ``apply`` or ``loss``, and hands back the running statistics a training
+step updated, in the form they came in (:meth:`Result.stats`). A front end turns its modules into
+layers (:class:`~tpipe.core.base.layers.Layer`) and its variables into logical trees, and writes
+the statistics back where it keeps them. :func:`check_structure` is what every front end checks of
 its layers and settings when it is constructed.
 
 Example::
@@ -135,7 +135,7 @@ def _plan_shapes(model: Model, variables: Variables | None):
 
 
 def build(model: Model, x, kwargs: dict | None = None, rng_names: Sequence[str] = (),
-          variables: Variables | None = None) -> engine.Pipeline:
+          variables: Variables | None = None) -> engine.PlannedPipeline:
   """The pipeline of ``model``'s layers for calls like ``x`` and ``kwargs`` (see
   :func:`tpipe.core.engine.build`), planned with ``variables``' shapes where they are logical,
   else with the model's."""
@@ -145,7 +145,7 @@ def build(model: Model, x, kwargs: dict | None = None, rng_names: Sequence[str] 
                       param_axes=model.param_axes)
 
 
-def _staged(pipeline: engine.Pipeline, variables: Variables):
+def _staged(pipeline: engine.PlannedPipeline, variables: Variables):
   """``variables`` staged: ``(params, stats)``, stats None where the layers have none."""
   params, stats = variables.params, variables.stats
   if pipeline.stats_layout is None and not isinstance(stats, Staged):
@@ -169,11 +169,11 @@ def call(model: Model, variables: Variables, x, kwargs: dict | None = None, *,
     model: the layers and settings.
     variables: the parameters and statistics, each logical or :class:`Staged`.
     x: the input, batch first.
-    kwargs: the keyword arguments (see :meth:`tpipe.core.engine.Pipeline.apply`).
-    loss: run :meth:`~tpipe.core.engine.Pipeline.loss` (the mean of the last layer's
-      per-example losses), else :meth:`~tpipe.core.engine.Pipeline.apply`.
-    terms: run :meth:`~tpipe.core.engine.Pipeline.loss_terms` instead (the loss's terms apart;
-      running statistics are not updated).
+    kwargs: the keyword arguments (see :meth:`tpipe.core.engine.PlannedPipeline.apply`).
+    loss: run :meth:`~tpipe.core.engine.PlannedPipeline.loss` (the mean of the last layer's
+      per-example losses), else :meth:`~tpipe.core.engine.PlannedPipeline.apply`.
+    terms: run :meth:`~tpipe.core.engine.PlannedPipeline.loss_terms` instead (the loss's terms
+      apart; running statistics are not updated).
     rngs: ``{stream: key}`` for the call.
     mesh: the mesh to run on; default the spec's.
 

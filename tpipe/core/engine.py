@@ -3,20 +3,20 @@
 :func:`build` plans a sequence of :class:`~tpipe.core.base.layers.Layer` for a
 :class:`~tpipe.PipelineSpec` and an input type (the type of every unit's input, the cut into
 chunks, :mod:`tpipe.core.planning.plan`), and lays out its variables on the stages
-(:mod:`tpipe.core.layout.stage_layout`). The :class:`Pipeline` it returns runs them:
+(:mod:`tpipe.core.layout.stage_layout`). The :class:`PlannedPipeline` it returns runs them:
 
-* :meth:`Pipeline.apply`: the last layer's outputs for the whole batch, the same kind under
+* :meth:`PlannedPipeline.apply`: the last layer's outputs for the whole batch, the same kind under
   every schedule. Forward schedules run the forward tick loop (:mod:`tpipe.core.loops.forward`) and
   differentiate through it; fused schedules run their table's forward pass
   (:func:`tpipe.core.loops.fused.forward_outputs`), which is not meant to be differentiated (their
-  backward runs inside the schedule: differentiate :meth:`Pipeline.loss`).
-* :meth:`Pipeline.loss`: the mean over the global batch of the last layer's per-example losses,
-  differentiable under every schedule; with a fused schedule one differentiated call runs forward
-  and backward together (:func:`tpipe.core.loops.fused.mean_loss`). So does a forward schedule where
-  its backward plan says so (:attr:`Pipeline.backward_plan`, under ``remat="full"`` with
-  ``remat_granularity`` ``"chunk"`` or ``"nested"``): its forward ticks and autodiff's backward
-  ticks run as one fused table (:func:`tpipe.schedules.whole_step`), whose backward sums the
-  parameter gradients in place.
+  backward runs inside the schedule: differentiate :meth:`PlannedPipeline.loss`).
+* :meth:`PlannedPipeline.loss`: the mean over the global batch of the last layer's per-example
+  losses, differentiable under every schedule; with a fused schedule one differentiated call runs
+  forward and backward together (:func:`tpipe.core.loops.fused.mean_loss`). So does a forward
+  schedule where its backward plan says so (:attr:`PlannedPipeline.backward_plan`, under
+  ``remat="full"`` with ``remat_granularity`` ``"chunk"`` or ``"nested"``): its forward ticks and
+  autodiff's backward ticks run as one fused table (:func:`tpipe.schedules.whole_step`), whose
+  backward sums the parameter gradients in place.
 
 Front ends (``tpipe.Sequential``, ``tpipe.pipeline``, ``tpipe.nnx``) build one per call; the
 trainer keeps one for its whole run.
@@ -51,7 +51,7 @@ from tpipe.core.programs import signatures as signatures_lib
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Pipeline:
+class PlannedPipeline:
   """A layer sequence planned and laid out for one input type.
 
   Attributes:
@@ -286,7 +286,7 @@ class Pipeline:
             "outputs.")
 
   def rebuild(self, x, kwargs: dict | None = None, rng_names: Sequence[str] = (), *,
-              terms: bool = False) -> "Pipeline":
+              terms: bool = False) -> "PlannedPipeline":
     """The same layers and split, planned for calls like ``x`` and ``kwargs`` (other keywords,
     another batch): the parameters' layout is the same. ``terms``: the pipeline
     :meth:`loss_terms` runs."""
@@ -393,7 +393,7 @@ def micro_inputs(x, split, batch: int, num_microbatches: int):
 def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, param_shapes,
           stats_shapes, x, kwargs: dict | None = None, rng_names: Sequence[str] = (),
           owner: str = "tpipe", param_axes=None,
-          terms: bool = False) -> Pipeline:  # Keyword-only, each named.
+          terms: bool = False) -> PlannedPipeline:  # Keyword-only, each named.
   """Plans and lays out ``layers`` for ``spec`` and inputs like ``x`` (before any tracing of the
   pipeline: every check raises here).
 
@@ -411,10 +411,10 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
       :attr:`tpipe.core.layout.stage_layout.StageLayout.axes` holds them (from the layers'
       annotations).
     terms: where layers sow auxiliary losses or metrics, the last layer returns its own losses
-      and the auxiliary sums apart (what :meth:`Pipeline.loss_terms` runs).
+      and the auxiliary sums apart (what :meth:`PlannedPipeline.loss_terms` runs).
 
   Returns:
-    The :class:`Pipeline`.
+    The :class:`PlannedPipeline`.
   """
   layers = tuple(layers)
   kwargs = dict(kwargs or {})
@@ -446,6 +446,6 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
     stats_layout = layout_lib.StageLayout.build(plan.groups, stats_shapes, spec.num_stages,
                                                 spec.num_repeats, spec.placement,
                                                 stacked=layout.stacked, packing="slot")
-  return Pipeline(layers=layers, spec=spec, plan=plan, layout=layout, stats_layout=stats_layout,
-                  owner=owner, given_layers=given, aux_names=aux_names,
-                  terms=terms and bool(aux_names))
+  return PlannedPipeline(layers=layers, spec=spec, plan=plan, layout=layout,
+                         stats_layout=stats_layout, owner=owner, given_layers=given,
+                         aux_names=aux_names, terms=terms and bool(aux_names))

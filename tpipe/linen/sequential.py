@@ -165,8 +165,8 @@ class Sequential(_SequentialFields):
     return variable_shapes(self.layer_list(), self._core_layers(), self.spec, x, kwargs,
                            tuple(rng_names), OWNER)[0]
 
-  def pipeline_for(self, x, rng_names: Sequence[str] = (), **kwargs) -> engine.Pipeline:
-    """The engine's :class:`tpipe.Pipeline` for inputs like ``x``: the split, the stage
+  def pipeline_for(self, x, rng_names: Sequence[str] = (), **kwargs) -> engine.PlannedPipeline:
+    """The engine's :class:`tpipe.PlannedPipeline` for inputs like ``x``: the split, the stage
     layouts and the runs on staged variables (what the trainer trains)."""
     front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER)
     return adapter.build(front.model(x, kwargs, rng_names), x, kwargs, rng_names)
@@ -207,7 +207,7 @@ class Sequential(_SequentialFields):
   def chunk_program(self, layout: layout_lib.StageLayout, chunk: int, x,
                     rng_names: Sequence[str] = (), **kwargs):
     """Model chunk ``chunk`` alone, on one micro-batch like ``x``'s, to analyse it (see
-    :meth:`tpipe.core.engine.Pipeline.chunk_program`); ``layout`` must be this stack's."""
+    :meth:`tpipe.core.engine.PlannedPipeline.chunk_program`); ``layout`` must be this stack's."""
     pipeline = self.with_split(layout).pipeline_for(x, rng_names, **kwargs)
     return pipeline.chunk_program(chunk, x, kwargs, rng_names)
 
@@ -224,7 +224,7 @@ class Sequential(_SequentialFields):
 
   def loss_terms(self, x, **kwargs):
     """The loss's terms apart, for reporting: ``{"loss": mean per-example loss, "aux_loss/...":
-    ..., "aux_metric/...": ...}`` (:meth:`tpipe.core.engine.Pipeline.loss_terms`)."""
+    ..., "aux_metric/...": ...}`` (:meth:`tpipe.core.engine.PlannedPipeline.loss_terms`)."""
     return self._run(x, kwargs, False, terms=True)
 
   @nn.compact
@@ -318,7 +318,7 @@ class LinenLayers:
       x: the input.
       kwargs: the keyword arguments.
       loss: return the mean loss (else the outputs).
-      terms: return the loss's terms apart (:meth:`tpipe.core.engine.Pipeline.loss_terms`).
+      terms: return the loss's terms apart (:meth:`tpipe.core.engine.PlannedPipeline.loss_terms`).
       rngs: ``{stream: key}`` for the call.
       store_stats: called with the updated statistics (in ``variables.stats``' form) after a
         training step of BatchNorm layers.

@@ -83,5 +83,5 @@ class Sequential(stack.Stack, nnx.Module):
 
   def loss_terms(self, x, **kwargs):
     """The loss's terms apart, for reporting: ``{"loss": mean per-example loss, "aux_loss/...":
-    ..., "aux_metric/...": ...}`` (:meth:`tpipe.core.engine.Pipeline.loss_terms`)."""
+    ..., "aux_metric/...": ...}`` (:meth:`tpipe.core.engine.PlannedPipeline.loss_terms`)."""
     return self._run(x, kwargs, loss=False, terms=True)

@@ -140,9 +140,9 @@ class Stack:
       if stats and jax.tree.leaves(stats):
         nnx.update(target, nnx.State(stats))
 
-  def pipeline_for(self, x, rng_names=(), **kwargs) -> engine.Pipeline:
-    """The engine's :class:`tpipe.Pipeline` for inputs like ``x``: the split, the stage layouts
-    and the runs on staged variables."""
+  def pipeline_for(self, x, rng_names=(), **kwargs) -> engine.PlannedPipeline:
+    """The engine's :class:`tpipe.PlannedPipeline` for inputs like ``x``: the split, the stage
+    layouts and the runs on staged variables."""
     layers, params, stats = self.core_layers()
     return adapter.build(self._model(layers), x, kwargs, rng_names,
                          adapter.Variables(params, stats))

@@ -366,7 +366,7 @@ def analyze(compiled, *, mesh=None, schedule=None, programs=None,
     compiled: a :class:`jax.stages.Compiled`.
     mesh: the mesh it was compiled for (labels collectives with mesh axes).
     schedule: the pipeline schedule it runs (adds :class:`PipelineFlops`).
-    programs: each model chunk's chunk program (:meth:`tpipe.core.engine.Pipeline.programs`),
+    programs: each model chunk's chunk program (:meth:`tpipe.core.engine.PlannedPipeline.programs`),
       for a fused schedule.
     inputs: label -> abstract input pytree, to split the argument bytes (see
       :func:`memory_breakdown`).

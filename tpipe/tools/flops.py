@@ -483,8 +483,8 @@ def fused_flops(compiled, schedule, programs=None,
     compiled: a :class:`jax.stages.Compiled` (or its HLO text) of a step that differentiates a
       stack run with ``schedule``.
     schedule: the :class:`tpipe.schedules.FusedSchedule` it runs.
-    programs: per model chunk, its chunk program (:meth:`tpipe.core.engine.Pipeline.programs`);
-      default one program per model chunk.
+    programs: per model chunk, its chunk program
+      (:meth:`tpipe.core.engine.PlannedPipeline.programs`); default one program per model chunk.
     flops: a :class:`FlopCount` already computed for ``compiled`` (recomputed if None).
 
   Returns:

@@ -104,8 +104,9 @@ def carry(layers, adding: tuple[int, ...], names: tuple[str, ...], owner: str,
     owner: the API the user called, for messages.
     with_stats: the indices of the layers that keep running statistics.
     terms: the last layer returns ``(losses, sums)``, its own per-example losses and the
-      ``[rows, len(names)]`` auxiliary sums apart (:meth:`tpipe.core.engine.Pipeline.loss_terms`);
-      else its losses plus the auxiliary losses.
+      ``[rows, len(names)]`` auxiliary sums apart
+      (:meth:`tpipe.core.engine.PlannedPipeline.loss_terms`); else its losses plus the auxiliary
+      losses.
 
   Raises:
     ValueError: the first layer is repeated (the running sum starts at the first layer, which

@@ -106,7 +106,7 @@ def summarize(mesh, table, analysis_result, net, *, efficiency: float = 0.5,
 
   Args:
     mesh: the step's mesh (its devices' slices give the links).
-    table: the table the step runs (:attr:`tpipe.core.engine.Pipeline.loss_table`).
+    table: the table the step runs (:attr:`tpipe.PlannedPipeline.loss_table`).
     analysis_result: the step's :class:`tpipe.tools.analysis.Analysis`.
     net: the :class:`tpipe.experimental.links.Interconnect` to price with.
     efficiency: the share of peak FLOP/s the compute reaches.

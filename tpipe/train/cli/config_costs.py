@@ -52,7 +52,7 @@ class Report:
     config: the experiment config.
     num_params: trainable parameters of the model.
     num_devices: devices in the mesh.
-    schedule: the table the step runs (:attr:`tpipe.core.engine.Pipeline.loss_table`): a
+    schedule: the table the step runs (:attr:`tpipe.PlannedPipeline.loss_table`): a
       :class:`tpipe.schedules.FusedSchedule` (1F1B, ...; or GPipe's and circular's forward and
       backward ticks as one table under remat full) or a forward
       :class:`tpipe.schedules.Schedule` (autodiff through its tick loop gives the backward).

@@ -13,7 +13,7 @@ dtypes and shardings only, which is enough to compile the real step ahead of tim
 A batch is the task's dict of global arrays (the LM's ``{"inputs", "targets"}`` of byte values),
 sharded over the mesh's ``data`` axis.
 
-The model's engine pipeline (:class:`tpipe.core.engine.Pipeline`, from the task's
+The model's engine pipeline (:class:`tpipe.PlannedPipeline`, from the task's
 ``tpipe.Sequential`` or ``tpipe.nnx.Sequential``) is planned once, so its split into stages
 (``config.balance``, by default by FLOPs) is fixed for the run. The train state keeps the
 parameters, the optimizer's moments and BatchNorm's statistics in the **stage layout** (split over
@@ -295,14 +295,14 @@ class Experiment:
     loss_terms_step: where the model's layers sow auxiliary losses or metrics (a mixture of
       experts' router), jitted ``loss_terms_step(state, batch, rng) -> {"loss", "aux_loss/...",
       "aux_metric/..."}``: the training loss's terms apart on a batch, a forward pass
-      (:meth:`tpipe.core.engine.Pipeline.loss_terms`); else None.
+      (:meth:`tpipe.PlannedPipeline.loss_terms`); else None.
   """
 
   config: ml_collections.ConfigDict
   task: Any
   mesh: Any
   model: Any
-  pipeline: tpipe.Pipeline
+  pipeline: tpipe.PlannedPipeline
   optimizer: optax.GradientTransformation
   train_step: Callable = None
   eval_step: Callable = None

@@ -120,7 +120,7 @@ def logs_at(step: int, config) -> bool:
 
 
 def loss_terms_record(terms, config) -> dict[str, float]:
-  """The training loss's terms on a logged step (:meth:`tpipe.core.engine.Pipeline.loss_terms`):
+  """The training loss's terms on a logged step (:meth:`tpipe.PlannedPipeline.loss_terms`):
   ``task_loss`` (the loss without the auxiliary losses), each auxiliary loss as the loss counts
   it (``aux_loss/...``: summed over the blocks), each auxiliary metric as the mean over the
   blocks (``aux_metric/...``: every block of the trainer's MoE models sows it)."""
