@@ -283,7 +283,7 @@ def granularity_in_effect(remat, granularity) -> Any:
   """The remat granularity a pipeline runs with: ``granularity``, except ``"chunk"`` under
   ``remat="none"`` whatever was given. With nothing to recompute, finer pieces would only add
   checkpoints that save everything and loops over pieces (re-rolling ``unroll=True``): a slower
-  program that saves no memory (issue 58). So under ``remat="none"`` every granularity is one
+  program that saves no memory. So under ``remat="none"`` every granularity is one
   program, the one that adds nothing. Validates both (raises as :func:`check_remat` and
   :func:`check_remat_granularity` do)."""
   check_remat(remat)

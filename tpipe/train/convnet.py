@@ -21,8 +21,8 @@ module that applies it in order)::
   losses = head.apply(head_variables, x, labels)    # float32 [batch]; logits without labels
 
 The list is meant for ``tpipe.Sequential(layers, per_example=("labels",), ...)``, which passes
-``train`` to the layers that take it and ``labels`` to the head, once it carries ``batch_stats``
-(issue 9).
+``train`` to the layers that take it and ``labels`` to the head, and carries ``batch_stats``
+through the stages (:mod:`tpipe.core.planning.statistics`).
 
 Mixed precision as in :mod:`tpipe.train.models`: ``dtype`` is the computation dtype of the
 convolutions, BatchNorm outputs and the classifier; ``param_dtype`` the storage dtype of the
