@@ -26,6 +26,7 @@ import tpipe
 from tests.helpers import numerics
 from tests.helpers.linen_models import VOCAB, Block, DenseAct, Embed, HeadLoss, Residual
 from tpipe import partition
+from tpipe.core.layout import pack as layout_pack
 from tpipe.core.planning import unit_cost
 
 BATCH = 16
@@ -313,8 +314,8 @@ def test_to_logical_inverts_to_staged_exactly(name):
       # pack and share their plain layers' matrices differently).
       for c in range(layout.num_chunks):
         jax.tree.map(np.testing.assert_array_equal,
-                     layout.chunk_trees(layout.chunk_local(staged, c), c),
-                     loop.chunk_trees(loop.chunk_local(looped, c), c))
+                     layout_pack.chunk_trees(layout, layout.chunk_local(staged, c), c),
+                     layout_pack.chunk_trees(loop, loop.chunk_local(looped, c), c))
 
 
 def test_staged_params_made_for_another_split_are_rejected():
@@ -510,6 +511,32 @@ def test_repeat_validation_and_bad_calls():
   model = tpipe.Sequential(layers, num_stages=1, num_microbatches=2, per_example=per_example)
   with pytest.raises(ValueError, match=r"per-example argument 'targets' .* shape \(8, 4\)"):
     model.init({"params": jax.random.key(0)}, x, targets=kwargs["targets"][:8])
+
+
+def test_sown_values_raise_when_asked_for_and_are_dropped_otherwise():
+  """As tpipe.pipeline (tests/linen/test_call_arguments.py) and tpipe.nnx (a sown
+  nnx.Intermediate, tests/nnx/test_sequential.py): the pipeline returns no sown values, so a
+  collection the caller made mutable and a layer writes to is refused, before anything runs."""
+
+  class Sows(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      y = nn.Dense(4)(x)
+      self.sow("intermediates", "out", y)
+      return y
+
+  model = tpipe.Sequential([nn.Dense(4), Sows()], num_stages=2, num_microbatches=2,
+                           mesh=tpipe.make_mesh(stages=2))
+  x = jnp.ones((4, 3))
+  variables = model.init({"params": jax.random.key(0)}, x)
+  assert set(variables) == {"params"}
+  model.apply(variables, x)  # Not asked for: nothing to return, as in plain Flax.
+  with pytest.raises(ValueError, match=r"layers\[1\] \(Sows\) failed .*tpipe.Sequential: Sows "
+                                       r"writes to the variable collection\(s\) "
+                                       r"\['intermediates'\] \(with self.sow\).*call apply "
+                                       r"without mutable=\['intermediates'\]"):
+    model.apply(variables, x, mutable=["intermediates"])
 
 
 def test_a_layer_taking_any_keyword_accepts_per_example_names():

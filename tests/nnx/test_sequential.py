@@ -11,8 +11,9 @@ losses as under every schedule; the loss of a stack whose last layer returns no 
 losses is refused, and so is differentiating a fused schedule's outputs. Also: the Param state's
 names do not depend on the pipeline, the logical variables (``model.variables()``) are the Param
 state by ``layers_i`` and load back, an ``nnx.Optimizer`` step runs under ``nnx.jit`` and equals
-the plain model's step, bad arguments raise clear errors, and dropout masks come from the stack's
-rngs, not from the layout.
+the plain model's step, bad arguments raise clear errors, a layer's sown ``nnx.Intermediate``
+values are refused (the pipeline would drop them), and dropout masks come from the stack's rngs,
+not from the layout.
 """
 
 import functools
@@ -254,6 +255,43 @@ def test_bad_arguments_raise_clear_errors():
   with pytest.raises(TypeError, match=r"no layer's call takes the keyword argument\(s\) "
                                       r"\['labels'\]"):
     model(x, labels=kwargs["targets"])
+
+
+class SowsResidual(nnx.Module):
+  """A residual layer that sows its update's mean square as ``kind`` (an ``nnx.Intermediate``)."""
+
+  def __init__(self, width, kind, *, rngs):
+    self.linear = nnx.Linear(width, width, rngs=rngs)
+    self.kind = kind
+
+  def __call__(self, x):
+    update = self.linear(x)
+    self.sow(self.kind, "norm", (update * update).mean())
+    return x + update
+
+
+def test_sown_intermediates_are_refused_as_linen_refuses_collections_asked_for():
+  """Plain NNX keeps what a layer sows in the layer; the pipeline would drop it, so it refuses
+  while planning traces the layer, as tpipe.Sequential and tpipe.pipeline refuse a collection the
+  caller made mutable (tests/linen). Auxiliary losses and metrics are carried, not refused."""
+  rngs = nnx.Rngs(0)
+  x = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
+  model = tnnx.Sequential([nnx.Linear(WIDTH, WIDTH, rngs=rngs),
+                           SowsResidual(WIDTH, nnx.Intermediate, rngs=rngs)],
+                          num_stages=2, num_microbatches=2, mesh=tpipe.make_mesh(stages=2))
+  with pytest.raises(ValueError, match=r"layers\[1\] \(SowsResidual\) failed .*tpipe.nnx."
+                                       r"Sequential layers\[1\]: SowsResidual sows the "
+                                       r"nnx.Intermediate value\(s\) \['norm'\] \(with "
+                                       r"self.sow\), which its caller would receive outside a "
+                                       r"pipeline.*sow them outside the pipelined layers"):
+    model(x)
+  stack = tnnx.pipeline(SowsResidual, length=2, num_stages=2, num_microbatches=2,
+                        mesh=tpipe.make_mesh(stages=2))(WIDTH, nnx.Intermediate, rngs=rngs)
+  with pytest.raises(ValueError, match=r"SowsResidual sows the nnx.Intermediate value\(s\)"):
+    stack(x)
+  metrics = tnnx.Sequential([SowsResidual(WIDTH, tnnx.AuxMetric, rngs=rngs)], num_stages=1,
+                            num_microbatches=2)
+  assert metrics(x).shape == (BATCH, WIDTH)
 
 
 class DropoutResidual(nnx.Module):

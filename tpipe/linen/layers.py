@@ -5,8 +5,12 @@
 ``module.apply`` on those variables. A ``nn.BatchNorm`` that runs in training mode inside it
 reports ``E[x]`` and ``E[x^2]`` of its input in the place of its mean and var (the engine pools
 them over the step, :mod:`tpipe.core.planning.statistics`) and records its momentum in the layer's
-``momenta`` at trace time. :func:`init_variables` initialises a layer's variables, each copy of a
-repeated layer from its own key.
+``momenta`` at trace time. A layer that writes to a collection its caller asked for (one the
+caller made mutable, other than ``params`` and ``batch_stats``: ``self.sow("intermediates",
+...)`` under ``apply(..., mutable=["intermediates"])``) raises while planning traces it: the
+pipeline would drop what it wrote (:func:`tpipe.core.base.layers.check_unsown`; NNX refuses a
+sown ``nnx.Intermediate`` alike). :func:`init_variables` initialises a layer's variables, each
+copy of a repeated layer from its own key.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core import scope as flax_scope
 
 from tpipe.core.base import arguments
 from tpipe.core.base import layers as layers_lib
@@ -45,39 +50,34 @@ def _init(template, axis_names):
   return run
 
 
-def as_layer(module: nn.Module, copies: int | None, owner: str) -> layers_lib.Layer:
+def as_layer(module: nn.Module, copies: int | None, owner: str,
+             returned: Any = False) -> layers_lib.Layer:
   """The core layer of a linen module.
 
   Args:
     module: an unbound linen module (a template: applied with the variables given).
     copies: ``None`` for a plain layer, ``n`` for ``n`` stacked copies.
     owner: the API the user called, for messages.
+    returned: the collections the caller made mutable (its ``scope.mutable``, a Flax collection
+      filter), whose writes it would receive outside a pipeline: the layer raises where it
+      writes to one besides ``params`` and ``batch_stats``.
   """
   template = module.clone(parent=None)
-
-  def apply_with_momenta(params, stats, h, kwargs, rngs):
-    return _apply_measuring(template, params, stats, h, kwargs, rngs, owner)[:3]
-
-  def apply(params, stats, h, kwargs, rngs):
-    return _apply_measuring(template, params, stats, h, kwargs, rngs, owner)[:2]
-
-  def apply_with_aux_values(params, stats, h, kwargs, rngs):
-    y, contributions, _, sown = _apply_measuring(template, params, stats, h, kwargs, rngs,
-                                                 owner)
-    return y, contributions, aux_losses.named(sown, owner, type(template).__name__)
-
-  return layers_lib.Layer(kind=type(template).__name__, copies=copies, apply=apply,
-                          keywords=arguments.keyword_names(type(template).__call__),
-                          identity=template, apply_with_momenta=apply_with_momenta,
-                          apply_with_aux_values=apply_with_aux_values)
+  kind = type(template).__name__
+  return layers_lib.from_measure(
+      kind, copies,
+      lambda *args: _apply_measuring(template, *args, owner=owner, returned=returned),
+      keywords=arguments.keyword_names(type(template).__call__), identity=template,
+      aux_values=lambda sown: aux_losses.named(sown, owner, kind))
 
 
-def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
+def _apply_measuring(template, params, stats, h, kwargs, rngs, *, owner: str, returned):
   """Applies a layer to one micro-batch; returns its output; shaped like ``stats``, each
   training-mode BatchNorm's ``E[x]`` (in the place of ``mean``) and ``E[x^2]`` (of ``var``),
   zeros elsewhere; ``{path: momentum}`` of those BatchNorms; and the auxiliary values it sowed
   (``{AUX_LOSS: tree, AUX_METRIC: tree}``). Statistics the layer would update are dropped;
-  missing ones (shape and cost passes) are created."""
+  missing ones (shape and cost passes) are created. Raises where it writes to a collection in
+  ``returned`` (see :func:`as_layer`)."""
   seen, momenta = {}, {}
 
   def interceptor(next_fun, args, call_kwargs, context):
@@ -99,9 +99,14 @@ def _apply_measuring(template, params, stats, h, kwargs, rngs, owner: str):
     return next_fun(*args, **call_kwargs)
 
   variables = {"params": params, **({STATS: stats} if jax.tree.leaves(stats) else {})}
+  carried = [STATS, AUX_LOSS, AUX_METRIC]
   with nn.intercept_methods(interceptor):
     out, mutated = template.apply(variables, h, **kwargs, rngs=rngs,
-                                  mutable=[STATS, AUX_LOSS, AUX_METRIC])
+                                  mutable=flax_scope.union_filters(returned, carried))
+  written = sorted(c for c, tree in mutated.items()
+                   if c not in ["params", *carried] and jax.tree.leaves(tree))
+  layers_lib.check_unsown(written, f"{owner}: {type(template).__name__} writes to the variable "
+                          "collection(s)", f"call apply without mutable={written}")
 
   def contribution(path, value):
     keys = tuple(getattr(k, "key", None) for k in path)

@@ -230,7 +230,7 @@ class Sequential(_SequentialFields):
   @nn.compact
   def _run(self, x, kwargs, loss: bool, terms: bool = False):
     self.spec.run_mesh(OWNER)  # Raises first where the spec's mesh does not fit the devices.
-    front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER)
+    front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER, returned=self.scope.mutable)
     streams = tuple(sorted(name for name in self.scope.rngs if name != "params"))
     rngs = {name: self.make_rng(name) for name in streams}
     if self.is_initializing():
@@ -279,9 +279,10 @@ class Sequential(_SequentialFields):
     return adapter.Variables(adapter.Staged(params[STAGED]), stats)
 
 
-def core_layers(given, owner: str) -> tuple[layers_lib.Layer, ...]:
-  """The core layers of linen modules and :class:`Repeat` entries."""
-  return tuple(linen_layers.as_layer(_module_of(layer), _copies(layer), owner)
+def core_layers(given, owner: str, returned: Any = False) -> tuple[layers_lib.Layer, ...]:
+  """The core layers of linen modules and :class:`Repeat` entries (``returned``: see
+  :func:`tpipe.linen.layers.as_layer`)."""
+  return tuple(linen_layers.as_layer(_module_of(layer), _copies(layer), owner, returned)
                for layer in given)
 
 
@@ -294,15 +295,19 @@ class LinenLayers:
     given: the linen modules and :class:`Repeat` entries.
     spec: the pipeline settings.
     owner: the API the user called, for messages.
+    returned: the collections the calling module may write (its ``scope.mutable``): a layer that
+      writes to one besides ``params`` and ``batch_stats`` raises, since the pipeline would drop
+      what it wrote (:func:`tpipe.linen.layers.as_layer`).
   """
 
   given: tuple
   spec: spec_lib.PipelineSpec
   owner: str
+  returned: Any = False
 
   def model(self, x, kwargs, rng_names: Sequence[str]) -> adapter.Model:
     """The layers, with their abstract logical variables for inputs like ``x``."""
-    layers = core_layers(self.given, self.owner)
+    layers = core_layers(self.given, self.owner, self.returned)
     shapes, names = variable_shapes(self.given, layers, self.spec, x, kwargs,
                                     tuple(rng_names), self.owner)
     return adapter.Model(layers, self.spec, self.owner, param_axes=names,

@@ -132,10 +132,10 @@ class _Stack:
                                      owner=block_name)
     streams = tuple(sorted(name for name in module.scope.rngs if name != "params"))
     rngs = {name: module.make_rng(name) for name in streams}
-    with arguments.hint_per_example(split, batch, failed=block_name, owner=OWNER):
-      if module.is_initializing():
+    hint = lambda: arguments.hint_per_example(split, batch, failed=block_name, owner=OWNER)
+    if module.is_initializing():
+      with hint():
         self.init_blocks(module, template, x, kwargs, rngs, mesh)
-      self.check_sown(module, template, x, kwargs, rngs, mesh)
     params = {"layers_0": nn.meta.unbox(dict(module.variables.get("params", {})))}
     leaves = jax.tree.leaves(params)
     if leaves and any(np.shape(leaf)[:1] != (self.length,) for leaf in leaves):
@@ -150,9 +150,12 @@ class _Stack:
       for name, value in new_stats["layers_0"].items():
         module.put_variable(STATS, name, value)
 
-    front = sequential.LinenLayers((sequential.Repeat(template, self.length),), spec, OWNER)
-    return front.run(module, adapter.Variables(params, stats), x, kwargs, loss=False,
-                     rngs=rngs, store_stats=store)
+    # A block that writes to a collection the caller made mutable (sow) raises there.
+    front = sequential.LinenLayers((sequential.Repeat(template, self.length),), spec, OWNER,
+                                   returned=module.scope.mutable)
+    with hint():
+      return front.run(module, adapter.Variables(params, stats), x, kwargs, loss=False,
+                       rngs=rngs, store_stats=store)
 
   def _micro(self, x, mesh) -> int:
     parts = self.spec.num_microbatches * self.spec.data_size(mesh)
@@ -181,25 +184,3 @@ class _Stack:
       module.param(name, lambda _key, value=value: value, unbox=False)
     for name, value in nn.meta.unbox(layer_vars.get(STATS, {})).items():
       module.put_variable(STATS, name, value)
-
-  def check_sown(self, module, template, x, kwargs, rngs, mesh):
-    """Raises when the block writes a collection the caller made mutable (``sow``)."""
-    micro = self._micro(x, mesh)
-    h = jax.tree.map(lambda a: jax.ShapeDtypeStruct((micro,) + np.shape(a)[1:], a.dtype), x)
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype),
-                       nn.meta.unbox(dict(module.variables.get("params", {}))))
-    stats = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype),
-                         dict(module.variables.get(STATS, {})))
-    kw = {k: (jax.tree.map(lambda a: a[:micro], v) if k in self.spec.per_example else v)
-          for k, v in kwargs.items()}
-    variables = {"params": one, **({STATS: stats} if stats else {})}
-    apply = lambda v, h, kw: template.apply(v, h, **kw, rngs=rngs, mutable=True)
-    _, written = layers_lib.eval_shape(apply, variables, h, kw)
-    dropped = sorted(c for c in written
-                     if c not in ("params", STATS) and module.is_mutable_collection(c))
-    if dropped:
-      raise ValueError(
-          f"{self.block_name} writes to the variable collection(s) {dropped} (e.g. with "
-          "self.sow), which the caller made mutable, but tpipe.pipeline does not return them "
-          "from its layers. Take what you need from the stack's output instead, or call apply "
-          f"without mutable={dropped}.")

@@ -15,6 +15,10 @@ copy of the layer from those values and calls it. Nothing of the user's module i
   momentum is recorded for the one update per step (:mod:`tpipe.core.planning.statistics`). A
   BatchNorm called with a mask in training mode raises, as in linen
   (:func:`tpipe.core.base.layers.check_unmasked`).
+* Sown values: ``tpipe.nnx.AuxLoss`` and ``tpipe.nnx.AuxMetric`` are carried to the loss and its
+  terms; any other ``nnx.Intermediate`` a layer sows raises while planning traces it, as linen's
+  front ends raise for a collection the caller made mutable
+  (:func:`tpipe.core.base.layers.check_unsown`): the pipeline would drop it.
 """
 
 from __future__ import annotations
@@ -157,18 +161,14 @@ def as_layer(layer: nnx.Module, copies: int | None,
       for key in path:
         node = node[key]
       node["mean"], node["var"] = mean, var + mean * mean
-    return y, contributions, momenta, {kind: nnx.to_pure_dict(nnx.pop(module, variable))
-                                       for kind, variable in _SOWN.items()}
-
-  def apply_with_momenta(params, stats, h, kwargs, rngs):
-    return apply_measuring(params, stats, h, kwargs, rngs)[:3]
-
-  def apply(params, stats, h, kwargs, rngs):
-    return apply_measuring(params, stats, h, kwargs, rngs)[:2]
-
-  def apply_with_aux_values(params, stats, h, kwargs, rngs):
-    y, contributions, _, sown = apply_measuring(params, stats, h, kwargs, rngs)
-    return y, contributions, aux_losses.named(sown, where, type(layer).__name__)
+    sown = {kind: nnx.to_pure_dict(nnx.pop(module, variable)) for kind, variable in _SOWN.items()}
+    others = nnx.to_flat_state(nnx.state(module, nnx.Intermediate))
+    layers_lib.check_unsown(
+        ["/".join(map(str, path)) for path, _ in others],
+        f"{where}: {type(layer).__name__} sows the nnx.Intermediate value(s)",
+        "sow them outside the pipelined layers (tpipe.nnx.AuxLoss and tpipe.nnx.AuxMetric are "
+        "carried)")
+    return y, contributions, momenta, sown
 
   layer_class = type(layer)
   identity = graphdef  # Equal graphs compute the same: they share one cost measurement.
@@ -176,11 +176,11 @@ def as_layer(layer: nnx.Module, copies: int | None,
     hash(identity)
   except TypeError:
     identity = None
-  return (layers_lib.Layer(kind=layer_class.__name__, copies=copies, apply=apply,
-                           keywords=arguments.keyword_names(layer_class.__call__),
-                           identity=identity, apply_with_momenta=apply_with_momenta,
-                           apply_with_aux_values=apply_with_aux_values),
-          nnx.to_pure_dict(params), nnx.to_pure_dict(stats))
+  core = layers_lib.from_measure(
+      layer_class.__name__, copies, apply_measuring,
+      keywords=arguments.keyword_names(layer_class.__call__), identity=identity,
+      aux_values=lambda sown: aux_losses.named(sown, where, layer_class.__name__))
+  return core, nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
 
 
 @functools.lru_cache(maxsize=None)

@@ -78,6 +78,36 @@ def test_batch_size_checks_the_leading_axis():
 
 
 @pytest.mark.unit
+def test_from_measure_keeps_of_one_call_what_each_apply_returns():
+  calls = []
+
+  def measure(params, stats, h, kwargs, rngs):
+    calls.append((params, stats, h, kwargs, rngs))
+    return h * params, {"mean": h}, {("bn",): 0.9}, {"loss": h}
+
+  layer = layers_lib.from_measure("Scale", 3, measure, keywords=("train",), identity="id",
+                                  aux_values=lambda sown: {"aux_loss/x": sown["loss"] + 1})
+  assert (layer.kind, layer.copies, layer.units, layer.keywords, layer.identity) == (
+      "Scale", 3, 3, ("train",), "id")
+  args = (2, {}, 5, {"train": True}, {})
+  assert layer.apply(*args) == (10, {"mean": 5})
+  assert layer.apply_with_momenta(*args) == (10, {"mean": 5}, {("bn",): 0.9})
+  assert layer.apply_with_aux_values(*args) == (10, {"mean": 5}, {"aux_loss/x": 6})
+  assert calls == [args] * 3
+
+
+@pytest.mark.unit
+def test_check_unsown_names_what_would_be_dropped_and_the_fix():
+  layers_lib.check_unsown([], "Block writes to the variable collection(s)", "fix it")
+  with pytest.raises(ValueError, match=r"^Block writes to the variable collection\(s\) "
+                                       r"\['intermediates'\] \(with self.sow\), which its caller "
+                                       r"would receive outside a pipeline, .* Take what you need "
+                                       r"from the output instead, or fix it\.$"):
+    layers_lib.check_unsown(["intermediates"], "Block writes to the variable collection(s)",
+                            "fix it")
+
+
+@pytest.mark.unit
 def test_logical_names_are_one_copys():
   annotations = [("['kernel']", ("layers", "embed", "mlp"), 3), ("['bias']", ("mlp",), 2),
                  ("['scale']", None, 2)]

@@ -2,7 +2,8 @@
 
 The linen and NNX front ends turn each entry of a layer sequence into a :class:`Layer`: a plain
 layer (one unit) or ``n`` stacked copies of one (``n`` units, parameters with a leading copy
-axis, as ``nn.scan`` stacks them). The core plans, lays out and runs sequences of them.
+axis, as ``nn.scan`` stacks them), each from one measuring call of its module
+(:func:`from_measure`). The core plans, lays out and runs sequences of them.
 
 Also here, because every front end and schedule shares them:
 
@@ -11,8 +12,9 @@ Also here, because every front end and schedule shares them:
   ``fold_in(fold_in(K, u), m)``, so random numbers do not depend on the stages, balance,
   schedule, repeats or remat;
 * keyword routing (:func:`layer_keywords`): a keyword reaches every layer whose call takes it;
-* a repeated layer's parameters named as one copy's (:func:`logical_names`), and the refusal of
-  a masked normalization in training mode (:func:`check_unmasked`).
+* a repeated layer's parameters named as one copy's (:func:`logical_names`), and the refusals
+  of a masked normalization in training mode (:func:`check_unmasked`) and of values a layer sows
+  that the pipeline would drop (:func:`check_unsown`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,34 @@ class Layer:
   def units(self) -> int:
     """Layer units: 1 for a plain layer, ``copies`` for a repeated one."""
     return 1 if self.copies is None else self.copies
+
+
+# measure(params, stats, x, kwargs, rngs) -> (y, statistics, momenta, sown): one call of a layer
+# with everything its front end reads off it, ``apply_with_momenta``'s results and what it sowed
+# in the front end's own form (:func:`from_measure` names it).
+MeasureFn = Callable[[Any, Any, Any, dict, dict], tuple[Any, Any, dict, Any]]
+
+
+def from_measure(kind: str, copies: int | None, measure: MeasureFn, *,
+                 keywords: tuple[str, ...] | None, identity: Hashable | None,
+                 aux_values: Callable[[Any], Any]) -> Layer:
+  """The :class:`Layer` whose apply functions are one front end's measuring call, each keeping
+  what it returns: ``apply`` the output and statistics, ``apply_with_momenta`` the momenta too,
+  ``apply_with_aux_values`` the sown values as ``aux_values(sown)`` names them
+  (:func:`tpipe.core.planning.aux_losses.named`). Both front ends build their layers so."""
+
+  def apply(params, stats, h, kwargs, rngs):
+    return measure(params, stats, h, kwargs, rngs)[:2]
+
+  def apply_with_momenta(params, stats, h, kwargs, rngs):
+    return measure(params, stats, h, kwargs, rngs)[:3]
+
+  def apply_with_aux_values(params, stats, h, kwargs, rngs):
+    y, statistics, _, sown = measure(params, stats, h, kwargs, rngs)
+    return y, statistics, aux_values(sown)
+
+  return Layer(kind=kind, copies=copies, apply=apply, keywords=keywords, identity=identity,
+               apply_with_momenta=apply_with_momenta, apply_with_aux_values=apply_with_aux_values)
 
 
 def unit_names(layers) -> tuple[str, ...]:
@@ -204,6 +234,19 @@ def check_unmasked(mask, owner: str) -> None:
     raise ValueError(f"{owner}: BatchNorm with a mask is not supported in training mode; the "
                      "statistics pooled over micro-batches would need the mask's counts. Call "
                      "it without mask= (or in evaluation mode, with the running averages).")
+
+
+def check_unsown(sown, what: str, fix: str) -> None:
+  """Raises for values a layer sowed that its caller would receive outside a pipeline (in linen,
+  a collection the caller made mutable; in NNX, an ``nnx.Intermediate``, which the module
+  keeps): a pipeline returns its layers' outputs and carries their auxiliary losses and metrics
+  (:mod:`tpipe.core.planning.aux_losses`), nothing else they sow, so the values would be lost
+  without a word. ``what`` says who wrote what kind of value; ``fix`` the front end's way out."""
+  if sown:
+    raise ValueError(f"{what} {list(sown)} (with self.sow), which its caller would receive "
+                     "outside a pipeline, but a pipeline returns its layers' outputs and carries "
+                     "their auxiliary losses and metrics, nothing else they sow. Take what you "
+                     f"need from the output instead, or {fix}.")
 
 
 def check_keywords(layers, names, owner: str, what: str = "keyword argument") -> None:
