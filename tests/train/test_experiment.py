@@ -249,7 +249,7 @@ def test_init_state_and_steps(exp):
     (dict(schedule="1f1b", tick_costs="F=1,B=-3"), ValueError,
      r"costs\['B'\] must be finite and > 0"),
     (dict(schedule="1f1b", tick_search=1), ValueError,
-     r"config: search=1 re-places .* pass costs \(tick_costs\) too"),
+     r"config: tick_search=1 re-places .* pass costs \(tick_costs\) too"),
     (dict(schedule="1f1b", tick_costs="F=1,B=3", tick_search=-1), ValueError,
      r"must be >= 0 sweeps, got -1"),
 ])

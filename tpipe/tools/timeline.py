@@ -34,6 +34,7 @@ import os
 import numpy as np
 
 from tpipe import schedules as schedules_lib
+from tpipe.schedules import simulate as simulate_lib
 
 _HATCHES = ("", "///", "...", "xxx", "\\\\\\", "ooo", "---", "+++")
 
@@ -111,11 +112,11 @@ def _fused_boxes(schedule: schedules_lib.FusedSchedule, costs):
   """``[(x, stage, width, action, micro-batch, chunk, tick)]``, and each compound (tick, stage)
   cell as ``(x, stage, width)``: in ticks (``costs`` None; a tick's actions share its column)
   or in neighbour-synchronised time (each action as wide as its cost)."""
-  cost = schedules_lib.action_costs(schedule, costs) if costs else None
+  cost = simulate_lib.action_costs(schedule, costs) if costs else None
   if costs:
     per_tick = schedule.tick_costs(costs)
-    links = schedules_lib.ring_links(schedule.num_stages, schedule.num_chunks > 1)
-    starts = schedules_lib.tick_starts(per_tick, links, None, schedule.delays)
+    links = simulate_lib.ring_links(schedule.num_stages, schedule.num_chunks > 1)
+    starts = simulate_lib.tick_starts(per_tick, links, None, schedule.delays)
   boxes, cells = [], []
   for t in range(schedule.num_ticks):
     rows = np.nonzero(schedule.tick == t)[0]
@@ -199,7 +200,7 @@ def draw_timeline(schedule, *, backward: bool = False, ax=None, costs=None):
       raise ValueError(f"The fused schedule {schedule.name!r} already has its backward actions "
                        "in its table; drop backward=True.")
     if costs is not None:
-      schedules_lib.action_costs(schedule, costs)  # Raises for bad costs.
+      simulate_lib.action_costs(schedule, costs)  # Raises for bad costs.
     return _draw_fused(schedule, ax, costs)
   if costs is not None:
     raise ValueError(f"costs draw a fused schedule in time; {schedule.name!r} is a forward "
