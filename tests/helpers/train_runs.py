@@ -117,20 +117,28 @@ def run_cli(*argv) -> subprocess.CompletedProcess:
   command line, flags, ``main`` and error handling; only the interpreter is shared): a
   CompletedProcess whose ``returncode`` is the exit status and whose ``stderr`` holds what was
   printed to stderr, then the log's messages."""
+  quiet = trainer._QuietLibraries()  # The trainer's filter. pylint: disable=protected-access
+  return _in_process(["tpipe.train", *argv], quiet,
+                     lambda: startup.run(trainer.main, doc=train_main.__doc__))
+
+
+def _in_process(argv, log_filter, run) -> subprocess.CompletedProcess:
+  """``run()`` with ``sys.argv = argv``, absl's flags unparsed before and after, on the devices
+  that exist (``JAX_NUM_CPU_DEVICES`` says how many, so that no program asks JAX for another
+  count), stdout, stderr and the log (what ``log_filter`` passes) captured: a CompletedProcess of
+  the exit status, stdout, and stderr followed by the log's messages."""
   out, err = io.StringIO(), io.StringIO()
   saved = sys.argv, os.environ.get("JAX_NUM_CPU_DEVICES")
-  sys.argv = ["tpipe.train", *argv]
-  # The devices exist already: the trainer must not ask JAX for another count.
+  sys.argv = list(argv)
   os.environ["JAX_NUM_CPU_DEVICES"] = str(jax.device_count())
   reset_flags()
   try:
-    quiet = trainer._QuietLibraries()  # The trainer's filter. pylint: disable=protected-access
     with contextlib.ExitStack() as stack:
-      log = stack.enter_context(captured_log(quiet))
+      log = stack.enter_context(captured_log(log_filter))
       stack.enter_context(contextlib.redirect_stdout(out))
       stack.enter_context(contextlib.redirect_stderr(err))
       try:
-        startup.run(trainer.main, doc=train_main.__doc__)
+        run()
         code = 0
       except SystemExit as e:
         code = 0 if e.code is None else e.code
@@ -141,8 +149,43 @@ def run_cli(*argv) -> subprocess.CompletedProcess:
       os.environ.pop("JAX_NUM_CPU_DEVICES", None)
     else:
       os.environ["JAX_NUM_CPU_DEVICES"] = saved[1]
-  return subprocess.CompletedProcess(["tpipe.train", *argv], code, out.getvalue(),
+  return subprocess.CompletedProcess(list(argv), code, out.getvalue(),
                                      err.getvalue() + log.getvalue())
+
+
+def _tpipe_flags() -> dict[str, tuple[flags.Flag, str]]:
+  """The absl flags tpipe's modules defined (the trainer's, once imported): ``{name: (flag,
+  defining module)}``."""
+  found = {}
+  for name in list(flags.FLAGS):
+    module = flags.FLAGS.find_module_defining_flag(name)
+    if module and (module.startswith("tpipe.") or module == "__main__"):
+      found[name] = flags.FLAGS[name], module
+  return found
+
+
+def run_program(module: str, *argv) -> subprocess.CompletedProcess:
+  """``python -m MODULE ARGV`` for one of tpipe's programs other than the trainer (evaluate,
+  generate, export, report), in this process as :func:`run_cli` runs the trainer: the module run
+  as ``__main__`` (``runpy``: its ``define_flags()`` and ``startup.run``, as the command line
+  runs it), its flags defined in place of the trainer's (which are set aside meanwhile: the
+  programs share names such as ``--workdir``)."""
+  import runpy  # pylint: disable=g-import-not-at-top
+  set_aside = _tpipe_flags()
+  reset_flags()
+  for name in set_aside:
+    delattr(flags.FLAGS, name)
+  before = set(flags.FLAGS)
+  try:
+    return _in_process([module, *argv], None,
+                       lambda: runpy.run_module(module, run_name="__main__", alter_sys=False))
+  finally:
+    reset_flags()
+    for name in set(flags.FLAGS) - before:
+      delattr(flags.FLAGS, name)
+    for name, (flag, defined_by) in set_aside.items():
+      flags.FLAGS[name] = flag
+      flags.FLAGS.register_flag_by_module(defined_by, flag)
 
 
 def train_here(workdir, *overrides, base=LM_ARGS) -> subprocess.CompletedProcess:

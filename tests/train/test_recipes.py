@@ -1,11 +1,16 @@
 """The fine-tuning recipe's CPU variant (docs/guide/finetune.md) runs as written: a tiny
 Llama-family checkpoint and a tokenizer.json made locally, then the trainer (from the JSONL,
-starting from the checkpoint), evaluate, generate and export, as a user types them."""
+starting from the checkpoint), evaluate, generate and export, as a user types them.
+
+Each command of the recipe's shell block is ``python -m PROGRAM FLAGS...`` (checked); it runs in
+this process on its flags as the shell splits them (``train_runs.run_cli`` for the trainer,
+``train_runs.run_program`` for the others): what is tested is the commands, not the process.
+"""
 
 import json
 import pathlib
 import re
-import subprocess
+import shlex
 
 import numpy as np
 import pytest
@@ -32,15 +37,23 @@ def test_cpu_recipe_fine_tunes_evaluates_generates_and_exports(tmp_path):
   commands, = _blocks("bash")
   code = compile(setup.replace(ROOT, str(tmp_path)), str(RECIPE), "exec")
   exec(code, {})  # pylint: disable=exec-used
-  proc = subprocess.run(["bash", "-euo", "pipefail", "-c", commands.replace(ROOT, str(tmp_path))],
-                        cwd=train_runs.REPO, env=train_runs.env(), capture_output=True, text=True,
-                        timeout=train_runs.TIMEOUT)
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  outputs = []
+  typed = commands.replace(ROOT, str(tmp_path)).replace("\\\n", " ").splitlines()
+  for line in filter(str.strip, typed):
+    python, dash_m, program, *argv = shlex.split(line)
+    assert (python, dash_m) == ("python", "-m"), line
+    proc = (train_runs.run_cli(*argv) if program == "tpipe.train"
+            else train_runs.run_program(program, *argv))
+    assert proc.returncode == 0, (line, proc.stderr[-4000:])
+    outputs.append(proc)
+  assert [proc.args[0] for proc in outputs] == [
+      "tpipe.train", "tpipe.train.cli.evaluate", "tpipe.train.cli.generate",
+      "tpipe.train.cli.export"]
   run = tmp_path / "run"
-  assert f"Initialised the parameters from {tmp_path}/model (llama)" in proc.stderr
+  assert f"Initialised the parameters from {tmp_path}/model (llama)" in outputs[0].stderr
   losses = [r["loss"] for r in metrics.read_metrics(run)]
   assert len(losses) == 20 and losses[-1] < losses[0] - 0.5, losses
-  lines = proc.stdout.splitlines()
+  lines = "".join(proc.stdout for proc in outputs).splitlines()
   evaluated = json.loads(next(line for line in lines if line.startswith("{")))
   assert evaluated["tokens"] > 1000
   assert np.isclose(evaluated["perplexity"], np.exp(evaluated["loss"]))

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -16,6 +14,7 @@ from configs import lm
 from configs import transformer_gpipe
 from tests.helpers import blocks
 from tests.helpers import numerics
+from tests.helpers import train_runs
 from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.experimental import links
 from tpipe.tools import analysis
@@ -162,26 +161,26 @@ def test_flops_and_collectives(tiny_report):
   assert "stash per stage: 7 slots" in text
 
 
-def test_bad_config_is_a_clean_error(tmp_path):
-  env = dict(os.environ, PYTHONPATH=REPO)
-  result = subprocess.run(
-      [sys.executable, "-m", "tpipe.train.cli.report", "--config=configs/lm.py:size=tiny",
-       "--config.num_microbatches=3", f"--out_dir={tmp_path}"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+# The command lines run in this process (train_runs.run_program: the program's flags, main and
+# error handling as python -m runs them), from the repository's directory.
+
+
+def test_bad_config_is_a_clean_error(tmp_path, monkeypatch):
+  monkeypatch.chdir(REPO)
+  result = train_runs.run_program(
+      "tpipe.train.cli.report", "--config=configs/lm.py:size=tiny",
+      "--config.num_microbatches=3", f"--out_dir={tmp_path}")
   assert result.returncode == 2
   assert "error: " in result.stderr and "num_microbatches=3" in result.stderr
   assert "Traceback" not in result.stderr
 
 
-def test_command_line_writes_report_and_timeline(tmp_path):
-  env = dict(os.environ, PYTHONPATH=REPO)
-  env.pop("JAX_NUM_CPU_DEVICES", None)  # the tool sets 8 emulated devices itself.
-  result = subprocess.run(
-      [sys.executable, "-m", "tpipe.train.cli.report",
-       "--config=configs/transformer_gpipe.py:size=tiny", "--config.num_layers=2",
-       "--config.num_stages=2", "--config.num_data=1", "--config.num_microbatches=2",
-       f"--out_dir={tmp_path}"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def test_command_line_writes_report_and_timeline(tmp_path, monkeypatch):
+  monkeypatch.chdir(REPO)
+  result = train_runs.run_program(
+      "tpipe.train.cli.report", "--config=configs/transformer_gpipe.py:size=tiny",
+      "--config.num_layers=2", "--config.num_stages=2", "--config.num_data=1",
+      "--config.num_microbatches=2", f"--out_dir={tmp_path}")
   assert result.returncode == 0, result.stderr[-2000:]
   assert "peak total" in result.stdout
   with open(tmp_path / "report.json") as f:
