@@ -161,6 +161,12 @@ def get_config(arg=None):
   config.head_bias = True
   config.qkv_bias = False
   config.sliding_window = 0
+  # How the blocks attend (tpipe.train.flash_attention): "blocked" (XLA, any platform) or
+  # "flash" (a fused kernel, by the devices' platform: Pallas splash attention on TPU, seq_len a
+  # multiple of 128; cuDNN's on GPU, dtype bfloat16; no dropout; refused on CPU); "splash",
+  # "cudnn" name one kernel, "splash_interpret" runs splash attention by the Pallas interpreter
+  # on any platform (slow: tests). Same parameters either way: a run may resume with another.
+  config.attention = "blocked"
   # block="moe" (Mixtral's): the llama block whose MLP is a mixture of num_experts SwiGLU
   # experts (mlp_dim wide each), each token to experts_per_token of them; capacity_factor 0
   # routes dropless (no token dropped), else each expert takes at most capacity_factor x its

@@ -7,6 +7,8 @@ and ``SHARED`` entries split over the mesh's ``stage`` axis, described by a mode
 an application (a trainer, a checkpoint converter) needs of it:
 
 * :func:`to_staged` and :func:`to_logical`: a whole tree one way or the other, exact.
+* :func:`packed_mask` and :func:`shared_mask`: which elements of the packed buffers and shared
+  leaves hold weights a predicate selects (an optimizer's weight-decay mask, for example).
 * :func:`checkpoint_specs`: the partition specs of the logical (layout-independent) form of
   staged variables whose specs are ``staged_specs`` (:func:`staged_specs_of` reads them off
   arrays), each logical leaf split over the whole mesh.
@@ -21,10 +23,10 @@ Example::
   assert tpipe.staging.to_logical(layout, staged) == params   # bit for bit
 """
 
+from tpipe.core.layout.accounting import packed_mask, shared_mask
 from tpipe.core.layout.checkpoint_form import checkpoint_specs, staged_specs_of
-from tpipe.core.layout.description import PACKED, SHARED, STACKED
+from tpipe.core.layout.description import PACKED, SHARED, STACKED, StageLayout
 from tpipe.core.layout.relayout import from_checkpoint, to_checkpoint
-from tpipe.core.layout.stage_layout import StageLayout
 from tpipe.core.layout.staging import to_logical, to_staged
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "StageLayout",
     "checkpoint_specs",
     "from_checkpoint",
+    "packed_mask",
+    "shared_mask",
     "staged_specs_of",
     "to_checkpoint",
     "to_logical",

@@ -14,6 +14,7 @@ import pytest
 
 import tpipe
 from tpipe.core import adapter
+from tpipe.core.layout import staging
 from tpipe.linen import sequential
 
 BATCH, WIDTH = 8, 4
@@ -57,7 +58,7 @@ def test_logical_and_staged_variables_give_the_same_call():
   assert sorted(logical_stats) == ["layers_0", "layers_1", "layers_2"]
   assert not jax.tree.leaves([logical_stats["layers_0"], logical_stats["layers_2"]])
   logical_stats = {"layers_1": logical_stats["layers_1"]}
-  from_staged_logical = pipeline.stats_layout.to_logical(staged_stats_back.tree)
+  from_staged_logical = staging.to_logical(pipeline.stats_layout, staged_stats_back.tree)
   jax.tree.map(np.testing.assert_array_equal, logical_stats["layers_1"],
                from_staged_logical["layers_1"])
   # The step changed them (training mode), and the linen module's own call agrees.

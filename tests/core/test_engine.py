@@ -14,6 +14,7 @@ from tests.helpers import core_layers as cl
 from tpipe import schedules
 from tpipe.core import engine
 from tpipe.core.base import layers as layers_lib
+from tpipe.core.layout import staging
 from tpipe.linen import layers as linen_layers
 
 SPEC = tpipe.PipelineSpec(num_stages=2, num_microbatches=2, per_example=("targets",))
@@ -146,7 +147,7 @@ def test_loss_and_gradients_equal_the_plain_layers(settings):
   value, grads = jax.jit(jax.value_and_grad(loss))(staged)
   want, want_grads = jax.value_and_grad(cl.plain_loss)(cl.params(), x, targets)
   np.testing.assert_allclose(value, want, rtol=1e-5)
-  got = pipeline.layout.to_logical(grads)
+  got = staging.to_logical(pipeline.layout, grads)
   for name, tree in want_grads.items():
     for key, leaf in tree.items():
       np.testing.assert_allclose(got[name][key], leaf, rtol=1e-4, atol=1e-6,
@@ -183,7 +184,7 @@ def test_running_statistics_follow_the_calls_keywords_not_the_planned_ones():
   mesh = tpipe.make_mesh(stages=2)
   _, new = jax.jit(lambda p, s, x: pipeline.apply(p, x, {"train": True}, stats=s, mesh=mesh))(
       staged_params, staged_stats, x)
-  new = pipeline.stats_layout.to_logical(new)["layers_0"]["norm"]
+  new = staging.to_logical(pipeline.stats_layout, new)["layers_0"]["norm"]
   # Copy 0 normalises x: the new mean is 0.75 * 0 + 0.25 * mean(x) over the batch.
   np.testing.assert_allclose(new["mean"][0], 0.25 * np.asarray(x).mean(0), rtol=1e-5)
   assert np.all(np.asarray(new["var"]) != 1.0)

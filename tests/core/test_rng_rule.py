@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import tpipe
+from tpipe.core.layout import staging
 from tests.helpers import numerics
 
 WIDTH, BATCH = 8, 12
@@ -142,8 +143,8 @@ def _engine_call(model, mesh, seed):
   params, x = _inputs()
   pipeline = model.pipeline_for(x, rng_names=("dropout",))
   run = jax.jit(lambda staged, x, key: pipeline.apply(staged, x, rngs={"dropout": key}))
-  return run(pipeline.layout.to_staged(params), jax.device_put(x, tpipe.data_sharding(mesh)),
-             jax.random.key(seed))
+  return run(staging.to_staged(pipeline.layout, params),
+             jax.device_put(x, tpipe.data_sharding(mesh)), jax.random.key(seed))
 
 
 def test_the_model_draws_a_mask_per_unit_and_microbatch():

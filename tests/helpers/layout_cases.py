@@ -2,7 +2,7 @@
 
 Each case names layers (trees of ``(shape, dtype)``), which of them are repeated, the units per
 chunk, the stages, repeats and placement; :func:`case` builds its
-:class:`tpipe.core.layout.stage_layout.StageLayout` from
+:class:`tpipe.core.layout.description.StageLayout` from
 :func:`tpipe.core.planning.plan.group_units` as the engine does, without tracing a model.
 """
 
@@ -12,7 +12,6 @@ import numpy as np
 
 from tests.helpers.shapes import abstract_shapes
 from tpipe.core.layout import description as desc
-from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.core.planning import plan as plan_lib
 
 F32, I32 = jnp.float32, jnp.int32
@@ -77,9 +76,9 @@ def case(name, stacked=None, fsdp=1, packing="stage"):
   copies = [repeated.get(i) for i in range(len(layers))]
   groups = plan_lib.group_units(copies, counts)
   shapes = abstract_shapes(layers)
-  layout = layout_lib.StageLayout.build(groups, shapes, num_stages, num_repeats,
-                                        placement=placement, stacked=stacked,
-                                        mesh=fsdp_mesh(fsdp, num_stages), packing=packing)
+  layout = desc.StageLayout.build(groups, shapes, num_stages, num_repeats,
+                                  placement=placement, stacked=stacked,
+                                  mesh=fsdp_mesh(fsdp, num_stages), packing=packing)
   return layout, shapes
 
 

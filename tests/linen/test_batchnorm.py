@@ -18,6 +18,7 @@ import pytest
 import optax
 
 import tpipe
+from tpipe.core.layout import staging
 from tests.helpers import numerics
 
 WIDTH, BATCH = 6, 16
@@ -226,13 +227,13 @@ def test_staged_statistics_round_trip(variables):
   layout = model.stage_layout(x)
   fixed = model.with_split(layout)
   stats_layout = fixed.stats_layout(x)
-  staged = {"params": {"staged": layout.to_staged(variables["params"])},
-            "batch_stats": {"staged": stats_layout.to_staged(variables["batch_stats"])}}
+  staged = {"params": {"staged": staging.to_staged(layout, variables["params"])},
+            "batch_stats": {"staged": staging.to_staged(stats_layout, variables["batch_stats"])}}
   y, updated = jax.jit(lambda v: fixed.apply(v, x, train=True, mutable=["batch_stats"]))(staged)
   y_logical, updated_logical = jax.jit(
       lambda v: fixed.apply(v, x, train=True, mutable=["batch_stats"]))(variables)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(y_logical))
-  back = stats_layout.to_logical(updated["batch_stats"]["staged"])
+  back = staging.to_logical(stats_layout, updated["batch_stats"]["staged"])
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(updated_logical["batch_stats"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -27,6 +27,7 @@ from tests.helpers import numerics
 from tests.helpers.linen_models import VOCAB, Block, DenseAct, Embed, HeadLoss, Residual
 from tpipe import partition
 from tpipe.core.layout import pack as layout_pack
+from tpipe.core.layout import staging
 from tpipe.core.planning import unit_cost
 
 BATCH = 16
@@ -267,8 +268,9 @@ def test_staged_params_give_the_same_outputs_and_gradients(name, schedule, data)
   staged = jax.jit(_loss(lambda s, x, **kw: fixed.apply({"params": {"staged": s}}, x, **kw),
                          float_input))
   (loss, y), grads = logical(params, x, kwargs)
-  (staged_loss, staged_y), staged_grads = staged(jax.jit(layout.to_staged)(params), x, kwargs)
-  to_logical = jax.jit(layout.to_logical)
+  staged_params = jax.jit(functools.partial(staging.to_staged, layout))(params)
+  (staged_loss, staged_y), staged_grads = staged(staged_params, x, kwargs)
+  to_logical = jax.jit(functools.partial(staging.to_logical, layout))
   staged_grads = ((to_logical(staged_grads[0]), staged_grads[1]) if float_input
                   else to_logical(staged_grads))
   np.testing.assert_array_equal(staged_loss, loss)
@@ -290,7 +292,7 @@ def test_to_logical_inverts_to_staged_exactly(name):
                              num_repeats=repeats, balance=balance, per_example=per_example)
     layout = model.stage_layout(x, **kwargs)
     # Jitted one at a time (eager dispatch compiles every small op; XLA sees no pair to cancel).
-    staged = jax.jit(layout.to_staged)(params)
+    staged = jax.jit(functools.partial(staging.to_staged, layout))(params)
     assert sorted(staged) == ["packed", "shared", "stacked"]
     assert jax.tree.map(np.shape, staged) == jax.tree.map(lambda a: a.shape,
                                                           layout.staged_shapes())
@@ -298,7 +300,7 @@ def test_to_logical_inverts_to_staged_exactly(name):
     for i, k in layout.stacked.items():
       for leaf in jax.tree.leaves(staged["stacked"][f"layers_{i}"]):
         assert leaf.shape[:3] == (repeats, stages, k), (i, leaf.shape)
-    back = jax.jit(layout.to_logical)(staged)
+    back = jax.jit(functools.partial(staging.to_logical, layout))(staged)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
       assert got.dtype == want.dtype
@@ -307,7 +309,7 @@ def test_to_logical_inverts_to_staged_exactly(name):
       loop = model.clone(schedule="circular").stage_layout(x, **kwargs)
       assert loop.groups == layout.groups
       assert loop.stacked == layout.stacked
-      looped = jax.jit(loop.to_staged)(params)
+      looped = jax.jit(functools.partial(staging.to_staged, loop))(params)
       jax.tree.map(lambda v, leaf: np.testing.assert_array_equal(v[1], leaf[1, ::-1]),
                    staged["stacked"], looped["stacked"])
       # Each chunk reads the same variables wherever its stage holds it (the placements may
@@ -323,7 +325,7 @@ def test_staged_params_made_for_another_split_are_rejected():
   params = _random_params("mlp")
   make = lambda stages: tpipe.Sequential(layers, num_stages=stages, num_microbatches=1,
                                          mesh=tpipe.make_mesh(stages=stages))
-  staged = jax.eval_shape(make(4).stage_layout(x).to_staged, params)
+  staged = jax.eval_shape(functools.partial(staging.to_staged, make(4).stage_layout(x)), params)
   with pytest.raises(ValueError, match=r"^tpipe.Sequential's staged parameters have shapes "
                                        r"\{'packed': \{'float32': \(1, 4, \d+\)\}.*\}, but this "
                                        r"model's stage layout needs \{'packed': \{'float32': "
@@ -337,7 +339,7 @@ def test_staged_params_need_an_explicit_split():
   params = _random_params("mlp")
   model = tpipe.Sequential(layers, num_stages=2, num_microbatches=1, balance="flops",
                            mesh=tpipe.make_mesh(stages=2))
-  staged = jax.eval_shape(model.stage_layout(x).to_staged, params)
+  staged = jax.eval_shape(functools.partial(staging.to_staged, model.stage_layout(x)), params)
   with pytest.raises(ValueError, match=r"with_split\(layout\) \(balance='flops'"):
     jax.eval_shape(model.apply, {"params": {"staged": staged}}, x)
 
@@ -347,8 +349,8 @@ def test_logical_and_staged_params_do_not_mix():
   params = _random_params("mlp")
   model = tpipe.Sequential(layers, num_stages=2, num_microbatches=1,
                            mesh=tpipe.make_mesh(stages=2))
-  mixed = {"staged": jax.eval_shape(model.stage_layout(x).to_staged, params),
-           "layers_0": params["layers_0"]}
+  to_staged = functools.partial(staging.to_staged, model.stage_layout(x))
+  mixed = {"staged": jax.eval_shape(to_staged, params), "layers_0": params["layers_0"]}
   with pytest.raises(ValueError, match=r"params hold \['layers_0', 'staged'\]; staged params "
                                        r"are .* alone"):
     jax.eval_shape(model.apply, {"params": mixed}, x)

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from tests.helpers import train_runs
 from tpipe.core.layout import shared_leaves
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.layout import description as layout_lib
 from tpipe.tools import analysis
 from tpipe.train import compact_moments
 from tpipe.train.cli import experiment

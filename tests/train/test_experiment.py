@@ -13,7 +13,8 @@ import tpipe
 from configs import lm
 from tests.helpers import numerics
 from tests.helpers import train_runs
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.layout import description as layout_lib
+from tpipe.core.layout import staging
 from tpipe.train import architecture
 from tpipe.train import models
 from tpipe.train.cli import experiment
@@ -146,11 +147,11 @@ def _decay_of_ones(exp):
   """The decay term of ``experiment.staged_weight_decay(0.5)`` on all-ones parameters, logical."""
   decay = experiment.staged_weight_decay(0.5, exp.layout)
   ones = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), exp.layout.logical)
-  staged = exp.layout.to_staged(ones)
+  staged = staging.to_staged(exp.layout, ones)
   zeros = jax.tree.map(jnp.zeros_like, staged)
   updates, state = jax.jit(decay.update)(zeros, decay.init(staged), staged)
   assert state == optax.EmptyState()
-  return jax.device_get(exp.layout.to_logical(updates))
+  return jax.device_get(staging.to_logical(exp.layout, updates))
 
 
 def _assert_decayed(decayed, matrices):

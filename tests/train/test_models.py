@@ -10,6 +10,7 @@ import optax
 
 import tpipe
 from tests.helpers import numerics
+from tpipe.core.layout import staging
 from tpipe.train import models
 
 WIDTH, HEADS, MLP, LAYERS, SEQ = 32, 2, 64, 4, 16
@@ -126,7 +127,7 @@ def test_staged_params_give_the_same_losses(lm_and_params):
   tokens, targets = _tokens(), _tokens(seed=1)
   piped = _lm(num_stages=4, num_data=2, num_microbatches=2)
   layout = piped.stage_layout(tokens, targets=targets)
-  staged = {"staged": layout.to_staged(params)}
+  staged = {"staged": staging.to_staged(layout, params)}
   # The blocks per leaf (one per stage where the split gives each stage one), the rest packed.
   assert {leaf.shape[:2] for leaf in jax.tree.leaves(staged["staged"])} == {(1, 4)}
   assert set(staged["staged"]["packed"]) == {"float32"}

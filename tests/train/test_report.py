@@ -15,7 +15,10 @@ from configs import transformer_gpipe
 from tests.helpers import blocks
 from tests.helpers import numerics
 from tests.helpers import train_runs
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.layout import accounting
+from tpipe.core.layout import description as layout_lib
+from tpipe.core.layout import pack as layout_pack
+from tpipe.core.layout import staging
 from tpipe.experimental import links
 from tpipe.tools import analysis
 from tpipe.tools import stage_costs
@@ -219,13 +222,14 @@ def test_stage_bytes_add_up_to_the_model_and_padding_follows_the_layout(which, r
   # arguments occupy on a device.
   for s in stages:
     assert s.chunks == tuple(range(s.stage, layout.num_chunks, layout.num_stages))
-    assert s.buffer_bytes == layout.stage_bytes() == report.params_bytes
-    assert s.padding_bytes == s.buffer_bytes - sum(layout.chunk_bytes()[c] for c in s.chunks)
+    assert s.buffer_bytes == accounting.stage_bytes(layout) == report.params_bytes
+    chunk_bytes = accounting.chunk_bytes(layout)
+    assert s.padding_bytes == s.buffer_bytes - sum(chunk_bytes[c] for c in s.chunks)
     assert s.padding_bytes >= 0
   assert sum(s.padding_bytes for s in stages) == (
-      layout.num_stages * layout.stage_bytes() - sum(layout.chunk_bytes()))
+      layout.num_stages * accounting.stage_bytes(layout) - sum(accounting.chunk_bytes(layout)))
   if layout.num_repeats == 1:  # A stage is one chunk: the fullest needs no padding.
-    assert max(layout.chunk_bytes()) == layout.stage_bytes()
+    assert max(accounting.chunk_bytes(layout)) == accounting.stage_bytes(layout)
   # Adam's two float32 moments per own parameter, and nothing else (no stored decay mask).
   assert [s.optimizer_bytes for s in stages] == [2 * s.param_bytes for s in stages]
 
@@ -389,7 +393,7 @@ def test_chunk_programs_in_order_are_the_model():
   x = jax.random.normal(jax.random.key(1), (4, 6))
   variables = model.init({"params": jax.random.key(0)}, x)
   layout = model.stage_layout(x)
-  staged = layout.to_staged(variables["params"])
+  staged = staging.to_staged(layout, variables["params"])
   # The Repeat is cut unevenly (2 copies, then 1), so its copies are packed with the rest.
   assert set(staged) == {layout_lib.STACKED, layout_lib.PACKED, layout_lib.SHARED}
   plan = model.plan_for(x)
@@ -401,7 +405,7 @@ def test_chunk_programs_in_order_are_the_model():
   for c in range(layout.num_chunks):
     fn, (trees, h_shape, side) = model.chunk_program(layout, c, x)
     assert (h_shape.shape, h_shape.dtype) == (h.shape, h.dtype)
-    h = fn(layout.chunk_trees(layout.chunk_local(staged, c), c), h, side)
+    h = fn(layout_pack.chunk_trees(layout, layout.chunk_local(staged, c), c), h, side)
   plain = jax.jit(_layers_in_order)(variables["params"], x[:2])
   exact = numerics.float64_reference(jax.jit(_layers_in_order), variables["params"], x[:2])
   numerics.assert_as_close_as_plain(h, plain, exact, what="the chunk programs in order")

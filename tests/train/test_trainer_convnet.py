@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers import train_runs
 from tests.helpers.train_runs import NUM_STEPS
+from tpipe.core.layout import staging
 from tpipe.train.cli import experiment
 from tpipe.train.cli import metrics
 
@@ -53,7 +54,7 @@ def test_checkpoint_holds_the_batchnorm_statistics_in_the_logical_layout(convnet
   assert means and all(np.abs(m).max() > 0 for m in means)  # Updated from their zero init.
   # And back into this experiment's stage layout: the same statistics.
   staged = exp.from_checkpoint(state)
-  again = jax.device_get(exp.stats_layout.to_logical(staged.model_state))
+  again = jax.device_get(staging.to_logical(exp.stats_layout, staged.model_state))
   assert again.pop("layers_3") == {}  # The head, whose empty entry the checkpoint leaves out.
   assert jax.tree.structure(again) == jax.tree.structure(stats)
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(stats)):

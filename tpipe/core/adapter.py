@@ -25,12 +25,13 @@ from typing import Any, Mapping, Sequence
 from tpipe import spec as spec_lib
 from tpipe.core import engine
 from tpipe.core.base import layers as layers_lib
+from tpipe.core.layout import staging
 
 
 @dataclasses.dataclass(frozen=True)
 class Staged:
   """A collection already in the pipeline's stage layout: ``tree`` is what
-  :meth:`tpipe.core.layout.stage_layout.StageLayout.to_staged` returns. A training state kept
+  :meth:`tpipe.core.layout.description.StageLayout.to_staged` returns. A training state kept
   staged moves
   nothing between stages in a step; it needs the split it was made with."""
 
@@ -60,7 +61,7 @@ class Model:
     spec: the pipeline's settings.
     owner: the API the user called, for messages.
     param_axes: the parameters' logical axis names per layer
-      (:attr:`tpipe.core.layout.stage_layout.StageLayout.axes`), or None.
+      (:attr:`tpipe.core.layout.description.StageLayout.axes`), or None.
     param_shapes: the abstract logical parameters, for a call whose parameters are
       :class:`Staged` (logical parameters give their own shapes).
     stats_shapes: the abstract logical statistics (``{}`` without); logical statistics a call
@@ -99,7 +100,7 @@ class Result:
       return None
     if self.staged_form:
       return Staged(self.new_stats)
-    return self.stats_layout.to_logical(self.new_stats)
+    return staging.to_logical(self.stats_layout, self.new_stats)
 
 
 def check_structure(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec,

@@ -3,7 +3,7 @@
 :func:`build` plans a sequence of :class:`~tpipe.core.base.layers.Layer` for a
 :class:`~tpipe.PipelineSpec` and an input type (the type of every unit's input, the cut into
 chunks, :mod:`tpipe.core.planning.plan`), and lays out its variables on the stages
-(:mod:`tpipe.core.layout.stage_layout`). The :class:`PlannedPipeline` it returns runs them:
+(:mod:`tpipe.core.layout.description`). The :class:`PlannedPipeline` it returns runs them:
 
 * :meth:`PlannedPipeline.apply`: the last layer's outputs for the whole batch, the same kind under
   every schedule. Forward schedules run the forward tick loop (:mod:`tpipe.core.loops.forward`) and
@@ -36,8 +36,10 @@ from tpipe import spec as spec_lib
 from tpipe.core.base import arguments
 from tpipe.core.base import layers as layers_lib
 from tpipe.core.base import spmd
+from tpipe.core.layout import description as layout_lib
 from tpipe.core.layout import device_view
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.layout import pack as layout_pack
+from tpipe.core.layout import staging
 from tpipe.core.loops import forward
 from tpipe.core.loops import fused
 from tpipe.core.loops import streaming
@@ -59,7 +61,7 @@ class PlannedPipeline:
       losses or metrics, rewritten to carry them: :func:`tpipe.core.planning.aux_losses.carry`).
     spec: the pipeline's settings.
     plan: the cut into chunks (:class:`~tpipe.core.planning.plan.Plan`).
-    layout: where the parameters live (:class:`~tpipe.core.layout.stage_layout.StageLayout`).
+    layout: where the parameters live (:class:`~tpipe.core.layout.description.StageLayout`).
     stats_layout: where running statistics live, or None when no layer has any.
     owner: the API the user called, for messages.
     given_layers: the layers as given (:meth:`rebuild` plans them again).
@@ -104,8 +106,8 @@ class PlannedPipeline:
   def stage(self, params, stats=None):
     """Logical variables (``{"layers_i": tree}``) to the staged ones :meth:`apply` and
     :meth:`loss` run on: ``(params, stats)``, each None where given None. Every front end stages
-    through here (:meth:`~tpipe.core.layout.stage_layout.StageLayout.to_staged`)."""
-    staged = None if params is None else self.layout.to_staged(params)
+    through here (:meth:`~tpipe.core.layout.description.StageLayout.to_staged`)."""
+    staged = None if params is None else staging.to_staged(self.layout, params)
     if stats is None:
       return staged, None
     if self.stats_layout is None:
@@ -116,7 +118,7 @@ class PlannedPipeline:
       raise ValueError(f"{self.owner}: layers {missing} have BatchNorm statistics but the "
                        "variables hold no 'batch_stats' for them; pass the 'batch_stats' that "
                        "init returned.")
-    return staged, self.stats_layout.to_staged(stats)
+    return staged, staging.to_staged(self.stats_layout, stats)
 
   def _axes(self, mesh) -> spmd.Axes:
     mesh = self.spec.run_mesh(self.owner) if mesh is None else mesh
@@ -147,7 +149,7 @@ class PlannedPipeline:
     """The last layer's outputs for the whole batch (the layers applied in order).
 
     Args:
-      params: the staged parameters (:meth:`~tpipe.core.layout.stage_layout.StageLayout.to_staged`).
+      params: the staged parameters (:meth:`~tpipe.core.layout.description.StageLayout.to_staged`).
       x: the input, a pytree of arrays with the batch as leading axis.
       kwargs: keyword arguments; those named in ``spec.per_example`` are split into
         micro-batches with ``x``, other arrays are broadcast, the rest passed as they are.
@@ -181,9 +183,9 @@ class PlannedPipeline:
       return outputs, None
     count = self.spec.num_microbatches * axes.replicas
     layout = self.stats_layout
-    pooled = layout.to_logical(jax.tree.map(lambda a: a / count, sums))
-    new = statistics.update(layout.to_logical(stats), pooled, momenta)
-    return outputs, layout.to_staged(new)
+    pooled = staging.to_logical(layout, jax.tree.map(lambda a: a / count, sums))
+    new = statistics.update(staging.to_logical(layout, stats), pooled, momenta)
+    return outputs, staging.to_staged(layout, new)
 
   def loss(self, params, x, kwargs: dict | None = None, *, stats=None, rngs=None, mesh=None):
     """The mean over the global batch of the last layer's per-example losses.
@@ -330,7 +332,7 @@ class PlannedPipeline:
                                      batch_size=batch, owner=self.owner)
     _, side = micro_inputs(x, split, batch, self.spec.num_microbatches)
     local = self.layout.chunk_shapes(chunk)
-    trees = jax.eval_shape(lambda local: self.layout.chunk_trees(local, chunk), local)
+    trees = jax.eval_shape(lambda local: layout_pack.chunk_trees(self.layout, local, chunk), local)
     rngs = {name: jax.random.key(0) for name in rng_names}
     segments = self.layout.segments[chunk]
     h = self.plan.chunk_input(chunk)
@@ -408,7 +410,7 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
     rng_names: the random streams the call will pass.
     owner: the API the user called, for messages.
     param_axes: the parameters' logical axis names, as
-      :attr:`tpipe.core.layout.stage_layout.StageLayout.axes` holds them (from the layers'
+      :attr:`tpipe.core.layout.description.StageLayout.axes` holds them (from the layers'
       annotations).
     terms: where layers sow auxiliary losses or metrics, the last layer returns its own losses
       and the auxiliary sums apart (what :meth:`PlannedPipeline.loss_terms` runs).

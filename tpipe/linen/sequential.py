@@ -36,7 +36,7 @@ from tpipe.core import adapter
 from tpipe.core import engine
 from tpipe.core.base import arguments
 from tpipe.core.base import layers as layers_lib
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.layout import description as layout_lib
 from tpipe.core.planning import plan as plan_lib
 from tpipe.linen import layers as linen_layers
 
@@ -110,8 +110,8 @@ class Sequential(_SequentialFields):
 
   Parameters are ``{"layers_i": ...}``, a Repeat's stacked; they do not depend on the spec. A
   training state can live in the engine's stage layout instead (:meth:`stage_layout`,
-  ``{"params": {"staged": layout.to_staged(params)}}`` with :meth:`with_split`), so a step moves
-  no parameter between stages.
+  ``{"params": {"staged": tpipe.staging.to_staged(layout, params)}}`` with :meth:`with_split`),
+  so a step moves no parameter between stages.
 
   RNG: see :mod:`tpipe.core.base.layers` (one key per stream per call, ``K = self.make_rng(name)``;
   unit ``u`` on global micro-batch ``m`` gets ``fold_in(fold_in(K, u), m)``). Layer ``i`` is
@@ -175,9 +175,10 @@ class Sequential(_SequentialFields):
     """The stage layout of this stack's parameters for inputs like ``x``.
 
     A training state kept in it needs no re-layout in the step: pass
-    ``{"params": {"staged": layout.to_staged(params)}}`` as the variables. The layout is tied to
-    the split into chunks; with a balance computed from costs the split can depend on the input
-    shapes and measurements, so use the model :meth:`with_split` makes with staged variables.
+    ``{"params": {"staged": tpipe.staging.to_staged(layout, params)}}`` as the variables. The
+    layout is tied to the split into chunks; with a balance computed from costs the split can
+    depend on the input shapes and measurements, so use the model :meth:`with_split` makes with
+    staged variables.
     """
     return self.pipeline_for(x, **kwargs).layout
 

@@ -4,7 +4,7 @@ An NNX stack keeps its per-layer state (``nnx.state(model, nnx.Param)``: one ent
 Repeat's copies stacked on a leading axis), and every call stages it for the engine. A
 :class:`~tpipe.nnx.Repeat` whose copies are cut evenly over the stages (one chunk per stage,
 chunk ``s`` holding copies ``[s * n / S, (s + 1) * n / S)``) is staged by a reshape of its copy
-axis (:mod:`tpipe.core.layout.stage_layout`). :func:`shard` places such a Repeat's ``nnx.Param``
+axis (:mod:`tpipe.core.layout.description`). :func:`shard` places such a Repeat's ``nnx.Param``
 variables
 split over ``stage`` on that axis (with ``out_sharding`` metadata ``(stage_axis, ...)``, so
 ``nnx.get_partition_spec`` shows it): the reshape is then local to each device, neither it nor

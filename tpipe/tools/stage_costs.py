@@ -7,7 +7,7 @@ sequence. Per stage this module gathers:
   repeated layer 1, both ends included);
 * its parameter bytes, and what its parameter buffers occupy: every chunk's slot holds the copies
   a repeated layer keeps per leaf, and the stage's packed buffers are padded to the fullest
-  stage's (:meth:`tpipe.core.layout.stage_layout.StageLayout.stage_bytes`), so a stage lighter than
+  stage's (:meth:`tpipe.core.layout.description.StageLayout.stage_bytes`), so a stage lighter than
   the heaviest pays the difference as padding;
 * its optimizer state (the stage's share of every optimizer leaf laid out like the staged
   parameters, e.g. Adam's moments) and its FLOPs (forward and backward of one micro-batch);
@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from tpipe.core.base import packing
+from tpipe.core.layout import accounting
 from tpipe.core.planning import unit_cost
 from tpipe.tools import analysis
 
@@ -133,7 +134,7 @@ def group_names(layout, unit_names: Sequence[str]) -> list[tuple[str, ...]]:
   """Per chunk, a name per layer group: ``layers_1[0..5] TransformerBlock``, ``layers_0 Embed``.
 
   Args:
-    layout: a :class:`tpipe.core.layout.stage_layout.StageLayout`.
+    layout: a :class:`tpipe.core.layout.description.StageLayout`.
     unit_names: a name per layer unit, ``"layers_{i}[{j}] Kind"`` or ``"layers_{i} Kind"``
       (:attr:`tpipe.core.planning.plan.Plan.unit_names`).
   """
@@ -158,7 +159,7 @@ def chunk_optimizer_bytes(opt_state, layout) -> list[int]:
   elements of each leaf at the leaf's item size; other leaves (step counts) are left out.
   """
   staged = jax.tree.structure(layout.staged_shapes())
-  elements = layout.chunk_elements()
+  elements = accounting.chunk_elements(layout)
   per_chunk = [0] * layout.num_chunks
   matches = lambda t: jax.tree.structure(t) == staged
   for tree in jax.tree.leaves(opt_state, is_leaf=matches):
@@ -180,7 +181,7 @@ class StageCost:
     chunk_layers: per chunk, the layer groups it holds, in order (see :func:`group_names`).
     param_bytes: its own parameters' bytes.
     buffer_bytes: what its parameter buffers occupy, as large as the fullest stage's
-      (:meth:`tpipe.core.layout.stage_layout.StageLayout.stage_bytes`).
+      (:meth:`tpipe.core.layout.description.StageLayout.stage_bytes`).
     optimizer_bytes: its own share of the optimizer state.
     flops: forward and backward FLOPs of one micro-batch through all its chunks (per-unit costs,
       without remat's recomputation).
@@ -244,7 +245,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
   """Per stage, its layers, bytes, FLOPs and floor parts.
 
   Args:
-    layout: the model's :class:`tpipe.core.layout.stage_layout.StageLayout`.
+    layout: the model's :class:`tpipe.core.layout.description.StageLayout`.
     schedule: the :class:`tpipe.schedules.Schedule` the step runs (its stash slots).
     unit_names: a name per layer unit (``Plan.unit_names``).
     unit_flops: forward-and-backward FLOPs of one micro-batch per layer unit (the ``costs`` of a
@@ -271,7 +272,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
   bounds = np.concatenate([[0], np.cumsum(counts)])
   chunk_flops = [float(sum(unit_flops[bounds[c]:bounds[c + 1]])) for c in range(num_chunks)]
   names = group_names(layout, unit_names)
-  own = layout.chunk_bytes()
+  own = accounting.chunk_bytes(layout)
   optimizer = (chunk_optimizer_bytes(opt_state, layout) if opt_state is not None
                else [0] * num_chunks)
   slots = schedule.stash_slots()
@@ -281,7 +282,7 @@ def stage_costs(layout, schedule, *, unit_names: Sequence[str], unit_flops: Sequ
     rows.append(StageCost(
         stage=s, chunks=chunks, chunk_layers=tuple(names[c] for c in chunks),
         param_bytes=sum(own[c] for c in chunks),
-        buffer_bytes=layout.stage_bytes(),
+        buffer_bytes=accounting.stage_bytes(layout),
         optimizer_bytes=sum(optimizer[c] for c in chunks),
         flops=sum(chunk_flops[c] for c in chunks),
         input_bytes=max(tree_bytes(chunk_inputs[c]) for c in chunks),

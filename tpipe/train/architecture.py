@@ -92,7 +92,8 @@ def lm_arguments(config) -> dict:
               normalize_expert_weights=value(config, "normalize_expert_weights"),
               shared_expert_mlp_dim=value(config, "shared_expert_mlp_dim"),
               router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.0)),
-              router_z_loss_coef=float(config.get("router_z_loss_coef", 0.0)))
+              router_z_loss_coef=float(config.get("router_z_loss_coef", 0.0)),
+              attention=config.get("attention", "blocked"))
 
 
 def vocab_chunks(config) -> int:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpipe.train import attention
+from tpipe.train import flash_attention
 from tpipe.train import model_args
 from tpipe.train import moe
 
@@ -110,6 +111,10 @@ class TransformerBlock(nn.Module):
     param_dtype: the dtype the parameters are stored in.
     causal: attend causally (query i to keys j <= i) when no ``mask`` is given.
     epsilon: the LayerNorms' epsilon (Flax's default 1e-6; GPT-2's 1e-5).
+    attention: how the attention is computed (:mod:`tpipe.train.flash_attention`):
+      ``"blocked"`` (XLA), ``"flash"`` (the platform's kernel: splash attention on TPU,
+      cuDNN's on GPU), ``"splash"``, ``"cudnn"`` or ``"splash_interpret"``; the kernels need
+      ``causal``, no ``mask`` array and no dropout.
   """
 
   width: int
@@ -121,10 +126,16 @@ class TransformerBlock(nn.Module):
   param_dtype: Any = jnp.float32
   causal: bool = False
   epsilon: float = 1e-6
+  attention: str = "blocked"
 
   def __post_init__(self):
     model_args.check_float_dtype("TransformerBlock.dtype", self.dtype)
     model_args.check_float_dtype("TransformerBlock.param_dtype", self.param_dtype)
+    flash_attention.check(self.attention, dropout_rate=self.dropout_rate,
+                          owner="TransformerBlock.attention")
+    if self.attention != "blocked" and not self.causal:
+      raise ValueError(f"TransformerBlock.attention={self.attention!r} attends causally; set "
+                       "causal=True or use attention='blocked'.")
     super().__post_init__()
 
   @nn.compact
@@ -159,7 +170,10 @@ class TransformerBlock(nn.Module):
           f"num_heads={self.num_heads} must divide width={self.width}; pick a divisor.")
     dtype, param_dtype = jnp.dtype(self.dtype), jnp.dtype(self.param_dtype)
     deterministic = self.deterministic if deterministic is None else deterministic
-    if mask is None and self.causal:
+    attention_fn = attention.dot_product_attention
+    if self.attention != "blocked":  # The kernel masks by the segment ids itself.
+      attention_fn = flash_attention.flax_attention_fn(self.attention, segment_ids)
+    elif mask is None and self.causal:
       mask = attention_mask(x.shape[1], segment_ids)
     residual_dtype = x.dtype
     h = _lean_layer_norm(dtype, param_dtype, "attn_norm", self.epsilon)(x)
@@ -175,7 +189,7 @@ class TransformerBlock(nn.Module):
           deterministic=deterministic,
           dtype=dtype,
           param_dtype=param_dtype,
-          attention_fn=attention.dot_product_attention,
+          attention_fn=attention_fn,
           name="attn")(h, h, mask=mask)
     h = nn.Dropout(self.dropout_rate, deterministic=deterministic)(h)
     y = (x + h).astype(residual_dtype)
@@ -283,6 +297,9 @@ class LlamaBlock(nn.Module):
       Qwen2-MoE).
     shared_expert_mlp_dim: with experts, 0 for none or the hidden width of a shared SwiGLU
       expert every token goes through, gated by a sigmoid (Qwen2-MoE).
+    attention: how the attention is computed (:mod:`tpipe.train.flash_attention`):
+      ``"blocked"`` (XLA), ``"flash"`` (the platform's kernel: splash attention on TPU,
+      cuDNN's on GPU), ``"splash"``, ``"cudnn"`` or ``"splash_interpret"``.
   """
 
   width: int
@@ -304,6 +321,11 @@ class LlamaBlock(nn.Module):
   router_z_loss_coef: float = 0.0
   normalize_expert_weights: bool = True
   shared_expert_mlp_dim: int = 0
+  attention: str = "blocked"
+
+  def __post_init__(self):
+    flash_attention.check(self.attention, owner="LlamaBlock.attention")
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
@@ -356,6 +378,10 @@ class LlamaBlock(nn.Module):
       attended, cache = attention.cached_attention(
           q, k, v, cache, positions, scale=1 / math.sqrt(head_dim),
           sliding_window=self.sliding_window)
+    elif self.attention != "blocked":
+      attended = flash_attention.causal_attention(
+          q, k, v, implementation=self.attention, segment_ids=segment_ids,
+          sliding_window=self.sliding_window, scale=1 / math.sqrt(head_dim))
     else:
       q = q.reshape(q.shape[:2] + (self.num_kv_heads, groups, head_dim))
       mask = attention_mask(x.shape[1], segment_ids, self.sliding_window)[:, :, None]

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpipe import mesh as mesh_lib
 from tpipe.core.layout import description as layout_description
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.layout import description as layout_lib
 from tpipe.tools import analysis
 
 SHARED = layout_lib.SHARED

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 import tpipe
 from tpipe import spec as spec_lib
 from tpipe.train import blocks
+from tpipe.train import flash_attention
 from tpipe.train import lm_ends
 from tpipe.train import losses
 from tpipe.train import model_args
@@ -73,7 +75,8 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
               sliding_window: int | None = None, num_experts: int = 8,
               experts_per_token: int = 2, capacity_factor: float = 0.0,
               router_aux_loss_coef: float = 0.0, router_z_loss_coef: float = 0.0,
-              normalize_expert_weights: bool = True, shared_expert_mlp_dim: int = 0) -> list:
+              normalize_expert_weights: bool = True, shared_expert_mlp_dim: int = 0,
+              attention: str = "blocked") -> list:
   """The LM's layers ``[TokenEmbedding, tpipe.Repeat(block, L), LMHead]`` (arguments as
   :func:`decoder_lm`), checked; :func:`decoder_lm` pipelines them, and
   :mod:`tpipe.train.cli.generate` applies them one after the other with a key/value cache."""
@@ -92,6 +95,7 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
     raise ValueError(f"num_heads={num_heads} must divide width={width}; pick a divisor.")
   if sliding_window is not None:
     model_args.check_int("sliding_window", sliding_window)
+  flash_attention.check(attention, dropout_rate=dropout_rate, owner="attention")
   if block != "moe" and (shared_expert_mlp_dim or normalize_expert_weights is not True):
     raise ValueError(f"shared_expert_mlp_dim={shared_expert_mlp_dim!r} and "
                      f"normalize_expert_weights={normalize_expert_weights!r} shape a mixture of "
@@ -127,7 +131,7 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
                        mlp_dim=mlp_dim, dtype=dtype, param_dtype=param_dtype, head_dim=head_dim,
                        epsilon=norm_epsilon, rope_theta=rope_theta if rotary else None,
                        rope_scaling=rope_scaling if rotary else None, qkv_bias=qkv_bias,
-                       sliding_window=sliding_window, **experts)
+                       sliding_window=sliding_window, attention=attention, **experts)
   elif block == "gpt":
     if num_kv_heads not in (None, num_heads):
       raise ValueError(f"num_kv_heads={num_kv_heads}: block='gpt' has one key/value head per "
@@ -142,7 +146,7 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
                        f"{', '.join(unsupported)} need block='llama'.")
     block = TransformerBlock(width=width, num_heads=num_heads, mlp_dim=mlp_dim,
                              dropout_rate=dropout_rate, dtype=dtype, param_dtype=param_dtype,
-                             causal=True, epsilon=norm_epsilon)
+                             causal=True, epsilon=norm_epsilon, attention=attention)
   else:
     raise ValueError(f"block must be 'gpt', 'llama' or 'moe', got {block!r}.")
   if final_norm not in ("layer", "rms"):
@@ -195,6 +199,11 @@ def decoder_lm(*, spec: tpipe.PipelineSpec | None = None, **arguments) -> tpipe.
       Qwen2-MoE's).
     shared_expert_mlp_dim: ``"moe"`` blocks only: 0, or the hidden width of a shared SwiGLU
       expert every token goes through, its output scaled by a sigmoid gate (Qwen2-MoE's).
+    attention: how the blocks attend (:mod:`tpipe.train.flash_attention`): ``"blocked"``
+      (XLA, any platform), ``"flash"`` (a fused kernel: splash attention on TPU, cuDNN's on
+      GPU, chosen by the devices of the spec's mesh, else JAX's default backend; no dropout),
+      ``"splash"``, ``"cudnn"``, or ``"splash_interpret"`` (splash attention interpreted, for
+      tests). The same parameters and, up to rounding, the same outputs either way.
     spec: the pipeline settings (:class:`tpipe.PipelineSpec`), or None to build them from the
       :class:`tpipe.PipelineSpec` fields among ``arguments``; ``per_example`` is always
       :data:`PER_EXAMPLE`.
@@ -210,6 +219,11 @@ def decoder_lm(*, spec: tpipe.PipelineSpec | None = None, **arguments) -> tpipe.
     reach the layers that take them and are split into micro-batches with the tokens.
   """
   settings = {k: arguments.pop(k) for k in list(arguments) if k in spec_lib.field_names()}
-  layers = lm_layers(**arguments)
   spec = tpipe.spec.make("decoder_lm", spec, **settings).replace(per_example=PER_EXAMPLE)
+  if arguments.get("attention", "blocked") != "blocked":  # The kernel of the mesh's devices.
+    platform = (spec.mesh.devices.flat[0].platform if spec.mesh is not None
+                else jax.default_backend())
+    arguments["attention"] = flash_attention.resolve(
+        arguments["attention"], platform, arguments.get("dtype", jnp.float32))
+  layers = lm_layers(**arguments)
   return tpipe.Sequential(layers, spec)

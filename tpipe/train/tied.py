@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe import staging
+from tpipe.core.layout import description as layout_lib
 
 
 def _paths(params) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -80,10 +81,11 @@ def tied_clip_by_global_norm(max_norm: float, layout: layout_lib.StageLayout
 
   def update(updates, state, params=None):
     del params
-    logical = layout.to_logical(updates)
+    logical = staging.to_logical(layout, updates)
     summed = _get(logical, embedding_path) + _get(logical, head_path).T
     logical = _set(_set(logical, embedding_path, summed), head_path, summed.T)
-    staged = layout.to_staged(logical)  # The copies sit in packed buffers or shared leaves.
+    # The copies sit in packed buffers or shared leaves.
+    staged = staging.to_staged(layout, logical)
     updates = {layout_lib.STACKED: updates[layout_lib.STACKED],
                layout_lib.PACKED: staged[layout_lib.PACKED],
                layout_lib.SHARED: staged[layout_lib.SHARED]}

@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers import layout_cases as lc
 from tpipe.core.layout import accounting
+from tpipe.core.layout import staging
 
 
 def _key(path):
@@ -94,7 +95,7 @@ def test_packed_mask_selects_exactly_the_elements_of_the_chosen_leaves(fsdp, pac
     # Kernels hold 1, every other leaf 2, padding 0: the mask is where the buffers hold 1.
     marked = jax.tree_util.tree_map_with_path(
         lambda path, a: jnp.full(a.shape, 1 if path[-1].key == "kernel" else 2, a.dtype), shapes)
-    staged = layout.to_staged(lc.drop_empty(marked))
+    staged = staging.to_staged(layout, lc.drop_empty(marked))
     for dtype, buffer in staged["packed"].items():
       mask = masks[dtype](buffer.shape)
       assert mask.shape == buffer.shape and mask.dtype == jnp.bool_

@@ -13,6 +13,7 @@ import tpipe
 from tests.helpers import core_layers as cl
 from tpipe.core.layout import checkpoint_form
 from tpipe.core.layout import relayout
+from tpipe.core.layout import staging
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_round_trip_through_the_checkpoint_form(laid_out):
   logical = cl.params()
   is_spec = lambda s: isinstance(s, P)
   staged = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
-                        layout.to_staged(logical), specs, is_leaf=is_spec)
+                        staging.to_staged(layout, logical), specs, is_leaf=is_spec)
   saved = jax.jit(lambda s: relayout.to_checkpoint(layout, s, specs, mesh))(staged)
   ckpt_specs = checkpoint_form.checkpoint_specs(layout, specs, mesh)
   for name, tree in logical.items():

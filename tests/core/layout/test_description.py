@@ -1,4 +1,4 @@
-"""tpipe.core.layout.description.LayoutDescription: which leaves a split keeps stacked, packs
+"""tpipe.core.layout.description.StageLayout: which leaves a split keeps stacked, packs
 or shares, their staged and local shapes, the chunks' places and windows, and the partition
 specs of the staged tree.
 
@@ -14,6 +14,7 @@ from tests.helpers import layout_cases as lc
 from tests.helpers.shapes import abstract_shapes
 from tpipe.core.layout import description as desc
 from tpipe.core.layout import packed_places as places
+from tpipe.core.layout import staging
 from tpipe.core.planning import plan as plan_lib
 
 pytestmark = pytest.mark.unit
@@ -170,9 +171,9 @@ def test_check_staged_names_the_fix():
   layout.check_staged(layout.staged_shapes())
   with pytest.raises(ValueError, match=r"staged variables have shapes .* but this model's stage "
                                        r"layout needs .*They were made for another split "
-                                       r"\(stages, repeats or balance\): convert them with that "
-                                       r"model's layout\.to_logical\(\.\.\.\) and this one's "
-                                       r"to_staged\(\.\.\.\)"):
+                                       r"\(stages, repeats or balance\): convert them with "
+                                       r"tpipe\.staging\.to_logical\(that model's layout, \.\.\.\) "
+                                       r"and tpipe\.staging\.to_staged\(this one's layout"):
     layout.check_staged(other.staged_shapes())
   with pytest.raises(ValueError, match="params have shapes"):
     layout.check_staged({"layers_0": 1}, what="params")
@@ -182,8 +183,20 @@ def test_build_errors():
   groups = plan_lib.group_units([None, None, None], (1, 1, 1))
   shapes = abstract_shapes([lc.head(), lc.head(), lc.head()])
   with pytest.raises(ValueError, match=r"3 chunks for 2 stages x 1 repeats"):
-    desc.LayoutDescription.build(groups, shapes, 2, 1)
+    desc.StageLayout.build(groups, shapes, 2, 1)
   with pytest.raises(ValueError, match=r"Unknown placement 'w'"):
-    desc.LayoutDescription.build(groups, shapes, 3, 1, placement="w")
+    desc.StageLayout.build(groups, shapes, 3, 1, placement="w")
   with pytest.raises(ValueError, match=r"placement='v' puts exactly 2 chunks on each stage"):
-    desc.LayoutDescription.build(groups, shapes, 3, 1, placement="v")
+    desc.StageLayout.build(groups, shapes, 3, 1, placement="v")
+
+
+def test_a_collection_can_reuse_another_layouts_stacked_copies():
+  params, shapes = lc.case("uneven_repeat")
+  everything_packed, _ = lc.case("uneven_repeat", stacked={})
+  assert everything_packed.stacked == {} and params.stacked == {1: 2}
+  same, _ = lc.case("uneven_repeat", stacked=params.stacked)
+  assert same.segments == params.segments
+  logical = lc.values(shapes)
+  staged = staging.to_staged(everything_packed, logical)
+  lc.assert_equal(staging.to_logical(everything_packed, staged), logical)
+  assert jax.tree.leaves(staging.to_staged(everything_packed, logical)["stacked"]) == []

@@ -11,6 +11,7 @@ import pytest
 from tests.helpers import layout_cases as lc
 from tpipe.core.layout import pack as layout_pack
 from tpipe.core.layout import packed_places as places
+from tpipe.core.layout import staging
 
 
 def _segment_trees(layout, logical, chunk):
@@ -113,7 +114,7 @@ def test_shared_weights_are_left_out_of_the_window_and_read_from_their_entry():
 def test_chunk_trees_and_chunk_slot_are_inverse(name, fsdp, packing):
   layout, shapes = lc.case(name, fsdp=fsdp, packing=packing)
   logical = lc.values(shapes)
-  staged = layout.to_staged(lc.drop_empty(logical))
+  staged = staging.to_staged(layout, lc.drop_empty(logical))
   for c in range(layout.num_chunks):
     local = layout.chunk_local(staged, c)
     assert jax.tree.map(lambda a: a.shape, local) == jax.tree.map(lambda a: a.shape,

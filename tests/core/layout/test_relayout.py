@@ -18,6 +18,7 @@ import pytest
 from tpipe.core.layout import checkpoint_form
 from tpipe.core.layout import relayout
 from tests.helpers.shapes import abstract_shapes
+from tpipe.core.layout import staging
 from tpipe.train.cli import experiment
 from configs import lm
 
@@ -67,7 +68,7 @@ def test_checkpoint_form_equals_to_logical_and_inverts_exactly(name):
   params = exp.init_state(jax.random.key(0)).params
   specs, save, load = _convert(exp)
   logical = save(params)
-  want = jax.jit(exp.layout.to_logical)(params)
+  want = jax.jit(functools.partial(staging.to_logical, exp.layout))(params)
   assert jax.tree.structure(logical) == jax.tree.structure(want)
   for (path, got), expected in zip(jax.tree_util.tree_flatten_with_path(logical)[0],
                                    jax.tree.leaves(want)):
@@ -121,7 +122,7 @@ def test_a_bad_part_size_is_a_clear_error(part_bytes):
   exp = _experiment("stage4_fsdp2")
   staged = exp.abstract_state().params
   specs = checkpoint_form.staged_specs_of(staged)
-  logical = jax.eval_shape(exp.layout.to_logical, staged)
+  logical = jax.eval_shape(functools.partial(staging.to_logical, exp.layout), staged)
   with pytest.raises(ValueError, match=r"part_bytes=.* positive int"):
     relayout.from_checkpoint(exp.layout, logical, specs, exp.mesh, part_bytes=part_bytes)
   with pytest.raises(ValueError, match=r"part_bytes=.* positive int"):
@@ -182,7 +183,7 @@ ODD_LAYERS = [{"embedding": ((6, 4), F32), "gate": ((), F32), "odd": ((3,), F32)
                                         dict(stages=4, fsdp=2)])
 def test_scalars_odd_leaves_and_a_repeat_some_chunk_lacks_convert_exactly(mesh_sizes):
   import tpipe  # pylint: disable=import-outside-toplevel
-  from tpipe.core.layout import stage_layout as layout_lib
+  from tpipe.core.layout import description as layout_lib
   from tpipe.core.planning import plan as plan_lib  # pylint: disable=import-outside-toplevel
 
   mesh = tpipe.make_mesh(**mesh_sizes)
@@ -198,7 +199,7 @@ def test_scalars_odd_leaves_and_a_repeat_some_chunk_lacks_convert_exactly(mesh_s
     start += leaf.size
   logical = jax.tree.unflatten(treedef, values)
   specs = layout.partition_specs(mesh=mesh)
-  staged = jax.device_put(layout.to_staged(logical), jax.tree.map(
+  staged = jax.device_put(staging.to_staged(layout, logical), jax.tree.map(
       lambda s: jax.sharding.NamedSharding(mesh, s), specs,
       is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)))
   got = jax.jit(lambda s: relayout.to_checkpoint(layout, s, specs, mesh))(staged)

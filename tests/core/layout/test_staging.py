@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 import tpipe
 from tests.helpers import layout_cases as lc
 from tpipe.core.layout import description as desc
+from tpipe.core.layout import pack as layout_pack
 from tpipe.core.layout import staging
 
 
@@ -101,7 +102,7 @@ def test_zbv_puts_chunk_3_on_stage_0():
   np.testing.assert_array_equal(kernel[1, 1, 0], block[3])  # chunk 2: stage 1, local chunk 1
   np.testing.assert_array_equal(kernel[1, 0, 0], block[5])  # chunk 3: stage 0, local chunk 1
   # The head is in chunk 3's packed slot: stage 0, local chunk 1.
-  head = layout.chunk_trees(layout.chunk_local(staged, 3), 3)[-1]
+  head = layout_pack.chunk_trees(layout, layout.chunk_local(staged, 3), 3)[-1]
   lc.assert_equal(head, logical["layers_2"])
 
 
@@ -118,6 +119,6 @@ def test_to_logical_checks_the_staged_shapes():
   layout, shapes = lc.case("uneven_repeat")
   other, _ = lc.case("repeat_missing_from_a_chunk")
   staged = staging.to_staged(other, lc.values(shapes))
-  with pytest.raises(ValueError, match=r"staged variables have shapes .* convert them with that "
-                                       r"model's layout\.to_logical"):
+  with pytest.raises(ValueError, match=r"staged variables have shapes .* convert them with "
+                                       r"tpipe\.staging\.to_logical\(that model's layout"):
     staging.to_logical(layout, staged)

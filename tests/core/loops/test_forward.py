@@ -14,6 +14,7 @@ import tpipe
 from tpipe.core.base import arguments
 from tpipe.core.base import spmd
 from tpipe.core.layout import device_view as view_lib
+from tpipe.core.layout import staging
 from tpipe.core.loops import forward
 from tpipe.core.programs import chunks as chunks_lib
 from tpipe.tools import analysis
@@ -91,7 +92,7 @@ def test_run_on_a_chunkset_equals_the_layers_in_order(schedule, stages, microbat
   axes = spmd.Axes.of(mesh, "stage", "data")
 
   def run(params, x):
-    staged = {view_lib.PARAMS: pipeline.layout.to_staged({"layers_0": params})}
+    staged = {view_lib.PARAMS: staging.to_staged(pipeline.layout, {"layers_0": params})}
     return forward.run(chunkset, staged, x, (), (), {}, schedule=pipeline.spec.table, axes=axes)
 
   got = jax.jit(run)(stacked, jax.device_put(x, tpipe.data_sharding(mesh)))

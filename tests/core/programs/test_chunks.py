@@ -11,6 +11,7 @@ import tpipe
 from tests.helpers import core_layers as cl
 from tpipe.core.base import arguments
 from tpipe.core.layout import device_view as view_lib
+from tpipe.core.layout import staging
 from tpipe.core.planning import remat as remat_lib
 from tpipe.core.programs import chunks as chunks_lib
 
@@ -43,7 +44,7 @@ def test_each_chunk_program_equals_the_plain_chunk(chunk):
                                  pipeline.spec, split)
   logical = cl.params()
   stage = pipeline.layout.position(chunk)[1]
-  staged = {view_lib.PARAMS: pipeline.layout.to_staged(logical)}
+  staged = {view_lib.PARAMS: staging.to_staged(pipeline.layout, logical)}
   view = view_lib.device_view(jax.tree.map(lambda a: a[:, stage:stage + 1], staged))
   incoming = jnp.asarray(np.random.default_rng(3).normal(size=(rows, cl.WIDTH)), jnp.float32)
   program = chunkset.branch(chunkset.branch_of_chunk[chunk])

@@ -12,7 +12,7 @@ from tests.helpers import core_layers as cl
 from tests.helpers import layout_cases as lc
 from tests.helpers import stub_plans
 from tests.helpers.shapes import abstract_shapes
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.layout import description as layout_lib
 from tpipe.core.programs import ring as ring_lib
 from tpipe.core.programs import signatures as signatures_lib
 

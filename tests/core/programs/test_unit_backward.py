@@ -18,6 +18,7 @@ from tests.helpers import core_layers as cl
 from tpipe.core.base import arguments
 from tpipe.core.base import float_leaves as floats_lib
 from tpipe.core.layout import device_view as view_lib
+from tpipe.core.layout import staging
 from tpipe.core.planning import backward_plan
 from tpipe.core.programs import chunks as chunks_lib
 from tpipe.core.programs import unit_backward
@@ -49,7 +50,7 @@ def _logical_grads(pipeline, staged, sums, stage):
     parts = [g if s == stage else jnp.zeros_like(g) for s in range(num_stages)]
     return jnp.concatenate(parts, axis=1).reshape(whole.shape)
 
-  return pipeline.layout.to_logical(jax.tree.map(place, grads, staged[view_lib.PARAMS]))
+  return staging.to_logical(pipeline.layout, jax.tree.map(place, grads, staged[view_lib.PARAMS]))
 
 
 def _chunk_backward(pipeline, plan, chunk, targets, g_next, seed):
@@ -61,7 +62,7 @@ def _chunk_backward(pipeline, plan, chunk, targets, g_next, seed):
                                    batch_size=cl.BATCH, owner="test")
   chunkset = chunks_lib.ChunkSet(pipeline.layers, pipeline.plan, pipeline.layout, None,
                                  pipeline.spec, split)
-  staged = {view_lib.PARAMS: pipeline.layout.to_staged(cl.params())}
+  staged = {view_lib.PARAMS: staging.to_staged(pipeline.layout, cl.params())}
   view = view_lib.device_view(_stage_part(staged, pipeline.layout.position(chunk)[1]))
   run = unit_backward.backward_into(chunkset, chunkset.branch_of_chunk[chunk], plan)
   outputs = lambda results: (floats_lib.float_leaves(results[0]), results[1])

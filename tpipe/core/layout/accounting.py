@@ -1,6 +1,6 @@
 """Accounting of a stage layout: bytes and elements per chunk and stage, and masks of leaves.
 
-Static answers about a :class:`tpipe.core.layout.description.LayoutDescription`: how many bytes
+Static answers about a :class:`tpipe.core.layout.description.StageLayout`: how many bytes
 each chunk's variables hold and each stage occupies (padding included), how many of each staged
 leaf's elements are a chunk's own, and which elements of the packed buffers and shared leaves
 belong to chosen weights (for optimizer masks such as weight decay).
@@ -31,7 +31,7 @@ def tree_bytes(tree) -> int:
   return total
 
 
-def chunk_bytes(layout: desc.LayoutDescription) -> list[int]:
+def chunk_bytes(layout: desc.StageLayout) -> list[int]:
   """Per model chunk, the bytes of variables it holds (without padding)."""
   out = []
   for chunk in layout.segments:
@@ -42,7 +42,7 @@ def chunk_bytes(layout: desc.LayoutDescription) -> list[int]:
   return out
 
 
-def chunk_elements(layout: desc.LayoutDescription) -> list[Any]:
+def chunk_elements(layout: desc.StageLayout) -> list[Any]:
   """Per model chunk, a tree shaped like ``local_shapes()`` holding how many of each leaf's
   elements are the chunk's own (the rest is other chunks' or padding)."""
   out = []
@@ -62,7 +62,7 @@ def chunk_elements(layout: desc.LayoutDescription) -> list[Any]:
   return out
 
 
-def stage_bytes(layout: desc.LayoutDescription) -> int:
+def stage_bytes(layout: desc.StageLayout) -> int:
   """Bytes of one stage's variables, padding included (what every stage occupies): R chunk
   slots of stacked leaves, P packed slots and each shared leaf's entries."""
   local = layout.local_shapes()
@@ -88,7 +88,7 @@ def _add_range(found: list, start: int, stop: int) -> None:
     found.append((start, stop))
 
 
-def _chunk_ranges(layout: desc.LayoutDescription, chunk: int, predicate, ranges: dict) -> None:
+def _chunk_ranges(layout: desc.StageLayout, chunk: int, predicate, ranges: dict) -> None:
   """Adds to ``ranges`` (per dtype, per packed place) the element ranges of model chunk
   ``chunk``'s packed leaves that ``predicate`` selects."""
   packing = layout.packed_layouts[chunk]
@@ -111,7 +111,7 @@ def _chunk_ranges(layout: desc.LayoutDescription, chunk: int, predicate, ranges:
       _add_range(found, start, start + piece)
 
 
-def packed_mask(layout: desc.LayoutDescription, predicate):
+def packed_mask(layout: desc.StageLayout, predicate):
   """Which elements of the packed buffers belong to leaves ``predicate(path)`` selects.
 
   Args:
@@ -133,7 +133,7 @@ def packed_mask(layout: desc.LayoutDescription, predicate):
   return out
 
 
-def shared_mask(layout: desc.LayoutDescription, predicate) -> dict[str, np.ndarray]:
+def shared_mask(layout: desc.StageLayout, predicate) -> dict[str, np.ndarray]:
   """Per shared leaf, a bool ``[P, S, 1, ...]`` table (broadcasting over an entry): whether the
   weight in each entry is one ``predicate(path)`` selects (see :func:`packed_mask`)."""
   out = {}

@@ -167,7 +167,7 @@ def checkpoint_specs(layout, staged_specs, mesh, stage_axis: str = mesh_lib.STAG
   """The logical variables' partition specs in a checkpoint (see the module documentation).
 
   Args:
-    layout: the collection's :class:`~tpipe.core.layout.stage_layout.StageLayout`.
+    layout: the collection's :class:`~tpipe.core.layout.description.StageLayout`.
     staged_specs: the staged tree's specs (:meth:`StageLayout.partition_specs`).
     mesh: the mesh (a ``Mesh`` or ``AbstractMesh``).
     stage_axis: the stage axis.

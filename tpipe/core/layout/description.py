@@ -1,12 +1,49 @@
-"""A stage layout's description: which leaves each chunk reads, from where, in which shapes.
+"""The stage layout: where a layer sequence's variables live on the stages, and the way back.
 
-This is the static half of :class:`tpipe.core.layout.stage_layout.StageLayout` (see
-:mod:`tpipe.core.layout.stage_layout` for the staged tree's form): the cut of each chunk's groups
-into segments (stacked per leaf, or packed), the packed windows and fsdp pieces, the shared leaves,
-the abstract shapes of the staged tree and of what one chunk reads, and the partition specs. It
-holds no arrays and runs nothing: packing one chunk (:mod:`tpipe.core.layout.pack`), accounting
-(:mod:`tpipe.core.layout.accounting`) and converting whole trees (:mod:`tpipe.core.layout.staging`)
-read it.
+At the API boundary variables are **logical**: ``{"layers_0": tree, "layers_1": tree, ...}``, one
+entry per layer as ``nn.Sequential`` names them, a repeated layer's copies stacked on a leading
+axis (``nn.scan``'s layout). The tick loops read them **staged**: every leaf has leading
+``[R, S]`` axes (stage ``s``'s ``r``-th chunk at ``[r, s]``) split over the mesh's ``stage``
+axis, so each device holds its own chunks only. A :class:`StageLayout` describes the staged tree
+of one collection (parameters, or BatchNorm's statistics) for one split::
+
+  {"stacked": {"layers_i": tree of [R, S, k_i, ...]},   # per leaf, a repeated layer's copies
+   "packed": {dtype: [P, S, n]}}                        # everything else, one buffer per dtype
+
+* **Stacked, per leaf.** A repeated layer with copies in every chunk keeps ``k_i`` copies per
+  chunk (the fewest any chunk has) as real leaves, with the layer's own names and shapes, so
+  optimizer masks, per-weight partition specs and checkpoints see them. For an even split (every
+  chunk the same number of copies, ``tpipe.pipeline``) that is all of them and the staged leaf is
+  the logical one reshaped, ``[L, ...] -> [R, S, L / (S R), ...]``.
+* **Packed.** Plain layers (an embedding, a head), a chunk's copies beyond ``k_i``, and repeated
+  layers that some chunk lacks, packed per dtype (:mod:`tpipe.core.base.packing`): the one buffer a
+  ``lax.switch`` branch can read whatever its layers are. Each chunk reads a **window** of its
+  stage's buffer: its own elements, at its own offset. With ``packing="stage"`` (parameters) a
+  stage's R chunks lie one after the other in one buffer (``P = 1``), padded to the fullest
+  stage's: circular repeats with the embedding on stage 0's first chunk and the head on the last
+  stage's last chunk hold each once, where a buffer per slot would pad every slot to the
+  embedding. With ``packing="slot"`` (running statistics, which a branch hands back as a whole
+  slot) each chunk has a slot of its own (``P = R``) padded to the fullest chunk. With R = 1 the
+  two are the same. Splitting a chunk's copies this way pads no stage beyond the fullest. On a
+  mesh with ``fsdp``
+  devices a buffer is ``fsdp`` equal blocks, and block ``f`` holds piece ``f`` of every leaf: the
+  leaf cut evenly along one of its own dimensions (the one its partition spec splits over
+  ``fsdp``, else its largest divisible one; the flattened elements, padded, where none divides),
+  so the device holding block ``f`` holds whole rows or columns of each weight; a chunk's window
+  is the same range of every block.
+
+Every conversion is exact (slices, reshapes, concatenations; no arithmetic).
+
+A :class:`StageLayout` is a description: it holds no arrays and runs nothing. What reads it lives
+in its own module: packing one chunk (:mod:`tpipe.core.layout.pack`), bytes and masks
+(:mod:`tpipe.core.layout.accounting`) and whole trees logical to staged and back
+(:mod:`tpipe.core.layout.staging`).
+
+Example::
+
+  layout = StageLayout.build(plan.groups, param_shapes, num_stages=4, num_repeats=1)
+  staged = staging.to_staged(layout, params)         # {"stacked": {...}, "packed": {...}}
+  params_again = staging.to_logical(layout, staged)  # == params, bit for bit
 """
 
 from __future__ import annotations
@@ -180,8 +217,8 @@ def _shared_candidates(logical, segments, axes, num_stages: int, placement: str)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class LayoutDescription:
-  """The staged tree of one collection for one split (see :mod:`tpipe.core.layout.stage_layout`).
+class StageLayout:
+  """The staged tree of one collection for one split (see the module documentation).
 
   Attributes:
     groups: per model chunk (in model-chunk order), its groups.
@@ -203,7 +240,7 @@ class LayoutDescription:
       into ``packed_shards`` pieces, or :data:`tpipe.core.layout.packed_places.FLAT` (its flattened
       elements, padded). The packing (``packed_layouts``) describes one piece of each leaf.
     packing: ``"stage"``: a stage's chunks share one packed buffer per dtype; ``"slot"``: each
-      chunk slot has its own (see :mod:`tpipe.core.layout.stage_layout`).
+      chunk slot has its own (see :mod:`tpipe.core.layout.description`).
     packed_offsets: per model chunk, per dtype, where its window starts in each block.
     packed_windows: per model chunk, per dtype, its window's length in each block (its own need
       with ``"stage"``; the whole block with ``"slot"``).
@@ -412,9 +449,9 @@ class LayoutDescription:
     if got != want:
       raise ValueError(
           f"{what} have shapes {got}, but this model's stage layout needs {want}. They were "
-          "made for another split (stages, repeats or balance): convert them with that "
-          "model's layout.to_logical(...) and this one's to_staged(...), or pass logical "
-          "variables {'layers_0': ..., ...}.")
+          "made for another split (stages, repeats or balance): convert them with "
+          "tpipe.staging.to_logical(that model's layout, ...) and tpipe.staging.to_staged(this "
+          "one's layout, ...), or pass logical variables {'layers_0': ..., ...}.")
 
   # ------------------------------------------------------------------------------------------
   # Partition specs.

@@ -21,7 +21,7 @@ from tpipe.core.layout import description as desc
 from tpipe.core.layout import packed_places as places
 
 
-def pack_chunk(layout: desc.LayoutDescription, trees: Sequence[Any],
+def pack_chunk(layout: desc.StageLayout, trees: Sequence[Any],
                chunk: int) -> dict[str, jax.Array]:
   """Model chunk ``chunk``'s packed window ``{dtype: [packed_shards * w]}`` holding ``trees``
   (its packed segments' trees, whole; weights in shared leaves are left out): block ``f``
@@ -48,7 +48,7 @@ def pack_chunk(layout: desc.LayoutDescription, trees: Sequence[Any],
   return {k: v.reshape(-1) for k, v in buffers.items()}
 
 
-def unpack_chunk(layout: desc.LayoutDescription, buffers: Mapping[str, jax.Array], chunk: int,
+def unpack_chunk(layout: desc.StageLayout, buffers: Mapping[str, jax.Array], chunk: int,
                  at: Mapping[str, int] | None = None, blocks: int | None = None) -> list:
   """The inverse of :func:`pack_chunk`: the packed segments' trees from a whole window, or
   from buffers whose blocks hold the window at ``at`` (per dtype). From ``blocks=1`` block of
@@ -74,14 +74,14 @@ def unpack_chunk(layout: desc.LayoutDescription, buffers: Mapping[str, jax.Array
   return jax.tree.unflatten(treedef, joined)
 
 
-def chunk_trees(layout: desc.LayoutDescription, local, chunk: int,
+def chunk_trees(layout: desc.StageLayout, local, chunk: int,
                 at: Mapping[str, int] | None = None, blocks: int | None = None,
                 shared_slots: Mapping | None = None, canonical: bool = False) -> list:
   """Model chunk ``chunk``'s variables, one tree per segment, from what it reads ``local``.
 
   Args:
     layout: the layout.
-    local: what the chunk reads (:meth:`~tpipe.core.layout.description.LayoutDescription.
+    local: what the chunk reads (:meth:`~tpipe.core.layout.description.StageLayout.
       chunk_local`: its stacked slot, packed window and shared leaves' entries); with ``at``,
       the packed buffers that hold the window instead.
     chunk: the model chunk.
@@ -111,7 +111,7 @@ def chunk_trees(layout: desc.LayoutDescription, local, chunk: int,
   return trees
 
 
-def chunk_slot(layout: desc.LayoutDescription, trees: Sequence[Any], chunk: int):
+def chunk_slot(layout: desc.StageLayout, trees: Sequence[Any], chunk: int):
   """The inverse of :func:`chunk_trees`: a slot holding ``trees`` (one per segment); a shared
   leaf's entries that hold none of this chunk's weights are zeros."""
   segments = layout.segments[chunk]

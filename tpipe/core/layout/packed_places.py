@@ -1,4 +1,4 @@
-"""Where packed elements lie in a stage's buffers (:mod:`tpipe.core.layout.stage_layout`'s packed
+"""Where packed elements lie in a stage's buffers (:mod:`tpipe.core.layout.description`'s packed
 part).
 
 * **Windows.** Each model chunk reads a window of its packed slot's buffer per dtype: its own
@@ -52,7 +52,7 @@ def window(buffers, offsets, lengths, blocks) -> dict:
 def windows(layouts, num_stages: int, num_repeats: int, placement: str, packing: str):
   """``(offsets, windows, block)``: per chunk and dtype its window's start and length in a
   block, and per dtype a block's length (see
-  :class:`tpipe.core.layout.stage_layout.StageLayout`)."""
+  :class:`tpipe.core.layout.description.StageLayout`)."""
   own = [layout.sizes() for layout in layouts]
   if packing == "slot":
     block = packing_lib.buffer_sizes(layouts)

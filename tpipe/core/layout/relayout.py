@@ -2,7 +2,7 @@
 
 A checkpoint holds the **logical** variables, ``{"layers_i": tree}`` with a repeated layer's
 copies stacked on a leading axis (what
-:meth:`tpipe.core.layout.stage_layout.StageLayout.to_logical` returns),
+:meth:`tpipe.core.layout.description.StageLayout.to_logical` returns),
 so it does not depend on the stages, the split, the schedule, the repeats or the mesh. Each
 logical leaf is also split over the whole mesh (:mod:`tpipe.core.layout.checkpoint_form` says
 where), so converting never gathers a model.
@@ -200,7 +200,7 @@ def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib
   """Staged variables to their logical checkpoint form, split as :func:`checkpoint_specs`.
 
   Args:
-    layout: the collection's :class:`~tpipe.core.layout.stage_layout.StageLayout`.
+    layout: the collection's :class:`~tpipe.core.layout.description.StageLayout`.
     staged: a staged tree, or a list of them (parameters and optimizer moments: converted one
       leaf at a time, all in one program), inside ``jax.jit``, sharded as ``staged_specs``.
     staged_specs: the staged tree's specs (:meth:`StageLayout.partition_specs`).
@@ -208,7 +208,7 @@ def to_checkpoint(layout, staged, staged_specs, mesh, stage_axis: str = mesh_lib
     stage_axis: the stage axis.
 
   Returns:
-    ``{"layers_i": tree}`` (or a list) equal to ``layout.to_logical(staged)``, bit for bit.
+    ``{"layers_i": tree}`` (or a list) equal to ``staging.to_logical(layout, staged)``, bit for bit.
   """
   many, trees, placement, out_specs = _prepare(layout, staged, staged_specs, mesh, stage_axis,
                                                part_bytes)

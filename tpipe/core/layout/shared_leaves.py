@@ -2,7 +2,7 @@
 
 Plain (non-repeated) layers, such as an embedding on the first stage and a head on the last,
 are packed by default: their leaves flattened into one buffer per stage and dtype
-(:mod:`tpipe.core.layout.stage_layout`). A flattened weight costs a copy on a TPU each time it is
+(:mod:`tpipe.core.layout.description`). A flattened weight costs a copy on a TPU each time it is
 read as a matrix (the buffer's tiles are not the matrix's) and another for its gradient: for a 128k
 vocabulary at width 2048 that is 1 GiB each, per micro-batch.
 

@@ -1,7 +1,7 @@
 """Staging: whole variable trees converted between the logical and the staged forms, exactly.
 
 Logical variables are ``{"layers_i": tree}`` (a repeated layer's copies stacked on a leading
-axis); the staged tree is what a :class:`tpipe.core.layout.description.LayoutDescription`
+axis); the staged tree is what a :class:`tpipe.core.layout.description.StageLayout`
 describes (stacked leaves ``[R, S, k, ...]``, packed buffers ``[P, S, n]``, shared leaves
 ``[P_g, S, ...]``). Both directions are slices, gathers, reshapes and concatenations: no
 arithmetic, so a round trip is bit for bit.
@@ -24,7 +24,7 @@ from tpipe.core.layout import description as desc
 from tpipe.core.layout import pack as layout_pack
 
 
-def is_uniform(layout: desc.LayoutDescription, layer: int) -> bool:
+def is_uniform(layout: desc.StageLayout, layer: int) -> bool:
   """Whether repeated ``layer`` is cut evenly in loop placement (staged = a reshape)."""
   k = layout.stacked[layer]
   copies = jax.tree.leaves(layout.logical[f"layers_{layer}"])[0].shape[0]
@@ -37,7 +37,7 @@ def is_uniform(layout: desc.LayoutDescription, layer: int) -> bool:
   return True
 
 
-def _slot_order(layout: desc.LayoutDescription) -> list[int]:
+def _slot_order(layout: desc.StageLayout) -> list[int]:
   """The model chunks in staged order: local chunk ``r`` major, stage ``s`` minor."""
   order = []
   for r in range(layout.num_repeats):
@@ -46,7 +46,7 @@ def _slot_order(layout: desc.LayoutDescription) -> list[int]:
   return order
 
 
-def _stacked_rows(layout: desc.LayoutDescription, layer: int) -> np.ndarray:
+def _stacked_rows(layout: desc.StageLayout, layer: int) -> np.ndarray:
   """The copies of repeated ``layer`` each chunk slot keeps per leaf, in staged order."""
   k = layout.stacked[layer]
   rows = []
@@ -57,7 +57,7 @@ def _stacked_rows(layout: desc.LayoutDescription, layer: int) -> np.ndarray:
   return np.concatenate(rows)
 
 
-def _stacked_leaves(layout: desc.LayoutDescription, logical) -> dict[str, Any]:
+def _stacked_leaves(layout: desc.StageLayout, logical) -> dict[str, Any]:
   """The staged stacked leaves ``{"layers_i": tree of [R, S, k, ...]}``."""
   lead = (layout.num_repeats, layout.num_stages)
   stacked = {}
@@ -97,7 +97,7 @@ def _segment_values(values, logical, seg: desc.Segment):
   return jax.tree.map(lambda a: a[start:stop], tree)
 
 
-def _chunk_window(layout: desc.LayoutDescription, logical, chunk: int) -> dict[str, jax.Array]:
+def _chunk_window(layout: desc.StageLayout, logical, chunk: int) -> dict[str, jax.Array]:
   """Model chunk ``chunk``'s packed window ``{dtype: [n]}`` from logical trees."""
   trees = []
   for seg in layout.segments[chunk]:
@@ -106,7 +106,7 @@ def _chunk_window(layout: desc.LayoutDescription, logical, chunk: int) -> dict[s
   return layout_pack.pack_chunk(layout, trees, chunk)
 
 
-def _packed_buffers(layout: desc.LayoutDescription, logical) -> dict[str, jax.Array]:
+def _packed_buffers(layout: desc.StageLayout, logical) -> dict[str, jax.Array]:
   """Per dtype, every packed slot's buffer ``[P, S, n]``: each slot's chunks' windows (in local
   order) block by block, each block padded with zeros, all made by one concatenation."""
   shards = layout.packed_shards
@@ -137,7 +137,7 @@ def _packed_buffers(layout: desc.LayoutDescription, logical) -> dict[str, jax.Ar
   return out
 
 
-def _shared_arrays(layout: desc.LayoutDescription, logical) -> dict[str, jax.Array]:
+def _shared_arrays(layout: desc.StageLayout, logical) -> dict[str, jax.Array]:
   """Each shared leaf ``[P, S, ...]`` from the logical weights it holds (zeros elsewhere)."""
   out = {}
   for g in layout.shared:
@@ -152,14 +152,14 @@ def _shared_arrays(layout: desc.LayoutDescription, logical) -> dict[str, jax.Arr
   return out
 
 
-def to_staged(layout: desc.LayoutDescription, logical: Mapping[str, Any]):
+def to_staged(layout: desc.StageLayout, logical: Mapping[str, Any]):
   """Logical ``{"layers_i": tree}`` to the staged tree; exact."""
   return {desc.STACKED: _stacked_leaves(layout, logical),
           desc.PACKED: _packed_buffers(layout, logical),
           desc.SHARED: _shared_arrays(layout, logical)}
 
 
-def _join(layout: desc.LayoutDescription, layer: str, tree, pieces, staged):
+def _join(layout: desc.StageLayout, layer: str, tree, pieces, staged):
   """Logical ``layer`` (abstract ``tree``) from its segments' ``pieces`` ``(first copy,
   copies, tree)`` (or from its stacked leaves where they are a reshape of it)."""
   index = int(layer.split("_")[1])
@@ -173,7 +173,7 @@ def _join(layout: desc.LayoutDescription, layer: str, tree, pieces, staged):
   return jax.tree.map(lambda *a: jnp.concatenate(a, 0), *parts)
 
 
-def to_logical(layout: desc.LayoutDescription, staged) -> dict[str, Any]:
+def to_logical(layout: desc.StageLayout, staged) -> dict[str, Any]:
   """The staged tree back to logical ``{"layers_i": tree}``; exact."""
   layout.check_staged(staged)
   pieces: dict[int, list] = {}

@@ -42,8 +42,8 @@ from tpipe.core.base import layers as layers_lib
 from tpipe.core.base import spmd
 from tpipe.core.layout import description as desc
 from tpipe.core.layout import device_view as view_lib
+from tpipe.core.layout import pack as layout_pack
 from tpipe.core.layout import packed_places as places
-from tpipe.core.layout import stage_layout as layout_lib
 from tpipe.core.planning import plan as plan_lib
 from tpipe.core.planning import remat as remat_lib
 from tpipe.core.programs import fsdp as fsdp_lib
@@ -63,18 +63,18 @@ class ChunkSet:
   Args:
     layers: the :class:`~tpipe.core.base.layers.Layer` sequence.
     plan: its :class:`~tpipe.core.planning.plan.Plan`.
-    layout: the parameters' :class:`~tpipe.core.layout.stage_layout.StageLayout`.
+    layout: the parameters' :class:`~tpipe.core.layout.description.StageLayout`.
     stats_layout: the running statistics' layout (built with ``layout``'s stacked copies), or
       None when no layer has statistics.
     spec: the pipeline's settings (remat, granularity, unroll).
     split: the call's keyword arguments (:class:`tpipe.core.base.arguments.SplitArguments`).
     axes: the mesh's axes, or None (no FSDP): with an ``fsdp`` axis the parameters are split
-      over it as :meth:`~tpipe.core.layout.stage_layout.StageLayout.partition_specs` says, and
+      over it as :meth:`~tpipe.core.layout.description.StageLayout.partition_specs` says, and
       every unit gathers its own (:mod:`tpipe.core.programs.fsdp`).
   """
 
-  def __init__(self, layers, plan: plan_lib.Plan, layout: layout_lib.StageLayout,
-               stats_layout: layout_lib.StageLayout | None, spec: spec_lib.PipelineSpec, split,
+  def __init__(self, layers, plan: plan_lib.Plan, layout: desc.StageLayout,
+               stats_layout: desc.StageLayout | None, spec: spec_lib.PipelineSpec, split,
                axes: spmd.Axes | None = None):
     self.layers, self.plan, self.layout, self.stats_layout = layers, plan, layout, stats_layout
     self.spec, self.split = spec, split
@@ -219,7 +219,7 @@ class ChunkSet:
     # Pinned again where the leaves are cut: what came through an optimization barrier or a
     # checkpoint name is a new value the partitioner may split afresh.
     local = {**local, desc.PACKED: spmd.whole_over_auto_axes(local[desc.PACKED])}
-    trees = self.layout.chunk_trees(local, rep, self._packed_at(branch, chunk),
+    trees = layout_pack.chunk_trees(self.layout, local, rep, self._packed_at(branch, chunk),
                                     self.held_blocks, shared_slots=slots, canonical=True)
     if self.gathers_pieces:
       for k, seg in self._packed_segments(branch):
@@ -343,9 +343,8 @@ class ChunkSet:
     return gather(self._casts[key], lambda a: weight_casts.tie_to_steps(a, steps))
 
   def _piece_specs(self, rep: int) -> list:
-    """:meth:`tpipe.core.layout.stage_layout.StageLayout.piece_specs` of model chunk ``rep`` over
-    the
-    partitioner's axes here (None per leaf without a mesh or such axes)."""
+    """:meth:`tpipe.core.layout.description.StageLayout.piece_specs` of model chunk ``rep`` over
+    the partitioner's axes here (None per leaf without a mesh or such axes)."""
     if self._mesh is None or not self._auto_axes:
       return [jax.tree.map(lambda _: None, tree) for tree in self.layout.packed_shapes(rep)]
     return self.layout.piece_specs(rep, self._mesh, self._auto_axes)
@@ -435,7 +434,7 @@ class ChunkSet:
     local = checkpoint_name(local, remat_lib.CHUNK_PARAMS_NAME)
     trees = self._chunk_trees(local, branch, chunk)
     if self.stats_layout is not None:
-      stats = self.stats_layout.chunk_trees(self._slot(staged[view_lib.STATS], r), rep)
+      stats = layout_pack.chunk_trees(self.stats_layout, self._slot(staged[view_lib.STATS], r), rep)
     else:
       stats = [{} for _ in trees]
     h = self.input_of(branch, chunk, fresh, incoming)
@@ -471,8 +470,8 @@ class ChunkSet:
                                            tie_to_tick=tie_to_tick)
       if self.stats_layout is None:
         return results
-      sums = self.stats_layout.chunk_slot(lax.stop_gradient(statistics),
-                                          self.chunks_of[index][0])
+      sums = layout_pack.chunk_slot(self.stats_layout, lax.stop_gradient(statistics),
+                                    self.chunks_of[index][0])
       return results + (sums,)
 
     return _checkpointed(run, policy)
@@ -553,7 +552,8 @@ class ChunkSet:
         params = self._chunk_trees(self._param_slot(staged[view_lib.PARAMS], index, chunk), index,
                                    chunk)[k]
         if self.stats_layout is not None:
-          stats = self.stats_layout.chunk_trees(self._slot(staged[view_lib.STATS], r), rep)[k]
+          stats = layout_pack.chunk_trees(
+              self.stats_layout, self._slot(staged[view_lib.STATS], r), rep)[k]
         else:
           stats = {}
         unit = self._first_unit(index, chunk, k)

@@ -7,7 +7,7 @@ and computes on its own rows of each micro-batch. A layer unit gathers its weigh
 it runs (``lax.all_gather`` over ``fsdp``, whose transpose is the ``psum_scatter`` that leaves
 each device its share of the weight gradient, summed over the fsdp group's rows), so a device
 holds one unit's whole weights at a time, never a stage's. A chunk's packed buffer (plain layers
-such as an embedding or a head, see :mod:`tpipe.core.layout.stage_layout`) is gathered whole when
+such as an embedding or a head, see :mod:`tpipe.core.layout.description`) is gathered whole when
 the chunk reads it: its leaves start anywhere in it.
 
 A weight the unit only casts (a mixed-precision layer's float32 kernel read as bfloat16,
@@ -126,7 +126,7 @@ class Split:
 
   def gather_piece(self, piece, dim: int, shape, spec=None, dtype=None, tie=None):
     """A packed leaf of ``shape`` whole from this device's piece of it
-    (:meth:`tpipe.core.layout.stage_layout.StageLayout.chunk_trees` from one block), cut along
+    (:meth:`tpipe.core.layout.description.StageLayout.chunk_trees` from one block), cut along
     ``dim`` or
     :data:`tpipe.core.layout.packed_places.FLAT`: one ``all_gather`` over fsdp, whose transpose
     leaves this device the piece of the leaf's gradient, summed over the group.

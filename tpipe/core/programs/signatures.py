@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from tpipe.core.base import packing
-from tpipe.core.layout import stage_layout as layout_lib
+from tpipe.core.layout import description as layout_lib
 from tpipe.core.planning import plan as plan_lib
 from tpipe.core.programs import ring as ring_lib
 

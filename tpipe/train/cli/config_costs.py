@@ -64,7 +64,7 @@ class Report:
       wall-clock time on a shared machine.
     stages: a :class:`tpipe.tools.stage_costs.StageCost` per stage: its layers, parameter
       bytes and padding, optimizer bytes, FLOPs and memory-floor parts.
-    layout: the model's :class:`tpipe.core.layout.stage_layout.StageLayout` (its split into chunks).
+    layout: the model's :class:`tpipe.core.layout.description.StageLayout` (its split into chunks).
     ring_bytes: one micro-batch in the format that crosses stage boundaries.
     floor_seconds: wall-clock time to measure the stages (per-unit FLOPs and each distinct
       chunk's forward and backward compiled alone).

@@ -192,12 +192,12 @@ def staged_weight_decay(weight_decay: float,
 
   Per-leaf parameters decay by their names, as optax's mask would; in the packed buffers the
   decayed elements are ranges the layout knows
-  (:meth:`~tpipe.core.layout.stage_layout.StageLayout.packed_mask`),
+  (:meth:`~tpipe.core.layout.description.StageLayout.packed_mask`),
   so the mask is computed in the update, never stored; a shared leaf's entries decay by the
-  names of the weights they hold (:meth:`~tpipe.core.layout.stage_layout.StageLayout.shared_mask`).
+  names of the weights they hold (:meth:`~tpipe.core.layout.description.StageLayout.shared_mask`).
   """
-  masks = layout.packed_mask(_decayed)
-  shared_masks = layout.shared_mask(_decayed)
+  masks = staging.packed_mask(layout, _decayed)
+  shared_masks = staging.shared_mask(layout, _decayed)
 
   def init(params):
     del params
@@ -333,10 +333,10 @@ class Experiment:
                          self.task.batch_shapes(self.config))
     x, kwargs = self.task.model_inputs(batch)
     variables = self.task.init_variables(self.config, self.model, rng, x, kwargs)
-    params = self.layout.to_staged(variables["params"])
+    params = staging.to_staged(self.layout, variables["params"])
     model_state = None
     if self.stats_layout is not None:
-      model_state = self.stats_layout.to_staged(variables["batch_stats"])
+      model_state = staging.to_staged(self.stats_layout, variables["batch_stats"])
     return tpipe.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                             opt_state=self.optimizer.init(params), model_state=model_state)
 

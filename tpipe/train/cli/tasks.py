@@ -36,6 +36,7 @@ from tpipe import spec as spec_lib
 from tpipe.train import architecture
 from tpipe.train import convnet
 from tpipe.train import data as text_data
+from tpipe.train import flash_attention
 from tpipe.train import images
 from tpipe.train import losses
 from tpipe.train import models
@@ -140,6 +141,11 @@ class LanguageModelling:
     if not 0.0 < config.get("eval_fraction", 0.0) < 1.0:
       raise ValueError(f"config.eval_fraction must be in (0, 1), got {config.eval_fraction!r}.")
     smallest = 16 * (config.seq_len + 1)  # What data.TextData.load accepts.
+    kernel = flash_attention.check(config.get("attention", "blocked"), seq_len=config.seq_len,
+                                   dropout_rate=config.dropout, owner="config.attention")
+    if frontend(config) == "nnx" and kernel != "blocked":
+      raise ValueError(f"config.attention={kernel!r}: the NNX LM attends the blocked way only; "
+                       "use config.frontend='linen' or config.attention='blocked'.")
     if frontend(config) == "nnx":
       changed = [f"{name}={architecture.value(config, name)!r}"
                  for name in ("block", "positions", "final_norm", "head_bias", "init_from",
