@@ -1,6 +1,7 @@
 """Hugging Face checkpoints: Llama, Mistral, Qwen2 and GPT-2 (tied and untied) imported into the
-logical form give ``transformers``' logits from the pipelined forward under gpipe, 1f1b and
-zbv on a stage 2 x fsdp 2 x tensor 2 mesh; export round-trips bit for bit and ``transformers``
+logical form give ``transformers``' logits from the pipelined forward on a stage 2 x fsdp 2 x
+tensor 2 mesh, each architecture under one of gpipe, 1f1b and zbv and each schedule with at
+least one architecture (tied and untied); export round-trips bit for bit and ``transformers``
 loads it."""
 
 import functools
@@ -25,6 +26,13 @@ PROGRAMS = {"llama": "llama", "llama_tied": "llama", "mistral": "mistral",
             "qwen2_tied": "qwen2", "qwen2": "qwen2", "gpt2_tied": "gpt2", "gpt2": "gpt2"}
 SCHEDULES = {"gpipe": dict(schedule="gpipe"), "1f1b": dict(schedule="1f1b"),
              "zbv": dict(schedule="zbv", num_repeats=2)}
+# One pass over each axis (architectures x schedules, pairs checked below): what an architecture
+# adds (rotary or learned positions, a sliding window, q/k/v biases, a tied head) lives inside its
+# layers, which every schedule runs alike; each schedule's pipeline is checked against the layers
+# in sequence under every schedule by tests/core and tests/linen. zbv puts the embedding and the
+# head on the same stage, gpipe and 1f1b on the first and last: each runs a tied and an untied
+# head.
+SCHEDULE_OF = {"llama": "zbv", "mistral": "zbv", "qwen2": "1f1b", "gpt2": "gpipe"}
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +60,21 @@ def _forward(directory, schedule):
   return jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_imported_logits_equal_transformers_under_every_schedule(checkpoints, schedule):
+def test_the_pairs_cover_every_architecture_and_schedule_tied_and_untied():
+  assert set(SCHEDULE_OF) == set(PROGRAMS.values()) and set(SCHEDULE_OF.values()) == set(SCHEDULES)
+  tied = {(SCHEDULE_OF[PROGRAMS[name]], hf_models.CASES[name][1]) for name in PROGRAMS}
+  assert tied == {(schedule, t) for schedule in SCHEDULES for t in (True, False)}
+  assert set(PROGRAMS) == set(hf_models.CASES)
+
+
+@pytest.mark.parametrize("program", sorted(SCHEDULE_OF))
+def test_imported_logits_equal_transformers_under_a_schedule(checkpoints, program):
+  schedule = SCHEDULE_OF[program]
   tokens = _tokens()
-  for name, directory in checkpoints.items():
+  cases = {name: directory for name, directory in checkpoints.items()
+           if PROGRAMS[name] == program}
+  assert cases
+  for name, directory in cases.items():
     fields = pretrained.architecture_of(directory)
     assert fields["family"] == hf_models.CASES[name][0]
     assert fields["tie_embeddings"] == hf_models.CASES[name][1]

@@ -1,7 +1,8 @@
 """Hugging Face Mixtral and Qwen2-MoE checkpoints: imported into the logical form
 (``block="moe"``; Qwen2-MoE's with its shared expert and its top-k weights not renormalised)
-they give ``transformers``' logits from the pipelined forward under gpipe, 1f1b and zbv on a
-stage 2 x expert 2 x fsdp 2 mesh (the experts split over the expert axis); export round-trips
+they give ``transformers``' logits from the pipelined forward on a stage 2 x expert 2 x fsdp 2
+mesh (the experts split over the expert axis), each family and each of gpipe, 1f1b and zbv in
+at least one pair; export round-trips
 bit for bit and ``transformers`` loads it, also (Mixtral) from a trainer run started from it
 with the experts split; what the block does not model is refused by name. Evaluation and
 generation on Mixtral are in ``test_evaluate_generate``, on Qwen2-MoE here."""
@@ -75,9 +76,20 @@ def _forward(directory, schedule):
   return jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_imported_logits_equal_transformers_under_every_schedule(checkpoints, name, schedule):
+# One pass over each axis (families x schedules): Mixtral (a sliding window) under gpipe, Qwen2-MoE
+# (a tied head, q/k/v biases, a shared expert) under 1f1b and under zbv, which puts its tied
+# embedding and head on one stage. The schedules' pipelines of a MoE LM on an expert axis are
+# checked against the model in sequence under every schedule in test_moe.
+PAIRS = [("mixtral", "gpipe"), (QWEN, "1f1b"), (QWEN, "zbv")]
+
+
+def test_the_pairs_cover_both_families_and_every_schedule():
+  assert {name for name, _ in PAIRS} == set(EXPECTED)
+  assert {schedule for _, schedule in PAIRS} == set(SCHEDULES)
+
+
+@pytest.mark.parametrize("name, schedule", PAIRS)
+def test_imported_logits_equal_transformers_under_a_schedule(checkpoints, name, schedule):
   checkpoint, tokens = checkpoints[name], _tokens()
   # Top-k routing is discontinuous: the tokens' k-th and k+1-th experts are well apart.
   assert hf_models.routing_margin(checkpoint, tokens) > 1e-5
