@@ -128,12 +128,21 @@ def _free_port():
     return s.getsockname()[1]
 
 
+# The two-process run's steps: the reference run's first four. Its learning rate warms up over
+# the first 2 updates (the tiny config's warmup_steps, fixed by its size, not by num_steps) and
+# is at its peak on the third whatever num_steps is, so a 4-step run logs the losses the 20-step
+# run logs at steps 1-4; its one evaluation and checkpoint come at step 4.
+TWO_PROCESS_STEPS = range(1, 5)
+SHORT = [f"--config.num_steps={len(TWO_PROCESS_STEPS)}", "--config.eval_every=4",
+         "--config.checkpoint_every=4"]
+
+
 def _run_two_processes(workdir):
-  """Runs the trainer as 2 processes x 4 CPU devices; returns (procs, their stderr)."""
+  """Runs the trainer (4 steps) as 2 processes x 4 CPU devices; returns (procs, their stderr)."""
   port = _free_port()
   procs = [
       subprocess.Popen(
-          train_runs.command(workdir, f"--coordinator_address=127.0.0.1:{port}",
+          train_runs.command(workdir, *SHORT, f"--coordinator_address=127.0.0.1:{port}",
                              "--num_processes=2", f"--process_id={i}"),
           env=train_runs.env(num_cpu_devices=4), cwd=train_runs.REPO, stdout=subprocess.DEVNULL,
           stderr=subprocess.PIPE, text=True)
@@ -161,14 +170,18 @@ def test_two_processes_train_as_one_does(reference, tmp_path):
   for p, err in zip(procs, errors):
     assert p.returncode == 0, err[-4000:]
   assert "2 processes, 8 devices" in errors[0]
-  # Only process 0 writes: one record per step.
-  assert [r["step"] for r in metrics.read_metrics(workdir)] == list(range(1, NUM_STEPS + 1))
+  # Only process 0 writes: one record per step; both processes evaluated and saved.
+  assert [r["step"] for r in metrics.read_metrics(workdir)] == list(TWO_PROCESS_STEPS)
+  assert "eval_loss" in metrics.read_metrics(workdir)[-1]
+  assert train_runs.checkpoint_steps(workdir) == [TWO_PROCESS_STEPS[-1]]
   # The same program on the same mesh, split over two processes. Its all-reduces cross a process
   # boundary and may add in another order, so the losses agree to rounding, not bit for bit: as
   # close to the float64 run as the one-process run's are.
   numerics.assert_as_close_as_plain(
-      train_runs.logged_losses(workdir, STEPS), train_runs.logged_losses(reference, STEPS),
-      train_runs.lm_float64_losses(), what="the two-process run's losses")
+      train_runs.logged_losses(workdir, TWO_PROCESS_STEPS),
+      train_runs.logged_losses(reference, TWO_PROCESS_STEPS),
+      train_runs.lm_float64_losses()[:len(TWO_PROCESS_STEPS)],
+      what="the two-process run's losses")
 
 
 @pytest.mark.slow
