@@ -255,3 +255,29 @@ def test_flash_compiles_to_the_splash_kernel_for_a_tpu_slice():
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*shapes).compile().as_text()
   assert text.count("custom_call_target=\"tpu_custom_call\"") == 3
   assert "all-gather" not in text
+
+
+@pytest.mark.parametrize("case", ["packed documents in a window", "grouped query"])
+def test_the_cudnn_call_asks_for_the_same_attention(case, monkeypatch):
+  """No GPU here: ``"cudnn"``'s call of ``jax.nn.dot_product_attention`` is run by that
+  function's XLA implementation instead, in bfloat16 (cuDNN's dtype), and equals the blocked
+  attention by the numerics rule: its causal flag, window and segment mask say the same."""
+  calls = []
+  original = jax.nn.dot_product_attention
+
+  def as_xla(*args, implementation=None, **kwargs):
+    calls.append(implementation)
+    return original(*args, implementation="xla", **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", as_xla)
+  heads, kv_heads, window, packed = CASES[case]
+  segment_ids = _packed() if packed else None
+  query, key, value, _ = (a.astype(jnp.bfloat16) for a in _inputs(heads, kv_heads))
+  cudnn = lambda q, k, v, s, w: flash_attention.causal_attention(
+      q, k, v, implementation="cudnn", segment_ids=s, sliding_window=w)
+  got = jax.jit(cudnn, static_argnums=4)(query, key, value, segment_ids, window)
+  plain = jax.jit(_blocked, static_argnums=4)(query, key, value, segment_ids, window)
+  reference = numerics.float64_reference(jax.jit(_blocked, static_argnums=4), query, key,
+                                         value, segment_ids, window)
+  assert calls == ["cudnn"]
+  numerics.assert_as_close_as_plain(got, plain, reference, factor=FACTOR, what=case)
