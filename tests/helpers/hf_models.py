@@ -178,19 +178,20 @@ def logits(directory, tokens: np.ndarray, dtype: str = "float32") -> np.ndarray:
 
 def packed_documents(directory: pathlib.Path):
   """Twelve word-level documents packed into windows of 16 tokens
-  (:class:`tpipe.train.packing.PackedTokens`), their tokenizer written to ``directory``: what
+  (:class:`tpipe.train.document_packing.PackedTokens`), their tokenizer written to ``directory``:
+  what
   the perplexity tests read."""
   from tests.helpers import text_corpus  # pylint: disable=g-import-not-at-top
-  from tpipe.train import packing, tokenization  # pylint: disable=g-import-not-at-top
+  from tpipe.train import document_packing, tokenization  # pylint: disable=g-import-not-at-top
   tokenizer = tokenization.load(text_corpus.word_tokenizer(directory))
   assert tokenizer.vocab_size <= VOCAB
   ids = tokenizer.encode_batch(text_corpus.documents(12, seed=1))
-  return packing.PackedTokens.of(ids, tokenizer.eod_id, seq_len=16)
+  return document_packing.PackedTokens.of(ids, tokenizer.eod_id, seq_len=16)
 
 
 def document_loss(directory, packed, dtype: str = "float32") -> np.float64:
   """``transformers``' mean next-token cross-entropy over the unmasked targets of packed
-  windows (:class:`tpipe.train.packing.PackedTokens`), each window's documents run one at a
+  windows (:class:`tpipe.train.document_packing.PackedTokens`), each window's documents run one at a
   time from position 0 (as tpipe restarts positions per document), in float64 from ``dtype``
   logits."""
   total = count = 0.0

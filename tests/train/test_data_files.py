@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import text_corpus
-from tpipe.train import packing
+from tpipe.train import document_packing
 from tpipe.train import sources
 from tpipe.train import tokenization
 from tpipe.train.cli import write_corpus
@@ -118,7 +118,7 @@ def test_bad_tokenizer_is_a_clear_error(name, match):
 
 def test_packing_keeps_documents_apart():
   # Documents of 3, 1 and 5 tokens, each followed by EOD (9): a b c | d | e f g h i.
-  packed = packing.PackedTokens.of([[1, 2, 3], [4], [5, 6, 7, 8, 10]], 9, seq_len=4)
+  packed = document_packing.PackedTokens.of([[1, 2, 3], [4], [5, 6, 7, 8, 10]], 9, seq_len=4)
   np.testing.assert_array_equal(packed.tokens, [1, 2, 3, 9, 4, 9, 5, 6, 7, 8, 10, 9])
   assert len(packed) == 2  # (12 - 1) // 4 windows of 5 tokens with stride 4.
   first, second = packed[0], packed[1]
@@ -135,7 +135,7 @@ def test_packing_keeps_documents_apart():
 
 def test_loss_weights_average_over_the_unmasked_tokens():
   batch = {"loss_mask": np.array([[1, 1, 1, 0], [1, 0, 1, 1]], np.float32)}
-  weights = packing.weighted(batch)["loss_weights"]
+  weights = document_packing.weighted(batch)["loss_weights"]
   losses = np.arange(8, dtype=np.float32).reshape(2, 4)
   # The head's per-example mean of loss * weight, then the trainer's mean over examples.
   mean = (losses * weights).mean(axis=-1).mean()
@@ -145,17 +145,18 @@ def test_loss_weights_average_over_the_unmasked_tokens():
 def test_iterator_resumes_mid_epoch_bit_exactly(corpus):
   _, path = corpus
   tokenizer = tokenization.load(path)
-  packed = packing.PackedTokens.of(tokenizer.encode_batch(TEXTS), tokenizer.eod_id, seq_len=16)
+  packed = document_packing.PackedTokens.of(tokenizer.encode_batch(TEXTS), tokenizer.eod_id,
+                                            seq_len=16)
   batches_per_epoch = len(packed) // 4
   assert batches_per_epoch >= 3
   stop = batches_per_epoch + 1  # Past the first epoch, in the middle of the second.
-  reference = packing.train_iterator(packed, batch_size=4, seed=3)
+  reference = document_packing.train_iterator(packed, batch_size=4, seed=3)
   expected = [next(reference) for _ in range(stop + 3)]
-  first = packing.train_iterator(packed, batch_size=4, seed=3)
+  first = document_packing.train_iterator(packed, batch_size=4, seed=3)
   for _ in range(stop):
     next(first)
   state = json.loads(json.dumps(first.get_state()))  # As a checkpoint stores it.
-  resumed = packing.train_iterator(packed, batch_size=4, seed=3)
+  resumed = document_packing.train_iterator(packed, batch_size=4, seed=3)
   resumed.set_state(state)
   for want in expected[stop:]:
     got = next(resumed)
@@ -169,8 +170,8 @@ def test_iterator_resumes_mid_epoch_bit_exactly(corpus):
 
 
 def test_in_order_batches_cover_every_window_once():
-  packed = packing.PackedTokens.of([list(range(1, 30))], 0, seq_len=4)
-  batches = packing.in_order(packed, batch_size=3)
+  packed = document_packing.PackedTokens.of([list(range(1, 30))], 0, seq_len=4)
+  batches = document_packing.in_order(packed, batch_size=3)
   assert len(packed) == 7 and len(batches) == 3
   assert [int(b["mask"].sum()) for b in batches] == [3, 3, 1]
   np.testing.assert_array_equal(batches[2]["inputs"][0], packed[6]["inputs"])
@@ -178,7 +179,7 @@ def test_in_order_batches_cover_every_window_once():
 
 def test_too_little_data_is_a_clear_error():
   with pytest.raises(ValueError, match="not one training sequence"):
-    packing.PackedTokens.of([[1, 2]], 0, seq_len=8)
+    document_packing.PackedTokens.of([[1, 2]], 0, seq_len=8)
 
 
 def test_write_corpus_refuses_to_overwrite(tmp_path):

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from tests.helpers import numerics
+from tpipe.train import document_packing
 from tpipe.train import models
-from tpipe.train import packing
 
 SIZES = dict(num_layers=2, width=32, num_heads=4, mlp_dim=48, max_len=16, vocab_size=40)
 BLOCKS = {
@@ -40,7 +40,7 @@ def _alone(block, params, documents):
 
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_packed_documents_see_only_themselves(block):
-  packed = packing.PackedTokens.of(DOCUMENTS, 0, seq_len=15)[0]
+  packed = document_packing.PackedTokens.of(DOCUMENTS, 0, seq_len=15)[0]
   tokens = jnp.asarray(packed["inputs"])[None]
   params = jax.jit(_model(jnp.float32, block).init)(jax.random.key(0), tokens)["params"]
   run = jax.jit(functools.partial(_logits, block))

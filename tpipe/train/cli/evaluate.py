@@ -8,7 +8,7 @@ Usage::
   python -m tpipe.train.cli.evaluate --init_from=/models/llama \
       --tokenizer=/models/llama/tokenizer.json --data=data/test.jsonl --seq_len=512
 
-The documents are tokenized and packed as for training (:mod:`tpipe.train.packing`: each
+The documents are tokenized and packed as for training (:mod:`tpipe.train.document_packing`: each
 followed by the end-of-document token, segment ids and positions keeping them apart) into
 windows read once, in order; every target whose input is in the same document counts once. The
 result is the mean cross-entropy per token (nats) and its exponential, the perplexity:
@@ -32,8 +32,8 @@ import numpy as np
 import tpipe
 from tpipe.train import architecture
 from tpipe.train import data as data_lib
+from tpipe.train import document_packing
 from tpipe.train import models
-from tpipe.train import packing
 from tpipe.train import sources
 from tpipe.train import tokenization
 from tpipe.train.cli import loading
@@ -70,7 +70,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("num_microbatches", 1, "Micro-batches per replica's batch.")
 
 
-def perplexity(config, params, packed: packing.PackedTokens, *, batch_size: int = 8,
+def perplexity(config, params, packed: document_packing.PackedTokens, *, batch_size: int = 8,
                num_stages: int = 1, num_data: int = 1, num_microbatches: int = 1,
                devices=None) -> dict[str, float]:
   """The mean per-token cross-entropy and perplexity of the model on every window of
@@ -79,7 +79,7 @@ def perplexity(config, params, packed: packing.PackedTokens, *, batch_size: int 
   Args:
     config: the model's config (architecture fields, ``seq_len``, ``dtype``).
     params: logical parameters.
-    packed: the token windows (:class:`tpipe.train.packing.PackedTokens`).
+    packed: the token windows (:class:`tpipe.train.document_packing.PackedTokens`).
     batch_size: windows per batch (a multiple of ``num_data * num_microbatches``).
     num_stages, num_data, num_microbatches: the pipeline and its mesh.
     devices: the mesh's devices (default the first ``num_stages * num_data``).
@@ -109,7 +109,7 @@ def perplexity(config, params, packed: packing.PackedTokens, *, batch_size: int 
 
   params = jax.device_put(params)
   total = count = 0.0
-  for batch in packing.in_order(packed, batch_size=batch_size):
+  for batch in document_packing.in_order(packed, batch_size=batch_size):
     batch = data_lib.to_global({k: np.asarray(v) for k, v in batch.items()}, sharding)
     loss, tokens = jax.device_get(sums(params, batch))
     total, count = total + float(loss), count + float(tokens)
@@ -131,8 +131,9 @@ def main(argv):
   tokenizer = tokenization.load(config.tokenizer, config.eod_token)
   documents = sources.read(sources.expand(FLAGS.data), FLAGS.data_format or config.data_format,
                            config.text_field)
-  packed = packing.PackedTokens.of(tokenizer.encode_batch([d.text for d in documents]),
-                                   tokenizer.eod_id, seq_len=config.seq_len)
+  packed = document_packing.PackedTokens.of(
+      tokenizer.encode_batch([d.text for d in documents]), tokenizer.eod_id,
+      seq_len=config.seq_len)
   result = perplexity(config, model.params, packed, batch_size=FLAGS.batch_size,
                       num_stages=FLAGS.num_stages, num_data=FLAGS.num_data,
                       num_microbatches=FLAGS.num_microbatches)

@@ -36,12 +36,12 @@ from tpipe import spec as spec_lib
 from tpipe.train import architecture
 from tpipe.train import convnet
 from tpipe.train import data as text_data
+from tpipe.train import document_packing
 from tpipe.train import flash_attention
 from tpipe.train import images
 from tpipe.train import losses
 from tpipe.train import models
 from tpipe.train import models_nnx
-from tpipe.train import packing
 from tpipe.train import sources
 from tpipe.train import tokenization
 
@@ -118,7 +118,7 @@ class LanguageModelling:
 
   ``config.data`` is ``"stdlib"`` (the byte corpus of :mod:`tpipe.train.data`, batches
   ``{"inputs", "targets"}``) or files (:mod:`tpipe.train.sources`) tokenized with
-  ``config.tokenizer`` and packed (:mod:`tpipe.train.packing`): batches then also carry
+  ``config.tokenizer`` and packed (:mod:`tpipe.train.document_packing`): batches then also carry
   ``loss_weights``, ``segment_ids`` and ``positions``, which keep the documents apart.
   """
 
@@ -246,15 +246,15 @@ class LanguageModelling:
     if not config.get("eval_data", ""):
       spec["eval_fraction"] = config.eval_fraction
     spec["corpus_sha256"] = train.fingerprint()
-    batches = packing.eval_batches(held_out, batch_size=config.batch_size,
-                                   num_batches=config.eval_batches)
+    batches = document_packing.eval_batches(held_out, batch_size=config.batch_size,
+                                            num_batches=config.eval_batches)
     batches = [dict(b, mask=np.ones(config.batch_size, bool)) for b in batches]
-    return TaskData(train=packing.train_iterator(train, batch_size=config.batch_size,
-                                                 seed=config.seed),
+    return TaskData(train=document_packing.train_iterator(train, batch_size=config.batch_size,
+                                                          seed=config.seed),
                     eval_batches=batches, spec=spec)
 
 
-def packed_splits(config) -> tuple[packing.PackedTokens, packing.PackedTokens]:
+def packed_splits(config) -> tuple[document_packing.PackedTokens, document_packing.PackedTokens]:
   """``(train, eval)`` packed token windows of ``config.data`` (eval: ``config.eval_data``'s
   files, or the ``config.eval_fraction`` of documents :func:`tpipe.train.sources.split` holds
   out), tokenized with ``config.tokenizer``."""
@@ -267,7 +267,7 @@ def packed_splits(config) -> tuple[packing.PackedTokens, packing.PackedTokens]:
     held_out = sources.read(sources.expand(config.eval_data), data_format, field)
   else:
     train, held_out = sources.split(documents, config.eval_fraction)
-  pack = lambda part: packing.PackedTokens.of(
+  pack = lambda part: document_packing.PackedTokens.of(
       tokenizer.encode_batch([d.text for d in part]), tokenizer.eod_id, seq_len=config.seq_len)
   return pack(train), pack(held_out)
 
