@@ -49,6 +49,7 @@ from experiments import memory_at_scale  # noqa: E402  pylint: disable=g-import-
 from tpipe.experimental import links  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import hlo  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.train.cli import experiment  # noqa: E402  pylint: disable=g-import-not-at-top
+from tpipe.train.cli import translate  # noqa: E402  pylint: disable=g-import-not-at-top
 
 SLICES, SLICE = 2, "v5p:4x4x2"
 EFFICIENCY = 0.5
@@ -149,7 +150,7 @@ def main():
     exp_off, mem_off, sends_off, s_off = measured["off"]
     if not exp_on.compact_leaves or exp_off.compact_leaves:
       raise AssertionError(f"{model}: 'on' must compact the ends' moments, 'off' keep them.")
-    if experiment.compact_leaves_for(_with(config, "auto"), exp_off.layout, exp_off.mesh):
+    if translate.compact_leaves_for(_with(config, "auto"), exp_off.layout, exp_off.mesh):
       raise AssertionError(f"{model}: 'auto' must keep the moments staged over DCN.")
     moves = [size for kind, size, in_loop in sends_on if kind == "ALL_TO_ALL" and not in_loop]
     if len(moves) != 2 or any(kind == "ALL_TO_ALL" for kind, _, _ in sends_off):

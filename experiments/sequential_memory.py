@@ -51,6 +51,7 @@ from tpipe.tools import stage_costs
 from tpipe.train import models
 from tpipe.train.cli import config_costs
 from tpipe.train.cli import experiment
+from tpipe.train.cli import translate
 from tpipe.train.cli import report_text
 
 # The GPipe paper's Transformer in kind, and a tiny stand-in for --smoke.
@@ -201,7 +202,7 @@ def unit_flops(config) -> tuple[float, ...]:
   ``partition.balanced_split`` of them: the split ``balance="flops"`` chooses (the experiment
   plans with the same call).
   """
-  model = experiment.make_model(config, None).clone(balance="flops")
+  model = translate.make_model(config, None).clone(balance="flops")
   tokens = jax.ShapeDtypeStruct((config.batch_size // config.num_data, config.seq_len),
                                 jnp.int32)
   return model.pipeline_for(tokens, rng_names=("dropout",), targets=tokens).plan.costs

@@ -48,6 +48,7 @@ from tpipe.train.cli import experiment
 from tpipe.train.cli import metrics
 from tpipe.train.cli import startup
 from tpipe.train.cli import tasks
+from tpipe.train.cli import translate
 from tpipe.train.cli import trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -303,14 +304,14 @@ def restore(workdir, step: int, exp=None):
 def _optimizer_on_logical_params(config, params) -> optax.GradientTransformation:
   """The trainer's optimizer written out with optax on logical parameters (the experiment's
   works on staged ones): AdamW after global-norm clipping, linear warm-up then cosine decay, weight
-  decay on matrices and embeddings only (named as ``experiment.DECAYED_NAMES`` says)."""
+  decay on matrices and embeddings only (named as ``translate.DECAYED_NAMES`` says)."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate,
       warmup_steps=min(config.warmup_steps, config.num_steps),
       decay_steps=max(config.num_steps, config.warmup_steps + 1),
       end_value=config.learning_rate * 0.1)
   decayed = jax.tree_util.tree_map_with_path(
-      lambda path, _: path[-1].key in experiment.DECAYED_NAMES, params)
+      lambda path, _: path[-1].key in translate.DECAYED_NAMES, params)
   return optax.chain(optax.clip_by_global_norm(config.grad_clip),
                      optax.scale_by_adam(b1=0.9, b2=0.95),
                      optax.add_decayed_weights(config.weight_decay, decayed),

@@ -17,6 +17,7 @@ from tpipe.core.layout import description as layout_lib
 from tpipe.tools import analysis
 from tpipe.train import compact_moments
 from tpipe.train.cli import experiment
+from tpipe.train.cli import translate
 
 SHARED = layout_lib.SHARED
 
@@ -74,7 +75,7 @@ def test_compact_then_expand_gives_the_staged_tree_back(exp):
 def test_the_optimizer_steps_as_with_staged_moments(exp):
   """Three AdamW steps of the trainer's optimizer on the same parameters and gradients: the
   parameters bit for bit those of the optimizer with staged moments, and the moments too."""
-  staged_opt = experiment.make_optimizer(exp.config, exp.layout)
+  staged_opt = translate.make_optimizer(exp.config, exp.layout)
   compact_opt = exp.optimizer
   params = _staged(exp, 1)
   runs = []
@@ -172,7 +173,7 @@ def test_a_bad_setting_is_refused_naming_the_choices(setting):
   config = train_runs.lm_config()
   config.compact_moments = setting
   with pytest.raises(ValueError, match=rf"config.compact_moments={setting!r}: write 'auto'"):
-    experiment.validate_config(config)
+    translate.validate_config(config)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from tpipe.core.layout import staging
 from tpipe.train import architecture
 from tpipe.train import models
 from tpipe.train.cli import experiment
+from tpipe.train.cli import translate
 from tpipe.train.cli import tasks
 
 
@@ -144,8 +145,8 @@ def test_train_step_compiles_ahead_of_time(exp):
 
 
 def _decay_of_ones(exp):
-  """The decay term of ``experiment.staged_weight_decay(0.5)`` on all-ones parameters, logical."""
-  decay = experiment.staged_weight_decay(0.5, exp.layout)
+  """The decay term of ``translate.staged_weight_decay(0.5)`` on all-ones parameters, logical."""
+  decay = translate.staged_weight_decay(0.5, exp.layout)
   ones = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), exp.layout.logical)
   staged = staging.to_staged(exp.layout, ones)
   zeros = jax.tree.map(jnp.zeros_like, staged)
@@ -342,7 +343,7 @@ def test_a_fused_schedule_with_batchnorm_is_rejected_before_tracing():
   with pytest.raises(ValueError, match=r"config.schedule='1f1b' is a fused schedule, which "
                      r"cannot train config.task='image_classification': its convnet has "
                      r"BatchNorm.*Use config.schedule='gpipe'"):
-    experiment.validate_config(config)
+    translate.validate_config(config)
 
 
 def test_fused_schedule_trains_as_gpipe_does(exp):
@@ -376,25 +377,25 @@ def test_fused_schedule_trains_as_gpipe_does(exp):
 def test_a_config_over_two_emulated_slices_delays_the_links_between_them():
   config = _config(mesh=dict(fsdp=1, tensor=1, dcn=dict(stage=2), emulate_slices=True))
   mesh = jax.devices()[:8]
-  spec = experiment.spec_from_config(config, tpipe.make_mesh(
+  spec = translate.spec_from_config(config, tpipe.make_mesh(
       stages=4, data=2, dcn={"stage": 2}, slices=[mesh[:4], mesh[4:]]))
   assert spec.delays == (0, 1, 0, 1)
-  assert experiment.spec_from_config(_config(transfer_delay="1")).delays == (1, 1, 1, 1)
-  assert experiment.spec_from_config(_config(transfer_delay="0,0,1,0")).delays == (0, 0, 1, 0)
+  assert translate.spec_from_config(_config(transfer_delay="1")).delays == (1, 1, 1, 1)
+  assert translate.spec_from_config(_config(transfer_delay="0,0,1,0")).delays == (0, 0, 1, 0)
 
 
 @pytest.mark.unit  # Builds tables only.
 def test_config_tick_costs_give_compound_tables():
-  spec = experiment.spec_from_config(_config(schedule="zbv", num_repeats=2,
-                                             tick_costs="F=1, B=3, BI=2, W=1"))
+  spec = translate.spec_from_config(_config(schedule="zbv", num_repeats=2,
+                                            tick_costs="F=1, B=3, BI=2, W=1"))
   assert spec.tick_costs == (("B", 3.0), ("BI", 2.0), ("F", 1.0), ("W", 1.0))
   assert spec.table.is_compound
-  assert experiment.spec_from_config(_config(schedule="zbv", num_repeats=2)).tick_costs is None
+  assert translate.spec_from_config(_config(schedule="zbv", num_repeats=2)).tick_costs is None
   costs = "F=403.4, BI=528.9, W=407.5"  # ZB-H1's measured costs under remat none.
-  searched = experiment.spec_from_config(_config(schedule="zb_h1", tick_costs=costs,
-                                                 tick_search=1))
+  searched = translate.spec_from_config(_config(schedule="zb_h1", tick_costs=costs,
+                                                tick_search=1))
   assert searched.tick_search == 1
   from tpipe.experimental import search  # pylint: disable=g-import-not-at-top
-  plain = experiment.spec_from_config(_config(schedule="zb_h1", tick_costs=costs))
+  plain = translate.spec_from_config(_config(schedule="zb_h1", tick_costs=costs))
   assert type(plain) is tpipe.PipelineSpec  # pylint: disable=unidiomatic-typecheck
   assert searched.table is search.with_search(plain, 1).table

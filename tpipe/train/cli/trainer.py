@@ -42,6 +42,7 @@ from tpipe.train import checkpointing
 from tpipe.train import data
 from tpipe.train import pretrained
 from tpipe.train.cli import experiment
+from tpipe.train.cli import translate
 from tpipe.train.cli import metrics as metrics_lib
 from tpipe.train.cli import startup
 from tpipe.train.cli import step_log
@@ -134,7 +135,7 @@ def _check_finite(step: int, metrics: dict, last_checkpoint: int | None, ckpt_di
 def validate_train_config(config) -> None:
   """Checks the fields the training loop reads; raises ValueError naming the fix.
 
-  It needs no devices, so ``main`` calls it before anything else. ``experiment.validate_config``
+  It needs no devices, so ``main`` calls it before anything else. ``translate.validate_config``
   checks the model, mesh and task fields.
 
   Args:
@@ -363,7 +364,7 @@ def train(config, workdir: str) -> dict:
   workdir = epath.Path(workdir)  # Unlike pathlib, keeps gs://bucket/... intact.
   if tasks.get_task(config).name == "lm":
     config = architecture.resolve(resumed_config(config, workdir))
-  experiment.validate_config(config)
+  translate.validate_config(config)
   is_chief = jax.process_index() == 0
   check_workdir(config, workdir)
   exp = experiment.build(config)
