@@ -7,7 +7,9 @@ each tick's steps run one after another and its messages leave once, after them.
 
 import re
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import pytest
 
 import tpipe
@@ -16,6 +18,7 @@ from tpipe.core.base import spmd
 from tpipe.core.loops import streaming
 from tpipe.core.loops import tick_rows
 from tpipe.experimental import search
+from tpipe.tools import analysis
 
 # Per-action costs with the backward three forwards (a full-remat block): compound ticks pair
 # a forward with a backward.
@@ -134,3 +137,81 @@ def test_weight_recompute_equals_sequential(name, schedule, stages, microbatches
   assert conveyor is not None
   assert model.spec.table.is_compound == (costs is not None)
   lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))
+
+
+# The residual MLP blocks of the memory checks below, on float activation inputs [rows, T, D]
+# (what a pipeline gets when its embedding runs before it) with a per-example mean-square loss.
+MEMORY_ROWS, MEMORY_SEQ, MEMORY_WIDTH = 4, 16, 64
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return h + nn.Dense(h.shape[-1])(jax.nn.gelu(nn.Dense(2 * h.shape[-1])(h)))
+
+
+class _MeanSquare(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return jnp.mean(jnp.square(h), axis=(1, 2))
+
+
+def _compiled_step(schedule, microbatches, stages, data=1, tick_costs=None):
+  """``(compiled, mesh, pipeline)``: the compiled gradient step, in the staged parameters (a
+  train state's layout) and the activation inputs, of 4 residual blocks under ``remat="none"``
+  in compound ticks for the costs derived from the blocks' FLOPs (the default)."""
+  mesh = tpipe.make_mesh(stages=stages, data=data)
+  model = tpipe.Sequential([_Block() for _ in range(4)] + [_MeanSquare()], num_stages=stages,
+                           num_microbatches=microbatches, schedule=schedule,
+                           num_repeats=2 if schedule in lm.TWO_CHUNKS else 1, remat="none",
+                           mesh=mesh, tick_costs=tick_costs)
+  shape = (MEMORY_ROWS * microbatches * data, MEMORY_SEQ, MEMORY_WIDTH)
+  pipeline = model.pipeline_for(jnp.zeros(shape))
+  params = jax.eval_shape(model.clone(num_stages=1, num_microbatches=1, mesh=None).init,
+                          jax.random.key(0), jnp.zeros(shape))["params"]
+  staged, _ = jax.eval_shape(pipeline.stage, params)
+  staged = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=jax.NamedSharding(mesh, spec)), staged,
+      pipeline.layout.partition_specs(mesh=mesh))
+  x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=tpipe.data_sharding(mesh))
+  step = jax.jit(jax.grad(pipeline.loss, argnums=(0, 1)))
+  return step.lower(staged, x).compile(), mesh, pipeline
+
+
+@pytest.mark.parametrize("schedule", tpipe.schedules.FUSED_SCHEDULE_NAMES)
+def test_compound_temporaries_grow_by_the_inputs_gradient_alone(schedule):
+  """In compound ticks (the default layout) every fused schedule's temporaries stay flat in M:
+  from M = 4 S to M = 16 S (where the compound table holds no more slots:
+  tpipe.schedules.compound) they grow by the per-micro-batch gradient of the inputs (a buffer
+  sized by M) and this stage's part of the streamed batch, not more. Each backward runs in a
+  conditional of its own (tpipe.core.loops.tick_rows.lane_groups): with two backwards of a
+  lane side by side in one switch, XLA:CPU copied every gradient sum in every branch, the
+  inputs' gradient included, a second buffer sized by M."""
+  stages, small, large = 2, 8, 32
+  found = {}
+  for microbatches in (small, large):
+    compiled, _, pipeline = _compiled_step(schedule, microbatches, stages)
+    assert pipeline.loss_table.is_compound
+    found[microbatches] = compiled.memory_analysis().temp_size_in_bytes
+  example = MEMORY_SEQ * MEMORY_WIDTH * 4 * MEMORY_ROWS  # One micro-batch's inputs, bytes.
+  inputs_gradient = (large - small) * example
+  held = (large - small) // stages * example  # This stage's part of the batch.
+  assert found[large] <= 1.02 * found[small] + inputs_gradient + held, (found, inputs_gradient)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_compound_tables_stream_the_batch_without_a_gather_over_stage(schedule):
+  """On 2 stages x 4 data with the batch split over both, a compound table whose stage 0 reads
+  two micro-batches in one tick gets each over the conveyor of its lane, by neighbour sends
+  inside the tick loop (tpipe.core.loops.streaming): the compiled step holds no all-gather
+  over ``stage`` at all."""
+  compiled, mesh, pipeline = _compiled_step(schedule, 8, stages=2, data=4)
+  table = pipeline.loss_table
+  assert table.is_compound and pipeline.spec.stream_inputs
+  reads = tpipe.schedules.streaming.lane_reads(table)
+  assert ((reads >= 0).sum(axis=0) >= 2).any()  # Two inputs for stage 0 in one tick.
+  over_stage = [c for c in analysis.collectives(compiled, mesh) if c.axes == ("stage",)]
+  assert not [c for c in over_stage if c.kind == "all-gather"], over_stage
+  example = MEMORY_ROWS * MEMORY_SEQ * MEMORY_WIDTH * 4  # One micro-batch's inputs, bytes.
+  assert any(c.kind == "collective-permute" and c.in_loop and c.bytes == example
+             for c in over_stage), over_stage

@@ -1,6 +1,6 @@
 """tpipe.core.loops.branches: the function each action of a fused table runs is the one its backward
-plan names (one small function per action and plan, no mode flags), which branches add into the
-running sums in place, and the empty :class:`Slots` a call starts from.
+plan names (one small function per action and plan, no mode flags), which branches write the
+running gradient sums, and the empty :class:`Slots` a call starts from.
 
 Branches are made here, not run: which method made a branch is read from its closure's
 ``__qualname__`` (and that of the helper it closes over, for ``W``'s)."""
@@ -107,20 +107,18 @@ def test_idle_is_branch_zero():
   assert "Branches.branch.<locals>.<lambda>" in made
 
 
-@pytest.mark.parametrize("schedule,remat,recompute,in_place", [
-    ("1f1b", "full", False, {A.B}),
-    ("1f1b", "dots", False, set()),
-    ("zb_h1", "full", False, set()),  # BI and W by taps: nothing added in a loop over units.
-    ("zb_h1", "full", "backward", {A.W}),
-    ("zb_h1", "dots", "backward", set()),
-])
-def test_adds_in_place(schedule, remat, recompute, in_place):
+@pytest.mark.parametrize("schedule,remat,recompute", [
+    ("1f1b", "full", False), ("1f1b", "none", False), ("zb_h1", "full", "backward"),
+    ("zb_h1", "none", False)])
+def test_only_idle_and_forwards_leave_the_gradient_sums_alone(schedule, remat, recompute):
+  """Every backward writes the sums, by units or by one VJP (so each runs in a conditional of
+  its own, tpipe.core.loops.tick_rows.lane_groups); idle and the forwards do not."""
   branches = _branches(schedule, remat, recompute)
-  assert not branches.adds_in_place(0)
+  assert branches.forward_only(0)
   runs = (A.F, A.BI, A.W) if branches.plan.split else (A.F, A.B)  # The actions its table has.
   for action in runs:
     for program in range(PROGRAMS):
-      assert branches.adds_in_place(_number(action, program)) == (action in in_place), action
+      assert branches.forward_only(_number(action, program)) == (action == A.F), action
 
 
 def test_slots_start_empty_and_are_values():

@@ -117,14 +117,14 @@ def test_a_compound_table_in_lanes():
   assert branch[:, 1].T.tolist() == [[0, 0, 0, 0], [0, 1, 1, 0]]
 
 
-@pytest.mark.parametrize("in_place,together,apart", [
+@pytest.mark.parametrize("writes_sums,together,apart", [
     ([False, False, False], [0, 1, 2], []),
-    ([False, True, False], [0, 2], [1]),  # One adding branch runs apart too.
+    ([False, True, False], [0, 2], [1]),  # One backward runs apart too.
     ([False, True, False, True], [0, 2], [1, 3]),
     ([0, 1, 1], [0], [1, 2]),
 ])
-def test_lane_groups(in_place, together, apart):
-  assert tick_rows.lane_groups(in_place) == (together, apart)
+def test_lane_groups(writes_sums, together, apart):
+  assert tick_rows.lane_groups(writes_sums) == (together, apart)
 
 
 # --------------------------------------------------------------------------------------------

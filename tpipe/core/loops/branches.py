@@ -239,19 +239,10 @@ class Branches:
 
   def forward_only(self, number: int) -> bool:
     """Whether branch ``number`` (numbered as :meth:`branch`) is idle or a forward: it writes
-    no gradient sum, only the loss (or a forward-only table's outputs)."""
+    no gradient sum, only the loss (or a forward-only table's outputs). The others (``B``,
+    ``BI``, ``W``) each run in a conditional of their own
+    (:func:`tpipe.core.loops.tick_rows.lane_groups`)."""
     return number == 0 or (number - 1) // self.chunkset.num_branches == Action.F
-
-  def adds_in_place(self, number: int) -> bool:
-    """Whether branch ``number`` (numbered as :meth:`branch`) adds its parameter gradients into
-    the running sums inside a loop over units
-    (:func:`tpipe.core.programs.unit_backward.backward_into`):
-    ``B`` by units, and ``W`` running the backward again by units."""
-    if number == 0 or not self.plan.by_units:
-      return False
-    action = (number - 1) // self.chunkset.num_branches
-    rerun = self.plan.weight_grads == backward_plan.RERUN_BACKWARD
-    return action == Action.B or (action == Action.W and rerun)
 
   # ------------------------------------------------------------------------------------------
   # F.

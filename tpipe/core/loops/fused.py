@@ -14,8 +14,8 @@ table as one SPMD program:
   ``W`` of one chunk program, :class:`tpipe.core.programs.chunks.ChunkSet`), holding only the
   branches
   the table runs there (:func:`tpipe.core.loops.tick_rows.lane_switches`) and no collective; a
-  lane's backwards that add into the running sums by units run each in a conditional of their
-  own after it, and a switch of forwards never holds the sums (:func:`_lane_runner`). A
+  lane's backwards run each in a conditional of their own after its switch of forwards, which
+  never holds the gradient sums (:func:`_lane_runner`). A
   compound tick (:mod:`tpipe.schedules.compound`) runs its rows as lanes, one switch after
   another, each reading the mailbox and writing the stash as a tick of its own would; the
   tick's messages leave once, after the last lane. (On one device the work is serial either
@@ -94,23 +94,22 @@ def is_split(schedule: schedules.FusedSchedule) -> bool:
   return bool(np.any(np.isin(schedule.action, [Action.BI, Action.W])))
 
 
-def _lane_runner(branches: list[Callable], in_place: list[bool],
-                 forward_only: list[bool]) -> Callable:
+def _lane_runner(branches: list[Callable], forward_only: list[bool]) -> Callable:
   """``run(position, state, *operands) -> (state, written, send)``: the lane's branch at
-  ``position`` (idle at 0). Branches that add into the running sums inside a loop over units
-  (``in_place``: :meth:`~tpipe.core.loops.branches.Branches.adds_in_place`) run each in a
-  conditional of their own after the lane's switch (which idles for them)
-  (:func:`tpipe.core.loops.tick_rows.lane_groups`). Two such loops in branches of one conditional
-  (``B`` of the first, middle and last stages' chunk programs) make XLA copy each updated sum
-  in and out of every iteration: on the TPU, the stage's largest gradient leaf once more at the
-  peak; one beside forwards made XLA:CPU copy the sums in every forward. Alone in its
-  conditional, a loop updates the sums where they lie. Where every branch of the shared switch
-  is a forward or idle (``forward_only``), the sums stay out of it (:func:`_without_sums`)."""
-  together, apart = tick_rows.lane_groups(in_place)
-  switch = lambda position, *operands: lax.switch(position, [branches[p] for p in together],
-                                                  *operands)
-  if all(forward_only[p] for p in together):
-    switch = _without_sums(switch)
+  ``position`` (idle at 0). The forwards and idle (``forward_only``:
+  :meth:`~tpipe.core.loops.branches.Branches.forward_only`) share one ``lax.switch``, which never
+  holds the running gradient sums (:func:`_without_sums`); every branch that writes them (the
+  backwards) runs in a conditional of its own after it, which passes the sums through where
+  the step runs another branch (:func:`tpipe.core.loops.tick_rows.lane_groups`). XLA copied
+  the sums wherever a conditional held them in more than one branch: in every forward beside a
+  backward, and in and out of every iteration of two backwards' loops over units; with two
+  backwards of a compound lane (``BI`` of two chunk programs, or ``BI`` and ``W``) side by side,
+  on XLA:CPU, every sum in every branch, the per-micro-batch gradient of the inputs included (a
+  second copy of a buffer sized by M). Alone in its conditional, a backward adds into the sums
+  where they lie."""
+  together, apart = tick_rows.lane_groups([not flag for flag in forward_only])
+  switch = _without_sums(lambda position, *operands: lax.switch(
+      position, [branches[p] for p in together], *operands))
   if not apart:
     return switch
   index = np.zeros(len(branches), np.int32)  # Position in the switch; idle for the apart.
@@ -196,7 +195,6 @@ class _Run:
     # Each lane switches over the branches the table runs in it only: a split table's B, or
     # the kinds a compound tick runs in its other lanes, are never traced nor compiled.
     lanes = [_lane_runner([branches.branch(n, device, learned, collect) for n in numbers],
-                          [branches.adds_in_place(n) for n in numbers],
                           [branches.forward_only(n) for n in numbers])
              for numbers in self.switches]
     # Named scopes let a memory breakdown (tpipe.tools.peak) tell the buffers apart.

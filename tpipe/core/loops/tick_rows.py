@@ -57,18 +57,19 @@ def lane_switches(schedule: schedules.FusedSchedule, programs) -> list[tuple[int
   return _switches(by_lanes(schedule, tick_branches(schedule, programs)[0]))
 
 
-def lane_groups(in_place) -> tuple[list[int], list[int]]:
+def lane_groups(writes_sums) -> tuple[list[int], list[int]]:
   """``(together, apart)``: how a lane runs the branches of its switch (:func:`lane_switches`),
-  given per position whether the branch adds into the running sums inside a loop over units.
-  ``together`` (idle, position 0, among them) share one ``lax.switch``; each of ``apart`` runs
-  in a two-way conditional of its own after it (false: pass through; true: the branch), in
-  order. Apart are all the adding branches: XLA copies the sums in and out of every iteration
-  of such loops when two share one conditional, and copies them in every other branch that
-  passes them through when one shares a conditional with forwards (1F1B in compound ticks,
-  remat full, on XLA:CPU: one more copy of the stage's parameters)."""
-  in_place = [bool(flag) for flag in in_place]
-  apart = [p for p, flag in enumerate(in_place) if flag]
-  return [p for p in range(len(in_place)) if p not in apart], apart
+  given per position whether the branch writes the running gradient sums (a backward: ``B``,
+  ``BI`` or ``W``). ``together`` (idle, position 0, and the forwards) share one
+  ``lax.switch``, which never holds the sums; each of ``apart`` runs in a two-way conditional
+  of its own after it (false: pass through; true: the branch), in order. XLA copies the sums
+  wherever a conditional holds them in more than one branch: in every forward that passes them
+  through beside a backward, in and out of every iteration of two backwards' loops over units,
+  and in every branch of two backwards side by side (the per-micro-batch gradient of the
+  inputs, sized by M, included)."""
+  writes_sums = [bool(flag) for flag in writes_sums]
+  apart = [p for p, flag in enumerate(writes_sums) if flag]
+  return [p for p in range(len(writes_sums)) if p not in apart], apart
 
 
 def _switches(branch: np.ndarray) -> list[tuple[int, ...]]:
