@@ -281,3 +281,17 @@ def test_the_cudnn_call_asks_for_the_same_attention(case, monkeypatch):
                                          value, segment_ids, window)
   assert calls == ["cudnn"]
   numerics.assert_as_close_as_plain(got, plain, reference, factor=FACTOR, what=case)
+
+
+def test_splash_lowered_for_this_cpu_is_the_blocked_attention():
+  """``"splash"`` traced without a TPU mesh on a machine without a TPU (tpipe's planner compiles
+  each unit here to count its FLOPs for a step compiled for a TPU topology) lowers to the
+  blocked attention for this CPU: the same output and gradients."""
+  segment_ids = _packed()
+  splash = lambda q, k, v, s, w: flash_attention.causal_attention(
+      q, k, v, implementation="splash", segment_ids=s, sliding_window=w)
+  inputs = _inputs(4, 2)
+  got = _output_and_gradients(splash, segment_ids, 48)(*inputs)
+  want = _output_and_gradients(_blocked, segment_ids, 48)(*inputs)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

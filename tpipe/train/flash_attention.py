@@ -44,6 +44,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from tpipe.train import attention
+
 # The values of a block's ``attention`` setting (the trainer's ``config.attention``).
 IMPLEMENTATIONS = ("blocked", "flash", "splash", "cudnn", "splash_interpret")
 # The platforms each kernel runs on ("splash_interpret": any).
@@ -180,9 +182,33 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   scale = 1.0 / math.sqrt(depth) if scale is None else scale
   if implementation == "cudnn":
     return _cudnn(query, key, value, segment_ids, sliding_window, scale)
-  return _over_partitioned_axes(sliding_window or None, scale,
-                                implementation == "splash_interpret", query, key, value,
-                                segment_ids)
+  splash_fn = lambda q, k, v: _over_partitioned_axes(
+      sliding_window or None, scale, implementation == "splash_interpret", q, k, v, segment_ids)
+  if implementation == "splash" and where is None and jax.default_backend() != "tpu":
+    # Traced without the TPU mesh the kernel was chosen for, on a machine without a TPU: tpipe's
+    # planner compiles each unit for this machine to count its FLOPs (fused schedules' tick
+    # costs) when the step itself is compiled ahead of time for a TPU topology. A program
+    # lowered for another platform than TPU gets the blocked attention, the same function (its
+    # FLOPs those of the whole score matrix, where the kernel skips masked blocks).
+    blocked = lambda q, k, v: _blocked(q, k, v, segment_ids, sliding_window, scale)
+    return jax.lax.platform_dependent(query, key, value, tpu=splash_fn, default=blocked)
+  return splash_fn(query, key, value)
+
+
+def _blocked(query, key, value, segment_ids, sliding_window, scale):
+  """:func:`tpipe.train.attention.grouped_attention` with the kernels' mask."""
+  batch, seq, heads, depth = query.shape
+  kv_heads = key.shape[2]
+  positions = jnp.arange(seq)
+  mask = positions[None, :] <= positions[:, None]
+  if sliding_window:
+    mask &= positions[:, None] - positions[None, :] < sliding_window
+  mask = mask[None, None, None]
+  if segment_ids is not None:
+    mask = mask & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
+  grouped = query.reshape(batch, seq, kv_heads, heads // kv_heads, depth)
+  out = attention.grouped_attention(grouped, key, value, mask, 1.0 / scale)
+  return out.reshape(batch, seq, heads, depth)
 
 
 def flax_attention_fn(implementation: str, segment_ids: jax.Array | None = None):
