@@ -421,14 +421,16 @@ def tick_conditionals(module: hlo_lib.HloModule, body: str) -> list[list[str]]:
 
 
 def _lane_layouts(schedule, programs) -> list:
-  """The ways the lanes of ``schedule``'s compound ticks may split into conditionals (per
-  lane's switch, :func:`tpipe.core.loops.tick_rows.lane_groups`' ``(together, apart)``): the
-  idle branch and the forwards share a switch, and each backward (``B``, ``BI``, ``W``) runs in
-  a two-way conditional of its own after it."""
+  """The two ways the lanes of ``schedule``'s compound ticks may split into conditionals (per
+  lane's switch, :func:`tpipe.core.loops.tick_rows.lane_groups`' ``(together, apart)``): every
+  branch in one switch (a tick program written as one ``lax.switch``); and the fused loop's,
+  where idle and the forwards share a switch and each backward (``B``, ``BI``, ``W``) runs in a
+  two-way conditional of its own after it."""
   count = max(programs) + 1
   backward = lambda n: n > 0 and (n - 1) // count != schedules_lib.Action.F
   switches = tick_rows.lane_switches(schedule, programs)
-  return [[tick_rows.lane_groups([backward(n) for n in numbers]) for numbers in switches]]
+  return [[tick_rows.lane_groups([flag(n) for n in numbers]) for numbers in switches]
+          for flag in (lambda n: False, backward)]
 
 
 def _branch_counts(layout) -> list[int]:
@@ -440,8 +442,8 @@ def _branch_counts(layout) -> list[int]:
 
 def lane_layout(schedule, programs, conditionals):
   """How the lanes of ``schedule``'s compound ticks split into ``conditionals`` (the branch
-  names of each, :func:`tick_conditionals`), as :func:`_lane_layouts` says they may, or None
-  when that does not fit."""
+  names of each, :func:`tick_conditionals`), of the two ways they may (:func:`_lane_layouts`),
+  or None when neither fits."""
   counts = [len(names) for names in conditionals]
   return next((layout for layout in _lane_layouts(schedule, programs)
                if _branch_counts(layout) == counts), None)
