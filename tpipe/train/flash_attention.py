@@ -17,6 +17,11 @@ how (:data:`IMPLEMENTATIONS`):
   segment masks are the kernel's own: it skips the key blocks a query block never sees and
   forms no score-sized array in either pass. It cuts the sequence into blocks of
   :func:`splash_block` (512, 256 or 128) positions, so the sequence must be a multiple of 128.
+  Its backward calls splash attention's own backward kernels through their private rule
+  (``_splash_attention_bwd``; see :func:`_over_partitioned_axes` for why), which the gradient
+  tests check. Traced without a TPU mesh on a machine without a TPU (tpipe's planner compiling
+  each unit here to count FLOPs, for a step compiled for a TPU topology), a program lowered for
+  another platform gets the blocked attention instead (``jax.lax.platform_dependent``).
 * ``"cudnn"``: cuDNN's flash attention through ``jax.nn.dot_product_attention(...,
   implementation="cudnn")``, GPU only, bfloat16 or float16 (cuDNN's kernel takes no float32);
   segment ids become a ``[batch, 1, seq, seq]`` boolean mask there (cuDNN adds it as a bias).
