@@ -25,12 +25,14 @@ The runs:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import io
 import logging
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -39,16 +41,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from tests.helpers import numerics
 from tpipe.train import __main__ as train_main
 from tpipe.train import checkpointing
 from tpipe.train import models
 from tpipe.train.cli import experiment
+from tpipe.train.cli import translate
 from tpipe.train.cli import metrics
 from tpipe.train.cli import startup
 from tpipe.train.cli import tasks
-from tpipe.train.cli import translate
 from tpipe.train.cli import trainer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -193,6 +196,38 @@ def train_here(workdir, *overrides, base=LM_ARGS) -> subprocess.CompletedProcess
   """:func:`train` in this process (:func:`run_cli`): for the tests that check a run's results,
   not what a separate process adds (a kill, several processes)."""
   return run_cli(f"--workdir={workdir}", *base, *overrides)
+
+
+class InterruptAt:
+  """A data iterator that raises SIGINT (as Ctrl-C does) when batch ``at`` is read: the trainer
+  finishes that step, saves a checkpoint and stops."""
+
+  def __init__(self, inner, at: int):
+    self._inner, self._at, self._count = inner, at, 0
+
+  def __next__(self):
+    self._count += 1
+    if self._count == self._at:
+      signal.raise_signal(signal.SIGINT)
+    return next(self._inner)
+
+  def __getattr__(self, name):
+    return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def interrupted_at(config, at: int):
+  """Meanwhile the training data of ``config``'s task is an :class:`InterruptAt` ``at``."""
+  task = tasks.get_task(config)
+  load = task.load_data
+
+  def interrupting(config):
+    loaded = load(config)
+    return dataclasses.replace(loaded, train=InterruptAt(loaded.train, at))
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(task, "load_data", interrupting)
+    yield
 
 
 def check_ok(proc) -> None:

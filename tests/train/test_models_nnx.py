@@ -17,6 +17,7 @@ from flax import nnx
 
 import tpipe
 from tests.helpers import numerics
+from tests.helpers import train_runs
 from tpipe.train import checkpointing
 from tpipe.train import models
 from tpipe.train import models_nnx
@@ -68,9 +69,16 @@ def _config(num_steps):
 
 
 def test_trainer_trains_the_nnx_lm_saves_and_resumes(tmp_path):
+  """The first run is stopped by SIGINT as it reads batch 3 (it saves after step 3 and stops),
+  the second resumes it: one config, so the second run's programs are the first's (read from the
+  compilation cache, not compiled again)."""
   workdir = tmp_path / "nnx"
-  trainer.train(_config(2), str(workdir))
-  trainer.train(_config(4), str(workdir))  # Resumes from step 2.
+  config = _config(4)
+  with train_runs.interrupted_at(config, 3):
+    stopped = trainer.train(config, str(workdir))
+  assert stopped["step"] == 3 and stopped["checkpoint"] == 3
+  resumed = trainer.train(_config(4), str(workdir))  # Resumes from step 3.
+  assert resumed["step"] == 4 and resumed["checkpoint"] == 4
   records = metrics.read_metrics(workdir)
   losses = {r["step"]: r["loss"] for r in records if "loss" in r}
   assert sorted(losses) == [1, 2, 3, 4]

@@ -5,7 +5,6 @@ tokenizer, profiling a step and stopped by SIGINT, gives the log, metrics, Tenso
 trace most tests read; the command-line errors and ``--help`` run ``startup.run`` in-process too.
 """
 
-import dataclasses
 import io
 import logging
 import os
@@ -30,26 +29,9 @@ from tpipe.train import checkpointing
 from tpipe.train import pretrained
 from tpipe.train.cli import metrics
 from tpipe.train.cli import startup
-from tpipe.train.cli import tasks
 from tpipe.train.cli import trainer
 
 STOP_AT, NUM_STEPS, PEAK = 4, 6, 0.5
-
-
-class _InterruptAt:
-  """A data iterator that raises SIGINT (as Ctrl-C does) when batch ``at`` is read."""
-
-  def __init__(self, inner, at: int):
-    self._inner, self._at, self._count = inner, at, 0
-
-  def __next__(self):
-    self._count += 1
-    if self._count == self._at:
-      signal.raise_signal(signal.SIGINT)
-    return next(self._inner)
-
-  def __getattr__(self, name):
-    return getattr(self._inner, name)
 
 
 def _config(root: pathlib.Path):
@@ -70,13 +52,6 @@ def interrupted(tmp_path_factory):
   """``(config, workdir, result, log)`` of the run stopped by SIGINT at step STOP_AT."""
   root = tmp_path_factory.mktemp("helps")
   config = _config(root)
-  task = tasks.get_task(config)
-  load = task.load_data
-
-  def interrupting(config):
-    loaded = load(config)
-    return dataclasses.replace(loaded, train=_InterruptAt(loaded.train, STOP_AT))
-
   stream = io.StringIO()
   handler = logging.StreamHandler(stream)
   root_logger = logging.getLogger()
@@ -85,8 +60,7 @@ def interrupted(tmp_path_factory):
   root_logger.setLevel(logging.INFO)
   _SIGINT_BEFORE_THE_RUN.append(signal.getsignal(signal.SIGINT))
   try:
-    with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(task, "load_data", interrupting)
+    with train_runs.interrupted_at(config, STOP_AT):
       result = trainer.train(config, str(root / "run"))
   finally:
     root_logger.removeHandler(handler)
