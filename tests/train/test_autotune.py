@@ -63,7 +63,7 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
   peaks = {("none", "chunk"): 9, ("full", "chunk"): 6, ("full", "layer"): 4, ("full", 2): 3}
   compiled = []
 
-  def fake_measure(config, cand, budget_bytes, cost_model):
+  def fake_measure(config, cand, budget_bytes, chip):
     compiled.append((cand.remat, cand.remat_granularity))
     memory = peaks[compiled[-1]]
     return autotune.Trial(cand, memory, 1.0, 1.0, 0, 1.0, 0.0, memory <= budget_bytes)
@@ -79,6 +79,28 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
   dominated = [c.remat_granularity for c, r in result.rejected if r.startswith("dominated")]
   assert dominated == [2]
   assert "| gpipe | 1 | full | layer **(chosen)** |" in autotune.format_result(result)
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_the_budget_is_the_chips_hbm_unless_given(monkeypatch):
+  chips_seen = []
+
+  def fake_measure(config, cand, budget_bytes, chip):
+    chips_seen.append(chip)
+    return autotune.Trial(cand, 2**30, 1.0, 1.0, 0, 1.0, 0.0, 2**30 <= budget_bytes)
+
+  monkeypatch.setattr(autotune, "measure", fake_measure)
+  search = dict(num_devices=2, stages=[1], microbatches=[2], remats=["none"],
+                schedules=["gpipe"])
+  result = autotune.autotune(_config(), chip="v4", **search)
+  assert result.budget_bytes == 32 * 2**30 and result.chip == "v4" and chips_seen == ["v4"]
+  assert "step times predicted on v4" in autotune.format_result(result)
+  assert autotune.autotune(_config(), **search).budget_bytes == 95 * 2**30  # v5p's.
+  assert autotune.autotune(_config(), 2**29, **search).best is None  # Given: 0.5 GiB.
+  with pytest.raises(ValueError, match="Unknown chip 'h100'; choose one of .*v5p"):
+    autotune.autotune(_config(), chip="h100", **search)  # The report prices TPU links only.
+  with pytest.raises(ValueError, match="Unknown chip 'v9'"):
+    autotune.autotune(_config(), chip="v9", **search)
 
 
 @pytest.mark.unit  # No JAX computation.
@@ -129,7 +151,7 @@ def test_every_schedule_is_tried_with_the_repeats_it_takes():
 
 
 def _fake_measure(compiled, peaks=None, interrupt_at=None):
-  def fake(config, cand, budget_bytes, cost_model):
+  def fake(config, cand, budget_bytes, chip):
     if interrupt_at is not None and len(compiled) == interrupt_at:
       raise KeyboardInterrupt
     compiled.append(cand)
@@ -192,7 +214,7 @@ def test_pruning_rejects_before_compiling_with_reasons(monkeypatch):
                                                  remats=["none", "full"])[0]) // 4
   memory = autotune.analytic_memory(config, compiled[0], 10**9)
   assert memory >= search_space.STATE_BYTES_PER_PARAM * 10**9 // compiled[0].num_stages
-  tight = autotune._Search(config, 10, autotune.CostModel(), print, num_params=10**6)
+  tight = autotune._Search(config, 10, "v5p", print, num_params=10**6)
   tight.steps = {compiled[0]: 1.0}
   assert tight.skip_reason(compiled[0]).startswith("pruned: analytic memory")
 
@@ -234,6 +256,13 @@ def test_a_tight_budget_forces_remat_or_stages_and_the_choice_fits():
   # The chosen configuration compiles and fits when built from the returned config.
   check = config_costs.analyze_config(result.config, per_stage=False)
   assert check.largest_device_bytes == result.best.memory_bytes <= budget
+  # Ranked by the report's step time predicted on the chip (v5p), with its MFU.
+  assert result.best.predicted_seconds == check.prediction.seconds > 0
+  assert result.best.predicted_mfu == check.prediction.mfu
+  assert 0 < result.best.predicted_mfu < 1
+  fitting = [t for t in result.trials if t.fits]
+  assert result.best.predicted_seconds == min(t.predicted_seconds for t in fitting)
+  assert f"{result.best.predicted_mfu:.1%}" in autotune.format_result(result)
   assert ((result.config.num_stages, result.config.remat, result.config.schedule)
           == (choice.num_stages, choice.remat, "gpipe"))
   assert "Best: --config.num_stages=" in autotune.format_result(result)

@@ -1,9 +1,10 @@
 r"""Searches stages, micro-batches, schedule, remat and its granularity for the fastest
-configuration that fits in memory.
+configuration that fits in memory: the least step time predicted on a chip, under its HBM.
 
 Usage::
 
   python -m tpipe.train.cli.autotune --config=configs/lm.py --budget_gib=2
+  python -m tpipe.train.cli.autotune --config=configs/lm.py --chip=v5p   # budget: v5p's 95 GiB
   python -m tpipe.train.cli.autotune --config=configs/lm.py:size=tiny --budget_gib=0.002 \
       --microbatches=2,4,8 --remats=none,full --remat_granularities=chunk,layer \
       --schedules=gpipe,1f1b
@@ -28,27 +29,16 @@ the best so far. Ctrl-C stops the search cleanly: the best so far and the comman
 with it are printed. Compiled programs go to JAX's persistent compilation cache
 (``--cache_dir``), and a config already measured in the process is not compiled again.
 
-Cost model (:class:`CostModel`), per device and per step::
-
-  time = executed_flops / flops_per_second
-       + sum over collectives (bytes / bytes_per_second + executions * latency_seconds)
-
-Executed FLOPs count every tick the device runs, bubbles and rematerialisation included, so the
-model charges a bubble (fewer useful ticks per executed tick) and recomputation directly. The
-schedule enters both sides through the compiled program: a fused schedule (1F1B, ...) stashes at
-most its table's peak in flight (``min(S, M)`` stage inputs for 1F1B) instead of GPipe's one per
-forward tick, which the measured memory shows, and runs its table's ticks, each counted at its
-costliest action (the SPMD lockstep), which the FLOPs show. A stage of the tick loop need not
-wait for the slowest stage every tick, only for the neighbours it exchanges sends with, so the
-compute term is the table's neighbour-synchronised time (:mod:`tpipe.schedules.simulate`, a
-model of that constraint): for a fused table (1F1B, ...; GPipe and circular under remat full)
-the table simulated with the compiled program's FLOPs per action, plus its FLOPs outside the
-actions; for a forward schedule differentiated through its tick loop, the executed FLOPs times
-neighbour / lockstep time under the default costs (1 for GPipe and circular, whose ticks are all
-forwards or all backwards). Each trial carries the table's neighbour-synchronised bubble under
-the default costs, comparable across trials. The
-defaults describe one TPU v4 chip (about 275 TFLOP/s bf16 peak, taken at 40% utilisation, and
-45 GB/s per ICI link); only the ratios matter for the ranking.
+The predicted step time is the report's (:func:`tpipe.train.cli.config_costs.predict`): the
+compiled program priced on a chip (``--chip``, v5p by default; :mod:`tpipe.tools.chips`) by
+:mod:`tpipe.tools.step_time`, every instruction at the roofline of the chip's peak FLOP/s and HBM
+bandwidth, every collective at its links' bandwidth and latency, loops counted as often as they
+run; a fused table (1F1B, ...) is followed tick by tick with each action's branch priced
+(:mod:`tpipe.tools.pipeline_time`), so its bubble is the neighbour-synchronised one, and a
+forward table's bubble is its simulated share. Each trial also carries the predicted MFU
+(model FLOPs: 6 x parameters x tokens plus attention, over the chip's peak) and its peak memory.
+The budget is the chip's HBM (``--budget_gib`` to set another), so by default the search picks
+the fastest setting that fits the device.
 
 Pruning, so the search compiles few programs (every skipped or failed candidate appears in the
 result with its reason):
@@ -79,7 +69,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from tpipe import schedules
+from tpipe.experimental import links
 from tpipe.tools import analysis
+from tpipe.tools import chips
 from tpipe.tools import flops as flops_lib
 from tpipe.train.cli import startup
 from tpipe.train.cli.search_space import analytic_memory
@@ -89,6 +81,8 @@ from tpipe.train.cli.search_space import candidates
 from tpipe.train.cli.search_space import GRANULARITY_ORDER
 from tpipe.train.cli.search_space import REMAT_ORDER
 
+# The chip a step time is predicted on unless told otherwise (tpipe.tools.chips).
+DEFAULT_CHIP = "v5p"
 # A candidate is compiled only while its analytic step (see analytic_step) is within this
 # factor of the fastest fitting trial's: a larger bubble or more recomputation than that is
 # not made up by anything the compile measures.
@@ -99,27 +93,6 @@ SAME_MESH_MARGIN = 0.01
 # Seconds one compile is taken to last before any has been measured (this 2-core machine, the
 # LM config: 5 to 30 s).
 PRIOR_COMPILE_SECONDS = 15.0
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-  """A simple per-device step-time model (see the module docstring).
-
-  Attributes:
-    flops_per_second: sustained FLOP/s of one device.
-    bytes_per_second: bytes/s one collective moves per device.
-    latency_seconds: fixed cost of each collective execution.
-  """
-
-  flops_per_second: float = 0.4 * 275e12
-  bytes_per_second: float = 45e9
-  latency_seconds: float = 10e-6
-
-  def step_time(self, flops: float, collectives: Sequence[analysis.Collective]) -> float:
-    """Predicted seconds per step for executed ``flops`` and the step's collectives."""
-    comm = sum(c.total_bytes / self.bytes_per_second + c.count * self.latency_seconds
-               for c in collectives)
-    return flops / self.flops_per_second + comm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,12 +107,14 @@ class Trial:
       :func:`tpipe.tools.flops.step_flops`).
     useful_fraction: useful / lockstep FLOPs, the share of the step's time doing useful work.
     collective_bytes: bytes moved by collectives per device per step.
-    predicted_seconds: the cost model's step time.
+    predicted_seconds: the step time predicted on the chip (see the module docstring).
     compile_seconds: lowering plus compile time.
     fits: whether ``memory_bytes <= budget``.
     simulated_bubble: the schedule table's neighbour-synchronised bubble (see
       :func:`tpipe.tools.flops.simulated_bubble`).
     num_params: the model's parameters (for the analytic memory estimate of later candidates).
+    predicted_mfu: model FLOPs per device per second over the chip's peak at the predicted step
+      time (None where the model's FLOPs are unknown).
   """
 
   candidate: Candidate
@@ -152,6 +127,7 @@ class Trial:
   fits: bool
   simulated_bubble: float = 0.0
   num_params: int = 0
+  predicted_mfu: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +141,7 @@ class TuneResult:
     rejected: ``(candidate, reason)`` for every candidate not chosen.
     budget_bytes: the per-device budget searched against.
     interrupted: whether the search was stopped (Ctrl-C) before it tried every candidate.
+    chip: the chip the step times are predicted on.
   """
 
   best: Trial | None
@@ -173,6 +150,7 @@ class TuneResult:
   rejected: tuple[tuple[Candidate, str], ...]
   budget_bytes: int
   interrupted: bool = False
+  chip: str = DEFAULT_CHIP
 
 
 def _apply(config, candidate: Candidate):
@@ -198,29 +176,28 @@ def _apply(config, candidate: Candidate):
 _TRIALS: dict[tuple[str, int, Any], Trial] = {}
 
 
-def measure(config, candidate: Candidate, budget_bytes: int,
-            cost_model: CostModel = CostModel()) -> Trial:
-  """Compiles ``config`` with ``candidate`` applied and measures it against the budget; a
-  config already compiled in this process is not compiled again."""
+def measure(config, candidate: Candidate, budget_bytes: int, chip: str = DEFAULT_CHIP) -> Trial:
+  """Compiles ``config`` with ``candidate`` applied, measures it against the budget and
+  predicts its step time on ``chip`` (a name of :data:`tpipe.tools.chips.CHIPS`); a config
+  already compiled in this process is not compiled again."""
   from tpipe.train.cli import config_costs  # pylint: disable=g-import-not-at-top
 
   applied = _apply(config, candidate)
-  key = (applied.to_json(), int(budget_bytes), cost_model)
+  key = (applied.to_json(), int(budget_bytes), chip)
   if key in _TRIALS:
     return dataclasses.replace(_TRIALS[key], candidate=candidate)
   # The step's memory, FLOPs and collectives; the per-stage floor is not needed here.
-  rep = config_costs.analyze_config(applied, per_stage=False)
+  rep = config_costs.analyze_config(applied, per_stage=False, network=links.interconnect(chip))
   a = rep.analysis
   memory = rep.largest_device_bytes
-  compute = flops_lib.step_flops(rep.schedule, a.pipeline, a.flops.executed)
   trial = Trial(
       candidate=candidate, memory_bytes=memory, executed_flops=a.flops.executed,
       useful_fraction=a.pipeline.lockstep_efficiency if a.pipeline else 1.0,
       collective_bytes=sum(c.total_bytes for c in a.collectives),
-      predicted_seconds=cost_model.step_time(compute, a.collectives),
+      predicted_seconds=rep.prediction.seconds,
       compile_seconds=rep.lower_seconds + rep.compile_seconds,
       fits=memory <= budget_bytes, simulated_bubble=flops_lib.simulated_bubble(rep.schedule),
-      num_params=rep.num_params)
+      num_params=rep.num_params, predicted_mfu=rep.prediction.mfu)
   _TRIALS[key] = trial
   return trial
 
@@ -231,7 +208,7 @@ class _Search:
 
   config: Any
   budget_bytes: int
-  cost_model: CostModel
+  chip: str
   out: Callable[[str], None]
   trials: list = dataclasses.field(default_factory=list)
   rejected: list = dataclasses.field(default_factory=list)
@@ -333,12 +310,12 @@ def plan_text(num_candidates: int, num_invalid: int, expected: int,
           "candidates do not fit). Ctrl-C stops it and prints the best so far.")
 
 
-def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
+def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None = None,
              stages: Sequence[int] | None = None, microbatches: Sequence[int] | None = None,
              remats: Sequence[str] = REMAT_ORDER,
              granularities: Sequence[str | int] = GRANULARITY_ORDER,
              schedules: Sequence[str] | None = None,
-             cost_model: CostModel = CostModel(),
+             chip: str = DEFAULT_CHIP,
              verbose: bool = False, out: Callable[[str], None] = print,
              config_path: str = "CONFIG") -> TuneResult:
   """Finds the configuration with the least predicted step time that fits ``budget_bytes``.
@@ -347,11 +324,12 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
     config: the base experiment config (``configs/lm.py``); its model and batch are kept;
       stages, data replicas, micro-batches, schedule with its repeats, remat and its
       granularity are searched.
-    budget_bytes: per-device memory budget in bytes (peak of the fullest device).
+    budget_bytes: per-device memory budget in bytes (peak of the fullest device); None: the
+      chip's HBM.
     num_devices: devices to use (default ``config.num_stages * config.num_data``).
     stages, microbatches, remats, granularities, schedules: restrict the search (see
       :func:`candidates`).
-    cost_model: the step-time model.
+    chip: the chip the step time is predicted on (:data:`tpipe.tools.chips.CHIPS`).
     verbose: print the plan first (candidates, an estimate of the time), then each trial as it
       is measured with the time left and the best so far.
     out: where ``verbose`` prints (``print``).
@@ -361,6 +339,10 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
     A :class:`TuneResult`; ``best`` is None when nothing fits. Interrupted (Ctrl-C), the
     result so far, ``interrupted`` set, the candidates not tried rejected as such.
   """
+  chip = chips.chip(chip).name  # Raises for an unknown chip, naming the choices.
+  links.interconnect(chip)  # The report prices TPU links: raises for another chip, naming them.
+  if budget_bytes is None:
+    budget_bytes = int(chips.chip(chip).hbm_bytes)
   if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
     raise TypeError(f"budget_bytes must be a number of bytes, got {budget_bytes!r}.")
   if budget_bytes <= 0:
@@ -368,7 +350,7 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
   num_devices = num_devices or int(config.num_stages) * int(config.num_data)
   valid, invalid = candidates(config, num_devices, stages=stages, microbatches=microbatches,
                               remats=remats, granularities=granularities, schedules=schedules)
-  search = _Search(config, int(budget_bytes), cost_model, out if verbose else (lambda _: None),
+  search = _Search(config, int(budget_bytes), chip, out if verbose else (lambda _: None),
                    config_path=config_path)
   search.rejected.extend(invalid)
   queue, search.steps = ordered(config, valid)
@@ -381,7 +363,7 @@ def autotune(config, budget_bytes: int, *, num_devices: int | None = None,
                               f"predicted vs {best.predicted_seconds * 1e3:.3f} ms"))
   return TuneResult(best=best, config=_apply(config, best.candidate) if best else None,
                     trials=tuple(search.trials), rejected=tuple(search.rejected),
-                    budget_bytes=int(budget_bytes), interrupted=interrupted)
+                    budget_bytes=int(budget_bytes), interrupted=interrupted, chip=chip)
 
 
 def _run(search: _Search, queue: Sequence[Candidate]) -> bool:
@@ -393,7 +375,7 @@ def _run(search: _Search, queue: Sequence[Candidate]) -> bool:
       search.rejected.append((cand, reason))
       continue
     try:
-      trial = measure(search.config, cand, search.budget_bytes, search.cost_model)
+      trial = measure(search.config, cand, search.budget_bytes, search.chip)
     except (ValueError, TypeError) as e:
       search.rejected.append((cand, f"invalid: {e}"))
       continue
@@ -413,11 +395,12 @@ def format_result(result: TuneResult, config_path: str = "CONFIG") -> str:
   """The trials and the choice as markdown (``config_path``: the config's file, for the
   command that runs the choice)."""
   fb = analysis.format_bytes
-  lines = [f"budget per device: {fb(result.budget_bytes)}", "",
+  lines = [f"budget per device: {fb(result.budget_bytes)}; step times predicted on {result.chip}",
+           "",
            "| stages | data | micro-batches | schedule | repeats | remat | granularity | "
            "peak memory | fits | lockstep FLOPs | useful | neighbour-synchronised bubble | "
-           "collective bytes | predicted step | compile s |",
-           "|---:|---:|---:|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "collective bytes | predicted step | predicted MFU | compile s |",
+           "|---:|---:|---:|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
   for t in result.trials:
     c = t.candidate
     mark = " **(chosen)**" if t is result.best else ""
@@ -427,7 +410,9 @@ def format_result(result: TuneResult, config_path: str = "CONFIG") -> str:
         f"{'yes' if t.fits else 'no'} | "
         f"{t.executed_flops:.3g} | {t.useful_fraction:.1%} | {t.simulated_bubble:.1%} | "
         f"{fb(t.collective_bytes)} | "
-        f"{t.predicted_seconds * 1e3:.3f} ms | {t.compile_seconds:.1f} |")
+        f"{t.predicted_seconds * 1e3:.3f} ms | "
+        f"{'-' if t.predicted_mfu is None else f'{t.predicted_mfu:.1%}'} | "
+        f"{t.compile_seconds:.1f} |")
   kinds = {}
   for _, reason in result.rejected:
     kind = reason.split(":")[0] if not reason.startswith("schedule=") else "no table"
@@ -454,7 +439,8 @@ def define_flags() -> None:
   """Defines the command-line flags (only when run as a program, so imports never clash)."""
   config_flags.DEFINE_config_file(
       "config", None, "Experiment config file, e.g. configs/lm.py.", lock_config=False)
-  flags.DEFINE_float("budget_gib", None, "Per-device memory budget in GiB.")
+  flags.DEFINE_float("budget_gib", None, "Per-device memory budget in GiB (default: the HBM of "
+                     "--chip).")
   flags.DEFINE_integer("num_devices", None, "Devices (default: the config's mesh).")
   flags.DEFINE_list("stages", None, "Stage counts to try (default: divisors).")
   flags.DEFINE_list("microbatches", None, "Micro-batch counts to try.")
@@ -493,9 +479,8 @@ def main(argv):
                                  efficiency=f.efficiency)
     print(multislice.format_choice(options))
     return
-  if config is None or f.budget_gib is None:
-    raise app.UsageError("--config and --budget_gib are required (or --config and "
-                         "--dcn_slices).")
+  if config is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/lm.py:size=tiny.")
   num_devices = f.num_devices or startup.num_devices(config)
   config_costs.setup_cpu_devices(num_devices=num_devices)
   if f.cache_dir:
@@ -517,7 +502,8 @@ def main(argv):
 
 def _search_from_flags(f, config, num_devices: int, config_path: str) -> TuneResult:
   return autotune(
-      config, int(f.budget_gib * 2**30), num_devices=num_devices,
+      config, None if f.budget_gib is None else int(f.budget_gib * 2**30),
+      chip=f.chip or DEFAULT_CHIP, num_devices=num_devices,
       stages=[int(s) for s in f.stages] if f.stages else None,
       microbatches=[int(m) for m in f.microbatches] if f.microbatches else None,
       remats=f.remats,
