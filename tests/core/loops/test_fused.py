@@ -264,8 +264,8 @@ def test_under_remat_none_b_differentiates_without_running_the_forward_again(sch
   none, full = found["none"], found["full"]
   backward = "BI" if schedule in tpipe.spec.SPLIT_BACKWARD else "B"
   assert np.all(none[backward] + 0.7 * none["F"] < full[backward]), (none, full)
-  if backward == "BI":
-    assert np.all(none["W"] <= full["W"]), (none, full)
+  if backward == "BI":  # W runs no forward: within a few index operations of remat full's.
+    assert np.all(none["W"] < full["W"] + 0.1 * none["F"]), (none, full)
 
 
 @pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
