@@ -197,6 +197,17 @@ def test_a_mesh_must_have_the_stage_axis_of_num_stages():
 
 
 @unit
+def test_the_microbatch_size_has_one_formula():
+  mesh = tpipe.make_mesh(stages=2, data=2, fsdp=2)
+  spec = tpipe.PipelineSpec(2, 4, mesh=mesh)
+  assert spec.row_shards(mesh) == 4  # data x fsdp: the devices of one stage a batch's rows span.
+  assert spec.row_shards(tpipe.make_mesh(stages=2, tensor=4)) == 1
+  assert spec.microbatch_size(64, spec.row_shards(mesh)) == 4  # 64 rows / 4 shards / M = 4.
+  assert spec.microbatch_size(64) == 16  # One device's batch: split into M only.
+  assert spec.microbatch_size(2) == 1  # Planning traces a smaller batch with one example.
+
+
+@unit
 def test_make_builds_or_updates_a_spec_and_names_the_api():
   spec = tpipe.PipelineSpec(2, 4)
   assert spec_lib.make("tpipe.X", spec) is spec

@@ -202,6 +202,17 @@ class PipelineSpec:
     """Data-parallel replicas on ``mesh`` (1 without a data axis)."""
     return int(dict(mesh.shape).get(self.data_axis, 1))
 
+  def row_shards(self, mesh) -> int:
+    """The devices of one stage a batch's rows are split over: ``mesh``'s data x fsdp
+    devices."""
+    return self.data_size(mesh) * int(dict(mesh.shape).get(mesh_lib.FSDP_AXIS, 1))
+
+  def microbatch_size(self, batch: int, row_shards: int = 1) -> int:
+    """Examples in one micro-batch on one device: ``batch`` split over ``row_shards`` devices
+    (:meth:`row_shards`; 1 for a batch one device holds) and then into ``num_microbatches``;
+    at least 1, the one example planning traces a smaller batch with."""
+    return max(1, batch // (self.num_microbatches * row_shards))
+
 
 def field_names() -> tuple[str, ...]:
   """The settings a :class:`PipelineSpec` holds, in order."""

@@ -136,11 +136,11 @@ class PlannedPipeline:
     kwargs = dict(kwargs or {})
     layers_lib.check_keywords(self.layers, kwargs, self.owner)
     batch = layers_lib.batch_size(x, self.owner)
-    parts = self.spec.num_microbatches * axes.replicas
+    parts = self.spec.num_microbatches * axes.row_shards
     if batch % parts:
       raise ValueError(
           f"{self.owner}: batch size {batch} is not divisible by num_microbatches * row shards "
-          f"(data x fsdp devices) = {self.spec.num_microbatches} * {axes.replicas} = {parts}; "
+          f"(data x fsdp devices) = {self.spec.num_microbatches} * {axes.row_shards} = {parts}; "
           f"use a batch that is a multiple of {parts} or change num_microbatches.")
     return arguments.split_keywords(kwargs, per_example=self.spec.per_example,
                                     batch_size=batch, owner=self.owner)
@@ -181,7 +181,7 @@ class PlannedPipeline:
     momenta = self._momenta(x, split, rngs)
     if not momenta:
       return outputs, None
-    count = self.spec.num_microbatches * axes.replicas
+    count = self.spec.num_microbatches * axes.row_shards
     layout = self.stats_layout
     pooled = staging.to_logical(layout, jax.tree.map(lambda a: a / count, sums))
     new = statistics.update(staging.to_logical(layout, stats), pooled, momenta)
@@ -244,7 +244,7 @@ class PlannedPipeline:
     (its keywords decide): the layers traced abstractly on one micro-batch like it
     (:func:`tpipe.core.planning.plan.trace_inputs`)."""
     batch = layers_lib.batch_size(x, self.owner)
-    x_micro, side = micro_inputs(x, split, batch, self.spec.num_microbatches)
+    x_micro, side = micro_inputs(x, split, batch, self.spec)
     calls = plan_lib.Calls(split, side, tuple(rngs), self.owner,
                            (self.spec.data_axis, self.spec.stage_axis))
     return plan_lib.trace_inputs(self.layers, self.layout.logical, self.stats_layout.logical,
@@ -330,7 +330,7 @@ class PlannedPipeline:
     batch = layers_lib.batch_size(x, self.owner)
     split = arguments.split_keywords(dict(kwargs or {}), per_example=self.spec.per_example,
                                      batch_size=batch, owner=self.owner)
-    _, side = micro_inputs(x, split, batch, self.spec.num_microbatches)
+    _, side = micro_inputs(x, split, batch, self.spec)
     local = self.layout.chunk_shapes(chunk)
     trees = jax.eval_shape(lambda local: layout_pack.chunk_trees(self.layout, local, chunk), local)
     rngs = {name: jax.random.key(0) for name in rng_names}
@@ -383,10 +383,11 @@ def _not_differentiable(fn, message: str):
   return run
 
 
-def micro_inputs(x, split, batch: int, num_microbatches: int):
-  """Abstract ``(x, (broadcast, per_example))`` of one planning micro-batch: ``batch / M`` rows
-  (one replica's micro-batch when ``x`` is one replica's batch)."""
-  rows = max(1, batch // num_microbatches)
+def micro_inputs(x, split, batch: int, spec: spec_lib.PipelineSpec):
+  """Abstract ``(x, (broadcast, per_example))`` of one planning micro-batch:
+  ``spec.microbatch_size(batch)`` rows (one replica's micro-batch when ``x`` is one replica's
+  batch)."""
+  rows = spec.microbatch_size(batch)
   row = lambda a: jax.ShapeDtypeStruct((rows,) + tuple(np.shape(a)[1:]), a.dtype)
   side = (layers_lib.abstract(split.broadcast), tuple(row(a) for a in split.per_example))
   return jax.tree.map(row, x), side
@@ -424,7 +425,7 @@ def build(layers: Sequence[layers_lib.Layer], spec: spec_lib.PipelineSpec, *, pa
   batch = layers_lib.batch_size(x, owner)
   split = arguments.split_keywords(kwargs, per_example=spec.per_example, batch_size=batch,
                                    owner=owner)
-  x_micro, side = micro_inputs(x, split, batch, spec.num_microbatches)
+  x_micro, side = micro_inputs(x, split, batch, spec)
   stats_shapes = {f"layers_{i}": stats_shapes.get(f"layers_{i}", {}) for i in range(len(layers))}
   calls = plan_lib.Calls(split, side, tuple(rng_names), owner,
                          (spec.data_axis, spec.stage_axis))

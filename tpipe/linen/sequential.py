@@ -356,8 +356,7 @@ class LinenLayers:
     ``nn.scan`` does."""
     spec, owner = self.spec, self.owner
     batch = layers_lib.batch_size(x, owner)
-    replicas = spec.data_size(spec.run_mesh(owner))
-    micro = max(1, batch // (spec.num_microbatches * replicas))
+    micro = spec.microbatch_size(batch, spec.row_shards(spec.run_mesh(owner)))
     split = arguments.split_keywords(kwargs, per_example=spec.per_example, batch_size=batch,
                                      owner=owner)
     side = (split.broadcast, tuple(a[:micro] for a in split.per_example))
@@ -416,7 +415,7 @@ def variable_shapes(given, layers, spec, x, kwargs, rng_names,
   batch = layers_lib.batch_size(x, owner)
   split = arguments.split_keywords(dict(kwargs), per_example=spec.per_example,
                                    batch_size=batch, owner=owner)
-  h, side = engine.micro_inputs(x, split, batch, spec.num_microbatches)
+  h, side = engine.micro_inputs(x, split, batch, spec)
   axis_names = (spec.data_axis, spec.stage_axis)
   params, stats, names = {}, {}, {}
   for i, (module, layer) in enumerate(zip(given, layers)):

@@ -158,8 +158,7 @@ class _Stack:
                        rngs=rngs, store_stats=store)
 
   def _micro(self, x, mesh) -> int:
-    parts = self.spec.num_microbatches * self.spec.data_size(mesh)
-    return max(1, layers_lib.batch_size(x, OWNER) // parts)
+    return self.spec.microbatch_size(layers_lib.batch_size(x, OWNER), self.spec.row_shards(mesh))
 
   def init_blocks(self, module, template, x, kwargs, rngs, mesh):
     """Creates the stack's variables: layer ``l`` from key ``l`` of

@@ -75,7 +75,7 @@ def test_axes_of_a_mesh():
   axes = spmd.Axes.of(mesh, "stage", "data")
   assert (axes.stage, axes.data, axes.fsdp) == ("stage", "data", "fsdp")
   assert axes.rows == ("data", "fsdp") and axes.manual == ("data", "fsdp", "stage")
-  assert axes.auto == () and axes.replicas == 4 and axes.num_stages == 2
+  assert axes.auto == () and axes.row_shards == 4 and axes.num_stages == 2
   assert axes.staged_spec == P(None, "stage")
   # 16 rows split over 4 row shards and 2 stages; 12 rows cannot split over the stages too.
   assert axes.splits_over_stages(16) and not axes.splits_over_stages(12)
@@ -90,7 +90,7 @@ def test_axes_leave_size_one_axes_out_and_tensor_to_the_partitioner():
   axes = spmd.Axes.of(mesh, "stage", "data")
   assert axes.data is None and axes.fsdp is None  # Size 1: treated as absent.
   assert axes.rows == () and axes.manual == ("stage",) and axes.auto == ("tensor",)
-  assert axes.replicas == 1 and axes.io_spec(8) == P("stage")
+  assert axes.row_shards == 1 and axes.io_spec(8) == P("stage")
   assert spmd.Axes.of(tpipe.make_mesh(stages=1), "stage", "data").io_spec(8) == P()
 
 

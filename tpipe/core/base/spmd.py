@@ -108,7 +108,7 @@ class Axes:
     """Whether a pipeline's inputs and outputs of ``global_batch`` rows are split over the
     stages too: each row shard's batch divides evenly among them."""
     stages = self.num_stages
-    return stages > 1 and global_batch % (self.replicas * stages) == 0
+    return stages > 1 and global_batch % (self.row_shards * stages) == 0
 
   def io_spec(self, global_batch: int) -> P:
     """A pipeline input's or output's spec: rows over the row axes and, where
@@ -144,7 +144,7 @@ class Axes:
     return P(None, self.stage)
 
   @property
-  def replicas(self) -> int:
+  def row_shards(self) -> int:
     """How many devices of one stage split a batch's rows (data x fsdp)."""
     shape = dict(self.mesh.shape)
     return int(np.prod([shape[a] for a in self.rows], dtype=np.int64))

@@ -80,8 +80,8 @@ class Device:
     self.staged_leaves = floats_lib.float_leaves(staged)
     staged = view_lib.device_view(staged)  # [C, ...]; packed parameters [C, 1, n]
     m = schedule.num_microbatches
-    self.local_batch = call.global_batch // axes.replicas  # The row shard's batch.
-    self.rows = self.local_batch // m
+    self.local_batch = call.global_batch // axes.row_shards  # The row shard's batch.
+    self.microbatch_size = run.chunkset.spec.microbatch_size(self.local_batch)
     if call.conveyor is not None:  # The inputs reach stage 0 one micro-batch per tick.
       per_example = axes.gather_stages(per_example)
     elif call.over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
@@ -98,12 +98,13 @@ class Device:
     else:
       self.x_mb = spmd.split_microbatches(self.x, m)
     # One micro-batch's inputs, as a branch sees them (for shapes).
-    self.x_example = jax.tree.map(lambda a: jnp.zeros((self.rows,) + a.shape[1:], a.dtype),
-                                  self.x)
+    self.x_example = jax.tree.map(
+        lambda a: jnp.zeros((self.microbatch_size,) + a.shape[1:], a.dtype), self.x)
     self.pex_mb = spmd.split_microbatches(self.per_example, m)
-    self.seed = jnp.full((self.rows,), 1.0 / (self.local_batch * axes.replicas))
-    self.ring_zero = ring_lib.zeros_with_rows(run.chunkset.ring.example, self.rows)
-    self.output_zero = ring_lib.zeros_with_rows(run.chunkset.output_example, self.rows)
+    self.seed = jnp.full((self.microbatch_size,), 1.0 / (self.local_batch * axes.row_shards))
+    self.ring_zero = ring_lib.zeros_with_rows(run.chunkset.ring.example, self.microbatch_size)
+    self.output_zero = ring_lib.zeros_with_rows(run.chunkset.output_example,
+                                                self.microbatch_size)
 
   def fresh(self, microbatch, conveyed, lane: int):
     """Micro-batch ``microbatch``'s inputs where lane ``lane`` of this tick reads them: from the

@@ -156,7 +156,7 @@ class _Loop:
     """The loop's carry before the first tick. The buffers are made under named scopes so a
     memory breakdown (:mod:`tpipe.tools.peak`) can tell what each one is."""
     axes, chunkset = self.axes, self.chunkset
-    rows = self.global_batch // (axes.replicas * self.num_microbatches)
+    rows = chunkset.spec.microbatch_size(self.global_batch, axes.row_shards)
     with jax.named_scope(spmd.MAILBOX_SCOPE):
       ring_zero = ring_lib.zeros_with_rows(chunkset.ring.example, rows)
       carry = {"incoming": axes.vary(ring_zero)}

@@ -151,13 +151,13 @@ class Call(NamedTuple):
     global_batch: the batch size of the call.
     over_stages: whether the batch's rows are split over the stages.
     conveyor: the inputs' conveyor to stage 0 (:mod:`tpipe.core.loops.streaming`), or None.
-    rows: the tick scan's rows (the table's, with the conveyor's).
+    ticks: what the tick scan reads, one row per tick (the table's, with the conveyor's).
   """
 
   global_batch: int
   over_stages: bool
   conveyor: Any
-  rows: dict
+  ticks: dict
 
 
 class _Run:
@@ -250,7 +250,7 @@ class _Run:
         out["conveyor"] = conveyor
       return out, None
 
-    carry, _ = lax.scan(tick, carry, call.rows)
+    carry, _ = lax.scan(tick, carry, call.ticks)
     return self._reduce(device, call, carry["state"])
 
   def _initial_state(self, device: branches_lib.Device, collect: bool):
@@ -291,7 +291,7 @@ class _Run:
       outputs = spmd.join_microbatches(state["outputs"])
       return (axes.scatter_stages(outputs) if call.over_stages
               else lax.psum(outputs, axes.stage))
-    loss = lax.psum(state["loss"], axes.manual) / (device.local_batch * axes.replicas)
+    loss = lax.psum(state["loss"], axes.manual) / (device.local_batch * axes.row_shards)
     g_params = state["params"]
     g_broadcast = lax.psum(state["broadcast"], axes.manual)
 
@@ -317,8 +317,8 @@ class _Run:
     # W reading the stashed input again keeps the inputs on the conveyor until then.
     conveyor = streaming.plan(self.schedule, self.axes, global_batch,
                               self.chunkset.spec.stream_inputs, self.plan.w_recomputes)
-    rows = self.rows_table if conveyor is None else dict(self.rows_table, **conveyor.row())
-    return Call(global_batch, self.axes.splits_over_stages(global_batch), conveyor, rows)
+    ticks = self.rows_table if conveyor is None else dict(self.rows_table, **conveyor.row())
+    return Call(global_batch, self.axes.splits_over_stages(global_batch), conveyor, ticks)
 
   def __call__(self, staged, x, broadcast, per_example, rngs):
     axes = self.axes
