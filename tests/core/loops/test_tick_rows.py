@@ -57,6 +57,22 @@ def test_tick_branches_of_zb_h1():
   np.testing.assert_array_equal(branch.T, [[1, 1, 0, 5, 7, 5, 7], [0, 2, 6, 2, 6, 8, 8]])
 
 
+def test_branch_numbers_decode_to_each_entrys_action_and_program():
+  table = _zb_h1()
+  numbers = tick_rows.BranchNumbers(num_programs=2)
+  assert numbers.size == 9  # Idle, then 4 actions x 2 programs.
+  branch, chunk = tick_rows.tick_branches(table, TWO_PROGRAMS)
+  for (r, s), number in np.ndenumerate(branch):
+    if table.action[r, s] < 0:
+      assert number == tick_rows.IDLE and numbers.decode(number) is None
+      assert numbers.is_forward_or_idle(number)
+    else:
+      assert numbers.decode(number) == (table.action[r, s], TWO_PROGRAMS[chunk[r, s]])
+      assert numbers.is_forward_or_idle(number) == (table.action[r, s] == schedules.Action.F)
+  assert sorted({numbers.number(a, p) for a in schedules.Action for p in (0, 1)}) == list(
+      range(1, numbers.size))  # Every number once.
+
+
 def test_lane_switches_hold_idle_and_the_branches_run():
   assert tick_rows.lane_switches(_one_f_one_b(), TWO_PROGRAMS) == [(0, 1, 2, 3, 4)]
   assert tick_rows.lane_switches(_one_f_one_b(), ONE_PROGRAM) == [(0, 1, 2)]

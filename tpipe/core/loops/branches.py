@@ -39,6 +39,7 @@ from tpipe.core.base import float_leaves as floats_lib
 from tpipe.core.base import packing
 from tpipe.core.base import spmd
 from tpipe.core.layout import device_view as view_lib
+from tpipe.core.loops import tick_rows
 from tpipe.core.planning import backward_plan
 from tpipe.core.programs import chunks as chunks_lib
 from tpipe.core.programs import residuals as residuals_lib
@@ -204,6 +205,7 @@ class Branches:
     # forward twice for the same peak. Other policies decide what the tick keeps.
     inner = None if policy is chunks_lib.FULL else policy
     count = chunkset.num_branches
+    self.numbers = tick_rows.BranchNumbers(count)
     self.programs = [chunkset.branch(b, inner) for b in range(count)]
     self.backward_into = ([unit_backward.backward_into(chunkset, b, plan) for b in range(count)]
                           if plan.by_units else [])
@@ -214,12 +216,13 @@ class Branches:
   # Choosing a branch.
 
   def branch(self, number: int, device: Device, slots: Slots, collect: bool):
-    """Branch ``number`` (:func:`tpipe.core.loops.tick_rows.tick_branches`' numbering: idle, then
-    ``action * count + program``); ``collect``: a forward-only table."""
-    if number == 0:
+    """Branch ``number`` (:class:`tpipe.core.loops.tick_rows.BranchNumbers`); ``collect``: a
+    forward-only table."""
+    decoded = self.numbers.decode(number)
+    if decoded is None:
       return lambda state, slots_, at, step: (state, as_is(slots_, at),
                                               device.run.axes.vary(device.ring_zero))
-    action, b = divmod(number - 1, self.chunkset.num_branches)
+    action, b = decoded
     plan = self.plan
     if action == Action.F:
       keeps = plan.keeps_residuals and not collect
@@ -243,7 +246,7 @@ class Branches:
     no gradient sum, only the loss (or a forward-only table's outputs). The others (``B``,
     ``BI``, ``W``) each run in a conditional of their own
     (:func:`tpipe.core.loops.tick_rows.lane_groups`)."""
-    return number == 0 or (number - 1) // self.chunkset.num_branches == Action.F
+    return self.numbers.is_forward_or_idle(number)
 
   # ------------------------------------------------------------------------------------------
   # F.

@@ -8,11 +8,49 @@ sends; per tick, where arriving messages go. :mod:`tpipe.core.loops.fused` runs 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from tpipe import schedules
 
 Action = schedules.Action
+# The branch number of an idle entry (every lane's switch holds it).
+IDLE = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchNumbers:
+  """How a tick's ``lax.switch`` branches are numbered for ``num_programs`` chunk programs:
+  :data:`IDLE`, then one number per action (``F``, ``B``, ``BI``, ``W``) and program,
+  ``1 + action * num_programs + program``. :func:`tick_branches` makes them, the fused loop's
+  branches (:mod:`tpipe.core.loops.branches`) and the FLOP reader (:mod:`tpipe.tools.flops`)
+  read them.
+
+    >>> numbers = BranchNumbers(num_programs=2)
+    >>> numbers.number(Action.B, 1), numbers.decode(4), numbers.decode(IDLE)
+    (4, (1, 1), None)
+  """
+
+  num_programs: int
+
+  @property
+  def size(self) -> int:
+    """How many numbers there are, :data:`IDLE` included."""
+    return 1 + len(Action) * self.num_programs
+
+  def number(self, action, program):
+    """The number of ``action`` of chunk program ``program`` (NumPy arrays too)."""
+    return 1 + action * self.num_programs + program
+
+  def decode(self, number: int) -> tuple[int, int] | None:
+    """``(action, program)`` of ``number``, or None for :data:`IDLE`."""
+    return None if number == IDLE else divmod(int(number) - 1, self.num_programs)
+
+  def is_forward_or_idle(self, number: int) -> bool:
+    """Whether ``number`` is :data:`IDLE` or an ``F``: a step that writes no gradient sum."""
+    decoded = self.decode(number)
+    return decoded is None or decoded[0] == Action.F
 
 
 def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
@@ -37,20 +75,20 @@ def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
 
 def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarray, np.ndarray]:
   """``([R, S] branch, [R, S] model chunk)``: the ``lax.switch`` branch of every table entry
-  (0 idle, ``1 + a * B + b`` for action ``a`` (``F``, ``B``, ``BI``, ``W``) of chunk program
-  ``b``, ``programs[v]`` being model chunk ``v``'s and ``B`` their number) and its model chunk."""
+  (its :class:`BranchNumbers` number, ``programs[v]`` being model chunk ``v``'s program) and
+  its model chunk."""
   vstage = schedule.virtual_stage
   v = vstage[np.arange(schedule.num_stages)[None, :], np.maximum(schedule.chunk, 0)]
   program = np.asarray(programs, np.int64)[v]
-  count = int(max(programs)) + 1
+  numbers = BranchNumbers(int(max(programs)) + 1)
   branch = np.where(schedule.action >= 0,
-                    1 + schedule.action.astype(np.int64) * count + program, 0)
+                    numbers.number(schedule.action.astype(np.int64), program), IDLE)
   return branch.astype(np.int32), v.astype(np.int32)
 
 
 def lane_switches(schedule: schedules.FusedSchedule, programs) -> list[tuple[int, ...]]:
   """Per lane (:func:`by_lanes`), the :func:`tick_branches` numbers its ``lax.switch`` holds,
-  ascending: idle (0) and the branches the table runs in that lane, on any tick and stage. A
+  ascending: :data:`IDLE` and the branches the table runs in that lane, on any tick and stage. A
   branch no entry of the lane runs is left out of its switch (a split backward's table never
   runs ``B``; a compound tick's lanes each run a few kinds), so the program compiles only what
   the table runs."""
@@ -74,7 +112,7 @@ def lane_groups(writes_sums) -> tuple[list[int], list[int]]:
 
 def _switches(branch: np.ndarray) -> list[tuple[int, ...]]:
   """:func:`lane_switches` of the ``[T, L, S]`` branch numbers :func:`by_lanes` gives."""
-  return [tuple(int(b) for b in np.union1d([0], branch[:, lane]))
+  return [tuple(int(b) for b in np.union1d([IDLE], branch[:, lane]))
           for lane in range(branch.shape[1])]
 
 
