@@ -450,12 +450,11 @@ def lane_layout(schedule, programs, conditionals):
 
 
 def branch_costs(schedule, programs, conditionals, layout, cost) -> tuple[np.ndarray, float]:
-  """Each branch number's cost (:func:`tpipe.core.loops.tick_rows.tick_branches`), ``cost(branch
+  """Each branch number's cost (:class:`tpipe.core.loops.tick_rows.BranchNumbers`), ``cost(branch
   computation name)`` less its lane's idle branch (for a conditional run apart, less its other
   branch, which passes the sums through); NaN for a branch no lane holds. And the busiest tick's
   cost above the idle branches: what a conditional's costliest branch adds on every trip."""
-  count = max(programs) + 1
-  action_cost, busiest = np.full(1 + 4 * count, np.nan), 0.0
+  action_cost, busiest = np.full(tick_rows.BranchNumbers(max(programs) + 1).size, np.nan), 0.0
   conditionals = iter(conditionals)
   for numbers, (together, apart) in zip(tick_rows.lane_switches(schedule, programs), layout):
     if len(together) > 1:
@@ -499,7 +498,6 @@ def fused_flops(compiled, schedule, programs=None,
   loops = [loop for loop in module.loops() if loop.trip_count == schedule.num_ticks]
   num_virtual = schedule.num_stages * schedule.num_chunks
   programs = list(range(num_virtual)) if programs is None else list(programs)
-  count = max(programs) + 1
   found = None
   for loop in loops:
     conditionals = tick_conditionals(module, loop.body)
@@ -515,7 +513,8 @@ def fused_flops(compiled, schedule, programs=None,
   kinds = ("F", "B", "BI", "W")
   action_cost, busiest = branch_costs(schedule, programs, conditionals, layout,
                                       lambda name: counter.computation(name)[0])
-  actions = {kind: action_cost[1 + k * count + np.asarray(programs)]
+  numbers = tick_rows.BranchNumbers(max(programs) + 1)
+  actions = {kind: action_cost[numbers.number(k, np.asarray(programs))]
              for k, kind in enumerate(kinds)}
   table, _ = tick_rows.tick_branches(schedule, programs)
   action_flops = np.where(table > 0, action_cost[table], 0.0)  # Per row.
