@@ -45,13 +45,7 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Defines the command line's flags (called when run as a program)."""
-  flags.DEFINE_string(
-      "workdir", None,
-      "A tpipe run's workdir (its latest checkpoint, or --step's).")
-  flags.DEFINE_string(
-      "init_from", None,
-      "A Hugging Face checkpoint directory (config.json and *.safetensors) instead of --workdir.")
-  flags.DEFINE_integer("step", None, "The workdir's checkpoint to evaluate.")
+  loading.define_source_flags("evaluate")
   flags.DEFINE_string(
       "data", None,
       "The documents: a path or glob of text, JSONL, Parquet or ArrayRecord files (several "

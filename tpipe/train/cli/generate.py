@@ -111,13 +111,7 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
   """Defines the command line's flags (called when run as a program)."""
-  flags.DEFINE_string(
-      "workdir", None,
-      "A tpipe run's workdir (its latest checkpoint, or --step's).")
-  flags.DEFINE_string(
-      "init_from", None,
-      "A Hugging Face checkpoint directory instead of --workdir.")
-  flags.DEFINE_integer("step", None, "The workdir's checkpoint to use.")
+  loading.define_source_flags("use")
   flags.DEFINE_string(
       "tokenizer", "",
       "A tokenizer.json, SentencePiece .model or 'bytes' (default: the run's).")

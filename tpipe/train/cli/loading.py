@@ -41,6 +41,19 @@ class LoadedModel:
   source: str
 
 
+def define_source_flags(use: str) -> None:
+  """Defines the flags that say which model :func:`load` reads: ``--workdir`` (a tpipe run's, its
+  latest checkpoint or ``--step``'s) or ``--init_from`` (a Hugging Face checkpoint); ``use``
+  says what the program does with the checkpoint (``"evaluate"``)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  flags.DEFINE_string("workdir", None,
+                      "A tpipe run's workdir (its latest checkpoint, or --step's).")
+  flags.DEFINE_string("init_from", None, "A Hugging Face checkpoint directory (config.json and "
+                      "*.safetensors) instead of --workdir.")
+  flags.DEFINE_integer("step", None, f"The workdir's checkpoint to {use}.")
+
+
 def _checkpoint_steps(workdir: pathlib.Path) -> list[int]:
   directory = workdir / "checkpoints"
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) \
