@@ -20,15 +20,15 @@ cd "$(dirname "$0")/.."
 # index order: the GPipe tables, the pipeline itself, schedules, memory, scale, multislice.
 SCRIPTS=(
   table1_max_depth table2_schedule_efficiency remat scaling core_benchmark
-  engine_comparison compile_times fused_schedules compound_memory search_robustness
-  gpu_action_costs weight_placement remat_granularity_grad sequential_memory tpu_memory
+  engine_comparison compile_times fused_schedules compound_memory compound_profiles
+  search_robustness gpu_action_costs weight_placement remat_granularity_grad sequential_memory tpu_memory
   tpu_gradient_sums
   scale_3d memory_at_scale checkpoint_memory multislice multislice_moments streamed_inputs
-  digits_baseline moe_memory step_time
+  digits_baseline moe_memory step_time flash_attention
 )
 # The ones that compile for a TPU topology with libtpu.
 TPU=" tpu_memory tpu_gradient_sums scale_3d memory_at_scale checkpoint_memory streamed_inputs "
-TPU+="multislice_moments moe_memory step_time "
+TPU+="multislice_moments moe_memory step_time flash_attention "
 
 flags=()
 names=()
