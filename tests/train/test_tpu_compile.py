@@ -106,7 +106,8 @@ def _tick_body_order(text: str, ops=("send", "recv", "send-done", "recv-done")) 
 def _tpu_1f1b_program(mesh, delay, microbatches=4) -> str:
   """The compiled TPU program of 1F1B's loss gradient on ``mesh`` (4 stages)."""
   layers, x, targets, _ = linen_models.loss_model("blocks")
-  # One action per tick: a compound table gathers the inputs instead of streaming them.
+  # One action per tick, so each tick has one action conditional for the sends to be ordered
+  # around (a compound tick runs several, one per lane).
   model = tpipe.Sequential(layers, num_stages=4, num_microbatches=microbatches, schedule="1f1b",
                            per_example=("targets",), mesh=mesh, transfer_delay=delay,
                            tick_costs="plain")
