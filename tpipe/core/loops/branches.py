@@ -65,16 +65,19 @@ def as_is(slots: dict, at: dict) -> dict:
 
 
 class Device:
-  """One device's view of a fused run (:class:`tpipe.core.loops.fused` ``_Run``): its inputs, seeds
-  and
-  zeros, as the branches read them."""
+  """One device's view of a fused run: its inputs, seeds and zeros, as the branches read them.
 
-  def __init__(self, run, call, inputs: tuple):
-    """``run``: the fused run (its axes, schedule and chunk programs); ``call``: what the call
-    fixes (``fused.Call``: global batch, inputs' conveyor); ``inputs``: this device's
-    ``(staged, x, broadcast, per_example, rngs)``."""
+  Attributes (besides the inputs): ``axes`` (:class:`~tpipe.core.base.spmd.Axes`), ``schedule``
+  (the fused table), ``microbatch_size`` (this device's rows per micro-batch), ``local_batch``
+  (its row shard's batch), ``stage`` and ``data_index`` (where it sits on the mesh).
+  """
+
+  def __init__(self, axes: spmd.Axes, schedule: schedules.FusedSchedule,
+               chunkset: chunks_lib.ChunkSet, call, inputs: tuple):
+    """``call``: what the call fixes (``fused.Call``: global batch, inputs' conveyor);
+    ``inputs``: this device's ``(staged, x, broadcast, per_example, rngs)``."""
     staged, x, broadcast, per_example, rngs = inputs
-    self.run, axes, schedule = run, run.axes, run.schedule
+    self.axes, self.schedule = axes, schedule
     self.conveyor = call.conveyor
     self.num_virtual = schedule.num_stages * schedule.num_chunks
     # [C, 1, ...]: where the view drops the stage axis.
@@ -82,7 +85,7 @@ class Device:
     staged = view_lib.device_view(staged)  # [C, ...]; packed parameters [C, 1, n]
     m = schedule.num_microbatches
     self.local_batch = call.global_batch // axes.row_shards  # The row shard's batch.
-    self.microbatch_size = run.chunkset.spec.microbatch_size(self.local_batch)
+    self.microbatch_size = chunkset.spec.microbatch_size(self.local_batch)
     if call.conveyor is not None:  # The inputs reach stage 0 one micro-batch per tick.
       per_example = axes.gather_stages(per_example)
     elif call.over_stages:  # Each stage holds part of the batch: the row shard's whole, once.
@@ -103,8 +106,8 @@ class Device:
         lambda a: jnp.zeros((self.microbatch_size,) + a.shape[1:], a.dtype), self.x)
     self.pex_mb = spmd.split_microbatches(self.per_example, m)
     self.seed = jnp.full((self.microbatch_size,), 1.0 / (self.local_batch * axes.row_shards))
-    self.ring_zero = ring_lib.zeros_with_rows(run.chunkset.ring.example, self.microbatch_size)
-    self.output_zero = ring_lib.zeros_with_rows(run.chunkset.output_example,
+    self.ring_zero = ring_lib.zeros_with_rows(chunkset.ring.example, self.microbatch_size)
+    self.output_zero = ring_lib.zeros_with_rows(chunkset.output_example,
                                                 self.microbatch_size)
 
   def fresh(self, microbatch, conveyed, lane: int):
@@ -115,14 +118,14 @@ class Device:
     if self.conveyor is None:
       return spmd.read_slot(self.x_mb, microbatch)
     value = self.conveyor.value_for(conveyed, lane)
-    return self.run.axes.vary(self.x_example) if value is None else value
+    return self.axes.vary(self.x_example) if value is None else value
 
   def inputs(self, mb, msg, fresh):
     """A chunk program's arguments after the parameters, for micro-batch ``mb``, the input
     message ``msg`` and the inputs ``fresh``: ``(fresh, incoming, broadcast, per_example, rngs,
     global micro-batch)``."""
     return (fresh, msg, self.broadcast, spmd.read_slot(self.pex_mb, mb),
-            self.rngs, self.data_index * self.run.schedule.num_microbatches + mb)
+            self.rngs, self.data_index * self.schedule.num_microbatches + mb)
 
   def is_last(self, chunk):
     return chunk == self.num_virtual - 1
@@ -131,7 +134,7 @@ class Device:
     """The output cotangent of a chunk: the loss seed for the last model chunk, the gradient
     from the next chunk for the others (the outputs vary over every manual axis)."""
     last = self.is_last(chunk)
-    vary = self.run.axes.vary
+    vary = self.axes.vary
     ring = [jnp.where(last, jnp.zeros_like(a), vary(g.astype(a.dtype)))
             for g, a in zip(floats_lib.float_leaves(msg), ring_out)]
     seed = jnp.where(last, vary(self.seed.astype(losses.dtype)), jnp.zeros_like(losses))
@@ -139,8 +142,8 @@ class Device:
 
   def send_of(self, stashed, g_in):
     g_in = floats_lib.with_float_leaves(stashed, g_in)
-    return self.run.axes.vary(jax.tree.map(lambda g, z: g if floats_lib.is_float(z) else z, g_in,
-                                           self.ring_zero))
+    return self.axes.vary(jax.tree.map(lambda g, z: g if floats_lib.is_float(z) else z, g_in,
+                                       self.ring_zero))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +224,7 @@ class Branches:
     decoded = self.numbers.decode(number)
     if decoded is None:
       return lambda state, slots_, at, step: (state, as_is(slots_, at),
-                                              device.run.axes.vary(device.ring_zero))
+                                              device.axes.vary(device.ring_zero))
     action, b = decoded
     plan = self.plan
     if action == Action.F:
@@ -258,7 +261,7 @@ class Branches:
       msg, stashed, fresh, mb, chunk = step
       to_next, output = self.programs[b](device.staged, *device.inputs(mb, msg, fresh), chunk)
       return _finish_forward(device, state, mb, chunk, output, collect), as_is(slots, at), \
-          device.run.axes.vary(to_next)
+          device.axes.vary(to_next)
 
     return branch
 
@@ -272,11 +275,11 @@ class Branches:
       (_, output), vjp, (records, to_next), _ = self._vjp(b, device, slots, step, msg,
                                                           tapped=self.plan.split)
       kept = residuals_lib.kept(slots.residual_plans[b], vjp)
-      written["residuals"] = device.run.axes.vary(packing.pack(
+      written["residuals"] = device.axes.vary(packing.pack(
           (kept, records) if self.plan.split else kept, slots.residual_layouts[b],
           slots.residual_sizes))
       return _finish_forward(device, state, mb, chunk, output, collect), written, \
-          device.run.axes.vary(to_next)
+          device.axes.vary(to_next)
 
     return branch
 
@@ -323,7 +326,7 @@ class Branches:
       state = _file_grads(state, g_params, (g_fresh, g_broadcast, g_pex), mb)
       output_grads = floats_lib.with_float_leaves(diff[-1], g_taps)
       filed = (records, output_grads) if self.plan.bi_files_operands else output_grads
-      written["weights"] = device.run.axes.vary(packing.pack(
+      written["weights"] = device.axes.vary(packing.pack(
           filed, slots.weight_layouts[b], slots.weight_sizes))
       return state, written, device.send_of(stashed, g_in)
 
@@ -341,7 +344,7 @@ class Branches:
       grads = list(vjp(device.cotangent(chunk, msg, ring_out, losses)))
       g_fresh, g_in, g_broadcast, g_pex, _ = _split_grads(grads, diff[1:])
       state = _file_grads(state, None, (g_fresh, g_broadcast, g_pex), mb)
-      written["weights"] = device.run.axes.vary(packing.pack(
+      written["weights"] = device.axes.vary(packing.pack(
           floats_lib.float_leaves(msg), slots.weight_layouts[b], slots.weight_sizes))
       return state, written, device.send_of(stashed, g_in)
 
@@ -392,7 +395,7 @@ class Branches:
       grads = weights(device.staged, step.chunk, records, output_grads)
       state = dict(state, params=[u + w for u, w in
                                   zip(state["params"], floats_lib.float_leaves(grads))])
-      return state, written, device.run.axes.vary(device.ring_zero)
+      return state, written, device.axes.vary(device.ring_zero)
 
     return branch
 
@@ -406,7 +409,7 @@ class Branches:
       msg = floats_lib.with_float_leaves(
           msg, packing.unpack(written["weights"], slots.weight_layouts[b]))
       sums, *_ = self._by_units(b, device, state, step._replace(msg=msg))
-      return dict(state, params=sums), written, device.run.axes.vary(device.ring_zero)
+      return dict(state, params=sums), written, device.axes.vary(device.ring_zero)
 
     return branch
 
@@ -423,7 +426,7 @@ class Branches:
                                      wrt="params")
       g_params = vjp(device.cotangent(chunk, msg, *outputs))
       state = dict(state, params=[u + w for u, w in zip(state["params"], g_params)])
-      return state, written, device.run.axes.vary(device.ring_zero)
+      return state, written, device.axes.vary(device.ring_zero)
 
     return branch
 
@@ -436,8 +439,8 @@ class Branches:
     from the stashed input and the output gradient ``msg`` carries: ``(parameter gradient sums
     with this micro-batch's added, g_fresh, g_in, g_broadcast, g_per_example)``."""
     fresh, _, broadcast, pex, rngs, microbatch = device.inputs(step.mb, step.msg, step.fresh)
-    outputs = lambda results: device.run.axes.vary((floats_lib.float_leaves(results[0]),
-                                                    results[1]))
+    outputs = lambda results: device.axes.vary((floats_lib.float_leaves(results[0]),
+                                                results[1]))
     cotangent = lambda out: device.cotangent(step.chunk, step.msg, *out)
     args = unit_backward.ChunkArgs(fresh, step.stashed, broadcast, pex, rngs, microbatch)
     sums, g_fresh, g_in, g_side = self.backward_into[b](
@@ -472,7 +475,7 @@ class Branches:
         (to_next, losses), records = self.programs[b](p, f, s, bc, e, rngs, microbatch,
                                                       chunk), ()
       # Every output varies over every manual axis (zeros too), so cotangents have their types.
-      return device.run.axes.vary((floats_lib.float_leaves(to_next), losses)), (records, to_next)
+      return device.axes.vary((floats_lib.float_leaves(to_next), losses)), (records, to_next)
 
     return fn
 
@@ -516,7 +519,7 @@ class Branches:
     other operands and output gradients; only the gradients where W recomputes the operands or
     F files them; the chunk's output gradient where W reruns the backward), packed into buffers
     shared by all programs; and the units' traced programs W uses."""
-    msg = device.run.axes.vary(device.ring_zero)
+    msg = device.axes.vary(device.ring_zero)
     count = self.chunkset.num_branches
     if self.plan.weight_grads == backward_plan.RERUN_BACKWARD:  # A message's float leaves.
       layouts = (packing.layout_of(floats_lib.float_leaves(msg)),) * count
@@ -540,12 +543,12 @@ class Branches:
     """Per chunk program, what F keeps of its VJP's residuals for B or BI (those computed from
     the micro-batch's inputs, :mod:`tpipe.core.programs.residuals`; a split table's also the tapped
     operations' inputs for W), and the residual slots' layouts and sizes."""
-    msg = device.run.axes.vary(device.ring_zero)
+    msg = device.axes.vary(device.ring_zero)
     plans, layouts = [], []
     for b in range(self.chunkset.num_branches):
       chunk = device.stage * 0 + self.chunkset.chunks_of[b][0]  # Traced, as the loop's is.
       fresh, _, broadcast, pex, rngs, microbatch = device.inputs(  # Varying, as the loop's.
-          0, msg, device.run.axes.vary(device.x_example))
+          0, msg, device.axes.vary(device.x_example))
       taps = _zero_taps(slots.tap_shapes[b], device) if self.plan.split else None
       diff = (device.staged, fresh, msg, broadcast, pex, taps)
       fn_of = lambda tree, b=b, args=(rngs, microbatch, chunk): self._chunk_fn(
@@ -584,4 +587,4 @@ def _file_grads(state, g_params, inputs, mb):
 
 
 def _zero_taps(tap_shapes, device: Device):
-  return device.run.axes.vary(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tap_shapes))
+  return device.axes.vary(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tap_shapes))

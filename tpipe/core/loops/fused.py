@@ -187,7 +187,8 @@ class _Run:
   # The loop.
 
   def per_device(self, call: Call, staged, x, broadcast, per_example, rngs):
-    device = branches_lib.Device(self, call, (staged, x, broadcast, per_example, rngs))
+    device = branches_lib.Device(self.axes, self.schedule, self.chunkset, call,
+                                 (staged, x, broadcast, per_example, rngs))
     schedule, axes, branches = self.schedule, self.axes, self.branches
     collect = schedule.forward_only
     learned = branches.learn(device, collect)
