@@ -114,11 +114,12 @@ def test_only_idle_and_forwards_leave_the_gradient_sums_alone(schedule, remat, r
   """Every backward writes the sums, by units or by one VJP (so each runs in a conditional of
   its own, tpipe.core.loops.tick_rows.lane_groups); idle and the forwards do not."""
   branches = _branches(schedule, remat, recompute)
-  assert branches.forward_only(0)
+  assert branches.numbers.is_forward_or_idle(0)
   runs = (A.F, A.BI, A.W) if branches.plan.split else (A.F, A.B)  # The actions its table has.
   for action in runs:
     for program in range(PROGRAMS):
-      assert branches.forward_only(_number(action, program)) == (action == A.F), action
+      written = not branches.numbers.is_forward_or_idle(_number(action, program))
+      assert written == (action != A.F), action
 
 
 def test_slots_start_empty_and_are_values():

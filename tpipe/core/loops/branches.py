@@ -244,13 +244,6 @@ class Branches:
                                              else self._weights_rerun_by_vjp)}[plan.weight_grads]
     return make(b, device, slots)
 
-  def forward_only(self, number: int) -> bool:
-    """Whether branch ``number`` (numbered as :meth:`branch`) is idle or a forward: it writes
-    no gradient sum, only the loss (or a forward-only table's outputs). The others (``B``,
-    ``BI``, ``W``) each run in a conditional of their own
-    (:func:`tpipe.core.loops.tick_rows.lane_groups`)."""
-    return self.numbers.is_forward_or_idle(number)
-
   # ------------------------------------------------------------------------------------------
   # F.
 

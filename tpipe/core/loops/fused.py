@@ -96,11 +96,11 @@ def is_split(schedule: schedules.FusedSchedule) -> bool:
 
 def _lane_runner(branches: list[Callable], forward_only: list[bool]) -> Callable:
   """``run(position, state, *operands) -> (state, written, send)``: the lane's branch at
-  ``position`` (idle at 0). The forwards and idle (``forward_only``:
-  :meth:`~tpipe.core.loops.branches.Branches.forward_only`) share one ``lax.switch``, which never
-  holds the running gradient sums (:func:`_without_sums`); every branch that writes them (the
-  backwards) runs in a conditional of its own after it, which passes the sums through where
-  the step runs another branch (:func:`tpipe.core.loops.tick_rows.lane_groups`). XLA copied
+  ``position`` (idle at 0). The forwards and idle (``forward_only``,
+  :meth:`~tpipe.core.loops.tick_rows.BranchNumbers.is_forward_or_idle`) share one ``lax.switch``,
+  which never holds the running gradient sums (:func:`_without_sums`); every branch that writes
+  them (the backwards) runs in a conditional of its own after it, which passes the sums through
+  where the step runs another branch (:func:`tpipe.core.loops.tick_rows.lane_groups`). XLA copied
   the sums wherever a conditional held them in more than one branch: in every forward beside a
   backward, and in and out of every iteration of two backwards' loops over units; with two
   backwards of a compound lane (``BI`` of two chunk programs, or ``BI`` and ``W``) side by side,
@@ -196,7 +196,7 @@ class _Run:
     # Each lane switches over the branches the table runs in it only: a split table's B, or
     # the kinds a compound tick runs in its other lanes, are never traced nor compiled.
     lanes = [_lane_runner([branches.branch(n, device, learned, collect) for n in numbers],
-                          [branches.forward_only(n) for n in numbers])
+                          [branches.numbers.is_forward_or_idle(n) for n in numbers])
              for numbers in self.switches]
     # Named scopes let a memory breakdown (tpipe.tools.peak) tell the buffers apart.
     with jax.named_scope(spmd.GRADIENTS_SCOPE):

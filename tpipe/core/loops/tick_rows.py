@@ -48,7 +48,9 @@ class BranchNumbers:
     return None if number == IDLE else divmod(int(number) - 1, self.num_programs)
 
   def is_forward_or_idle(self, number: int) -> bool:
-    """Whether ``number`` is :data:`IDLE` or an ``F``: a step that writes no gradient sum."""
+    """Whether ``number`` is :data:`IDLE` or an ``F``: a step that writes no gradient sum, only
+    the loss (or a forward-only table's outputs). The others (``B``, ``BI``, ``W``) each run in
+    a conditional of their own (:func:`lane_groups`)."""
     decoded = self.decode(number)
     return decoded is None or decoded[0] == Action.F
 

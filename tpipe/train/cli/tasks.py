@@ -232,12 +232,7 @@ class LanguageModelling:
         eval_fraction=config.eval_fraction)
     spec = {name: config[name] for name in self.data_fields}
     spec["corpus_sha256"] = hashlib.sha256(train.tokens.tobytes()).hexdigest()
-    batches = text_data.eval_batches(held_out, batch_size=config.batch_size,
-                                     num_batches=config.eval_batches)
-    batches = [dict(b, mask=np.ones(config.batch_size, bool)) for b in batches]
-    return TaskData(train=text_data.train_iterator(train, batch_size=config.batch_size,
-                                                   seed=config.seed),
-                    eval_batches=batches, spec=spec)
+    return _task_data(text_data, train, held_out, config, spec)
 
   def _load_files(self, config) -> TaskData:
     train, held_out = packed_splits(config)
@@ -246,12 +241,19 @@ class LanguageModelling:
     if not config.get("eval_data", ""):
       spec["eval_fraction"] = config.eval_fraction
     spec["corpus_sha256"] = train.fingerprint()
-    batches = document_packing.eval_batches(held_out, batch_size=config.batch_size,
-                                            num_batches=config.eval_batches)
-    batches = [dict(b, mask=np.ones(config.batch_size, bool)) for b in batches]
-    return TaskData(train=document_packing.train_iterator(train, batch_size=config.batch_size,
-                                                          seed=config.seed),
-                    eval_batches=batches, spec=spec)
+    return _task_data(document_packing, train, held_out, config, spec)
+
+
+def _task_data(source, train, held_out, config, spec: dict) -> TaskData:
+  """The LM's :class:`TaskData` from a train and a held-out split of ``source``'s kind (the byte
+  corpus, :mod:`tpipe.train.data`, or packed documents, :mod:`tpipe.train.document_packing`: both
+  give ``train_iterator`` and ``eval_batches``); every evaluation row counts (mask all true)."""
+  batches = source.eval_batches(held_out, batch_size=config.batch_size,
+                                num_batches=config.eval_batches)
+  batches = [dict(b, mask=np.ones(config.batch_size, bool)) for b in batches]
+  return TaskData(train=source.train_iterator(train, batch_size=config.batch_size,
+                                              seed=config.seed),
+                  eval_batches=batches, spec=spec)
 
 
 def packed_splits(config) -> tuple[document_packing.PackedTokens, document_packing.PackedTokens]:
