@@ -89,6 +89,9 @@ class Report:
       ``stage`` at stake (:func:`tpipe.train.compact_moments.describe`); "" where none qualify.
     prediction: the step's predicted time, tokens per second and MFU on the chip priced
       (:class:`Prediction`), or None.
+    moe: a mixture-of-experts LM's memory rows (the experts' weights, the dispatch buffers and
+      the routing metadata: :class:`tpipe.train.cli.moe_costs.MoeMemory`); None for a dense
+      model.
   """
 
   config: Any
@@ -115,6 +118,7 @@ class Report:
   backward: str = ""
   moments: str = ""
   prediction: Any = None
+  moe: Any = None
 
   @property
   def floor(self):
@@ -170,6 +174,8 @@ class Report:
         role = "data-parallel reduction"
       elif axes == ("stage",):
         role = "across stages"
+      elif axes == ("expert",):  # The experts' tokens, and sums over the data it carries.
+        role = "MoE dispatch, combine and gradient sums"
       elif mesh_axes == ():  # groups span no mesh axis: every group is one device.
         role = "no-op (1-device groups)"
       else:
@@ -218,6 +224,7 @@ class Report:
         "communication": self.communication.to_json() if self.communication else None,
         "end_moments": self.moments,
         "prediction": self.prediction.to_json() if self.prediction else None,
+        "moe_memory_bytes_per_device": self.moe.to_json() if self.moe else None,
     }
 
   @property
@@ -442,6 +449,7 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
   from tpipe.train import compact_moments  # pylint: disable=g-import-not-at-top
   from tpipe.train.cli import communication  # pylint: disable=g-import-not-at-top
   from tpipe.train.cli import experiment  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import moe_costs  # pylint: disable=g-import-not-at-top
 
   communication.check_efficiency(efficiency)  # Before the compile, not after.
   num_slices = 1
@@ -478,4 +486,5 @@ def analyze_config(config, unit_flops=None, per_stage: bool = True, *,
                 moments=compact_moments.describe(config.get("compact_moments", "auto"),
                                                  exp.layout, exp.mesh,
                                                  exp.pipeline.spec.stage_axis),
-                prediction=prediction)
+                prediction=prediction,
+                moe=moe_costs.moe_memory(config, exp.layout, state, exp.pipeline.spec, exp.mesh))

@@ -25,6 +25,7 @@ def format_report(report) -> str:
   """The report as a short markdown text (tables of memory, FLOPs and collectives)."""
   from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
   from tpipe.train.cli import communication  # pylint: disable=g-import-not-at-top
+  from tpipe.train.cli import moe_costs  # pylint: disable=g-import-not-at-top
 
   fb = analysis.format_bytes
   c, mem, flops, pipe = report.config, report.analysis.memory, report.analysis.flops, \
@@ -48,16 +49,16 @@ def format_report(report) -> str:
       *([report.backward.capitalize() + ".", ""] if report.backward else []),
       "| memory per device | bytes |",
       "|---|---:|",
-      f"| parameters | {fb(report.params_bytes)} |",
-      f"| optimizer state | {fb(report.opt_state_bytes)} |",
-      f"| batch | {fb(report.batch_bytes)} |",
-      f"| gradients (= parameters, inside temporaries) | {fb(report.gradient_bytes)} |",
+      *_state_rows(report),
       f"| activations and other temporaries | {fb(report.activation_bytes)} |",
+      *_moe_activation_rows(report),
       f"| outputs not aliased to donated inputs | {fb(mem.outputs - mem.aliased)} |",
       f"| **peak total** (arguments + outputs - aliased + temporaries + code) | "
       f"**{fb(report.total_bytes)}** |",
       f"| largest device | {fb(report.largest_device_bytes)} |",
       "",
+      *([moe_costs.describe_tokens(report.moe) + _expert_traffic(report), ""]
+        if getattr(report, "moe", None) else []),
       *([report.moments + ".", ""] if report.moments else []),
       "| FLOPs per device per step | |",
       "|---|---:|",
@@ -109,6 +110,62 @@ def format_report(report) -> str:
               f"`memory_analysis()` counts {fb(mem.temporaries)} of temporaries in all.",
               "", report.peak.format(count=12)]
   return "\n".join(lines)
+
+
+def _state_rows(report) -> list[str]:
+  """The memory table's parameter, optimizer-state, batch and gradient rows; with experts
+  (``report.moe``), the experts' weights, optimizer state and gradients as rows of their own
+  beside the rest (the rows still add up to the same total)."""
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
+
+  fb, moe = analysis.format_bytes, getattr(report, "moe", None)
+  if moe is None:
+    return [f"| parameters | {fb(report.params_bytes)} |",
+            f"| optimizer state | {fb(report.opt_state_bytes)} |",
+            f"| batch | {fb(report.batch_bytes)} |",
+            f"| gradients (= parameters, inside temporaries) | {fb(report.gradient_bytes)} |"]
+  grads = min(moe.expert_gradient_bytes, report.gradient_bytes)
+  return [
+      f"| parameters other than the experts' | {fb(report.params_bytes - moe.expert_param_bytes)}"
+      " |",
+      f"| experts' weights (measured: the staged tree's expert leaves) | "
+      f"{fb(moe.expert_param_bytes)} |",
+      f"| optimizer state other than the experts' | "
+      f"{fb(report.opt_state_bytes - moe.expert_opt_state_bytes)} |",
+      f"| experts' optimizer state (measured likewise) | {fb(moe.expert_opt_state_bytes)} |",
+      f"| batch | {fb(report.batch_bytes)} |",
+      f"| gradients other than the experts' (= their parameters, inside temporaries) | "
+      f"{fb(report.gradient_bytes - grads)} |",
+      f"| experts' gradients (= their weights, inside temporaries) | {fb(grads)} |"]
+
+
+def _moe_activation_rows(report) -> list[str]:
+  """With experts, the dispatch buffers' and routing metadata's rows (inside the activations
+  and temporaries above, so not added to the total)."""
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
+
+  fb, moe = analysis.format_bytes, getattr(report, "moe", None)
+  if moe is None:
+    return []
+  return [f"| of which MoE dispatch buffers, one MoE layer on one micro-batch (estimate from "
+          f"shapes) | {fb(moe.dispatch_bytes)} |",
+          f"| of which MoE routing metadata, one MoE layer on one micro-batch (estimate from "
+          f"shapes) | {fb(moe.routing_bytes)} |"]
+
+
+def _expert_traffic(report) -> str:
+  """The collectives over the ``expert`` axis alone per step, measured from the compiled
+  program, as a sentence (empty where there are none)."""
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
+
+  rows = [row for row in report.collective_rows() if row["axes"] == "expert"]
+  if not rows:
+    return ""
+  kinds = ", ".join(sorted({row["kind"] for row in rows}))
+  return (f" Collectives over the expert axis alone per step (measured from the compiled "
+          f"program: the tokens' dispatch and combine, and sums of the gradients of weights the "
+          f"expert axis holds whole): {analysis.format_bytes(sum(r['bytes'] for r in rows))} "
+          f"per device in {sum(r['count'] for r in rows)} executions ({kinds}).")
 
 
 def format_stages(report) -> list[str]:
