@@ -124,6 +124,14 @@ def test_parameters_split_over_each_mesh_axis(tiny_report):
   assert "| stage | 4 | " in text and "(100.0%) | 0 B (0.0%) |" in text
 
 
+def test_a_dense_report_has_no_moe_rows(tiny_report):
+  # The MoE rows (tests/train/test_report_moe.py) only where the blocks have experts.
+  text = report_text.format_report(tiny_report)
+  assert tiny_report.moe is None and tiny_report.to_json()["moe_memory_bytes_per_device"] is None
+  assert "| parameters |" in text and "| optimizer state |" in text
+  assert "experts'" not in text and "MoE" not in text
+
+
 def test_3d_parameters_split_over_fsdp_and_tensor():
   exp = experiment.build(_tiny_3d_config())
   split = analysis.axis_split(exp.abstract_state().params, exp.mesh)

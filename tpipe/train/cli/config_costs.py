@@ -248,8 +248,9 @@ class Prediction:
       (:func:`tpipe.tools.pipeline_time.pipeline_step_time`, fused tables); else the program's
       own time, its bubble the table's simulated share of it.
     tokens: tokens per step (None: not a language model).
-    model_flops: the model's FLOPs per step, all devices (6 x parameters x tokens plus
-      attention: :func:`tpipe.train.cli.throughput.lm_step_flops`); None where unknown.
+    model_flops: the model's FLOPs per step, all devices (6 x active parameters x tokens plus
+      attention: :func:`tpipe.train.cli.throughput.lm_step_flops`; a mixture's active
+      parameters count k of its E experts and the router); None where unknown.
     num_devices: devices the step runs on.
     peak_flops: one chip's peak FLOP/s.
     step_time: the :class:`tpipe.tools.step_time.StepTime` of the program.

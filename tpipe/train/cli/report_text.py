@@ -241,7 +241,7 @@ def format_prediction(prediction) -> list[str]:
     rates.append(f"{prediction.tokens_per_second:,.0f} tokens/s")
   if prediction.mfu is not None:
     rates.append(f"MFU {prediction.mfu:.1%} (model FLOPs {_flops(prediction.model_flops)} per "
-                 f"step, 6 x parameters x tokens plus attention)")
+                 f"step, 6 x active parameters x tokens plus attention)")
   lines = [f"### Predicted step time on {prediction.chip}", "",
            f"Roofline of the compiled program (`tpipe.tools.step_time`; {how}): "
            f"**{_time(prediction.seconds)}** per step"

@@ -3,10 +3,11 @@
 The **model FLOPs** of a training step are what the model's math needs, counted from its
 architecture (:func:`lm_step_flops`): every matrix multiplication of the forward pass (the
 projections, the attention's scores and weighted sum over the whole sequence, the vocabulary
-projection), times 3 for the forward and the backward (which multiplies twice as much: the
-inputs' and the weights' gradients). What remat or the attention's backward computes again is
-not counted, nor elementwise work or the optimizer: the same convention as MFU in the PaLM paper,
-so the figure compares across remat policies and schedules.
+projection; in a mixture of experts the router and the ``k`` of ``E`` experts a token goes to,
+its *active* parameters), times 3 for the forward and the backward (which multiplies twice as
+much: the inputs' and the weights' gradients). What remat or the attention's backward computes
+again is not counted, nor elementwise work or the optimizer: the same convention as MFU in the
+PaLM paper, so the figure compares across remat policies and schedules.
 
 **MFU** divides the model FLOP/s per device by the device's peak (:func:`peak_tflops`: dense
 bfloat16 matrix throughput per chip, from :data:`PEAK_TFLOPS` by the device kind, or
