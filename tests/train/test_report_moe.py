@@ -70,6 +70,18 @@ def test_the_rows_follow_the_compute_dtype_and_the_capacity():
   assert memory.expert_param_bytes == 98304
 
 
+def test_the_hidden_activations_are_a_tensor_shards():
+  # Stage 2 x expert 2 x tensor 2: the experts' mlp dimension (and their hidden activations)
+  # split over tensor, the weights over expert and tensor; one replica routes the whole batch.
+  config = _moe_config()
+  config.num_data, config.mesh.tensor = 1, 2
+  memory = _memory(config)
+  tokens = BATCH // M * SEQ
+  assert (memory.tokens, memory.hidden) == (tokens, H // 2)
+  assert memory.dispatch_bytes == tokens * K * (3 * D + 3 * H // 2) * 4
+  assert memory.expert_param_bytes == 3 * E * D * H * L // STAGES // EXPERT // 2 * 4
+
+
 def test_a_dense_config_has_no_moe_rows():
   config = lm.get_config("size=tiny")
   config.num_stages, config.num_data, config.num_microbatches = 2, 2, 2

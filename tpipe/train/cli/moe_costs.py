@@ -68,6 +68,12 @@ def dispatch_bytes(tokens: int, width: int, hidden: int, num_experts: int,
 
   the dispatch and combine masks (``[k, T, E, C]`` each), the slots' inputs and outputs
   (``[E, C, D]`` each) and the hidden activations (three ``[E, C, H]``).
+
+  ``hidden`` is the width one device holds: the experts' ``H`` over the devices their ``mlp``
+  dimension splits over (``tensor``), whose shares of the hidden activations these are. The
+  rows are not split over ``expert``: each device's buffers have a row for every pair (the
+  groups of other devices' experts among them), as XLA's partitioner lays out the grouped
+  matmul of rows held whole by weights split by group.
   """
   t, k, d, h, e = tokens, experts_per_token, width, hidden, num_experts
   if not capacity_factor:
@@ -99,16 +105,33 @@ def routing_bytes(tokens: int, num_experts: int, experts_per_token: int,
   return router + top_k + 3 * k * t * e * INT32_BYTES
 
 
-def _is_expert_leaf(path, axes: dict) -> bool:
-  """Whether ``path`` (a key path into the staged tree or into optimizer state that mirrors it)
-  leads to a stacked leaf whose logical names hold ``expert``."""
+def hidden_shards(params, axes: dict) -> int:
+  """The devices the experts' hidden width ``H`` splits over: read off the first stacked expert
+  kernel whose last logical axis is ``mlp`` (its global over its per-device width); 1 without
+  one."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    names = _expert_names(path, axes)
+    if names and names[-1] == "mlp" and getattr(leaf, "sharding", None) is not None:
+      return max(1, leaf.shape[-1] // leaf.sharding.shard_shape(leaf.shape)[-1])
+  return 1
+
+
+def _expert_names(path, axes: dict) -> tuple:
+  """The logical names of the stacked leaf ``path`` leads to (a key path into the staged tree or
+  into optimizer state that mirrors it) where they hold ``expert``, else ()."""
   keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
   for i, key in enumerate(keys[:-1]):
     if key == STACKED:
       rest = jax.tree_util.keystr(tuple(path[i + 2:]))
-      names = axes.get(keys[i + 1], {}).get(rest) or ()
-      return EXPERT in names
-  return False
+      names = tuple(axes.get(keys[i + 1], {}).get(rest) or ())
+      return names if EXPERT in names else ()
+  return ()
+
+
+def _is_expert_leaf(path, axes: dict) -> bool:
+  """Whether ``path`` (a key path into the staged tree or into optimizer state that mirrors it)
+  leads to a stacked leaf whose logical names hold ``expert``."""
+  return bool(_expert_names(path, axes))
 
 
 def expert_leaf_bytes(tree, axes: dict) -> int:
@@ -134,6 +157,8 @@ class MoeMemory:
     routing_bytes: one MoE layer's routing metadata on one micro-batch (estimate).
     tokens: the tokens one device routes per MoE layer and micro-batch (the micro-batch's rows
       on one device, :meth:`tpipe.PipelineSpec.microbatch_size`, times the sequence length).
+    hidden: the experts' hidden width one device holds (``mlp_dim`` over the devices their
+      ``mlp`` dimension splits over: :func:`hidden_shards`).
     moe_layers: the model's MoE layers.
     num_experts: ``E``.
     experts_per_token: ``k``.
@@ -145,6 +170,7 @@ class MoeMemory:
   dispatch_bytes: int
   routing_bytes: int
   tokens: int
+  hidden: int
   moe_layers: int
   num_experts: int
   experts_per_token: int
@@ -179,13 +205,14 @@ def moe_memory(config, layout, state, spec, mesh) -> MoeMemory | None:
   tokens = rows * config.seq_len
   e, k, cf = args["num_experts"], args["experts_per_token"], args["capacity_factor"]
   itemsize = jnp.dtype(args["dtype"]).itemsize
+  hidden = -(-args["mlp_dim"] // hidden_shards(state.params, layout.axes))
   return MoeMemory(
       expert_param_bytes=expert_leaf_bytes(state.params, layout.axes),
       expert_opt_state_bytes=expert_leaf_bytes(state.opt_state, layout.axes),
-      dispatch_bytes=dispatch_bytes(tokens, args["width"], args["mlp_dim"], e, k, cf, itemsize),
+      dispatch_bytes=dispatch_bytes(tokens, args["width"], hidden, e, k, cf, itemsize),
       routing_bytes=routing_bytes(tokens, e, k, cf),
-      tokens=int(tokens), moe_layers=int(args["num_layers"]), num_experts=int(e),
-      experts_per_token=int(k), capacity_factor=float(cf))
+      tokens=int(tokens), hidden=int(hidden), moe_layers=int(args["num_layers"]),
+      num_experts=int(e), experts_per_token=int(k), capacity_factor=float(cf))
 
 
 def describe_tokens(memory: MoeMemory) -> str:
@@ -194,6 +221,7 @@ def describe_tokens(memory: MoeMemory) -> str:
              else f"capacity factor {memory.capacity_factor:g}")
   return (f"MoE: {memory.moe_layers} layers, top-{memory.experts_per_token} of "
           f"{memory.num_experts} experts, {routing}; the dispatch and routing rows are one MoE "
-          f"layer on one micro-batch of {memory.tokens:,} tokens on one device, estimated from "
+          f"layer on one micro-batch of {memory.tokens:,} tokens on one device (expert hidden "
+          f"width {memory.hidden:,} per device), estimated from "
           "the config's shapes (tpipe.train.cli.moe_costs); the experts' rows are measured from "
           "the staged parameter tree's shardings.")
