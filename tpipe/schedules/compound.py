@@ -101,13 +101,14 @@ WEIGHT_SLOTS = 2
 # (S = 8, M = 32: 0.04 s each, 1.9 s the whole build); a V's eight (S = 8, M = 32: 200 distinct
 # tables of 512 W, about 0.5 s each).
 SETTLED = {"loop": 64, "v": 8}
-# Micro-batches per stage of the table whose slots bound every longer table's (M > 4 S): a
-# compound table at M holds no more stash, weight and mailbox slots than at M = 4 S, so its
-# memory stops growing with M once the steady state is reached. Below 4 S the weights a split
-# backward leaves waiting fill the cool-down, and bounding them by a shorter table's costs the
-# bubble (ZB-H1, S = 8, M = 32, measured costs, bounded by M = 16's slots: 1.00 -> 1.32 of its
-# natural bubble; ZB-V up to 2x).
-REFERENCE_MICROBATCHES = 4
+# Micro-batches per stage of the table whose slots bound every longer table's (M > 2 S): a
+# compound table at M holds no more stash, weight and mailbox slots than at M = 2 S, so its
+# memory does not grow with M. Unbounded, a split backward's table leaves more weights waiting
+# to fill the cool-down as M grows (ZB-V, S = 4, remat none: 11 stash slots at M = 8, 23 at
+# M = 16 .. 64; S = 8, M = 32: 47, one action per tick 16), for a neighbour-synchronised step
+# 1-4% shorter (ZB-V, S = 4, M = 64, F = 1: 387.2 against 390.9; measured LM costs, remat
+# full, ZB-V S = 4, M = 32: 114557 against 117554; ZB-H1 S = 8, M = 32: 62309 against 64754).
+REFERENCE_MICROBATCHES = 2
 # Per fused schedule: (placement, whether the backward is split into BI and W).
 SHAPES = {"1f1b": ("loop", False), "interleaved_1f1b": ("loop", False),
           "zb_h1": ("loop", True), "zbv": ("v", True)}
@@ -482,7 +483,8 @@ def _slots_at(name, num_stages, num_microbatches, costs, num_repeats,
 def candidates(name: str, num_stages: int):
   """The settings :func:`build` tries, as :func:`pack` keywords (second forwards and the light
   ramp for the V placement only; weight holds of 0 and V - 1 ticks, V the model's chunks, for
-  a split backward). Every cap is set by S, so whichever wins, memory stays flat in M."""
+  a split backward). Every cap is set by S, yet under the loosest a table leaves more ``W``
+  waiting as M grows (they fill the cool-down): :func:`build` bounds the slots beyond M = 2 S."""
   placement, split = SHAPES[name]
   extra = sorted({0, 2, max(1, num_stages // 2), num_stages})
   backlog = sorted({1, 4, 2 * num_stages}) if split else [0]
@@ -508,11 +510,11 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   again with each smaller weight backlog down to the next one tried) and the one-action-per-tick
   table, and (split backward) the :data:`SETTLED` fastest distinct of them again with their
   weights settled (:func:`settle_weights`, with up to :data:`WEIGHT_SLOTS` S awaiting ``W``
-  where the table held fewer); for M > 4 S, only tables holding no more slots than the table at
-  M = 4 S (:func:`slots_held`, :data:`REFERENCE_MICROBATCHES`); among the tables within
-  :data:`TOLERANCE` of the shortest step and :data:`BUBBLE_TOLERANCE` of its bubble, the one
-  with the fewest weight slots (micro-batches awaiting ``W``), then the fewest micro-batch
-  chunks in flight, then the fewest ticks.
+  where the table held fewer); for M > 2 S, only tables holding no more slots than the table at
+  M = 2 S (:func:`slots_held`, :data:`REFERENCE_MICROBATCHES`), so memory stays flat in M;
+  among the tables within :data:`TOLERANCE` of the shortest step and :data:`BUBBLE_TOLERANCE`
+  of its bubble, the one with the fewest weight slots (micro-batches awaiting ``W``), then the
+  fewest micro-batch chunks in flight, then the fewest ticks.
 
   Args:
     name: ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
@@ -558,8 +560,8 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
     steps += [round(table.simulate(costs).neighbour, 9) for table in settled]
 
   if num_microbatches > REFERENCE_MICROBATCHES * num_stages:
-    # Memory flat in M: no more slots than the table at M = 4 S holds (the one-action table,
-    # which holds S, always qualifies with it).
+    # Memory flat in M: no more slots than the table at M = 2 S holds (the one-action table,
+    # whose slots do not change with M, is kept whatever it holds).
     bound = _slots_at(name, num_stages, REFERENCE_MICROBATCHES * num_stages,
                       tuple(sorted(costs.items())), num_repeats,
                       actions_lib.link_delays(delays, num_stages))
