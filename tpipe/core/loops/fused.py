@@ -54,7 +54,9 @@ table as one SPMD program:
   previous one. After the branch, every device issues the same two ``lax.ppermute`` every tick
   (one to each neighbour; zeros when the table sends nothing that way). A message arrives the
   next tick and waits in the receiver's **mailbox** at the slot the table routes it to.
-* Parameter gradients accumulate in one running sum per stage (the scan's carry); gradients of
+* The scan's carry is one value, :class:`tpipe.core.loops.buffers.Buffers`: the running sums,
+  the stash, residual and weight slots, the mailbox and what arrives next tick.
+* Parameter gradients accumulate in one running sum per stage (in the carry); gradients of
   per-example inputs are filed per micro-batch. Once, after the loop: the sum over data replicas
   of the parameter gradients (the step's one all-reduce), and sums over stages of the input
   gradients and the loss.
@@ -67,6 +69,7 @@ pass alone (:func:`forward_outputs`, also what a fused schedule's model returns 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -77,10 +80,10 @@ from jax.sharding import PartitionSpec as P
 
 from tpipe import schedules
 from tpipe.core.base import float_leaves as floats_lib
-from tpipe.core.base import packing
 from tpipe.core.base import spmd
 from tpipe.core.layout import device_view as view_lib
 from tpipe.core.loops import branches as branches_lib
+from tpipe.core.loops import buffers as buffers_lib
 from tpipe.core.loops import streaming
 from tpipe.core.loops import tick_rows
 from tpipe.core.planning import backward_plan
@@ -198,42 +201,21 @@ class _Run:
     lanes = [_lane_runner([branches.branch(n, device, learned, collect) for n in numbers],
                           [branches.numbers.is_forward_or_idle(n) for n in numbers])
              for numbers in self.switches]
-    # Named scopes let a memory breakdown (tpipe.tools.peak) tell the buffers apart.
-    with jax.named_scope(spmd.GRADIENTS_SCOPE):
-      carry = {"state": axes.vary(self._initial_state(device, collect))}
-    with jax.named_scope(spmd.STASH_SCOPE):
-      carry["weights"] = axes.vary(spmd.stacked_zeros(
-          packing.empty(learned.weight_sizes),
-          max(1, int(schedule.awaiting_weight().max()))))
-      carry["stash"] = axes.vary(spmd.stacked_zeros(
-          device.ring_zero, max(1, int(schedule.stash_slots().max()))))
-      carry["residuals"] = axes.vary(spmd.stacked_zeros(
-          packing.empty(learned.residual_sizes),
-          max(1, int(schedule.stash_slots().max()))))
-    with jax.named_scope(spmd.MAILBOX_SCOPE):
-      carry["mailbox"] = axes.vary(spmd.stacked_zeros(
-          device.ring_zero, max(1, int(schedule.mailbox_slots().max()))))
-      carry["arrived"] = axes.vary((device.ring_zero,) * 3)
-      if self.delayed:  # What went to each side last tick, for the delayed links.
-        carry["pending"] = axes.vary((device.ring_zero,) * 2)
-    if call.conveyor is not None:
-      carry["conveyor"] = call.conveyor.start(device.held)
+    start = buffers_lib.allocate(
+        schedule, axes, self._initial_state(device, collect), device.ring_zero,
+        learned.weight_sizes, learned.residual_sizes, delayed=self.delayed,
+        conveyor=None if call.conveyor is None else call.conveyor.start(device.held))
 
-    def tick(carry, row):
+    def tick(buffers: buffers_lib.Buffers, row):
       stage = device.stage
-      mailbox = carry["mailbox"]
-      for k, message in enumerate(carry["arrived"]):  # from the left, from the right, own
-        slot = row["arrival"][stage, k]
-        mailbox = spmd.write_slot(mailbox, jnp.maximum(slot, 0), message, slot >= 0)
-      state, stash, sends = carry["state"], carry["stash"], []
-      slots = {"weights": carry["weights"], "residuals": carry["residuals"]}
-      conveyed = None
+      buffers = buffers.receive(row["arrival"][stage])
+      state, stash, slots, sends = buffers.state, buffers.stash, buffers.slots, []
+      conveyed, conveyor = None, buffers.conveyor
       if call.conveyor is not None:  # Every lane's inputs travel once per tick.
-        conveyed, conveyor = call.conveyor.tick(device.held, carry["conveyor"],
-                                                row[streaming.ROW][stage])
+        conveyed, conveyor = call.conveyor.tick(device.held, conveyor, row[streaming.ROW][stage])
       for lane in range(schedule.lanes):  # A compound tick's steps, in the table's order.
         step = jax.tree.map(lambda a: a[lane, stage], row["lanes"])
-        msg = spmd.read_slot(mailbox, step["recv_slot"])
+        msg = spmd.read_slot(buffers.mailbox, step["recv_slot"])
         if not collect:
           stash = spmd.write_slot(stash, step["stash"], msg, step["forward"])
         fresh = device.fresh(step["microbatch"], conveyed, lane)
@@ -243,16 +225,14 @@ class _Run:
         state, written, send = lanes[lane](step["branch"], state, slots, at, operands)
         slots = {k: spmd.write_slot(slots[k], at[k], written[k]) for k in slots}
         sends.append((send, step))
-      arrived, pending = self._send(sends, carry.get("pending"))
-      out = {"state": state, "stash": stash, "mailbox": mailbox, "arrived": arrived, **slots}
-      if self.delayed:
-        out["pending"] = pending
-      if call.conveyor is not None:
-        out["conveyor"] = conveyor
-      return out, None
+      arrived, pending = self._send(sends, buffers.pending)
+      return dataclasses.replace(
+          buffers, state=state, stash=stash, weights=slots["weights"],
+          residuals=slots["residuals"], arrived=arrived,
+          pending=pending if self.delayed else None, conveyor=conveyor), None
 
-    carry, _ = lax.scan(tick, carry, call.ticks)
-    return self._reduce(device, call, carry["state"])
+    end, _ = lax.scan(tick, start, call.ticks)
+    return self._reduce(device, call, end.state)
 
   def _initial_state(self, device: branches_lib.Device, collect: bool):
     if collect:
