@@ -101,14 +101,17 @@ WEIGHT_SLOTS = 2
 # (S = 8, M = 32: 0.04 s each, 1.9 s the whole build); a V's eight (S = 8, M = 32: 200 distinct
 # tables of 512 W, about 0.5 s each).
 SETTLED = {"loop": 64, "v": 8}
-# Micro-batches per stage of the table whose slots bound every longer table's (M > 2 S): a
-# compound table at M holds no more stash, weight and mailbox slots than at M = 2 S, so its
-# memory does not grow with M. Unbounded, a split backward's table leaves more weights waiting
-# to fill the cool-down as M grows (ZB-V, S = 4, remat none: 11 stash slots at M = 8, 23 at
-# M = 16 .. 64; S = 8, M = 32: 47, one action per tick 16), for a neighbour-synchronised step
-# 1-4% shorter (ZB-V, S = 4, M = 64, F = 1: 387.2 against 390.9; measured LM costs, remat
-# full, ZB-V S = 4, M = 32: 114557 against 117554; ZB-H1 S = 8, M = 32: 62309 against 64754).
-REFERENCE_MICROBATCHES = 2
+# Per placement, micro-batches per stage of the table whose slots bound every longer table's:
+# a compound table at M holds no more stash, weight and mailbox slots than at M = 2 S (a V) or
+# 4 S (a loop), so its memory does not grow with M beyond it. Up to 4 S the weights a split
+# backward leaves waiting fill a longer cool-down. A loop needs them for its natural bubble
+# (ZB-H1, S = 8, M = 32, measured LM costs, remat full: 1.00x it with 23 stash slots, 1.32x
+# bounded by M = 16's 16) and holds a few more (S = 4, remat none: 8 -> 10 from M = 8 to 64;
+# 1F1B and interleaved 1F1B none); a V holds twice as many for a 1-3% shorter step (ZB-V,
+# S = 4, remat none: 11 stash slots at M = 8, 23 at 16 .. 64, neighbour-synchronised step at
+# M = 64 387.2 against 390.9 F; measured costs, M = 32: 114557 against 117554; S = 8, M = 32:
+# 47 slots against 16 for one action per tick).
+REFERENCE_MICROBATCHES = {"loop": 4, "v": 2}
 # Per fused schedule: (placement, whether the backward is split into BI and W).
 SHAPES = {"1f1b": ("loop", False), "interleaved_1f1b": ("loop", False),
           "zb_h1": ("loop", True), "zbv": ("v", True)}
@@ -484,7 +487,8 @@ def candidates(name: str, num_stages: int):
   """The settings :func:`build` tries, as :func:`pack` keywords (second forwards and the light
   ramp for the V placement only; weight holds of 0 and V - 1 ticks, V the model's chunks, for
   a split backward). Every cap is set by S, yet under the loosest a table leaves more ``W``
-  waiting as M grows (they fill the cool-down): :func:`build` bounds the slots beyond M = 2 S."""
+  waiting as M grows (they fill the cool-down): :func:`build` bounds the slots of longer tables
+  (:data:`REFERENCE_MICROBATCHES`)."""
   placement, split = SHAPES[name]
   extra = sorted({0, 2, max(1, num_stages // 2), num_stages})
   backlog = sorted({1, 4, 2 * num_stages}) if split else [0]
@@ -510,11 +514,11 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   again with each smaller weight backlog down to the next one tried) and the one-action-per-tick
   table, and (split backward) the :data:`SETTLED` fastest distinct of them again with their
   weights settled (:func:`settle_weights`, with up to :data:`WEIGHT_SLOTS` S awaiting ``W``
-  where the table held fewer); for M > 2 S, only tables holding no more slots than the table at
-  M = 2 S (:func:`slots_held`, :data:`REFERENCE_MICROBATCHES`), so memory stays flat in M;
-  among the tables within :data:`TOLERANCE` of the shortest step and :data:`BUBBLE_TOLERANCE`
-  of its bubble, the one with the fewest weight slots (micro-batches awaiting ``W``), then the
-  fewest micro-batch chunks in flight, then the fewest ticks.
+  where the table held fewer); beyond M = 2 S (a V) or 4 S (a loop), only tables holding no
+  more slots than the table there (:func:`slots_held`, :data:`REFERENCE_MICROBATCHES`), so
+  memory stays flat in M; among the tables within :data:`TOLERANCE` of the shortest step and
+  :data:`BUBBLE_TOLERANCE` of its bubble, the one with the fewest weight slots (micro-batches
+  awaiting ``W``), then the fewest micro-batch chunks in flight, then the fewest ticks.
 
   Args:
     name: ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
@@ -559,12 +563,12 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
     tables += settled
     steps += [round(table.simulate(costs).neighbour, 9) for table in settled]
 
-  if num_microbatches > REFERENCE_MICROBATCHES * num_stages:
-    # Memory flat in M: no more slots than the table at M = 2 S holds (the one-action table,
-    # whose slots do not change with M, is kept whatever it holds).
-    bound = _slots_at(name, num_stages, REFERENCE_MICROBATCHES * num_stages,
-                      tuple(sorted(costs.items())), num_repeats,
-                      actions_lib.link_delays(delays, num_stages))
+  reference = REFERENCE_MICROBATCHES[placement]
+  if num_microbatches > reference * num_stages:
+    # Memory flat in M: no more slots than the table at M = 2 S (a V) or 4 S holds (the
+    # one-action table, whose slots do not change with M, is kept whatever it holds).
+    bound = _slots_at(name, num_stages, reference * num_stages, tuple(sorted(costs.items())),
+                      num_repeats, actions_lib.link_delays(delays, num_stages))
     keep = [i for i, table in enumerate(tables)
             if i == 0 or all(n <= b for n, b in zip(slots_held(table), bound))]
     tables, steps = [tables[i] for i in keep], [steps[i] for i in keep]
