@@ -49,7 +49,9 @@ holds, with and without second forwards and the light ramp (:func:`candidates`; 
 fastest of them again with smaller weight backlogs), settles the weights of the fastest
 distinct tables, and keeps the table whose neighbour-synchronised step is shortest, the
 one-action-per-tick table of :mod:`tpipe.schedules.orders` included (within 1% of it and 5% of
-its bubble, the one that holds the least). Pure NumPy.
+its bubble, the one that holds the least). Beyond M = 2 S (a V) or 4 S (a loop) it keeps only
+tables that hold no more stash, weight and mailbox slots than its table there, so memory stays
+flat in M (:data:`REFERENCE_MICROBATCHES`). Pure NumPy.
 
 Example::
 
