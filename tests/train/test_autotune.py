@@ -63,7 +63,7 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
   peaks = {("none", "chunk"): 9, ("full", "chunk"): 6, ("full", "layer"): 4, ("full", 2): 3}
   compiled = []
 
-  def fake_measure(config, cand, budget_bytes, chip):
+  def fake_measure(config, cand, budget_bytes, chip, topology=None):
     compiled.append((cand.remat, cand.remat_granularity))
     memory = peaks[compiled[-1]]
     return autotune.Trial(cand, memory, 1.0, 1.0, 0, 1.0, 0.0, memory <= budget_bytes)
@@ -85,7 +85,7 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
 def test_the_budget_is_the_chips_hbm_unless_given(monkeypatch):
   chips_seen = []
 
-  def fake_measure(config, cand, budget_bytes, chip):
+  def fake_measure(config, cand, budget_bytes, chip, topology=None):
     chips_seen.append(chip)
     return autotune.Trial(cand, 2**30, 1.0, 1.0, 0, 1.0, 0.0, 2**30 <= budget_bytes)
 
@@ -151,7 +151,7 @@ def test_every_schedule_is_tried_with_the_repeats_it_takes():
 
 
 def _fake_measure(compiled, peaks=None, interrupt_at=None):
-  def fake(config, cand, budget_bytes, chip):
+  def fake(config, cand, budget_bytes, chip, topology=None):
     if interrupt_at is not None and len(compiled) == interrupt_at:
       raise KeyboardInterrupt
     compiled.append(cand)
@@ -217,6 +217,61 @@ def test_pruning_rejects_before_compiling_with_reasons(monkeypatch):
   tight = autotune._Search(config, 10, "v5p", print, num_params=10**6)
   tight.steps = {compiled[0]: 1.0}
   assert tight.skip_reason(compiled[0]).startswith("pruned: analytic memory")
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_the_cli_searches_stages_x_data_and_compiles_for_its_topology(monkeypatch):
+  """--num_devices counts every mesh axis; the search places stages x data, each replica
+  holding config.mesh's fsdp x tensor devices. --topology reaches every compile and names the
+  chip. The analytic memory bound splits over those devices too (a lower bound still)."""
+  import types  # pylint: disable=g-import-not-at-top
+
+  seen = {}
+  monkeypatch.setattr(autotune, "autotune", lambda config, budget, **kw: seen.update(kw))
+  config = _config()
+  config.mesh.fsdp, config.mesh.tensor = 2, 2
+  f = types.SimpleNamespace(budget_gib=None, chip=None, topology="v5p:2x2x2", stages=None,
+                            microbatches=None, remats=["full"], remat_granularities=["chunk"],
+                            schedules=None)
+  autotune._search_from_flags(f, config, 8, "configs/lm.py")
+  assert (seen["num_devices"], seen["topology"], seen["chip"]) == (2, "v5p:2x2x2", "v5p")
+  with pytest.raises(autotune.app.UsageError, match="not divisible by .* = 4 devices"):
+    autotune._search_from_flags(f, config, 6, "configs/lm.py")
+  cand = autotune.Candidate(1, 2, 2, "full")
+  plain = _config()
+  assert autotune.analytic_memory(config, cand, 10**6) == (
+      autotune.analytic_memory(plain, cand, 10**6) // 4)
+  asked = []
+  monkeypatch.setattr(config_costs, "analyze_config",
+                      lambda *a, **kw: asked.append(kw["topology"]) or 1 / 0)
+  with pytest.raises(ZeroDivisionError):
+    autotune.measure(plain, cand, 2**30, "v5p", topology="v5p:2x2x2")
+  assert asked == ["v5p:2x2x2"]
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_a_program_the_tpu_compiler_refuses_for_memory_does_not_fit(monkeypatch):
+  """Compiled for a TPU topology, a program beyond HBM fails to compile: that candidate is over
+  budget (the search goes on to the next remat); any other runtime error is raised."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  def fake(config, cand, budget_bytes, chip, topology=None):
+    if cand.remat == "none":
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, 462G")
+    return autotune.Trial(cand, 1, 1.0, 1.0, 0, 1.0, 0.0, True)
+
+  monkeypatch.setattr(autotune, "measure", fake)
+  search = dict(num_devices=2, stages=[1], microbatches=[2], remats=["none", "full"],
+                granularities=["chunk"], schedules=["gpipe"])
+  result = autotune.autotune(_config(), **search)
+  assert result.best.candidate.remat == "full"
+  assert [r for c, r in result.rejected if c.remat == "none"] == [
+      "over budget: the compiler ran out of device memory (RESOURCE_EXHAUSTED: Ran out of "
+      "memory on HBM, 462G)"]
+  monkeypatch.setattr(autotune, "measure", lambda *a, **kw: (_ for _ in ()).throw(
+      jax.errors.JaxRuntimeError("INTERNAL: something else")))
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    autotune.autotune(_config(), **search)
 
 
 @pytest.mark.unit  # No JAX computation.

@@ -8,6 +8,11 @@ Usage::
   python -m tpipe.train.cli.autotune --config=configs/lm.py:size=tiny --budget_gib=0.002 \
       --microbatches=2,4,8 --remats=none,full --remat_granularities=chunk,layer \
       --schedules=gpipe,1f1b
+  # Each candidate compiled by the TPU compiler for a 64-chip v5p slice (the memory and the
+  # program priced are the TPU's; stages x data take the devices config.mesh's fsdp x tensor
+  # leave, here 64 / (8 x 2) = 4):
+  python -m tpipe.train.cli.autotune --config=configs/lm.py --config.mesh.fsdp=8 \
+      --config.mesh.tensor=2 --config.num_stages=4 --topology=v5p:4x4x4 --stages=4
   # Which axis should cross the slices of a multislice job (tpipe.train.cli.multislice):
   python -m tpipe.train.cli.autotune --config=configs/lm.py:size=tiny --config.num_data=2 \
       --config.mesh.fsdp=2 --config.num_stages=2 --dcn_slices=2
@@ -61,10 +66,12 @@ result with its reason):
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable, Sequence
 
 from absl import app
+import jax
 from absl import flags
 from ml_collections import config_flags
 
@@ -173,21 +180,25 @@ def _apply(config, candidate: Candidate):
 
 # Trials already compiled in this process, by the config they compiled (the same program is
 # never compiled twice: a repeated search, or two candidates that resolve to one config).
-_TRIALS: dict[tuple[str, int, Any], Trial] = {}
+_TRIALS: dict[tuple[str, int, Any, Any], Trial] = {}
 
 
-def measure(config, candidate: Candidate, budget_bytes: int, chip: str = DEFAULT_CHIP) -> Trial:
+def measure(config, candidate: Candidate, budget_bytes: int, chip: str = DEFAULT_CHIP,
+            topology: str | None = None) -> Trial:
   """Compiles ``config`` with ``candidate`` applied, measures it against the budget and
   predicts its step time on ``chip`` (a name of :data:`tpipe.tools.chips.CHIPS`); a config
-  already compiled in this process is not compiled again."""
+  already compiled in this process is not compiled again. ``topology`` (``"v5p:4x4x4"``):
+  compile for that TPU slice's devices with the TPU compiler (:func:`tpipe.topology_devices`)
+  instead of this machine's, so the memory and the program priced are the TPU's."""
   from tpipe.train.cli import config_costs  # pylint: disable=g-import-not-at-top
 
   applied = _apply(config, candidate)
-  key = (applied.to_json(), int(budget_bytes), chip)
+  key = (applied.to_json(), int(budget_bytes), chip, topology)
   if key in _TRIALS:
     return dataclasses.replace(_TRIALS[key], candidate=candidate)
   # The step's memory, FLOPs and collectives; the per-stage floor is not needed here.
-  rep = config_costs.analyze_config(applied, per_stage=False, network=links.interconnect(chip))
+  rep = config_costs.analyze_config(applied, per_stage=False, network=links.interconnect(chip),
+                                    topology=topology)
   a = rep.analysis
   memory = rep.largest_device_bytes
   trial = Trial(
@@ -217,6 +228,7 @@ class _Search:
   num_params: int = 0
   compile_seconds: list = dataclasses.field(default_factory=list)
   config_path: str = "CONFIG"
+  topology: str | None = None
 
   @property
   def best(self) -> Trial | None:
@@ -315,7 +327,7 @@ def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None
              remats: Sequence[str] = REMAT_ORDER,
              granularities: Sequence[str | int] = GRANULARITY_ORDER,
              schedules: Sequence[str] | None = None,
-             chip: str = DEFAULT_CHIP,
+             chip: str = DEFAULT_CHIP, topology: str | None = None,
              verbose: bool = False, out: Callable[[str], None] = print,
              config_path: str = "CONFIG") -> TuneResult:
   """Finds the configuration with the least predicted step time that fits ``budget_bytes``.
@@ -330,6 +342,9 @@ def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None
     stages, microbatches, remats, granularities, schedules: restrict the search (see
       :func:`candidates`).
     chip: the chip the step time is predicted on (:data:`tpipe.tools.chips.CHIPS`).
+    topology: compile every candidate for this TPU topology (``"v5p:4x4x4"``) with the TPU
+      compiler instead of for this machine's devices (:func:`measure`); None: this machine's
+      (emulated CPU devices: XLA:CPU's memory and program, priced on ``chip``).
     verbose: print the plan first (candidates, an estimate of the time), then each trial as it
       is measured with the time left and the best so far.
     out: where ``verbose`` prints (``print``).
@@ -351,7 +366,7 @@ def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None
   valid, invalid = candidates(config, num_devices, stages=stages, microbatches=microbatches,
                               remats=remats, granularities=granularities, schedules=schedules)
   search = _Search(config, int(budget_bytes), chip, out if verbose else (lambda _: None),
-                   config_path=config_path)
+                   config_path=config_path, topology=topology)
   search.rejected.extend(invalid)
   queue, search.steps = ordered(config, valid)
   search.out(plan_text(len(queue), len(invalid), _expected_compiles(search, queue)))
@@ -375,9 +390,19 @@ def _run(search: _Search, queue: Sequence[Candidate]) -> bool:
       search.rejected.append((cand, reason))
       continue
     try:
-      trial = measure(search.config, cand, search.budget_bytes, search.chip)
+      trial = measure(search.config, cand, search.budget_bytes, search.chip,
+                      topology=search.topology)
     except (ValueError, TypeError) as e:
       search.rejected.append((cand, f"invalid: {e}"))
+      continue
+    except jax.errors.JaxRuntimeError as e:
+      # The TPU compiler refuses a program beyond the device's HBM: it does not fit.
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      search.rejected.append((cand, "over budget: the compiler ran out of device memory ("
+                              f"{str(e).splitlines()[0]})"))
+      search.out(f"[{done}/{len(queue)}] {cand.overrides()}: over budget (the compiler ran "
+                 "out of device memory)")
       continue
     except KeyboardInterrupt:
       search.rejected.extend((c, "not tried: interrupted") for c in queue[done - 1:])
@@ -441,7 +466,9 @@ def define_flags() -> None:
       "config", None, "Experiment config file, e.g. configs/lm.py.", lock_config=False)
   flags.DEFINE_float("budget_gib", None, "Per-device memory budget in GiB (default: the HBM of "
                      "--chip).")
-  flags.DEFINE_integer("num_devices", None, "Devices (default: the config's mesh).")
+  flags.DEFINE_integer("num_devices", None, "Devices, all mesh axes together (default: the "
+                       "config's mesh); the search splits them over stages x data, each "
+                       "holding config.mesh's fsdp x expert x tensor devices.")
   flags.DEFINE_list("stages", None, "Stage counts to try (default: divisors).")
   flags.DEFINE_list("microbatches", None, "Micro-batch counts to try.")
   flags.DEFINE_list("remats", list(REMAT_ORDER), "Remat policies to try.")
@@ -453,7 +480,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("dcn_slices", None, "Instead of the search: compare the stage, data and "
                        "fsdp axes over this many slices (DCN) and recommend one "
                        "(tpipe.train.cli.multislice).")
-  flags.DEFINE_string("topology", None, "With --dcn_slices: compile for this TPU topology "
+  flags.DEFINE_string("topology", None, "Compile every candidate for this TPU topology with the "
+                      "TPU compiler (e.g. v5p:4x4x4; --chip defaults to its chip); with "
+                      "--dcn_slices: compile for this TPU topology "
                       "(that many slices of it) instead of emulated slices of CPU devices.")
   flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "tpipe",
                                                 "autotune"),
@@ -501,9 +530,16 @@ def main(argv):
 
 
 def _search_from_flags(f, config, num_devices: int, config_path: str) -> TuneResult:
+  # The search places stages x data replicas; each replica of a stage spans config.mesh's
+  # fsdp x expert x tensor devices.
+  per_replica = math.prod(startup.mesh_sizes(config).values())
+  if num_devices % per_replica:
+    raise app.UsageError(f"--num_devices={num_devices} is not divisible by config.mesh's "
+                         f"fsdp x expert x tensor = {per_replica} devices.")
+  chip = f.chip or (f.topology.split(":")[0] if f.topology else DEFAULT_CHIP)
   return autotune(
       config, None if f.budget_gib is None else int(f.budget_gib * 2**30),
-      chip=f.chip or DEFAULT_CHIP, num_devices=num_devices,
+      chip=chip, topology=f.topology, num_devices=num_devices // per_replica,
       stages=[int(s) for s in f.stages] if f.stages else None,
       microbatches=[int(m) for m in f.microbatches] if f.microbatches else None,
       remats=f.remats,

@@ -197,10 +197,15 @@ def analytic_memory(config, candidate: Candidate, num_params: int) -> int:
   the parameters, their gradients and Adam's moments (:data:`STATE_BYTES_PER_PARAM` each,
   ``num_params`` of them over the stages), and the stage inputs its schedule keeps in flight
   (the table's stash slots, one micro-batch of ``seq_len x width`` float32 activations each,
-  where the config names them)."""
+  where the config names them), both over the devices ``config.mesh`` gives a stage's replica
+  (fsdp x expert x tensor: at most that many ways split)."""
   c = candidate
   table = schedule_table(c.schedule, c.num_stages, c.num_microbatches, c.num_repeats)
+  mesh = config.get("mesh") or {}
+  split = 1
+  for name in ("fsdp", "expert", "tensor"):
+    split *= int(mesh.get(name, 1))
   state = STATE_BYTES_PER_PARAM * num_params // c.num_stages
   rows = config.batch_size // (c.num_data * c.num_microbatches)
   activation = rows * int(config.get("seq_len", 0)) * int(config.get("width", 0)) * 4
-  return int(state + int(table.stash_slots().max()) * activation)
+  return int(state + int(table.stash_slots().max()) * activation) // split
