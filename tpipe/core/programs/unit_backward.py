@@ -130,13 +130,21 @@ class _Units:
     unit_floats = floats_lib.float_leaves(unit)
     self.dtypes[k] = [a.dtype for a in unit_floats]
     if self.keep_residuals and k not in self.casts:  # Traced once per segment.
-      self.casts[k] = weight_casts.only_cast_dtypes(
-          lambda floats, h_floats, side_floats: f(floats, h_floats, side_floats)[0],
-          unit_floats, floats_lib.float_leaves(h_in), self.side_floats)
-    unit_floats = weight_casts.cast(unit_floats, self.casts.get(k, [None] * len(unit_floats)))
+      with weight_casts.untied():  # The unit's own casts, tied where it runs, read as casts.
+        self.casts[k] = weight_casts.only_cast_dtypes(
+            lambda floats, h_floats, side_floats: f(floats, h_floats, side_floats)[0],
+            unit_floats, floats_lib.float_leaves(h_in), self.side_floats)
+    unit_floats = weight_casts.cast(unit_floats, self.casts.get(k, [None] * len(unit_floats)),
+                                    self._tie(copy))
     _, vjp, h_out = jax.vjp(f, unit_floats, floats_lib.float_leaves(h_in), self.side_floats,
                             has_aux=True)
     return h_out, vjp, unit_floats
+
+  def _tie(self, copy):
+    """Casts tied to the loops' steps (the unit's copy, the micro-batch), so that XLA casts each
+    unit's weights where they are used instead of hoisting the casts of a whole stack out of
+    the loops (:func:`tpipe.core.programs.weight_casts.tie_to_steps`)."""
+    return lambda a: weight_casts.tie_to_steps(a, (copy, self.args.microbatch))
 
   def keep(self, k, vjp, unit_floats) -> list:
     """A kept VJP's residuals without what the backward reads again (the unit's variables and
@@ -155,7 +163,8 @@ class _Units:
     _, read, _ = self.steps[k]
     treedef, sources = self.reread[k]
     unit_floats = weight_casts.cast(
-        floats_lib.float_leaves(read(self.staged, self.chunk, copy)), self.casts[k])
+        floats_lib.float_leaves(read(self.staged, self.chunk, copy)), self.casts[k],
+        self._tie(copy))
     kept = iter(kept)
     leaves = [next(kept) if where is None else
               (unit_floats if where[0] == "unit" else self.side_floats)[where[1]]

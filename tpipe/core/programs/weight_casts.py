@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -223,15 +224,54 @@ def _slice_at(eqn, index: dict, zeros: set) -> bool:
           and all(zero(v) for d, v in enumerate(starts) if d != at[0]))
 
 
-def cast(leaves: Sequence[Any], dtypes: Sequence[Any]) -> list:
-  """``leaves`` with those that have a dtype in ``dtypes`` cast to it."""
-  return [a if d is None else a.astype(d) for a, d in zip(leaves, dtypes)]
+def cast(leaves: Sequence[Any], dtypes: Sequence[Any], tie=None) -> list:
+  """``leaves`` with those that have a dtype in ``dtypes`` cast to it, each passed through
+  ``tie`` (:func:`tie_to_steps`) first where given."""
+  tie = tie or (lambda a: a)
+  return [a if d is None else tie(a).astype(d) for a, d in zip(leaves, dtypes)]
 
 
 def uncast(grads: Sequence[Any], dtypes: Sequence[Any]) -> list:
   """Gradients of cast leaves back in the leaves' own ``dtypes`` (the transpose of
   :func:`cast`)."""
   return [g.astype(d) if g.dtype != d else g for g, d in zip(grads, dtypes)]
+
+
+def cast_by_path(tree, casts, tie=None):
+  """``tree`` with each leaf whose key path (``jax.tree_util.keystr``) ``casts`` names cast to
+  that dtype, passed through ``tie`` (:func:`tie_to_steps`) first where given: a stacked unit's
+  weights on a stage that holds them whole (no fsdp), cast where the unit runs rather than
+  hoisted out of the loops by XLA.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> out = cast_by_path({"w": jnp.ones(2), "b": jnp.ones(2)}, {"['w']": jnp.bfloat16})
+    >>> out["w"].dtype, out["b"].dtype
+    (dtype(bfloat16), dtype('float32'))
+  """
+  def one(path, leaf):
+    dtype = casts.get(jax.tree_util.keystr(path))
+    if dtype is None or leaf.dtype == dtype:  # Not cast, or cast already.
+      return leaf
+    return (tie(leaf) if tie is not None else leaf).astype(dtype)
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+_UNTIED = [0]  # Inside :func:`untied`: tie_to_steps leaves values as they are.
+
+
+@contextlib.contextmanager
+def untied():
+  """While tracing a program only to read which weights it only casts
+  (:func:`only_cast_dtypes`): :func:`tie_to_steps` returns its tree as it is, so a weight
+  tied and then cast reads as a weight cast."""
+  _UNTIED[0] += 1
+  try:
+    yield
+  finally:
+    _UNTIED[0] -= 1
 
 
 def tie_to_steps(tree, steps: Sequence[Any]):
@@ -250,6 +290,8 @@ def tie_to_steps(tree, steps: Sequence[Any]):
   does not keep the cast inside on the TPU compiler (measured: the cast was hoisted all the
   same).
   """
+  if _UNTIED[0]:
+    return tree
   zero = jnp.zeros((), jnp.float32)
   for step in steps:
     zero = zero + jnp.abs(jnp.asarray(step).astype(jnp.float32)) * 0.0
