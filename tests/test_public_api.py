@@ -21,6 +21,7 @@ TPIPE = [
     "TrainState",
     "TrainStep",
     "axis_rules",
+    "counting_flops",
     "create_train_state",
     "data_sharding",
     "make_mesh",

@@ -30,6 +30,7 @@ from tpipe import schedules
 from tpipe import staging
 from tpipe.axis_rules import DEFAULT_RULES
 from tpipe.core.engine import PlannedPipeline
+from tpipe.core.planning.unit_cost import counting_flops
 from tpipe.linen.layers import AUX_LOSS
 from tpipe.linen.layers import AUX_METRIC
 from tpipe.linen.sequential import Repeat
@@ -58,6 +59,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "axis_rules",
+    "counting_flops",
     "create_train_state",
     "data_sharding",
     "make_mesh",

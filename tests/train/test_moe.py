@@ -402,3 +402,23 @@ def test_rows_split_over_the_expert_axis_only_inside_a_stage_without_tensor():
   assert len(whole) == 1 and '"expert"' not in whole[0]
   # Beside a tensor axis the TPU compiler's partitioner fails on the split: rows stay whole.
   assert not constraint(_lowered_rows(dict(stages=2, expert=2, tensor=2)))
+
+
+def test_balance_counts_a_grouped_matmul_as_its_groups_not_as_every_expert():
+  from tpipe.core.planning import unit_cost  # pylint: disable=g-import-not-at-top
+  rows, k_dim, n_dim, groups = 24, 16, 32, 4
+  sizes = jnp.array([5, 0, 12, 7], jnp.int32)
+  product = lambda params, h, broadcast, per_example: moe.grouped_matmul(h, params["w"], sizes)
+  params = {"w": jax.ShapeDtypeStruct((groups, k_dim, n_dim), jnp.float32)}
+  h = jax.ShapeDtypeStruct((rows, k_dim), jnp.float32)
+  flops = unit_cost.measure("flops", product, params, h, ((), ()))
+  # The product and both gradients, 2 x rows x K x N each, whatever the groups (XLA:CPU's own
+  # count of ragged_dot is a product with every group: 4x as many).
+  assert flops == pytest.approx(6 * rows * k_dim * n_dim, rel=0.02)
+  # Run (not counted), it is the grouped product itself.
+  x = jax.random.normal(jax.random.key(0), (rows, k_dim))
+  w = jax.random.normal(jax.random.key(1), (groups, k_dim, n_dim))
+  starts = np.cumsum([0, 5, 0, 12])
+  expected = np.concatenate([np.asarray(x[s:s + n]) @ np.asarray(w[g])
+                             for g, (s, n) in enumerate(zip(starts, [5, 0, 12, 7]))])
+  np.testing.assert_allclose(moe.grouped_matmul(x, w, sizes), expected, rtol=1e-5, atol=1e-5)

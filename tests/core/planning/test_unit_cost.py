@@ -52,3 +52,19 @@ def test_action_flops_of_integer_inputs_have_no_input_gradient():
   parts = unit_cost.action_flops(lookup, params, ids, ((), ()), identity=None)
   assert parts["backward_input"] == 0
   assert parts["backward_weight"] == pytest.approx(2 * parts["forward"], rel=0.05)
+
+
+def test_counting_flops_is_true_only_while_a_count_traces_the_layer():
+  seen = []
+
+  def layer(params, h, broadcast, per_example):
+    seen.append(unit_cost.counting_flops())
+    return _matmul(params, h, broadcast, per_example)
+
+  params = {"w": jax.ShapeDtypeStruct((IN, OUT), jnp.float32)}
+  h = jax.ShapeDtypeStruct((ROWS, IN), jnp.float32)
+  unit_cost.measure("flops", layer, params, h, ((), ()))
+  assert seen and all(seen)
+  assert not unit_cost.counting_flops()
+  jax.eval_shape(layer, params, h, (), ())  # Traced to run, not to count.
+  assert seen[-1] is False

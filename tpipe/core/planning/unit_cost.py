@@ -6,7 +6,10 @@ that computation as a training step runs it (:func:`forward_backward`: the gradi
 parameters and of the input, for an output cotangent XLA cannot fold away):
 
 * ``"flops"``: XLA's ``cost_analysis()`` of the compiled program. It counts a loop body once and
-  a conditional as its costliest branch.
+  a conditional as its costliest branch. While it traces the layer, :func:`counting_flops` is
+  True: a layer whose operation XLA:CPU expands into more work than it does on an accelerator
+  (``jax.lax.ragged_dot``, a product with every group) can stand in an operation of the same
+  FLOPs (:func:`tpipe.train.moe.grouped_matmul`: one dense product of its shape).
 * ``"time"``: the program's wall time, run on example inputs of the right shapes: a few warm-up
   runs, then the median of several timed runs, each waited for with ``block_until_ready``. Meant
   for real accelerators. On shared CPUs (and anywhere other work competes) the timings are noisy,
@@ -28,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Any, Callable, Hashable
@@ -44,6 +48,34 @@ TIMED_RUNS = 7
 _CACHE: dict[Hashable, float] = {}
 # The parts of one unit's step :func:`action_flops` counts.
 PARTS = ("forward", "backward_input", "backward_weight")
+
+
+_COUNTING = [0]  # How many FLOP counts are tracing now (nested counts stay True).
+
+
+def counting_flops() -> bool:
+  """Whether tpipe is tracing a layer now to count its FLOPs (``balance="flops"``, the tick
+  costs a fused schedule is laid out for, the report's per-stage FLOPs), not to run it.
+
+  A layer may then trace a stand-in of the same FLOPs where XLA's count of its own operation
+  would mislead: ``jax.lax.ragged_dot`` is counted on the CPU as a product with every group
+  (E times the work of a mixture's k-of-E routing). The stand-in's values are never used.
+
+  Example::
+
+    >>> counting_flops()
+    False
+  """
+  return _COUNTING[0] > 0
+
+
+@contextlib.contextmanager
+def _counting():
+  _COUNTING[0] += 1
+  try:
+    yield
+  finally:
+    _COUNTING[0] -= 1
 
 
 def abstract_key(tree) -> Hashable:
@@ -123,8 +155,9 @@ def _measure_actions(layer_apply: Callable, params, h, side, identity) -> dict[s
   total = (measure("flops", layer_apply, params, h, side) if identity is None
            else cost("flops", layer_apply, params, h, side, identity=identity))
   # The VJP in the input and the side inputs only: the parameters held fixed.
-  with_input = _compiled_flops(*forward_backward(fn, params, h, side,
-                                                 differentiate=(False, True, True)))
+  with _counting():
+    with_input = _compiled_flops(*forward_backward(fn, params, h, side,
+                                                   differentiate=(False, True, True)))
   backward = max(total - forward, 0.0)
   backward_input = min(max(with_input - forward, 0.0), backward)
   return {"forward": forward, "backward_input": backward_input,
@@ -132,8 +165,11 @@ def _measure_actions(layer_apply: Callable, params, h, side, identity) -> dict[s
 
 
 def _compiled_flops(program, abstract) -> float:
-  """XLA's FLOP count of ``program`` compiled for ``abstract`` arguments."""
-  analysis = program.lower(*abstract).compile().cost_analysis()
+  """XLA's FLOP count of ``program`` compiled for ``abstract`` arguments, traced with
+  :func:`counting_flops` True."""
+  with _counting():
+    lowered = program.lower(*abstract)
+  analysis = lowered.compile().cost_analysis()
   if isinstance(analysis, (list, tuple)):
     analysis = analysis[0] if analysis else {}
   return float((analysis or {}).get("flops", 0.0))
@@ -145,7 +181,8 @@ def measure(kind: str, layer_apply: Callable, params, h, side) -> float:
   Safe to call while tracing (e.g. inside ``jax.jit``): the compile and the timed runs happen
   eagerly, on concrete example inputs.
   """
-  program, abstract = forward_backward(lambda p, x, s: layer_apply(p, x, *s), params, h, side)
+  with _counting() if kind == "flops" else contextlib.nullcontext():
+    program, abstract = forward_backward(lambda p, x, s: layer_apply(p, x, *s), params, h, side)
   if kind == "flops":
     return _compiled_flops(program, abstract)
   compiled = program.lower(*abstract).compile()
