@@ -17,6 +17,10 @@ the pipeline adds ``stage`` in front):
 * an axis the weight cannot use is dropped: one of size 1 on the mesh, one already used by an
   earlier dimension, one reserved for the pipeline (``stage``, ``data``), or one whose size
   does not divide the dimension (that dimension is then replicated);
+* ``fsdp`` splits a dimension alone: the tick loops gather it by hand
+  (:mod:`tpipe.core.programs.fsdp`), the partitioner the other axes, so where a name maps to
+  ``fsdp`` and another axis, the dimension takes the first of them the mesh has (the model
+  width, ``embed``, goes over ``fsdp`` where the mesh has it, else over ``expert``);
 * a weight without names (no annotation) is split over ``fsdp`` on its largest dimension the
   ``fsdp`` size divides (the first such, on ties), else kept whole.
 
@@ -39,11 +43,13 @@ from jax.sharding import PartitionSpec as P
 from tpipe import mesh as mesh_lib
 
 # (logical name, mesh axes): Flax's rule format. A batch's rows split over data and fsdp, the
-# model width over fsdp (ZeRO-3: gathered one layer at a time), and what a layer computes in
-# parallel (MLP units, heads, vocabulary entries) over tensor; a mixture's experts over expert.
+# model width over fsdp (ZeRO-3: gathered one layer at a time) or, without fsdp, over expert (a
+# mixture's attention, embedding and head split over the expert devices, not whole on each),
+# and what a layer computes in parallel (MLP units, heads, vocabulary entries) over tensor; a
+# mixture's experts over expert.
 DEFAULT_RULES = (
     ("batch", (mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS)),
-    ("embed", mesh_lib.FSDP_AXIS),
+    ("embed", (mesh_lib.FSDP_AXIS, mesh_lib.EXPERT_AXIS)),
     ("mlp", mesh_lib.TENSOR_AXIS),
     ("heads", mesh_lib.TENSOR_AXIS),
     ("kv_heads", mesh_lib.TENSOR_AXIS),
@@ -137,6 +143,8 @@ def weight_spec(shape: Sequence[int], names: Sequence[str | None] | None, mesh, 
     axes, ways = [], 1
     for axis in _targets(name, rules, sizes):
       if axis in usable and axis not in used and dim % (ways * sizes[axis]) == 0:
+        if axes and mesh_lib.FSDP_AXIS in (axis, *axes):
+          break  # fsdp splits a dimension alone (the tick loops gather it by hand).
         axes.append(axis)
         ways *= sizes[axis]
     used.update(axes)
