@@ -320,9 +320,9 @@ class ChunkSet:
     per
     segment and types of ``args``. Without fsdp (nothing gathered), a stacked unit's weights it
     only casts are cast here the same way (where they are not cast already): XLA would otherwise
-    hoist their
-    casts out of the tick loop, a bfloat16 copy of the stage's weights live all step (Mixtral-8x7B
-    on stage 4 x expert 8 x tensor 2, GPipe: 1.81 GiB per device of weight casts, 0.56 tied)."""
+    hoist their casts out of the tick loop, a bfloat16 copy of the stage's weights live all step
+    (Mixtral-8x7B on stage 4 x expert 8 x tensor 2, GPipe: 1.81 GiB per device of weight casts,
+    0.56 tied)."""
     seg = self.layout.segments[self.chunks_of[branch][0]][segment]
 
     def gather(casts, tie=None):
