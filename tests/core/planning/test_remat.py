@@ -26,6 +26,7 @@ from tests.helpers import blocks
 from tests.helpers import linen_models as lm
 from tests.helpers import numerics
 from tpipe.core.planning import backward_plan
+from tpipe.core.planning import remat as remat_lib
 from tpipe.tools import flops as flops_lib
 from tpipe.tools import hlo
 
@@ -467,3 +468,13 @@ def test_remat_none_is_one_program_at_every_granularity(stages, microbatches):
     assert (checkpoints, flops, loops) == chunk[1:], (granularity, chunk[1:])
   if stages == 1:
     assert chunk[3] == 0, chunk  # unroll=True: no loop over layers (nor over pieces).
+
+
+def test_tick_policy():
+  spec = lambda remat, granularity: tpipe.PipelineSpec(
+      num_stages=2, num_microbatches=2, remat=remat, remat_granularity=granularity)
+  assert remat_lib.tick_policy(spec("full", "nested")) is remat_lib.FULL
+  # Other settings: the chunk's own remat policy (a checkpoint policy function), never FULL.
+  policy = remat_lib.tick_policy(spec("none", "nested"))
+  assert remat_lib.chunk_policy("none", "nested") is not None
+  assert callable(policy) and policy is not remat_lib.FULL

@@ -12,18 +12,7 @@ from tests.helpers import core_layers as cl
 from tpipe.core.base import arguments
 from tpipe.core.layout import device_view as view_lib
 from tpipe.core.layout import staging
-from tpipe.core.planning import remat as remat_lib
 from tpipe.core.programs import chunks as chunks_lib
-
-
-def test_tick_policy():
-  spec = lambda remat, granularity: tpipe.PipelineSpec(
-      num_stages=2, num_microbatches=2, remat=remat, remat_granularity=granularity)
-  assert chunks_lib.tick_policy(spec("full", "nested")) is chunks_lib.FULL
-  # Other settings: the chunk's own remat policy (a checkpoint policy function), never FULL.
-  policy = chunks_lib.tick_policy(spec("none", "nested"))
-  assert remat_lib.chunk_policy("none", "nested") is not None
-  assert callable(policy) and policy is not chunks_lib.FULL
 
 
 def _interleaved():

@@ -41,6 +41,7 @@ from tpipe.core.base import spmd
 from tpipe.core.layout import device_view as view_lib
 from tpipe.core.loops import tick_rows
 from tpipe.core.planning import backward_plan
+from tpipe.core.planning import remat as remat_lib
 from tpipe.core.programs import chunks as chunks_lib
 from tpipe.core.programs import residuals as residuals_lib
 from tpipe.core.programs import ring as ring_lib
@@ -202,11 +203,11 @@ class Branches:
 
   def __init__(self, chunkset: chunks_lib.ChunkSet, plan: backward_plan.BackwardPlan):
     self.chunkset, self.plan = chunkset, plan
-    policy = chunks_lib.tick_policy(chunkset.spec)
+    policy = remat_lib.tick_policy(chunkset.spec)
     # A backward tick recomputes its chunk's forward from the stashed input under jax.vjp: that
     # is remat="full" already, and checkpointing the chunk again inside the tick would run the
     # forward twice for the same peak. Other policies decide what the tick keeps.
-    inner = None if policy is chunks_lib.FULL else policy
+    inner = None if policy is remat_lib.FULL else policy
     count = chunkset.num_branches
     self.numbers = tick_rows.BranchNumbers(count)
     self.programs = [chunkset.branch(b, inner) for b in range(count)]

@@ -43,6 +43,7 @@ from tpipe.core.base import spmd
 from tpipe.core.layout import device_view as view_lib
 from tpipe.core.loops import gated
 from tpipe.core.loops import streaming
+from tpipe.core.planning import remat as remat_lib
 from tpipe.core.programs import chunks as chunks_lib
 from tpipe.core.programs import ring as ring_lib
 
@@ -122,7 +123,7 @@ class _Loop:
     self.conveyor = streaming.plan(schedule, axes, global_batch, chunkset.spec.stream_inputs)
     if self.conveyor is not None:
       self.rows_table.update(self.conveyor.row())
-    policy = chunks_lib.tick_policy(chunkset.spec)
+    policy = remat_lib.tick_policy(chunkset.spec)
     self.branches = [chunkset.branch(i, policy, tie_to_tick=True)
                      for i in range(chunkset.num_branches)]
 

@@ -52,6 +52,27 @@ def policy_of(remat) -> Any:
   return remat
 
 
+# jax.checkpoint's policy for remat="full" is None; this sentinel asks for that checkpoint, where
+# None means no checkpoint at all.
+FULL = object()
+
+
+def tick_policy(spec) -> Any:
+  """The checkpoint around a chunk in a forward tick (a :class:`tpipe.PipelineSpec`'s): the
+  chunk policy (:func:`chunk_policy`), :data:`FULL` for ``remat="full"`` (the chunk keeps only
+  its input)."""
+  policy = chunk_policy(spec.remat, spec.remat_granularity)
+  return FULL if policy is None else policy
+
+
+def checkpointed(fn, policy):
+  """``fn`` under ``jax.checkpoint`` with ``policy`` (:data:`FULL`: save nothing), or as it is
+  for None."""
+  if policy is None:
+    return fn
+  return jax.checkpoint(fn, policy=None if policy is FULL else policy, prevent_cse=False)
+
+
 def chunk_policy(remat, granularity) -> Any:
   """The ``jax.checkpoint`` policy of the checkpoint around a whole chunk.
 

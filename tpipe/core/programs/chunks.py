@@ -481,7 +481,7 @@ class ChunkSet:
                                     self.chunks_of[index][0])
       return results + (sums,)
 
-    return _checkpointed(run, policy)
+    return remat_lib.checkpointed(run, policy)
 
   def tapped_branch(self, index: int, policy=None):
     """Branch ``index`` in the split backward's form: ``fn(staged, fresh, incoming, broadcast,
@@ -494,7 +494,7 @@ class ChunkSet:
                                         rngs, microbatch, chunk, taps, tapped=True)
       return results, ([r[0] for r in records], [r[1] for r in records])
 
-    return _checkpointed(run, policy)
+    return remat_lib.checkpointed(run, policy)
 
   def unit_programs(self, index: int, staged, inputs: tuple, chunk) -> dict:
     """Branch ``index``'s units as traced programs (:class:`tpipe.core.programs.taps.Program`), what
@@ -580,24 +580,6 @@ class ChunkSet:
 
       steps.append((seg.copies, read, apply))
     return steps
-
-
-# jax.checkpoint's policy for remat="full" is None; this sentinel asks for that checkpoint, where
-# None means no checkpoint at all.
-FULL = object()
-
-
-def _checkpointed(fn, policy):
-  if policy is None:
-    return fn
-  return jax.checkpoint(fn, policy=None if policy is FULL else policy, prevent_cse=False)
-
-
-def tick_policy(spec: spec_lib.PipelineSpec):
-  """The checkpoint around a chunk in a forward tick: the chunk policy, ``FULL`` for
-  ``remat="full"`` (the chunk keeps only its input)."""
-  policy = remat_lib.chunk_policy(spec.remat, spec.remat_granularity)
-  return FULL if policy is None else policy
 
 
 def _trace_key(*trees) -> tuple:
