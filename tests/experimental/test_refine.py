@@ -3,10 +3,9 @@ ZB-H1 table shorter than the compound builder's under neighbour synchronisation,
 memory, for costs in any unit, and the same on every call; over every fused schedule, with
 delayed links too, it never lengthens the step or grows a stage's memory; bad input raises;
 the factory and the spec run it only when asked, and cache it. Only the bad-input test is in
-the unit tier: a search takes seconds.
+the unit tier: a search takes seconds. The modules' doctests run as the suite's doctest items
+(setup.cfg's ``--doctest-modules``), not again here.
 """
-
-import doctest
 
 import numpy as np
 import pytest
@@ -122,8 +121,3 @@ def test_a_searched_spec_runs_the_search_only_when_asked():
     search.with_search(plain, 1.0)
   with pytest.raises(TypeError, match="spec must be a tpipe.PipelineSpec"):
     search.with_search({"schedule": "zb_h1"}, 1)
-
-
-def test_module_doctests_pass():
-  assert doctest.testmod(refine).failed == 0
-  assert doctest.testmod(search).failed == 0
