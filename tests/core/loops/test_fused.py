@@ -20,6 +20,8 @@ The compiled program issues two neighbour sends per tick, none inside a branch, 
 gradients over data replicas once, after the tick loop.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -36,28 +38,21 @@ from tpipe.tools import hlo as hlo_lib
 BATCH = lm.BATCH
 
 
-# (model, schedule, stages, micro-batches per replica, data, remat): every fused schedule with
-# S in {1, 2, 4, 8} and M < S, M = S, M > S (4S), M not a multiple of S; interleaved 1F1B and ZB-V
-# hold 2 chunks per stage. The remat policy decides what a backward tick keeps between its
-# recomputed forward and its backward, except "none" with an unsplit backward: there F keeps the
-# chunk's residuals for B across ticks (tpipe.core.programs.residuals).
+# (model, schedule, stages, micro-batches per replica, data, remat): a covering set, not a cross
+# product (each compiles its own pipelined step): every fused schedule, S in {1, 2, 4, 8}, M < S,
+# M = S, M > S (4S) and M not a multiple of S, data in {1, 2}, every remat policy and every model
+# at least once. Interleaved 1F1B and ZB-V hold 2 chunks per stage. The remat policy decides what
+# a backward tick keeps between its recomputed forward and its backward, except "none" with an
+# unsplit backward: there F keeps the chunk's residuals for B across ticks
+# (tpipe.core.programs.residuals), kept here with one chunk (1F1B) and two (interleaved 1F1B);
+# "none" with a split backward with one chunk (ZB-H1) and two (ZB-V).
 CASES = [
-    ("mlp", "1f1b", 1, 3, 2, "full"),
-    ("mlp", "1f1b", 4, 2, 1, "dots"),
-    ("lm", "1f1b", 4, 3, 1, "none"),
-    ("mlp", "1f1b", 2, 4, 2, "none"),
-    ("blocks", "1f1b", 8, 32, 1, "full"),
-    ("mlp", "interleaved_1f1b", 2, 4, 2, "full"),
-    ("lm", "interleaved_1f1b", 2, 1, 1, "dots"),
+    ("lm", "1f1b", 4, 3, 1, "none"),  # M < S, not a multiple of S
+    ("blocks", "1f1b", 8, 32, 1, "full"),  # S = 8, M = 4S
+    ("lm", "interleaved_1f1b", 2, 1, 1, "dots"),  # M = 1
     ("blocks", "interleaved_1f1b", 4, 8, 1, "none"),
-    ("mlp", "zb_h1", 1, 2, 2, "none"),
-    ("mlp", "zb_h1", 4, 1, 1, "full"),
-    ("lm", "zb_h1", 4, 4, 2, "dots"),
-    ("blocks", "zb_h1", 8, 8, 1, "full"),
-    ("mlp", "zbv", 1, 3, 1, "dots"),
-    ("mlp", "zbv", 2, 2, 2, "full"),
-    ("lm", "zbv", 2, 3, 2, "none"),
-    ("blocks", "zbv", 8, 16, 1, "full"),
+    ("mlp", "zb_h1", 1, 2, 2, "none"),  # S = 1, data 2
+    ("mlp", "zbv", 2, 2, 2, "none"),  # M = S, data 2
 ]
 CHUNKS_PER_STAGE = {"1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2}
 
@@ -79,6 +74,18 @@ def _model(name, schedule, stages, microbatches, data=1, remat="full", **setting
 def _inputs(name, mesh):
   _, x, targets, _ = lm.loss_model(name)
   return jax.device_put((x, targets), tpipe.data_sharding(mesh))
+
+
+@functools.lru_cache(maxsize=None)
+def _gradient_step(name, schedule, stages, microbatches, remat="full"):
+  """``(model, compiled, pipeline)``: the compiled gradient step of the loss of ``_model(name,
+  schedule, stages, microbatches, remat=remat)``, compiled once for the tests that read it (the
+  split backward's FLOPs, remat none's, the weight slots)."""
+  model, mesh = _model(name, schedule, stages, microbatches, remat=remat)
+  x, targets = _inputs(name, mesh)
+  step = jax.jit(jax.grad(lm.pipelined_loss(model)))
+  compiled = step.lower(lm.random_params(name), x, targets).compile()
+  return model, compiled, model.pipeline_for(x, targets=targets)
 
 
 @pytest.mark.parametrize("name,schedule,stages,microbatches,data,remat", CASES)
@@ -231,12 +238,8 @@ def test_the_split_backward_does_the_work_of_one_backward():
   """ZB-H1's BI and W together execute the FLOPs of 1F1B's fused backward B, and BI alone saves
   the weight-gradient products W then forms; its program compiles no B (the table runs none)."""
   found = {}
-  for schedule in ("zb_h1", "1f1b"):
-    model, mesh = _model("blocks", schedule, 2, 2)
-    x, targets = _inputs("blocks", mesh)
-    step = jax.jit(jax.grad(lm.pipelined_loss(model)))
-    compiled = step.lower(lm.random_params("blocks"), x, targets).compile()
-    pipeline = model.pipeline_for(x, targets=targets)
+  for schedule in ("zb_h1", "1f1b"):  # M = 4: the steps of remat full below
+    _, compiled, pipeline = _gradient_step("blocks", schedule, 2, 4)
     found[schedule] = analysis.fused_flops(compiled, pipeline.loss_table, pipeline.programs())
   split, fused_backward = found["zb_h1"].actions, found["1f1b"].actions["B"]
   assert np.isnan(split["B"]).all() and np.isnan(found["1f1b"].actions["BI"]).all()
@@ -254,11 +257,7 @@ def test_under_remat_none_b_differentiates_without_running_the_forward_again(sch
   split table's F files its weight operations' inputs too, so W runs no forward either."""
   found = {}
   for remat in ("none", "full"):
-    model, mesh = _model("blocks", schedule, 2, 4, remat=remat)
-    x, targets = _inputs("blocks", mesh)
-    step = jax.jit(jax.grad(lm.pipelined_loss(model)))
-    compiled = step.lower(lm.random_params("blocks"), x, targets).compile()
-    pipeline = model.pipeline_for(x, targets=targets)
+    _, compiled, pipeline = _gradient_step("blocks", schedule, 2, 4, remat)
     found[remat] = analysis.fused_flops(compiled, pipeline.loss_table,
                                         pipeline.programs()).actions
   none, full = found["none"], found["full"]
@@ -274,14 +273,13 @@ def test_bi_files_its_weight_slot_without_copying_the_slots_buffer(schedule):
   slot at a time: no copy of the whole buffer in the compiled step. (Going into the tick's
   switch, the buffer was copied whole in every BI branch, in XLA's copies for updating a
   conditional's operand in place: 131.7 instead of 98.0 MiB for ZB-H1 in fused_schedules.)"""
-  model, mesh = _model("blocks", schedule, 2, 4)  # 2 and 3 slots: one slot is the buffer
-  x, targets = _inputs("blocks", mesh)
-  step = jax.jit(jax.grad(lm.pipelined_loss(model)))
-  module = hlo_lib.module_of(step.lower(lm.random_params("blocks"), x, targets).compile())
+  # 2 and 3 slots: one slot is the buffer. The step of remat full above.
+  _, compiled, pipeline = _gradient_step("blocks", schedule, 2, 4)
+  module = hlo_lib.module_of(compiled)
   dims = lambda ins: [(a.dtype, a.dims) for a in hlo_lib.parse_shape(ins.shape)]
   stash = [ins for _, ins in module.instructions() if spmd.STASH_SCOPE in ins.attrs]
   slots = max(stash, key=lambda ins: hlo_lib.shape_bytes(ins.shape))
-  table = model.pipeline_for(x, targets=targets).loss_table
+  table = pipeline.loss_table
   assert dims(slots)[0][1][0] == table.awaiting_weight().max(), slots.shape
   copies = [ins.shape for _, ins in module.instructions()
             if ins.opcode == "copy" and dims(ins) == dims(slots)]
