@@ -124,27 +124,43 @@ def random_params():
 
 
 def _sequential_loss(params, tokens, targets, groups, capacity_factor, with_aux):
+  """The model in sequence, group after group and copy after copy: two ``lax.scan`` loops (one
+  body each to trace and compile, where unrolled loops compiled ``groups x COPIES`` blocks)."""
   embed, head = Embed(), Head()
   block = Block(capacity_factor)
-  total = 0.0
-  for tg, yg in zip(jnp.split(tokens, groups), jnp.split(targets, groups)):
+
+  def one_copy(carry, copy):
+    h, aux = carry
+    h, sown = block.apply({"params": copy}, h, mutable=[tpipe.AUX_LOSS])
+    return (h, aux + sum(jax.tree.leaves(sown))), None
+
+  def one_group(total, rows):
+    tg, yg = rows
     h = embed.apply({"params": params["layers_0"]}, tg)
-    aux = 0.0
-    for j in range(COPIES):
-      copy = jax.tree.map(lambda a, j=j: a[j], params["layers_1"])
-      h, sown = block.apply({"params": copy}, h, mutable=[tpipe.AUX_LOSS])
-      aux = aux + sum(jax.tree.leaves(sown))
+    (h, aux), _ = jax.lax.scan(one_copy, (h, jnp.zeros((), h.dtype)), params["layers_1"])
     total = total + jnp.mean(head.apply({"params": params["layers_2"]}, h, yg))
-    total = total + (aux if with_aux else 0.0)
+    return total + (aux if with_aux else 0.0), None
+
+  split = lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:])
+  dtype = params["layers_0"]["table"].dtype
+  total, _ = jax.lax.scan(one_group, jnp.zeros((), dtype), (split(tokens), split(targets)))
   return total / groups
 
 
 @functools.cache
-def sequential_value_and_grad(groups, capacity_factor=0.0, precision="float32", aux=True):
+def sequential_value_and_grad(groups, capacity_factor=0.0, precision="float32"):
   """The plain model's ``(mean loss, gradients)`` on ``groups`` row groups (float64 with
-  ``precision="float64"``; without the auxiliary losses with ``aux=False``)."""
+  ``precision="float64"``)."""
   fn = jax.jit(jax.value_and_grad(_sequential_loss), static_argnums=(3, 4, 5))
-  args = (random_params(), *inputs(), groups, capacity_factor, aux)
+  args = (random_params(), *inputs(), groups, capacity_factor, True)
   if precision == "float64":
     return numerics.float64_reference(fn, *args)
   return fn(*args)
+
+
+@functools.cache
+def sequential_loss_without_aux(groups, capacity_factor=0.0):
+  """The plain model's mean loss on ``groups`` row groups without the auxiliary losses (float32;
+  no gradients)."""
+  fn = jax.jit(_sequential_loss, static_argnums=(3, 4, 5))
+  return fn(random_params(), *inputs(), groups, capacity_factor, False)
