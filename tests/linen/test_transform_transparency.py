@@ -1,10 +1,11 @@
 """Transparency: the pipelined stack's outputs and gradients equal applying its layers in order.
 
 One parameterized test over schedules, stage counts, micro-batch counts, data-parallel sizes,
-remat policies and blocks. Every (stages, micro-batches) pair runs, with the schedules and the
-data-parallel sizes taking turns so that each stage count meets each of them; remat policies and
-blocks rotate over those cases, and a second grid crosses every remat policy with every block and
-schedule.
+remat policies and blocks, in one pass of 14 cases (:func:`test_the_cases_cover_every_pairing`):
+every (stages, micro-batches) pair runs, with the schedules and the data-parallel sizes taking
+turns so that each stage count meets each of them, and the same cases cross every remat policy
+with every block, each block and each remat policy meeting both schedules, each block data 2 and
+4 or more stages.
 
 "Equal" is :mod:`tests.helpers.numerics`' rule: against a float64 run of the sequential model, the
 pipelined float32 error is at most twice that of the float32 sequential model run on the same
@@ -116,6 +117,7 @@ def _plain(block_name, microbatches):
   return (y, *grads)
 
 
+@functools.cache
 def _pipelined(block_name, schedule="gpipe", stages=4, microbatches=4, data=2, remat="full",
                unroll=1):
   """The pipelined stack's jitted grad function and the mesh it runs on.
@@ -145,26 +147,38 @@ def _assert_equals_sequential(results, block_name, microbatches):
     numerics.assert_as_close_as_plain(actual, plain, exact, what=what)
 
 
-def _cases():
-  cases = []
-  names = list(BLOCKS)
-  for k, stages in enumerate((1, 2, 4, 8)):
-    # Every micro-batch count with every stage count; the schedules take turns, and so does
-    # the data-parallel size where it fits, so each stage count meets both schedules and both
-    # sizes (the engine's full grid is tests/linen/test_sequential.py's and tests/core's).
-    for j, microbatches in enumerate(sorted({1, 2, stages, 4 * stages})):
-      data = (1, 2)[(j // 2) % 2] if stages * 2 <= 8 else 1
-      schedule = ("gpipe", "circular")[(j + k) % 2]
-      i = len(cases)
-      cases.append((schedule, stages, microbatches, data, REMATS[i % 3],
-                    names[(i // 3) % len(names)]))
-  # Every remat policy on every block (S = 4, M = 4, data = 2), the schedules taking turns.
-  for i, (remat, block) in enumerate(itertools.product(REMATS, names)):
-    cases.append((("gpipe", "circular")[i % 2], 4, 4, 2, remat, block))
-  return list(dict.fromkeys(cases))  # The two grids share a case.
+# (schedule, stages, micro-batches, data, remat, block). Every micro-batch count in
+# {1, 2, S, 4S} with every stage count; the schedules take turns, and so does the data-parallel
+# size where it fits, so each stage count meets both schedules and both sizes (the engine's full
+# grid is tests/linen/test_sequential.py's and tests/core's). The remat policies and blocks are
+# placed so that every pair of them runs. The S = 4, M = 4, data = 2 case is the control tests'.
+CASES = [("gpipe", 1, 1, 1, "dots", "attention"), ("circular", 1, 2, 1, "none", "rms_no_eps"),
+         ("gpipe", 1, 4, 2, "none", "attention"), ("circular", 2, 1, 1, "dots", "mlp"),
+         ("gpipe", 2, 2, 1, "none", "mlp"), ("circular", 2, 8, 2, "full", "pytree"),
+         ("gpipe", 4, 1, 1, "dots", "attention"), ("circular", 4, 2, 1, "full", "attention"),
+         ("gpipe", 4, 4, 2, "full", "mlp"), ("circular", 4, 16, 2, "dots", "rms_no_eps"),
+         ("circular", 8, 1, 1, "none", "pytree"), ("gpipe", 8, 2, 1, "full", "rms_no_eps"),
+         ("circular", 8, 8, 1, "dots", "rms_no_eps"), ("gpipe", 8, 32, 1, "dots", "pytree")]
 
 
-@pytest.mark.parametrize("schedule,stages,microbatches,data,remat,block", _cases())
+def test_the_cases_cover_every_pairing():
+  schedules = {"gpipe", "circular"}
+  assert [c[1:3] for c in CASES] == [(s, m) for s in (1, 2, 4, 8)
+                                     for m in sorted({1, 2, s, 4 * s})]
+  for stages in (1, 2, 4, 8):
+    assert {c[0] for c in CASES if c[1] == stages} == schedules
+    assert {c[3] for c in CASES if c[1] == stages} == ({1, 2} if 2 * stages <= 8 else {1})
+  assert {c[4:] for c in CASES} == set(itertools.product(REMATS, BLOCKS))
+  for name in BLOCKS:
+    assert {c[0] for c in CASES if c[5] == name} == schedules
+    assert any(c[3] == 2 for c in CASES if c[5] == name)
+    assert any(c[1] >= 4 for c in CASES if c[5] == name)
+  for remat in REMATS:
+    assert {c[0] for c in CASES if c[4] == remat} == schedules
+  assert ("gpipe", 4, 4, 2, "full", "mlp") in CASES  # _pipelined("mlp")'s defaults.
+
+
+@pytest.mark.parametrize("schedule,stages,microbatches,data,remat,block", CASES)
 def test_outputs_and_gradients_equal_sequential(schedule, stages, microbatches, data, remat, block):
   reference = _reference(block)
   grad_fn, mesh = _pipelined(block, schedule, stages, microbatches, data, remat)
@@ -185,20 +199,22 @@ def test_unrolled_layer_loops_equal_sequential(schedule, unroll, remat):
 def test_check_fails_for_layers_in_reverse_order():
   """The check above can fail: the same layers in reverse order give a different answer."""
   reference = _reference("mlp")
-  grad_fn, _ = _pipelined("mlp")
+  grad_fn, mesh = _pipelined("mlp")
+  x = jax.device_put(reference.x, tpipe.data_sharding(mesh))  # As the cases run it: one compile.
   reversed_params = jax.tree.map(lambda p: p[::-1], reference.params)
   with pytest.raises(AssertionError, match="outputs is further from the float64 reference"):
-    _assert_equals_sequential(grad_fn(reversed_params, reference.x, reference.args), "mlp", 4 * 2)
+    _assert_equals_sequential(grad_fn(reversed_params, x, reference.args), "mlp", 4 * 2)
 
 
 def test_check_fails_for_one_weight_matrix_off_by_1e_4():
   """A small real error is rejected: one layer's kernel scaled by 1 + 1e-4, in each result."""
   reference = _reference("mlp")
-  grad_fn, _ = _pipelined("mlp")
+  grad_fn, mesh = _pipelined("mlp")
+  x = jax.device_put(reference.x, tpipe.data_sharding(mesh))
   dense = reference.params["Dense_0"]
   params = {**reference.params, "Dense_0": {
       **dense, "kernel": dense["kernel"].at[LENGTH // 2].multiply(1 + 1e-4)}}
-  (_, y), (param_grads, input_grads) = grad_fn(params, reference.x, reference.args)
+  (_, y), (param_grads, input_grads) = grad_fn(params, x, reference.args)
   for what, actual, plain, exact in zip(("outputs", "param grads", "input grads"),
                                         (y, param_grads, input_grads), _plain("mlp", 4 * 2),
                                         reference.exact):
