@@ -4,8 +4,11 @@ Outputs and gradients (parameters and float inputs) against a float64 run of the
 model, for models whose layers change shapes, dtypes and pytree structure: an MLP whose width
 changes at every layer, a small CNN whose layers change resolution and channels, an LM with
 embedding -> repeated blocks -> head-and-loss with per-example targets, and a pytree whose
-structure changes between layers. Every (stages, micro-batches in {1, 2S}, data, schedule)
-combination that fits 8 devices runs; models, remat policies and balances rotate over the cases.
+structure changes between layers. Eight cases cover every axis in one pass with the pairings
+checked (:func:`test_the_cases_cover_every_pairing`): every stage count (1, 2, 4, 8) with both
+micro-batch counts (1 and 2S) and both schedules, every stage count that fits with both data sizes,
+every model with both schedules, and each schedule with every remat policy, every balance
+("params", "flops", an uneven explicit list) and both data sizes.
 
 Parameters in the engine's stage layout (``{"staged": {"stacked": ..., "packed": ...}}``) give the
 same outputs and gradients as logical ones, bit for bit, and convert back exactly. Balances by
@@ -162,18 +165,29 @@ def _plain(name, microbatches):
   return y, grads
 
 
-def _cases():
-  cases = []
-  for stages in (1, 2, 4, 8):
-    for microbatches in sorted({1, 2 * stages}):  # M = 1, 2, 4, 8, 16 over the stage counts
-      for data in (1, 2):
-        if stages * data > 8 or BATCH % (microbatches * data):
-          continue
-        for schedule in ("gpipe", "circular"):
-          i = len(cases)
-          cases.append((MODELS[(i // 2) % 4], schedule, stages, microbatches, data, REMATS[i % 3],
-                        ("params", "flops", "explicit")[(i // 8) % 3]))
-  return cases
+# (model, schedule, stages, micro-batches, data, remat, balance); see the docstring.
+# A model's two cases mostly share M * data, and so the plain model's compiled run.
+CASES = [("mlp", "gpipe", 1, 1, 1, "full", "params"),
+         ("cnn", "circular", 1, 2, 2, "dots", "flops"),
+         ("lm", "circular", 2, 1, 2, "none", "explicit"),
+         ("cnn", "gpipe", 2, 4, 1, "full", "explicit"),
+         ("lm", "gpipe", 4, 1, 2, "dots", "flops"),
+         ("pytree", "circular", 4, 8, 1, "full", "params"),
+         ("mlp", "circular", 8, 1, 1, "dots", "flops"),
+         ("pytree", "gpipe", 8, 16, 1, "none", "explicit")]
+
+
+def test_the_cases_cover_every_pairing():
+  pairs = lambda a, b: {(case[a], case[b]) for case in CASES}
+  schedules = ("gpipe", "circular")
+  assert {case[2:4] for case in CASES} == {(s, m) for s in (1, 2, 4, 8) for m in {1, 2 * s}}
+  assert pairs(2, 1) == {(s, k) for s in (1, 2, 4, 8) for k in schedules}
+  assert pairs(2, 4) == {(s, d) for s in (1, 2, 4, 8) for d in (1, 2) if s * d <= 8}
+  assert pairs(0, 1) == {(n, k) for n in MODELS for k in schedules}
+  assert pairs(1, 5) == {(k, r) for k in schedules for r in REMATS}
+  assert pairs(1, 6) == {(k, b) for k in schedules for b in ("params", "flops", "explicit")}
+  assert pairs(1, 4) == {(k, d) for k in schedules for d in (1, 2)}
+  assert all(BATCH % (m * d) == 0 for _, _, _, m, d, _, _ in CASES)
 
 
 def _balance(kind, layers, chunks):
@@ -184,7 +198,7 @@ def _balance(kind, layers, chunks):
   return [1] * (chunks - 1) + [units - (chunks - 1)]
 
 
-@pytest.mark.parametrize("name,schedule,stages,microbatches,data,remat,balance", _cases())
+@pytest.mark.parametrize("name,schedule,stages,microbatches,data,remat,balance", CASES)
 def test_outputs_and_gradients_equal_sequential(name, schedule, stages, microbatches, data, remat,
                                                 balance):
   layers, x, kwargs, per_example, float_input = _model(name)
@@ -245,10 +259,10 @@ def _random_params(name):
   return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype), shapes)
 
 
-# Each model meets both schedules and each schedule both data sizes (a full product costs twice
-# the compile time and covers nothing the layout depends on).
-@pytest.mark.parametrize("name,schedule,data", [("mlp", "gpipe", 1), ("mlp", "circular", 2),
-                                                ("lm", "gpipe", 2), ("lm", "circular", 1)])
+# Each model, each schedule and each data size once (the layouts themselves are
+# test_to_logical_inverts_to_staged_exactly's; a full product costs compile time and covers
+# nothing the staged path depends on).
+@pytest.mark.parametrize("name,schedule,data", [("mlp", "circular", 2), ("lm", "gpipe", 1)])
 def test_staged_params_give_the_same_outputs_and_gradients(name, schedule, data):
   """The staged path runs the program the logical path runs after packing its params, so the
   loss and outputs are equal bit for bit, and the gradients (converted back with to_logical) as
@@ -280,14 +294,28 @@ def test_staged_params_give_the_same_outputs_and_gradients(name, schedule, data)
   numerics.assert_as_close_as_plain(staged_grads, grads, grads64, what="staged gradients")
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_to_logical_inverts_to_staged_exactly(name):
+# (stages, schedule, repeats, balance); "uneven" is [1] * 7 + [the rest].
+SPLITS = {"one stage": (1, "gpipe", 1, "params"), "two stages": (2, "gpipe", 1, "params"),
+          "circular uneven": (4, "circular", 2, "uneven"), "zbv": (2, "zbv", 2, "params")}
+# Each model with two splits, each split with two models (ZB-V's reversed placement and the
+# uneven circular split both on the CNN, whose two Repeats give the most chunk boundaries).
+INVERSE_CASES = [("mlp", ("two stages", "circular uneven")), ("cnn", ("circular uneven", "zbv")),
+                 ("lm", ("one stage", "zbv")), ("pytree", ("one stage", "two stages"))]
+
+
+def test_the_inverse_cases_cover_every_model_and_split_twice():
+  assert [name for name, _ in INVERSE_CASES] == list(MODELS)
+  splits = [split for _, pair in INVERSE_CASES for split in pair]
+  assert sorted(splits) == sorted(list(SPLITS) * 2)
+
+
+@pytest.mark.parametrize("name,splits", INVERSE_CASES, ids=[name for name, _ in INVERSE_CASES])
+def test_to_logical_inverts_to_staged_exactly(name, splits):
   layers, x, kwargs, per_example, _ = _model(name)
   params = _random_params(name)
   units = sum(layer.n if isinstance(layer, tpipe.Repeat) else 1 for layer in layers)
-  for stages, schedule, repeats, balance in ((1, "gpipe", 1, "params"), (2, "gpipe", 1, "params"),
-                                             (4, "circular", 2, [1] * 7 + [units - 7]),
-                                             (2, "zbv", 2, "params")):
+  for stages, schedule, repeats, balance in (SPLITS[split] for split in splits):
+    balance = [1] * 7 + [units - 7] if balance == "uneven" else balance
     model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=1, schedule=schedule,
                              num_repeats=repeats, balance=balance, per_example=per_example)
     layout = model.stage_layout(x, **kwargs)
