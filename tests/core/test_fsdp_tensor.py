@@ -39,16 +39,25 @@ def _model(mesh_name, schedule, microbatches=None, **settings):
   return model, mesh, x, targets, microbatches * rows
 
 
-CASES = [(mesh, "gpipe", {}) for mesh in MESHES] + [
-    ("stage2-fsdp2-tensor2", "1f1b", {}),
+# A covering set, not a cross product (each case compiles its own pipelined step): each mesh,
+# each schedule and each remat granularity at least once, and both schedules of two chunks per
+# stage on the 3D mesh.
+CASES = [
+    ("stage2-fsdp2-tensor2", "gpipe", dict(remat="full", remat_granularity="nested")),
     ("stage4-fsdp2", "1f1b", dict(remat="full", remat_granularity="layer")),
     ("stage2-tensor2-data2", "zb_h1", {}),
-    ("stage2-fsdp2-tensor2", "gpipe", dict(remat="full", remat_granularity="nested")),
+    ("stage1-fsdp8", "gpipe", {}),
     # Two chunks per stage read windows of one packed buffer per stage (the embedding's chunk
     # and the head's on different stages), each window's fsdp blocks gathered.
     ("stage2-fsdp2-tensor2", "circular", dict(num_repeats=2)),
     ("stage2-fsdp2-tensor2", "zbv", dict(num_repeats=2)),
 ]
+
+
+@pytest.mark.unit
+def test_the_cases_cover_every_mesh_and_schedule():
+  assert {case[0] for case in CASES} == set(MESHES)
+  assert {case[1] for case in CASES} == {"gpipe", "1f1b", "zb_h1", "circular", "zbv"}
 
 
 @pytest.mark.parametrize("mesh_name,schedule,settings", CASES)
@@ -63,9 +72,10 @@ def test_loss_and_gradients_equal_sequential(mesh_name, schedule, settings):
   numerics.assert_as_close_as_plain(grads, plain_grads, ref_grads, what="gradients")
 
 
+@functools.lru_cache(maxsize=None)
 def _staged_step(mesh_name, schedule="gpipe"):
-  """The jitted loss-and-gradient step on staged parameters placed as the layout's specs say,
-  and its arguments."""
+  """The compiled loss-and-gradient step on staged parameters placed as the layout's specs say,
+  and its arguments: compiled once for the tests that run it or read its collectives."""
   model, mesh, x, targets, _ = _model(mesh_name, schedule)
   pipeline = model.pipeline_for(x, targets=targets)
   specs = pipeline.layout.partition_specs(mesh=mesh)
@@ -77,7 +87,7 @@ def _staged_step(mesh_name, schedule="gpipe"):
   step = jax.jit(jax.value_and_grad(
       lambda p, x, t: pipeline.loss(p, x, {"targets": t}, mesh=mesh)),
       out_shardings=(None, shardings))
-  return pipeline, step, staged, x, targets
+  return pipeline, step.lower(staged, x, targets).compile(), staged, x, targets
 
 
 @pytest.mark.parametrize("mesh_name", ["stage2-fsdp2-tensor2", "stage1-fsdp8"])
@@ -119,8 +129,8 @@ def _collectives(text):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_fsdp_gathers_and_scatters_inside_the_stage_and_sends_only_between_stages(schedule):
-  _, step, staged, x, targets = _staged_step("stage2-fsdp2-tensor2", schedule)
-  found = _collectives(step.lower(staged, x, targets).compile().as_text())
+  _, compiled, _, _, _ = _staged_step("stage2-fsdp2-tensor2", schedule)
+  found = _collectives(compiled.as_text())
   # The stage's branch gathers each unit's weights and reduce-scatters their gradients over
   # fsdp; stage-to-stage sends are the only collective-permutes, all outside the branches (one
   # inside would wait forever for the devices of the stages that took another branch).
@@ -243,8 +253,8 @@ def test_each_axis_communicates_where_it_should(mesh_name):
   dimension could split); ``tensor`` only inside the layers."""
   from tpipe.tools import analysis  # pylint: disable=import-outside-toplevel
 
-  pipeline, step, staged, x, targets = _staged_step(mesh_name)
-  found = analysis.collectives(step.lower(staged, x, targets).compile(),
+  pipeline, compiled, _, _, _ = _staged_step(mesh_name)
+  found = analysis.collectives(compiled,
                                tpipe.make_mesh(**MESHES[mesh_name]))
   by_axis = collections.defaultdict(list)
   for c in found:
@@ -280,6 +290,26 @@ def test_a_batch_that_the_row_shards_do_not_divide_is_a_clear_error():
     model.apply({"params": lm.random_params("annotated")}, x, targets=targets, method="loss")
 
 
+def _mixed_precision_lm(schedule):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from tpipe.train import models  # pylint: disable=import-outside-toplevel
+
+  mesh = tpipe.make_mesh(**MESHES["stage2-fsdp2-tensor2"])
+  return models.decoder_lm(num_layers=2, width=32, num_heads=2, mlp_dim=64, max_len=8,
+                           dtype=jnp.bfloat16, vocab_chunks=2, num_stages=2,
+                           num_microbatches=2, schedule=schedule, mesh=mesh)
+
+
+@functools.cache
+def _mixed_precision_inputs():
+  """``(tokens, targets, params)``: the LM's logical parameters are the same whatever the
+  schedule, initialized once for every schedule."""
+  tokens, targets = (jax.random.randint(jax.random.key(k), (8, 8), 0, 256) for k in (0, 1))
+  model = _mixed_precision_lm("gpipe")
+  return tokens, targets, jax.jit(model.init)(jax.random.key(2), tokens,
+                                              targets=targets)["params"]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_weights_a_layer_only_casts_are_gathered_cast_with_the_same_gradients(
         schedule, monkeypatch):
@@ -287,23 +317,17 @@ def test_weights_a_layer_only_casts_are_gathered_cast_with_the_same_gradients(
   every weight its layer only casts is gathered in bfloat16, the head's kernel too (transposed
   and sliced before its cast), and the loss and gradients are those of gathering float32 and
   casting after: the same values, the gradients summed over fsdp in float32 either way."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from tpipe.core.programs import fsdp  # pylint: disable=import-outside-toplevel
-  from tpipe.train import models  # pylint: disable=import-outside-toplevel
 
-  mesh = tpipe.make_mesh(**MESHES["stage2-fsdp2-tensor2"])
-  model = models.decoder_lm(num_layers=2, width=32, num_heads=2, mlp_dim=64, max_len=8,
-                            dtype=jnp.bfloat16, vocab_chunks=2, num_stages=2,
-                            num_microbatches=2, schedule=schedule, mesh=mesh)
-  tokens, targets = (jax.random.randint(jax.random.key(k), (8, 8), 0, 256) for k in (0, 1))
-  params = jax.jit(model.init)(jax.random.key(2), tokens, targets=targets)["params"]
+  model = _mixed_precision_lm(schedule)
+  tokens, targets, params = _mixed_precision_inputs()
 
   def step():  # Traced afresh: whether weights are gathered cast is decided while tracing.
     loss = lambda p: model.apply({"params": p}, tokens, targets=targets, method="loss")
-    fn = jax.jit(jax.value_and_grad(loss))
-    gathered = re.findall(r"all_gather.*?-> tensor<([0-9x]+)x(bf16|f32)>",
-                          fn.lower(params).as_text())
-    return fn(params), {(shape, dtype) for shape, dtype in gathered if "x" in shape}
+    lowered = jax.jit(jax.value_and_grad(loss)).lower(params)
+    gathered = re.findall(r"all_gather.*?-> tensor<([0-9x]+)x(bf16|f32)>", lowered.as_text())
+    return (lowered.compile()(params),
+            {(shape, dtype) for shape, dtype in gathered if "x" in shape})
 
   got, cast = step()
   monkeypatch.setattr(fsdp, "casts_before_gather", lambda whole, run: {})
