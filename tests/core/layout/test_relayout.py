@@ -62,12 +62,29 @@ def _convert(exp):
   return specs, save, load
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_checkpoint_form_equals_to_logical_and_inverts_exactly(name):
-  exp = _experiment(name)
+# The layouts the conversions in small parts run on, with eight blocks (several copies of the
+# Repeat per stage; the uneven split 4 | 6 units).
+EIGHT_BLOCKS = {
+    "stage2_fsdp2_tensor2_uneven": dict(num_layers=8, balance="4,6"),
+    "stage2_fsdp2_data2_zbv": dict(num_layers=8),
+    "stage4_fsdp2": dict(num_layers=8),
+}
+
+
+@functools.cache
+def _saved(name):
+  """``(exp, params, specs, load, logical)``: layout ``name``'s experiment (with eight blocks
+  where the conversions in small parts run on it), its initial staged parameters and their
+  whole conversion to the checkpoint form, built and run once for the tests that read them."""
+  exp = _experiment(name, **EIGHT_BLOCKS.get(name, {}))
   params = exp.init_state(jax.random.key(0)).params
   specs, save, load = _convert(exp)
-  logical = save(params)
+  return exp, params, specs, load, save(params)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_checkpoint_form_equals_to_logical_and_inverts_exactly(name):
+  exp, params, specs, load, logical = _saved(name)
   want = jax.jit(functools.partial(staging.to_logical, exp.layout))(params)
   assert jax.tree.structure(logical) == jax.tree.structure(want)
   for (path, got), expected in zip(jax.tree_util.tree_flatten_with_path(logical)[0],
@@ -89,18 +106,15 @@ def test_checkpoint_form_equals_to_logical_and_inverts_exactly(name):
     assert leaf.addressable_shards[0].data.size * ways == leaf.size
 
 
-@pytest.mark.parametrize("name", ["stage2_fsdp2_tensor2_uneven", "stage2_fsdp2_data2_zbv",
-                                  "stage4_fsdp2"])
+@pytest.mark.parametrize("name", list(EIGHT_BLOCKS))
 def test_conversions_in_small_parts_are_exact(name):
   # Parts far smaller than a leaf, in loops: stacked leaves move a copy at a time both ways,
   # packed pieces come back a band of rows at a time (3000 bytes: bands that do not divide the
   # rows, so the last band overlaps the one before it). Eight blocks: several copies of the
-  # Repeat per stage. Both part sizes on one experiment (one build, one init, one whole save).
-  exp = _experiment(name, num_layers=8, **({"balance": "4,6"} if "uneven" in name else {}))
+  # Repeat per stage. Both part sizes on one experiment (one build, one init, one whole save,
+  # those of the checkpoint form's test above).
+  exp, params, specs, _, want = _saved(name)
   assert max(exp.layout.stacked.values()) > 1
-  params = exp.init_state(jax.random.key(0)).params
-  specs, save, _ = _convert(exp)
-  want = save(params)
   for part_bytes in (64, 3000):
     what = f"part_bytes={part_bytes}"
     save_parts = jax.jit(lambda s, n=part_bytes: relayout.to_checkpoint(
