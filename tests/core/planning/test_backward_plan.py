@@ -80,8 +80,13 @@ def test_a_table_without_a_split_backward_forms_weight_gradients_with_the_input_
   assert backward_plan.resolve(spec).weight_grads == backward_plan.FILED_TAPS
 
 
-@pytest.mark.parametrize("settings", [p[0] for p in PLANS],
-                         ids=[f"{p[1]}-{p[2]}" for p in PLANS])
+# Each plan once (the first settings that resolve to it): the settings of one plan run the same
+# backward (GPipe under remat "none" as under "layer": autodiff through the tick loop).
+DISTINCT_PLANS = [p for i, p in enumerate(PLANS) if p[1:] not in [q[1:] for q in PLANS[:i]]]
+
+
+@pytest.mark.parametrize("settings", [p[0] for p in DISTINCT_PLANS],
+                         ids=[f"{p[1]}-{p[2]}" for p in DISTINCT_PLANS])
 def test_every_plan_gives_the_sequential_loss_and_gradients(settings):
   settings = dict(settings)
   schedule = settings.pop("schedule")
