@@ -5,6 +5,7 @@ every fused schedule, over plain and delayed links (two emulated slices), with d
 each tick's steps run one after another and its messages leave once, after them.
 """
 
+import functools
 import re
 
 import flax.linen as nn
@@ -172,7 +173,8 @@ def _compiled_step(schedule, microbatches, stages, data=1, tick_costs=None):
                            mesh=mesh, tick_costs=tick_costs)
   shape = (MEMORY_ROWS * microbatches * data, MEMORY_SEQ, MEMORY_WIDTH)
   pipeline = model.pipeline_for(jnp.zeros(shape))
-  params = jax.eval_shape(model.clone(num_stages=1, num_microbatches=1, mesh=None).init,
+  params = jax.eval_shape(functools.partial(
+      model.clone(num_stages=1, num_microbatches=1, mesh=None).init, method="initialize"),
                           jax.random.key(0), jnp.zeros(shape))["params"]
   staged, _ = jax.eval_shape(pipeline.stage, params)
   staged = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(

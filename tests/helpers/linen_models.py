@@ -254,8 +254,8 @@ def random_params(name):
   abstract init, values from NumPy (an eager init would run op by op)."""
   layers, x, targets, _ = loss_model(name)
   model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, per_example=("targets",))
-  shapes = nn.meta.unbox(jax.eval_shape(model.init, {"params": jax.random.key(0)}, x,
-                                        targets=targets))
+  shapes = nn.meta.unbox(jax.eval_shape(functools.partial(model.init, method="initialize"),
+                                        {"params": jax.random.key(0)}, x, targets=targets))
   rng = np.random.default_rng(7)
   return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype),
                       shapes["params"])

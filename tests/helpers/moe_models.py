@@ -117,7 +117,8 @@ def random_params():
   model = tpipe.Sequential(linen_layers(), num_stages=1, num_microbatches=1,
                            per_example=("targets",))
   tokens, targets = inputs()
-  shapes = nn.meta.unbox(jax.eval_shape(model.init, {"params": jax.random.key(0)}, tokens,
+  shapes = nn.meta.unbox(jax.eval_shape(functools.partial(model.init, method="initialize"),
+                                        {"params": jax.random.key(0)}, tokens,
                                         targets=targets))["params"]
   rng = np.random.default_rng(11)
   return jax.tree.map(lambda a: jnp.asarray(0.5 * rng.standard_normal(a.shape), a.dtype), shapes)

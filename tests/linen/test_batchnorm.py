@@ -13,6 +13,7 @@ import functools
 
 import flax.linen as nn
 import jax
+from jax.extend import core as extend_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -291,6 +292,30 @@ def test_init_in_training_mode_leaves_the_statistics_at_their_initial_values():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   means = [np.asarray(a) for a in jax.tree.leaves(variables["batch_stats"])]
   assert all(np.all(m == 0) or np.all(m == 1) for m in means)  # Flax's zeros and ones.
+
+
+def _primitive_names(jaxpr) -> set[str]:
+  """The names of every primitive in ``jaxpr`` and the jaxprs nested in it."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in extend_core.jaxprs_in_params(eqn.params):
+      names |= _primitive_names(sub)
+  return names
+
+
+def test_initialize_creates_inits_variables_without_running_the_pipeline():
+  model = _model(_layers(), stages=2, microbatches=2)
+  rngs = {"params": jax.random.key(1)}
+  initialize = functools.partial(model.init, method="initialize", train=True)
+  by_init = model.init(rngs, _inputs(), train=True)
+  by_initialize = initialize(rngs, _inputs())
+  assert jax.tree.structure(by_initialize) == jax.tree.structure(by_init)
+  jax.tree.map(np.testing.assert_array_equal, by_initialize, by_init)
+  # init runs the pipelined forward (its shard_map); initialize runs the layers alone.
+  assert "shard_map" in _primitive_names(
+      jax.make_jaxpr(functools.partial(model.init, train=True))(rngs, _inputs()).jaxpr)
+  assert "shard_map" not in _primitive_names(jax.make_jaxpr(initialize)(rngs, _inputs()).jaxpr)
 
 
 def test_pipeline_transform_runs_batchnorm_blocks_like_sequential():

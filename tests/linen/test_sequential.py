@@ -149,7 +149,7 @@ def _reference(name):
   """Params (from init) and the float64 plain model's outputs and gradients."""
   layers, x, kwargs, per_example, float_input = _model(name)
   model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, per_example=per_example)
-  params = model.init({"params": jax.random.key(0)}, x, **kwargs)["params"]
+  params = model.init({"params": jax.random.key(0)}, x, method="initialize", **kwargs)["params"]
   plain_fn = jax.jit(_loss(functools.partial(_sequential, layers), float_input))
   (_, y64), grads64 = numerics.float64_reference(plain_fn, params, x, kwargs)
   return params, (y64, grads64)
@@ -254,7 +254,8 @@ def _random_params(name):
   from an abstract init and the values from NumPy (eager jax.random would compile per shape)."""
   layers, x, kwargs, per_example, _ = _model(name)
   model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, per_example=per_example)
-  shapes = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x, **kwargs)["params"]
+  shapes = jax.eval_shape(functools.partial(model.init, method="initialize"),
+                          {"params": jax.random.key(0)}, x, **kwargs)["params"]
   rng = np.random.default_rng(7)
   return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype), shapes)
 
@@ -493,7 +494,8 @@ def test_explicit_balance_summary_shows_parameter_counts():
   model = tpipe.Sequential(layers, num_stages=2, num_microbatches=1, balance=[3, 1],
                            mesh=tpipe.make_mesh(stages=2))
   x = jnp.ones((BATCH, 8))
-  variables = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x)
+  variables = jax.eval_shape(functools.partial(model.init, method="initialize"),
+                             {"params": jax.random.key(0)}, x)
   summary = model.partition_summary(variables, x)
   rows = {line.split()[0]: line.split() for line in summary.splitlines()
           if line.split()[0].isdigit()}

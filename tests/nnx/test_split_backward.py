@@ -107,7 +107,8 @@ def _linen(schedule):
   x, kwargs, per_example = nnx_models.inputs("lm")
   model = tpipe.Sequential(layers, per_example=per_example, **_settings(schedule))
   plain = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, per_example=per_example)
-  params = jax.eval_shape(plain.init, {"params": jax.random.key(0)}, x, **kwargs)["params"]
+  params = jax.eval_shape(functools.partial(plain.init, method="initialize"),
+                          {"params": jax.random.key(0)}, x, **kwargs)["params"]
   loss = lambda p, x, t: nnx_models.objective(
       model.apply({"params": p}, x, targets=t, method="loss"))
   compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x, kwargs["targets"]).compile()

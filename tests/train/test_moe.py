@@ -2,6 +2,8 @@
 losses; and a MoE LM pipelined on meshes with an expert axis under every schedule, in linen and
 NNX, equal to the model run in sequence (its auxiliary losses and their gradients included)."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -143,8 +145,8 @@ def _spec(schedule, mesh):
 
 def _linen_step(schedule, mesh, capacity_factor, tokens, targets):
   model = tpipe.Sequential(mm.linen_layers(capacity_factor), **_spec(schedule, mesh))
-  boxed = jax.eval_shape(model.init, {"params": jax.random.key(0)}, tokens,
-                         targets=targets)["params"]
+  boxed = jax.eval_shape(functools.partial(model.init, method="initialize"),
+                         {"params": jax.random.key(0)}, tokens, targets=targets)["params"]
   shardings = nn.unbox(tpipe.shardings(boxed, mesh, stacked=("layers_1",),
                                        rules=tpipe.DEFAULT_RULES))
   params = jax.device_put(mm.random_params(), shardings)

@@ -111,7 +111,8 @@ def _tpu_1f1b_program(mesh, delay, microbatches=4) -> str:
   model = tpipe.Sequential(layers, num_stages=4, num_microbatches=microbatches, schedule="1f1b",
                            per_example=("targets",), mesh=mesh, transfer_delay=delay,
                            tick_costs="plain")
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, targets=targets))["params"]
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, targets=targets,
+                                             method="initialize"))["params"]
   sharding = tpipe.data_sharding(mesh)
   abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, targets)]
   loss = lambda p, x, t: model.apply({"params": p}, x, targets=t, method="loss")
@@ -256,7 +257,8 @@ def test_a_stage_without_fsdp_casts_each_layers_weights_inside_the_loops(monkeyp
   model = tpipe.Sequential([tpipe.Repeat(Block(), layers), Loss()], num_stages=2,
                            num_microbatches=4, mesh=mesh, remat="full")
   x = jax.ShapeDtypeStruct((32, width), jnp.float32)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape)))["params"]
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape),
+                                             method="initialize"))["params"]
   loss = lambda p, x: model.apply({"params": p}, x, method="loss")
 
   def temporaries():

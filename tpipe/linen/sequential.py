@@ -228,8 +228,20 @@ class Sequential(_SequentialFields):
     ..., "aux_metric/...": ...}`` (:meth:`tpipe.core.engine.PlannedPipeline.loss_terms`)."""
     return self._run(x, kwargs, False, terms=True)
 
+  def initialize(self, x, **kwargs) -> None:
+    """Creates the layers' variables for inputs like ``x``, without running the pipeline.
+
+    ``model.init(rngs, x, method="initialize", **kwargs)`` returns the variables
+    ``model.init(rngs, x, **kwargs)`` returns, equal leaf for leaf, without tracing (or, outside
+    ``jax.jit``, compiling) the pipelined forward pass whose output ``init`` discards: the layers
+    are initialised in order on one micro-batch, as ``init`` initialises them. Returns None.
+    """
+    self._create_variables(x, kwargs)
+
   @nn.compact
-  def _run(self, x, kwargs, loss: bool, terms: bool = False):
+  def _create_variables(self, x, kwargs) -> tuple["LinenLayers", dict]:
+    """``(front end, {stream: key})`` for a call; while initialising, the layers' variables
+    created first (each layer in order on one micro-batch)."""
     self.spec.run_mesh(OWNER)  # Raises first where the spec's mesh does not fit the devices.
     front = LinenLayers(tuple(self.layer_list()), self.spec, OWNER, returned=self.scope.mutable)
     streams = tuple(sorted(name for name in self.scope.rngs if name != "params"))
@@ -241,6 +253,10 @@ class Sequential(_SequentialFields):
         layer_stats = nn.meta.unbox(variables.get(STATS, {}))
         if jax.tree.leaves(layer_stats):
           self.put_variable(STATS, f"layers_{i}", layer_stats)
+    return front, rngs
+
+  def _run(self, x, kwargs, loss: bool, terms: bool = False):
+    front, rngs = self._create_variables(x, kwargs)
     variables = self._call_variables()
 
     def store(new_stats):

@@ -14,6 +14,8 @@ is a Repeat (a scan over pieces): XLA:CPU's buffer assignment does not reflect t
 order of straight-line (plain-layer) pieces, which a memory-aware scheduler (GPU, TPU) keeps.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -136,8 +138,8 @@ def _temporaries(schedule, granularity, microbatches=1, method="loss", rows=ROWS
     loss_fn = lm.pipelined_loss(model)
   else:
     loss_fn = lambda p, x, t: jnp.mean(model.apply({"params": p}, x, targets=t))
-  params = jax.eval_shape(model.clone(schedule="gpipe").init, {"params": jax.random.key(0)}, x,
-                          targets=x)["params"]
+  params = jax.eval_shape(functools.partial(model.init, method="initialize"),
+                          {"params": jax.random.key(0)}, x, targets=x)["params"]
   compiled = jax.jit(jax.grad(loss_fn)).lower(params, x, x).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
@@ -213,8 +215,8 @@ def _step_flops(schedule, granularity):
   model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, schedule=schedule,
                            remat="full", remat_granularity=granularity,
                            per_example=("targets",), mesh=tpipe.make_mesh(stages=1))
-  params = jax.eval_shape(model.clone(schedule="gpipe").init, {"params": jax.random.key(0)}, x,
-                          targets=x)["params"]
+  params = jax.eval_shape(functools.partial(model.init, method="initialize"),
+                          {"params": jax.random.key(0)}, x, targets=x)["params"]
   lowered = jax.jit(jax.grad(lm.pipelined_loss(model))).lower(params, x, x)
   return flops_lib.flop_count(lowered.compile()).executed
 
@@ -265,7 +267,8 @@ def _cast_model(dtype, rows=16, width=512, layers=8, stages=1):
                            remat_granularity="chunk", per_example=("targets",),
                            mesh=tpipe.make_mesh(stages=stages))
   x = jax.ShapeDtypeStruct((rows, width), jnp.float32)
-  params = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x, targets=x)["params"]
+  params = jax.eval_shape(functools.partial(model.init, method="initialize"),
+                          {"params": jax.random.key(0)}, x, targets=x)["params"]
   return model, params, x
 
 

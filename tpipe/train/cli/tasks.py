@@ -69,9 +69,10 @@ def remat_granularity(config) -> str | int:
   return value
 
 
-def _linen_init(model, rng, x, kwargs) -> dict:
-  """The model's initial variables, unboxed (the trainer places them by its stage layout)."""
-  return nn.meta.unbox(model.init({"params": rng}, x, **kwargs))
+def _linen_init(model: tpipe.Sequential, rng, x, kwargs) -> dict:
+  """The model's initial variables, unboxed (the trainer places them by its stage layout);
+  created without running the pipeline (``Sequential.initialize``), whose output init drops."""
+  return nn.meta.unbox(model.init({"params": rng}, x, method="initialize", **kwargs))
 
 
 def lm_arguments(config) -> dict:
