@@ -152,7 +152,8 @@ def _linen_params():
   model = tpipe.Sequential(_linen_layers(), num_stages=1, num_microbatches=1,
                            per_example=("targets",))
   tokens, kwargs = _inputs()
-  return nn.meta.unbox(model.init(jax.random.key(0), tokens, **kwargs)["params"])
+  variables = model.init(jax.random.key(0), tokens, method="initialize", **kwargs)
+  return nn.meta.unbox(variables["params"])
 
 
 def _linen_in_order(params, tokens, kwargs, microbatches):

@@ -150,8 +150,8 @@ def test_a_pipelined_llama_lm_with_flash_attention_equals_blocked():
   exact = models.decoder_lm(**args, num_stages=1, num_microbatches=1,
                             mesh=tpipe.make_mesh(stages=1), dtype=jnp.float64,
                             param_dtype=jnp.float64)
-  params = plain.init(jax.random.key(0), tokens, targets=targets,
-                      segment_ids=segment_ids)["params"]
+  params = plain.init(jax.random.key(0), tokens, targets=targets, segment_ids=segment_ids,
+                      method="initialize")["params"]
 
   def loss_and_grads(model):
     return jax.jit(jax.value_and_grad(lambda p: model.apply(

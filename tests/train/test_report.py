@@ -399,7 +399,7 @@ def test_chunk_programs_in_order_are_the_model():
   model = tpipe.Sequential(layers, num_stages=2, num_microbatches=2, schedule="circular",
                            num_repeats=2, balance=[1, 2, 1, 1], mesh=tpipe.make_mesh(stages=2))
   x = jax.random.normal(jax.random.key(1), (4, 6))
-  variables = model.init({"params": jax.random.key(0)}, x)
+  variables = model.init({"params": jax.random.key(0)}, x, method="initialize")
   layout = model.stage_layout(x)
   staged = staging.to_staged(layout, variables["params"])
   # The Repeat is cut unevenly (2 copies, then 1), so its copies are packed with the rest.
