@@ -15,6 +15,7 @@ from typing import Sequence
 from tpipe import schedules
 from tpipe import spec as spec_lib
 from tpipe.schedules import derived_costs
+from tpipe.train.cli import startup
 
 REMAT_ORDER = ("none", "dots", "full")
 GRANULARITY_ORDER = ("chunk", "layer")
@@ -176,18 +177,42 @@ def _schedule_points(config, s: int, data: int, m: int, name: str, invalid: list
   return points
 
 
+def action_costs(config, candidate: Candidate) -> dict[str, float]:
+  """Per-action costs of one chunk for the candidate: ``config.tick_costs`` where it gives them
+  (``"F=1,B=3,..."``), else those its remat gives a matmul model
+  (:func:`tpipe.schedules.derived_costs.from_flops`), as the trainer derives them from the
+  layers' measured FLOPs."""
+  given = startup.parse_tick_costs(config.get("tick_costs", ""))
+  if isinstance(given, dict):
+    return dict(given)
+  c = candidate
+  return dict(derived_costs.from_flops(derived_costs.MATMUL_PARTS, c.remat, c.remat_granularity))
+
+
+def candidate_table(config, candidate: Candidate):
+  """The table the trainer runs for the candidate: a forward schedule's own; a fused
+  schedule's in compound ticks laid out for :func:`action_costs` (one action per tick where
+  ``config.tick_costs`` is ``"plain"``), as the engine lays it out."""
+  c = candidate
+  table = schedule_table(c.schedule, c.num_stages, c.num_microbatches, c.num_repeats)
+  if not isinstance(table, schedules.FusedSchedule):
+    return table
+  if startup.parse_tick_costs(config.get("tick_costs", "")) == "plain":
+    return table
+  return schedules.build(c.schedule, c.num_stages, c.num_microbatches, c.num_repeats,
+                         costs=action_costs(config, c))
+
+
 def analytic_step(config, candidate: Candidate) -> float:
   """The candidate's step per device before compiling, in forwards of the whole model on one
-  example: the table's neighbour-synchronised step (:mod:`tpipe.schedules.simulate`) under the
-  per-action costs its remat gives a matmul model
-  (:func:`tpipe.schedules.derived_costs.from_flops`),
-  each action on one micro-batch (``batch / (data * M)`` examples) through one of the
-  ``S * R`` chunks. It charges the bubble and the recomputation; communication and what XLA
-  makes of the program are left to the compile."""
+  example: the neighbour-synchronised step (:mod:`tpipe.schedules.simulate`) of the table the
+  trainer runs (:func:`candidate_table`: a fused schedule's compound ticks) under
+  :func:`action_costs`, each action on one micro-batch (``batch / (data * M)`` examples)
+  through one of the ``S * R`` chunks. It charges the bubble and the recomputation;
+  communication and what XLA makes of the program are left to the compile."""
   c = candidate
-  costs = dict(derived_costs.from_flops(derived_costs.MATMUL_PARTS, c.remat, c.remat_granularity))
-  table = schedule_table(c.schedule, c.num_stages, c.num_microbatches, c.num_repeats)
-  step = schedules.whole_step(table).simulate(costs).neighbour
+  table = candidate_table(config, c)
+  step = schedules.whole_step(table).simulate(action_costs(config, c)).neighbour
   examples = config.batch_size / (c.num_data * c.num_microbatches)
   return step * examples / (c.num_stages * c.num_repeats)
 
@@ -196,11 +221,11 @@ def analytic_memory(config, candidate: Candidate, num_params: int) -> int:
   """A lower bound of the candidate's peak per device, before compiling: a stage's share of
   the parameters, their gradients and Adam's moments (:data:`STATE_BYTES_PER_PARAM` each,
   ``num_params`` of them over the stages), and the stage inputs its schedule keeps in flight
-  (the table's stash slots, one micro-batch of ``seq_len x width`` float32 activations each,
-  where the config names them), both over the devices ``config.mesh`` gives a stage's replica
-  (fsdp x expert x tensor: at most that many ways split)."""
+  (the stash slots of :func:`candidate_table`, one micro-batch of ``seq_len x width`` float32
+  activations each, where the config names them), both over the devices ``config.mesh`` gives a
+  stage's replica (fsdp x expert x tensor: at most that many ways split)."""
   c = candidate
-  table = schedule_table(c.schedule, c.num_stages, c.num_microbatches, c.num_repeats)
+  table = candidate_table(config, c)
   mesh = config.get("mesh") or {}
   split = 1
   for name in ("fsdp", "expert", "tensor"):
