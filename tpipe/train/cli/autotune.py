@@ -49,9 +49,10 @@ Pruning, so the search compiles few programs (every skipped or failed candidate 
 result with its reason):
 
 * order: candidates go fastest analytic step first
-  (:func:`~tpipe.train.cli.search_space.analytic_step`: the neighbour-synchronised step of the
-  table the trainer runs, a fused schedule's in compound ticks, under the costs its remat
-  gives, bubble and recomputation charged, no compile), so a good fitting trial comes early;
+  (:func:`~tpipe.train.cli.search_space.analytic_step`: the step of the table the trainer
+  runs, a fused schedule's compound ticks approached by its dependency-driven step, under the
+  costs its remat gives, bubble and recomputation charged, no compile), so a good fitting
+  trial comes early;
 * dominated: for a fixed (stages, micro-batches, schedule, repeats) the remat policies are tried
   from cheapest in FLOPs to most memory-saving (none, dots, full), each with its granularities
   in the order given, and the first that fits ends that group;
