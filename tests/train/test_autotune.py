@@ -162,13 +162,15 @@ def test_the_analytic_step_of_a_fused_schedule_is_its_compound_tables():
   for m in (4, 8, 16):
     assert step("1f1b", m) <= step("gpipe", m) * (1 + 1e-9), m
   # What the trainer runs: the compound table built for the same costs.
-  for schedule, repeats in (("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)):
+  # ZB-V's compound ticks land a few percent either side of its dependency-driven step.
+  for schedule, repeats, within in (("1f1b", 1, 0.02), ("zb_h1", 1, 0.02),
+                                    ("interleaved_1f1b", 2, 0.02), ("zbv", 2, 0.05)):
     cand = autotune.Candidate(4, 1, 8, "full", schedule, num_repeats=repeats)
     table = schedules.build(schedule, 4, 8, repeats, costs=search_space.action_costs(config, cand))
     compound = schedules.whole_step(table).simulate(search_space.action_costs(config, cand))
     examples = config.batch_size / 8
     assert autotune.analytic_step(config, cand) == pytest.approx(
-        compound.neighbour * examples / (4 * repeats), rel=0.02), schedule
+        compound.neighbour * examples / (4 * repeats), rel=within), schedule
   config.tick_costs = "plain"  # One action per tick, as the trainer then runs it: slower.
   assert step("1f1b", 8) > 1.2 * step("gpipe", 8)
 

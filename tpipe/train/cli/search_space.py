@@ -198,9 +198,10 @@ def analytic_step(config, candidate: Candidate) -> float:
 
   The step is the one the trainer's table takes: a forward schedule's neighbour-synchronised
   step; a fused schedule's dependency-driven step (``natural``), which the compound ticks the
-  engine lays it out in approach (equal within 1% under the matmul model's costs at S = 4 and
-  8, M = 16 to 64, measured), without the seconds a compound table takes to build; with
-  ``config.tick_costs="plain"`` (one action per tick) its neighbour-synchronised step."""
+  engine lays it out in approach under the matmul model's costs (within 2%, and ZB-V's within
+  5%, at S = 4, M = 8: tests/train/test_autotune.py), without the seconds a compound table
+  takes to build; with ``config.tick_costs="plain"`` (one action per tick) its
+  neighbour-synchronised step."""
   c = candidate
   costs = action_costs(config, c)
   table = schedule_table(c.schedule, c.num_stages, c.num_microbatches, c.num_repeats)
