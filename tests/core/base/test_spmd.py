@@ -110,3 +110,38 @@ def test_axes_index_and_gather_inside_shard_map():
   np.testing.assert_array_equal(index.reshape(4, 2), [[0, 0], [1, 0], [0, 1], [1, 1]])
   # A row shard's two stages each gather the shard's 4 rows: 0+1+2+3, then 4+5+6+7.
   np.testing.assert_array_equal(sums.reshape(4), [6, 6, 22, 22])
+
+
+def _constraints(fn, *args):
+  """The partition specs of the sharding constraints in ``fn``'s jaxpr, in order."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "sharding_constraint":
+        found.append(eqn.params["sharding"].spec)
+      for value in eqn.params.values():
+        inner = getattr(value, "jaxpr", value)
+        if hasattr(inner, "eqns"):
+          walk(inner)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def test_leaves_split_by_rows_over_an_expert_axis_alone_before_they_are_flattened():
+  leaves = (jnp.ones((8, 3)), jnp.ones((3, 8)), jnp.ones(()))
+
+  def inside(mesh):
+    axes = spmd.Axes.of(mesh, "stage", "data")
+    run = axes.shard_map(lambda *a: jax.tree.map(lambda x: x[None], spmd.rows_over_expert_axis(a)),
+                         in_specs=(P(),) * 3, out_specs=(P("stage"),) * 3)
+    return _constraints(run, *leaves)
+
+  # Rows that divide over the 4 expert devices split over them; the others stay whole.
+  assert inside(tpipe.make_mesh(stages=2, expert=4)) == [P("expert"), P(), P()]
+  # Elsewhere nothing is pinned: no auto axis, tensor alone, or tensor beside expert.
+  assert inside(tpipe.make_mesh(stages=2, data=4)) == []
+  assert inside(tpipe.make_mesh(stages=2, tensor=4)) == []
+  assert inside(tpipe.make_mesh(stages=2, expert=2, tensor=2)) == []
+  assert spmd.rows_over_expert_axis(leaves) is leaves

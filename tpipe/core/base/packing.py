@@ -248,7 +248,8 @@ def pack(tree, layout: Layout, sizes: Mapping[str, int] | None = None) -> dict[s
     raise ValueError("A batched tree with no leaves has no batch size; use empty(sizes, batch).")
   lead = () if batch is None else (batch,)
   parts = {key: [] for key in sizes}
-  for leaf, shape, key in zip(leaves, layout.shapes, layout.dtypes):
+  for leaf, shape, key in zip(spmd.rows_over_expert_axis(leaves), layout.shapes,
+                              layout.dtypes):
     parts[key].append(jnp.reshape(leaf, lead + (math.prod(shape),)))
   buffers = {}
   for key in sorted(sizes):

@@ -212,6 +212,30 @@ def whole_over_auto_axes(tree):
   return jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), tree)
 
 
+def rows_over_expert_axis(tree):
+  """Inside ``shard_map`` where ``expert`` is the one axis left to the partitioner: every leaf
+  of ``tree`` split over it by its leading dimension (whole where the axis does not divide
+  that), so that flattening it keeps each device's elements together; ``tree`` as it is
+  elsewhere.
+
+  Left free, the partitioner splits an activation over an expert axis of 4 as 2 x 2 (rows over
+  two devices, the width over two, as the MoE layers' rows and the ``embed`` rule suggest);
+  flattened to a packed buffer, such a leaf's elements are in no device's order, and the
+  partitioner reorders them with collective-permutes inside a stage's branch, which the devices
+  of the other stages never join (emulated CPU devices wait for them). Other layouts are left
+  as they were measured (a ``tensor`` axis beside ``expert``, where the MoE layers keep rows
+  whole, or ``tensor`` alone)."""
+  if auto_axes_here() != (mesh_lib.EXPERT_AXIS,):
+    return tree
+  size = int(dict(jax.sharding.get_abstract_mesh().shape)[mesh_lib.EXPERT_AXIS])
+
+  def pin(leaf):
+    rows = leaf.ndim and leaf.shape[0] % size == 0
+    return lax.with_sharding_constraint(leaf, P(mesh_lib.EXPERT_AXIS) if rows else P())
+
+  return jax.tree.map(pin, tree)
+
+
 def neighbour_pairs(num_stages: int, direction: int, wrap: bool) -> list[tuple[int, int]]:
   """``lax.ppermute`` pairs sending each stage's value one stage over.
 
