@@ -177,6 +177,11 @@ def get_config(arg=None):
   config.capacity_factor = 0.0
   config.router_aux_loss_coef = 0.01
   config.router_z_loss_coef = 0.001
+  # How block="moe"'s tokens reach experts split over mesh.expert devices: "partitioner" (XLA's
+  # partitioner gathers the tokens to every expert device and sums the outputs) or "all_to_all"
+  # (an explicit all-to-all of each device's pairs there and of the outputs back; dropless
+  # only). The same parameters either way: a run may resume with the other.
+  config.moe_dispatch = "partitioner"
   # How block="moe" mixes a token's experts: by their router probabilities renormalised to sum
   # to one (True, Mixtral) or as they are (False, Qwen2-MoE).
   config.normalize_expert_weights = True

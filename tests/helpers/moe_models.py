@@ -36,9 +36,9 @@ COPIES = 4
 AUX, Z = 0.1, 0.01
 
 
-def _moe(capacity_factor):
+def _moe(capacity_factor, dispatch="partitioner"):
   return dict(num_experts=EXPERTS, experts_per_token=TOP_K, capacity_factor=capacity_factor,
-              router_aux_loss_coef=AUX, router_z_loss_coef=Z)
+              router_aux_loss_coef=AUX, router_z_loss_coef=Z, dispatch=dispatch)
 
 
 class Embed(nn.Module):
@@ -50,11 +50,13 @@ class Embed(nn.Module):
 
 class Block(nn.Module):
   capacity_factor: float = 0.0
+  dispatch: str = "partitioner"
 
   @nn.compact
   def __call__(self, x):
     h = nn.LayerNorm(name="norm")(x)
-    return x + moe.MixtureOfExperts(hidden=HIDDEN, name="moe", **_moe(self.capacity_factor))(h)
+    return x + moe.MixtureOfExperts(hidden=HIDDEN, name="moe",
+                                    **_moe(self.capacity_factor, self.dispatch))(h)
 
 
 class Head(nn.Module):
@@ -65,8 +67,8 @@ class Head(nn.Module):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=-1)
 
 
-def linen_layers(capacity_factor=0.0):
-  return [Embed(), tpipe.Repeat(Block(capacity_factor), COPIES), Head()]
+def linen_layers(capacity_factor=0.0, dispatch="partitioner"):
+  return [Embed(), tpipe.Repeat(Block(capacity_factor, dispatch), COPIES), Head()]
 
 
 class NNXEmbed(nnx.Module):
@@ -79,9 +81,10 @@ class NNXEmbed(nnx.Module):
 
 
 class NNXBlock(nnx.Module):
-  def __init__(self, capacity_factor, *, rngs):
+  def __init__(self, capacity_factor, dispatch="partitioner", *, rngs):
     self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
-    self.moe = models_nnx.MixtureOfExperts(WIDTH, HIDDEN, **_moe(capacity_factor), rngs=rngs)
+    self.moe = models_nnx.MixtureOfExperts(WIDTH, HIDDEN, **_moe(capacity_factor, dispatch),
+                                           rngs=rngs)
 
   def __call__(self, x):
     return x + self.moe(self.norm(x))
@@ -97,10 +100,10 @@ class NNXHead(nnx.Module):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=-1)
 
 
-def nnx_layers(capacity_factor=0.0, seed=0):
+def nnx_layers(capacity_factor=0.0, seed=0, dispatch="partitioner"):
   rngs = nnx.Rngs(seed)
   return [NNXEmbed(rngs=rngs),
-          tnnx.Repeat(lambda r: NNXBlock(capacity_factor, rngs=r), COPIES, rngs=rngs),
+          tnnx.Repeat(lambda r: NNXBlock(capacity_factor, dispatch, rngs=r), COPIES, rngs=rngs),
           NNXHead(rngs=rngs)]
 
 

@@ -10,6 +10,7 @@ import pytest
 from jax import lax
 
 from tpipe import schedules
+from tpipe.tools import analysis
 from tpipe.tools import flops as flops_lib
 from tpipe.tools import pipeline_time
 from tpipe.tools import step_time
@@ -366,6 +367,31 @@ def test_a_tpu_prefetch_and_permute_overlap_the_work_between_start_and_done():
   assert t.exposed_collective_seconds == pytest.approx(permute - BIG_DOT_SECONDS, rel=1e-12)
   assert t.seconds == pytest.approx(permute, rel=1e-12)
   assert t.hbm_bytes == 4 * 2 ** 20 + 3 * 2 * 2 ** 20
+
+
+@pytest.mark.unit
+def test_an_asynchronous_all_to_all_overlaps_the_work_between_start_and_done():
+  # As the TPU compiler prints one with --xla_tpu_enable_async_all_to_all: the start returns
+  # (operands, result, contexts); 4 devices, each keeping a quarter of its 8 MiB.
+  text = _module(
+      "ENTRY %e (g: f32[4,524288], a: bf16[1024,1024], b: bf16[1024,1024]) -> "
+      "(f32[4,524288], bf16[1024,1024]) {\n"
+      "  %g = f32[4,524288]{1,0} parameter(0)\n  %a = bf16[1024,1024]{1,0} parameter(1)\n"
+      "  %b = bf16[1024,1024]{1,0} parameter(2)\n"
+      "  %s = ((f32[4,524288]{1,0}), f32[4,524288]{1,0}, u32[], u32[]) all-to-all-start(%g), "
+      "replica_groups={{0,1,2,3}}, dimensions={0}\n"
+      f"  {BIG_DOT}\n"
+      "  %x = f32[4,524288]{1,0} all-to-all-done(%s)\n"
+      "  ROOT %t = (f32[4,524288]{1,0}, bf16[1024,1024]{1,0}) tuple(%x, %d)\n}",
+      header="HloModule m, is_scheduled=true, num_partitions=4")
+  (found,) = analysis.collectives(text)
+  assert (found.kind, found.group_size) == ("all-to-all", 4)
+  assert 0 <= found.bytes - 8 * 2 ** 20 <= 8  # The payload, and the start's two contexts.
+  t = step_time.estimate(text, "v5p")
+  exchange = ICI_LATENCY + 3 / 4 * 8 * 2 ** 20 / ICI
+  assert t.collective_bytes == {("all-to-all", None): 8.0 * 2 ** 20}
+  assert t.exposed_collective_seconds == pytest.approx(exchange - BIG_DOT_SECONDS, rel=1e-12)
+  assert t.seconds == pytest.approx(exchange, rel=1e-12)
 
 
 @pytest.mark.parametrize("shapes, options", [

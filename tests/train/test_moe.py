@@ -17,6 +17,7 @@ from tests.helpers import moe_models as mm
 from tests.helpers import numerics
 from tpipe import nnx as tnnx
 from tpipe.tools import analysis
+from tpipe.train import experts
 from tpipe.train import moe
 
 
@@ -119,14 +120,21 @@ MESHES = {
     "stage2-expert2-data2": dict(stages=2, expert=2, data=2),
     "stage2-expert4": dict(stages=2, expert=4),
 }
-# Each schedule once, each layout three times; capacity on two; NNX on two.
+# Each schedule at least once with the partitioner's dispatch and, but for gpipe (whose backward
+# is autodiff through its loop, as circular's is), once with the explicit all-to-all; each layout
+# four or five times; capacity on two; NNX on two, one per dispatch.
 CASES = [
-    ("linen", "stage2-expert2-data2", "gpipe", 0.0),
-    ("linen", "stage2-expert4", "circular", 0.0),
-    ("linen", "stage2-expert2-data2", "1f1b", 1.0),
-    ("nnx", "stage2-expert4", "interleaved_1f1b", 0.0),
-    ("nnx", "stage2-expert2-data2", "zb_h1", 0.0),
-    ("linen", "stage2-expert4", "zbv", 1.0),
+    ("linen", "stage2-expert2-data2", "gpipe", 0.0, "partitioner"),
+    ("linen", "stage2-expert4", "circular", 0.0, "partitioner"),
+    ("linen", "stage2-expert2-data2", "1f1b", 1.0, "partitioner"),
+    ("nnx", "stage2-expert4", "interleaved_1f1b", 0.0, "partitioner"),
+    ("nnx", "stage2-expert2-data2", "zb_h1", 0.0, "partitioner"),
+    ("linen", "stage2-expert4", "zbv", 1.0, "partitioner"),
+    ("linen", "stage2-expert2-data2", "circular", 0.0, "all_to_all"),
+    ("linen", "stage2-expert4", "1f1b", 0.0, "all_to_all"),
+    ("linen", "stage2-expert2-data2", "interleaved_1f1b", 0.0, "all_to_all"),
+    ("linen", "stage2-expert4", "zb_h1", 0.0, "all_to_all"),
+    ("nnx", "stage2-expert2-data2", "zbv", 0.0, "all_to_all"),
 ]
 MICROBATCHES = 2
 # The dropless experts' grouped matmuls split over the expert axis run, on XLA:CPU, as dense dot
@@ -143,8 +151,8 @@ def _spec(schedule, mesh):
               per_example=("targets",))
 
 
-def _linen_step(schedule, mesh, capacity_factor, tokens, targets):
-  model = tpipe.Sequential(mm.linen_layers(capacity_factor), **_spec(schedule, mesh))
+def _linen_step(schedule, mesh, capacity_factor, dispatch, tokens, targets):
+  model = tpipe.Sequential(mm.linen_layers(capacity_factor, dispatch), **_spec(schedule, mesh))
   boxed = jax.eval_shape(functools.partial(model.init, method="initialize"),
                          {"params": jax.random.key(0)}, tokens, targets=targets)["params"]
   shardings = nn.unbox(tpipe.shardings(boxed, mesh, stacked=("layers_1",),
@@ -157,8 +165,9 @@ def _linen_step(schedule, mesh, capacity_factor, tokens, targets):
   return compiled, value, grads
 
 
-def _nnx_step(schedule, mesh, capacity_factor, tokens, targets):
-  model = tnnx.Sequential(mm.nnx_layers(capacity_factor), **_spec(schedule, mesh))
+def _nnx_step(schedule, mesh, capacity_factor, dispatch, tokens, targets):
+  model = tnnx.Sequential(mm.nnx_layers(capacity_factor, dispatch=dispatch),
+                          **_spec(schedule, mesh))
   state = nnx.state(model, nnx.Param)
   pure = nnx.to_pure_dict(state)
   params = mm.random_params()  # A Repeat keeps its stacked copies under "layer".
@@ -177,16 +186,22 @@ def _nnx_step(schedule, mesh, capacity_factor, tokens, targets):
                        "layers_2": grads[2]}
 
 
-@pytest.mark.parametrize("front,mesh_name,schedule,capacity_factor", CASES)
+@pytest.mark.parametrize("front,mesh_name,schedule,capacity_factor,dispatch", CASES)
 def test_moe_lm_on_an_expert_axis_equals_the_sequential_model(front, mesh_name, schedule,
-                                                              capacity_factor):
+                                                              capacity_factor, dispatch):
   sizes = MESHES[mesh_name]
   mesh = tpipe.make_mesh(**sizes)
   tokens, targets = jax.device_put(mm.inputs(), tpipe.data_sharding(mesh))
   step = _linen_step if front == "linen" else _nnx_step
-  compiled, value, grads = step(schedule, mesh, capacity_factor, tokens, targets)
+  compiled, value, grads = step(schedule, mesh, capacity_factor, dispatch, tokens, targets)
   if compiled is not None:
     assert not analysis.cross_branch_collectives(compiled, mesh)
+    exchanges = [c for c in analysis.collectives(compiled, mesh)
+                 if c.kind == "all-to-all" and "/moe/" in c.op_name]
+    # The explicit dispatch's all-to-alls over the expert axis, in the tick loop; the
+    # partitioner's dispatch makes none in the experts (its all-to-alls are the embedding's).
+    assert bool(exchanges) == (dispatch == "all_to_all")
+    assert all(c.axes == ("expert",) and c.in_loop for c in exchanges)
   groups = MICROBATCHES * sizes.get("data", 1)
   plain = mm.sequential_value_and_grad(groups, capacity_factor)
   reference = mm.sequential_value_and_grad(groups, capacity_factor, "float64")
@@ -199,9 +214,13 @@ def test_moe_lm_on_an_expert_axis_equals_the_sequential_model(front, mesh_name, 
 
 
 def test_the_cases_cover_every_schedule_and_both_front_ends():
-  assert {c[2] for c in CASES} == {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1",
-                                   "zbv"}
+  every = {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
+  assert {c[2] for c in CASES if c[4] == "partitioner"} == every
+  assert {c[2] for c in CASES if c[4] == "all_to_all"} == every - {"gpipe"}
   assert {c[0] for c in CASES} == {"linen", "nnx"} and {c[3] for c in CASES} == {0.0, 1.0}
+  for dispatch in ("partitioner", "all_to_all"):
+    assert {c[0] for c in CASES if c[4] == dispatch} == {"linen", "nnx"}
+    assert {c[1] for c in CASES if c[4] == dispatch} == set(MESHES)
 
 
 def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():
@@ -210,9 +229,11 @@ def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():
   from tpipe.train.cli import throughput  # pylint: disable=g-import-not-at-top
 
   config = lm_config.get_config("size=tiny")
+  # The explicit all-to-all dispatch (the other tests of the trainer's MoE LM take the
+  # partitioner's, the default).
   for key, value in dict(block="moe", num_stages=2, num_data=2, num_microbatches=2,
                          num_experts=4, experts_per_token=2, router_aux_loss_coef=0.1,
-                         router_z_loss_coef=0.01).items():
+                         router_z_loss_coef=0.01, moe_dispatch="all_to_all").items():
     config[key] = value
   config.mesh.expert = 2
   exp = experiment.build(config)
@@ -410,7 +431,7 @@ def test_balance_counts_a_grouped_matmul_as_its_groups_not_as_every_expert():
   from tpipe.core.planning import unit_cost  # pylint: disable=g-import-not-at-top
   rows, k_dim, n_dim, groups = 24, 16, 32, 4
   sizes = jnp.array([5, 0, 12, 7], jnp.int32)
-  product = lambda params, h, broadcast, per_example: moe.grouped_matmul(h, params["w"], sizes)
+  product = lambda params, h, broadcast, per_example: experts.grouped_matmul(h, params["w"], sizes)
   params = {"w": jax.ShapeDtypeStruct((groups, k_dim, n_dim), jnp.float32)}
   h = jax.ShapeDtypeStruct((rows, k_dim), jnp.float32)
   flops = unit_cost.measure("flops", product, params, h, ((), ()))
@@ -423,4 +444,4 @@ def test_balance_counts_a_grouped_matmul_as_its_groups_not_as_every_expert():
   starts = np.cumsum([0, 5, 0, 12])
   expected = np.concatenate([np.asarray(x[s:s + n]) @ np.asarray(w[g])
                              for g, (s, n) in enumerate(zip(starts, [5, 0, 12, 7]))])
-  np.testing.assert_allclose(moe.grouped_matmul(x, w, sizes), expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(experts.grouped_matmul(x, w, sizes), expected, rtol=1e-5, atol=1e-5)

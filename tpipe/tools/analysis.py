@@ -60,7 +60,8 @@ COLLECTIVE_OPCODES = {
     "reduce-scatter": "reduce-scatter",
     "collective-permute": "collective-permute",
     "collective-permute-start": "collective-permute",
-    "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all",
+    "all-to-all": "all-to-all", "all-to-all-start": "all-to-all",
+    "ragged-all-to-all": "all-to-all",
 }
 # The collective kinds counted.
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",

@@ -93,7 +93,8 @@ def lm_arguments(config) -> dict:
               shared_expert_mlp_dim=value(config, "shared_expert_mlp_dim"),
               router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.0)),
               router_z_loss_coef=float(config.get("router_z_loss_coef", 0.0)),
-              attention=config.get("attention", "blocked"))
+              attention=config.get("attention", "blocked"),
+              moe_dispatch=config.get("moe_dispatch", "partitioner"))
 
 
 def vocab_chunks(config) -> int:

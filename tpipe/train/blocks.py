@@ -297,6 +297,8 @@ class LlamaBlock(nn.Module):
       Qwen2-MoE).
     shared_expert_mlp_dim: with experts, 0 for none or the hidden width of a shared SwiGLU
       expert every token goes through, gated by a sigmoid (Qwen2-MoE).
+    moe_dispatch: with experts, how tokens reach experts split over an ``expert`` mesh axis
+      (:attr:`tpipe.train.moe.MixtureOfExperts.dispatch`).
     attention: how the attention is computed (:mod:`tpipe.train.flash_attention`):
       ``"blocked"`` (XLA), ``"flash"`` (the platform's kernel: splash attention on TPU,
       cuDNN's on GPU), ``"splash"``, ``"cudnn"`` or ``"splash_interpret"``.
@@ -321,6 +323,7 @@ class LlamaBlock(nn.Module):
   router_z_loss_coef: float = 0.0
   normalize_expert_weights: bool = True
   shared_expert_mlp_dim: int = 0
+  moe_dispatch: str = "partitioner"
   attention: str = "blocked"
 
   def __post_init__(self):
@@ -397,8 +400,8 @@ class LlamaBlock(nn.Module):
           router_aux_loss_coef=self.router_aux_loss_coef,
           router_z_loss_coef=self.router_z_loss_coef,
           normalize_expert_weights=self.normalize_expert_weights,
-          shared_expert_hidden=self.shared_expert_mlp_dim, dtype=dtype, param_dtype=param_dtype,
-          name="moe")(h).astype(x.dtype)
+          shared_expert_hidden=self.shared_expert_mlp_dim, dispatch=self.moe_dispatch,
+          dtype=dtype, param_dtype=param_dtype, name="moe")(h).astype(x.dtype)
       return y if cache is None else (y, cache)
     gate = h @ weight("gate", (self.width, self.mlp_dim), ("embed", "mlp"))
     up = h @ weight("up", (self.width, self.mlp_dim), ("embed", "mlp"))

@@ -76,7 +76,7 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
               experts_per_token: int = 2, capacity_factor: float = 0.0,
               router_aux_loss_coef: float = 0.0, router_z_loss_coef: float = 0.0,
               normalize_expert_weights: bool = True, shared_expert_mlp_dim: int = 0,
-              attention: str = "blocked") -> list:
+              attention: str = "blocked", moe_dispatch: str = "partitioner") -> list:
   """The LM's layers ``[TokenEmbedding, tpipe.Repeat(block, L), LMHead]`` (arguments as
   :func:`decoder_lm`), checked; :func:`decoder_lm` pipelines them, and
   :mod:`tpipe.train.cli.generate` applies them one after the other with a key/value cache."""
@@ -117,8 +117,9 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
                          f"got {shared_expert_mlp_dim!r}.")
       moe.check_routing(num_experts, experts_per_token, capacity_factor, owner="block='moe'",
                         normalize_expert_weights=normalize_expert_weights,
-                        shared_expert_hidden=shared_expert_mlp_dim)
+                        shared_expert_hidden=shared_expert_mlp_dim, dispatch=moe_dispatch)
       experts = dict(num_experts=num_experts, experts_per_token=experts_per_token,
+                     moe_dispatch=moe_dispatch,
                      capacity_factor=float(capacity_factor),
                      router_aux_loss_coef=float(router_aux_loss_coef),
                      router_z_loss_coef=float(router_z_loss_coef),
@@ -199,6 +200,9 @@ def decoder_lm(*, spec: tpipe.PipelineSpec | None = None, **arguments) -> tpipe.
       Qwen2-MoE's).
     shared_expert_mlp_dim: ``"moe"`` blocks only: 0, or the hidden width of a shared SwiGLU
       expert every token goes through, its output scaled by a sigmoid gate (Qwen2-MoE's).
+    moe_dispatch: ``"moe"`` blocks only: how tokens reach experts split over an ``expert``
+      mesh axis, ``"partitioner"`` (XLA's) or ``"all_to_all"`` (explicit, dropless only;
+      :mod:`tpipe.train.expert_dispatch`).
     attention: how the blocks attend (:mod:`tpipe.train.flash_attention`): ``"blocked"``
       (XLA, any platform), ``"flash"`` (a fused kernel: splash attention on TPU, cuDNN's on
       GPU, chosen by the devices of the spec's mesh, else JAX's default backend; no dropout),

@@ -81,17 +81,18 @@ class MixtureOfExperts(nnx.Module):
   def __init__(self, width: int, hidden: int, num_experts: int, experts_per_token: int, *,
                capacity_factor: float = 0.0, router_aux_loss_coef: float = 0.0,
                router_z_loss_coef: float = 0.0, normalize_expert_weights: bool = True,
-               shared_expert_hidden: int = 0, dtype: Any = None,
-               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               shared_expert_hidden: int = 0, dispatch: str = "partitioner",
+               dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     moe.check_routing(num_experts, experts_per_token, capacity_factor,
                       normalize_expert_weights=normalize_expert_weights,
-                      shared_expert_hidden=shared_expert_hidden)
+                      shared_expert_hidden=shared_expert_hidden, dispatch=dispatch)
     self.experts_per_token = experts_per_token
     self.normalize_expert_weights = normalize_expert_weights
     self.shared_expert_hidden = shared_expert_hidden
     self.capacity_factor = capacity_factor
     self.router_aux_loss_coef = router_aux_loss_coef
     self.router_z_loss_coef = router_z_loss_coef
+    self.dispatch = dispatch
     self.dtype = dtype
     expert_init = jax.nn.initializers.variance_scaling(
         1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))

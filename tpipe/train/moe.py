@@ -10,12 +10,22 @@ per-token gate ``sigmoid(x @ shared_router)`` and added to the routed experts' m
 run the routed experts, the same numbers where no token is dropped:
 
 * **dropless** (``capacity_factor=0``, the default): the ``N * k`` (token, expert) pairs sorted
-  by expert and multiplied with one grouped matmul per projection (:func:`grouped_matmul`,
+  by expert and multiplied with one grouped matmul per projection
+  (:func:`tpipe.train.experts.grouped_matmul`,
   ``jax.lax.ragged_dot``): no token dropped, no padding.
 * **capacity** (``capacity_factor=c > 0``): each expert takes at most
   ``ceil(c * N * k / E)`` pairs, in token order; pairs beyond it are dropped (their share of
   the output is zero) and counted. The experts run as one batched matmul over ``[E, capacity]``
   slots, the GShard / Switch layout MaxText's capacity mode uses.
+
+Where the experts split over an ``expert`` mesh axis, two ways to bring them their tokens
+(``dispatch``):
+
+* ``"partitioner"`` (the default): XLA's partitioner makes the exchange from the weights'
+  sharding (it gathers the tokens to every expert device and sums the experts' outputs);
+* ``"all_to_all"`` (dropless only): :mod:`tpipe.train.expert_dispatch` sends each device's
+  pairs to the devices that hold their experts by an explicit all-to-all over ``expert`` and
+  the outputs back, two all-to-alls forward and two backward per layer.
 
 Auxiliary losses (added to the training loss through :mod:`tpipe.core.planning.aux_losses`: linen's
 ``self.sow(tpipe.AUX_LOSS, ...)``, NNX's ``self.sow(tpipe.nnx.AuxLoss, ...)``): the
@@ -41,12 +51,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import custom_batching
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import tpipe
 from tpipe import mesh as mesh_lib
+from tpipe.train import expert_dispatch
+from tpipe.train import experts as experts_lib
 from tpipe.train import model_args
 
 _named = model_args.named
@@ -69,9 +80,12 @@ class Routing(NamedTuple):
   logits: jax.Array
 
 
+DISPATCHES = ("partitioner", "all_to_all")
+
+
 def check_routing(num_experts: int, experts_per_token: int, capacity_factor: float,
                   owner: str = "MixtureOfExperts", *, normalize_expert_weights: bool = True,
-                  shared_expert_hidden: int = 0) -> None:
+                  shared_expert_hidden: int = 0, dispatch: str = "partitioner") -> None:
   """Raises ValueError for a routing (or a shared expert) no layer can run, naming the value and
   the fix."""
   if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
@@ -92,6 +106,12 @@ def check_routing(num_experts: int, experts_per_token: int, capacity_factor: flo
   if not whole or shared_expert_hidden < 0:
     raise ValueError(f"{owner}: shared_expert_hidden (the shared expert's hidden width) must be "
                      f"an int >= 0 (0 = no shared expert), got {shared_expert_hidden!r}.")
+  if dispatch not in DISPATCHES:
+    raise ValueError(f"{owner}: dispatch must be one of {DISPATCHES}, got {dispatch!r}.")
+  if dispatch == "all_to_all" and capacity_factor:
+    raise ValueError(f"{owner}: dispatch='all_to_all' routes dropless only, got "
+                     f"capacity_factor={capacity_factor!r}; use capacity_factor=0 or "
+                     "dispatch='partitioner'.")
 
 
 def check_expert_axis(num_experts: int, owner: str = "MixtureOfExperts") -> None:
@@ -194,64 +214,6 @@ def sow_metrics(sow, routing: Routing, dropped=None) -> None:
     sow("dropped", dropped / routing.experts.size)
 
 
-def _batched_at_zero(fn):
-  """``fn`` with a batching rule that batches every operand at axis 0, the unbatched ones
-  broadcast: ``jax.lax.ragged_dot`` batches only so (JAX 0.10), and tpipe runs layers under
-  ``vmap`` (its planning passes bind the mesh's axis names with size-1 ``vmap`` axes)."""
-  wrapped = custom_batching.custom_vmap(fn)
-
-  @wrapped.def_vmap
-  def rule(axis_size, in_batched, *args):
-    grow = lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + jnp.shape(a))
-    leaves, tree = jax.tree.flatten(args)
-    flags = jax.tree.leaves(in_batched)
-    out = jax.vmap(fn)(*jax.tree.unflatten(tree, list(map(grow, leaves, flags))))
-    return out, jax.tree.map(lambda _: True, out)
-
-  return wrapped
-
-
-@_batched_at_zero
-def _grouped_product(x, w, sizes):
-  return jax.lax.ragged_dot(x, w, sizes)
-
-
-@_batched_at_zero
-def _grouped_cotangents(x, w, sizes, cotangent):
-  return jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)[1](cotangent)
-
-
-def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-  """``jax.lax.ragged_dot(x, w, sizes)``: rows ``x [M, K]`` in groups of ``sizes [G]``
-  consecutive rows, group ``g`` times ``w[g] [K, N]``; ``[M, N]``. Differentiable and batchable
-  under any ``vmap`` (ragged_dot's own rules batch only at axis 0 of every operand).
-
-  While tpipe counts FLOPs (:func:`tpipe.counting_flops`) it is ``x @ w[0]`` instead: the
-  grouped product's FLOPs forward and backward (``2 M K N`` each way), where XLA:CPU counts
-  ``ragged_dot`` as a product with every group, ``G`` times as many."""
-  if tpipe.counting_flops():
-    return x @ w[0]
-  return _grouped(x, w, sizes)
-
-
-@jax.custom_vjp
-def _grouped(x, w, sizes):
-  return _grouped_product(x, w, sizes)
-
-
-def _grouped_forward(x, w, sizes):
-  return _grouped_product(x, w, sizes), (x, w, sizes)
-
-
-def _grouped_backward(residuals, cotangent):
-  x, w, sizes = residuals
-  dx, dw = _grouped_cotangents(x, w, sizes, cotangent)
-  return dx, dw, np.zeros(sizes.shape, jax.dtypes.float0)
-
-
-_grouped.defvjp(_grouped_forward, _grouped_backward)
-
-
 def _swiglu(gate, up):
   return nn.silu(gate) * up
 
@@ -266,9 +228,7 @@ def dropless(x: jax.Array, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
   order = jnp.argsort(flat, stable=True)
   tokens = x[order // k]
   sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-  hidden = _swiglu(grouped_matmul(tokens, w_gate.astype(x.dtype), sizes),
-                   grouped_matmul(tokens, w_up.astype(x.dtype), sizes))
-  out = grouped_matmul(hidden, w_down.astype(x.dtype), sizes)
+  out = experts_lib.swiglu(tokens, w_gate, w_up, w_down, sizes)
   pairs = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, k, -1)
   return jnp.einsum("nkd,nk->nd", pairs, routing.weights.astype(x.dtype))
 
@@ -320,8 +280,8 @@ def mixture(x: jax.Array, router, experts, shared, settings, *, sow_loss, sow_me
     experts: ``(gate, up, down)``, ``[E, D, H]``, ``[E, D, H]``, ``[E, H, D]``.
     shared: the shared expert's ``(gate, up, down, router)``, or None.
     settings: the layer (its ``experts_per_token``, ``capacity_factor``,
-      ``normalize_expert_weights``, ``router_aux_loss_coef``, ``router_z_loss_coef`` and
-      ``dtype``).
+      ``normalize_expert_weights``, ``router_aux_loss_coef``, ``router_z_loss_coef``,
+      ``dispatch`` and ``dtype``).
     sow_loss: ``sow_loss(name, value)`` adds an auxiliary loss.
     sow_metric: ``sow_metric(name, value)`` reports an auxiliary metric.
 
@@ -330,9 +290,14 @@ def mixture(x: jax.Array, router, experts, shared, settings, *, sow_loss, sow_me
     where :func:`rows_over_expert` splits them.
   """
   dtype = settings.dtype or x.dtype
-  tokens = rows_whole(x.reshape(-1, x.shape[-1]).astype(dtype))
+  exchange = settings.dispatch == "all_to_all" and expert_dispatch.devices_here() > 1
+  tokens = x.reshape(-1, x.shape[-1]).astype(dtype)
+  tokens = tokens if exchange else rows_whole(tokens)
   routing = route(tokens, router, settings.experts_per_token, settings.normalize_expert_weights)
-  if settings.capacity_factor:
+  if exchange:
+    pairs = expert_dispatch.expert_outputs(tokens, routing.experts, *experts)
+    out, dropped = jnp.einsum("nkd,nk->nd", pairs, routing.weights.astype(dtype)), None
+  elif settings.capacity_factor:
     out, dropped = with_capacity(tokens, routing, *experts, settings.capacity_factor)
   else:
     out, dropped = dropless(tokens, routing, *experts), None
@@ -360,6 +325,9 @@ class MixtureOfExperts(nn.Module):
       renormalised to sum to one (True, Mixtral) or as they are (False, Qwen2-MoE).
     shared_expert_hidden: 0 for none, else the hidden width of a shared SwiGLU expert every
       token goes through, gated by ``sigmoid(x @ shared_router)`` (Qwen2-MoE's).
+    dispatch: how tokens reach experts split over an ``expert`` mesh axis: ``"partitioner"``
+      (XLA's partitioner, from the weights' sharding) or ``"all_to_all"`` (an explicit
+      all-to-all, dropless only; :mod:`tpipe.train.expert_dispatch`).
     dtype: the computation's dtype, None for the input's (routing is float32 or wider).
     param_dtype: the weights' dtype.
     kernel_init: the experts', the router's and the shared expert's initializer.
@@ -378,6 +346,7 @@ class MixtureOfExperts(nn.Module):
   router_z_loss_coef: float = 0.0
   normalize_expert_weights: bool = True
   shared_expert_hidden: int = 0
+  dispatch: str = "partitioner"
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Any = nn.initializers.lecun_normal()
@@ -386,7 +355,7 @@ class MixtureOfExperts(nn.Module):
   def __call__(self, x):
     check_routing(self.num_experts, self.experts_per_token, self.capacity_factor,
                   normalize_expert_weights=self.normalize_expert_weights,
-                  shared_expert_hidden=self.shared_expert_hidden)
+                  shared_expert_hidden=self.shared_expert_hidden, dispatch=self.dispatch)
     check_expert_axis(self.num_experts)
     width = x.shape[-1]
     e, h = self.num_experts, self.hidden

@@ -9,7 +9,7 @@ parameters and of the input, for an output cotangent XLA cannot fold away):
   a conditional as its costliest branch. While it traces the layer, :func:`counting_flops` is
   True: a layer whose operation XLA:CPU expands into more work than it does on an accelerator
   (``jax.lax.ragged_dot``, a product with every group) can stand in an operation of the same
-  FLOPs (:func:`tpipe.train.moe.grouped_matmul`: one dense product of its shape).
+  FLOPs (:func:`tpipe.train.experts.grouped_matmul`: one dense product of its shape).
 * ``"time"``: the program's wall time, run on example inputs of the right shapes: a few warm-up
   runs, then the median of several timed runs, each waited for with ``block_until_ready``. Meant
   for real accelerators. On shared CPUs (and anywhere other work competes) the timings are noisy,
