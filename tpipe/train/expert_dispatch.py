@@ -5,8 +5,9 @@ Inside a pipeline's stage the ``expert`` axis is left to XLA's partitioner. Give
 over it and only the weights' sharding to go by, the partitioner gathers every token to every
 expert device, runs each device's experts on the pairs routed to them, and sums the outputs
 with an all-reduce. :func:`expert_outputs` spells the exchange out instead, so the program holds
-all-to-alls over ``expert``, two forward per layer (the pairs' tokens, and their outputs back)
-and two backward:
+all-to-alls over ``expert``: per layer forward, the pairs' tokens there (with a small one of
+their experts' ids) and their outputs back; backward, the outputs' gradients there and the
+tokens' back:
 
 1. the tokens are viewed as ``[devices, n, D]``, a block of rows per device of the axis, and
    every step below runs per block (``vmap`` over that leading axis, which stays split over

@@ -25,7 +25,8 @@ Where the experts split over an ``expert`` mesh axis, two ways to bring them the
   sharding (it gathers the tokens to every expert device and sums the experts' outputs);
 * ``"all_to_all"`` (dropless only): :mod:`tpipe.train.expert_dispatch` sends each device's
   pairs to the devices that hold their experts by an explicit all-to-all over ``expert`` and
-  the outputs back, two all-to-alls forward and two backward per layer.
+  the outputs back: per layer, two all-to-alls of activations forward (and a small one of
+  expert ids) and two backward.
 
 Auxiliary losses (added to the training loss through :mod:`tpipe.core.planning.aux_losses`: linen's
 ``self.sow(tpipe.AUX_LOSS, ...)``, NNX's ``self.sow(tpipe.nnx.AuxLoss, ...)``): the
