@@ -107,6 +107,18 @@ def nnx_layers(capacity_factor=0.0, seed=0, dispatch="partitioner"):
           NNXHead(rngs=rngs)]
 
 
+def each_pair_in_turn(x, experts, w_gate, w_up, w_down):
+  """Every token ``x [N, D]`` through each of its experts ``experts [N, k]`` one choice at a
+  time, by gathered weights: the experts' definition; ``[N, k, D]``, not yet mixed."""
+  outs = []
+  for j in range(experts.shape[1]):
+    e = experts[:, j]
+    hidden = (jax.nn.silu(jnp.einsum("nd,ndh->nh", x, w_gate[e]))
+              * jnp.einsum("nd,ndh->nh", x, w_up[e]))
+    outs.append(jnp.einsum("nh,nhd->nd", hidden, w_down[e]))
+  return jnp.stack(outs, axis=1)
+
+
 def inputs():
   """``(tokens, targets)``, ``[BATCH, SEQ]`` each."""
   k1, k2 = jax.random.split(jax.random.key(3))

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import tpipe
+from tests.helpers import moe_models as mm
 from tests.helpers import numerics
 from tpipe.tools import analysis
 from tpipe.train import expert_dispatch
@@ -31,16 +32,6 @@ def _case(seed=0, skewed=False):
   return tokens, experts.astype(np.int32), weights
 
 
-def _each_pair_in_turn(tokens, experts, w_gate, w_up, w_down):
-  outs = []
-  for j in range(experts.shape[1]):
-    e = experts[:, j]
-    hidden = (jax.nn.silu(jnp.einsum("nd,ndh->nh", tokens, w_gate[e]))
-              * jnp.einsum("nd,ndh->nh", tokens, w_up[e]))
-    outs.append(jnp.einsum("nh,nhd->nd", hidden, w_down[e]))
-  return jnp.stack(outs, axis=1)
-
-
 def _loss(pairs_fn, experts):
   # A nonlinear readout, so every pair's gradient differs.
   return lambda t, a, b, c: jnp.sum(jnp.sin(pairs_fn(t, experts, a, b, c)))
@@ -57,8 +48,8 @@ def test_the_exchange_equals_each_pair_through_its_expert(skewed):
     placed = [jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in args32]
     compiled = jax.jit(grad(expert_dispatch.expert_outputs)).lower(*placed).compile()
     value, grads = compiled(*placed)
-  plain = jax.jit(grad(_each_pair_in_turn))(*args32)
-  reference = numerics.float64_reference(grad(_each_pair_in_turn), *args32)
+  plain = jax.jit(grad(mm.each_pair_in_turn))(*args32)
+  reference = numerics.float64_reference(grad(mm.each_pair_in_turn), *args32)
   numerics.assert_as_close_as_plain(value, plain[0], reference[0], what="value")
   numerics.assert_as_close_as_plain(grads, plain[1], reference[1], what="gradients")
   kinds = [c.kind for c in analysis.collectives(compiled, mesh)]

@@ -44,6 +44,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from tpipe import mesh as mesh_lib
+from tpipe.train import experts as experts_lib
 
 EXPERT = mesh_lib.EXPERT_AXIS
 _ROWS = P(EXPERT)
@@ -123,7 +124,8 @@ def _swap(blocks: jax.Array) -> jax.Array:
 
 def _grouped(x, w, sizes):
   """Per device: rows ``x [devices, M, K]`` in groups of ``sizes [devices, G]`` times its
-  experts ``w [devices * G, K, N]`` (split over ``expert``); ``[devices, M, N]``.
+  experts ``w [devices * G, K, N]`` (split over ``expert``, in ``x``'s dtype); ``[devices, M,
+  N]``.
 
   The product runs per device in a ``shard_map`` over ``expert`` holding one ``ragged_dot``: the
   TPU compiler takes a ragged dot without batch dimensions only, and a body of one operation
@@ -131,7 +133,7 @@ def _grouped(x, w, sizes):
   devices, rows, width = x.shape
   local = jax.shard_map(lax.ragged_dot, in_specs=(_ROWS, _ROWS, _ROWS), out_specs=_ROWS,
                         axis_names={EXPERT})
-  out = local(x.reshape(devices * rows, width), w.astype(x.dtype), sizes.reshape(-1))
+  out = local(x.reshape(devices * rows, width), w, sizes.reshape(-1))
   return out.reshape(devices, rows, -1)
 
 
@@ -153,7 +155,8 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
   num_experts = w_gate.shape[0]
   if num_experts % devices:
     raise ValueError(f"expert_outputs: {num_experts} experts do not split over the "
-                     f"{devices} devices of the {EXPERT!r} axis.")
+                     f"{devices} devices of the {EXPERT!r} axis; use a multiple of {devices} "
+                     "experts or an expert axis that divides them.")
   check_alone(owner="expert_outputs")
   check_tokens(tokens.shape[0], devices, owner="expert_outputs")
   local = num_experts // devices
@@ -170,8 +173,7 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
   x = jnp.take_along_axis(received, by_expert[..., None], axis=1)
   sizes = jax.vmap(lambda r: jnp.zeros((local + 1,), jnp.int32).at[r].add(1)[:local])(
       received_ids)
-  hidden = jax.nn.silu(_grouped(x, w_gate, sizes)) * _grouped(x, w_up, sizes)
-  y = _grouped(hidden, w_down, sizes)
+  y = experts_lib.swiglu(x, w_gate, w_up, w_down, sizes, product=_grouped)
   filled = jnp.take_along_axis(received_ids, by_expert, axis=1)[..., None] < local
   y = jnp.where(filled, y, 0)  # Rows outside every group: no pair, no output.
   unsorted = jax.vmap(lambda y, by: jnp.zeros_like(y).at[by].set(y))(y, by_expert)

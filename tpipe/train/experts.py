@@ -1,6 +1,7 @@
-"""Experts' SwiGLU MLPs over rows grouped by expert: the grouped matmul both mixture-of-experts
-dispatches run (:mod:`tpipe.train.moe`'s, on every token a device holds, and
-:mod:`tpipe.train.expert_dispatch`'s, on the pairs an all-to-all brought to a device's experts).
+"""Experts' SwiGLU MLPs over rows grouped by expert (:func:`swiglu`), which both
+mixture-of-experts dispatches run: :mod:`tpipe.train.moe`'s on every token a device holds, by
+:func:`grouped_matmul`, and :mod:`tpipe.train.expert_dispatch`'s on the pairs an all-to-all
+brought to each device's experts, by its per-device grouped product.
 """
 
 from __future__ import annotations
@@ -72,10 +73,15 @@ _grouped.defvjp(_grouped_forward, _grouped_backward)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-           sizes: jax.Array) -> jax.Array:
+           sizes: jax.Array, product=None) -> jax.Array:
   """Rows ``x [M, D]`` in groups of ``sizes [G]`` consecutive rows, group ``g`` through expert
   ``g``'s SwiGLU (``w_gate``/``w_up`` ``[G, D, H]``, ``w_down [G, H, D]``, cast to ``x``'s
-  dtype); ``[M, D]``. Rows after the last group are not defined: mask them."""
-  hidden = (jax.nn.silu(grouped_matmul(x, w_gate.astype(x.dtype), sizes))
-            * grouped_matmul(x, w_up.astype(x.dtype), sizes))
-  return grouped_matmul(hidden, w_down.astype(x.dtype), sizes)
+  dtype); ``[M, D]``. Rows after the last group are not defined: mask them.
+
+  ``product(rows, weights, sizes)`` is the grouped matmul (default :func:`grouped_matmul`);
+  :mod:`tpipe.train.expert_dispatch` passes its per-device one, whose operands carry a leading
+  axis of devices."""
+  product = grouped_matmul if product is None else product
+  hidden = (jax.nn.silu(product(x, w_gate.astype(x.dtype), sizes))
+            * product(x, w_up.astype(x.dtype), sizes))
+  return product(hidden, w_down.astype(x.dtype), sizes)
