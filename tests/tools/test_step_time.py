@@ -231,6 +231,7 @@ def test_an_async_collective_overlaps_the_compute_between_start_and_done():
     assert t.collective_bytes == {("all-reduce", None): 4.0 * elements}
     assert t.compute_seconds == pytest.approx(BIG_DOT_SECONDS, rel=1e-12)
   assert sync.exposed_collective_seconds == pytest.approx(ring, rel=1e-12)
+  assert sync.exposed_by == {("all-reduce", None): sync.exposed_collective_seconds}
   assert sync.seconds == pytest.approx(ring + BIG_DOT_SECONDS, rel=1e-12)
   assert overlapped.exposed_collective_seconds == pytest.approx(ring - BIG_DOT_SECONDS,
                                                                 rel=1e-12)
@@ -239,6 +240,7 @@ def test_an_async_collective_overlaps_the_compute_between_start_and_done():
   # A small one hides entirely behind the dot.
   small = step_time.estimate(_collective_module(True, 1024, everyone), "v5p")
   assert small.exposed_collective_seconds == 0.0
+  assert small.exposed_by == {}
   assert small.seconds == pytest.approx(BIG_DOT_SECONDS, rel=1e-12)
   # Groups of one device move nothing.
   alone = step_time.estimate(_collective_module(False, elements, "{{0},{1},{2},{3},{4},{5},{6},"
@@ -263,6 +265,7 @@ def test_collectives_are_priced_on_the_link_of_the_axes_they_span():
   assert t.collective_bytes == {("all-gather", ("x",)): 4.0 * elements}
   assert t.exposed_collective_seconds == pytest.approx(
       ICI_LATENCY + 3 / 4 * 4 * elements / ICI, rel=1e-12)
+  assert t.exposed_by == {("all-gather", ("x",)): t.exposed_collective_seconds}
 
 
 def _scanned_step(w, x):
@@ -365,6 +368,7 @@ def test_a_tpu_prefetch_and_permute_overlap_the_work_between_start_and_done():
   assert t.collective_bytes == {("collective-permute", None): 4.0 * 2 ** 20}
   assert t.memory_seconds == 0.0  # The copy hides behind the dot.
   assert t.exposed_collective_seconds == pytest.approx(permute - BIG_DOT_SECONDS, rel=1e-12)
+  assert t.exposed_by == {("collective-permute", None): t.exposed_collective_seconds}
   assert t.seconds == pytest.approx(permute, rel=1e-12)
   assert t.hbm_bytes == 4 * 2 ** 20 + 3 * 2 * 2 ** 20
 
@@ -391,6 +395,7 @@ def test_an_asynchronous_all_to_all_overlaps_the_work_between_start_and_done():
   exchange = ICI_LATENCY + 3 / 4 * 8 * 2 ** 20 / ICI
   assert t.collective_bytes == {("all-to-all", None): 8.0 * 2 ** 20}
   assert t.exposed_collective_seconds == pytest.approx(exchange - BIG_DOT_SECONDS, rel=1e-12)
+  assert t.exposed_by == {("all-to-all", None): t.exposed_collective_seconds}
   assert t.seconds == pytest.approx(exchange, rel=1e-12)
 
 

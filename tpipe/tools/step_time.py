@@ -213,6 +213,8 @@ class _Time:
   flops: float = 0.0
   hbm_bytes: float = 0.0
   collective_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  # The collectives' part of ``exposed``, by ``(kind, mesh axes)``.
+  exposed_by: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   @property
   def seconds(self) -> float:
@@ -228,6 +230,14 @@ class _Time:
     self.hbm_bytes += times * other.hbm_bytes
     for key, value in other.collective_bytes.items():
       self.collective_bytes[key] += times * value
+    for key, value in other.exposed_by.items():
+      self.exposed_by[key] += times * value
+
+  def expose(self, seconds: float, key) -> None:
+    """Counts ``seconds`` of collective ``key`` (None: an asynchronous copy) as exposed."""
+    self.exposed += seconds
+    if key is not None:
+      self.exposed_by[key] += seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +271,8 @@ class StepTime:
       asynchronous copies that outlast the work beside them.
     exposed_collective_seconds: collective time the step waits for: synchronous collectives
       whole, asynchronous ones where they outlast the work between start and done.
+    exposed_by: that time by ``(kind, mesh axes)`` (axes None without a mesh), for example the
+      all-to-alls over ``expert`` alone: ``exposed_by[("all-to-all", ("expert",))]``.
     hidden_collective_seconds: collective time that ran beside other work.
     recompute_seconds: the part of compute and memory time spent on instructions
       ``jax.checkpoint`` rematerialises (``rematted_computation`` in their op_name; a fused
@@ -285,6 +297,7 @@ class StepTime:
   hbm_bytes: float
   collective_bytes: dict
   trip_counts: dict
+  exposed_by: dict = dataclasses.field(default_factory=dict)
   per_computation: dict = dataclasses.field(repr=False, default_factory=dict)
 
   def breakdown(self) -> dict[str, float]:
@@ -352,6 +365,7 @@ class _Pricer:
     now = 0.0  # The compute stream's clock in this run.
     queues = {"network": 0.0, "memory": 0.0}  # When each asynchronous queue is free.
     pending: dict[str, float] = {}  # Started asynchronous work: when it ends.
+    what: dict[str, tuple] = {}  # A started collective's (kind, axes).
     for ins in comp.instructions:
       op = ins.opcode
       kind = COLLECTIVE_OPCODES.get(op)
@@ -364,9 +378,10 @@ class _Pricer:
         if op.endswith("-start"):
           begin = max(now, queues["network"])
           queues["network"] = pending[ins.name] = begin + seconds
+          what[ins.name] = key
           own.hidden += seconds  # Moved to exposed below for the part the done waits for.
         else:
-          own.exposed += seconds
+          own.expose(seconds, key)
           now += seconds
         continue
       if op == "copy-start":
@@ -377,14 +392,15 @@ class _Pricer:
         own.hidden += seconds
         continue
       if op.endswith("-done"):
-        end = pending.pop(ins.operands[0], None) if ins.operands else None
+        started = ins.operands[0] if ins.operands else None
+        end = pending.pop(started, None)
         if end is not None and end > now:
           wait = end - now
           own.hidden -= wait
           if op == "copy-done":
             own.memory += wait
           else:
-            own.exposed += wait
+            own.expose(wait, what.get(started))
           now = end
         continue
       if op in ("while", "conditional", "call") or (op == "async-start" and ins.called):
@@ -405,9 +421,9 @@ class _Pricer:
       if _REMAT in ins.attrs:
         own.recompute += max(compute, memory)
       now += max(compute, memory)
-    for end in pending.values():  # Started and never waited for here: the run ends after it.
+    for started, end in pending.items():  # Never waited for here: the run ends after it.
       if end > now:
-        own.exposed += end - now
+        own.expose(end - now, what.get(started))
         own.hidden -= end - now
         now = end
     total.add(own)
@@ -475,4 +491,5 @@ def estimate(hlo, chip_="v5p", *, mesh=None, axis_links: Mapping[str, str] | Non
                   hidden_collective_seconds=total.hidden, recompute_seconds=total.recompute,
                   flops=total.flops,
                   hbm_bytes=total.hbm_bytes, collective_bytes=dict(total.collective_bytes),
-                  trip_counts=trips, per_computation=per_computation)
+                  trip_counts=trips, exposed_by=dict(total.exposed_by),
+                  per_computation=per_computation)
