@@ -333,6 +333,36 @@ def test_pipeline_step_follows_the_table_with_each_actions_price():
   assert priced.outside >= 0
 
 
+def test_a_collective_inside_an_action_is_counted_as_that_actions_wait():
+  # 1F1B, S = 2, M = 4, on 2 devices: B sums its result over them (a synchronous all-reduce,
+  # exposed whole), F has no collective.
+  schedule = schedules.build("1f1b", 2, 4)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+  w = jnp.ones((256, 256))
+  forward = lambda c: jnp.tanh(c @ w)
+  backward = lambda c: c + lax.psum(jnp.tanh(c @ w), "x")
+
+  def f(x, index):
+    y, _ = lax.scan(lambda c, i: (lax.switch(i, [lambda c: c, forward, backward], c), None),
+                    x, index)
+    return y
+
+  sharded = jax.shard_map(f, mesh=mesh, in_specs=(jax.P("x"), jax.P()), out_specs=jax.P("x"))
+  compiled = jax.jit(sharded).lower(jnp.ones((128, 256)),
+                                    jnp.zeros(schedule.num_ticks, jnp.int32)).compile()
+  key = ("all-reduce", ("x",))
+  (summed,) = [c for c in analysis.collectives(compiled, mesh) if c.kind == "all-reduce"]
+  alone = step_time.ring_factor("all-reduce", 2) * summed.bytes / ICI + ICI_LATENCY
+  priced = pipeline_time.fused_action_seconds(compiled, schedule, "v5p", programs=[0, 0],
+                                              mesh=mesh)
+  assert priced.exposed_by == {"F": {}, "B": {key: pytest.approx(alone, rel=1e-9)}}
+  assert priced.actions["B"] > priced.exposed_by["B"][key]
+  step = pipeline_time.pipeline_step_time(compiled, schedule, "v5p", programs=[0, 0],
+                                          mesh=mesh)
+  # Each stage runs B once per micro-batch.
+  assert step.exposed_by == {key: pytest.approx(4 * alone, rel=1e-9)}
+
+
 def test_rematerialised_work_is_told_apart():
   w, x = jnp.ones((256, 256)), jnp.ones((64, 256))
   layer = lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w)

@@ -35,12 +35,16 @@ class ActionSeconds:
     lockstep: the program's own time (:func:`tpipe.tools.step_time.estimate`: each tick as
       long as its slowest branch).
     tick_loop: the tick loop's ``while`` instruction.
+    exposed_by: per action kind, the part of its seconds spent waiting for collectives, by
+      ``(kind, mesh axes)`` as :attr:`tpipe.tools.step_time.StepTime.exposed_by` keys it (the
+      mean over the model chunks, as ``actions``).
   """
 
   actions: dict[str, float]
   outside: float
   lockstep: float
   tick_loop: str
+  exposed_by: dict = dataclasses.field(default_factory=dict)
 
 
 def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None,
@@ -84,8 +88,16 @@ def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None
     if np.all(np.isfinite(per_chunk)):
       actions[kind] = float(np.mean(per_chunk))
   outside = lockstep - loop.outer * schedule.num_ticks * busiest
+  exposed_by = {kind: {} for kind in actions}
+  for key in pricer.exposed_keys():
+    wait = lambda name, key=key: pricer.computation(name).exposed_by.get(key, 0.0)
+    waits, _ = flops_lib.branch_costs(schedule, programs, conditionals, layout, wait)
+    for k, kind in enumerate(("F", "B", "BI", "W")):
+      per_chunk = waits[1 + k * count + np.asarray(programs)]
+      if kind in actions and np.any(per_chunk):
+        exposed_by[kind][key] = float(np.mean(per_chunk))
   return ActionSeconds(actions=actions, outside=outside, lockstep=lockstep,
-                       tick_loop=found.tick_loop)
+                       tick_loop=found.tick_loop, exposed_by=exposed_by)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +112,10 @@ class PipelineTime:
     outside: seconds outside the actions.
     lockstep: the program's time with every tick as long as its slowest branch.
     actions: the per-action seconds used.
+    exposed_by: the mean stage's actions' collective waits per step, by ``(kind, mesh axes)``:
+      each action kind's (:attr:`ActionSeconds.exposed_by`) times the micro-batches and chunks
+      per stage that run it (for example a mixture of experts' exchange,
+      ``exposed_by[("all-to-all", ("expert",))]``); waits outside the actions are not in it.
   """
 
   seconds: float
@@ -108,6 +124,7 @@ class PipelineTime:
   outside: float
   lockstep: float
   actions: dict
+  exposed_by: dict = dataclasses.field(default_factory=dict)
 
 
 def pipeline_step_time(hlo, schedule, chip_="v5p", *, programs=None, mesh=None,
@@ -119,6 +136,12 @@ def pipeline_step_time(hlo, schedule, chip_="v5p", *, programs=None, mesh=None,
                                 axis_links=axis_links)
   timing = schedule.simulate(priced.actions)
   busy = float(np.mean(timing.busy))
+  runs = schedule.num_microbatches * schedule.num_chunks  # Each action kind's, per stage.
+  exposed_by = {}
+  for waits in priced.exposed_by.values():
+    for key, seconds in waits.items():
+      exposed_by[key] = exposed_by.get(key, 0.0) + runs * seconds
   return PipelineTime(seconds=timing.neighbour + priced.outside, busy=busy,
                       bubble=timing.neighbour - busy, outside=priced.outside,
-                      lockstep=priced.lockstep, actions=dict(priced.actions))
+                      lockstep=priced.lockstep, actions=dict(priced.actions),
+                      exposed_by=exposed_by)

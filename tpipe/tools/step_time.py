@@ -347,6 +347,12 @@ class _Pricer:
     seconds = link.latency_seconds + factor * payload / link.bytes_per_second if factor else 0.0
     return seconds, (kind, axes), float(payload)
 
+  def exposed_keys(self) -> set:
+    """The ``(kind, mesh axes)`` of every collective that left time exposed in a computation
+    priced so far."""
+    return {key for t in self._cache.values() for key, seconds in t.exposed_by.items()
+            if seconds}
+
   def _async_kind(self, ins) -> str | None:
     """The collective kind an ``async-start`` wraps, or None."""
     for name in ins.called:
