@@ -16,9 +16,18 @@ Columns, per device and step: the peak (``memory_analysis()``: arguments + outpu
 temporaries) and the temporaries; the bytes the program moves over the ``expert`` axis by kind
 (:func:`tpipe.tools.analysis.collectives`, loop trip counts included); the all-to-all
 start/done pairs in the program and how many of them have other work (a fusion) scheduled
-between start and done; and the step as :func:`tpipe.tools.step_time.estimate` prices it on
-v5p (a roofline, not a measurement): the predicted time, and the collective time it leaves
-exposed.
+between start and done; and the step as the report prices it on v5p (:func:`priced`): the
+predicted time, the collective time it leaves exposed, and the expert all-to-all's part of that.
+
+:func:`priced` is :func:`tpipe.train.cli.config_costs.predict`: a roofline of the compiled
+program (not a measurement) that overlaps each asynchronous collective with the work between its
+start and done. A fused table's actions (1F1B's, ZB-V's, and GPipe's, whose backward remat full
+fuses into the table) are priced from their branches of the tick loop and followed tick by tick
+as the neighbour-synchronised simulation follows them, so a tick costs the action it runs (the
+program itself would wait for its slowest branch on every tick); a forward table's loops
+(autodiff's backward) are priced as the program runs them. The expert all-to-all's wait is
+:attr:`tpipe.tools.pipeline_time.PipelineTime.exposed_by` (each action's wait times the actions a
+stage runs) or, for a forward table, :attr:`tpipe.tools.step_time.StepTime.exposed_by`.
 
 Needs the TPU compiler: ``pip install -e '.[tpu]'``. ``--smoke`` compiles the first two rows.
 """
@@ -35,16 +44,18 @@ from experiments import _common
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # One host: no slice discovery.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
-                                  + " --xla_tpu_enable_async_all_to_all=true").strip()
+if "xla_tpu_enable_async_all_to_all" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
+  os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
+                                    + " --xla_tpu_enable_async_all_to_all=true").strip()
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import analysis  # noqa: E402  pylint: disable=g-import-not-at-top
-from tpipe.tools import step_time  # noqa: E402  pylint: disable=g-import-not-at-top
+from tpipe.tools import pipeline_time  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:2x2x2"
+EXCHANGE = ("all-to-all", ("expert",))  # The explicit dispatch's collectives: (kind, mesh axes).
 SHAPES = {
     "mixtral-like": dict(num_layers=4, width=1024, num_heads=8, num_kv_heads=8, mlp_dim=2048,
                          num_experts=8, experts_per_token=2),
@@ -100,6 +111,28 @@ def async_pairs(text: str) -> tuple[int, int]:
   return pairs, busy
 
 
+def priced(compiled, exp) -> dict:
+  """``exp``'s compiled step priced on v5p as the report prices it (see the module docstring):
+  ``step``, ``bubble``, ``exposed`` (collectives) and ``exposed_all_to_all`` (over ``expert``)
+  seconds, ``mfu``, whether the table was followed ``tick_by_tick``, and the collective waits
+  by kind and mesh axes (``waits``: the actions' for a table followed tick by tick)."""
+  from tpipe.train.cli import config_costs  # pylint: disable=g-import-not-at-top
+
+  schedule = exp.pipeline.loss_table
+  predicted = config_costs.predict(compiled, exp, schedule, "v5p")
+  if predicted.tick_by_tick:
+    waits = pipeline_time.pipeline_step_time(compiled, schedule, "v5p", mesh=exp.mesh,
+                                             programs=exp.pipeline.programs()).exposed_by
+  else:
+    waits = predicted.step_time.exposed_by
+  return dict(step=predicted.seconds, bubble=predicted.parts["bubble"],
+              exposed=predicted.parts["exposed collectives"],
+              exposed_all_to_all=waits.get(EXCHANGE, 0.0), mfu=predicted.mfu,
+              tick_by_tick=predicted.tick_by_tick,
+              waits={f"{kind} over {' x '.join(axes or ('?',))}": seconds
+                     for (kind, axes), seconds in waits.items()})
+
+
 def measure(row: Row) -> dict:
   from tpipe.train.cli import experiment  # pylint: disable=g-import-not-at-top
 
@@ -113,11 +146,10 @@ def measure(row: Row) -> dict:
   for c in analysis.collectives(compiled, exp.mesh):
     if c.axes == ("expert",):
       over_expert[c.kind] += c.count * c.bytes
-  predicted = step_time.estimate(compiled, "v5p", mesh=exp.mesh)
   pairs, busy = async_pairs(compiled.as_text())
-  return dict(peak=_common.peak_bytes(memory), temporaries=memory.temp_size_in_bytes,
-              over_expert=dict(over_expert), pairs=pairs, busy=busy, seconds=seconds,
-              step=predicted.seconds, exposed=predicted.exposed_collective_seconds)
+  return dict(priced(compiled, exp), peak=_common.peak_bytes(memory),
+              temporaries=memory.temp_size_in_bytes, over_expert=dict(over_expert), pairs=pairs,
+              busy=busy, seconds=seconds)
 
 
 def main():
@@ -128,8 +160,8 @@ def main():
            "temporaries MiB | "
            "over expert: all-gather MiB | all-reduce MiB | all-to-all MiB | total MiB | "
            "async all-to-all pairs (work between) | predicted step ms | exposed collectives "
-           "ms | compile s |",
-           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+           "ms | of which all-to-all over expert ms | compile s |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
   for row in rows:
     got = measure(row)
     moved = got["over_expert"]
@@ -141,7 +173,8 @@ def main():
         f"{mib(moved.get('all-gather', 0))} | {mib(moved.get('all-reduce', 0))} | "
         f"{mib(moved.get('all-to-all', 0))} | **{mib(sum(moved.values()))}** | "
         f"{got['pairs']} ({got['busy']}) | {got['step'] * 1e3:.1f} | "
-        f"{got['exposed'] * 1e3:.1f} | {got['seconds']:.0f} |")
+        f"{got['exposed'] * 1e3:.1f} | {got['exposed_all_to_all'] * 1e3:.1f} | "
+        f"{got['seconds']:.0f} |")
   run.write("Mixture-of-experts dispatch on v5p:2x2x2: the partitioner's and the explicit "
             "all-to-all", table)
 
