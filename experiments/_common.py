@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
+import pathlib
 import platform
 import re
 import shlex
@@ -196,6 +198,42 @@ def measure(cfg, per_stage: bool = False):
 
 # --------------------------------------------------------------------------------------------
 # Formatting and figures.
+
+
+# --------------------------------------------------------------------------------------------
+# Rows compiled in separate runs (a TPU-scale row takes minutes), their figures kept in a JSON
+# file beside the results: ``--rows=2,0`` compiles those, ``--rows=none`` none.
+
+ROWS_HELP = ("comma-separated row numbers (0-based) to compile, or 'none' to write the table "
+             "from the stored results; the others keep their stored results")
+
+
+def add_rows_argument(parser: argparse.ArgumentParser) -> None:
+  """Adds ``--rows`` (:data:`ROWS_HELP`) to a script's parser."""
+  parser.add_argument("--rows", default="", help=ROWS_HELP)
+
+
+def rows_to_compile(run: "Run", rows: Sequence, smoke_rows: Sequence) -> list:
+  """The rows ``--rows`` names (all of ``rows`` by default, none for ``none``); with
+  ``--smoke`` and no ``--rows``, ``smoke_rows``."""
+  if not run.args.rows:
+    return list(smoke_rows if run.smoke else rows)
+  return [] if run.args.rows == "none" else [rows[int(i)] for i in run.args.rows.split(",")]
+
+
+class RowStore:
+  """Each row's figures by key, in ``<results>.json`` beside the run's table (none read or
+  written under ``--smoke``)."""
+
+  def __init__(self, run: "Run"):
+    self.smoke = run.smoke
+    self.path = pathlib.Path(run.out).with_suffix(".json")
+    self.results = (json.loads(self.path.read_text())
+                    if self.path.exists() and not self.smoke else {})
+
+  def save(self) -> None:
+    if not self.smoke:
+      self.path.write_text(json.dumps(self.results, indent=1) + "\n")
 
 
 def gib(n: float) -> str:

@@ -30,9 +30,7 @@ Needs the TPU compiler: ``pip install -e '.[tpu]'``. ``--smoke`` compiles the fi
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import pathlib
 import time
 
 from experiments import _common
@@ -82,21 +80,13 @@ def _key(row: moe_memory.Row) -> str:
 
 def main():
   run = _common.start("moe_exposed", __doc__, smoke="the first row",
-                      arguments=lambda parser: parser.add_argument(
-                          "--rows", default="", help="comma-separated row numbers (0-based) to "
-                          "compile, or 'none' to write the table from the stored results; the "
-                          "others keep their stored results"))
-  rows = ROWS[:1] if run.smoke else ROWS
-  if run.args.rows:
-    rows = ([] if run.args.rows == "none"
-            else [ROWS[int(i)] for i in run.args.rows.split(",")])
-  store = pathlib.Path(run.out).with_suffix(".json")
-  results = json.loads(store.read_text()) if store.exists() and not run.smoke else {}
-  for row in rows:
+                      arguments=_common.add_rows_argument)
+  store = _common.RowStore(run)
+  results = store.results
+  for row in _common.rows_to_compile(run, ROWS, ROWS[:1]):
     results[_key(row)] = dict(measure(row), row=dataclasses.asdict(row))
     print(_key(row), results[_key(row)], flush=True)
-    if not run.smoke:
-      store.write_text(json.dumps(results, indent=1) + "\n")
+    store.save()
   table = ["| dispatch | schedule | micro-batches | peak GiB | async all-to-all pairs (work "
            "between) | predicted step s | MFU | bubble s | exposed collectives s | of which "
            "all-to-all over expert s | the actions' largest waits, s per step | compile s |",

@@ -33,9 +33,7 @@ Needs the TPU compiler: ``pip install -e '.[tpu]'``. ``--smoke`` compiles the fi
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import pathlib
 
 from experiments import _common
 
@@ -110,21 +108,14 @@ def _key(row: Row) -> str:
 
 def main():
   run = _common.start("moe_memory", __doc__, smoke="the first row",
-                      arguments=lambda parser: parser.add_argument(
-                          "--rows", default="", help="comma-separated row numbers (0-based) to "
-                          "compile, or 'none' to write the table from the stored results; the "
-                          "others keep their stored results"))
+                      arguments=_common.add_rows_argument)
   gib = _common.gib
-  rows = ROWS[:1] if run.smoke else ROWS
-  if run.args.rows:
-    rows = ([] if run.args.rows == "none"
-            else [ROWS[int(i)] for i in run.args.rows.split(",")])
   # Each row's figures, kept beside the table so that rows compile in separate runs (a row
   # takes 3-25 minutes on a 2-core machine).
-  store = pathlib.Path(run.out).with_suffix(".json")
-  results = json.loads(store.read_text()) if store.exists() and not run.smoke else {}
+  store = _common.RowStore(run)
+  results = store.results
   devices = tpipe.topology_devices(TOPOLOGY)
-  for row in rows:
+  for row in _common.rows_to_compile(run, ROWS, ROWS[:1]):
     exp, memory, breakdown, seconds = scale_3d.compile_row(config_for(row), devices)
     del exp
     results[_key(row)] = dict(
@@ -132,8 +123,7 @@ def main():
         temporaries=memory.temp_size_in_bytes, seconds=seconds,
         parts=scale_3d.part_sums(breakdown), live=breakdown.total)
     print(_key(row), gib(results[_key(row)]["peak"]), flush=True)
-    if not run.smoke:
-      store.write_text(json.dumps(results, indent=1) + "\n")
+    store.save()
   table = ["| model | stage x expert x fsdp x tensor | row | micro-batches | peak GiB | "
            "MaxText GiB | state GiB | temporaries GiB | compile s |",
            "|---|---|---|---:|---:|---|---:|---:|---:|"]

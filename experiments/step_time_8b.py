@@ -46,9 +46,7 @@ Needs the TPU compiler: ``pip install -e '.[tpu]'``.
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import time
 
 from experiments import _common
@@ -149,9 +147,7 @@ def tune(row: Row, smoke: bool) -> dict:
 
 
 def _arguments(parser):
-  parser.add_argument("--rows", default="", help="comma-separated row numbers (0-based) to "
-                      "compile, or 'none' to write the table from the stored results; the "
-                      "others keep their stored results")
+  _common.add_rows_argument(parser)
   parser.add_argument("--autotune", action="store_true", help="also run the auto-tuner from "
                       "the default row's config (AUTOTUNE_SPACE) and store its ranking")
 
@@ -160,13 +156,10 @@ def main():
   run = _common.start("step_time_8b", __doc__, smoke="memory_at_scale's shape-a default row",
                       arguments=_arguments)
   rows = SMOKE_ROWS if run.smoke else ROWS
-  todo = rows
-  if run.args.rows:
-    todo = [] if run.args.rows == "none" else [ROWS[int(i)] for i in run.args.rows.split(",")]
   # Each row's figures, kept beside the table so that rows compile in separate runs.
-  store = pathlib.Path(run.out).with_suffix(".json")
-  results = json.loads(store.read_text()) if store.exists() and not run.smoke else {}
-  for row in todo:
+  store = _common.RowStore(run)
+  results = store.results
+  for row in _common.rows_to_compile(run, ROWS, SMOKE_ROWS):
     try:
       results[_key(row)] = measure(row)
     except jax.errors.JaxRuntimeError as e:  # The TPU compiler refuses what exceeds HBM.
@@ -174,13 +167,11 @@ def main():
         raise
       results[_key(row)] = dict(error=str(e).splitlines()[0])
     print(table([row], results)[-1], flush=True)
-    if not run.smoke:
-      store.write_text(json.dumps(results, indent=1) + "\n")
+    store.save()
   if run.args.autotune:
     results["autotune"] = dict(command=run.command, space=AUTOTUNE_SPACE,
                                **tune(rows[0], run.smoke))
-    if not run.smoke:
-      store.write_text(json.dumps(results, indent=1) + "\n")
+    store.save()
   lines = ["Per device, priced on v5p (459 TFLOP/s bfloat16, 2765 GB/s HBM, ICI links). The "
            "parts add up to the predicted step; recompute is a part of compute and memory. "
            "\"step / default\" is the row's predicted step over the default row's.", ""]
