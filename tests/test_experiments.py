@@ -69,9 +69,11 @@ def test_a_smoke_variant_is_the_smoke_flag_and_writes_outside_the_results():
 
 
 def _flags(name):
-  """The long options the script accepts: its own and those of _common.start."""
+  """The long options the script accepts: its own, those of _common.start, and --rows where it
+  adds _common's."""
   source = (EXPERIMENTS / f"{name}.py").read_text()
-  return set(re.findall(r"\"(--[\w-]+)\"", source)) | {"--out", "--smoke", "--quick"}
+  rows = {"--rows"} if "_common.add_rows_argument" in source else set()
+  return set(re.findall(r"\"(--[\w-]+)\"", source)) | {"--out", "--smoke", "--quick"} | rows
 
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.md")), ids=lambda p: p.name)
