@@ -200,6 +200,14 @@ def measure(cfg, per_stage: bool = False):
 # Formatting and figures.
 
 
+def async_all_to_all_on_tpu() -> None:
+  """Asks the TPU compiler for asynchronous all-to-alls (``--xla_tpu_enable_async_all_to_all``
+  in ``LIBTPU_INIT_ARGS``, as MaxText runs its MoE models), before libtpu loads; once."""
+  flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+  if "xla_tpu_enable_async_all_to_all" not in flags:
+    os.environ["LIBTPU_INIT_ARGS"] = (flags + " --xla_tpu_enable_async_all_to_all=true").strip()
+
+
 # --------------------------------------------------------------------------------------------
 # Rows compiled in separate runs (a TPU-scale row takes minutes), their figures kept in a JSON
 # file beside the results: ``--rows=2,0`` compiles those, ``--rows=none`` none.

@@ -26,8 +26,8 @@ fuses into the table) are priced from their branches of the tick loop and follow
 as the neighbour-synchronised simulation follows them, so a tick costs the action it runs (the
 program itself would wait for its slowest branch on every tick); a forward table's loops
 (autodiff's backward) are priced as the program runs them. The expert all-to-all's wait is
-:attr:`tpipe.tools.pipeline_time.PipelineTime.exposed_by` (each action's wait times the actions a
-stage runs) or, for a forward table, :attr:`tpipe.tools.step_time.StepTime.exposed_by`.
+:attr:`tpipe.train.cli.config_costs.Prediction.exposed_by`: each action's wait times the actions
+a stage runs, or, for a forward table, the program's.
 
 Needs the TPU compiler: ``pip install -e '.[tpu]'``. ``--smoke`` compiles the first two rows.
 """
@@ -44,15 +44,12 @@ from experiments import _common
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # One host: no slice discovery.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-if "xla_tpu_enable_async_all_to_all" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
-  os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
-                                    + " --xla_tpu_enable_async_all_to_all=true").strip()
+_common.async_all_to_all_on_tpu()
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import tpipe  # noqa: E402  pylint: disable=g-import-not-at-top
 from tpipe.tools import analysis  # noqa: E402  pylint: disable=g-import-not-at-top
-from tpipe.tools import pipeline_time  # noqa: E402  pylint: disable=g-import-not-at-top
 
 TOPOLOGY = "v5p:2x2x2"
 EXCHANGE = ("all-to-all", ("expert",))  # The explicit dispatch's collectives: (kind, mesh axes).
@@ -118,13 +115,8 @@ def priced(compiled, exp) -> dict:
   by kind and mesh axes (``waits``: the actions' for a table followed tick by tick)."""
   from tpipe.train.cli import config_costs  # pylint: disable=g-import-not-at-top
 
-  schedule = exp.pipeline.loss_table
-  predicted = config_costs.predict(compiled, exp, schedule, "v5p")
-  if predicted.tick_by_tick:
-    waits = pipeline_time.pipeline_step_time(compiled, schedule, "v5p", mesh=exp.mesh,
-                                             programs=exp.pipeline.programs()).exposed_by
-  else:
-    waits = predicted.step_time.exposed_by
+  predicted = config_costs.predict(compiled, exp, exp.pipeline.loss_table, "v5p")
+  waits = predicted.exposed_by
   return dict(step=predicted.seconds, bubble=predicted.parts["bubble"],
               exposed=predicted.parts["exposed collectives"],
               exposed_all_to_all=waits.get(EXCHANGE, 0.0), mfu=predicted.mfu,

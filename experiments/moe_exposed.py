@@ -37,9 +37,7 @@ from experiments import _common
 
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # One host: no slice discovery.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-if "xla_tpu_enable_async_all_to_all" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
-  os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "")
-                                    + " --xla_tpu_enable_async_all_to_all=true").strip()
+_common.async_all_to_all_on_tpu()
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 

@@ -519,6 +519,7 @@ def test_the_report_predicts_step_time_tokens_per_second_and_mfu(fused_report, t
   attention at v5p's 459 TFLOP/s."""
   from tpipe import schedules  # pylint: disable=g-import-not-at-top
   from tpipe.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import pipeline_time  # pylint: disable=g-import-not-at-top
   from tpipe.tools import step_time  # pylint: disable=g-import-not-at-top
   from tpipe.train import architecture  # pylint: disable=g-import-not-at-top
   from tpipe.train.cli import throughput  # pylint: disable=g-import-not-at-top
@@ -542,6 +543,17 @@ def test_the_report_predicts_step_time_tokens_per_second_and_mfu(fused_report, t
     # The program's own figures are the estimator's on the compiled step.
     whole = step_time.estimate(report.compiled, "v5p", mesh=report.mesh)
     assert (p.step_time.flops, p.step_time.hbm_bytes) == (whole.flops, whole.hbm_bytes)
+    # The collective waits: the actions' followed tick by tick, else the program's.
+    if fused:
+      piped = pipeline_time.pipeline_step_time(report.compiled, report.schedule, "v5p",
+                                               mesh=report.mesh,
+                                               programs=experiment.build(
+                                                   config).pipeline.programs())
+      assert p.exposed_by == piped.exposed_by
+      # The stage sends and the sums after the loop wait outside the actions: not counted.
+      assert set(p.exposed_by) < set(whole.exposed_by)
+    else:
+      assert p.exposed_by == whole.exposed_by
     assert report.to_json()["prediction"]["mfu"] == p.mfu
     text = report_text.format_report(report)
     assert "### Predicted step time on v5p" in text

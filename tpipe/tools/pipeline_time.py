@@ -82,20 +82,24 @@ def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None
   layout = flops_lib.lane_layout(schedule, programs, conditionals)
   cost, busiest = flops_lib.branch_costs(schedule, programs, conditionals, layout,
                                          lambda name: pricer.computation(name).seconds)
-  actions = {}
-  for k, kind in enumerate(("F", "B", "BI", "W")):
-    per_chunk = cost[1 + k * count + np.asarray(programs)]
-    if np.all(np.isfinite(per_chunk)):
-      actions[kind] = float(np.mean(per_chunk))
+
+  def per_action(branch_cost):  # Each action kind the table runs: its mean over the chunks.
+    out = {}
+    for k, kind in enumerate(("F", "B", "BI", "W")):
+      per_chunk = branch_cost[1 + k * count + np.asarray(programs)]
+      if np.all(np.isfinite(per_chunk)):
+        out[kind] = float(np.mean(per_chunk))
+    return out
+
+  actions = per_action(cost)
   outside = lockstep - loop.outer * schedule.num_ticks * busiest
   exposed_by = {kind: {} for kind in actions}
   for key in pricer.exposed_keys():
     wait = lambda name, key=key: pricer.computation(name).exposed_by.get(key, 0.0)
     waits, _ = flops_lib.branch_costs(schedule, programs, conditionals, layout, wait)
-    for k, kind in enumerate(("F", "B", "BI", "W")):
-      per_chunk = waits[1 + k * count + np.asarray(programs)]
-      if kind in actions and np.any(per_chunk):
-        exposed_by[kind][key] = float(np.mean(per_chunk))
+    for kind, seconds in per_action(waits).items():
+      if seconds:
+        exposed_by[kind][key] = seconds
   return ActionSeconds(actions=actions, outside=outside, lockstep=lockstep,
                        tick_loop=found.tick_loop, exposed_by=exposed_by)
 

@@ -254,6 +254,9 @@ class Prediction:
     num_devices: devices the step runs on.
     peak_flops: one chip's peak FLOP/s.
     step_time: the :class:`tpipe.tools.step_time.StepTime` of the program.
+    exposed_by: the collective waits per step by ``(kind, mesh axes)``: the actions' followed
+      tick by tick (:attr:`tpipe.tools.pipeline_time.PipelineTime.exposed_by`), else the
+      program's (:attr:`tpipe.tools.step_time.StepTime.exposed_by`).
   """
 
   chip: str
@@ -266,6 +269,7 @@ class Prediction:
   num_devices: int
   peak_flops: float
   step_time: Any = dataclasses.field(repr=False, default=None)
+  exposed_by: dict = dataclasses.field(default_factory=dict)
 
   @property
   def tokens_per_second(self) -> float | None:
@@ -314,7 +318,7 @@ def predict(compiled, exp, schedule, chip) -> Prediction:
   chip = step_time.chip(chip)
   module = step_time.with_trip_counts(compiled.as_text())
   whole = step_time.estimate(module, chip, mesh=exp.mesh)
-  seconds, bubble, tick_by_tick = whole.seconds, 0.0, False
+  seconds, bubble, tick_by_tick, exposed_by = whole.seconds, 0.0, False, whole.exposed_by
   # Every fused table, one stage's too: the program prices each lane's conditional at its
   # slowest branch on every tick (F's tick then also pays for B's branch); the table runs one.
   if isinstance(schedule, schedules.FusedSchedule):
@@ -322,6 +326,7 @@ def predict(compiled, exp, schedule, chip) -> Prediction:
       piped = pipeline_time.pipeline_step_time(module, schedule, chip, mesh=exp.mesh,
                                                programs=exp.pipeline.programs())
       seconds, bubble, tick_by_tick = piped.seconds, max(0.0, piped.bubble), True
+      exposed_by = piped.exposed_by
     except ValueError:  # No tick loop matching the table (XLA rewrote it): priced whole.
       pass
   if not tick_by_tick and getattr(schedule, "num_stages", 1) > 1:
@@ -334,7 +339,7 @@ def predict(compiled, exp, schedule, chip) -> Prediction:
                     recompute=whole.recompute_seconds * share, tick_by_tick=tick_by_tick,
                     tokens=tokens, model_flops=model_flops,
                     num_devices=int(exp.mesh.devices.size), peak_flops=chip.flops_per_second,
-                    step_time=whole)
+                    step_time=whole, exposed_by=dict(exposed_by))
 
 
 def compile_train_step(exp, breakdown: bool = False):
