@@ -236,3 +236,57 @@ def test_llama_blocks_attend_in_query_blocks_inside_a_fused_pipeline(monkeypatch
   blocked = grad_fn()(params, x, targets)
   assert blocks_seen and set(blocks_seen) == {4}, blocks_seen  # Two blocks of 4 queries.
   numerics.assert_as_close_as_plain(blocked, unblocked, exact, what="gradients")
+
+
+@pytest.mark.parametrize("query_block", [512, 2])
+def test_rows_split_over_an_expert_axis_attend_where_they_are(query_block, monkeypatch):
+  """Inside a stage whose rows split over its ``expert`` axis (stage 2 x expert 4, manual over
+  stage): grouped attention one block of queries at a time loops over each device's own rows,
+  one row per device at a step, so the program gathers no row from another device (the same
+  collectives as attending the whole sequence at once: none), and its outputs and gradients are
+  the plain composition's (the numerics rule)."""
+  import tpipe  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from tpipe.core.base import spmd  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
+  mesh = tpipe.make_mesh(stages=2, expert=4)
+  b, s, g, r, d = 16, 6, 2, 2, 4  # 8 rows per stage: two per expert device.
+  keys = jax.random.split(jax.random.key(5), 4)
+  q = jax.random.normal(keys[0], (b, s, g, r, d))
+  k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
+  cotangent = jax.random.normal(keys[3], (b, s, g, r, d))
+  causal = jnp.tril(jnp.ones((s, s), bool))[None, None, None]
+  rows_seen = []
+  block_forward = attention._grouped_block_forward  # pylint: disable=protected-access
+  monkeypatch.setattr(attention, "_grouped_block_forward",
+                      lambda q, *a: rows_seen.append(q.shape[0]) or block_forward(q, *a))
+
+  def in_stage(fn):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"),
+                                 axis_names={"stage"}))
+
+  def grouped(q, k, v, g):  # The rows split over expert, as a stage's activations are.
+    q, k, v, g = spmd.rows_over_expert_axis((q, k, v, g))
+    out, vjp = jax.vjp(lambda q, k, v: attention.grouped_attention(q, k, v, causal, 2.0),
+                       q, k, v)
+    return out, *vjp(g)
+
+  def plain(q, k, v, g, float32=True):
+    def forward(q, k, v):
+      logits = jnp.einsum("bsgrk,btgk->bgrst", q, k)
+      logits = (logits.astype(jnp.float32) if float32 else logits) / 2.0
+      logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
+      return jnp.einsum("bgrst,btgk->bsgrk", jax.nn.softmax(logits, axis=-1), v)
+    out, vjp = jax.vjp(forward, q, k, v)
+    return out, *vjp(g)
+
+  compiled = in_stage(grouped).lower(q, k, v, cotangent).compile()
+  got = compiled(q, k, v, cotangent)
+  assert set(rows_seen) == ({b // 2} if query_block > s else {4}), rows_seen
+  assert not analysis.collectives(compiled, mesh), analysis.collectives(compiled, mesh)
+  exact = numerics.float64_reference(jax.jit(lambda *a: plain(*a, float32=False)),
+                                     q, k, v, cotangent)
+  numerics.assert_as_close_as_plain(got, jax.jit(plain)(q, k, v, cotangent), exact,
+                                    what="outputs and gradients")

@@ -31,7 +31,9 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from tpipe import mesh as mesh_lib
 from tpipe.core.base import spmd
 
 
@@ -207,8 +209,8 @@ def _grouped_block_forward(query, key, value, mask, sqrt_depth):
 
 def _by_rows(fn, arrays, mask):
   """``fn(*rows, row_mask)`` for each batch row of ``arrays`` (each ``[batch, ...]``; a row
-  keeps its batch axis of 1), the results stacked back into ``[batch, ...]``. ``mask`` has one
-  row per batch row or broadcasts (a leading 1), or is None.
+  keeps its batch axis, of 1, or of one row per device below), the results stacked back into
+  ``[batch, ...]``. ``mask`` has one row per batch row or broadcasts (a leading 1), or is None.
 
   The blocked passes of :func:`grouped_attention` run a row at a time (a loop of one step for
   one row, which XLA removes): over several rows at once the TPU compiler materialises each
@@ -216,16 +218,35 @@ def _by_rows(fn, arrays, mask):
   softmax's) instead of fusing them as it does for one row. The gradient of one layer's
   attention at sequence 4096 (4 key/value heads of 128, 4 query heads each) on one v5p chip
   needs 261 MiB of temporaries for one row, 1634 MiB for two rows at once and 335 row by row;
-  3268 and 369 for four rows."""
-  per_row = (mask is not None and mask.ndim == arrays[0].ndim
-             and mask.shape[0] == arrays[0].shape[0])
+  3268 and 369 for four rows.
 
-  def row(xs):
+  Where a stage's rows split over its ``expert`` axis (:func:`spmd.expert_devices_here`),
+  the loop runs over each device's own rows: step ``i`` takes row ``i`` of every device's share,
+  one row per device, split over ``expert``. A loop over all the rows would have every device
+  gather the micro-batch's queries, keys and values from the others each layer and compute
+  every row's attention itself (on v5p, 16 MiB all-gathers over ``expert`` per layer and
+  pass at the Mixtral-8x7B shape)."""
+  batch = arrays[0].shape[0]
+  shards = spmd.expert_devices_here()
+  shards = shards if batch % shards == 0 else 1
+  per_row = (mask is not None and mask.ndim == arrays[0].ndim and mask.shape[0] == batch)
+  pin = (lambda x: x) if shards == 1 else (
+      lambda x: jax.lax.with_sharding_constraint(x, P(mesh_lib.EXPERT_AXIS)))
+
+  def to_steps(x):  # [batch, ...] -> [batch / shards, shards, ...], the devices' shares apart.
+    x = pin(x.reshape(shards, batch // shards, *x.shape[1:]))
+    return jnp.swapaxes(x, 0, 1)
+
+  def from_steps(x):
+    x = pin(jnp.swapaxes(x, 0, 1))
+    return x.reshape(batch, *x.shape[2:])
+
+  def step(xs):
     rows, row_mask = xs
-    results = fn(*(x[None] for x in rows), row_mask[None] if per_row else mask)
-    return tuple(r[0] for r in results)
+    return tuple(map(pin, fn(*map(pin, rows), pin(row_mask) if per_row else mask)))
 
-  return jax.lax.map(row, (tuple(arrays), mask if per_row else None))
+  steps = (tuple(map(to_steps, arrays)), to_steps(mask) if per_row else None)
+  return tuple(map(from_steps, jax.lax.map(step, steps)))
 
 
 def _grouped_blocked_forward(query, key, value, mask, sqrt_depth):

@@ -52,11 +52,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import tpipe
 from tpipe import mesh as mesh_lib
+from tpipe.core.base import spmd
 from tpipe.train import expert_dispatch
 from tpipe.train import experts as experts_lib
 from tpipe.train import model_args
@@ -127,25 +127,6 @@ def check_expert_axis(num_experts: int, owner: str = "MixtureOfExperts") -> None
                      f"{size} experts or an expert axis that divides {num_experts}.")
 
 
-def _expert_devices_here() -> int:
-  """The devices of the ``expert`` axis where a pipeline's stage leaves it to XLA's partitioner
-  as its only split (the mesh in context has manual axes, an auto ``expert`` axis, and no other
-  auto axis of more than one device), else 1.
-
-  With ``tensor`` beside it, rows split over ``expert`` and heads over ``tensor`` stop the TPU
-  compiler's SPMD partitioner on a failed check (``spmd_partitioner_util.cc:497``, jax 0.10.2's
-  libtpu; reproduced on ``v5p:2x2x2``), so there the rows stay whole."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or AxisType.Manual not in mesh.axis_types:
-    return 1
-  sizes = dict(mesh.shape)
-  auto = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-          if kind == AxisType.Auto and sizes[name] > 1]
-  if auto != [mesh_lib.EXPERT_AXIS]:
-    return 1
-  return sizes[mesh_lib.EXPERT_AXIS]
-
-
 def rows_over_expert(x: jax.Array) -> jax.Array:
   """``x`` with its rows (the leading axis) split over the ``expert`` axis inside a pipeline's
   stage, where that axis has devices and divides the rows; ``x`` as it is elsewhere.
@@ -153,8 +134,8 @@ def rows_over_expert(x: jax.Array) -> jax.Array:
   Outside the mixture-of-experts layers the expert axis carries data: attention, norms and the
   stash between stages hold ``1 / expert`` of a micro-batch's rows per device instead of all of
   them. The layers take the rows whole (:func:`rows_whole`) and hand them back split. Not
-  beside a ``tensor`` axis (see :func:`_expert_devices_here`)."""
-  size = _expert_devices_here()
+  beside a ``tensor`` axis (see :func:`tpipe.core.base.spmd.expert_devices_here`)."""
+  size = spmd.expert_devices_here()
   if size == 1 or x.shape[0] % size:
     return x
   return jax.lax.with_sharding_constraint(x, P(mesh_lib.EXPERT_AXIS))
@@ -164,7 +145,7 @@ def rows_whole(x: jax.Array) -> jax.Array:
   """``x`` whole on every device of the partitioner's axes inside a pipeline's stage that has an
   ``expert`` axis (the tokens a mixture-of-experts layer routes: the partitioner gathers them
   there); ``x`` as it is elsewhere."""
-  if _expert_devices_here() == 1:
+  if spmd.expert_devices_here() == 1:
     return x
   return jax.lax.with_sharding_constraint(x, P())
 

@@ -212,11 +212,28 @@ def whole_over_auto_axes(tree):
   return jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), tree)
 
 
+def expert_devices_here() -> int:
+  """The devices of the ``expert`` axis where a pipeline's stage leaves it to XLA's partitioner
+  as its only split (inside ``shard_map``: an auto ``expert`` axis and no other auto axis of
+  more than one device), else 1. There a stage's rows split over ``expert`` outside the
+  mixture-of-experts layers (the expert axis carries data).
+
+  With ``tensor`` beside it, rows split over ``expert`` and heads over ``tensor`` stop the TPU
+  compiler's SPMD partitioner on a failed check (``spmd_partitioner_util.cc:497``, jax 0.10.2's
+  libtpu; reproduced on ``v5p:2x2x2``), so there the rows stay whole."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or AxisType.Manual not in mesh.axis_types:
+    return 1
+  if auto_axes_here() != (mesh_lib.EXPERT_AXIS,):
+    return 1
+  return int(dict(mesh.shape)[mesh_lib.EXPERT_AXIS])
+
+
 def rows_over_expert_axis(tree):
-  """Inside ``shard_map`` where ``expert`` is the one axis left to the partitioner: every leaf
-  of ``tree`` split over it by its leading dimension (whole where the axis does not divide
-  that), so that flattening it keeps each device's elements together; ``tree`` as it is
-  elsewhere.
+  """Inside ``shard_map`` where ``expert`` is the one axis left to the partitioner
+  (:func:`expert_devices_here`): every leaf of ``tree`` split over it by its leading dimension
+  (whole where the axis does not divide that), so that flattening it keeps each device's
+  elements together; ``tree`` as it is elsewhere.
 
   Left free, the partitioner splits an activation over an expert axis of 4 as 2 x 2 (rows over
   two devices, the width over two, as the MoE layers' rows and the ``embed`` rule suggest);
@@ -225,9 +242,9 @@ def rows_over_expert_axis(tree):
   of the other stages never join (emulated CPU devices wait for them). Other layouts are left
   as they were measured (a ``tensor`` axis beside ``expert``, where the MoE layers keep rows
   whole, or ``tensor`` alone)."""
-  if auto_axes_here() != (mesh_lib.EXPERT_AXIS,):
+  size = expert_devices_here()
+  if size == 1:
     return tree
-  size = int(dict(jax.sharding.get_abstract_mesh().shape)[mesh_lib.EXPERT_AXIS])
 
   def pin(leaf):
     rows = leaf.ndim and leaf.shape[0] % size == 0
