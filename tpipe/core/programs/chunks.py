@@ -57,6 +57,16 @@ def _is_spec(value) -> bool:
   return isinstance(value, P)
 
 
+def _over_axes(full_spec: P, axes, lead: int) -> P | None:
+  """``full_spec`` (a staged leaf's, ``lead`` staging axes in front) without those axes and
+  reduced to the mesh axes in ``axes``; None where it names none of them."""
+  inner = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in axes)
+           for e in tuple(full_spec)[lead:]]
+  if not any(inner):
+    return None
+  return P(*[None if not a else a[0] if len(a) == 1 else a for a in inner])
+
+
 class ChunkSet:
   """The chunk programs of one planned, laid-out sequence.
 
@@ -124,16 +134,19 @@ class ChunkSet:
           tables.setdefault((g.name, m.layer, m.path), np.zeros(num_chunks, np.int32))[c] = (
               m.slot)
       self.shared_slots.append(tables)
-    # Shared leaves split over the partitioner's axes (tensor) as their names say, per entry.
+    # Shared leaves (per entry) and stacked leaves (per copy) split over the partitioner's axes
+    # (expert, tensor) as their names say: their fsdp gathers run on each device's part.
     self._shared_specs = {g.name: None for g in layout.shared}
+    self._stacked_specs = None
     if axes is not None and axes.auto:
-      full = layout.partition_specs(spec.stage_axis, mesh=axes.mesh)[desc.SHARED]
-      for name, full_spec in full.items():
-        inner = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in axes.auto)
-                 for e in tuple(full_spec)[2:]]
-        if any(inner):
-          self._shared_specs[name] = P(*[None if not a else a[0] if len(a) == 1 else a
-                                         for a in inner])
+      full = layout.partition_specs(spec.stage_axis, mesh=axes.mesh)
+      for name, full_spec in full[desc.SHARED].items():
+        self._shared_specs[name] = _over_axes(full_spec, axes.auto, lead=2)
+      self._stacked_specs = {
+          layer: {jax.tree_util.keystr(path): _over_axes(leaf_spec, axes.auto, lead=3)
+                  for path, leaf_spec in jax.tree_util.tree_flatten_with_path(
+                      tree, is_leaf=_is_spec)[0]}
+          for layer, tree in full[desc.STACKED].items()}
 
   @property
   def num_branches(self) -> int:
@@ -327,7 +340,8 @@ class ChunkSet:
 
     def gather(casts, tie=None):
       if self.fsdp is not None and seg.stacked:
-        return self.fsdp.gather_unit(f"layers_{seg.layer}", params, casts=casts, tie=tie)
+        return self.fsdp.gather_unit(f"layers_{seg.layer}", params, casts=casts, tie=tie,
+                                     specs=self._stacked_specs)
       if not seg.stacked:
         return self._gather_packed(branch, segment, params, one_copy=seg.copies is not None,
                                    casts=casts, tie=tie)
@@ -532,7 +546,7 @@ class ChunkSet:
             apply = jax.vmap(apply)
             if self.fsdp is not None and seg.stacked:
               tree = self.fsdp.gather_unit(f"layers_{seg.layer}", tree, copy_axis=True,
-                                           casts=casts)
+                                           casts=casts, specs=self._stacked_specs)
           if self.fsdp is None and seg.stacked:
             tree = weight_casts.cast_by_path(tree, casts)  # As the forward read them.
           outs.append(apply(tree, records[k]))
