@@ -208,6 +208,20 @@ def test_moe_lm_on_an_expert_axis_equals_the_sequential_model(front, mesh_name, 
   assert abs(float(value) - float(without)) > 1e-3
 
 
+def test_the_fsdp_gathers_of_the_experts_weights_stay_on_each_devices_experts():
+  """On stage 2 x expert 2 x fsdp 2, the tick loops' gathers over fsdp of the experts' weights
+  (and their transposes, the gradients' reduce-scatters) run on each device's own experts: none
+  of them gathers over ``expert`` first, which would put every expert's weights whole on every
+  device (the partitioner did so for a stacked unit's weights)."""
+  mesh = tpipe.make_mesh(stages=2, expert=2, fsdp=2)
+  tokens, targets = jax.device_put(mm.inputs(), tpipe.data_sharding(mesh))
+  compiled, value, _ = _linen_step("1f1b", mesh, 0.0, "partitioner", tokens, targets)
+  assert np.isfinite(float(value))
+  gathers = [c for c in analysis.collectives(compiled, mesh)
+             if c.in_loop and c.op_name.rsplit("/", 1)[-1] in ("all_gather", "reduce_scatter")]
+  assert {c.axes for c in gathers} == {("fsdp",)}, gathers
+
+
 def test_the_cases_cover_every_schedule_and_both_front_ends():
   every = {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
   assert {c[2] for c in CASES if c[4] == "partitioner"} == every
