@@ -149,7 +149,8 @@ def _reference(name):
   """Params (from init) and the float64 plain model's outputs and gradients."""
   layers, x, kwargs, per_example, float_input = _model(name)
   model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, per_example=per_example)
-  params = model.init({"params": jax.random.key(0)}, x, method="initialize", **kwargs)["params"]
+  params = jax.jit(functools.partial(model.init, method="initialize"))(
+      {"params": jax.random.key(0)}, x, **kwargs)["params"]
   plain_fn = jax.jit(_loss(functools.partial(_sequential, layers), float_input))
   (_, y64), grads64 = numerics.float64_reference(plain_fn, params, x, kwargs)
   return params, (y64, grads64)
@@ -198,12 +199,11 @@ def _balance(kind, layers, chunks):
   return [1] * (chunks - 1) + [units - (chunks - 1)]
 
 
-@pytest.mark.parametrize("name,schedule,stages,microbatches,data,remat,balance", CASES)
-def test_outputs_and_gradients_equal_sequential(name, schedule, stages, microbatches, data, remat,
-                                                balance):
+@functools.cache
+def _pipelined(name, schedule, stages, microbatches, data, remat, balance):
+  """A case's jitted ``(params, x, kwargs) -> ((loss, outputs), grads)`` and its inputs placed
+  on its mesh: built once for the tests that run it (the check with layers out of order too)."""
   layers, x, kwargs, per_example, float_input = _model(name)
-  params, reference = _reference(name)
-  plain = _plain(name, microbatches * data)
   repeats = 2 if schedule == "circular" else 1
   mesh = tpipe.make_mesh(stages=stages, data=data)
   model = tpipe.Sequential(
@@ -212,21 +212,31 @@ def test_outputs_and_gradients_equal_sequential(name, schedule, stages, microbat
       per_example=per_example, mesh=mesh)
   apply = lambda params, x, **kw: model.apply({"params": params}, x, **kw)
   sharding = tpipe.data_sharding(mesh)
-  x, kwargs = jax.device_put((x, kwargs), sharding)
-  (_, y), grads = jax.jit(_loss(apply, float_input))(params, x, kwargs)
+  return jax.jit(_loss(apply, float_input)), jax.device_put((x, kwargs), sharding)
+
+
+@pytest.mark.parametrize("name,schedule,stages,microbatches,data,remat,balance", CASES)
+def test_outputs_and_gradients_equal_sequential(name, schedule, stages, microbatches, data, remat,
+                                                balance):
+  params, reference = _reference(name)
+  plain = _plain(name, microbatches * data)
+  grad_fn, (x, kwargs) = _pipelined(name, schedule, stages, microbatches, data, remat, balance)
+  (_, y), grads = grad_fn(params, x, kwargs)
   numerics.assert_as_close_as_plain(y, plain[0], reference[0], what="outputs")
   numerics.assert_as_close_as_plain(grads, plain[1], reference[1], what="gradients")
 
 
 def test_the_check_fails_for_layers_out_of_order():
-  layers, x, kwargs, _, _ = _model("mlp")
+  """The Repeat's copies reversed, through the program of the MLP's 8-stage case (compiled
+  once for both tests)."""
+  case = ("mlp", "circular", 8, 1, 1, "dots", "flops")
+  assert case in CASES
   params, reference = _reference("mlp")
-  plain = _plain("mlp", 4)
+  plain = _plain("mlp", 1)
   swapped = dict(params)
   swapped["layers_1"] = jax.tree.map(lambda a: a[::-1], params["layers_1"])
-  model = tpipe.Sequential(layers, num_stages=4, num_microbatches=4,
-                           mesh=tpipe.make_mesh(stages=4))
-  y = jax.jit(model.apply)({"params": swapped}, x)
+  grad_fn, (x, kwargs) = _pipelined(*case)
+  (_, y), _ = grad_fn(swapped, x, kwargs)
   with pytest.raises(AssertionError):
     numerics.assert_as_close_as_plain(y, plain[0], reference[0], what="outputs")
 
@@ -239,7 +249,8 @@ def test_params_use_the_logical_layout_whatever_the_pipeline():
     model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=2, schedule=schedule,
                              num_repeats=repeats, balance=balance, per_example=per_example,
                              mesh=tpipe.make_mesh(stages=stages))
-    trees.append(model.init({"params": jax.random.key(0)}, x, **kwargs)["params"])
+    # Jitted (eager dispatch compiles every small op of the forward pass init runs).
+    trees.append(jax.jit(model.init)({"params": jax.random.key(0)}, x, **kwargs)["params"])
   assert sorted(trees[0]) == ["layers_0", "layers_1", "layers_2"]
   assert {a.shape[0] for a in jax.tree.leaves(trees[0]["layers_1"])} == {14}
   for tree in trees[1:]:
@@ -419,7 +430,7 @@ def test_flops_balance_gives_the_heavy_layer_a_stage_of_its_own():
   x = jnp.ones((BATCH, 8))
   model = tpipe.Sequential(layers, num_stages=3, num_microbatches=1, balance="flops",
                            mesh=tpipe.make_mesh(stages=3))
-  variables = model.init({"params": jax.random.key(0)}, x)
+  variables = jax.eval_shape(model.init, {"params": jax.random.key(0)}, x)
   summary = model.partition_summary(variables, x)
   rows = {line.split()[0]: line for line in summary.splitlines() if line.split()[0].isdigit()}
   assert "layers_2 Wide" in rows["1"] and "Dense" not in rows["1"], summary
@@ -561,9 +572,9 @@ def test_sown_values_raise_when_asked_for_and_are_dropped_otherwise():
   model = tpipe.Sequential([nn.Dense(4), Sows()], num_stages=2, num_microbatches=2,
                            mesh=tpipe.make_mesh(stages=2))
   x = jnp.ones((4, 3))
-  variables = model.init({"params": jax.random.key(0)}, x)
+  variables = jax.jit(model.init)({"params": jax.random.key(0)}, x)
   assert set(variables) == {"params"}
-  model.apply(variables, x)  # Not asked for: nothing to return, as in plain Flax.
+  jax.jit(model.apply)(variables, x)  # Not asked for: nothing to return, as in plain Flax.
   with pytest.raises(ValueError, match=r"layers\[1\] \(Sows\) failed .*tpipe.Sequential: Sows "
                                        r"writes to the variable collection\(s\) "
                                        r"\['intermediates'\] \(with self.sow\).*call apply "
@@ -582,7 +593,7 @@ def test_a_layer_taking_any_keyword_accepts_per_example_names():
   model = tpipe.Sequential([nn.Dense(4), Weighted()], num_stages=1, num_microbatches=2,
                            per_example=("weight",))
   x, weight = jnp.ones((4, 3)), jnp.arange(4.0)
-  variables = model.init({"params": jax.random.key(0)}, x, weight=weight)
-  y = model.apply(variables, x, weight=weight)
+  variables = jax.jit(model.init)({"params": jax.random.key(0)}, x, weight=weight)
+  y = jax.jit(model.apply)(variables, x, weight=weight)
   np.testing.assert_array_equal(y[0], np.zeros(4))  # weight 0 on the first example only
   assert np.all(y[1:] != 0)

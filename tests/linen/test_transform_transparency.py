@@ -96,7 +96,7 @@ def _reference(block_name):
   """Params (from the pipeline's init), inputs and the float64 results, once per block."""
   block, x, args = _block_and_inputs(block_name)
   stack = tpipe.pipeline(type(block), length=LENGTH, num_stages=1, num_microbatches=1)(WIDTH)
-  params = stack.init({"params": jax.random.key(0)}, x, *args)["params"]
+  params = jax.jit(stack.init)({"params": jax.random.key(0)}, x, *args)["params"]
   grad_fn = _grad_fn(functools.partial(blocks.apply_in_sequence, block))
   (_, y), grads = numerics.float64_reference(jax.jit(grad_fn), params, x, args)
   return _Reference(params, x, args, (y, *grads))
@@ -231,7 +231,8 @@ def test_params_use_nn_scan_layout_and_do_not_depend_on_the_pipeline():
     stack = tpipe.pipeline(blocks.MLPBlock, length=LENGTH, num_stages=stages,
                            num_microbatches=microbatches, schedule=schedule, num_repeats=repeats,
                            mesh=tpipe.make_mesh(stages=stages))(WIDTH)
-    layouts.append(stack.init({"params": jax.random.key(0)}, x)["params"])
+    # Jitted: an eager init runs the pipeline op by op.
+    layouts.append(jax.jit(stack.init)({"params": jax.random.key(0)}, x)["params"])
   for params in layouts:
     assert jax.tree.structure(params) == jax.tree.structure(single)
     for stacked, one in zip(jax.tree.leaves(params), jax.tree.leaves(single)):
@@ -285,18 +286,26 @@ def _side_reference():
   x, gate, bias, extras = _side_inputs()
   stack = tpipe.pipeline(blocks.SideInputBlock, length=LENGTH, num_stages=1, num_microbatches=1,
                          per_example=("gate",))(WIDTH)
-  params = stack.init({"params": jax.random.key(0)}, x, gate, bias, extras)["params"]
+  params = jax.jit(stack.init)({"params": jax.random.key(0)}, x, gate, bias, extras)["params"]
   (_, y), grads = numerics.float64_reference(jax.jit(_side_grad_fn(_side_sequential)), params,
                                              x, gate, bias, extras)
   return params, (y, grads)
+
+
+@functools.cache
+def _side_plain(microbatches):
+  """The float32 plain model's ``((loss, outputs), grads)`` on ``microbatches`` micro-batches,
+  once per count."""
+  params, _ = _side_reference()
+  plain_apply = functools.partial(_side_sequential, microbatches=microbatches)
+  return jax.jit(_side_grad_fn(plain_apply))(params, *_side_inputs())
 
 
 @pytest.mark.parametrize("schedule,stages,microbatches,data,remat", SIDE_CASES)
 def test_side_input_gradients_equal_sequential(schedule, stages, microbatches, data, remat):
   params, exact = _side_reference()
   x, gate, bias, extras = _side_inputs()
-  plain_apply = functools.partial(_side_sequential, microbatches=microbatches * data)
-  (_, y_plain), grads_plain = jax.jit(_side_grad_fn(plain_apply))(params, x, gate, bias, extras)
+  (_, y_plain), grads_plain = _side_plain(microbatches * data)
   mesh = tpipe.make_mesh(stages=stages, data=data)
   stack = tpipe.pipeline(
       blocks.SideInputBlock, length=LENGTH, num_stages=stages, num_microbatches=microbatches,

@@ -120,13 +120,19 @@ def test_a_fused_stack_needs_per_example_losses_and_differentiates_its_loss(sche
 
 
 def test_the_check_fails_for_layers_out_of_order():
-  model, x, kwargs = nnx_models.pipelined("mlp", num_stages=2, num_microbatches=2,
-                                          mesh=tpipe.make_mesh(stages=2))
+  """The Repeat's copies reversed, in the MLP's case on 4 stages (whose compiled program
+  ``nnx.jit`` finds again for this model of the same structure)."""
+  name, schedule, stages, microbatches, data = case = ("mlp", "circular", 4, 4, 1)
+  assert case in CASES
+  mesh = tpipe.make_mesh(stages=stages, data=data)
+  model, x, kwargs = nnx_models.pipelined(name, num_stages=stages, num_microbatches=microbatches,
+                                          schedule=schedule, num_repeats=2, mesh=mesh)
+  x, kwargs = jax.device_put((x, kwargs), tpipe.data_sharding(mesh))
   kernel = model.layers[1].layer.linear.kernel
   kernel[...] = kernel[...][::-1]
   (_, y), _ = nnx_models.value_and_grad(model, x, kwargs)
   (_, y64), _ = nnx_models.reference("mlp")
-  (_, plain_y), _ = nnx_models.plain("mlp", 2)
+  (_, plain_y), _ = nnx_models.plain("mlp", microbatches * data)
   with pytest.raises(AssertionError):
     numerics.assert_as_close_as_plain(y, plain_y, y64, what="outputs")
 

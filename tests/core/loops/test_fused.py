@@ -88,13 +88,20 @@ def _gradient_step(name, schedule, stages, microbatches, remat="full"):
   return model, compiled, model.pipeline_for(x, targets=targets)
 
 
-@pytest.mark.parametrize("name,schedule,stages,microbatches,data,remat", CASES)
-def test_loss_and_gradients_equal_sequential(name, schedule, stages, microbatches, data, remat):
+@functools.lru_cache(maxsize=None)
+def _value_and_grads(name, schedule, stages, microbatches, data, remat):
+  """The objective of the loss and its gradients for a case of ``CASES``, computed once for the
+  tests that check them (the loss with gradients of a loss evaluated alone, below)."""
   model, mesh = _model(name, schedule, stages, microbatches, data, remat)
   x, targets = _inputs(name, mesh)
   float_input = lm.loss_model(name)[3]
-  value, grads = jax.jit(lm.value_and_grad(lm.pipelined_loss(model), float_input))(
+  return jax.jit(lm.value_and_grad(lm.pipelined_loss(model), float_input))(
       lm.random_params(name), x, targets)
+
+
+@pytest.mark.parametrize("name,schedule,stages,microbatches,data,remat", CASES)
+def test_loss_and_gradients_equal_sequential(name, schedule, stages, microbatches, data, remat):
+  value, grads = _value_and_grads(name, schedule, stages, microbatches, data, remat)
   plain_value, plain_grads = lm.plain(name, microbatches * data)
   ref_value, ref_grads = lm.reference(name)
   assert value.shape == ()
@@ -137,14 +144,21 @@ def test_differentiating_a_fused_models_outputs_names_the_loss_method():
   assert jax.tree.structure(grads) == jax.tree.structure(lm.random_params("mlp"))
 
 
+# The cases of CASES whose loss a test also evaluates without gradients.
+FORWARD_ONLY_CASES = {"1f1b": ("lm", "1f1b", 4, 3, 1, "none"),
+                      "zbv": ("mlp", "zbv", 2, 2, 2, "none")}
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_a_loss_without_gradients_runs_the_forward_ticks_only(schedule):
   """Evaluating the loss takes the custom_vjp's primal path: the table's forward pass alone
   (:meth:`~tpipe.schedules.FusedSchedule.forward_pass`), one conditional per tick with only the
-  idle and forward branches (no backward), and the same loss."""
-  model, mesh = _model("mlp", schedule, 2, 3, 2)
-  x, targets = _inputs("mlp", mesh)
-  params = lm.random_params("mlp")
+  idle and forward branches (no backward), and the same loss as the loss with its gradients
+  (the case's of :func:`test_loss_and_gradients_equal_sequential`, computed once for both)."""
+  name, _, stages, microbatches, data, remat = case = FORWARD_ONLY_CASES[schedule]
+  model, mesh = _model(name, schedule, stages, microbatches, data, remat)
+  x, targets = _inputs(name, mesh)
+  params = lm.random_params(name)
   loss_fn = lm.pipelined_loss(model)
   evaluate = jax.jit(loss_fn).lower(params, x, targets).compile()
   module = hlo_lib.parse_hlo(evaluate.as_text())
@@ -158,11 +172,13 @@ def test_a_loss_without_gradients_runs_the_forward_ticks_only(schedule):
               for ins in module.computations[loop.body].instructions
               if ins.opcode == "conditional"]
   assert branches == [1 + max(programs) + 1], branches  # idle, then F of each chunk program
-  value, _ = jax.jit(jax.value_and_grad(loss_fn))(params, x, targets)
-  plain, reference = lm.plain_losses("mlp", 3 * 2).mean(), lm.reference_losses("mlp").mean()
+  value, _ = _value_and_grads(*case)  # The objective of the loss, with its gradients.
+  plain = lm.plain_losses(name, microbatches * data).mean()
+  reference = lm.reference_losses(name).mean()
   numerics.assert_as_close_as_plain(evaluate(params, x, targets), plain, reference,
                                     what=f"{schedule} loss, forward ticks only")
-  numerics.assert_as_close_as_plain(value, plain, reference, what=f"{schedule} loss with grads")
+  numerics.assert_as_close_as_plain(value, lm.plain(name, microbatches * data)[0],
+                                    lm.reference(name)[0], what=f"{schedule} loss with grads")
 
 
 def test_the_check_fails_for_a_dropped_microbatch():

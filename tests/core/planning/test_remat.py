@@ -93,7 +93,7 @@ def test_pipeline_pieces_of_k_layers_equal_sequential():
   x = jax.random.normal(jax.random.key(1), (8, 8))
   stack = tpipe.pipeline(blocks.MLPBlock, length=length, num_stages=2, num_microbatches=2,
                          remat_granularity=3, mesh=tpipe.make_mesh(stages=2))(8)
-  params = stack.init(jax.random.key(0), x)["params"]
+  params = jax.jit(stack.init)(jax.random.key(0), x)["params"]
   loss = lambda apply: jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(apply(p, x))),
                                           argnums=(0, 1))
   sequential = lambda mb: lambda p, x: blocks.apply_in_sequence(block, p, x, microbatches=mb)
@@ -122,11 +122,21 @@ ROWS, WIDTH, LAYERS = 1024, 128, 8
 
 
 def _temporaries(schedule, granularity, microbatches=1, method="loss", rows=ROWS, devices=None):
-  """Per-device temporary bytes of the compiled gradient step: one stage, a chunk of ``LAYERS``
-  wide layers under ``remat="full"``. ``method="loss"`` differentiates the model's loss (a
-  fused schedule's backward runs inside it; under remat full with "chunk" or "nested", every
-  schedule's backward runs one unit at a time); ``"apply"`` differentiates the mean of its
-  outputs by autodiff through the tick loop (forward schedules only)."""
+  """Per-device temporary bytes of :func:`_compiled_step`."""
+  if devices is None:  # Compiled once for the tests that read it (its FLOPs: _step_flops).
+    compiled = _cached_step(schedule, granularity, microbatches, method, rows)
+  else:
+    compiled = _compiled_step(schedule, granularity, microbatches, method, rows, devices)
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def _compiled_step(schedule, granularity, microbatches=1, method="loss", rows=ROWS,
+                   devices=None):
+  """The compiled gradient step: one stage, a chunk of ``LAYERS`` wide layers under
+  ``remat="full"``. ``method="loss"`` differentiates the model's loss (a fused schedule's
+  backward runs inside it; under remat full with "chunk" or "nested", every schedule's backward
+  runs one unit at a time); ``"apply"`` differentiates the mean of its outputs by autodiff
+  through the tick loop (forward schedules only)."""
   layers = [tpipe.Repeat(WideMLP(), LAYERS), MeanSquare()]
   x = jax.ShapeDtypeStruct((rows, WIDTH), jnp.float32)
   model = tpipe.Sequential(layers, num_stages=1, num_microbatches=microbatches,
@@ -140,8 +150,10 @@ def _temporaries(schedule, granularity, microbatches=1, method="loss", rows=ROWS
     loss_fn = lambda p, x, t: jnp.mean(model.apply({"params": p}, x, targets=t))
   params = jax.eval_shape(functools.partial(model.init, method="initialize"),
                           {"params": jax.random.key(0)}, x, targets=x)["params"]
-  compiled = jax.jit(jax.grad(loss_fn)).lower(params, x, x).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  return jax.jit(jax.grad(loss_fn)).lower(params, x, x).compile()
+
+
+_cached_step = functools.cache(_compiled_step)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -209,16 +221,9 @@ def _norm_relative(a, b):
 
 def _step_flops(schedule, granularity):
   """Executed FLOPs per device (:func:`tpipe.tools.flops.flop_count`; a conditional counts its
-  costliest branch) of the compiled loss gradient of :func:`_temporaries`' model."""
-  layers = [tpipe.Repeat(WideMLP(), LAYERS), MeanSquare()]
-  x = jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32)
-  model = tpipe.Sequential(layers, num_stages=1, num_microbatches=1, schedule=schedule,
-                           remat="full", remat_granularity=granularity,
-                           per_example=("targets",), mesh=tpipe.make_mesh(stages=1))
-  params = jax.eval_shape(functools.partial(model.init, method="initialize"),
-                          {"params": jax.random.key(0)}, x, targets=x)["params"]
-  lowered = jax.jit(jax.grad(lm.pipelined_loss(model))).lower(params, x, x)
-  return flops_lib.flop_count(lowered.compile()).executed
+  costliest branch) of the compiled loss gradient of :func:`_temporaries`' model, one
+  micro-batch (the step test_layer_granularity_lowers_the_temporaries_of_a_chunk compiles)."""
+  return flops_lib.flop_count(_cached_step(schedule, granularity, 1, "loss", ROWS)).executed
 
 
 def test_chunk_backward_by_units_keeps_the_residuals_and_sums_in_place():
@@ -326,8 +331,9 @@ def test_chunk_backward_by_units_reads_side_inputs_again_and_equals_sequential()
                            remat_granularity="chunk", per_example=("gate", "targets"),
                            mesh=tpipe.make_mesh(stages=2))
   assert backward_plan.resolve(model.spec).by_units
-  params = model.init(jax.random.key(0), x, gate=gate, bias=bias, extras=extras,
-                      targets=targets)["params"]
+  init = jax.jit(functools.partial(model.init, method="initialize"))  # Equal to init's.
+  params = init(jax.random.key(0), x, gate=gate, bias=bias, extras=extras,
+                targets=targets)["params"]
 
   def pipelined(p, gate, bias, extras, x, targets):
     return model.apply({"params": p}, x, gate=gate, bias=bias, extras=extras, targets=targets,
@@ -357,8 +363,9 @@ def test_backward_by_units_replays_the_dropout_masks(granularity):
   model = tpipe.Sequential(layers, num_stages=2, num_microbatches=4, remat="full",
                            remat_granularity=granularity, per_example=("targets",),
                            mesh=tpipe.make_mesh(stages=2))
-  params = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x,
-                      targets=targets)["params"]
+  init = jax.jit(functools.partial(model.init, method="initialize"))  # Equal to init's.
+  params = init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x,
+                targets=targets)["params"]
 
   # One program for both keys: the key is an argument, not a constant of the trace.
   by_units = jax.jit(jax.grad(lambda p, key: model.apply(
