@@ -57,16 +57,6 @@ def _is_spec(value) -> bool:
   return isinstance(value, P)
 
 
-def _over_axes(full_spec: P, axes, lead: int) -> P | None:
-  """``full_spec`` (a staged leaf's, ``lead`` staging axes in front) without those axes and
-  reduced to the mesh axes in ``axes``; None where it names none of them."""
-  inner = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in axes)
-           for e in tuple(full_spec)[lead:]]
-  if not any(inner):
-    return None
-  return P(*[None if not a else a[0] if len(a) == 1 else a for a in inner])
-
-
 class ChunkSet:
   """The chunk programs of one planned, laid-out sequence.
 
@@ -139,14 +129,9 @@ class ChunkSet:
     self._shared_specs = {g.name: None for g in layout.shared}
     self._stacked_specs = None
     if axes is not None and axes.auto:
-      full = layout.partition_specs(spec.stage_axis, mesh=axes.mesh)
-      for name, full_spec in full[desc.SHARED].items():
-        self._shared_specs[name] = _over_axes(full_spec, axes.auto, lead=2)
-      self._stacked_specs = {
-          layer: {jax.tree_util.keystr(path): _over_axes(leaf_spec, axes.auto, lead=3)
-                  for path, leaf_spec in jax.tree_util.tree_flatten_with_path(
-                      tree, is_leaf=_is_spec)[0]}
-          for layer, tree in full[desc.STACKED].items()}
+      shared, self._stacked_specs = fsdp_lib.specs_over_axes(
+          layout.partition_specs(spec.stage_axis, mesh=axes.mesh), axes.auto)
+      self._shared_specs.update(shared)
 
   @property
   def num_branches(self) -> int:

@@ -175,6 +175,28 @@ class Split:
     return checkpoint_name(whole, remat_lib.CHUNK_PARAMS_NAME)
 
 
+def specs_over_axes(full_specs, axes) -> tuple[dict, dict]:
+  """``(shared, stacked)``: how one entry of each shared leaf (``{name: spec}``) and one copy
+  of each stacked leaf (``{"layers_i": {keystr(path): spec}}``) split over the mesh axes
+  ``axes`` (the partitioner's inside the tick loops: expert, tensor), from the staged partition
+  specs (:meth:`StageLayout.partition_specs`'s tree); None where a leaf names none of them.
+  What :meth:`Split.gather_piece` and :meth:`Split.gather_unit` take."""
+
+  def over_axes(full_spec, lead):
+    inner = [tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in axes)
+             for e in tuple(full_spec)[lead:]]
+    if not any(inner):
+      return None
+    return P(*[None if not a else a[0] if len(a) == 1 else a for a in inner])
+
+  shared = {name: over_axes(spec, 2) for name, spec in full_specs.get(desc.SHARED, {}).items()}
+  stacked = {layer: {jax.tree_util.keystr(path): over_axes(spec, 3)
+                     for path, spec in jax.tree_util.tree_flatten_with_path(
+                         tree, is_leaf=_is_spec)[0]}
+             for layer, tree in full_specs[desc.STACKED].items()}
+  return shared, stacked
+
+
 def _casts(leaf, dtype) -> bool:
   return dtype is not None and np.dtype(dtype) != leaf.dtype
 
