@@ -224,8 +224,10 @@ def _by_rows(fn, arrays, mask):
   the loop runs over each device's own rows: step ``i`` takes row ``i`` of every device's share,
   one row per device, split over ``expert``. A loop over all the rows would have every device
   gather the micro-batch's queries, keys and values from the others each layer and compute
-  every row's attention itself (on v5p, 16 MiB all-gathers over ``expert`` per layer and
-  pass at the Mixtral-8x7B shape)."""
+  every row's attention itself (16 MiB all-gathers over ``expert`` per layer and pass for a
+  Mixtral-like LM on v5p:2x2x2, stage 2 x expert 4). Where the devices outnumber the rows
+  (Mixtral-8x7B on stage 4 x expert 8 x fsdp 2, M = 16: 4 rows per fsdp replica), the loop
+  still runs over all the rows and gathers them."""
   batch = arrays[0].shape[0]
   shards = spmd.expert_devices_here()
   shards = shards if batch % shards == 0 else 1
