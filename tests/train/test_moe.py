@@ -217,6 +217,7 @@ def test_the_fsdp_gathers_of_the_experts_weights_stay_on_each_devices_experts():
   tokens, targets = jax.device_put(mm.inputs(), tpipe.data_sharding(mesh))
   compiled, value, _ = _linen_step("1f1b", mesh, 0.0, "partitioner", tokens, targets)
   assert np.isfinite(float(value))
+  assert not analysis.cross_branch_collectives(compiled, mesh)
   gathers = [c for c in analysis.collectives(compiled, mesh)
              if c.in_loop and c.op_name.rsplit("/", 1)[-1] in ("all_gather", "reduce_scatter")]
   assert {c.axes for c in gathers} == {("fsdp",)}, gathers
