@@ -238,13 +238,17 @@ def test_llama_blocks_attend_in_query_blocks_inside_a_fused_pipeline(monkeypatch
   numerics.assert_as_close_as_plain(blocked, unblocked, exact, what="gradients")
 
 
-@pytest.mark.parametrize("query_block", [512, 2])
-def test_rows_split_over_an_expert_axis_attend_where_they_are(query_block, monkeypatch):
+@pytest.mark.parametrize("rows_per_stage,query_block", [(8, 512), (8, 2), (2, 2)])
+def test_rows_split_over_an_expert_axis_attend_where_they_are(rows_per_stage, query_block,
+                                                              monkeypatch):
   """Inside a stage whose rows split over its ``expert`` axis (stage 2 x expert 4, manual over
   stage): grouped attention one block of queries at a time loops over each device's own rows,
   one row per device at a step, so the program gathers no row from another device (the same
-  collectives as attending the whole sequence at once: none), and its outputs and gradients are
-  the plain composition's (the numerics rule)."""
+  collectives as attending the whole sequence at once: none). With 2 rows over the 4 devices,
+  each row's queries split over its two devices, one piece per device at a step, and the only
+  collectives are the two devices' exchanges of the row's keys and values (and their
+  gradients) over ``expert``, no query gathered. Outputs and gradients are the plain
+  composition's (the numerics rule)."""
   import tpipe  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from tpipe.core.base import spmd  # pylint: disable=g-import-not-at-top
@@ -252,7 +256,7 @@ def test_rows_split_over_an_expert_axis_attend_where_they_are(query_block, monke
 
   monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
   mesh = tpipe.make_mesh(stages=2, expert=4)
-  b, s, g, r, d = 16, 6, 2, 2, 4  # 8 rows per stage: two per expert device.
+  b, s, g, r, d = 2 * rows_per_stage, 8, 2, 4, 4
   keys = jax.random.split(jax.random.key(5), 4)
   q = jax.random.normal(keys[0], (b, s, g, r, d))
   k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
@@ -261,17 +265,21 @@ def test_rows_split_over_an_expert_axis_attend_where_they_are(query_block, monke
   rows_seen = []
   block_forward = attention._grouped_block_forward  # pylint: disable=protected-access
   monkeypatch.setattr(attention, "_grouped_block_forward",
-                      lambda q, *a: rows_seen.append(q.shape[0]) or block_forward(q, *a))
+                      lambda q, *a: rows_seen.append(q.shape[:2]) or block_forward(q, *a))
 
   def in_stage(fn):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"),
                                  axis_names={"stage"}))
 
-  def grouped(q, k, v, g):  # The rows split over expert, as a stage's activations are.
-    q, k, v, g = spmd.rows_over_expert_axis((q, k, v, g))
+  split = lambda xs: tuple(spmd.split_over_expert(x, 4) for x in xs)
+
+  def grouped(q, k, v, g):  # Split over expert as a stage's layers split their activations.
+    q, k, v, g = split((q, k, v, g))
     out, vjp = jax.vjp(lambda q, k, v: attention.grouped_attention(q, k, v, causal, 2.0),
                        q, k, v)
-    return out, *vjp(g)
+    # Handed back split as they came, rows and positions flattened: a program's outputs split
+    # over one mesh axis by two of their dimensions would be gathered whole at its end.
+    return tuple(x.reshape(x.shape[0] * x.shape[1], -1) for x in split((out, *vjp(g))))
 
   def plain(q, k, v, g, float32=True):
     def forward(q, k, v):
@@ -283,9 +291,18 @@ def test_rows_split_over_an_expert_axis_attend_where_they_are(query_block, monke
     return out, *vjp(g)
 
   compiled = in_stage(grouped).lower(q, k, v, cotangent).compile()
-  got = compiled(q, k, v, cotangent)
-  assert set(rows_seen) == ({b // 2} if query_block > s else {4}), rows_seen
-  assert not analysis.collectives(compiled, mesh), analysis.collectives(compiled, mesh)
+  got = tuple(x.reshape(like.shape)
+              for x, like in zip(compiled(q, k, v, cotangent), (q, q, k, v)))
+  # Rows and queries a block attends: the stage's whole sequence at once, or a block of the
+  # queries of one row (or one row's piece) per device.
+  assert set(rows_seen) == ({(rows_per_stage, s)} if query_block > s else {(4, query_block)})
+  collectives = analysis.collectives(compiled, mesh)
+  if rows_per_stage >= 4:
+    assert not collectives, collectives
+  else:  # The row's keys and values gathered once each, their gradients summed once each.
+    row_of_keys = s * g * d * 4  # One row's keys (or values) in float32.
+    assert collectives and all(c.axes == ("expert",) for c in collectives), collectives
+    assert sum(c.bytes * c.count for c in collectives) <= 4 * row_of_keys, collectives
   exact = numerics.float64_reference(jax.jit(lambda *a: plain(*a, float32=False)),
                                      q, k, v, cotangent)
   numerics.assert_as_close_as_plain(got, jax.jit(plain)(q, k, v, cotangent), exact,

@@ -413,13 +413,13 @@ def test_the_shared_expert_counts_in_the_active_flops():
 # Outside the experts, the expert axis carries data inside a pipeline's stage.
 
 
-def _lowered_rows(mesh_sizes, fn=None):
-  """The StableHLO of ``moe.rows_over_expert`` (or ``fn``) on ``[8, 3]`` rows inside a
-  ``shard_map`` manual over stage, as a pipeline's stage runs it."""
+def _lowered_rows(mesh_sizes, fn=None, shape=(16, 3)):
+  """The StableHLO of ``moe.rows_over_expert`` (or ``fn``) on ``shape`` (``[8, 3]`` rows per
+  stage) inside a ``shard_map`` manual over stage, as a pipeline's stage runs it."""
   mesh = tpipe.make_mesh(**mesh_sizes)
   body = jax.shard_map(fn or moe.rows_over_expert, mesh=mesh, in_specs=P("stage"),
                        out_specs=P("stage"), axis_names={"stage"})
-  return jax.jit(body).lower(jnp.zeros((16, 3))).as_text()
+  return jax.jit(body).lower(jnp.zeros(shape)).as_text()
 
 
 @pytest.mark.unit
@@ -431,6 +431,11 @@ def test_rows_split_over_the_expert_axis_only_inside_a_stage_without_tensor():
   constraint = lambda text: [line for line in text.splitlines() if "sharding_constraint" in line]
   split = constraint(_lowered_rows(dict(stages=2, expert=4)))
   assert len(split) == 1 and '"expert"' in split[0]
+  # 2 rows of 8 positions over 4 devices: each row's positions halved, the 4 pieces split.
+  pieces = [line for line in constraint(_lowered_rows(dict(stages=2, expert=4), shape=(4, 8)))
+            if '"expert"' in line]
+  assert len(pieces) == 1 and "tensor<4x4xf32>" in pieces[0], pieces
+  assert not constraint(_lowered_rows(dict(stages=2, expert=4), shape=(4, 3)))  # Neither.
   whole = constraint(_lowered_rows(dict(stages=2, expert=4), moe.rows_whole))
   assert len(whole) == 1 and '"expert"' not in whole[0]
   # Beside a tensor axis the TPU compiler's partitioner fails on the split: rows stay whole.

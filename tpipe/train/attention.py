@@ -207,10 +207,12 @@ def _grouped_block_forward(query, key, value, mask, sqrt_depth):
   return jnp.einsum("bgrst,btgk->bsgrk", probabilities, value), peak, total
 
 
-def _by_rows(fn, arrays, mask):
+def _by_rows(fn, arrays, query_axes, mask, out_query_axes):
   """``fn(*rows, row_mask)`` for each batch row of ``arrays`` (each ``[batch, ...]``; a row
   keeps its batch axis, of 1, or of one row per device below), the results stacked back into
   ``[batch, ...]``. ``mask`` has one row per batch row or broadcasts (a leading 1), or is None.
+  ``query_axes`` names each array's axis of queries (None: an array over the keys, the
+  ``key`` and ``value``), ``out_query_axes`` each result's (None: a result over the keys).
 
   The blocked passes of :func:`grouped_attention` run a row at a time (a loop of one step for
   one row, which XLA removes): over several rows at once the TPU compiler materialises each
@@ -220,35 +222,80 @@ def _by_rows(fn, arrays, mask):
   needs 261 MiB of temporaries for one row, 1634 MiB for two rows at once and 335 row by row;
   3268 and 369 for four rows.
 
-  Where a stage's rows split over its ``expert`` axis (:func:`spmd.expert_devices_here`),
-  the loop runs over each device's own rows: step ``i`` takes row ``i`` of every device's share,
-  one row per device, split over ``expert``. A loop over all the rows would have every device
-  gather the micro-batch's queries, keys and values from the others each layer and compute
-  every row's attention itself (16 MiB all-gathers over ``expert`` per layer and pass for a
-  Mixtral-like LM on v5p:2x2x2, stage 2 x expert 4). Where the devices outnumber the rows
-  (Mixtral-8x7B on stage 4 x expert 8 x fsdp 2, M = 16: 4 rows per fsdp replica), the loop
-  still runs over all the rows and gathers them."""
-  batch = arrays[0].shape[0]
-  shards = spmd.expert_devices_here()
-  shards = shards if batch % shards == 0 else 1
-  per_row = (mask is not None and mask.ndim == arrays[0].ndim and mask.shape[0] == batch)
+  Where a stage's tokens split over its ``expert`` axis (:func:`spmd.expert_devices_here`),
+  each device attends its own tokens as the stage's activations split them
+  (:func:`spmd.pieces_per_row`). Where the rows divide over the devices, step ``i`` takes row
+  ``i`` of every device's share, one row per device. Where the devices outnumber the rows,
+  each row's queries split over the ``p`` devices that hold it, and one step attends every
+  device's piece against its row's keys and values, which those ``p`` devices gather from
+  each other (the gradients of the keys and values summed back over them). A loop over all the
+  rows would have every device gather the micro-batch's queries, keys and values from every
+  other device each layer and compute every row's attention itself (Mixtral-8x7B on stage 4 x
+  expert 8 x fsdp 2, M = 16, 4 rows per fsdp replica over 8 devices: 2.65 s of all-gathers
+  over ``expert`` in a 15.9 s step, as priced on v5p)."""
+  batch, length = arrays[0].shape[0], arrays[0].shape[query_axes[0]]
+  devices = spmd.expert_devices_here()
+  pieces = spmd.pieces_per_row((batch, length), devices) if devices > 1 else None
+  shards, pieces = (1, 1) if pieces is None else (devices, pieces)
+  steps = batch * pieces // shards
   pin = (lambda x: x) if shards == 1 else (
       lambda x: jax.lax.with_sharding_constraint(x, P(mesh_lib.EXPERT_AXIS)))
+  if mask is not None and pieces > 1:
+    mask = jnp.broadcast_to(mask, (batch,) + mask.shape[1:])
+  per_row = (mask is not None and mask.ndim == arrays[0].ndim and mask.shape[0] == batch)
+  mask_axis = mask.ndim - 2 if per_row and mask.shape[-2] == length else None
 
-  def to_steps(x):  # [batch, ...] -> [batch / shards, shards, ...], the devices' shares apart.
-    x = pin(x.reshape(shards, batch // shards, *x.shape[1:]))
-    return jnp.swapaxes(x, 0, 1)
+  def to_steps(x, axis):  # [batch, ...] -> [steps, shards, ...], the devices' shares apart.
+    x = _spread(x, pieces) if axis is None else _cut(x, axis, pieces)
+    return jnp.swapaxes(pin(x.reshape(shards, steps, *x.shape[1:])), 0, 1)
 
-  def from_steps(x):
+  def from_steps(x, axis):
     x = pin(jnp.swapaxes(x, 0, 1))
-    return x.reshape(batch, *x.shape[2:])
+    x = x.reshape(batch * pieces, *x.shape[2:])
+    if axis is not None:
+      return _joined(x, axis, pieces)
+    total = _summed(x, pieces)  # Each device keeps its own piece of the sum, as it came.
+    return total if pieces == 1 else spmd.split_over_expert(total, devices)
 
   def step(xs):
     rows, row_mask = xs
     return tuple(map(pin, fn(*map(pin, rows), pin(row_mask) if per_row else mask)))
 
-  steps = (tuple(map(to_steps, arrays)), to_steps(mask) if per_row else None)
-  return tuple(map(from_steps, jax.lax.map(step, steps)))
+  steps_in = (tuple(map(to_steps, arrays, query_axes)),
+              to_steps(mask, mask_axis) if per_row else None)
+  return tuple(map(from_steps, jax.lax.map(step, steps_in), out_query_axes))
+
+
+def _cut(x, axis: int, pieces: int):
+  """``[batch, ..., n, ...]`` (``n`` at ``axis``) to ``[batch * pieces, ..., n / pieces,
+  ...]``: each row cut into ``pieces`` along ``axis``, a row's pieces next to each other."""
+  if pieces == 1:
+    return x
+  x = x.reshape(x.shape[:axis] + (pieces, x.shape[axis] // pieces) + x.shape[axis + 1:])
+  x = jnp.moveaxis(x, axis, 1)
+  return x.reshape((x.shape[0] * pieces,) + x.shape[2:])
+
+
+def _joined(x, axis: int, pieces: int):
+  """The inverse of :func:`_cut`."""
+  if pieces == 1:
+    return x
+  x = jnp.moveaxis(x.reshape((x.shape[0] // pieces, pieces) + x.shape[1:]), 1, axis)
+  return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _spread(x, pieces: int):
+  """``[batch, ...]`` to ``[batch * pieces, ...]``: each row once per piece of it."""
+  return x if pieces == 1 else jnp.repeat(x, pieces, axis=0)
+
+
+def _summed(x, pieces: int):
+  """The inverse of :func:`_spread` for gradients: each row's pieces summed, in at least
+  float32."""
+  if pieces == 1:
+    return x
+  total = x.reshape((x.shape[0] // pieces, pieces) + x.shape[1:])
+  return jnp.sum(total.astype(jnp.promote_types(x.dtype, jnp.float32)), axis=1).astype(x.dtype)
 
 
 def _grouped_blocked_forward(query, key, value, mask, sqrt_depth):
@@ -271,7 +318,7 @@ def _grouped_forward(query, key, value, mask, sqrt_depth):
   else:
     out, peak, total = _by_rows(
         lambda q, k, v, m: _grouped_blocked_forward(q, k, v, m, sqrt_depth),
-        (query, key, value), mask)
+        (query, key, value), (1, None, None), mask, (1, 3, 3))
   return out, (query, key, value, mask, peak, total)
 
 
@@ -311,7 +358,8 @@ def _grouped_backward(sqrt_depth, saved, cotangent):
   else:
     grads = _by_rows(
         lambda q, k, v, p, t, g, m: _grouped_blocked_backward(q, k, v, m, p, t, g, sqrt_depth),
-        (query, key, value, peak, total, cotangent), mask)
+        (query, key, value, peak, total, cotangent), (1, None, None, 3, 3, 1), mask,
+        (1, None, None))
   return (*grads, None)
 
 

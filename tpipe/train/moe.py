@@ -129,16 +129,17 @@ def check_expert_axis(num_experts: int, owner: str = "MixtureOfExperts") -> None
 
 def rows_over_expert(x: jax.Array) -> jax.Array:
   """``x`` with its rows (the leading axis) split over the ``expert`` axis inside a pipeline's
-  stage, where that axis has devices and divides the rows; ``x`` as it is elsewhere.
+  stage, where that axis has devices and divides the rows; where the devices outnumber the
+  rows, each row's positions split over the devices it spans
+  (:func:`tpipe.core.base.spmd.split_over_expert`); ``x`` as it is elsewhere.
 
   Outside the mixture-of-experts layers the expert axis carries data: attention, norms and the
-  stash between stages hold ``1 / expert`` of a micro-batch's rows per device instead of all of
-  them. The layers take the rows whole (:func:`rows_whole`) and hand them back split. Not
+  stash between stages hold ``1 / expert`` of a micro-batch's tokens per device instead of all
+  of them. The layers take the rows whole (:func:`rows_whole`) and hand them back split. Not
   beside a ``tensor`` axis (see :func:`tpipe.core.base.spmd.expert_devices_here`)."""
   size = spmd.expert_devices_here()
-  if size == 1 or x.shape[0] % size:
-    return x
-  return jax.lax.with_sharding_constraint(x, P(mesh_lib.EXPERT_AXIS))
+  split = None if size == 1 else spmd.split_over_expert(x, size)
+  return x if split is None else split
 
 
 def rows_whole(x: jax.Array) -> jax.Array:

@@ -129,17 +129,28 @@ def _constraints(fn, *args):
   return found
 
 
+@pytest.mark.unit
+def test_rows_split_over_the_expert_devices_or_rows_and_positions_where_devices_outnumber_them():
+  assert spmd.pieces_per_row((8, 3), 4) == 1  # Two rows per device.
+  assert spmd.pieces_per_row((2, 8, 5), 4) == 2  # Half a row's positions per device.
+  assert spmd.pieces_per_row((1, 8), 8) == 8
+  assert spmd.pieces_per_row((2, 3), 4) is None  # 3 positions do not halve.
+  assert spmd.pieces_per_row((3, 8), 4) is None  # 4 devices are not a multiple of 3 rows.
+  assert spmd.pieces_per_row((6,), 4) is None and spmd.pieces_per_row((), 4) is None
+
+
 def test_leaves_split_by_rows_over_an_expert_axis_alone_before_they_are_flattened():
-  leaves = (jnp.ones((8, 3)), jnp.ones((3, 8)), jnp.ones(()))
+  leaves = (jnp.ones((8, 3)), jnp.ones((2, 4)), jnp.ones((3, 8)), jnp.ones(()))
 
   def inside(mesh):
     axes = spmd.Axes.of(mesh, "stage", "data")
     run = axes.shard_map(lambda *a: jax.tree.map(lambda x: x[None], spmd.rows_over_expert_axis(a)),
-                         in_specs=(P(),) * 3, out_specs=(P("stage"),) * 3)
+                         in_specs=(P(),) * 4, out_specs=(P("stage"),) * 4)
     return _constraints(run, *leaves)
 
-  # Rows that divide over the 4 expert devices split over them; the others stay whole.
-  assert inside(tpipe.make_mesh(stages=2, expert=4)) == [P("expert"), P(), P()]
+  # Rows that divide over the 4 expert devices split over them; the others stay whole, rows
+  # fewer than the devices included (a packed buffer would hold a device's pieces apart).
+  assert inside(tpipe.make_mesh(stages=2, expert=4)) == [P("expert"), P(), P(), P()]
   # Elsewhere nothing is pinned: no auto axis, tensor alone, or tensor beside expert.
   assert inside(tpipe.make_mesh(stages=2, data=4)) == []
   assert inside(tpipe.make_mesh(stages=2, tensor=4)) == []
