@@ -29,8 +29,11 @@ Python and NumPy, no JAX. Example (``text`` is usually ``compiled.as_text()``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
+import weakref
+from typing import Any
 
 import numpy as np
 
@@ -129,9 +132,10 @@ class Instruction:
   attrs: str
   is_root: bool = False
 
-  @property
+  @functools.cached_property
   def called(self) -> tuple[str, ...]:
-    """Names of the computations this instruction calls."""
+    """Names of the computations this instruction calls (read once: the walks over a module
+    ask it of every instruction)."""
     names = [m.group(2) for m in _CALLED.finditer(self.attrs)]
     for m in _CALLED_LIST.finditer(self.attrs):
       names.extend(n.strip().lstrip("%") for n in m.group(2).split(",") if n.strip())
@@ -313,7 +317,13 @@ class HloModule:
     return inside
 
   def _topological_order(self) -> list[str]:
-    """Computation names, callers before callees, starting from the entry."""
+    """Computation names, callers before callees, starting from the entry (computed once per
+    module: the module is not changed after parsing)."""
+    if getattr(self, "_order", None) is None:
+      self._order = self._callers_first()
+    return list(self._order)
+
+  def _callers_first(self) -> list[str]:
     order, state = [], {}
 
     def visit(name):
@@ -579,6 +589,10 @@ def parse_hlo(text: str) -> HloModule:
                    num_replicas=int(replicas.group(1)) if replicas else 1)
 
 
+# Parsed modules of compiled programs, for as long as each program lives.
+_PARSED: "weakref.WeakKeyDictionary[Any, HloModule]" = weakref.WeakKeyDictionary()
+
+
 def module_of(compiled_or_text) -> HloModule:
   """The parsed HLO of a compiled program, of its text, or a module already parsed."""
   if isinstance(compiled_or_text, HloModule):
@@ -586,7 +600,15 @@ def module_of(compiled_or_text) -> HloModule:
   if isinstance(compiled_or_text, str):
     return parse_hlo(compiled_or_text)
   if hasattr(compiled_or_text, "as_text") and hasattr(compiled_or_text, "cost_analysis"):
-    return parse_hlo(compiled_or_text.as_text())
+    try:  # One parse per compiled program: a report reads the same one several times.
+      return _PARSED[compiled_or_text]
+    except (KeyError, TypeError):
+      module = parse_hlo(compiled_or_text.as_text())
+    try:
+      _PARSED[compiled_or_text] = module
+    except TypeError:  # Not weakly referenceable: parsed again next time.
+      pass
+    return module
   raise TypeError(
       f"Expected a jax.stages.Compiled (jit(f).lower(...).compile()) or its HLO text, got "
       f"{type(compiled_or_text).__name__}. Call .compile() on the lowered function first.")

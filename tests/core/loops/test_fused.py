@@ -200,12 +200,14 @@ ACTIVATION = ROWS * MEMORY_SEQ * MEMORY_WIDTH * 4
 
 def _temporaries(schedule, microbatches, stages=2):
   """Per-device temporary bytes of the compiled gradient step of the loss, ``ROWS`` examples per
-  micro-batch (the batch grows with M)."""
+  micro-batch (the batch grows with M). The parameters' shapes come from ``init``'s
+  ``method="initialize"`` (the layers alone, the same variables as ``init``): only the gradient
+  step traces the pipeline."""
   layers, x, targets, _ = lm.loss_model("lm", ROWS * microbatches, MEMORY_SEQ, MEMORY_WIDTH)
   mesh = tpipe.make_mesh(stages=stages)
   model = tpipe.Sequential(layers, num_stages=stages, num_microbatches=microbatches,
                            schedule=schedule, per_example=("targets",), mesh=mesh)
-  params = jax.eval_shape(model.clone(num_stages=1, num_microbatches=1, mesh=None).init,
+  params = jax.eval_shape(functools.partial(model.init, method="initialize"),
                           {"params": jax.random.key(0)}, x, targets=targets)["params"]
   compiled = jax.jit(jax.grad(lm.pipelined_loss(model))).lower(params, x, targets).compile()
   return compiled.memory_analysis().temp_size_in_bytes
