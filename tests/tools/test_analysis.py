@@ -16,6 +16,7 @@ from tpipe import schedules
 from tpipe.core.loops import tick_rows
 from tpipe.tools import analysis
 from tpipe.tools import hlo
+from tpipe.tools import replica_groups
 
 DOT = 2 * 4 * 16 * 16  # FLOPs of one [4, 16] @ [16, 16] matmul.
 
@@ -242,11 +243,11 @@ def test_replica_group_forms():
       "maximal_mesh[device_id=3]": [[3]],
   }
   for text, groups in forms.items():
-    assert hlo.parse_replica_groups(text, num_devices=8) == groups, text
+    assert replica_groups.parse_replica_groups(text, num_devices=8) == groups, text
   for bad in ("{{0,1},{2", "[2,4]<=[6]", "mesh['a'=2] {'z'}", "mesh['a'=4] {'a':(2)4}",
               "devices=[2]0,1"):
     with pytest.raises(ValueError, match="(?i)replica groups"):
-      hlo.parse_replica_groups(bad, num_devices=8)
+      replica_groups.parse_replica_groups(bad, num_devices=8)
 
 
 @pytest.mark.unit  # HLO text and numbers only: no JAX computation.
