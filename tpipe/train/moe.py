@@ -133,10 +133,12 @@ def rows_over_expert(x: jax.Array) -> jax.Array:
   rows, each row's positions split over the devices it spans
   (:func:`tpipe.core.base.spmd.split_over_expert`); ``x`` as it is elsewhere.
 
-  Outside the mixture-of-experts layers the expert axis carries data: attention, norms and the
-  stash between stages hold ``1 / expert`` of a micro-batch's tokens per device instead of all
-  of them. The layers take the rows whole (:func:`rows_whole`) and hand them back split. Not
-  beside a ``tensor`` axis (see :func:`tpipe.core.base.spmd.expert_devices_here`)."""
+  Outside the mixture-of-experts layers the expert axis carries data: attention and norms hold
+  ``1 / expert`` of a micro-batch's tokens per device instead of all of them, and so does the
+  stash between stages where the rows divide over the devices (a packed stash keeps a split
+  of positions whole: :func:`tpipe.core.base.spmd.rows_over_expert_axis`). The layers take the
+  rows whole (:func:`rows_whole`) and hand them back split. Not beside a ``tensor`` axis (see
+  :func:`tpipe.core.base.spmd.expert_devices_here`)."""
   size = spmd.expert_devices_here()
   split = None if size == 1 else spmd.split_over_expert(x, size)
   return x if split is None else split
