@@ -4,11 +4,13 @@ Each row is :mod:`experiments.moe_memory`'s Mixtral-8x7B shape (32 blocks of wid
 experts of MLP 14336, top-2, dropless; sequence 4096, global batch 128; bfloat16 compute, float32
 parameters and AdamW state, remat full) with the explicit all-to-all dispatch
 (``moe_dispatch="all_to_all"``, :mod:`tpipe.train.expert_dispatch`), on stage 4 x expert 8 x fsdp 2
-of ``v5p:4x4x4``, 16 micro-batches, under GPipe, 1F1B and ZB-V (2 virtual stages per device); and,
-for comparison, the partitioner's dispatch (the default) under 1F1B. The whole train step is
-compiled ahead of time by the TPU compiler on this CPU machine with its asynchronous all-to-all on
-(``--xla_tpu_enable_async_all_to_all=true`` in ``LIBTPU_INIT_ARGS``, as MaxText runs its MoE
-models); nothing runs on a TPU.
+of ``v5p:4x4x4``, 16 micro-batches, under GPipe, 1F1B and ZB-V (2 virtual stages per device); for
+comparison, the partitioner's dispatch (the default) under 1F1B; and ZB-V again with
+``weight_recompute="backward"`` (its weight slots hold each chunk's output gradient alone, where
+by default they hold the tapped matmuls' operands, the exchange's blocks among them). The whole
+train step is compiled ahead of time by the TPU compiler on this CPU machine with its
+asynchronous all-to-all on (``--xla_tpu_enable_async_all_to_all=true`` in ``LIBTPU_INIT_ARGS``,
+as MaxText runs its MoE models); nothing runs on a TPU.
 
 Columns, per device and step: the peak (``memory_analysis()``: arguments + outputs - aliased +
 temporaries); the all-to-all start/done pairs in the program and how many have a fusion
@@ -55,6 +57,11 @@ ROWS = [
 # The partitioner's dispatch (the default) under 1F1B, for comparison.
 ROWS.append(moe_memory.Row("1f1b", LAYOUT, dict(schedule="1f1b", num_microbatches=MICROBATCHES,
                                                 moe_dispatch="partitioner")))
+# ZB-V whose weight slots hold the chunk's output gradient alone (W reruns the chunk's forward
+# and backward): with weight_recompute="none" they hold the exchange's blocks.
+ROWS.append(moe_memory.Row("zbv, weight_recompute=backward", LAYOUT, dict(
+    schedule="zbv", num_microbatches=MICROBATCHES, moe_dispatch="all_to_all", num_repeats=2,
+    weight_recompute="backward")))
 
 
 def measure(row: moe_memory.Row) -> dict:
@@ -94,7 +101,7 @@ def main():
     if got is None:
       continue
     largest = sorted(got.get("waits", {}).items(), key=lambda kv: -kv[1])[:3]
-    table.append(f"| {row.fields['moe_dispatch']} | {row.fields['schedule']} | "
+    table.append(f"| {row.fields['moe_dispatch']} | {row.label} | "
                  f"{row.fields['num_microbatches']} | {_common.gib(got['peak'])} | "
                  f"{got['pairs']} ({got['busy']}) | {got['step']:.2f} | {got['mfu']:.1%} | "
                  f"{got['bubble']:.2f} | {got['exposed']:.2f} | "
