@@ -202,11 +202,15 @@ def test_grouped_attention_equals_its_plain_composition_and_its_gradients(masked
   assert set(rows_seen) == ({b} if query_block > s else {1}), rows_seen
 
 
-def test_llama_blocks_attend_in_query_blocks_inside_a_fused_pipeline(monkeypatch):
+@pytest.mark.parametrize("expert", [1, 4])
+def test_llama_blocks_attend_in_query_blocks_inside_a_fused_pipeline(expert, monkeypatch):
   """Llama blocks in a 1F1B pipeline (inside ``shard_map``, the backward by units): the loss
   gradients with queries in blocks of 4 equal the unblocked ones (the numerics rule against the
-  float64 unblocked model)."""
+  float64 unblocked model). With an expert axis of 4 beside the 2 stages, a micro-batch's 2 rows
+  split over the 4 devices by rows and positions (a piece of 4 queries per device), and no
+  collective in the step waits for another stage's devices."""
   import tpipe  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import analysis  # pylint: disable=g-import-not-at-top
   from tpipe.train import blocks  # pylint: disable=g-import-not-at-top
 
   class Loss(nn.Module):
@@ -215,9 +219,9 @@ def test_llama_blocks_attend_in_query_blocks_inside_a_fused_pipeline(monkeypatch
       return jnp.mean((h - targets) ** 2, axis=(1, 2))
 
   block = blocks.LlamaBlock(width=8, num_heads=4, num_kv_heads=2, mlp_dim=16, rope_theta=1e4)
+  mesh = tpipe.make_mesh(stages=2, expert=expert)
   model = tpipe.Sequential([tpipe.Repeat(block, 2), Loss()], num_stages=2, num_microbatches=2,
-                           schedule="1f1b", balance=[1, 2], per_example=("targets",),
-                           mesh=tpipe.make_mesh(stages=2))
+                           schedule="1f1b", balance=[1, 2], per_example=("targets",), mesh=mesh)
   x = jax.random.normal(jax.random.key(0), (4, 8, 8))
   targets = jax.random.normal(jax.random.key(1), (4, 8, 8))
   params = model.init(jax.random.key(2), x, targets=targets, method="initialize")["params"]
@@ -233,8 +237,11 @@ def test_llama_blocks_attend_in_query_blocks_inside_a_fused_pipeline(monkeypatch
   block_forward = attention._grouped_block_forward  # pylint: disable=protected-access
   monkeypatch.setattr(attention, "_grouped_block_forward",
                       lambda q, *a: blocks_seen.append(q.shape[1]) or block_forward(q, *a))
-  blocked = grad_fn()(params, x, targets)
-  assert blocks_seen and set(blocks_seen) == {4}, blocks_seen  # Two blocks of 4 queries.
+  compiled = grad_fn().lower(params, x, targets).compile()
+  assert not analysis.cross_branch_collectives(compiled, mesh)
+  blocked = compiled(params, x, targets)
+  # Two blocks of 4 queries per row, or one piece of 4 per device.
+  assert blocks_seen and set(blocks_seen) == {4}, blocks_seen
   numerics.assert_as_close_as_plain(blocked, unblocked, exact, what="gradients")
 
 
@@ -261,7 +268,8 @@ def test_rows_split_over_an_expert_axis_attend_where_they_are(rows_per_stage, qu
   q = jax.random.normal(keys[0], (b, s, g, r, d))
   k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:3])
   cotangent = jax.random.normal(keys[3], (b, s, g, r, d))
-  causal = jnp.tril(jnp.ones((s, s), bool))[None, None, None]
+  causal = jnp.tril(jnp.ones((s, s), bool))  # [s, t], or broadcast at full rank.
+  causal = causal if rows_per_stage < 4 else causal[None, None, None]
   rows_seen = []
   block_forward = attention._grouped_block_forward  # pylint: disable=protected-access
   monkeypatch.setattr(attention, "_grouped_block_forward",

@@ -250,6 +250,7 @@ class HloModule:
     self.entry = entry
     self.num_partitions = num_partitions
     self.num_replicas = num_replicas
+    self._order: list[str] | None = None  # Callers first; the module is not changed after.
 
   def instructions(self):
     """Yields ``(computation, instruction)`` for every instruction in the module."""
@@ -310,9 +311,8 @@ class HloModule:
     return inside
 
   def _topological_order(self) -> list[str]:
-    """Computation names, callers before callees, starting from the entry (computed once per
-    module: the module is not changed after parsing)."""
-    if getattr(self, "_order", None) is None:
+    """Computation names, callers before callees, starting from the entry (computed once)."""
+    if self._order is None:
       self._order = self._callers_first()
     return list(self._order)
 

@@ -240,7 +240,8 @@ def _by_rows(fn, arrays, query_axes, mask, out_query_axes):
   steps = batch * pieces // shards
   pin = (lambda x: x) if shards == 1 else (
       lambda x: jax.lax.with_sharding_constraint(x, P(mesh_lib.EXPERT_AXIS)))
-  if mask is not None and pieces > 1:
+  if mask is not None and pieces > 1:  # One mask row per piece: batch first, at full rank.
+    mask = mask.reshape((1,) * (arrays[0].ndim - mask.ndim) + mask.shape)
     mask = jnp.broadcast_to(mask, (batch,) + mask.shape[1:])
   per_row = (mask is not None and mask.ndim == arrays[0].ndim and mask.shape[0] == batch)
   mask_axis = mask.ndim - 2 if per_row and mask.shape[-2] == length else None
@@ -255,7 +256,8 @@ def _by_rows(fn, arrays, query_axes, mask, out_query_axes):
     if axis is not None:
       return _joined(x, axis, pieces)
     total = _summed(x, pieces)  # Each device keeps its own piece of the sum, as it came.
-    return total if pieces == 1 else spmd.split_over_expert(total, devices)
+    split = None if pieces == 1 else spmd.split_over_expert(total, devices)
+    return total if split is None else split
 
   def step(xs):
     rows, row_mask = xs
