@@ -1,6 +1,7 @@
 """Tests for tpipe.train.cli.autotune: a tight budget forces more stages or remat; the choice
 fits."""
 
+import dataclasses
 import re
 
 import pytest
@@ -78,7 +79,7 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
   assert result.config.remat_granularity == "layer"
   dominated = [c.remat_granularity for c, r in result.rejected if r.startswith("dominated")]
   assert dominated == [2]
-  assert "| gpipe | 1 | full | layer **(chosen)** |" in autotune.format_result(result)
+  assert "| gpipe | 1 | full | layer | none **(chosen)** |" in autotune.format_result(result)
 
 
 @pytest.mark.unit  # No JAX computation.
@@ -148,6 +149,55 @@ def test_every_schedule_is_tried_with_the_repeats_it_takes():
   assert any(c.schedule == "zbv" and "stages*repeats=4" in r for c, r in invalid)
   assert {(c.schedule, c.num_repeats) for c in valid if c.schedule == "circular"} == {
       ("circular", 3)}
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_a_split_backward_is_tried_with_what_w_recomputes(monkeypatch):
+  """ZB-H1 and ZB-V take weight_recompute none, forward and backward, least FLOPs first with
+  remat and its granularity; every other schedule takes none alone. Where only a recomputing W
+  fits, the search picks it, and the config and command it gives carry it."""
+  config = _config()
+  config.num_layers = 4
+  config.weight_recompute = "forward"  # The base config's: a whole backward drops it.
+  valid, _ = autotune.candidates(config, 2, stages=[2], microbatches=[2],
+                                 remats=["none", "full"], schedules=["1f1b", "zbv"])
+  settings = lambda name: [(c.remat, c.remat_granularity, c.weight_recompute)
+                           for c in valid if c.schedule == name]
+  assert settings("1f1b") == [("none", "chunk", "none"), ("full", "chunk", "none"),
+                              ("full", "layer", "none")]
+  # F + BI + W in forwards: 3, 4, 4, 4, 5, 5, 6, 6, 8.
+  assert settings("zbv") == [
+      ("none", "chunk", "none"), ("none", "chunk", "forward"), ("none", "chunk", "backward"),
+      ("full", "chunk", "none"), ("full", "chunk", "forward"), ("full", "layer", "none"),
+      ("full", "chunk", "backward"), ("full", "layer", "forward"),
+      ("full", "layer", "backward")]
+  flops = [search_space.recompute_flops(*o) for o in settings("zbv")]
+  assert flops == sorted(flops) and flops[0] < flops[-1]
+  gpipe = autotune._apply(config, autotune.Candidate(2, 1, 2, "full"))
+  assert gpipe.weight_recompute == "none"
+  zbv = autotune.Candidate(2, 1, 2, "full", "zbv", num_repeats=2, weight_recompute="backward")
+  assert autotune._apply(config, zbv).weight_recompute == "backward"
+  assert "--config.weight_recompute=backward" in zbv.overrides()
+  # W's recomputation costs step time before anything compiles.
+  steps = [autotune.analytic_step(config, dataclasses.replace(zbv, weight_recompute=w))
+           for w in ("none", "forward", "backward")]
+  assert steps[0] < steps[1] < steps[2]
+  with pytest.raises(ValueError, match="Unknown weight_recompute 'all'"):
+    autotune.candidates(config, 2, weight_recomputes=["all"])
+  with pytest.raises(ValueError, match="non-empty list"):
+    autotune.candidates(config, 2, weight_recomputes="backward")
+
+  def fake_measure(config, cand, budget_bytes, chip, topology=None):
+    memory = 1 if cand.weight_recompute == "backward" else 9  # Only W's rerun fits.
+    return autotune.Trial(cand, memory, 1.0, 1.0, 0, 1.0, 0.0, memory <= budget_bytes)
+
+  monkeypatch.setattr(autotune, "measure", fake_measure)
+  result = autotune.autotune(config, 5, num_devices=2, stages=[2], microbatches=[2],
+                             remats=["full"], granularities=["chunk"], schedules=["zbv"])
+  assert [t.candidate.weight_recompute for t in result.trials] == [
+      "none", "forward", "backward"]
+  assert result.config.weight_recompute == "backward"
+  assert "--config.weight_recompute=backward" in autotune.format_result(result)
 
 
 @pytest.mark.unit  # No JAX computation.
@@ -257,9 +307,10 @@ def test_the_cli_searches_stages_x_data_and_compiles_for_its_topology(monkeypatc
   config.mesh.fsdp, config.mesh.tensor = 2, 2
   f = types.SimpleNamespace(budget_gib=None, chip=None, topology="v5p:2x2x2", stages=None,
                             microbatches=None, remats=["full"], remat_granularities=["chunk"],
-                            schedules=None)
+                            schedules=None, weight_recomputes=["none", "backward"])
   autotune._search_from_flags(f, config, 8, "configs/lm.py")
   assert (seen["num_devices"], seen["topology"], seen["chip"]) == (2, "v5p:2x2x2", "v5p")
+  assert seen["weight_recomputes"] == ["none", "backward"]
   with pytest.raises(autotune.app.UsageError, match="not divisible by .* = 4 devices"):
     autotune._search_from_flags(f, config, 6, "configs/lm.py")
   cand = autotune.Candidate(1, 2, 2, "full")

@@ -1,5 +1,6 @@
-r"""Searches stages, micro-batches, schedule, remat and its granularity for the fastest
-configuration that fits in memory: the least step time predicted on a chip, under its HBM.
+r"""Searches stages, micro-batches, schedule, remat and its granularity (and what a split
+backward's ``W`` recomputes) for the fastest configuration that fits in memory: the least step
+time predicted on a chip, under its HBM.
 
 Usage::
 
@@ -22,10 +23,12 @@ For every candidate (``num_stages`` dividing the device count and the layer coun
 schedule, forward and fused, each with the ``num_repeats`` it takes (1; 2 for ZB-V; for
 circular and interleaved 1F1B every divisor >= 2 of the layers per stage), ``remat`` in
 none/dots/full, ``remat_granularity`` in chunk/layer or ints for ``remat`` dots and full; with
-``"none"`` nothing is recomputed, so only ``"chunk"`` is tried; the space and the analytic
-costs are :mod:`tpipe.train.cli.search_space`) the real training step can be compiled ahead of time
-(never run) and measured with :mod:`tpipe.tools.analysis`. A candidate fits when its peak
-per-device memory (largest device) is at most the budget. Among those that fit, the one with
+``"none"`` nothing is recomputed, so only ``"chunk"`` is tried; for ZB-H1 and ZB-V
+``weight_recompute`` in none/forward/backward, which trades the weight slots' memory for
+FLOPs; the space and the analytic costs are :mod:`tpipe.train.cli.search_space`) the real
+training step can be compiled ahead of time (never run) and measured with
+:mod:`tpipe.tools.analysis`. A candidate fits when its peak per-device memory (largest device)
+is at most the budget. Among those that fit, the one with
 the least predicted step time wins.
 
 Before anything compiles the search prints its plan: the candidates, how many compiles it
@@ -53,9 +56,9 @@ result with its reason):
   runs, a fused schedule's compound ticks approached by its dependency-driven step, under the
   costs its remat gives, bubble and recomputation charged, no compile), so a good fitting
   trial comes early;
-* dominated: for a fixed (stages, micro-batches, schedule, repeats) the remat policies are tried
-  from cheapest in FLOPs to most memory-saving (none, dots, full), each with its granularities
-  in the order given, and the first that fits ends that group;
+* dominated: for a fixed (stages, micro-batches, schedule, repeats) the recomputation settings
+  (remat, its granularity, ``weight_recompute``) are tried least FLOPs first (none, dots, full;
+  ties in the order given), and the first that fits ends that group;
 * analytic bubble: once a trial fits, a candidate on the same mesh (stages x replicas) is
   compiled only if its analytic step is shorter, and on another mesh only within
   :data:`PRUNE_RATIO` of the fitting trial's;
@@ -88,6 +91,7 @@ from tpipe.train.cli.search_space import Candidate
 from tpipe.train.cli.search_space import candidates
 from tpipe.train.cli.search_space import GRANULARITY_ORDER
 from tpipe.train.cli.search_space import REMAT_ORDER
+from tpipe.train.cli.search_space import WEIGHT_RECOMPUTE_ORDER
 
 # The chip a step time is predicted on unless told otherwise (tpipe.tools.chips).
 DEFAULT_CHIP = "v5p"
@@ -172,6 +176,7 @@ def _apply(config, candidate: Candidate):
     # A string, as the flag gives it (the config field is a string; "2" is read as 2).
     new.remat_granularity = str(candidate.remat_granularity)
     new.schedule = candidate.schedule
+    new.weight_recompute = candidate.weight_recompute  # "none" wherever the backward is whole.
     if not schedules.is_fused(candidate.schedule) and new.get("tick_costs"):
       new.tick_costs = ""  # Compound ticks lay out fused tables; forward tables have none.
       if new.get("tick_search"):
@@ -328,6 +333,7 @@ def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None
              remats: Sequence[str] = REMAT_ORDER,
              granularities: Sequence[str | int] = GRANULARITY_ORDER,
              schedules: Sequence[str] | None = None,
+             weight_recomputes: Sequence[str] = WEIGHT_RECOMPUTE_ORDER,
              chip: str = DEFAULT_CHIP, topology: str | None = None,
              verbose: bool = False, out: Callable[[str], None] = print,
              config_path: str = "CONFIG") -> TuneResult:
@@ -336,12 +342,12 @@ def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None
   Args:
     config: the base experiment config (``configs/lm.py``); its model and batch are kept;
       stages, data replicas, micro-batches, schedule with its repeats, remat and its
-      granularity are searched.
+      granularity, and a split backward's ``weight_recompute`` are searched.
     budget_bytes: per-device memory budget in bytes (peak of the fullest device); None: the
       chip's HBM.
     num_devices: devices to use (default ``config.num_stages * config.num_data``).
-    stages, microbatches, remats, granularities, schedules: restrict the search (see
-      :func:`candidates`).
+    stages, microbatches, remats, granularities, schedules, weight_recomputes: restrict the
+      search (see :func:`candidates`).
     chip: the chip the step time is predicted on (:data:`tpipe.tools.chips.CHIPS`).
     topology: compile every candidate for this TPU topology (``"v5p:4x4x4"``) with the TPU
       compiler instead of for this machine's devices (:func:`measure`); None: this machine's
@@ -365,7 +371,8 @@ def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None
     raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}.")
   num_devices = num_devices or int(config.num_stages) * int(config.num_data)
   valid, invalid = candidates(config, num_devices, stages=stages, microbatches=microbatches,
-                              remats=remats, granularities=granularities, schedules=schedules)
+                              remats=remats, granularities=granularities, schedules=schedules,
+                              weight_recomputes=weight_recomputes)
   search = _Search(config, int(budget_bytes), chip, out if verbose else (lambda _: None),
                    config_path=config_path, topology=topology)
   search.rejected.extend(invalid)
@@ -424,15 +431,17 @@ def format_result(result: TuneResult, config_path: str = "CONFIG") -> str:
   lines = [f"budget per device: {fb(result.budget_bytes)}; step times predicted on {result.chip}",
            "",
            "| stages | data | micro-batches | schedule | repeats | remat | granularity | "
-           "peak memory | fits | lockstep FLOPs | useful | neighbour-synchronised bubble | "
-           "collective bytes | predicted step | predicted MFU | compile s |",
-           "|---:|---:|---:|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "weight recompute | peak memory | fits | lockstep FLOPs | useful | "
+           "neighbour-synchronised bubble | collective bytes | predicted step | predicted MFU | "
+           "compile s |",
+           "|---:|---:|---:|---|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
   for t in result.trials:
     c = t.candidate
     mark = " **(chosen)**" if t is result.best else ""
     lines.append(
         f"| {c.num_stages} | {c.num_data} | {c.num_microbatches} | {c.schedule} | "
-        f"{c.num_repeats} | {c.remat} | {c.remat_granularity}{mark} | {fb(t.memory_bytes)} | "
+        f"{c.num_repeats} | {c.remat} | {c.remat_granularity} | {c.weight_recompute}{mark} | "
+        f"{fb(t.memory_bytes)} | "
         f"{'yes' if t.fits else 'no'} | "
         f"{t.executed_flops:.3g} | {t.useful_fraction:.1%} | {t.simulated_bubble:.1%} | "
         f"{fb(t.collective_bytes)} | "
@@ -449,7 +458,8 @@ def format_result(result: TuneResult, config_path: str = "CONFIG") -> str:
     lines.append(f"- stages={cand.num_stages} data={cand.num_data} "
                  f"M={cand.num_microbatches} schedule={cand.schedule} "
                  f"repeats={cand.num_repeats} remat={cand.remat} "
-                 f"remat_granularity={cand.remat_granularity}: {reason}")
+                 f"remat_granularity={cand.remat_granularity} "
+                 f"weight_recompute={cand.weight_recompute}: {reason}")
   lines.append("")
   if result.best is None:
     lines.append("Nothing fits the budget: raise it, shrink the model or the batch, or allow "
@@ -478,6 +488,9 @@ def define_flags() -> None:
                     "int k (layers per checkpoint).")
   flags.DEFINE_list("schedules", None, "Schedules to try (default: the forward ones and every "
                     "fused one tpipe.Sequential runs).")
+  flags.DEFINE_list("weight_recomputes", list(WEIGHT_RECOMPUTE_ORDER), "weight_recompute values "
+                    "to try with the split-backward schedules (zb_h1, zbv): none, forward, "
+                    "backward.")
   flags.DEFINE_integer("dcn_slices", None, "Instead of the search: compare the stage, data and "
                        "fsdp axes over this many slices (DCN) and recommend one "
                        "(tpipe.train.cli.multislice).")
@@ -545,7 +558,8 @@ def _search_from_flags(f, config, num_devices: int, config_path: str) -> TuneRes
       microbatches=[int(m) for m in f.microbatches] if f.microbatches else None,
       remats=f.remats,
       granularities=[int(g) if g.isdigit() else g for g in f.remat_granularities],
-      schedules=f.schedules, verbose=True, config_path=config_path)
+      schedules=f.schedules, weight_recomputes=f.weight_recomputes, verbose=True,
+      config_path=config_path)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 candidate costs analytically before anything compiles.
 
 :func:`candidates` lists every point (stages x replicas x micro-batches x schedule with each of
-its ``num_repeats`` x remat x granularity) with the invalid ones and their reasons;
+its ``num_repeats`` x remat x granularity, and for a split backward x ``weight_recompute``) with
+the invalid ones and their reasons;
 :func:`analytic_step` and :func:`analytic_memory` are what :mod:`tpipe.train.cli.autotune` orders
 and prunes them by. Pure NumPy: nothing here compiles.
 """
@@ -19,6 +20,9 @@ from tpipe.train.cli import startup
 
 REMAT_ORDER = ("none", "dots", "full")
 GRANULARITY_ORDER = ("chunk", "layer")
+# What W computes again in a split backward (ZB-H1, ZB-V): nothing, the chunk's forward, or its
+# forward and backward; each saves the weight slots' memory for more FLOPs.
+WEIGHT_RECOMPUTE_ORDER = spec_lib.WEIGHT_RECOMPUTE_NAMES
 # Schedules that run one chunk per stage, and ZB-V's two; circular and interleaved 1F1B take
 # every num_repeats >= 2 that divides the layers per stage.
 FIXED_REPEATS = {"gpipe": 1, "1f1b": 1, "zb_h1": 1, "zbv": 2}
@@ -61,17 +65,20 @@ class Candidate:
   schedule: str = "gpipe"
   remat_granularity: str | int = "chunk"
   num_repeats: int = 1
+  weight_recompute: str = "none"
 
   def overrides(self) -> str:
     """The ``--config.*`` flags that select this candidate."""
     return (f"--config.num_stages={self.num_stages} --config.num_data={self.num_data} "
             f"--config.num_microbatches={self.num_microbatches} --config.remat={self.remat} "
             f"--config.schedule={self.schedule} --config.num_repeats={self.num_repeats} "
-            f"--config.remat_granularity={self.remat_granularity}")
+            f"--config.remat_granularity={self.remat_granularity} "
+            f"--config.weight_recompute={self.weight_recompute}")
 
   @property
   def group(self) -> tuple:
-    """What its remat policies are tried over: all but remat and its granularity."""
+    """What its recomputation settings are tried over: all but remat, its granularity and
+    ``weight_recompute``."""
     return (self.num_stages, self.num_data, self.num_microbatches, self.schedule,
             self.num_repeats)
 
@@ -80,8 +87,16 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_options(remats, granularities, names) -> tuple[list, list, list]:
+def _check_options(remats, granularities, names, weight_recomputes
+                   ) -> tuple[list, list, list, list]:
   """The search options, checked and deduplicated (remats cheapest in FLOPs first)."""
+  if isinstance(weight_recomputes, str) or not weight_recomputes:
+    raise ValueError(f"weight_recomputes must be a non-empty list of weight_recompute values "
+                     f"{WEIGHT_RECOMPUTE_ORDER}, got {weight_recomputes!r}.")
+  for w in weight_recomputes:
+    if w not in WEIGHT_RECOMPUTE_ORDER:
+      raise ValueError(f"Unknown weight_recompute {w!r} in weight_recomputes; choose from "
+                       f"{WEIGHT_RECOMPUTE_ORDER}.")
   for r in remats:
     if r not in REMAT_ORDER:
       raise ValueError(f"Unknown remat {r!r} in remats; choose from {REMAT_ORDER}.")
@@ -96,14 +111,36 @@ def _check_options(remats, granularities, names) -> tuple[list, list, list]:
   for name in names:
     if name not in known:
       raise ValueError(f"Unknown schedule {name!r} in schedules; choose from {known}.")
-  return remats, list(dict.fromkeys(granularities)), names
+  return (remats, list(dict.fromkeys(granularities)), names,
+          list(dict.fromkeys(weight_recomputes)))
+
+
+def recompute_options(schedule: str, remats: Sequence[str], granularities: Sequence[str | int],
+                      weight_recomputes: Sequence[str]) -> list[tuple[str, str | int, str]]:
+  """The ``(remat, remat_granularity, weight_recompute)`` settings ``schedule`` is tried with,
+  least FLOPs per micro-batch first (:func:`recompute_flops`; ties in the order given):
+  ``"none"`` recomputes nothing and takes ``"chunk"`` only; ``weight_recompute`` applies to a
+  split backward only, every other schedule takes ``"none"``."""
+  wrs = weight_recomputes if schedule in spec_lib.SPLIT_BACKWARD else ["none"]
+  options = [(remat, g, w) for remat in remats
+             for g in (["chunk"] if remat == "none" else granularities) for w in wrs]
+  return sorted(options, key=lambda o: recompute_flops(*o))  # Stable: ties keep their order.
+
+
+def recompute_flops(remat: str, granularity: str | int, weight_recompute: str) -> float:
+  """A chunk's ``F`` plus its whole backward (``BI`` + ``W``) under these settings, in forwards
+  of the matmul model (:func:`tpipe.schedules.derived_costs.from_flops`)."""
+  costs = dict(derived_costs.from_flops(derived_costs.MATMUL_PARTS, remat, granularity,
+                                        spec_lib.check_weight_recompute(weight_recompute)))
+  return costs["F"] + costs["BI"] + costs["W"]
 
 
 def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
                microbatches: Sequence[int] | None = None,
                remats: Sequence[str] = REMAT_ORDER,
                granularities: Sequence[str | int] = GRANULARITY_ORDER,
-               schedules: Sequence[str] | None = None
+               schedules: Sequence[str] | None = None,
+               weight_recomputes: Sequence[str] = WEIGHT_RECOMPUTE_ORDER
                ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
   """The search space for ``config`` on ``num_devices`` devices, and the invalid points.
 
@@ -114,16 +151,22 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
     microbatches: micro-batch counts to try (default: divisors of the per-replica batch up to
       ``4 * num_stages``).
     remats: remat policies to try, cheapest in FLOPs first.
-    granularities: ``remat_granularity`` values to try with ``"dots"`` and ``"full"``, in this
-      order (``"none"`` recomputes nothing and is tried with ``"chunk"`` only).
+    granularities: ``remat_granularity`` values to try with ``"dots"`` and ``"full"``
+      (``"none"`` recomputes nothing and is tried with ``"chunk"`` only).
     schedules: schedules to try (default :func:`schedule_names`: forward and fused), each with
       the ``num_repeats`` it takes (:func:`repeat_options`); a schedule without a table for a
       candidate's sizes is invalid.
+    weight_recomputes: ``weight_recompute`` values to try with the split-backward schedules
+      (ZB-H1, ZB-V).
+
+  Each point's recomputation settings (remat, granularity, ``weight_recompute``) go least FLOPs
+  first, ties in the order given (:func:`recompute_options`).
 
   Returns:
     ``(valid candidates, [(invalid candidate, reason)])``.
   """
-  remats, granularities, names = _check_options(remats, granularities, schedules)
+  remats, granularities, names, wrs = _check_options(remats, granularities, schedules,
+                                                     weight_recomputes)
   stage_options = list(stages) if stages is not None else _divisors(num_devices)
   valid, invalid = [], []
   for s in stage_options:
@@ -151,9 +194,8 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
       for name in names:
         points = _schedule_points(config, s, data, m, name, invalid)
         for r in points:
-          for remat in remats:
-            for g in (["chunk"] if remat == "none" else granularities):
-              valid.append(Candidate(s, data, m, remat, name, g, r))
+          for remat, g, w in recompute_options(name, remats, granularities, wrs):
+            valid.append(Candidate(s, data, m, remat, name, g, r, w))
   return valid, invalid
 
 
@@ -186,7 +228,8 @@ def action_costs(config, candidate: Candidate) -> dict[str, float]:
   if isinstance(given, dict):
     return dict(given)
   c = candidate
-  return dict(derived_costs.from_flops(derived_costs.MATMUL_PARTS, c.remat, c.remat_granularity))
+  return dict(derived_costs.from_flops(derived_costs.MATMUL_PARTS, c.remat, c.remat_granularity,
+                                       spec_lib.check_weight_recompute(c.weight_recompute)))
 
 
 def analytic_step(config, candidate: Candidate) -> float:
