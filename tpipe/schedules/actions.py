@@ -30,6 +30,11 @@ class Action(enum.IntEnum):
   W = 3  # backward-weight: weight gradients from the slot's contents; releases the slot.
 
 
+# The action of each value: ``ACTION_OF[i] is Action(i)``, by a tuple lookup (the enum's own call
+# is most of a candidate table's validation and simulation time where compound.build tries
+# hundreds).
+ACTION_OF = tuple(Action)
+
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "BI": 1.0, "W": 1.0}
 
 # Arrivals at a stage, in the order of :meth:`FusedSchedule.arrival_slots`: from the left

@@ -202,17 +202,38 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
                               delays=delays)
 
 
+class _Packings:
+  """``packings(**settings) -> (table, step)``: :func:`pack`'s table for one setting of its
+  knobs and its neighbour-synchronised step under ``costs``, each distinct packing made into a
+  validated table and simulated once (many settings pack alike: at S = 3, M = 48, ZB-V's 256
+  give 201 tables, ZB-H1's 64 give 8)."""
+
+  def __init__(self, name: str, sizes: tuple[int, int, int], costs: Mapping[str, float],
+               delays):
+    self.name, self.sizes, self.costs, self.delays = name, sizes, costs, delays
+    self.made = {}
+
+  def __call__(self, **settings) -> tuple[fused_lib.FusedSchedule, float]:
+    ticks = _Packer(self.name, self.sizes, self.costs, _Knobs(**settings), self.delays).run()
+    key = tuple(tuple(tuple(actions) for actions in work) for work in ticks)
+    if key not in self.made:
+      table = fused_lib.from_ticks(self.name, *self.sizes, SHAPES[self.name][0], ticks,
+                                   delays=self.delays)
+      self.made[key] = table, round(table.simulate(self.costs).neighbour, 9)
+    return self.made[key]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Knobs:
-  """:func:`pack`'s layout settings (see its arguments)."""
+  """:func:`pack`'s layout settings (see its arguments; the same defaults)."""
 
-  in_flight: int | None
-  weight_backlog: int
-  deeper_first: bool
-  backward_first: bool
-  second_forward: bool
-  light_ramp: bool
-  weight_hold: int | None
+  in_flight: int | None = None
+  weight_backlog: int = 1
+  deeper_first: bool = True
+  backward_first: bool = True
+  second_forward: bool = False
+  light_ramp: bool = False
+  weight_hold: int | None = None
 
 
 class _Packer:
@@ -540,9 +561,9 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
     plain = {"1f1b": orders_lib.one_f_one_b, "zb_h1": orders_lib.zb_h1,
              "zbv": orders_lib.zbv}[name](num_stages, num_microbatches, delays)
   tried = candidates(name, num_stages)
-  tables = [pack(name, num_stages, num_microbatches, chunks, costs, delays=delays, **settings)
-            for settings in tried]
-  steps = [round(table.simulate(costs).neighbour, 9) for table in tables]
+  packings = _Packings(name, (num_stages, num_microbatches, chunks), costs, delays)
+  made = [packings(**settings) for settings in tried]
+  tables, steps = [table for table, _ in made], [step for _, step in made]
   if placement == "v":
     # The W a V's stages leave waiting fill its cool-down: the fastest settings again with each
     # smaller weight backlog down to the next one tried, so memory can win among equals below.
@@ -550,16 +571,18 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
     lower = max((s["weight_backlog"] for s in tried
                  if s["weight_backlog"] < fastest["weight_backlog"]), default=0)
     for backlog in range(lower + 1, fastest["weight_backlog"]):
-      tables.append(pack(name, num_stages, num_microbatches, chunks, costs, delays=delays,
-                         **dict(fastest, weight_backlog=backlog)))
-      steps.append(round(tables[-1].simulate(costs).neighbour, 9))
+      table, step = packings(**dict(fastest, weight_backlog=backlog))
+      tables.append(table)
+      steps.append(step)
   plain_timing = plain.simulate(costs)
   tables.insert(0, plain)
   steps.insert(0, round(plain_timing.neighbour, 9))
   if split:  # The fastest distinct tables again with their W settled.
-    distinct = {}
+    distinct, seen = {}, set()
     for i in sorted(range(len(tables)), key=lambda i: (steps[i], i)):
-      distinct.setdefault(tuple(tables[i].actions()), i)
+      if id(tables[i]) not in seen:  # One packing tried under several settings is one table.
+        seen.add(id(tables[i]))
+        distinct.setdefault(tuple(tables[i].actions()), i)
     fastest = list(distinct.values())[:SETTLED[placement]]
     settled = [settle_weights(tables[i], costs, WEIGHT_SLOTS * num_stages) for i in fastest]
     tables += settled

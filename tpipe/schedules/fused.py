@@ -150,7 +150,7 @@ class FusedSchedule:
     vstage = self.virtual_stage
     rows, stages = np.nonzero(self.busy)
     order = np.lexsort((rows, stages, self.tick[rows]))
-    return [(int(self.tick[r]), int(s), Action(self.action[r, s]).name,
+    return [(int(self.tick[r]), int(s), actions_lib.ACTION_OF[self.action[r, s]].name,
              int(self.microbatch[r, s]), int(vstage[s, self.chunk[r, s]]))
             for r, s in zip(rows[order], stages[order])]
 
@@ -342,7 +342,7 @@ def from_ticks(name: str, num_stages: int, num_microbatches: int, num_chunks: in
     released = []
     for s, actions in enumerate(work):
       for lane, (kind, m, c) in enumerate(actions):
-        kind = Action(kind)
+        kind = actions_lib.ACTION_OF[kind]
         if kind == Action.F:
           k = min(free[s]) if free[s] else used[s]
           free[s] = [i for i in free[s] if i != k]

@@ -301,7 +301,7 @@ def simulate(schedule, costs: Mapping[str, float] | None = None, transfer=None) 
   num_virtual = schedule.num_stages * schedule.num_chunks
   for t in range(schedule.num_rows):  # Rows in order: each stage's actions in its order.
     for s in np.nonzero(schedule.busy[t])[0]:
-      kind, m = Action(schedule.action[t, s]), int(schedule.microbatch[t, s])
+      kind, m = actions_lib.ACTION_OF[schedule.action[t, s]], int(schedule.microbatch[t, s])
       v = int(vstage[s, schedule.chunk[t, s]])
       ready = max([finish[key] for key in actions_lib.dependencies(kind, m, v, num_virtual)],
                   default=0.0)

@@ -70,7 +70,7 @@ def _action_ticks(schedule) -> tuple[dict, dict]:
   vstage = schedule.virtual_stage
   ticks, slots = {}, {}
   for t, s in zip(*np.nonzero(schedule.busy)):
-    kind, m = Action(schedule.action[t, s]), int(schedule.microbatch[t, s])
+    kind, m = actions_lib.ACTION_OF[schedule.action[t, s]], int(schedule.microbatch[t, s])
     c = int(schedule.chunk[t, s])
     key = (kind, m, int(vstage[s, c]))
     if key in ticks:
