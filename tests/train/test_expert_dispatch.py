@@ -58,6 +58,65 @@ def test_the_exchange_equals_each_pair_through_its_expert(skewed):
   assert "all-gather" not in kinds and "collective-permute" not in kinds
 
 
+def test_a_capacity_drops_under_the_exchange_the_pairs_it_drops_in_one_batch():
+  """With a capacity, the pairs beyond each expert's slots (claimed best choices first, tokens
+  in order, whichever device holds them) join no expert's group: their outputs are zero and
+  their gradients too; the others equal each pair through its expert."""
+  mesh = tpipe.make_mesh(stages=1, expert=4)
+  tokens, experts, weights = _case(seed=1)
+  capacity = moe.capacity_of(TOKENS, TOP_K, EXPERTS, 0.5)
+  kept = np.asarray(moe.kept_pairs(jnp.asarray(experts), EXPERTS, capacity))
+  want = np.zeros_like(kept)
+  taken = np.zeros(EXPERTS, int)
+  for j in range(TOP_K):
+    for n in range(TOKENS):
+      want[n, j] = taken[experts[n, j]] < capacity
+      taken[experts[n, j]] += 1
+  np.testing.assert_array_equal(kept, want)
+  assert 0 < (~kept).sum() < kept.size
+  args32 = [jnp.asarray(a, jnp.float32) for a in (tokens, *weights)]
+  masked = lambda t, e, a, b, c: mm.each_pair_in_turn(t, e, a, b, c) * kept[..., None]
+  exchange = lambda t, e, a, b, c: expert_dispatch.expert_outputs(t, e, a, b, c, kept=kept)
+  grad = lambda fn: jax.value_and_grad(_loss(fn, experts), argnums=(0, 1, 2, 3))
+  with jax.set_mesh(mesh):
+    placed = [jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in args32]
+    value, grads = jax.jit(grad(exchange))(*placed)
+    pairs = jax.jit(lambda *a: expert_dispatch.expert_outputs(a[0], experts, *a[1:], kept=kept)
+                    )(*placed)
+  assert not np.any(np.asarray(pairs)[~kept])  # Dropped: exactly zero.
+  plain = jax.jit(grad(masked))(*args32)
+  reference = numerics.float64_reference(grad(masked), *args32)
+  numerics.assert_as_close_as_plain(value, plain[0], reference[0], what="value")
+  numerics.assert_as_close_as_plain(grads, plain[1], reference[1], what="gradients")
+
+
+def test_the_layer_with_a_capacity_drops_and_counts_the_same_pairs_either_dispatch():
+  """A MixtureOfExperts with a capacity on an expert axis: the explicit exchange gives the
+  partitioner's (batched ``[E, C]``) output and counts the same dropped pairs."""
+  mesh = tpipe.make_mesh(stages=1, expert=4)
+  x = jax.random.normal(jax.random.key(1), (4, 8, WIDTH))
+  settings = dict(hidden=HIDDEN, num_experts=EXPERTS, experts_per_token=TOP_K,
+                  capacity_factor=0.5)
+  layer = moe.MixtureOfExperts(dispatch="partitioner", **settings)
+  params = layer.init(jax.random.key(2), x)["params"]
+  outs = {}
+  with jax.set_mesh(mesh):
+    for dispatch in ("partitioner", "all_to_all"):
+      run = moe.MixtureOfExperts(dispatch=dispatch, **settings).apply
+      step = jax.jit(lambda p, x, run=run: run({"params": p}, x, mutable="aux_metric"))
+      compiled = step.lower(params, x).compile()
+      kinds = {c.kind for c in analysis.collectives(compiled, mesh)}
+      assert ("all-to-all" in kinds) == (dispatch == "all_to_all"), (dispatch, kinds)
+      out, metrics = compiled(params, x)
+      outs[dispatch] = out, metrics["aux_metric"]
+  np.testing.assert_allclose(outs["all_to_all"][0], outs["partitioner"][0], rtol=1e-5,
+                             atol=1e-5)
+  metrics, want = outs["all_to_all"][1], outs["partitioner"][1]
+  assert set(metrics) == {"dropped", "expert_load"} and float(want["dropped"][0]) > 0
+  for name in want:
+    np.testing.assert_allclose(metrics[name], want[name], rtol=1e-6)
+
+
 def test_outside_a_mesh_with_an_expert_axis_there_is_one_device():
   assert expert_dispatch.devices_here() == 1
   with jax.set_mesh(tpipe.make_mesh(stages=2, data=2)):
@@ -87,8 +146,6 @@ def test_an_expert_axis_beside_a_tensor_axis_is_refused_by_name():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dispatch="ragged"), r"dispatch must be one of \('partitioner', 'all_to_all'\), "
                               r"got 'ragged'"),
-    (dict(dispatch="all_to_all", capacity_factor=1.0),
-     r"dispatch='all_to_all' routes dropless only, got capacity_factor=1.0"),
 ])
 def test_bad_dispatch_settings_are_refused_by_name(kwargs, match):
   settings = dict(num_experts=4, experts_per_token=2, capacity_factor=0.0)

@@ -21,6 +21,11 @@ tokens' back:
    device's rows, in a ``shard_map`` over ``expert`` of that one operation), no pair dropped;
 5. the outputs travel back by the inverse swap and are put back in token order.
 
+With a capacity (:func:`tpipe.train.moe.kept_pairs`: which pairs keep a slot, by the global
+order every device's pairs claim them in) the pairs dropped still travel in their blocks but join
+no expert's group: no expert computes them and their output is zero, as the batched capacity
+layout drops them.
+
 The exchange is expressed through sharding constraints, not inside a ``shard_map``: JAX's
 partial evaluation (rematerialization, the zero-bubble schedules' split backward) splits a
 ``shard_map`` over ``expert`` inside a stage's ``shard_map`` into parts whose residuals' specs
@@ -105,14 +110,17 @@ def _route_locally(experts, local_experts: int, devices: int):
   return order, dest, slot
 
 
-def _pack(tokens, experts, order, dest, slot, local_experts: int, devices: int):
+def _pack(tokens, experts, kept, order, dest, slot, local_experts: int, devices: int):
   """One device's blocks to send: the pairs' tokens ``[devices, n * k, D]`` and their experts'
-  ids on the destination ``[devices, n * k]`` (``local_experts`` where no pair filled a row)."""
+  ids on the destination ``[devices, n * k]`` (``local_experts`` where no pair filled a row, or
+  where the pair there is not ``kept``)."""
   n, k = experts.shape
   blocks = jnp.zeros((devices, n * k, tokens.shape[-1]), tokens.dtype)
   blocks = blocks.at[dest, slot].set(tokens[order // k])
+  local_ids = jnp.where(kept.reshape(-1)[order], experts.reshape(-1)[order] % local_experts,
+                        local_experts)
   ids = jnp.full((devices, n * k), local_experts, jnp.int32)
-  ids = ids.at[dest, slot].set(experts.reshape(-1)[order] % local_experts)
+  ids = ids.at[dest, slot].set(local_ids)
   return blocks, ids
 
 
@@ -138,7 +146,7 @@ def _grouped(x, w, sizes):
 
 
 def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array) -> jax.Array:
+                   w_down: jax.Array, kept: jax.Array | None = None) -> jax.Array:
   """Each (token, choice) pair's expert output, the tokens exchanged over the ``expert`` axis
   of the mesh in context (see the module documentation); ``[N, k, D]``.
 
@@ -146,6 +154,9 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
     tokens: ``[N, D]``; each device of the ``expert`` axis routes its ``N / devices`` rows.
     experts: int32 ``[N, k]``, each token's experts (global ids), as the routing chose them.
     w_gate, w_up: ``[E, D, H]``; w_down: ``[E, H, D]``; split over ``expert`` on ``E``.
+    kept: boolean ``[N, k]``, the pairs a capacity leaves a slot
+      (:func:`tpipe.train.moe.kept_pairs`); the others join no expert's group, so no expert
+      computes them and their output is zero. None: every pair (dropless).
 
   Returns:
     ``[N, k, D]`` in ``tokens``' dtype, split by rows over ``expert``; a pair's output is its
@@ -164,9 +175,11 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
   n, pairs = num_tokens // devices, num_tokens // devices * k
   tokens = _by_device(tokens.reshape(devices, n, width))
   experts = _by_device(experts.astype(jnp.int32).reshape(devices, n, k))
+  kept = _by_device((jnp.ones(experts.shape, bool) if kept is None else kept).reshape(
+      devices, n, k))
   order, dest, slot = jax.vmap(lambda e: _route_locally(e, local, devices))(experts)
   pack = lambda *a: _pack(*a, local, devices)
-  blocks, ids = jax.vmap(pack)(tokens, experts, order, dest, slot)
+  blocks, ids = jax.vmap(pack)(tokens, experts, kept, order, dest, slot)
   received = _swap(blocks).reshape(devices, devices * pairs, width)
   received_ids = _swap(ids).reshape(devices, devices * pairs)
   by_expert = jnp.argsort(received_ids, axis=1, stable=True)

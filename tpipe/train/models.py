@@ -201,7 +201,7 @@ def decoder_lm(*, spec: tpipe.PipelineSpec | None = None, **arguments) -> tpipe.
     shared_expert_mlp_dim: ``"moe"`` blocks only: 0, or the hidden width of a shared SwiGLU
       expert every token goes through, its output scaled by a sigmoid gate (Qwen2-MoE's).
     moe_dispatch: ``"moe"`` blocks only: how tokens reach experts split over an ``expert``
-      mesh axis, ``"partitioner"`` (XLA's) or ``"all_to_all"`` (explicit, dropless only;
+      mesh axis, ``"partitioner"`` (XLA's) or ``"all_to_all"`` (explicit;
       :mod:`tpipe.train.expert_dispatch`).
     attention: how the blocks attend (:mod:`tpipe.train.flash_attention`): ``"blocked"``
       (XLA, any platform), ``"flash"`` (a fused kernel: splash attention on TPU, cuDNN's on

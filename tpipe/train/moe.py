@@ -16,14 +16,15 @@ run the routed experts, the same numbers where no token is dropped:
 * **capacity** (``capacity_factor=c > 0``): each expert takes at most
   ``ceil(c * N * k / E)`` pairs, in token order; pairs beyond it are dropped (their share of
   the output is zero) and counted. The experts run as one batched matmul over ``[E, capacity]``
-  slots, the GShard / Switch layout MaxText's capacity mode uses.
+  slots, the GShard / Switch layout MaxText's capacity mode uses (under the explicit exchange
+  below: the grouped matmul of the pairs kept, the same pairs dropped).
 
 Where the experts split over an ``expert`` mesh axis, two ways to bring them their tokens
 (``dispatch``):
 
 * ``"partitioner"`` (the default): XLA's partitioner makes the exchange from the weights'
   sharding (it gathers the tokens to every expert device and sums the experts' outputs);
-* ``"all_to_all"`` (dropless only): :mod:`tpipe.train.expert_dispatch` sends each device's
+* ``"all_to_all"``: :mod:`tpipe.train.expert_dispatch` sends each device's
   pairs to the devices that hold their experts by an explicit all-to-all over ``expert`` and
   the outputs back: per layer, two all-to-alls of activations forward (and a small one of
   expert ids) and two backward.
@@ -109,10 +110,6 @@ def check_routing(num_experts: int, experts_per_token: int, capacity_factor: flo
                      f"an int >= 0 (0 = no shared expert), got {shared_expert_hidden!r}.")
   if dispatch not in DISPATCHES:
     raise ValueError(f"{owner}: dispatch must be one of {DISPATCHES}, got {dispatch!r}.")
-  if dispatch == "all_to_all" and capacity_factor:
-    raise ValueError(f"{owner}: dispatch='all_to_all' routes dropless only, got "
-                     f"capacity_factor={capacity_factor!r}; use capacity_factor=0 or "
-                     "dispatch='partitioner'.")
 
 
 def check_expert_axis(num_experts: int, owner: str = "MixtureOfExperts") -> None:
@@ -232,18 +229,35 @@ def capacity_of(num_tokens: int, experts_per_token: int, num_experts: int,
   return max(1, math.ceil(capacity_factor * num_tokens * experts_per_token / num_experts))
 
 
+def slot_positions(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+  """Each pair's expert and its place in that expert's queue: ``(onehot [kN, E], position
+  [kN])``, the pairs of ``experts [N, k]`` choice-major (every token's best expert before any
+  token's second), tokens in order. Pairs whose position is below the capacity keep a slot."""
+  onehot = jax.nn.one_hot(experts.T.reshape(-1), num_experts, dtype=jnp.int32)
+  return onehot, jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+
+
+def kept_pairs(experts: jax.Array, num_experts: int, capacity: int) -> jax.Array:
+  """Boolean ``[N, k]``: whether each (token, choice) pair of ``experts [N, k]`` has one of its
+  expert's ``capacity`` slots (:func:`slot_positions`), the rule :func:`with_capacity` drops
+  by."""
+  num_tokens, k = experts.shape
+  _, position = slot_positions(experts, num_experts)
+  return (position < capacity).reshape(k, num_tokens).T
+
+
 def with_capacity(x: jax.Array, routing: Routing, w_gate, w_up, w_down,
                   capacity_factor: float) -> tuple[jax.Array, jax.Array]:
   """The pairs that fit each expert's capacity through its SwiGLU, batched over ``[E, C]``
   slots; ``(output [N, D], dropped pairs (float32 scalar))``. A token's pairs claim slots in
-  token order, its best expert first."""
+  token order, its best expert first (:func:`slot_positions`)."""
   num_tokens, k = routing.experts.shape
   num_experts = w_gate.shape[0]
   capacity = capacity_of(num_tokens, k, num_experts, capacity_factor)
-  onehot = jax.nn.one_hot(routing.experts.T.reshape(-1), num_experts, dtype=jnp.int32)  # [kN, E]
-  position = (jnp.cumsum(onehot, axis=0) - 1) * onehot  # Slot index within the expert.
-  kept = (position < capacity) * onehot
-  slots = jax.nn.one_hot(jnp.sum(position * kept, axis=-1), capacity, dtype=x.dtype)  # [kN, C]
+  onehot, position = slot_positions(routing.experts, num_experts)
+  fits = position < capacity
+  kept = fits[:, None] * onehot  # [kN, E]
+  slots = jax.nn.one_hot(jnp.where(fits, position, 0), capacity, dtype=x.dtype)  # [kN, C]
   dispatch = kept.astype(x.dtype)[:, :, None] * slots[:, None, :]  # [kN, E, C]
   dispatch = dispatch.reshape(k, num_tokens, num_experts, capacity)
   inputs = jnp.einsum("knec,nd->ecd", dispatch, x)
@@ -280,8 +294,15 @@ def mixture(x: jax.Array, router, experts, shared, settings, *, sow_loss, sow_me
   tokens = tokens if exchange else rows_whole(tokens)
   routing = route(tokens, router, settings.experts_per_token, settings.normalize_expert_weights)
   if exchange:
-    pairs = expert_dispatch.expert_outputs(tokens, routing.experts, *experts)
-    out, dropped = jnp.einsum("nkd,nk->nd", pairs, routing.weights.astype(dtype)), None
+    kept = dropped = None
+    if settings.capacity_factor:
+      num_tokens, k = routing.experts.shape
+      num_experts = experts[0].shape[0]
+      capacity = capacity_of(num_tokens, k, num_experts, settings.capacity_factor)
+      kept = kept_pairs(routing.experts, num_experts, capacity)
+      dropped = num_tokens * k - jnp.sum(kept).astype(jnp.float32)
+    pairs = expert_dispatch.expert_outputs(tokens, routing.experts, *experts, kept=kept)
+    out = jnp.einsum("nkd,nk->nd", pairs, routing.weights.astype(dtype))
   elif settings.capacity_factor:
     out, dropped = with_capacity(tokens, routing, *experts, settings.capacity_factor)
   else:
@@ -312,7 +333,7 @@ class MixtureOfExperts(nn.Module):
       token goes through, gated by ``sigmoid(x @ shared_router)`` (Qwen2-MoE's).
     dispatch: how tokens reach experts split over an ``expert`` mesh axis: ``"partitioner"``
       (XLA's partitioner, from the weights' sharding) or ``"all_to_all"`` (an explicit
-      all-to-all, dropless only; :mod:`tpipe.train.expert_dispatch`).
+      all-to-all; :mod:`tpipe.train.expert_dispatch`).
     dtype: the computation's dtype, None for the input's (routing is float32 or wider).
     param_dtype: the weights' dtype.
     kernel_init: the experts', the router's and the shared expert's initializer.

@@ -209,7 +209,11 @@ def moe_memory(config, layout, state, spec, mesh) -> MoeMemory | None:
   return MoeMemory(
       expert_param_bytes=expert_leaf_bytes(state.params, layout.axes),
       expert_opt_state_bytes=expert_leaf_bytes(state.opt_state, layout.axes),
-      dispatch_bytes=dispatch_bytes(tokens, args["width"], hidden, e, k, cf, itemsize),
+      # The explicit exchange groups the pairs a capacity keeps as it groups all of them
+      # (the dropped ones keep their rows): its buffers are the dropless ones either way.
+      dispatch_bytes=dispatch_bytes(tokens, args["width"], hidden, e, k,
+                                    0.0 if args.get("moe_dispatch") == "all_to_all" else cf,
+                                    itemsize),
       routing_bytes=routing_bytes(tokens, e, k, cf),
       tokens=int(tokens), hidden=int(hidden), moe_layers=int(args["num_layers"]),
       num_experts=int(e), experts_per_token=int(k), capacity_factor=float(cf))
