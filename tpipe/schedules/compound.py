@@ -246,10 +246,12 @@ class _Packer:
     self.name, self.costs, self.knobs = name, costs, knobs
     self.num_stages, self.num_microbatches, self.num_chunks = sizes
     stages, chunks = self.num_stages, self.num_chunks
-    self.vstage = actions_lib.virtual_stages(placement, stages, chunks)
+    # Nested lists, not arrays: the packer reads them per stage per tick, where a NumPy
+    # scalar's indexing costs several times a list's.
+    self.vstage = actions_lib.virtual_stages(placement, stages, chunks).tolist()
     self.num_virtual = stages * chunks
-    self.hops = actions_lib.hop_delays(placement, stages, chunks, delays)
-    self.links = actions_lib.link_directions(placement, stages, chunks)
+    self.hops = actions_lib.hop_delays(placement, stages, chunks, delays).tolist()
+    self.links = actions_lib.link_directions(placement, stages, chunks).tolist()
     self.back = Action.BI if self.split else Action.B
     extra = knobs.in_flight if knobs.in_flight is not None else chunks * self.num_microbatches
     self.caps = [(chunks * (2 * (stages - s) - 1) if placement == "loop" else 2 * stages) + extra
@@ -281,19 +283,19 @@ class _Packer:
 
   def arrived(self, key, v: int, t: int) -> bool:
     """Whether a message's result is there by tick ``t``."""
-    return key in self.done and self.done[key] + 1 + int(self.hops[min(key[2], v)]) <= t
+    return key in self.done and self.done[key] + 1 + self.hops[min(key[2], v)] <= t
 
   def direction(self, kind, v: int):
     """Where ``kind`` on model chunk ``v`` sends: +1, -1, 0 (the same stage) or None."""
     if kind == Action.F:
-      return int(self.links[v]) if v < self.num_virtual - 1 else None
-    return -int(self.links[v - 1]) if v > 0 else None
+      return self.links[v] if v < self.num_virtual - 1 else None
+    return -self.links[v - 1] if v > 0 else None
 
   def ready_forwards(self, s: int, t: int) -> list:
     """Stage ``s``'s forwards whose input is there, ``(order, m, c)``, in the order taken."""
     forwards = []
     for c in range(self.num_chunks):
-      m, v = self.next_forward[s][c], int(self.vstage[s, c])
+      m, v = self.next_forward[s][c], self.vstage[s][c]
       # Over the cap, only a micro-batch the stage already holds goes on (so the oldest one
       # in flight always can: the cap never deadlocks).
       room = self.holding[s] < self.caps[s] or any(m == held for held, _ in self.forwarded[s])
@@ -306,11 +308,11 @@ class _Packer:
     after its forward (possibly this tick's)."""
     backs = []
     for m, c in self.forwarded[s]:
-      v = int(self.vstage[s, c])
+      v = self.vstage[s][c]
       if v == self.num_virtual - 1 or self.arrived(("back", m, v + 1), v, t):
         backs.append((m, -v, c))
     last = self.num_virtual - 1
-    return backs + [(m, -last, c) for _, m, c in forwards if self.vstage[s, c] == last]
+    return backs + [(m, -last, c) for _, m, c in forwards if self.vstage[s][c] == last]
 
   def choose(self, s: int, t: int):
     """Stage ``s``'s forward and backward in tick ``t`` (``[(action, m, c)]``) and the
@@ -318,7 +320,7 @@ class _Packer:
     forwards = self.ready_forwards(s, t)
     backs = self.ready_backwards(s, t, forwards)
     backward = min(backs) if backs else None
-    sends = lambda f: self.direction(Action.F, int(self.vstage[s, f[2]]))
+    sends = lambda f: self.direction(Action.F, self.vstage[s][f[2]])
     if self.knobs.backward_first or backward is None:
       taken = {self.direction(self.back, -backward[1])} if backward else set()
       forward = next((f for f in forwards if sends(f) is None or sends(f) not in taken), None)
@@ -352,7 +354,7 @@ class _Packer:
     busiest = max(spent)
     for s, work in enumerate(row):
       for kind, m, c in work:
-        v = int(self.vstage[s, c])
+        v = self.vstage[s][c]
         self.done[(actions_lib.EVENT[kind], m, v)] = t
         self.remaining -= 1
         first_back = kind == self.back and v == 0
@@ -374,7 +376,7 @@ class _Packer:
         _, m, c = spare[s]
         work.append((Action.F, m, c))
         spent[s] += self.costs["F"]
-        self.done[("F", m, int(self.vstage[s, c]))] = t
+        self.done[("F", m, self.vstage[s][c])] = t
         self.next_forward[s][c] += 1
         self.holding[s] += 1
         self.forwarded[s].append((m, c))
@@ -386,7 +388,7 @@ class _Packer:
     m, c = self.pending_w[s].pop(0)
     row[s].append((Action.W, m, c))
     spent[s] += self.costs["W"]
-    self.done[("W", m, int(self.vstage[s, c]))] = t
+    self.done[("W", m, self.vstage[s][c])] = t
     self.holding[s] -= 1
     self.remaining -= 1
 
