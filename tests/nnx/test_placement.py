@@ -90,14 +90,9 @@ def _stage_collectives(placed):
 
   @nnx.jit
   def step(model, optimizer, x, inputs):
+    # Unplaced, the state lives replicated and the step keeps it so (tpipe.nnx.homes).
     loss, grads = nnx.value_and_grad(lambda m: m(x, **inputs).mean())(model)
     optimizer.update(model, grads)
-    if not placed:
-      # A replicated model: its state stays replicated. (Unconstrained, XLA leaves the updated
-      # state of a Repeat cut evenly split over 'stage', as the staging reshape's gradient is.)
-      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-      for tree in (model, optimizer):
-        nnx.update(tree, jax.lax.with_sharding_constraint(nnx.state(tree), replicated))
     return loss
 
   compiled = step.lower(model, optimizer, x, inputs).compile()

@@ -11,11 +11,13 @@ losses as under every schedule; the loss of a stack whose last layer returns no 
 losses is refused, and so is differentiating a fused schedule's outputs. Also: the Param state's
 names do not depend on the pipeline, the logical variables (``model.variables()``) are the Param
 state by ``layers_i`` and load back, an ``nnx.Optimizer`` step runs under ``nnx.jit`` and equals
-the plain model's step, bad arguments raise clear errors, a layer's sown ``nnx.Intermediate``
-values are refused (the pipeline would drop them), and dropout masks come from the stack's rngs,
-not from the layout.
+the plain model's step, the second step runs the first one's compiled program (the state comes
+back where it was, with or without ``tpipe.nnx.shard``), bad arguments raise clear errors, a
+layer's sown ``nnx.Intermediate`` values are refused (the pipeline would drop them), and dropout
+masks come from the stack's rngs, not from the layout.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -215,7 +217,8 @@ def test_an_optimizer_step_under_nnx_jit_equals_the_plain_models():
   exact_losses, exact = numerics.float64_reference(_plain_sgd(1), plain_params, x, kwargs)
   x, kwargs = jax.device_put((x, kwargs), tpipe.data_sharding(mesh))
   step = _train_step()
-  optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+  with jax.set_mesh(mesh):  # The optimizer's step count on the mesh: one compile of the step.
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
   losses = [step(model, optimizer, x, kwargs) for _ in range(2)]
   assert losses[1] < losses[0]
   for i in range(2):
@@ -226,12 +229,64 @@ def test_an_optimizer_step_under_nnx_jit_equals_the_plain_models():
 
   # Adam through nnx.Optimizer: its state follows the model's Param names, and the loss falls.
   adam_model, _, _ = nnx_models.pipelined("lm", num_stages=2, num_microbatches=2, mesh=mesh)
-  adam = nnx.Optimizer(adam_model, optax.adam(1e-2), wrt=nnx.Param)
+  with jax.set_mesh(mesh):
+    adam = nnx.Optimizer(adam_model, optax.adam(1e-2), wrt=nnx.Param)
   adam_step = _train_step()
   adam_losses = [float(adam_step(adam_model, adam, x, kwargs)) for _ in range(3)]
   assert adam_losses[-1] < adam_losses[0]
   moment = adam.opt_state[0].mu["layers"][1]["layer"]["up"]["kernel"]
   assert moment[...].shape == (6, WIDTH, 2 * WIDTH)
+
+
+@contextlib.contextmanager
+def _programs_compiled():
+  """Yields a list that gets the name of every XLA program compiled inside the block (JAX records
+  the event around each backend compile, a read of the session's persistent compilation cache
+  included: tests/conftest.py)."""
+  compiled = []
+
+  def listener(event, seconds, *, fun_name="?", **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(fun_name)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield compiled
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_second_optimizer_step_reuses_the_first_steps_program(shard):
+  """The state a train step returns has the shardings it went in with (tpipe.nnx.homes), so the
+  second step runs the first one's program; the steps equal the plain model's."""
+  mesh = tpipe.make_mesh(stages=2, data=2)
+  model, x, kwargs = nnx_models.pipelined("lm", num_stages=2, num_microbatches=2,
+                                          balance=[4, 4], mesh=mesh)
+  if shard:
+    tnnx.shard(model)
+  plain_params = nnx_models.params("lm")
+  plain_losses, plain = _plain_sgd(4)(plain_params, x, kwargs)  # M * data micro-batches.
+  exact_losses, exact = numerics.float64_reference(_plain_sgd(1), plain_params, x, kwargs)
+  x, kwargs = jax.device_put((x, kwargs), tpipe.data_sharding(mesh))
+  with jax.set_mesh(mesh):  # Flax makes the optimizer's step count here, else on one device.
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+  state = lambda: [nnx.to_pure_dict(nnx.state(tree)) for tree in (model, optimizer)]
+  homes = jax.tree.map(lambda a: a.sharding, state())
+  step = _train_step()
+  with _programs_compiled() as compiled:
+    losses = [step(model, optimizer, x, kwargs) for _ in range(2)]
+  assert len(compiled) == 1, compiled  # The first step's program; no resharding of its inputs.
+
+  def at_home(path, a, home):
+    assert a.sharding.is_equivalent_to(home, a.ndim), (jax.tree_util.keystr(path), home)
+
+  jax.tree_util.tree_map_with_path(at_home, state(), homes)
+  for i in range(2):
+    numerics.assert_as_close_as_plain(losses[i], plain_losses[i], exact_losses[i],
+                                      what=f"loss before step {i}")
+  got = nnx.to_pure_dict(nnx.state(model, nnx.Param))["layers"]
+  numerics.assert_as_close_as_plain(got, plain, exact, what="parameters after two SGD steps")
 
 
 def test_bad_arguments_raise_clear_errors():

@@ -11,22 +11,21 @@ split over ``stage`` on that axis (with ``out_sharding`` metadata ``(stage_axis,
 its transpose moves a parameter, and an optimizer update keeps them there.
 
 Every other layer (an embedding, a head, a Repeat cut unevenly) has no stage axis to split while
-the state keeps one entry per layer: it stays replicated (its own ``out_sharding`` metadata, if
-any, is honoured), and its gradient is summed over ``stage`` once per step. Circular schedules
-(``num_repeats > 1``) give a stage non-contiguous copies, which a split of the copy axis cannot
-express, and a ``balance`` computed from costs leaves the cut unknown until the call: both are
-refused with the fix. What the compiled train step then communicates over ``stage`` is checked
-in ``tests/nnx/test_placement.py``.
+the state keeps one entry per layer: it stays at its home, whole over ``stage`` (split inside
+its stage as its own ``out_sharding`` names say, :mod:`tpipe.nnx.homes`), and its gradient is
+summed over ``stage`` once per step. Circular schedules (``num_repeats > 1``) give a stage
+non-contiguous copies, which a split of the copy axis cannot express, and a ``balance`` computed
+from costs leaves the cut unknown until the call: both are refused with the fix. What the
+compiled train step then communicates over ``stage`` is checked in
+``tests/nnx/test_placement.py``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import NamedSharding
 
 from tpipe.core.planning import plan as plan_lib
 from tpipe.nnx import stack as stack_lib
@@ -115,10 +114,10 @@ def shard(stack):
 
   Every ``nnx.Param`` of a :class:`~tpipe.nnx.Repeat` whose copies the stack's ``balance`` cuts
   evenly over the stages gets ``out_sharding=(stage_axis, ...)`` metadata and is placed split
-  over ``stage`` on its copy axis; every other variable of the stack is placed by its own
-  ``nnx.get_partition_spec`` (replicated when it has none). Call it before creating the
-  ``nnx.Optimizer``, so the optimizer state is created with the same placement. The state's
-  structure and values do not change.
+  over ``stage`` on its copy axis; every other variable of the stack stays at its home, whole
+  over ``stage`` (:mod:`tpipe.nnx.homes`). Call it before creating the ``nnx.Optimizer``, so
+  the optimizer state is created with the same placement. The state's structure and values do
+  not change.
 
   Args:
     stack: a :class:`~tpipe.nnx.Sequential` or a :func:`~tpipe.nnx.pipeline` module with a
@@ -138,8 +137,5 @@ def shard(stack):
       if isinstance(variable, nnx.Param):
         variable.set_metadata(out_sharding=_stage_spec(variable, stack.spec.stage_axis),
                               mesh=mesh)
-  for _, variable in nnx.iter_graph(stack):
-    if isinstance(variable, nnx.Variable) and hasattr(variable.get_value(), "shape"):
-      spec = nnx.spmd.get_var_pspec(variable)
-      variable.set_value(jax.device_put(variable.get_value(), NamedSharding(mesh, spec)))
+  stack._place_state()  # pylint: disable=protected-access
   return stack

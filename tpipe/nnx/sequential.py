@@ -49,6 +49,13 @@ class Sequential(stack.Stack, nnx.Module):
       ``dropout`` stream, else its default one; one key per call.
     **settings: :class:`tpipe.PipelineSpec` fields, overriding ``spec``'s.
 
+  With a ``mesh``, the state lives on it from construction on, each variable at its home
+  (:mod:`tpipe.nnx.homes`: parameters whole over ``stage`` unless :func:`tpipe.nnx.shard` splits
+  them), and calls keep it there: a train step under ``nnx.jit`` returns the state with the
+  shardings it took, so the next step reuses its compiled program. Make the ``nnx.Optimizer``
+  under ``jax.set_mesh(mesh)``, so Flax makes its step count on the mesh too (made on one device,
+  the count comes back on the mesh and the second step compiles again).
+
   Randomness follows the rule of :mod:`tpipe.core.base.layers`, with the NNX step of
   :mod:`tpipe.nnx.layers`: unit ``u`` on global micro-batch ``m`` runs with its ``j``-th
   ``nnx.RngKey`` set to ``fold_in(fold_in(fold_in(K, u), m), j)``, ``K`` the call's key.

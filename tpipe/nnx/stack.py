@@ -24,6 +24,7 @@ from tpipe import spec as spec_lib
 from tpipe.core import adapter
 from tpipe.core import engine
 from tpipe.core.base import layers as layers_lib
+from tpipe.nnx import homes
 from tpipe.nnx import layers as nnx_layers
 
 
@@ -92,7 +93,8 @@ class Stack:
     raise NotImplementedError
 
   def _configure(self, spec: spec_lib.PipelineSpec, rngs: nnx.Rngs | None) -> None:
-    """Stores and checks the settings and rngs, before any tracing."""
+    """Stores and checks the settings and rngs, before any tracing, and places the state at its
+    homes (:mod:`tpipe.nnx.homes`)."""
     if rngs is not None and not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"{self.owner}: rngs must be an nnx.Rngs or None, got {rngs!r}.")
     self.spec = spec
@@ -102,6 +104,18 @@ class Stack:
     if rngs is None and self._has_rng_streams():
       raise ValueError(f"{self.owner}: a layer has RNG streams (e.g. nnx.Dropout) but the stack "
                        "has no rngs; pass rngs=nnx.Rngs(dropout=...).")
+    self._place_state()
+
+  def _targets(self) -> list[tuple[nnx.Module, int | None]]:
+    """Per layer, the module holding its state and its number of stacked copies (or None)."""
+    return [(_target(layer), layer.n if isinstance(layer, Repeat) else None)
+            for layer in self.pipeline_layers()]
+
+  def _place_state(self, kinds=(nnx.Variable,)) -> None:
+    """Moves the stack's variables of ``kinds`` (its layers' and its rngs') to their homes on
+    the stack's mesh (:mod:`tpipe.nnx.homes`): when the stack is built, by
+    :meth:`load_variables` and by :func:`tpipe.nnx.shard`."""
+    homes.place(self._targets(), [self.rngs] if self.rngs is not None else [], self.spec, kinds)
 
   def _has_rng_streams(self) -> bool:
     return any(nnx_layers.has_rng_streams(_target(layer)) for layer in self.pipeline_layers())
@@ -130,7 +144,8 @@ class Stack:
 
   def load_variables(self, variables) -> None:
     """Writes ``params`` and ``batch_stats`` in :meth:`variables`' layout into the layers (a
-    linen model's variables as its ``init`` returns them, partitioning boxes and all)."""
+    linen model's variables as its ``init`` returns them, partitioning boxes and all), at their
+    homes (:mod:`tpipe.nnx.homes`)."""
     variables = meta.unbox(variables)
     for i, layer in enumerate(self.pipeline_layers()):
       target = _target(layer)
@@ -139,6 +154,8 @@ class Stack:
       stats = variables.get("batch_stats", {}).get(f"layers_{i}")
       if stats and jax.tree.leaves(stats):
         nnx.update(target, nnx.State(stats))
+    kinds = (nnx.BatchStat,) + ((nnx.Param,) if "params" in variables else ())
+    self._place_state(kinds)
 
   def pipeline_for(self, x, rng_names=(), **kwargs) -> engine.PlannedPipeline:
     """The engine's :class:`tpipe.PlannedPipeline` for inputs like ``x``: the split, the stage
@@ -159,10 +176,15 @@ class Stack:
 
   def _run(self, x, kwargs: dict, loss: bool, terms: bool = False):
     layers, params, stats = self.core_layers()
+    # Read at home, so the gradients (and an optimizer's update) come back there too.
+    params = {f"layers_{i}": homes.pinned(target, copies, nnx.Param, params[f"layers_{i}"],
+                                          self.spec)
+              for i, (target, copies) in enumerate(self._targets())}
     rngs = {}
     if self._has_rng_streams():
       stream = "dropout" if "dropout" in self.rngs else "default"
       rngs[nnx_layers.RNG_STREAM] = self.rngs[stream]()
+      homes.place([], [self.rngs], self.spec)  # The stream's count, advanced, stays at home.
     result = adapter.call(self._model(layers), adapter.Variables(params, stats), x, kwargs,
                           loss=loss, terms=terms, rngs=rngs)
     new_stats = result.stats()
