@@ -57,6 +57,7 @@ def test_held_and_settled_weights_equal_sequential():
   (settle_weights) runs exactly: costs with BI 2.3 forwards build one at S = 4, M = 4, its W in
   ticks the packing rules alone never put them in."""
   compound = tpipe.schedules.compound
+  weight_settling = tpipe.schedules.weight_settling
   costs = {"F": 1.0, "BI": 2.3, "W": 1.0}
   mesh = lm.emulated_mesh(4)
   model = lm.loss_sequential("mlp", "zb_h1", mesh, 4, "full", tick_costs=costs)
@@ -65,7 +66,7 @@ def test_held_and_settled_weights_equal_sequential():
             for settings in compound.candidates("zb_h1", 4)]
   assert all(p.actions() != table.actions() for p in packed)  # Settled, not packed.
   assert any(settings.get("weight_hold") is not None
-             and compound.settle_weights(p, costs, 8).actions() == table.actions()
+             and weight_settling.settle_weights(p, costs, 8).actions() == table.actions()
              for settings, p in zip(compound.candidates("zb_h1", 4), packed))
   lm.assert_loss_equals_sequential(model, "mlp", 4 * 2)
 

@@ -273,11 +273,12 @@ def test_weights_held_until_every_stage_can_run_one_each_tick(costs):
 
 def test_settled_weights_never_lengthen_the_step_nor_raise_memory():
   compound = importlib.import_module("tpipe.schedules.compound")
+  weight_settling = importlib.import_module("tpipe.schedules.weight_settling")
   costs = {"F": 1.0, "BI": 2.3, "W": 0.9}
   for delays, transfer in ((None, None), (1, None), (None, 0.4)):
     for settings in compound.candidates("zb_h1", 4)[::5]:
       table = compound.pack("zb_h1", 4, 8, 1, costs, delays=delays, **settings)
-      settled = compound.settle_weights(table, costs, weight_slots=6, transfer=transfer)
+      settled = weight_settling.settle_weights(table, costs, weight_slots=6, transfer=transfer)
       assert (settled.simulate(costs, transfer).neighbour
               <= table.simulate(costs, transfer).neighbour + 1e-9)
       slots = max(6, table.awaiting_weight().max())
@@ -290,7 +291,7 @@ def test_settled_weights_never_lengthen_the_step_nor_raise_memory():
       assert others(settled) == others(table) and weights(settled) == weights(table)
   # A W beside the last backward (on the chain) moves to a tick its stage idles in.
   table = compound.pack("zb_h1", 8, 8, 1, ZB_H1_FULL, in_flight=4, weight_backlog=1)
-  settled = compound.settle_weights(table, ZB_H1_FULL, weight_slots=16)
+  settled = weight_settling.settle_weights(table, ZB_H1_FULL, weight_slots=16)
   assert _bubble_ratio(table, ZB_H1_FULL) > 1.4
   assert _bubble_ratio(settled, ZB_H1_FULL) < 1.12
 

@@ -11,7 +11,7 @@ out in compound ticks for costs derived from measured FLOPs
   forwards, the light ramp, weight holds; :func:`tpipe.schedules.compound.pack`), rather than
   the best of the builder's candidates, for experiments with the layouts themselves.
 * :func:`settle`: a split-backward table's weight work moved into slack
-  (:func:`tpipe.schedules.compound.settle_weights`).
+  (:func:`tpipe.schedules.weight_settling.settle_weights`).
 
 Example::
 
@@ -27,12 +27,14 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from tpipe.schedules import actions
 from tpipe.schedules import compound
+from tpipe.schedules import weight_settling
 
 
 def parse(text: str) -> dict[str, float]:
   """``"F=1,B=3,BI=2,W=1"`` as ``{"F": 1.0, ...}``, checked
-  (:func:`tpipe.schedules.compound.check_costs`).
+  (:func:`tpipe.schedules.actions.check_costs`).
 
   Raises:
     ValueError: a part that is not ``NAME=number``, an unknown action or a cost <= 0.
@@ -46,7 +48,7 @@ def parse(text: str) -> dict[str, float]:
       parsed[name.strip()] = float(number)
     except ValueError:
       raise ValueError("write per-action costs as 'F=1,B=3,BI=2,W=1'.") from None
-  return compound.check_costs(parsed)
+  return actions.check_costs(parsed)
 
 
 def layout(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str, float],
@@ -62,5 +64,5 @@ def layout(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str
 
 def settle(table, costs: Mapping[str, float], weight_slots: int | None = None):
   """``table``'s ``W`` moved where they cost the step nothing
-  (:func:`tpipe.schedules.compound.settle_weights`)."""
-  return compound.settle_weights(table, costs, weight_slots)
+  (:func:`tpipe.schedules.weight_settling.settle_weights`)."""
+  return weight_settling.settle_weights(table, costs, weight_slots)

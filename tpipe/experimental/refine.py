@@ -65,7 +65,6 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from tpipe.schedules import actions as actions_lib
-from tpipe.schedules import compound
 from tpipe.schedules import fused as fused_lib
 from tpipe.schedules.simulate import ring_links
 from tpipe.schedules.simulate import tick_starts
@@ -154,7 +153,7 @@ def _search(problem, placed, windows, sweeps, node_limit):
 
 def _checked_costs(table, costs) -> dict[str, float]:
   kinds = {Action(int(a)).name for a in np.unique(table.action) if a >= 0}
-  return compound.check_costs(costs, split="BI" in kinds or "W" in kinds)
+  return actions_lib.check_costs(costs, split="BI" in kinds or "W" in kinds)
 
 
 def _better(score, best) -> bool:

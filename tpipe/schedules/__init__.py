@@ -2,14 +2,16 @@
 
 * :mod:`~tpipe.schedules.forward`: forward schedules (:class:`Schedule`: ``"gpipe"``,
   ``"circular"``), whose backward autodiff derives.
-* :mod:`~tpipe.schedules.actions`: what a stage can do in a tick of a fused schedule, where model
-  chunks live (placements) and what each action waits for.
+* :mod:`~tpipe.schedules.actions`: what a stage can do in a tick of a fused schedule, what each
+  costs (checked), where model chunks live (placements) and what each action waits for.
 * :mod:`~tpipe.schedules.fused`: fused schedules (:class:`FusedSchedule`): forward and backward
   interleaved in one validated table, with derived message routing.
 * :mod:`~tpipe.schedules.orders`: the named fused schedules (1F1B, interleaved 1F1B, ZB-H1,
   ZB-V) as per-stage action orders.
 * :mod:`~tpipe.schedules.compound`: the same schedules in compound ticks (a forward, a backward
   and weight work in one tick) for per-action costs, so ticks cost the same on every stage.
+* :mod:`~tpipe.schedules.weight_settling`: a split backward's ``W`` moved, after packing, where
+  they cost the step nothing.
 * :mod:`~tpipe.schedules.streaming`: how micro-batch inputs reach stage 0 one per tick from the
   stages that hold them (the conveyor table).
 * :mod:`~tpipe.schedules.simulate`: step time under per-action costs (lockstep,
@@ -97,13 +99,13 @@ def check_costs(costs) -> tuple[tuple[str, float], ...] | None:
 
   Raises:
     TypeError, ValueError: not a mapping of ``"F"``, ``"B"``, ``"BI"``, ``"W"`` to finite
-      costs > 0 (:func:`tpipe.schedules.compound.check_costs`).
+      costs > 0 (:func:`tpipe.schedules.actions.check_costs`).
   """
   if costs is None:
     return None
   if isinstance(costs, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in costs):
     costs = dict(costs)
-  return tuple(sorted(_compound.check_costs(costs).items()))
+  return tuple(sorted(_actions.check_costs(costs).items()))
 
 
 def _check_name(name) -> None:

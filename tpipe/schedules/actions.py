@@ -15,6 +15,8 @@ over a slow network, such as the data-centre network between TPU slices). Pure N
 from __future__ import annotations
 
 import enum
+import math
+from typing import Mapping
 
 import numpy as np
 
@@ -36,6 +38,34 @@ class Action(enum.IntEnum):
 ACTION_OF = tuple(Action)
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "BI": 1.0, "W": 1.0}
+
+
+def check_costs(costs, split: bool | None = None) -> dict[str, float]:
+  """``costs`` as ``{action name: float}``, each finite and > 0; ``split`` (when known) says
+  which actions the table runs: ``F`` and ``BI`` and ``W``, or ``F`` and ``B``.
+
+  Raises:
+    TypeError: not a mapping of action names to numbers.
+    ValueError: an unknown action, a cost that is not finite and > 0, or a missing one.
+  """
+  if not isinstance(costs, Mapping):
+    raise TypeError(f"costs must map action names {[a.name for a in Action]} to numbers, e.g. "
+                    f"{{'F': 1.0, 'B': 3.0, 'BI': 2.0, 'W': 1.0}}; got {costs!r}.")
+  out = {}
+  for name, value in costs.items():
+    if name not in Action.__members__:
+      raise ValueError(f"costs has unknown action {name!r}; use {[a.name for a in Action]}.")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+      raise TypeError(f"costs[{name!r}] must be a number, got {value!r}.")
+    if not (math.isfinite(float(value)) and float(value) > 0):
+      raise ValueError(f"costs[{name!r}] must be finite and > 0, got {value!r}.")
+    out[name] = float(value)
+  needed = ("F", "BI", "W") if split else ("F", "B") if split is not None else ()
+  missing = [name for name in needed if name not in out]
+  if missing:
+    raise ValueError(f"costs needs {list(needed)} for this schedule; missing {missing}.")
+  return out
+
 
 # Arrivals at a stage, in the order of :meth:`FusedSchedule.arrival_slots`: from the left
 # neighbour (it sent right), from the right neighbour (it sent left), from itself.

@@ -38,8 +38,8 @@ Where ``W`` goes sets most of what a split backward loses to neighbour synchroni
   neighbour's, a wave that costs a ``W`` per hop (ZB-H1, S = 8, M = 32, measured LM costs: the
   step is the one-action table's natural one; switched by the weight backlog, the bubble was
   1.23x the natural one).
-* *Settled weights* (:func:`settle_weights`): after packing, each ``W`` on the chain of ticks
-  that sets the step moves to the tick of its stage with the most slack
+* *Settled weights* (:mod:`tpipe.schedules.weight_settling`): after packing, each ``W`` on the
+  chain of ticks that sets the step moves to the tick of its stage with the most slack
   (:func:`tpipe.schedules.simulate.tick_slack`), which never lengthens the step (ZB-H1,
   S = 8, M = 8: bubble 1.24x -> 1.12x its natural one, the optimum of an exact placement).
 
@@ -71,7 +71,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 from typing import Mapping
 
 import numpy as np
@@ -80,9 +79,7 @@ from tpipe.schedules import actions as actions_lib
 from tpipe.schedules import forward as forward_lib
 from tpipe.schedules import fused as fused_lib
 from tpipe.schedules import orders as orders_lib
-from tpipe.schedules.simulate import ring_links
-from tpipe.schedules.simulate import tick_costs
-from tpipe.schedules.simulate import tick_slack
+from tpipe.schedules import weight_settling
 
 Action = actions_lib.Action
 IDLE = forward_lib.IDLE
@@ -119,33 +116,6 @@ SHAPES = {"1f1b": ("loop", False), "interleaved_1f1b": ("loop", False),
           "zb_h1": ("loop", True), "zbv": ("v", True)}
 
 
-def check_costs(costs, split: bool | None = None) -> dict[str, float]:
-  """``costs`` as ``{action name: float}``, each finite and > 0; ``split`` (when known) says
-  which actions the table runs: ``F`` and ``BI`` and ``W``, or ``F`` and ``B``.
-
-  Raises:
-    TypeError: not a mapping of action names to numbers.
-    ValueError: an unknown action, a cost that is not finite and > 0, or a missing one.
-  """
-  if not isinstance(costs, Mapping):
-    raise TypeError(f"costs must map action names {[a.name for a in Action]} to numbers, e.g. "
-                    f"{{'F': 1.0, 'B': 3.0, 'BI': 2.0, 'W': 1.0}}; got {costs!r}.")
-  out = {}
-  for name, value in costs.items():
-    if name not in Action.__members__:
-      raise ValueError(f"costs has unknown action {name!r}; use {[a.name for a in Action]}.")
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-      raise TypeError(f"costs[{name!r}] must be a number, got {value!r}.")
-    if not (math.isfinite(float(value)) and float(value) > 0):
-      raise ValueError(f"costs[{name!r}] must be finite and > 0, got {value!r}.")
-    out[name] = float(value)
-  needed = ("F", "BI", "W") if split else ("F", "B") if split is not None else ()
-  missing = [name for name in needed if name not in out]
-  if missing:
-    raise ValueError(f"costs needs {list(needed)} for this schedule; missing {missing}.")
-  return out
-
-
 def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
          costs: Mapping[str, float], *, in_flight: int | None = None,
          weight_backlog: int = 1, deeper_first: bool = True, backward_first: bool = True,
@@ -160,7 +130,7 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
     num_stages: S.
     num_microbatches: M.
     num_chunks: chunks per stage (1; 2 for ``"zbv"``; at least 2 for ``"interleaved_1f1b"``).
-    costs: per-action costs of one chunk (:func:`check_costs`).
+    costs: per-action costs of one chunk (:func:`~tpipe.schedules.actions.check_costs`).
     in_flight: how many more micro-batch chunks than ``C (2 (S - s) - 1)`` (``"loop"``) or
       ``2 S`` (``"v"``) stage ``s`` may hold between a forward and the action that releases its
       stash before it takes no new micro-batch (one it holds goes on); None: no cap.
@@ -190,7 +160,7 @@ def pack(name: str, num_stages: int, num_microbatches: int, num_chunks: int,
     The validated :class:`~tpipe.schedules.FusedSchedule`.
   """
   placement, split = SHAPES[name]
-  costs = check_costs(costs, split)
+  costs = actions_lib.check_costs(costs, split)
   if weight_hold is not None and (isinstance(weight_hold, bool) or not isinstance(weight_hold, int)
                                   or weight_hold < 0 or not split):
     raise ValueError(f"weight_hold must be None or an int >= 0, for a split backward (zb_h1, "
@@ -416,84 +386,6 @@ class _Packer:
     return fits or len(self.pending_w[s]) > self.knobs.weight_backlog or not work
 
 
-def settle_weights(table: fused_lib.FusedSchedule, costs: Mapping[str, float],
-                   weight_slots: int | None = None, transfer=None) -> fused_lib.FusedSchedule:
-  """``table`` with its ``W`` moved where they cost the step nothing: one at a time, from an
-  entry that sets the neighbour-synchronised step (no slack) to the entry of the same stage
-  with the most slack that fits it (:func:`tpipe.schedules.simulate.tick_slack`), never before
-  its ``BI``, and never so late that a stage would hold more micro-batch chunks awaiting ``W``
-  than ``weight_slots`` or the table's busiest stage does (nor more in flight than the table's
-  peak and those extra slots); a tick after the last is free to take them. Each move leaves
-  the step as long or shorter (the ``W`` fits its new entry's slack, and taking work off an
-  entry lengthens nothing), so the result is never slower. Each ``W`` moves once at most (the
-  costliest entries' first); it stops when no ``W`` on the chain can move.
-
-  Args:
-    table: a split-backward :class:`~tpipe.schedules.FusedSchedule` (``BI`` and ``W``).
-    costs: per-action costs (:func:`check_costs`).
-    weight_slots: how many micro-batch chunks awaiting ``W`` a stage may hold where the
-      table's busiest stage holds fewer (else as many as it does); None: as many as it does.
-    transfer: per link (or one number): the exchange time, as in
-      :func:`~tpipe.schedules.simulate.linked_time`; None: instant.
-  """
-  costs = check_costs(costs, split=True)
-  num_stages, num_ticks = table.num_stages, table.num_ticks + 1
-  _, chunk_of = actions_lib.placement_of(table.virtual_stage)
-  ticks = [[[] for _ in range(num_stages)] for _ in range(num_ticks)]
-  first, back, at = {}, {}, {}  # (s, m, c) -> the tick of its F, its BI, its W.
-  for t, s, kind, m, v in table.actions():
-    key = (s, m, int(chunk_of[v]))
-    ticks[t][s].append((Action[kind], m, key[2]))
-    {"F": first, "BI": back, "W": at}[kind][key] = t
-  weights = list(at)
-  held = np.zeros((num_ticks, num_stages), np.int64)  # In flight (F .. W), ticks included.
-  waiting = np.zeros((num_ticks, num_stages), np.int64)  # Awaiting W (BI .. W).
-  for key, t in at.items():
-    held[first[key]:t + 1, key[0]] += 1
-    waiting[back[key]:t + 1, key[0]] += 1
-  waiting_cap = max(int(waiting.max()), weight_slots or 0)
-  held_cap = held.max() + waiting_cap - waiting.max()
-  cost = tick_costs(table, costs)
-  cost = np.concatenate([cost, np.zeros((1, num_stages))])
-  links = ring_links(num_stages, table.num_chunks > 1)
-  weight, moved = costs["W"], set()
-  while True:
-    slack = tick_slack(cost, links, transfer, table.delays)
-    on_chain = [key for key in weights  # Not moved yet, in an entry with no slack.
-                if key not in moved and slack[at[key], key[0]] <= 1e-9 * weight]
-    move = None
-    for key in sorted(on_chain, key=lambda k: (-cost[at[k], k[0]], at[k], k)):
-      s, t = key[0], at[key]
-      fits = []
-      for u in range(back[key], num_ticks):
-        if u == t or slack[u, s] < weight * (1 - 1e-9):
-          continue
-        later = slice(t + 1, u + 1)  # Moved later, the chunk stays held through tick u.
-        if u < t or (held[later, s].max() < held_cap and waiting[later, s].max() < waiting_cap):
-          fits.append((slack[u, s], -u))
-      if fits:
-        move = key, t, -max(fits)[1]
-        break
-    if move is None:
-      break
-    key, t, u = move
-    s, entry = key[0], (Action.W,) + key[1:]
-    ticks[t][s].remove(entry)
-    ticks[u][s].append(entry)
-    ticks[u][s].sort(key=lambda action: action[0] == Action.W)  # W after the tick's BI.
-    cost[t, s] -= weight
-    cost[u, s] += weight
-    step, span = (1, slice(t + 1, u + 1)) if u > t else (-1, slice(u + 1, t + 1))
-    held[span, s] += step
-    waiting[span, s] += step
-    at[key] = u
-    moved.add(key)
-  while not any(ticks[-1]):
-    ticks.pop()
-  return fused_lib.from_ticks(table.name, num_stages, table.num_microbatches, table.num_chunks,
-                              table.placement, ticks, delays=table.delays)
-
-
 def slots_held(table: fused_lib.FusedSchedule) -> tuple[int, int, int]:
   """What a table's memory grows with, per stage at its peak: ``(stash slots, weight slots,
   mailbox slots)`` (the executor allocates each buffer for the busiest stage)."""
@@ -538,7 +430,8 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
   ``costs``, from :func:`pack` with each of :func:`candidates` (for the V, the fastest of them
   again with each smaller weight backlog down to the next one tried) and the one-action-per-tick
   table, and (split backward) the :data:`SETTLED` fastest distinct of them again with their
-  weights settled (:func:`settle_weights`, with up to :data:`WEIGHT_SLOTS` S awaiting ``W``
+  weights settled (:func:`~tpipe.schedules.weight_settling.settle_weights`, with up to
+  :data:`WEIGHT_SLOTS` S awaiting ``W``
   where the table held fewer); beyond M = 2 S (a V) or 4 S (a loop), only tables holding no
   more slots than the table there (:func:`slots_held`, :data:`REFERENCE_MICROBATCHES`), so
   memory stays flat in M; among the tables within :data:`TOLERANCE` of the shortest step and
@@ -549,13 +442,13 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
     name: ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zbv"``.
     num_stages: S.
     num_microbatches: M.
-    costs: per-action costs of one chunk (:func:`check_costs`).
+    costs: per-action costs of one chunk (:func:`~tpipe.schedules.actions.check_costs`).
     num_repeats: chunks per stage (None: the schedule's own; required for
       ``"interleaved_1f1b"``).
     delays: per link, 0 or 1 extra tick.
   """
   placement, split = SHAPES[name]
-  costs = check_costs(costs, split)
+  costs = actions_lib.check_costs(costs, split)
   chunks = num_repeats or (2 if placement == "v" else 1)
   if name == "interleaved_1f1b":
     plain = orders_lib.interleaved_1f1b(num_stages, num_microbatches, chunks, delays)
@@ -586,7 +479,8 @@ def build(name: str, num_stages: int, num_microbatches: int, costs: Mapping[str,
         seen.add(id(tables[i]))
         distinct.setdefault(tuple(tables[i].actions()), i)
     fastest = list(distinct.values())[:SETTLED[placement]]
-    settled = [settle_weights(tables[i], costs, WEIGHT_SLOTS * num_stages) for i in fastest]
+    settled = [weight_settling.settle_weights(tables[i], costs, WEIGHT_SLOTS * num_stages)
+               for i in fastest]
     tables += settled
     steps += [round(table.simulate(costs).neighbour, 9) for table in settled]
 
