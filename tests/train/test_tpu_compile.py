@@ -270,3 +270,29 @@ def test_a_stage_without_fsdp_casts_each_layers_weights_inside_the_loops(monkeyp
   hoisted = temporaries()
   stage_bf16 = layers // 2 * 2 * width * width * 2
   assert tied <= hoisted - stage_bf16 * 3 // 4, (tied, hoisted, stage_bf16)
+
+
+def test_a_moe_step_on_expert_and_fsdp_compiles_with_the_gathers_on_each_devices_experts():
+  """A mixture-of-experts LM under 1F1B on stage 2 x expert 2 x fsdp 2 (one row per fsdp
+  replica and micro-batch): the gather over fsdp of each device's experts runs in a
+  ``shard_map`` nested in the stage's, inside the call JAX makes of a scan's body. Lowered as a
+  called function, Shardy's export dropped the outer manual axes there and the TPU compiler
+  aborted the process (``Check failed: target.IsManualSubgroup()``;
+  :func:`tpipe.core.base.jax_compat.inline_calls_of_shard_maps`). It compiles, with those
+  gathers over fsdp alone."""
+  try:
+    devices = tpipe.topology_devices(TOPOLOGY)
+  except ValueError as error:
+    pytest.skip(f"the TPU compiler is not installed here: {error}")
+  config = lm.get_config("size=tiny")
+  config.update(dict(block="moe", num_experts=4, experts_per_token=2, num_stages=2,
+                     num_data=1, batch_size=8, num_microbatches=4, schedule="1f1b"))
+  config.mesh.update(dict(expert=2, fsdp=2))
+  exp = experiment.build(config, devices=devices)
+  compiled = exp.train_step.lower(exp.abstract_state(), exp.abstract_batch(),
+                                  jax.random.key(0)).compile()
+  # The experts' gathers, each in its shard_map nested in the stage's: over fsdp alone.
+  gathers = [c for c in analysis.collectives(compiled, exp.mesh)
+             if c.in_loop and c.op_name.endswith("/shard_map/all_gather")]
+  assert gathers and {c.axes for c in gathers} == {("fsdp",)}, [
+      (c.axes, c.op_name) for c in gathers]

@@ -96,3 +96,39 @@ def test_a_scan_body_sees_constants_carry_and_one_step_of_the_scanned_inputs():
   assert len(body.jaxpr.invars) == len(eqn.invars) == 3
   assert [v.aval.shape for v in body.jaxpr.invars] == [(3, 3), (3,), (3,)]
   assert jax_compat.scan_body(body.jaxpr.eqns[0]) is None
+
+
+def test_a_closed_call_holding_a_shard_map_lowers_inline():
+  """The lowering :func:`jax_compat.inline_calls_of_shard_maps` installs (tpipe.core.programs.fsdp
+  does on import): the ``closed_call`` JAX's partial evaluation makes of a scan's body (here
+  differentiating a scan whose body holds a ``shard_map``) is lowered inline, where JAX's own
+  rule lowers it as a called function; the program computes the same."""
+  from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  import tpipe  # pylint: disable=g-import-not-at-top
+
+  jax_compat.inline_calls_of_shard_maps()
+  mesh = tpipe.make_mesh(stages=1, fsdp=2)
+  summed = jax.shard_map(lambda a: jax.lax.psum(a, "fsdp"), mesh=mesh, in_specs=P("fsdp"),
+                         out_specs=P("fsdp"), check_vma=False)
+
+  def program():  # A new function each time: nothing lowered is reused.
+    def loss(w, x):
+      step = lambda c, _: (jnp.sin(summed(c * w)), None)
+      return jnp.sum(jax.lax.scan(step, x, None, length=3)[0])
+    return jax.jit(jax.grad(loss))
+
+  w, x = jnp.float32(0.5), jnp.arange(4.0)
+  inline = program().lower(w, x).as_text()
+  ours = mlir._lowerings[jax_core.closed_call_p]
+  mlir.register_lowering(jax_core.closed_call_p, jax_compat._CALL_LOWERING, cacheable=False)
+  try:
+    called = program().lower(w, x).as_text()
+    want = program()(w, x)
+  finally:
+    mlir._lowerings[jax_core.closed_call_p] = ours
+  assert called.count("call @") > inline.count("call @")
+  assert inline.count("all_reduce") == called.count("all_reduce") > 0
+  np.testing.assert_allclose(program()(w, x), want, rtol=1e-6)

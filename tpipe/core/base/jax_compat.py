@@ -1,13 +1,14 @@
 """The JAX internals tpipe relies on, behind one boundary.
 
-Three things tpipe does need more of JAX than its public API promises: reading what a VJP keeps
+Four things tpipe does need more of JAX than its public API promises: reading what a VJP keeps
 (its residuals, and which of them are its inputs as they were), reading jaxprs (which inputs an
-output is computed from; which operands a call's body receives), and evaluating a jaxpr equation
-by equation (the split backward's taps, :mod:`tpipe.core.programs.taps`). Every use goes through
-this
-module, and ``tests/core/base/test_jax_compat.py`` pins each behaviour it relies on with a small
-test, so a JAX upgrade that changes one fails there, by name, rather than as a wrong gradient
-elsewhere. Nothing else in tpipe imports ``jax._src`` or compares values by ``id()``.
+output is computed from; which operands a call's body receives), evaluating a jaxpr equation
+by equation (the split backward's taps, :mod:`tpipe.core.programs.taps`), and lowering a call
+whose body holds a ``shard_map`` inline (:func:`inline_calls_of_shard_maps`: the TPU compiler
+aborts on the other form). Every use goes through this module, and
+``tests/core/base/test_jax_compat.py`` pins each behaviour it relies on with a small test, so a
+JAX upgrade that changes one fails there, by name, rather than as a wrong gradient elsewhere.
+Nothing else in tpipe imports ``jax._src`` or compares values by ``id()``.
 
 >>> import jax.numpy as jnp
 >>> w, x = jnp.ones((2, 3)), jnp.ones((4, 2))
@@ -22,6 +23,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+from jax._src import core as jax_core
+from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jex_core
 
@@ -31,6 +34,43 @@ Var = jex_core.Var
 # Nested calls whose body sees the call's operands as they are, so an equation of one can be
 # followed into its body: jit, closed calls and checkpoints.
 INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint"})
+
+_CALL_LOWERING = mlir._lowerings[jax_core.closed_call_p].rule  # JAX's own: a called function.
+_INLINING = [False]
+
+
+# ------------------------------------------------------------------------------------------------
+# Lowering.
+
+def _has_shard_map(jaxpr) -> bool:
+  """Whether ``jaxpr`` holds a ``shard_map``, at any depth of the jaxprs its equations call."""
+  return any(eqn.primitive.name == "shard_map"
+             or any(_has_shard_map(sub) for sub in jax_core.jaxprs_in_params(eqn.params))
+             for eqn in jaxpr.eqns)
+
+
+def _closed_call_lowering(ctx, *args, call_jaxpr):
+  """JAX's lowering of a ``closed_call``, inline where its body holds a ``shard_map``."""
+  if isinstance(call_jaxpr, jex_core.Jaxpr):
+    call_jaxpr = pe.close_jaxpr(call_jaxpr)
+  if not _has_shard_map(call_jaxpr.jaxpr):
+    return _CALL_LOWERING(ctx, *args, call_jaxpr=call_jaxpr)
+  inline = mlir.lower_fun(jax_core.jaxpr_as_fun(call_jaxpr), multiple_results=True)
+  return inline(ctx, *args)
+
+
+def inline_calls_of_shard_maps() -> None:
+  """Lowers a closed call (what JAX's partial evaluation of a scan or a ``custom_vjp`` makes)
+  whose body holds a ``shard_map`` inline, not as a called function. A ``shard_map`` nested in
+  another (manual over more axes: :meth:`tpipe.core.programs.fsdp.Split.gather_unit`'s gather
+  over ``expert``) inside a called function loses the outer ``shard_map``'s manual axes when
+  Shardy exports it to HLO shardings, and the TPU compiler's SPMD partitioner aborts the
+  process (``spmd_partitioner.cc: Check failed: target.IsManualSubgroup() ==
+  sharding().IsManualSubgroup()``; XLA:CPU compiles it). Inlined, the manual computation sits
+  inside the outer one and keeps them. Idempotent."""
+  if not _INLINING[0]:
+    mlir.register_lowering(jax_core.closed_call_p, _closed_call_lowering, cacheable=False)
+    _INLINING[0] = True
 
 
 # ------------------------------------------------------------------------------------------------

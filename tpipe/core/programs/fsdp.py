@@ -38,11 +38,16 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from tpipe.core.base import jax_compat
 from tpipe.core.base import spmd
 from tpipe.core.layout import description as desc
 from tpipe.core.layout import packed_places as places
 from tpipe.core.planning import remat as remat_lib
 from tpipe.core.programs import weight_casts
+
+# The gather over fsdp inside a nested shard_map (Split._gather_split) must not sit in a called
+# function: see jax_compat.inline_calls_of_shard_maps.
+jax_compat.inline_calls_of_shard_maps()
 
 NOT_SPLIT = -1
 
