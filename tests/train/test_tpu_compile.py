@@ -20,12 +20,17 @@ from tpipe.train.cli import experiment
 TOPOLOGY = "v5p:2x2x2"
 
 
-@pytest.fixture(scope="module")
-def tpu_step():
+def _tpu_devices():
+  """The slice's devices; skips, saying why, where the TPU compiler is not installed."""
   try:
-    devices = tpipe.topology_devices(TOPOLOGY)
+    return tpipe.topology_devices(TOPOLOGY)
   except ValueError as error:
     pytest.skip(f"the TPU compiler is not installed here: {error}")
+
+
+@pytest.fixture(scope="module")
+def tpu_step():
+  devices = _tpu_devices()
   config = lm.get_config("size=tiny")
   # The Llama block: query heads over tensor, a grouped key/value head whole, every matrix
   # named for fsdp; XLA's partitioner splits what runs inside a stage over tensor.
@@ -280,10 +285,7 @@ def test_a_moe_step_on_expert_and_fsdp_compiles_with_the_gathers_on_each_devices
   aborted the process (``Check failed: target.IsManualSubgroup()``;
   :func:`tpipe.core.base.jax_compat.inline_calls_of_shard_maps`). It compiles, with those
   gathers over fsdp alone."""
-  try:
-    devices = tpipe.topology_devices(TOPOLOGY)
-  except ValueError as error:
-    pytest.skip(f"the TPU compiler is not installed here: {error}")
+  devices = _tpu_devices()
   config = lm.get_config("size=tiny")
   config.update(dict(block="moe", num_experts=4, experts_per_token=2, num_stages=2,
                      num_data=1, batch_size=8, num_microbatches=4, schedule="1f1b"))

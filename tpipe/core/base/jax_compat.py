@@ -36,7 +36,6 @@ Var = jex_core.Var
 INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint"})
 
 _CALL_LOWERING = mlir._lowerings[jax_core.closed_call_p].rule  # JAX's own: a called function.
-_INLINING = [False]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -68,9 +67,8 @@ def inline_calls_of_shard_maps() -> None:
   process (``spmd_partitioner.cc: Check failed: target.IsManualSubgroup() ==
   sharding().IsManualSubgroup()``; XLA:CPU compiles it). Inlined, the manual computation sits
   inside the outer one and keeps them. Idempotent."""
-  if not _INLINING[0]:
+  if mlir._lowerings[jax_core.closed_call_p].rule is not _closed_call_lowering:
     mlir.register_lowering(jax_core.closed_call_p, _closed_call_lowering, cacheable=False)
-    _INLINING[0] = True
 
 
 # ------------------------------------------------------------------------------------------------
