@@ -182,6 +182,11 @@ def get_config(arg=None):
   # (an explicit all-to-all of each device's pairs there and of the outputs back; dropless
   # only). The same parameters either way: a run may resume with the other.
   config.moe_dispatch = "partitioner"
+  # With moe_dispatch="all_to_all": each device's tokens exchanged in this many parts, each
+  # through its own all-to-alls and experts, so that one part's all-to-all can run while the
+  # experts compute another's (the same bytes and FLOPs); it must divide the tokens each expert
+  # device routes. 1: one exchange.
+  config.moe_exchange_chunks = 1
   # How block="moe" mixes a token's experts: by their router probabilities renormalised to sum
   # to one (True, Mixtral) or as they are (False, Qwen2-MoE).
   config.normalize_expert_weights = True

@@ -67,6 +67,7 @@ class Row:
   layout: tuple[int, int, int]  # stages, expert, fsdp
   dispatch: str
   schedule: str = "1f1b"
+  exchange_chunks: int = 1  # moe_exchange_chunks: the exchange in this many parts.
 
 
 ROWS = [Row(shape, layout, dispatch)
@@ -87,7 +88,8 @@ def config_for(row: Row):
                 batch_size=32, dropout=0.0, dtype="bfloat16", remat="full",
                 num_stages=stages, num_data=1, num_microbatches=4, schedule=row.schedule,
                 num_repeats=2 if row.schedule == "zbv" else 1,
-                router_aux_loss_coef=0.02, router_z_loss_coef=0.001, moe_dispatch=row.dispatch))
+                router_aux_loss_coef=0.02, router_z_loss_coef=0.001, moe_dispatch=row.dispatch,
+                moe_exchange_chunks=row.exchange_chunks))
   c.mesh.update(dict(expert=expert, fsdp=fsdp, tensor=1))
   return c
 

@@ -36,9 +36,10 @@ COPIES = 4
 AUX, Z = 0.1, 0.01
 
 
-def _moe(capacity_factor, dispatch="partitioner"):
+def _moe(capacity_factor, dispatch="partitioner", exchange_chunks=1):
   return dict(num_experts=EXPERTS, experts_per_token=TOP_K, capacity_factor=capacity_factor,
-              router_aux_loss_coef=AUX, router_z_loss_coef=Z, dispatch=dispatch)
+              router_aux_loss_coef=AUX, router_z_loss_coef=Z, dispatch=dispatch,
+              exchange_chunks=exchange_chunks)
 
 
 class Embed(nn.Module):
@@ -51,12 +52,13 @@ class Embed(nn.Module):
 class Block(nn.Module):
   capacity_factor: float = 0.0
   dispatch: str = "partitioner"
+  exchange_chunks: int = 1
 
   @nn.compact
   def __call__(self, x):
     h = nn.LayerNorm(name="norm")(x)
-    return x + moe.MixtureOfExperts(hidden=HIDDEN, name="moe",
-                                    **_moe(self.capacity_factor, self.dispatch))(h)
+    settings = _moe(self.capacity_factor, self.dispatch, self.exchange_chunks)
+    return x + moe.MixtureOfExperts(hidden=HIDDEN, name="moe", **settings)(h)
 
 
 class Head(nn.Module):
@@ -67,8 +69,9 @@ class Head(nn.Module):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=-1)
 
 
-def linen_layers(capacity_factor=0.0, dispatch="partitioner"):
-  return [Embed(), tpipe.Repeat(Block(capacity_factor, dispatch), COPIES), Head()]
+def linen_layers(capacity_factor=0.0, dispatch="partitioner", exchange_chunks=1):
+  return [Embed(), tpipe.Repeat(Block(capacity_factor, dispatch, exchange_chunks), COPIES),
+          Head()]
 
 
 class NNXEmbed(nnx.Module):
@@ -81,10 +84,10 @@ class NNXEmbed(nnx.Module):
 
 
 class NNXBlock(nnx.Module):
-  def __init__(self, capacity_factor, dispatch="partitioner", *, rngs):
+  def __init__(self, capacity_factor, dispatch="partitioner", exchange_chunks=1, *, rngs):
     self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
-    self.moe = models_nnx.MixtureOfExperts(WIDTH, HIDDEN, **_moe(capacity_factor, dispatch),
-                                           rngs=rngs)
+    self.moe = models_nnx.MixtureOfExperts(
+        WIDTH, HIDDEN, **_moe(capacity_factor, dispatch, exchange_chunks), rngs=rngs)
 
   def __call__(self, x):
     return x + self.moe(self.norm(x))
@@ -100,10 +103,10 @@ class NNXHead(nnx.Module):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=-1)
 
 
-def nnx_layers(capacity_factor=0.0, seed=0, dispatch="partitioner"):
+def nnx_layers(capacity_factor=0.0, seed=0, dispatch="partitioner", exchange_chunks=1):
   rngs = nnx.Rngs(seed)
-  return [NNXEmbed(rngs=rngs),
-          tnnx.Repeat(lambda r: NNXBlock(capacity_factor, dispatch, rngs=r), COPIES, rngs=rngs),
+  block = lambda r: NNXBlock(capacity_factor, dispatch, exchange_chunks, rngs=r)
+  return [NNXEmbed(rngs=rngs), tnnx.Repeat(block, COPIES, rngs=rngs),
           NNXHead(rngs=rngs)]
 
 

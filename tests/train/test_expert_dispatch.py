@@ -3,6 +3,8 @@
 gradients against every pair run through its expert in turn, its program's collectives, and the
 settings it refuses by name. (Through a pipeline under every schedule: tests/train/test_moe.py.)"""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,31 +39,36 @@ def _loss(pairs_fn, experts):
   return lambda t, a, b, c: jnp.sum(jnp.sin(pairs_fn(t, experts, a, b, c)))
 
 
-@pytest.mark.parametrize("skewed", [False, True])
-def test_the_exchange_equals_each_pair_through_its_expert(skewed):
+# One exchange, and the rows in parts (each its own exchange), with spread and skewed routing.
+@pytest.mark.parametrize("skewed,chunks", [(False, 1), (True, 1), (False, 2), (True, 4)])
+def test_the_exchange_equals_each_pair_through_its_expert(skewed, chunks):
   mesh = tpipe.make_mesh(stages=1, expert=4)
   tokens, experts, weights = _case(skewed=skewed)
   args32 = [jnp.asarray(a, jnp.float32) for a in (tokens, *weights)]
   grad = lambda fn: jax.value_and_grad(_loss(fn, experts), argnums=(0, 1, 2, 3))
+  exchange = functools.partial(expert_dispatch.expert_outputs, chunks=chunks)
   with jax.set_mesh(mesh):
     assert expert_dispatch.devices_here() == 4
     placed = [jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in args32]
-    compiled = jax.jit(grad(expert_dispatch.expert_outputs)).lower(*placed).compile()
+    compiled = jax.jit(grad(exchange)).lower(*placed).compile()
     value, grads = compiled(*placed)
   plain = jax.jit(grad(mm.each_pair_in_turn))(*args32)
   reference = numerics.float64_reference(grad(mm.each_pair_in_turn), *args32)
   numerics.assert_as_close_as_plain(value, plain[0], reference[0], what="value")
   numerics.assert_as_close_as_plain(grads, plain[1], reference[1], what="gradients")
   kinds = [c.kind for c in analysis.collectives(compiled, mesh)]
-  # Tokens and their experts' ids there, outputs back; the gradients' way back and forth.
-  assert kinds.count("all-to-all") >= 5
+  # Tokens and their experts' ids there, outputs back; the gradients' way back and forth: per
+  # part.
+  assert kinds.count("all-to-all") >= 5 * chunks
   assert "all-gather" not in kinds and "collective-permute" not in kinds
 
 
-def test_a_capacity_drops_under_the_exchange_the_pairs_it_drops_in_one_batch():
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_capacity_drops_under_the_exchange_the_pairs_it_drops_in_one_batch(chunks):
   """With a capacity, the pairs beyond each expert's slots (claimed best choices first, tokens
   in order, whichever device holds them) join no expert's group: their outputs are zero and
-  their gradients too; the others equal each pair through its expert."""
+  their gradients too; the others equal each pair through its expert. Exchanged in parts, the
+  same pairs drop (they are chosen over all the rows before the exchange)."""
   mesh = tpipe.make_mesh(stages=1, expert=4)
   tokens, experts, weights = _case(seed=1)
   capacity = moe.capacity_of(TOKENS, TOP_K, EXPERTS, 0.5)
@@ -76,13 +83,13 @@ def test_a_capacity_drops_under_the_exchange_the_pairs_it_drops_in_one_batch():
   assert 0 < (~kept).sum() < kept.size
   args32 = [jnp.asarray(a, jnp.float32) for a in (tokens, *weights)]
   masked = lambda t, e, a, b, c: mm.each_pair_in_turn(t, e, a, b, c) * kept[..., None]
-  exchange = lambda t, e, a, b, c: expert_dispatch.expert_outputs(t, e, a, b, c, kept=kept)
+  exchange = lambda t, e, a, b, c: expert_dispatch.expert_outputs(t, e, a, b, c, kept=kept,
+                                                                  chunks=chunks)
   grad = lambda fn: jax.value_and_grad(_loss(fn, experts), argnums=(0, 1, 2, 3))
   with jax.set_mesh(mesh):
     placed = [jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in args32]
     value, grads = jax.jit(grad(exchange))(*placed)
-    pairs = jax.jit(lambda *a: expert_dispatch.expert_outputs(a[0], experts, *a[1:], kept=kept)
-                    )(*placed)
+    pairs = jax.jit(lambda *a: exchange(a[0], experts, *a[1:]))(*placed)
   assert not np.any(np.asarray(pairs)[~kept])  # Dropped: exactly zero.
   plain = jax.jit(grad(masked))(*args32)
   reference = numerics.float64_reference(grad(masked), *args32)
@@ -142,10 +149,26 @@ def test_an_expert_axis_beside_a_tensor_axis_is_refused_by_name():
       jax.eval_shape(expert_dispatch.expert_outputs, tokens, experts, *weights)
 
 
+def test_parts_that_do_not_divide_a_devices_tokens_are_refused_by_name():
+  with pytest.raises(ValueError, match=r"exchange_chunks=3 parts do not divide the 8 tokens "
+                     r"each device of the 'expert' axis routes; use a divisor of 8"):
+    expert_dispatch.check_chunks(8, 3)
+  tokens, experts, weights = _case()
+  with jax.set_mesh(tpipe.make_mesh(stages=1, expert=4)):
+    with pytest.raises(ValueError, match="exchange_chunks=16 parts do not divide the 8"):
+      jax.eval_shape(functools.partial(expert_dispatch.expert_outputs, chunks=16), tokens,
+                     experts, *weights)
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dispatch="ragged"), r"dispatch must be one of \('partitioner', 'all_to_all'\), "
                               r"got 'ragged'"),
+    (dict(dispatch="all_to_all", exchange_chunks=0), r"exchange_chunks must be an int >= 1 "
+                                                     r"\(1: one exchange\), got 0"),
+    (dict(dispatch="all_to_all", exchange_chunks=2.0), r"exchange_chunks must be an int >= 1"),
+    (dict(exchange_chunks=2), r"exchange_chunks=2 splits the explicit all-to-all, and "
+                              r"dispatch='partitioner' has none; use dispatch='all_to_all'"),
 ])
 def test_bad_dispatch_settings_are_refused_by_name(kwargs, match):
   settings = dict(num_experts=4, experts_per_token=2, capacity_factor=0.0)

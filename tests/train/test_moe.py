@@ -117,7 +117,8 @@ MESHES = {
 }
 # Each schedule at least once with the partitioner's dispatch and, but for gpipe (whose backward
 # is autodiff through its loop, as circular's is), once with the explicit all-to-all; each layout
-# four or five times; capacity on two; NNX on two, one per dispatch.
+# four or five times; capacity on two; NNX on two, one per dispatch. "all_to_all/2" exchanges
+# each device's tokens in two parts (exchange_chunks=2), once per front end.
 CASES = [
     ("linen", "stage2-expert2-data2", "gpipe", 0.0, "partitioner"),
     ("linen", "stage2-expert4", "circular", 0.0, "partitioner"),
@@ -128,8 +129,8 @@ CASES = [
     ("linen", "stage2-expert2-data2", "circular", 0.0, "all_to_all"),
     ("linen", "stage2-expert4", "1f1b", 0.0, "all_to_all"),
     ("linen", "stage2-expert2-data2", "interleaved_1f1b", 0.0, "all_to_all"),
-    ("linen", "stage2-expert4", "zb_h1", 1.0, "all_to_all"),
-    ("nnx", "stage2-expert2-data2", "zbv", 0.0, "all_to_all"),
+    ("linen", "stage2-expert4", "zb_h1", 1.0, "all_to_all/2"),
+    ("nnx", "stage2-expert2-data2", "zbv", 0.0, "all_to_all/2"),
 ]
 MICROBATCHES = 2
 # The dropless experts' grouped matmuls split over the expert axis run, on XLA:CPU, as dense dot
@@ -146,8 +147,15 @@ def _spec(schedule, mesh):
               per_example=("targets",))
 
 
+def _dispatch(name):
+  """``(dispatch, exchange_chunks)`` of a case's dispatch: ``"all_to_all/2"`` in two parts."""
+  dispatch, _, chunks = name.partition("/")
+  return dispatch, int(chunks or 1)
+
+
 def _linen_step(schedule, mesh, capacity_factor, dispatch, tokens, targets):
-  model = tpipe.Sequential(mm.linen_layers(capacity_factor, dispatch), **_spec(schedule, mesh))
+  model = tpipe.Sequential(mm.linen_layers(capacity_factor, *_dispatch(dispatch)),
+                           **_spec(schedule, mesh))
   boxed = jax.eval_shape(functools.partial(model.init, method="initialize"),
                          {"params": jax.random.key(0)}, tokens, targets=targets)["params"]
   shardings = nn.unbox(tpipe.shardings(boxed, mesh, stacked=("layers_1",),
@@ -161,7 +169,9 @@ def _linen_step(schedule, mesh, capacity_factor, dispatch, tokens, targets):
 
 
 def _nnx_step(schedule, mesh, capacity_factor, dispatch, tokens, targets):
-  model = tnnx.Sequential(mm.nnx_layers(capacity_factor, dispatch=dispatch),
+  dispatch, chunks = _dispatch(dispatch)
+  model = tnnx.Sequential(mm.nnx_layers(capacity_factor, dispatch=dispatch,
+                                        exchange_chunks=chunks),
                           **_spec(schedule, mesh))
   state = nnx.state(model, nnx.Param)
   pure = nnx.to_pure_dict(state)
@@ -195,11 +205,11 @@ def test_moe_lm_on_an_expert_axis_equals_the_sequential_model(front, mesh_name, 
                  if c.kind == "all-to-all" and "/moe/" in c.op_name]
     # The explicit dispatch's all-to-alls over the expert axis, in the tick loop; the
     # partitioner's dispatch makes none in the experts (its all-to-alls are the embedding's).
-    assert bool(exchanges) == (dispatch == "all_to_all")
+    assert bool(exchanges) == (_dispatch(dispatch)[0] == "all_to_all")
     assert all(c.axes == ("expert",) and c.in_loop for c in exchanges)
   groups = MICROBATCHES * sizes.get("data", 1)
   # Grouped matmuls: dropless, or any capacity under the exchange (its kept pairs grouped).
-  grouped = not capacity_factor or dispatch == "all_to_all"
+  grouped = not capacity_factor or _dispatch(dispatch)[0] == "all_to_all"
   plain = mm.sequential_value_and_grad(groups, capacity_factor)
   reference = mm.sequential_value_and_grad(groups, capacity_factor, "float64")
   numerics.assert_as_close_as_plain(value, plain[0], reference[0], what="loss")
@@ -227,13 +237,17 @@ def test_the_fsdp_gathers_of_the_experts_weights_stay_on_each_devices_experts():
 
 def test_the_cases_cover_every_schedule_and_both_front_ends():
   every = {"gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
-  assert {c[2] for c in CASES if c[4] == "partitioner"} == every
-  assert {c[2] for c in CASES if c[4] == "all_to_all"} == every - {"gpipe"}
+  base = lambda case: _dispatch(case[4])[0]
+  assert {c[2] for c in CASES if base(c) == "partitioner"} == every
+  assert {c[2] for c in CASES if base(c) == "all_to_all"} == every - {"gpipe"}
   assert {c[0] for c in CASES} == {"linen", "nnx"} and {c[3] for c in CASES} == {0.0, 1.0}
   for dispatch in ("partitioner", "all_to_all"):
-    assert {c[0] for c in CASES if c[4] == dispatch} == {"linen", "nnx"}
-    assert {c[1] for c in CASES if c[4] == dispatch} == set(MESHES)
-    assert {c[3] for c in CASES if c[4] == dispatch} == {0.0, 1.0}
+    assert {c[0] for c in CASES if base(c) == dispatch} == {"linen", "nnx"}
+    assert {c[1] for c in CASES if base(c) == dispatch} == set(MESHES)
+    assert {c[3] for c in CASES if base(c) == dispatch} == {0.0, 1.0}
+  # The exchange in parts: through each front end, a split backward and a capacity among them.
+  parts = [c for c in CASES if _dispatch(c[4])[1] > 1]
+  assert {c[0] for c in parts} == {"linen", "nnx"} and {c[3] for c in parts} == {0.0, 1.0}
 
 
 def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():

@@ -94,7 +94,8 @@ def lm_arguments(config) -> dict:
               router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.0)),
               router_z_loss_coef=float(config.get("router_z_loss_coef", 0.0)),
               attention=config.get("attention", "blocked"),
-              moe_dispatch=config.get("moe_dispatch", "partitioner"))
+              moe_dispatch=config.get("moe_dispatch", "partitioner"),
+              moe_exchange_chunks=config.get("moe_exchange_chunks", 1))
 
 
 def vocab_chunks(config) -> int:

@@ -299,6 +299,8 @@ class LlamaBlock(nn.Module):
       expert every token goes through, gated by a sigmoid (Qwen2-MoE).
     moe_dispatch: with experts, how tokens reach experts split over an ``expert`` mesh axis
       (:attr:`tpipe.train.moe.MixtureOfExperts.dispatch`).
+    moe_exchange_chunks: with ``moe_dispatch="all_to_all"``, the parts each device's tokens are
+      exchanged in (:attr:`tpipe.train.moe.MixtureOfExperts.exchange_chunks`).
     attention: how the attention is computed (:mod:`tpipe.train.flash_attention`):
       ``"blocked"`` (XLA), ``"flash"`` (the platform's kernel: splash attention on TPU,
       cuDNN's on GPU), ``"splash"``, ``"cudnn"`` or ``"splash_interpret"``.
@@ -324,6 +326,7 @@ class LlamaBlock(nn.Module):
   normalize_expert_weights: bool = True
   shared_expert_mlp_dim: int = 0
   moe_dispatch: str = "partitioner"
+  moe_exchange_chunks: int = 1
   attention: str = "blocked"
 
   def __post_init__(self):
@@ -401,6 +404,7 @@ class LlamaBlock(nn.Module):
           router_z_loss_coef=self.router_z_loss_coef,
           normalize_expert_weights=self.normalize_expert_weights,
           shared_expert_hidden=self.shared_expert_mlp_dim, dispatch=self.moe_dispatch,
+          exchange_chunks=self.moe_exchange_chunks,
           dtype=dtype, param_dtype=param_dtype, name="moe")(h).astype(x.dtype)
       return y if cache is None else (y, cache)
     gate = h @ weight("gate", (self.width, self.mlp_dim), ("embed", "mlp"))

@@ -38,6 +38,14 @@ device holds. Even so, compiled for ``v5p:2x2x2`` (``experiments/moe_dispatch.py
 moves 1.5-2.3x fewer bytes over ``expert`` per step than the partitioner's gathers of every
 token, and the TPU compiler runs its all-to-alls asynchronously, other work scheduled between
 start and done (``--xla_tpu_enable_async_all_to_all=true``).
+
+Every step above depends on the one before, so within one exchange the all-to-alls have little
+to overlap with. ``chunks`` (the layer's ``exchange_chunks``) splits each device's rows into
+that many equal parts, each exchanged and computed on its own: the same bytes and FLOPs, and
+the same outputs (a capacity's ``kept`` pairs are chosen over all the rows first), but the TPU
+compiler can run one part's all-to-all while the experts compute another's. Compiled for
+``v5p:2x2x2`` (``experiments/moe_dispatch.py``), four parts hide part of the exchange; the
+results there give the measured step and memory beside one part's.
 """
 
 from __future__ import annotations
@@ -146,7 +154,8 @@ def _grouped(x, w, sizes):
 
 
 def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, kept: jax.Array | None = None) -> jax.Array:
+                   w_down: jax.Array, kept: jax.Array | None = None,
+                   chunks: int = 1) -> jax.Array:
   """Each (token, choice) pair's expert output, the tokens exchanged over the ``expert`` axis
   of the mesh in context (see the module documentation); ``[N, k, D]``.
 
@@ -157,6 +166,10 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
     kept: boolean ``[N, k]``, the pairs a capacity leaves a slot
       (:func:`tpipe.train.moe.kept_pairs`); the others join no expert's group, so no expert
       computes them and their output is zero. None: every pair (dropless).
+    chunks: each device's rows are exchanged in this many equal parts, each through its own
+      all-to-alls and grouped matmuls (the same bytes and FLOPs in all): the parts depend on
+      none of each other, so the TPU compiler can run one part's all-to-all while the experts
+      compute another's (see the module documentation). 1: one exchange.
 
   Returns:
     ``[N, k, D]`` in ``tokens``' dtype, split by rows over ``expert``; a pair's output is its
@@ -170,13 +183,41 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
                      "experts or an expert axis that divides them.")
   check_alone(owner="expert_outputs")
   check_tokens(tokens.shape[0], devices, owner="expert_outputs")
-  local = num_experts // devices
+  check_chunks(tokens.shape[0] // devices, chunks, owner="expert_outputs")
+  (num_tokens, width), k = tokens.shape, experts.shape[-1]
+  kept = jnp.ones(experts.shape, bool) if kept is None else kept
+  n = num_tokens // devices
+  # Part c holds rows [c * n / chunks, (c + 1) * n / chunks) of every device's rows.
+  by_part = lambda a: a.reshape(devices, chunks, n // chunks, *a.shape[1:])
+  if chunks == 1:
+    return _exchange(tokens, experts, kept, w_gate, w_up, w_down, devices)
+  parts = [_exchange(*(by_part(a)[:, c].reshape(-1, *a.shape[1:])
+                       for a in (tokens, experts, kept)), w_gate, w_up, w_down, devices)
+           for c in range(chunks)]
+  out = jnp.stack([p.reshape(devices, n // chunks, k, width) for p in parts], axis=1)
+  return _by_device(out).reshape(num_tokens, k, width)
+
+
+def check_chunks(rows: int, chunks: int, owner: str = "MixtureOfExperts") -> None:
+  """Raises ValueError unless ``chunks`` is a positive integer dividing the ``rows`` (tokens)
+  each device of the ``expert`` axis routes."""
+  if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+    raise ValueError(f"{owner}: exchange_chunks={chunks!r}; use a positive integer (1: one "
+                     "exchange).")
+  if rows % chunks:
+    raise ValueError(
+        f"{owner}: exchange_chunks={chunks} parts do not divide the {rows} tokens each device "
+        f"of the {EXPERT!r} axis routes; use a divisor of {rows}.")
+
+
+def _exchange(tokens, experts, kept, w_gate, w_up, w_down, devices: int) -> jax.Array:
+  """:func:`expert_outputs` with every device's rows in one exchange; ``[N, k, D]``."""
+  local = w_gate.shape[0] // devices
   (num_tokens, width), k = tokens.shape, experts.shape[-1]
   n, pairs = num_tokens // devices, num_tokens // devices * k
   tokens = _by_device(tokens.reshape(devices, n, width))
   experts = _by_device(experts.astype(jnp.int32).reshape(devices, n, k))
-  kept = _by_device((jnp.ones(experts.shape, bool) if kept is None else kept).reshape(
-      devices, n, k))
+  kept = _by_device(kept.reshape(devices, n, k))
   order, dest, slot = jax.vmap(lambda e: _route_locally(e, local, devices))(experts)
   pack = lambda *a: _pack(*a, local, devices)
   blocks, ids = jax.vmap(pack)(tokens, experts, kept, order, dest, slot)
@@ -196,4 +237,4 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
   return out.reshape(num_tokens, k, width)
 
 
-__all__ = ["check_alone", "check_tokens", "devices_here", "expert_outputs"]
+__all__ = ["check_alone", "check_chunks", "check_tokens", "devices_here", "expert_outputs"]

@@ -76,7 +76,8 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
               experts_per_token: int = 2, capacity_factor: float = 0.0,
               router_aux_loss_coef: float = 0.0, router_z_loss_coef: float = 0.0,
               normalize_expert_weights: bool = True, shared_expert_mlp_dim: int = 0,
-              attention: str = "blocked", moe_dispatch: str = "partitioner") -> list:
+              attention: str = "blocked", moe_dispatch: str = "partitioner",
+              moe_exchange_chunks: int = 1) -> list:
   """The LM's layers ``[TokenEmbedding, tpipe.Repeat(block, L), LMHead]`` (arguments as
   :func:`decoder_lm`), checked; :func:`decoder_lm` pipelines them, and
   :mod:`tpipe.train.cli.generate` applies them one after the other with a key/value cache."""
@@ -117,9 +118,10 @@ def lm_layers(*, num_layers: int, width: int, num_heads: int, mlp_dim: int, max_
                          f"got {shared_expert_mlp_dim!r}.")
       moe.check_routing(num_experts, experts_per_token, capacity_factor, owner="block='moe'",
                         normalize_expert_weights=normalize_expert_weights,
-                        shared_expert_hidden=shared_expert_mlp_dim, dispatch=moe_dispatch)
+                        shared_expert_hidden=shared_expert_mlp_dim, dispatch=moe_dispatch,
+                        exchange_chunks=moe_exchange_chunks)
       experts = dict(num_experts=num_experts, experts_per_token=experts_per_token,
-                     moe_dispatch=moe_dispatch,
+                     moe_dispatch=moe_dispatch, moe_exchange_chunks=int(moe_exchange_chunks),
                      capacity_factor=float(capacity_factor),
                      router_aux_loss_coef=float(router_aux_loss_coef),
                      router_z_loss_coef=float(router_z_loss_coef),
@@ -203,6 +205,9 @@ def decoder_lm(*, spec: tpipe.PipelineSpec | None = None, **arguments) -> tpipe.
     moe_dispatch: ``"moe"`` blocks only: how tokens reach experts split over an ``expert``
       mesh axis, ``"partitioner"`` (XLA's) or ``"all_to_all"`` (explicit;
       :mod:`tpipe.train.expert_dispatch`).
+    moe_exchange_chunks: with ``moe_dispatch="all_to_all"``: each device's tokens exchanged in
+      this many parts, so one part's all-to-all can run while the experts compute another's
+      (:func:`tpipe.train.expert_dispatch.expert_outputs`); 1: one exchange.
     attention: how the blocks attend (:mod:`tpipe.train.flash_attention`): ``"blocked"``
       (XLA, any platform), ``"flash"`` (a fused kernel: splash attention on TPU, cuDNN's on
       GPU, chosen by the devices of the spec's mesh, else JAX's default backend; no dropout),

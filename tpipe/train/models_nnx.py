@@ -82,10 +82,12 @@ class MixtureOfExperts(nnx.Module):
                capacity_factor: float = 0.0, router_aux_loss_coef: float = 0.0,
                router_z_loss_coef: float = 0.0, normalize_expert_weights: bool = True,
                shared_expert_hidden: int = 0, dispatch: str = "partitioner",
-               dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               exchange_chunks: int = 1, dtype: Any = None, param_dtype: Any = jnp.float32,
+               rngs: nnx.Rngs):
     moe.check_routing(num_experts, experts_per_token, capacity_factor,
                       normalize_expert_weights=normalize_expert_weights,
-                      shared_expert_hidden=shared_expert_hidden, dispatch=dispatch)
+                      shared_expert_hidden=shared_expert_hidden, dispatch=dispatch,
+                      exchange_chunks=exchange_chunks)
     self.experts_per_token = experts_per_token
     self.normalize_expert_weights = normalize_expert_weights
     self.shared_expert_hidden = shared_expert_hidden
@@ -93,6 +95,7 @@ class MixtureOfExperts(nnx.Module):
     self.router_aux_loss_coef = router_aux_loss_coef
     self.router_z_loss_coef = router_z_loss_coef
     self.dispatch = dispatch
+    self.exchange_chunks = exchange_chunks
     self.dtype = dtype
     expert_init = jax.nn.initializers.variance_scaling(
         1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))

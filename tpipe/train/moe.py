@@ -87,7 +87,8 @@ DISPATCHES = ("partitioner", "all_to_all")
 
 def check_routing(num_experts: int, experts_per_token: int, capacity_factor: float,
                   owner: str = "MixtureOfExperts", *, normalize_expert_weights: bool = True,
-                  shared_expert_hidden: int = 0, dispatch: str = "partitioner") -> None:
+                  shared_expert_hidden: int = 0, dispatch: str = "partitioner",
+                  exchange_chunks: int = 1) -> None:
   """Raises ValueError for a routing (or a shared expert) no layer can run, naming the value and
   the fix."""
   if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
@@ -110,6 +111,14 @@ def check_routing(num_experts: int, experts_per_token: int, capacity_factor: flo
                      f"an int >= 0 (0 = no shared expert), got {shared_expert_hidden!r}.")
   if dispatch not in DISPATCHES:
     raise ValueError(f"{owner}: dispatch must be one of {DISPATCHES}, got {dispatch!r}.")
+  if isinstance(exchange_chunks, bool) or not isinstance(exchange_chunks, (int, np.integer)) \
+     or exchange_chunks < 1:
+    raise ValueError(f"{owner}: exchange_chunks must be an int >= 1 (1: one exchange), got "
+                     f"{exchange_chunks!r}.")
+  if exchange_chunks > 1 and dispatch != "all_to_all":
+    raise ValueError(f"{owner}: exchange_chunks={exchange_chunks} splits the explicit "
+                     f"all-to-all, and dispatch={dispatch!r} has none; use "
+                     "dispatch='all_to_all' or exchange_chunks=1.")
 
 
 def check_expert_axis(num_experts: int, owner: str = "MixtureOfExperts") -> None:
@@ -280,7 +289,7 @@ def mixture(x: jax.Array, router, experts, shared, settings, *, sow_loss, sow_me
     shared: the shared expert's ``(gate, up, down, router)``, or None.
     settings: the layer (its ``experts_per_token``, ``capacity_factor``,
       ``normalize_expert_weights``, ``router_aux_loss_coef``, ``router_z_loss_coef``,
-      ``dispatch`` and ``dtype``).
+      ``dispatch``, ``exchange_chunks`` and ``dtype``).
     sow_loss: ``sow_loss(name, value)`` adds an auxiliary loss.
     sow_metric: ``sow_metric(name, value)`` reports an auxiliary metric.
 
@@ -301,7 +310,8 @@ def mixture(x: jax.Array, router, experts, shared, settings, *, sow_loss, sow_me
       capacity = capacity_of(num_tokens, k, num_experts, settings.capacity_factor)
       kept = kept_pairs(routing.experts, num_experts, capacity)
       dropped = num_tokens * k - jnp.sum(kept).astype(jnp.float32)
-    pairs = expert_dispatch.expert_outputs(tokens, routing.experts, *experts, kept=kept)
+    pairs = expert_dispatch.expert_outputs(tokens, routing.experts, *experts, kept=kept,
+                                           chunks=int(settings.exchange_chunks))
     out = jnp.einsum("nkd,nk->nd", pairs, routing.weights.astype(dtype))
   elif settings.capacity_factor:
     out, dropped = with_capacity(tokens, routing, *experts, settings.capacity_factor)
@@ -334,6 +344,9 @@ class MixtureOfExperts(nn.Module):
     dispatch: how tokens reach experts split over an ``expert`` mesh axis: ``"partitioner"``
       (XLA's partitioner, from the weights' sharding) or ``"all_to_all"`` (an explicit
       all-to-all; :mod:`tpipe.train.expert_dispatch`).
+    exchange_chunks: with ``dispatch="all_to_all"``, the parts each device's tokens are
+      exchanged in (:func:`tpipe.train.expert_dispatch.expert_outputs`): one part's all-to-all
+      can run while the experts compute another's. 1: one exchange.
     dtype: the computation's dtype, None for the input's (routing is float32 or wider).
     param_dtype: the weights' dtype.
     kernel_init: the experts', the router's and the shared expert's initializer.
@@ -353,6 +366,7 @@ class MixtureOfExperts(nn.Module):
   normalize_expert_weights: bool = True
   shared_expert_hidden: int = 0
   dispatch: str = "partitioner"
+  exchange_chunks: int = 1
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Any = nn.initializers.lecun_normal()
@@ -361,7 +375,8 @@ class MixtureOfExperts(nn.Module):
   def __call__(self, x):
     check_routing(self.num_experts, self.experts_per_token, self.capacity_factor,
                   normalize_expert_weights=self.normalize_expert_weights,
-                  shared_expert_hidden=self.shared_expert_hidden, dispatch=self.dispatch)
+                  shared_expert_hidden=self.shared_expert_hidden, dispatch=self.dispatch,
+                  exchange_chunks=self.exchange_chunks)
     check_expert_axis(self.num_experts)
     width = x.shape[-1]
     e, h = self.num_experts, self.hidden
