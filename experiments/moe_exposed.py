@@ -7,7 +7,8 @@ parameters and AdamW state, remat full) with the explicit all-to-all dispatch
 of ``v5p:4x4x4``, 16 micro-batches, under GPipe, 1F1B and ZB-V (2 virtual stages per device); for
 comparison, the partitioner's dispatch (the default) under 1F1B; and ZB-V again with
 ``weight_recompute="backward"`` (its weight slots hold each chunk's output gradient alone, where
-by default they hold the tapped matmuls' operands, the exchange's blocks among them). The whole
+by default they hold the tapped matmuls' operands, the exchange's blocks among them); and GPipe
+and 1F1B with each device's tokens exchanged in 4 parts (``moe_exchange_chunks=4``). The whole
 train step is compiled ahead of time by the TPU compiler on this CPU machine with its
 asynchronous all-to-all on (``--xla_tpu_enable_async_all_to_all=true`` in ``LIBTPU_INIT_ARGS``,
 as MaxText runs its MoE models); nothing runs on a TPU.
@@ -62,6 +63,11 @@ ROWS.append(moe_memory.Row("1f1b", LAYOUT, dict(schedule="1f1b", num_microbatche
 ROWS.append(moe_memory.Row("zbv, weight_recompute=backward", LAYOUT, dict(
     schedule="zbv", num_microbatches=MICROBATCHES, moe_dispatch="all_to_all", num_repeats=2,
     weight_recompute="backward")))
+# GPipe and 1F1B with each device's tokens exchanged in 4 parts (moe_exchange_chunks=4): one
+# part's all-to-all can run while the experts compute another's.
+ROWS += [moe_memory.Row(f"{schedule}, exchange in 4 parts", LAYOUT, dict(
+    schedule=schedule, num_microbatches=MICROBATCHES, moe_dispatch="all_to_all",
+    moe_exchange_chunks=4)) for schedule in ("gpipe", "1f1b")]
 
 
 def measure(row: moe_memory.Row) -> dict:
