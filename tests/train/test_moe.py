@@ -17,6 +17,7 @@ from tests.helpers import moe_models as mm
 from tests.helpers import numerics
 from tpipe import nnx as tnnx
 from tpipe.tools import analysis
+from tpipe.train import architecture
 from tpipe.train import experts
 from tpipe.train import moe
 
@@ -256,13 +257,15 @@ def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():
   from tpipe.train.cli import throughput  # pylint: disable=g-import-not-at-top
 
   config = lm_config.get_config("size=tiny")
-  # The explicit all-to-all dispatch (the other tests of the trainer's MoE LM take the
-  # partitioner's, the default).
+  # The explicit all-to-all dispatch in two parts (the other tests of the trainer's MoE LM take
+  # the partitioner's, the default).
   for key, value in dict(block="moe", num_stages=2, num_data=2, num_microbatches=2,
                          num_experts=4, experts_per_token=2, router_aux_loss_coef=0.1,
-                         router_z_loss_coef=0.01, moe_dispatch="all_to_all").items():
+                         router_z_loss_coef=0.01, moe_dispatch="all_to_all",
+                         moe_exchange_chunks=2).items():
     config[key] = value
   config.mesh.expert = 2
+  assert architecture.lm_arguments(config)["moe_exchange_chunks"] == 2
   exp = experiment.build(config)
   state = exp.init_state(jax.random.key(0))
   gate = state.params["stacked"]["layers_1"]["moe"]["gate"]
