@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -187,11 +188,11 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
   check_chunks(tokens.shape[0] // devices, chunks, owner="expert_outputs")
   (num_tokens, width), k = tokens.shape, experts.shape[-1]
   kept = jnp.ones(experts.shape, bool) if kept is None else kept
+  if chunks == 1:
+    return _exchange(tokens, experts, kept, w_gate, w_up, w_down, devices)
   n = num_tokens // devices
   # Part c holds rows [c * n / chunks, (c + 1) * n / chunks) of every device's rows.
   by_part = lambda a: a.reshape(devices, chunks, n // chunks, *a.shape[1:])
-  if chunks == 1:
-    return _exchange(tokens, experts, kept, w_gate, w_up, w_down, devices)
   parts = [_exchange(*(by_part(a)[:, c].reshape(-1, *a.shape[1:])
                        for a in (tokens, experts, kept)), w_gate, w_up, w_down, devices)
            for c in range(chunks)]
@@ -202,7 +203,7 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
 def check_chunks(rows: int, chunks: int, owner: str = "MixtureOfExperts") -> None:
   """Raises ValueError unless ``chunks`` is a positive integer dividing the ``rows`` (tokens)
   each device of the ``expert`` axis routes."""
-  if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+  if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
     raise ValueError(f"{owner}: exchange_chunks={chunks!r}; use a positive integer (1: one "
                      "exchange).")
   if rows % chunks:
