@@ -152,7 +152,7 @@ def test_an_expert_axis_beside_a_tensor_axis_is_refused_by_name():
 def test_parts_that_do_not_divide_a_devices_tokens_are_refused_by_name():
   with pytest.raises(ValueError, match=r"exchange_chunks=3 parts do not divide the 8 tokens "
                      r"each device of the 'expert' axis routes; use a divisor of 8"):
-    expert_dispatch.check_chunks(8, 3)
+    expert_dispatch.check_chunks(3, rows=8)
   tokens, experts, weights = _case()
   with jax.set_mesh(tpipe.make_mesh(stages=1, expert=4)):
     with pytest.raises(ValueError, match="exchange_chunks=16 parts do not divide the 8"):

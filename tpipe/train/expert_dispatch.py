@@ -185,13 +185,14 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
                      "experts or an expert axis that divides them.")
   check_alone(owner="expert_outputs")
   check_tokens(tokens.shape[0], devices, owner="expert_outputs")
-  check_chunks(tokens.shape[0] // devices, chunks, owner="expert_outputs")
+  check_chunks(chunks, rows=tokens.shape[0] // devices, owner="expert_outputs")
   (num_tokens, width), k = tokens.shape, experts.shape[-1]
   kept = jnp.ones(experts.shape, bool) if kept is None else kept
   if chunks == 1:
     return _exchange(tokens, experts, kept, w_gate, w_up, w_down, devices)
   n = num_tokens // devices
-  # Part c holds rows [c * n / chunks, (c + 1) * n / chunks) of every device's rows.
+  # Part c holds rows [c * n / chunks, (c + 1) * n / chunks) of every device's rows. The parts
+  # are unrolled, not a loop: a loop would run one part's exchange after another's.
   by_part = lambda a: a.reshape(devices, chunks, n // chunks, *a.shape[1:])
   parts = [_exchange(*(by_part(a)[:, c].reshape(-1, *a.shape[1:])
                        for a in (tokens, experts, kept)), w_gate, w_up, w_down, devices)
@@ -200,13 +201,14 @@ def expert_outputs(tokens: jax.Array, experts: jax.Array, w_gate: jax.Array, w_u
   return _by_device(out).reshape(num_tokens, k, width)
 
 
-def check_chunks(rows: int, chunks: int, owner: str = "MixtureOfExperts") -> None:
-  """Raises ValueError unless ``chunks`` is a positive integer dividing the ``rows`` (tokens)
-  each device of the ``expert`` axis routes."""
+def check_chunks(chunks: int, rows: int | None = None,
+                 owner: str = "MixtureOfExperts") -> None:
+  """Raises ValueError unless ``chunks`` is an integer >= 1 and, where ``rows`` (the tokens each
+  device of the ``expert`` axis routes) is given, divides them."""
   if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
-    raise ValueError(f"{owner}: exchange_chunks={chunks!r}; use a positive integer (1: one "
-                     "exchange).")
-  if rows % chunks:
+    raise ValueError(f"{owner}: exchange_chunks must be an int >= 1 (1: one exchange), got "
+                     f"{chunks!r}.")
+  if rows is not None and rows % chunks:
     raise ValueError(
         f"{owner}: exchange_chunks={chunks} parts do not divide the {rows} tokens each device "
         f"of the {EXPERT!r} axis routes; use a divisor of {rows}.")

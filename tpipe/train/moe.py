@@ -111,11 +111,7 @@ def check_routing(num_experts: int, experts_per_token: int, capacity_factor: flo
                      f"an int >= 0 (0 = no shared expert), got {shared_expert_hidden!r}.")
   if dispatch not in DISPATCHES:
     raise ValueError(f"{owner}: dispatch must be one of {DISPATCHES}, got {dispatch!r}.")
-  whole = (isinstance(exchange_chunks, (int, np.integer))
-           and not isinstance(exchange_chunks, bool))
-  if not whole or exchange_chunks < 1:
-    raise ValueError(f"{owner}: exchange_chunks must be an int >= 1 (1: one exchange), got "
-                     f"{exchange_chunks!r}.")
+  expert_dispatch.check_chunks(exchange_chunks, owner=owner)
   if exchange_chunks > 1 and dispatch != "all_to_all":
     raise ValueError(f"{owner}: exchange_chunks={exchange_chunks} splits the explicit "
                      f"all-to-all, and dispatch={dispatch!r} has none; use "
