@@ -116,6 +116,10 @@ def get_config(arg=None):
   # gradients; one more chunk forward per micro-batch); "backward": the chunk's forward and
   # backward (it holds the chunk's output gradient; about one more fused backward).
   config.weight_recompute = "none"
+  # Fused schedules in compound ticks: run a stage's forward of one micro-batch and backward
+  # of another in one conditional, layer loops unrolled, so the compiler can hide one's
+  # collectives (the experts' all-to-all) behind the other's compute. Longer compiles.
+  config.overlap_microbatches = False
 
   config.num_microbatches = num_microbatches  # Micro-batches per step (of each data shard).
   # The pipeline schedule: "gpipe", "circular" (num_repeats > 1), or a fused one: "1f1b",

@@ -68,6 +68,7 @@ class Row:
   dispatch: str
   schedule: str = "1f1b"
   exchange_chunks: int = 1  # moe_exchange_chunks: the exchange in this many parts.
+  overlap: bool = False  # overlap_microbatches: a tick's forward and backward in one conditional.
 
 
 ROWS = [Row(shape, layout, dispatch)
@@ -89,7 +90,7 @@ def config_for(row: Row):
                 num_stages=stages, num_data=1, num_microbatches=4, schedule=row.schedule,
                 num_repeats=2 if row.schedule == "zbv" else 1,
                 router_aux_loss_coef=0.02, router_z_loss_coef=0.001, moe_dispatch=row.dispatch,
-                moe_exchange_chunks=row.exchange_chunks))
+                moe_exchange_chunks=row.exchange_chunks, overlap_microbatches=row.overlap))
   c.mesh.update(dict(expert=expert, fsdp=fsdp, tensor=1))
   return c
 

@@ -11,7 +11,11 @@ by default they hold the tapped matmuls' operands, the exchange's blocks among t
 and 1F1B with each device's tokens exchanged in 4 parts (``moe_exchange_chunks=4``). The whole
 train step is compiled ahead of time by the TPU compiler on this CPU machine with its
 asynchronous all-to-all on (``--xla_tpu_enable_async_all_to_all=true`` in ``LIBTPU_INIT_ARGS``,
-as MaxText runs its MoE models); nothing runs on a TPU.
+as MaxText runs its MoE models); nothing runs on a TPU. The last rows overlap micro-batches
+(``overlap_microbatches=True``): where a stage runs a forward and a backward of two
+micro-batches in one tick, the two run in one conditional, their layer loops unrolled, so the
+compiler can run one's all-to-all while the other computes, as DualPipe pairs them; under 1F1B
+(also with the exchange in 4 parts) and ZB-V.
 
 Columns, per device and step: the peak (``memory_analysis()``: arguments + outputs - aliased +
 temporaries); the all-to-all start/done pairs in the program and how many have a fusion
@@ -68,6 +72,15 @@ ROWS.append(moe_memory.Row("zbv, weight_recompute=backward", LAYOUT, dict(
 ROWS += [moe_memory.Row(f"{schedule}, exchange in 4 parts", LAYOUT, dict(
     schedule=schedule, num_microbatches=MICROBATCHES, moe_dispatch="all_to_all",
     moe_exchange_chunks=4)) for schedule in ("gpipe", "1f1b")]
+# 1F1B and ZB-V with micro-batches overlapped (overlap_microbatches=True): a stage's forward of
+# one micro-batch and backward of another in one tick run in one conditional, so one's exchange
+# can run while the other computes; 1F1B also with the exchange in 4 parts.
+ROWS += [moe_memory.Row(f"{schedule}, micro-batches overlapped{suffix}", LAYOUT, dict(
+    schedule=schedule, num_microbatches=MICROBATCHES, moe_dispatch="all_to_all",
+    num_repeats=2 if schedule == "zbv" else 1, overlap_microbatches=True, **fields))
+    for schedule, suffix, fields in (("1f1b", "", {}), ("zbv", "", {}),
+                                     ("1f1b", ", exchange in 4 parts",
+                                      dict(moe_exchange_chunks=4)))]
 
 
 def measure(row: moe_memory.Row) -> dict:

@@ -24,12 +24,14 @@ SCRIPTS=(
   search_robustness gpu_action_costs weight_placement remat_granularity_grad sequential_memory tpu_memory
   tpu_gradient_sums
   scale_3d memory_at_scale checkpoint_memory multislice multislice_moments streamed_inputs
-  digits_baseline moe_memory moe_dispatch moe_exchange_parts moe_exposed step_time step_time_8b
+  digits_baseline moe_memory moe_dispatch moe_exchange_parts moe_overlap moe_exposed step_time
+  step_time_8b
   flash_attention
 )
 # The ones that compile for a TPU topology with libtpu.
 TPU=" tpu_memory tpu_gradient_sums scale_3d memory_at_scale checkpoint_memory streamed_inputs "
-TPU+="multislice_moments moe_memory moe_dispatch moe_exchange_parts moe_exposed step_time "
+TPU+="multislice_moments moe_memory moe_dispatch moe_exchange_parts moe_overlap moe_exposed "
+TPU+="step_time "
 TPU+="step_time_8b flash_attention "
 
 flags=()

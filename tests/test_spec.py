@@ -23,7 +23,7 @@ unit = pytest.mark.unit
 
 SETTINGS = ("num_stages", "num_microbatches", "schedule", "num_repeats", "balance", "remat",
             "remat_granularity", "per_example", "unroll", "mesh", "transfer_delay",
-            "stream_inputs", "tick_costs", "weight_recompute",
+            "stream_inputs", "tick_costs", "weight_recompute", "overlap_microbatches",
             "stage_axis", "data_axis")
 
 
@@ -388,6 +388,21 @@ def test_tick_costs_build_compound_tables_and_are_checked():
     spec.replace(tick_costs=[1, 3])
   with pytest.raises(ValueError, match=r"needs \['F', 'BI', 'W'\]"):
     spec.replace(schedule="zbv", num_repeats=2, tick_costs={"F": 1, "B": 3})
+
+
+@unit
+def test_overlapped_micro_batches_need_compound_ticks_of_a_fused_schedule():
+  spec = tpipe.PipelineSpec(num_stages=2, num_microbatches=4, schedule="1f1b",
+                            overlap_microbatches=True)
+  assert spec.overlap_microbatches  # In compound ticks for costs derived when it is built.
+  assert spec.replace(schedule="zbv", num_repeats=2).overlap_microbatches
+  with pytest.raises(ValueError, match="schedule='gpipe' runs its backward apart: use one of"):
+    spec.replace(schedule="gpipe")
+  with pytest.raises(ValueError, match="tick_costs='plain' runs one action per tick"):
+    spec.replace(tick_costs="plain")
+  with pytest.raises(TypeError, match="overlap_microbatches must be True or False, got 1"):
+    spec.replace(overlap_microbatches=1)
+  assert not spec.replace(overlap_microbatches=False, tick_costs="plain").overlap_microbatches
 
 
 @unit

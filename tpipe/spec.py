@@ -83,6 +83,11 @@ class PipelineSpec:
     weight_recompute: split backward only (``"zb_h1"``, ``"zbv"``): what ``W`` computes again
       rather than a micro-batch awaiting it keeping it: False (nothing), ``"forward"`` (or True)
       or ``"backward"``.
+    overlap_microbatches: fused schedules in compound ticks only: where a stage runs a forward
+      of one micro-batch and a backward (``B`` or ``BI``) of another in one tick, run the two in
+      one conditional with their layer loops unrolled, so the compiler can run one's
+      collectives (a mixture of experts' all-to-all) while the other computes, as DualPipe
+      overlaps them. Compiles the paired actions once more.
     stage_axis: the mesh axis of stages.
     data_axis: the mesh axis of data-parallel replicas (the batch is split over it).
   """
@@ -101,6 +106,7 @@ class PipelineSpec:
   stream_inputs: bool = True
   tick_costs: Any = None
   weight_recompute: bool | str = False
+  overlap_microbatches: bool = False
   stage_axis: str = mesh_lib.STAGE_AXIS
   data_axis: str = mesh_lib.DATA_AXIS
 
@@ -132,6 +138,7 @@ class PipelineSpec:
       raise ValueError(f"weight_recompute={self.weight_recompute!r} recomputes what W needs in a "
                        f"split backward; schedule={self.schedule!r} has none: use one of "
                        f"{SPLIT_BACKWARD} or weight_recompute=False.")
+    self._check_overlap()
     self.table  # Builds (and caches) the table: raises for unknown names or bad repeats.
     check_remat(self.remat)
     check_remat_granularity(self.remat_granularity)
@@ -140,6 +147,21 @@ class PipelineSpec:
     object.__setattr__(self, "per_example", _check_per_example(self.per_example))
     if self.stage_axis == self.data_axis:
       raise ValueError(f"stage_axis and data_axis must differ, both are {self.stage_axis!r}.")
+
+  def _check_overlap(self) -> None:
+    if not isinstance(self.overlap_microbatches, (bool, np.bool_)):
+      raise TypeError(f"overlap_microbatches must be True or False, got "
+                      f"{self.overlap_microbatches!r}.")
+    if not self.overlap_microbatches:
+      return
+    if not schedules.is_fused(self.schedule):
+      raise ValueError(f"overlap_microbatches=True pairs a forward and a backward of one tick; "
+                       f"schedule={self.schedule!r} runs its backward apart: use one of "
+                       f"{schedules.FUSED_SCHEDULE_NAMES} or overlap_microbatches=False.")
+    if self.tick_costs == PLAIN_TICKS:
+      raise ValueError("overlap_microbatches=True pairs the actions of compound ticks; "
+                       "tick_costs='plain' runs one action per tick: leave tick_costs None (or "
+                       "give costs) or set overlap_microbatches=False.")
 
   def replace(self, **changes) -> "PipelineSpec":
     """A copy with ``changes`` (setting names as keywords), validated again; of the same class

@@ -26,28 +26,33 @@ from tpipe.tools import analysis
 COSTS = {"F": 1.0, "B": 3.0, "BI": 2.0, "W": 1.0}
 
 
-# (model, schedule, stages, micro-batches per replica, remat, slices): a covering set, not a
-# cross product (each case compiles its own step): every fused schedule, S in {2, 4}, every remat
-# policy, every model, plain and delayed links at least once.
+# (model, schedule, stages, micro-batches per replica, remat, slices, micro-batches overlapped):
+# a covering set, not a cross product (each case compiles its own step): every fused schedule,
+# S in {2, 4}, every remat policy, every model, plain and delayed links, with and without
+# overlapped micro-batches (a forward and a backward of a tick in one conditional) at least once.
 CASES = [
-    ("blocks", "1f1b", 2, 8, "none", 2),
-    ("mlp", "zb_h1", 4, 4, "dots", 2),
-    ("blocks", "zbv", 4, 4, "none", 1),
-    ("lm", "interleaved_1f1b", 2, 6, "full", 1),
+    ("blocks", "1f1b", 2, 8, "none", 2, True),
+    ("mlp", "zb_h1", 4, 4, "dots", 2, False),
+    ("blocks", "zbv", 2, 4, "none", 1, True),
+    ("lm", "interleaved_1f1b", 2, 6, "full", 1, False),
 ]
 
 
 @pytest.mark.unit
 def test_the_cases_cover_every_fused_schedule():
   assert {case[1] for case in CASES} == set(tpipe.schedules.FUSED_SCHEDULE_NAMES)
+  assert {case[-1] for case in CASES} == {True, False}
 
 
-@pytest.mark.parametrize("name,schedule,stages,microbatches,remat,slices", CASES)
-def test_compound_ticks_equal_sequential(name, schedule, stages, microbatches, remat, slices):
+@pytest.mark.parametrize("name,schedule,stages,microbatches,remat,slices,overlap", CASES)
+def test_compound_ticks_equal_sequential(name, schedule, stages, microbatches, remat, slices,
+                                         overlap):
   mesh = lm.emulated_mesh(stages, slices)
-  model = lm.loss_sequential(name, schedule, mesh, microbatches, remat, tick_costs=COSTS)
+  model = lm.loss_sequential(name, schedule, mesh, microbatches, remat, tick_costs=COSTS,
+                             overlap_microbatches=overlap)
   table = model.spec.table
   assert table.is_compound and table.num_ticks < table.num_rows
+  assert tick_rows.paired(table).any()  # Pairs to overlap, or to run in their lanes.
   assert any(model.spec.delays) == (slices == 2)
   lm.assert_loss_equals_sequential(model, name, microbatches * (8 // stages))
 

@@ -14,6 +14,7 @@ from tpipe.tools import analysis
 from tpipe.tools import flops as flops_lib
 from tpipe.tools import pipeline_time
 from tpipe.tools import step_time
+from tpipe.tools import tick_conditionals as conditionals_lib
 
 # TPU v5p's published figures, as the table must hold them.
 PEAK = 459e12          # bf16 FLOP/s.
@@ -479,7 +480,7 @@ def test_lanes_meet_their_conditionals_in_the_order_the_program_made_them():
         for n in names])
     module = types.SimpleNamespace(computations={"body": body})
     return [branches[0].removesuffix("_branch")
-            for branches in flops_lib.tick_conditionals(module, "body")]
+            for branches in conditionals_lib.tick_conditionals(module, "body")]
 
   assert order("conditional.9", "conditional.8") == ["conditional.8", "conditional.9"]
   assert order("conditional.10", "conditional.9") == ["conditional.9", "conditional.10"]

@@ -391,6 +391,11 @@ def test_config_tick_costs_give_compound_tables():
   assert spec.tick_costs == (("B", 3.0), ("BI", 2.0), ("F", 1.0), ("W", 1.0))
   assert spec.table.is_compound
   assert translate.spec_from_config(_config(schedule="zbv", num_repeats=2)).tick_costs is None
+  overlapped = translate.spec_from_config(_config(schedule="zbv", num_repeats=2,
+                                                  overlap_microbatches=True))
+  assert overlapped.overlap_microbatches
+  with pytest.raises(ValueError, match="config: overlap_microbatches=True pairs"):
+    translate.spec_from_config(_config(schedule="gpipe", overlap_microbatches=True))
   costs = "F=403.4, BI=528.9, W=407.5"  # ZB-H1's measured costs under remat none.
   searched = translate.spec_from_config(_config(schedule="zb_h1", tick_costs=costs,
                                                 tick_search=1))

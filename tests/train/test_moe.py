@@ -16,6 +16,7 @@ import tpipe
 from tests.helpers import moe_models as mm
 from tests.helpers import numerics
 from tpipe import nnx as tnnx
+from tpipe.core.loops import tick_rows
 from tpipe.tools import analysis
 from tpipe.train import architecture
 from tpipe.train import experts
@@ -119,18 +120,20 @@ MESHES = {
 # Each schedule at least once with the partitioner's dispatch and, but for gpipe (whose backward
 # is autodiff through its loop, as circular's is), once with the explicit all-to-all; each layout
 # four or five times; capacity on two; NNX on two, one per dispatch. "all_to_all/2" exchanges
-# each device's tokens in two parts (exchange_chunks=2), once per front end.
+# each device's tokens in two parts (exchange_chunks=2), once per front end; "+overlap" runs a
+# stage's forward and backward of one tick in one conditional (overlap_microbatches), once per
+# front end.
 CASES = [
     ("linen", "stage2-expert2-data2", "gpipe", 0.0, "partitioner"),
     ("linen", "stage2-expert4", "circular", 0.0, "partitioner"),
     ("linen", "stage2-expert2-data2", "1f1b", 1.0, "partitioner"),
-    ("nnx", "stage2-expert4", "interleaved_1f1b", 0.0, "partitioner"),
+    ("nnx", "stage2-expert4", "interleaved_1f1b", 0.0, "partitioner+overlap"),
     ("nnx", "stage2-expert2-data2", "zb_h1", 0.0, "partitioner"),
     ("linen", "stage2-expert4", "zbv", 1.0, "partitioner"),
     ("linen", "stage2-expert2-data2", "circular", 0.0, "all_to_all"),
-    ("linen", "stage2-expert4", "1f1b", 0.0, "all_to_all"),
+    ("linen", "stage2-expert4", "1f1b", 0.0, "all_to_all+overlap"),
     ("linen", "stage2-expert2-data2", "interleaved_1f1b", 0.0, "all_to_all"),
-    ("linen", "stage2-expert4", "zb_h1", 1.0, "all_to_all/2"),
+    ("linen", "stage2-expert4", "zb_h1", 1.0, "all_to_all/2+overlap"),
     ("nnx", "stage2-expert2-data2", "zbv", 0.0, "all_to_all/2"),
 ]
 MICROBATCHES = 2
@@ -142,21 +145,28 @@ MICROBATCHES = 2
 GROUPED_FACTOR = 16.0
 
 
-def _spec(schedule, mesh):
+def _spec(schedule, mesh, dispatch="partitioner"):
   return dict(num_stages=2, num_microbatches=MICROBATCHES, schedule=schedule, mesh=mesh,
               num_repeats=2 if schedule in ("circular", "interleaved_1f1b", "zbv") else 1,
-              per_example=("targets",))
+              per_example=("targets",), overlap_microbatches=_overlaps(dispatch))
 
 
 def _dispatch(name):
   """``(dispatch, exchange_chunks)`` of a case's dispatch: ``"all_to_all/2"`` in two parts."""
-  dispatch, _, chunks = name.partition("/")
+  dispatch, _, chunks = name.removesuffix("+overlap").partition("/")
   return dispatch, int(chunks or 1)
+
+
+def _overlaps(name) -> bool:
+  """Whether a case's dispatch (``"all_to_all+overlap"``) overlaps micro-batches."""
+  return name.endswith("+overlap")
 
 
 def _linen_step(schedule, mesh, capacity_factor, dispatch, tokens, targets):
   model = tpipe.Sequential(mm.linen_layers(capacity_factor, *_dispatch(dispatch)),
-                           **_spec(schedule, mesh))
+                           **_spec(schedule, mesh, dispatch))
+  if _overlaps(dispatch):  # Its table pairs a forward and a backward somewhere.
+    assert tick_rows.paired(model.pipeline_for(tokens, targets=targets).loss_table).any()
   boxed = jax.eval_shape(functools.partial(model.init, method="initialize"),
                          {"params": jax.random.key(0)}, tokens, targets=targets)["params"]
   shardings = nn.unbox(tpipe.shardings(boxed, mesh, stacked=("layers_1",),
@@ -170,10 +180,10 @@ def _linen_step(schedule, mesh, capacity_factor, dispatch, tokens, targets):
 
 
 def _nnx_step(schedule, mesh, capacity_factor, dispatch, tokens, targets):
+  spec = _spec(schedule, mesh, dispatch)
   dispatch, chunks = _dispatch(dispatch)
   model = tnnx.Sequential(mm.nnx_layers(capacity_factor, dispatch=dispatch,
-                                        exchange_chunks=chunks),
-                          **_spec(schedule, mesh))
+                                        exchange_chunks=chunks), **spec)
   state = nnx.state(model, nnx.Param)
   pure = nnx.to_pure_dict(state)
   params = mm.random_params()  # A Repeat keeps its stacked copies under "layer".
@@ -249,6 +259,12 @@ def test_the_cases_cover_every_schedule_and_both_front_ends():
   # The exchange in parts: through each front end, a split backward and a capacity among them.
   parts = [c for c in CASES if _dispatch(c[4])[1] > 1]
   assert {c[0] for c in parts} == {"linen", "nnx"} and {c[3] for c in parts} == {0.0, 1.0}
+  # Overlapped micro-batches: through each front end, a whole and a split backward, the
+  # explicit exchange's and the partitioner's collectives in the pairs.
+  overlapped = [c for c in CASES if _overlaps(c[4])]
+  assert {c[0] for c in overlapped} == {"linen", "nnx"}
+  assert {c[2] in tpipe.spec.SPLIT_BACKWARD for c in overlapped} == {True, False}
+  assert {_dispatch(c[4])[0] for c in overlapped} == {"partitioner", "all_to_all"}
 
 
 def test_the_trainer_builds_and_steps_a_moe_lm_with_its_experts_split():

@@ -29,6 +29,7 @@ import numpy as np
 from tpipe import schedules as schedules_lib
 from tpipe.core.loops import tick_rows
 from tpipe.tools import hlo as hlo_lib
+from tpipe.tools import tick_conditionals as conditionals_lib
 
 # Elementwise ops XLA counts as one FLOP per output element.
 _ELEMENTWISE = frozenset({
@@ -397,79 +398,8 @@ class FusedFlops:
     return {name: float(np.mean(f)) for name, f in self.actions.items() if np.all(np.isfinite(f))}
 
 
-def _branch_names(conditional) -> list[str]:
-  """A ``conditional``'s branch computations by index (a predicated one's: false, then true)."""
-  listed = conditional.attr("branch_computations")
-  if listed is None:
-    listed = ",".join(conditional.attr(k) or "" for k in ("false_computation", "true_computation"))
-  return [n.strip().lstrip("%") for n in listed.strip("{}").split(",") if n.strip()]
-
-
-def tick_conditionals(module: hlo_lib.HloModule, body: str) -> list[list[str]]:
-  """The branch computations of each conditional in a tick loop's ``body``, the conditionals in
-  the order the program made them: by their names' numbers (``conditional.8`` before
-  ``conditional.9``) where every name has one, else as printed. A scheduled module prints the
-  order they run in, and the TPU compiler runs independent lanes' conditionals in any order (a
-  one-stage table's backward before its forward), while the lanes meet the conditionals in the
-  order the tick body makes them."""
-  instructions = [i for i in module.computations[body].instructions if i.opcode == "conditional"]
-  numbers = [re.search(r"\.(\d+)$", ins.name) for ins in instructions]
-  if all(numbers):
-    instructions = [ins for _, ins in sorted(zip((int(n.group(1)) for n in numbers),
-                                                 instructions), key=lambda pair: pair[0])]
-  return [_branch_names(ins) for ins in instructions]
-
-
-def _lane_layouts(schedule, programs) -> list:
-  """The two ways the lanes of ``schedule``'s compound ticks may split into conditionals (per
-  lane's switch, :func:`tpipe.core.loops.tick_rows.lane_groups`' ``(together, apart)``): every
-  branch in one switch (a tick program written as one ``lax.switch``); and the fused loop's,
-  where idle and the forwards share a switch and each backward (``B``, ``BI``, ``W``) runs in a
-  two-way conditional of its own after it."""
-  count = max(programs) + 1
-  backward = lambda n: n > 0 and (n - 1) // count != schedules_lib.Action.F
-  switches = tick_rows.lane_switches(schedule, programs)
-  return [[tick_rows.lane_groups([flag(n) for n in numbers]) for numbers in switches]
-          for flag in (lambda n: False, backward)]
-
-
-def _branch_counts(layout) -> list[int]:
-  """The branches of each conditional ``layout`` makes, in order (a switch left with idle alone
-  is no conditional: ``lax.switch`` calls a lone branch)."""
-  return [size for together, apart in layout
-          for size in [len(together)] * (len(together) > 1) + [2] * len(apart)]
-
-
-def lane_layout(schedule, programs, conditionals):
-  """How the lanes of ``schedule``'s compound ticks split into ``conditionals`` (the branch
-  names of each, :func:`tick_conditionals`), of the two ways they may (:func:`_lane_layouts`),
-  or None when neither fits."""
-  counts = [len(names) for names in conditionals]
-  return next((layout for layout in _lane_layouts(schedule, programs)
-               if _branch_counts(layout) == counts), None)
-
-
-def branch_costs(schedule, programs, conditionals, layout, cost) -> tuple[np.ndarray, float]:
-  """Each branch number's cost (:class:`tpipe.core.loops.tick_rows.BranchNumbers`), ``cost(branch
-  computation name)`` less its lane's idle branch (for a conditional run apart, less its other
-  branch, which passes the sums through); NaN for a branch no lane holds. And the busiest tick's
-  cost above the idle branches: what a conditional's costliest branch adds on every trip."""
-  action_cost, busiest = np.full(tick_rows.BranchNumbers(max(programs) + 1).size, np.nan), 0.0
-  conditionals = iter(conditionals)
-  for numbers, (together, apart) in zip(tick_rows.lane_switches(schedule, programs), layout):
-    if len(together) > 1:
-      each = np.array([cost(n) for n in next(conditionals)])
-      busiest += float(each.max() - each[0])
-      action_cost[[numbers[p] for p in together]] = each - each[0]
-    for p in apart:  # lax.cond's branches: false (pass through), then true.
-      passing, running = (cost(n) for n in next(conditionals))
-      busiest += max(running, passing) - passing
-      action_cost[numbers[p]] = running - passing
-  return action_cost, busiest
-
-
 def fused_flops(compiled, schedule, programs=None,
-                flops: FlopCount | None = None) -> FusedFlops:
+                flops: FlopCount | None = None, overlap: bool | None = None) -> FusedFlops:
   """Per-action and per-stage FLOPs of a step compiled with a fused schedule.
 
   The tick loop is the ``while`` loop whose trip count is ``schedule.num_ticks``; its
@@ -485,6 +415,9 @@ def fused_flops(compiled, schedule, programs=None,
     programs: per model chunk, its chunk program
       (:meth:`tpipe.core.engine.PlannedPipeline.programs`); default one program per model chunk.
     flops: a :class:`FlopCount` already computed for ``compiled`` (recomputed if None).
+    overlap: whether the step overlaps micro-batches (``PipelineSpec.overlap_microbatches``:
+      a pair's actions run in one conditional, their FLOPs counted on the pair's first row);
+      None: whichever layout of conditionals the tick loop has.
 
   Returns:
     A :class:`FusedFlops`; ``actions`` are per model chunk.
@@ -500,24 +433,27 @@ def fused_flops(compiled, schedule, programs=None,
   programs = list(range(num_virtual)) if programs is None else list(programs)
   found = None
   for loop in loops:
-    conditionals = tick_conditionals(module, loop.body)
-    layout = lane_layout(schedule, programs, conditionals)
+    conditionals = conditionals_lib.tick_conditionals(module, loop.body)
+    layout = conditionals_lib.lane_layout(schedule, programs, conditionals, overlap)
     if layout is not None and found is None:
       found = (loop, conditionals, layout)
   if found is None:
-    expected = _branch_counts(_lane_layouts(schedule, programs)[0])
+    expected = conditionals_lib.expected_counts(schedule, programs, overlap)
     raise ValueError(f"No tick loop of {schedule.num_ticks} trips with conditionals of "
                      f"{expected} branches was found; pass the schedule the step was compiled "
                      "with and its pipeline's programs().")
   loop, conditionals, layout = found
   kinds = ("F", "B", "BI", "W")
-  action_cost, busiest = branch_costs(schedule, programs, conditionals, layout,
-                                      lambda name: counter.computation(name)[0])
+  costs = conditionals_lib.branch_costs(schedule, programs, conditionals, layout,
+                                        lambda name: counter.computation(name)[0])
+  action_cost, busiest = costs.actions, costs.busiest
   numbers = tick_rows.BranchNumbers(max(programs) + 1)
   actions = {kind: action_cost[numbers.number(k, np.asarray(programs))]
              for k, kind in enumerate(kinds)}
   table, _ = tick_rows.tick_branches(schedule, programs)
   action_flops = np.where(table > 0, action_cost[table], 0.0)  # Per row.
+  if costs.pairs:  # A pair's FLOPs on its first row, none on its second.
+    action_flops = conditionals_lib.pair_row_costs(schedule, table, action_flops, costs.pairs)
   per_tick = np.zeros((schedule.num_ticks, schedule.num_stages))
   np.add.at(per_tick, schedule.tick, action_flops)
   total = (flops if flops is not None else flop_count(compiled)).executed

@@ -6,7 +6,10 @@ so the bubble is counted.
 Each tick a device runs one branch of a conditional: idle, or an action (``F``, ``B``, ``BI``,
 ``W``) of a chunk program, as :func:`tpipe.tools.flops.fused_flops` reads them. An action's
 seconds are its branch's less the idle branch's; the program's time outside the actions (each
-tick's routing, the sums after the loop, the optimizer) is added to the simulated step.
+tick's routing, the sums after the loop, the optimizer) is added to the simulated step. Where
+micro-batches overlap (``PipelineSpec.overlap_microbatches``), a forward and a backward a stage
+runs in one tick run in one conditional: the pair is priced as one branch (its collectives
+overlapped with both actions' work where the program overlaps them), in the ticks that pair.
 """
 
 from __future__ import annotations
@@ -16,11 +19,17 @@ from typing import Mapping
 
 import numpy as np
 
+from tpipe import schedules as schedules_lib
+from tpipe.core.loops import tick_rows
 from tpipe.experimental import links as links_lib
+from tpipe.schedules import simulate as simulate_lib
 from tpipe.tools import flops as flops_lib
 from tpipe.tools import hlo as hlo_lib
 from tpipe.tools import step_time
+from tpipe.tools import tick_conditionals as conditionals_lib
 from tpipe.tools.trip_counts import with_trip_counts
+
+Action = schedules_lib.Action
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +47,9 @@ class ActionSeconds:
     exposed_by: per action kind, the part of its seconds spent waiting for collectives, by
       ``(kind, mesh axes)`` as :attr:`tpipe.tools.step_time.StepTime.exposed_by` keys it (the
       mean over the model chunks, as ``actions``).
+    pairs: micro-batches overlapped: per pair of action kinds in the order a tick runs them
+      (``"F+B"``, ``"BI+F"``), the mean seconds of the two run in one conditional; empty
+      otherwise. ``exposed_by`` holds their waits under the same keys.
   """
 
   actions: dict[str, float]
@@ -45,10 +57,18 @@ class ActionSeconds:
   lockstep: float
   tick_loop: str
   exposed_by: dict = dataclasses.field(default_factory=dict)
+  pairs: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _pair_kind(first: int, second: int, count: int) -> str:
+  """``"F+B"``: the action kinds of two branch numbers of ``count`` chunk programs."""
+  numbers = tick_rows.BranchNumbers(count)
+  return "+".join(Action(numbers.decode(n)[0]).name for n in (first, second))
 
 
 def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None,
-                         axis_links: Mapping[str, str] | None = None) -> ActionSeconds:
+                         axis_links: Mapping[str, str] | None = None,
+                         overlap: bool | None = None) -> ActionSeconds:
   """Each action of a fused schedule's step priced as :func:`tpipe.tools.step_time.estimate`
   prices a program.
 
@@ -62,13 +82,17 @@ def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None
     schedule: the :class:`tpipe.schedules.FusedSchedule` it runs.
     chip_, mesh, axis_links: as for :func:`tpipe.tools.step_time.estimate`.
     programs: per model chunk, its chunk program (default one per model chunk).
+    overlap: whether the step overlaps micro-batches (``PipelineSpec.overlap_microbatches``);
+      None: whichever layout of conditionals the tick loop has
+      (:func:`tpipe.tools.tick_conditionals.lane_layout`).
 
   Raises:
     ValueError: no tick loop matching the schedule.
   """
 
   module = with_trip_counts(hlo_lib.module_of(hlo))
-  found = flops_lib.fused_flops(module, schedule, programs)  # Finds and checks the tick loop.
+  # Finds and checks the tick loop.
+  found = flops_lib.fused_flops(module, schedule, programs, overlap=overlap)
   spec = step_time.chip(chip_)
   if mesh is not None and axis_links is None:
     axis_links = links_lib.axis_links(mesh)
@@ -78,30 +102,75 @@ def fused_action_seconds(hlo, schedule, chip_="v5p", *, programs=None, mesh=None
   programs = (list(range(schedule.num_stages * schedule.num_chunks)) if programs is None
               else list(programs))
   count = max(programs) + 1
-  conditionals = flops_lib.tick_conditionals(module, loop.body)
-  layout = flops_lib.lane_layout(schedule, programs, conditionals)
-  cost, busiest = flops_lib.branch_costs(schedule, programs, conditionals, layout,
+  conditionals = conditionals_lib.tick_conditionals(module, loop.body)
+  layout = conditionals_lib.lane_layout(schedule, programs, conditionals, overlap)
+  priced = conditionals_lib.branch_costs(schedule, programs, conditionals, layout,
                                          lambda name: pricer.computation(name).seconds)
 
-  def per_action(branch_cost):  # Each action kind the table runs: its mean over the chunks.
+  # Each action kind, and each pair of kinds: its mean over the chunk programs.
+  def per_action(costs: conditionals_lib.BranchCosts):
     out = {}
     for k, kind in enumerate(("F", "B", "BI", "W")):
-      per_chunk = branch_cost[1 + k * count + np.asarray(programs)]
-      if np.all(np.isfinite(per_chunk)):
-        out[kind] = float(np.mean(per_chunk))
+      per_chunk = costs.actions[1 + k * count + np.asarray(programs)]
+      # The chunks that run it alone (all of them, unless some run it only in pairs).
+      if np.any(np.isfinite(per_chunk)):
+        out[kind] = float(np.mean(per_chunk[np.isfinite(per_chunk)]))
     return out
 
-  actions = per_action(cost)
-  outside = lockstep - loop.outer * schedule.num_ticks * busiest
-  exposed_by = {kind: {} for kind in actions}
+  def per_pair(costs: conditionals_lib.BranchCosts):
+    kinds = {}
+    for (first, second), seconds in costs.pairs.items():
+      kinds.setdefault(_pair_kind(first, second, count), []).append(seconds)
+    return {kind: float(np.mean(each)) for kind, each in kinds.items()}
+
+  actions, pairs = per_action(priced), per_pair(priced)
+  outside = lockstep - loop.outer * schedule.num_ticks * priced.busiest
+  exposed_by = {kind: {} for kind in [*actions, *pairs]}
   for key in pricer.exposed_keys():
     wait = lambda name, key=key: pricer.computation(name).exposed_by.get(key, 0.0)
-    waits, _ = flops_lib.branch_costs(schedule, programs, conditionals, layout, wait)
-    for kind, seconds in per_action(waits).items():
+    waits = conditionals_lib.branch_costs(schedule, programs, conditionals, layout, wait)
+    for kind, seconds in [*per_action(waits).items(), *per_pair(waits).items()]:
       if seconds:
         exposed_by[kind][key] = seconds
   return ActionSeconds(actions=actions, outside=outside, lockstep=lockstep,
-                       tick_loop=found.tick_loop, exposed_by=exposed_by)
+                       tick_loop=found.tick_loop, exposed_by=exposed_by, pairs=pairs)
+
+
+def row_seconds(schedule, priced: ActionSeconds) -> np.ndarray:
+  """``[R, S]``: each table entry's seconds under ``priced``: its action kind's, or, micro-batches
+  overlapped, a pair's (:func:`tpipe.core.loops.tick_rows.paired`) on its first row and none on
+  its second."""
+  seconds = simulate_lib.action_costs(schedule, priced.actions) if priced.actions else np.zeros(
+      schedule.action.shape)
+  if not priced.pairs:
+    return seconds
+  seconds = np.array(seconds, np.float64)
+  for r, s in zip(*np.nonzero(tick_rows.paired(schedule))):
+    seconds[r, s] = priced.pairs[_kind_pair(schedule, r, s)]
+    seconds[r + 1, s] = 0.0
+  return seconds
+
+
+def _kind_pair(schedule, r: int, s: int) -> str:
+  return "+".join(Action(int(schedule.action[q, s])).name for q in (r, r + 1))
+
+
+def _runs_per_stage(schedule, overlapped: bool) -> dict[str, float]:
+  """Per action kind (and, micro-batches ``overlapped``, per pair of kinds), how many times the
+  mean stage runs it alone (or paired) in a step."""
+  in_pair = np.zeros(schedule.action.shape, bool)
+  runs: dict[str, float] = {}
+  if overlapped:
+    first = tick_rows.paired(schedule)
+    in_pair[:-1] |= first[:-1]
+    in_pair[1:] |= first[:-1]
+    for r, s in zip(*np.nonzero(first)):
+      kind = _kind_pair(schedule, r, s)
+      runs[kind] = runs.get(kind, 0.0) + 1.0 / schedule.num_stages
+  for action in Action:
+    alone = (schedule.action == action) & ~in_pair
+    runs[action.name] = float(alone.sum()) / schedule.num_stages
+  return runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,20 +201,29 @@ class PipelineTime:
 
 
 def pipeline_step_time(hlo, schedule, chip_="v5p", *, programs=None, mesh=None,
-                       axis_links: Mapping[str, str] | None = None) -> PipelineTime:
+                       axis_links: Mapping[str, str] | None = None,
+                       overlap: bool | None = None) -> PipelineTime:
   """A fused schedule's step time with its bubble: :func:`fused_action_seconds` fed to the
-  schedule's neighbour-synchronised simulation (:meth:`tpipe.schedules.FusedSchedule.simulate`),
-  plus the time outside the actions. Arguments as for :func:`fused_action_seconds`."""
+  schedule's neighbour-synchronised simulation (:meth:`tpipe.schedules.FusedSchedule.simulate`;
+  with micro-batches overlapped, each entry's seconds from :func:`row_seconds`), plus the time
+  outside the actions. Arguments as for :func:`fused_action_seconds`."""
   priced = fused_action_seconds(hlo, schedule, chip_, programs=programs, mesh=mesh,
-                                axis_links=axis_links)
-  timing = schedule.simulate(priced.actions)
-  busy = float(np.mean(timing.busy))
-  runs = schedule.num_microbatches * schedule.num_chunks  # Each action kind's, per stage.
+                                axis_links=axis_links, overlap=overlap)
+  if priced.pairs:
+    per_tick = np.zeros((schedule.num_ticks, schedule.num_stages))
+    np.add.at(per_tick, schedule.tick, row_seconds(schedule, priced))
+    links = simulate_lib.ring_links(schedule.num_stages, schedule.num_chunks > 1)
+    neighbour = simulate_lib.linked_time(per_tick, links, None, schedule.delays)
+    busy = float(np.mean(per_tick.sum(axis=0)))
+  else:
+    timing = schedule.simulate(priced.actions)
+    neighbour, busy = timing.neighbour, float(np.mean(timing.busy))
+  runs = _runs_per_stage(schedule, bool(priced.pairs))
   exposed_by = {}
-  for waits in priced.exposed_by.values():
+  for kind, waits in priced.exposed_by.items():
     for key, seconds in waits.items():
-      exposed_by[key] = exposed_by.get(key, 0.0) + runs * seconds
-  return PipelineTime(seconds=timing.neighbour + priced.outside, busy=busy,
-                      bubble=timing.neighbour - busy, outside=priced.outside,
-                      lockstep=priced.lockstep, actions=dict(priced.actions),
+      exposed_by[key] = exposed_by.get(key, 0.0) + runs.get(kind, 0.0) * seconds
+  return PipelineTime(seconds=neighbour + priced.outside, busy=busy,
+                      bubble=neighbour - busy, outside=priced.outside,
+                      lockstep=priced.lockstep, actions=dict(priced.actions, **priced.pairs),
                       exposed_by=exposed_by)

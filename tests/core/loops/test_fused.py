@@ -395,3 +395,43 @@ def test_a_chunk_count_the_schedule_does_not_use_is_rejected_at_construction():
   with pytest.raises(ValueError, match="interleaved_1f1b' needs num_repeats >= 2"):
     tpipe.Sequential([nn.Dense(4)] * 4, num_stages=2, num_microbatches=2,
                      schedule="interleaved_1f1b")
+
+
+def test_overlapped_micro_batches_run_each_pair_in_one_conditional():
+  """With ``overlap_microbatches``, a stage's F and B of one tick run in a two-way conditional of
+  their own: the tick loop's conditionals are the lanes' switches and the pairs' (as
+  tpipe.tools.tick_conditionals reads them), a pair executes F's and B's FLOPs, and the
+  step is priced with the pair as one action in the ticks that pair."""
+  from tpipe.core.loops import tick_rows  # pylint: disable=g-import-not-at-top
+  from tpipe.tools import pipeline_time  # pylint: disable=g-import-not-at-top
+
+  costs = {"F": 1.0, "B": 3.0}
+  model, mesh = _model("blocks", "1f1b", 2, 4, tick_costs=costs, overlap_microbatches=True)
+  x, targets = _inputs("blocks", mesh)
+  pipeline = model.pipeline_for(x, targets=targets)
+  table, programs = pipeline.loss_table, pipeline.programs()
+  first = tick_rows.paired(table)
+  assert first.sum() == 6  # Stage 1's ticks 1-3 and ticks 4-6 of a 2-stage, 4-micro-batch 1F1B.
+  compiled = jax.jit(jax.grad(lm.pipelined_loss(model))).lower(
+      lm.random_params("blocks"), x, targets).compile()
+  found = analysis.fused_flops(compiled, table, programs, overlap=True)
+  with pytest.raises(ValueError, match="No tick loop"):  # Not the layout without pairs.
+    analysis.fused_flops(compiled, table, programs, overlap=False)
+  # Stage 0 runs F0 F1 F2+B0 F3+B1 B2 B3: two pairs of its program beside two F and two B
+  # alone, and a pair executes what its F and B do alone. Stage 1 runs pairs only.
+  assert [table.describe().splitlines()[0].split()[2:]] == [["F0", "F1", "F2+B0", "F3+B1", "B2",
+                                                             "B3"]]
+  forward, backward = found.actions["F"][0], found.actions["B"][0]
+  assert np.isnan(found.actions["F"][1]) and np.isnan(found.actions["B"][1])
+  pair = (found.per_stage[0] - 2 * (forward + backward)) / 2
+  assert pair == pytest.approx(forward + backward, rel=0.02)
+  step = pipeline_time.pipeline_step_time(compiled, table, "v5p", programs=programs,
+                                          overlap=True)
+  assert set(step.actions) == {"F", "B", "F+B"}
+  assert 0 < step.actions["F+B"] <= step.actions["F"] + step.actions["B"]
+  seconds = pipeline_time.row_seconds(table, pipeline_time.fused_action_seconds(
+      compiled, table, "v5p", programs=programs, overlap=True))
+  per_tick = np.zeros((table.num_ticks, table.num_stages))
+  np.add.at(per_tick, table.tick, seconds)
+  assert step.busy == pytest.approx(float(per_tick.sum(axis=0).mean()))
+  assert step.bubble == pytest.approx(step.seconds - step.outside - step.busy)

@@ -133,6 +133,69 @@ def test_a_compound_table_in_lanes():
   assert branch[:, 1].T.tolist() == [[0, 0, 0, 0], [0, 1, 1, 0]]
 
 
+def test_a_compound_table_in_pairs():
+  """With micro-batches overlapped, stage 1's F and B of ticks 1 and 2 run as pairs: idle in
+  their lanes' switches (lane 1 then holds idle alone), the pair's number on lane 0."""
+  table = schedules.build("1f1b", 2, 2, costs={"F": 1, "B": 2})
+  first = tick_rows.paired(table)
+  assert first.T.tolist() == [[False] * 6, [False, True, False, True, False, False]]
+  # Lanes 0 and 1 pair F of program 1 (number 2) with B of program 1 (number 4).
+  assert tick_rows.pair_switches(table, TWO_PROGRAMS) == [((2, 4),), ()]
+  assert tick_rows.lane_switches(table, TWO_PROGRAMS, overlap=True) == [(0, 1, 3), (0,)]
+  lanes = tick_rows.tick_rows(table, TWO_PROGRAMS, overlap=True)["lanes"]
+  assert lanes["pair"][:, 0].T.tolist() == [[0, 0, 0, 0], [0, 1, 1, 0]]
+  assert not lanes["pair"][:, 1].any()
+  # The rows of pairs are idle in the lanes' switches (1 + 2 = 3, and 0 for idle in lane 1).
+  assert lanes["branch"][:, 0].T.tolist() == [[1, 1, 2, 2], [0, 0, 0, 0]]
+  assert not lanes["branch"][:, 1].any()
+  # What is not the branch is the table's, as without pairs.
+  plain = tick_rows.tick_rows(table, TWO_PROGRAMS)["lanes"]
+  for key in set(plain) - {"branch"}:
+    np.testing.assert_array_equal(lanes[key], plain[key])
+
+
+@pytest.mark.parametrize("name,stages,microbatches,repeats", [
+    ("1f1b", 4, 8, 1), ("zb_h1", 4, 8, 1), ("zbv", 4, 8, 2), ("interleaved_1f1b", 4, 8, 2)])
+def test_pairs_join_a_forward_and_a_backward_of_one_tick(name, stages, microbatches, repeats):
+  """Every pair is a forward beside a backward (B or BI) of the same stage and tick, in adjacent
+  rows; no row is in two pairs; every adjacent F and backward of a tick whose first row is not
+  already taken pairs; and the pairs' rows leave their lanes' switches."""
+  costs = {"F": 1, "B": 3, "BI": 2, "W": 1}
+  table = schedules.build(name, stages, microbatches, repeats, costs=costs)
+  first = tick_rows.paired(table)
+  assert first.any()
+  action, tick = table.action, table.tick
+  kinds = {schedules.Action.F, schedules.Action.B, schedules.Action.BI}
+  taken = np.zeros_like(first)
+  for r, s in zip(*np.nonzero(first)):
+    assert tick[r] == tick[r + 1]
+    assert {int(action[r, s]), int(action[r + 1, s])} <= {int(k) for k in kinds}
+    assert (action[r, s] == schedules.Action.F) != (action[r + 1, s] == schedules.Action.F)
+    assert not taken[r, s] and not taken[r + 1, s]
+    taken[r, s] = taken[r + 1, s] = True
+  for r in range(table.num_rows - 1):
+    for s in range(stages):
+      forward = [action[q, s] == schedules.Action.F for q in (r, r + 1)]
+      backward = [action[q, s] in (schedules.Action.B, schedules.Action.BI) for q in (r, r + 1)]
+      if (tick[r] == tick[r + 1] and not taken[r, s]
+              and ((forward[0] and backward[1]) or (backward[0] and forward[1]))):
+        raise AssertionError(f"row {r}, stage {s} pairs with the next row but is not paired")
+  programs = list(range(stages * repeats))
+  numbers = tick_rows.by_lanes(table, tick_rows.tick_branches(table, programs)[0])
+  lanes = tick_rows.tick_rows(table, programs, overlap=True)["lanes"]
+  pairs = tick_rows.pair_switches(table, programs)
+  for lane, switch in enumerate(tick_rows.lane_switches(table, programs, overlap=True)):
+    # Each row runs once: in its lane's switch, or in the pair its lane's "pair" names.
+    in_lane = np.asarray(switch)[lanes["branch"][:, lane]]
+    paired_here = lanes["pair"][:, lane] > 0
+    paired_before = lanes["pair"][:, lane - 1] > 0 if lane else np.zeros_like(paired_here)
+    np.testing.assert_array_equal(np.where(paired_here | paired_before, 0, numbers[:, lane]),
+                                  in_lane)
+    for t, s in zip(*np.nonzero(paired_here)):
+      assert pairs[lane][lanes["pair"][t, lane, s] - 1] == (numbers[t, lane, s],
+                                                            numbers[t, lane + 1, s])
+
+
 @pytest.mark.parametrize("writes_sums,together,apart", [
     ([False, False, False], [0, 1, 2], []),
     ([False, True, False], [0, 2], [1]),  # One backward runs apart too.

@@ -20,6 +20,11 @@ table as one SPMD program:
   another, each reading the mailbox and writing the stash as a tick of its own would; the
   tick's messages leave once, after the last lane. (On one device the work is serial either
   way, and the lanes share one set of chunk programs where combinations would multiply them.)
+  With ``overlap_microbatches``, a forward and a backward of two micro-batches in adjacent
+  lanes (:func:`tpipe.core.loops.tick_rows.paired`) run together in a two-way conditional of
+  their own (:func:`_pair_runner`), every chunk program unrolled: no conditional or loop
+  stands between one action's collectives (a mixture of experts' all-to-all) and the other's
+  compute, so the compiler can overlap them, as DualPipe overlaps a forward and a backward.
 * ``F`` applies the chunk to the micro-batch's input (the data for the first chunk, otherwise an
   activation from the stage's mailbox) and keeps that input in a **stash slot** of the table. A
   stage allocates as many slots as the table's peak of micro-batches in flight (``min(S, M)``
@@ -128,6 +133,45 @@ def _lane_runner(branches: list[Callable], forward_only: list[bool]) -> Callable
   return run
 
 
+def _pair_runner(pairs: list[tuple[Callable, Callable]]) -> Callable:
+  """``run(pair, state, slots, ats, steps, sends) -> (state, written, sends)``: two lanes' pair
+  (:func:`tpipe.core.loops.tick_rows.pair_switches`) where ``pair`` says one runs (0: none).
+
+  Each pair runs in a two-way conditional of its own (false: pass through, as a backward run
+  apart does, so the running sums are not copied), its two branches one after the other as the
+  lanes run them, the second reading its slots as the first left them; in one conditional, the
+  compiler may run one action's collectives while the other computes. ``ats``, ``steps`` and
+  ``sends`` are the two lanes' slots, operands and sends (where no pair runs, what their lanes
+  sent); ``written`` is what each lane's slots hold after the pair."""
+
+  def run(pair, state, slots, ats, steps, sends):
+    written = tuple(branches_lib.as_is(slots, at) for at in ats)
+    out = (state, written, sends)
+    for position, (first, second) in enumerate(pairs):
+
+      def both(out, ats, steps, first=first, second=second):
+        state, (now_0, now_1), _ = out
+        state, written_0, send_0 = first(state, _one_slot(now_0), _slot_zero(now_0), steps[0])
+        now_1 = {k: jax.tree.map(lambda a, b, k=k: jnp.where(ats[0][k] == ats[1][k], a, b),
+                                 written_0[k], now_1[k]) for k in now_1}
+        state, written_1, send_1 = second(state, _one_slot(now_1), _slot_zero(now_1), steps[1])
+        return state, (written_0, written_1), (send_0, send_1)
+
+      out = lax.cond(pair == 1 + position, both, lambda out, *_: out, out, ats, steps)
+    return out
+
+  return run
+
+
+def _one_slot(contents: dict) -> dict:
+  """Slot buffers of one slot holding ``contents`` (what a branch reads at :func:`_slot_zero`)."""
+  return {k: jax.tree.map(lambda a: a[None], value) for k, value in contents.items()}
+
+
+def _slot_zero(contents: dict) -> dict:
+  return {k: jnp.zeros((), jnp.int32) for k in contents}
+
+
 # What a forward writes of the running state
 # (:meth:`~tpipe.core.loops.branches.Branches.forward_only`).
 _FORWARD_STATE = ("loss", "outputs")
@@ -173,9 +217,18 @@ class _Run:
 
   def __init__(self, chunkset: chunks_lib.ChunkSet, schedule: schedules.FusedSchedule,
                axes: spmd.Axes, plan: backward_plan.BackwardPlan):
+    # Overlapping micro-batches: a stage's forward and backward of one tick in one conditional,
+    # every chunk program unrolled (no layer loop stands between one action's collectives and
+    # the other's compute; the lanes run the same programs, so what F files for B, residuals
+    # included, has one layout).
+    overlap = chunkset.spec.overlap_microbatches and not schedule.forward_only
+    if overlap:
+      chunkset = chunkset.unrolled()
     self.chunkset, self.schedule, self.axes, self.plan = chunkset, schedule, axes, plan
-    self.rows_table = tick_rows.tick_rows(schedule, chunkset.branch_of_chunk)
-    self.switches = tick_rows.lane_switches(schedule, chunkset.branch_of_chunk)
+    self.rows_table = tick_rows.tick_rows(schedule, chunkset.branch_of_chunk, overlap)
+    self.switches = tick_rows.lane_switches(schedule, chunkset.branch_of_chunk, overlap)
+    self.pair_switches = (tick_rows.pair_switches(schedule, chunkset.branch_of_chunk) if overlap
+                          else [()] * schedule.lanes)
     wrap, num_stages, delays = schedule.num_chunks > 1, schedule.num_stages, schedule.delays
     # Pairs over links without delay send at the end of a tick; over delayed links, during the
     # next tick (what a delayed table expects: arrival two ticks after the send).
@@ -201,6 +254,9 @@ class _Run:
     lanes = [_lane_runner([branches.branch(n, device, learned, collect) for n in numbers],
                           [branches.numbers.is_forward_or_idle(n) for n in numbers])
              for numbers in self.switches]
+    pairs = [_pair_runner([(branches.branch(a, device, learned, collect),
+                            branches.branch(b, device, learned, collect)) for a, b in numbers])
+             if numbers else None for numbers in self.pair_switches]
     start = buffers_lib.allocate(
         schedule, axes, self._initial_state(device, collect), device.ring_zero,
         learned.weight_sizes, learned.residual_sizes, delayed=self.delayed,
@@ -213,6 +269,7 @@ class _Run:
       conveyed, conveyor = None, buffers.conveyor
       if call.conveyor is not None:  # Every lane's inputs travel once per tick.
         conveyed, conveyor = call.conveyor.tick(device.held, conveyor, row[streaming.ROW][stage])
+      taken = []  # Per lane so far: its slots, operands and row.
       for lane in range(schedule.lanes):  # A compound tick's steps, in the table's order.
         step = jax.tree.map(lambda a: a[lane, stage], row["lanes"])
         msg = spmd.read_slot(buffers.mailbox, step["recv_slot"])
@@ -225,6 +282,15 @@ class _Run:
         state, written, send = lanes[lane](step["branch"], state, slots, at, operands)
         slots = {k: spmd.write_slot(slots[k], at[k], written[k]) for k in slots}
         sends.append((send, step))
+        taken.append((at, operands, step))
+        if lane and pairs[lane - 1] is not None:  # Lanes lane - 1 and lane, where they pair.
+          (at_0, step_0, row_0), (at_1, step_1, _) = taken[-2:]
+          state, written, paired_sends = pairs[lane - 1](
+              row_0["pair"], state, slots, (at_0, at_1), (step_0, step_1),
+              (sends[-2][0], sends[-1][0]))
+          for at_k, written_k in zip((at_0, at_1), written):
+            slots = {k: spmd.write_slot(slots[k], at_k[k], written_k[k]) for k in slots}
+          sends[-2:] = [(s, r) for s, (_, r) in zip(paired_sends, sends[-2:])]
       arrived, pending = self._send(sends, buffers.pending)
       return dataclasses.replace(
           buffers, state=state, stash=stash, weights=slots["weights"],

@@ -4,6 +4,10 @@ Per tick and lane (one step of a compound tick, :attr:`tpipe.schedules.FusedSche
 per stage: the ``lax.switch`` branch (:func:`tick_branches`, :func:`lane_switches`), the
 micro-batch, the stash, weight (:func:`weight_slots`) and mailbox slots, and where the step
 sends; per tick, where arriving messages go. :mod:`tpipe.core.loops.fused` runs them.
+
+With micro-batches overlapped (``PipelineSpec.overlap_microbatches``), a forward and a backward
+of two micro-batches that a stage runs in adjacent lanes of one tick (:func:`paired`) run
+together, in one conditional of their own (:func:`pair_switches`), rather than each in its lane.
 """
 
 from __future__ import annotations
@@ -55,6 +59,57 @@ class BranchNumbers:
     return decoded is None or decoded[0] == Action.F
 
 
+def paired(schedule: schedules.FusedSchedule) -> np.ndarray:
+  """``[R, S]`` bool: where a row and the next row of its tick are, on that stage, a forward
+  (``F``) and a backward (``B`` or ``BI``), in either order: a pair that an overlapping tick
+  loop runs together, marked on its first row. A row is in one pair at most (a stage's rows pair
+  from its first lane on); ``W`` and two forwards never pair.
+
+    >>> from tpipe.schedules import compound
+    >>> table = compound.build("1f1b", 2, 2, costs={"F": 1, "B": 3})
+    >>> print(table.describe())
+    stage 0:    F0    F1    B0    B1
+    stage 1:     . F0+B0 F1+B1     .
+    >>> paired(table)[table.first_rows()[1]].tolist()
+    [False, True]
+  """
+  action, tick = schedule.action, schedule.tick
+  forward = action == Action.F
+  backward = np.isin(action, [Action.B, Action.BI])
+  out = np.zeros(action.shape, bool)
+  for r in range(schedule.num_rows - 1):
+    if tick[r + 1] != tick[r]:
+      continue
+    taken = out[r - 1] if r > 0 and tick[r - 1] == tick[r] else np.zeros_like(out[r])
+    out[r] = ((forward[r] & backward[r + 1]) | (backward[r] & forward[r + 1])) & ~taken
+  return out
+
+
+def _in_pairs(schedule: schedules.FusedSchedule) -> np.ndarray:
+  """``[R, S]`` bool: the rows of :func:`paired` pairs, first and second."""
+  first = paired(schedule)
+  second = np.zeros_like(first)
+  second[1:] = first[:-1]
+  return first | second
+
+
+def pair_switches(schedule: schedules.FusedSchedule, programs) -> list[tuple[tuple[int, int], ...]]:
+  """Per lane ``k``, the ``(first, second)`` :func:`tick_branches` numbers of the pairs the table
+  runs in lanes ``k`` and ``k + 1`` (:func:`paired`), ascending: the conditionals an overlapping
+  tick loop runs after lane ``k + 1`` (none for the last lane)."""
+  branch = by_lanes(schedule, tick_branches(schedule, programs)[0])
+  first = by_lanes(schedule, paired(schedule), fill=False)
+  out = []
+  for lane in range(schedule.lanes):
+    if lane + 1 == schedule.lanes:
+      out.append(())
+      continue
+    on = first[:, lane]
+    out.append(tuple(sorted({(int(a), int(b)) for a, b in
+                             zip(branch[:, lane][on], branch[:, lane + 1][on])})))
+  return out
+
+
 def weight_slots(schedule: schedules.FusedSchedule) -> np.ndarray:
   """``[R, S]``: the weight slot each ``BI`` fills and its ``W`` empties (0 elsewhere).
 
@@ -88,13 +143,22 @@ def tick_branches(schedule: schedules.FusedSchedule, programs) -> tuple[np.ndarr
   return branch.astype(np.int32), v.astype(np.int32)
 
 
-def lane_switches(schedule: schedules.FusedSchedule, programs) -> list[tuple[int, ...]]:
+def lane_switches(schedule: schedules.FusedSchedule, programs,
+                  overlap: bool = False) -> list[tuple[int, ...]]:
   """Per lane (:func:`by_lanes`), the :func:`tick_branches` numbers its ``lax.switch`` holds,
   ascending: :data:`IDLE` and the branches the table runs in that lane, on any tick and stage. A
   branch no entry of the lane runs is left out of its switch (a split backward's table never
   runs ``B``; a compound tick's lanes each run a few kinds), so the program compiles only what
-  the table runs."""
-  return _switches(by_lanes(schedule, tick_branches(schedule, programs)[0]))
+  the table runs. With ``overlap``, the rows of pairs (:func:`paired`) run in the pairs'
+  conditionals (:func:`pair_switches`), not in their lanes' switches."""
+  return _switches(by_lanes(schedule, _lone_branches(schedule, programs, overlap)))
+
+
+def _lone_branches(schedule, programs, overlap: bool) -> np.ndarray:
+  """``[R, S]``: the :func:`tick_branches` numbers each lane's switch runs: :data:`IDLE` for the
+  rows of pairs where ``overlap``."""
+  branch, _ = tick_branches(schedule, programs)
+  return np.where(_in_pairs(schedule), IDLE, branch).astype(np.int32) if overlap else branch
 
 
 def lane_groups(writes_sums) -> tuple[list[int], list[int]]:
@@ -129,13 +193,14 @@ def by_lanes(schedule: schedules.FusedSchedule, table: np.ndarray, fill=0) -> np
   return out
 
 
-def tick_rows(schedule: schedules.FusedSchedule, branch_of_chunk) -> dict:
+def tick_rows(schedule: schedules.FusedSchedule, branch_of_chunk, overlap: bool = False) -> dict:
   """The per-tick rows the scan consumes: ``lanes``, each ``[T, L, S]`` (one step of a tick per
   lane, see :func:`by_lanes`; ``branch`` is the position in the lane's switch of the
   :func:`tick_branches` number, :func:`lane_switches`; ``branch_of_chunk`` is the chunk program
-  of each model chunk), and ``arrival``, ``[T, S, 3]``."""
-  branch, v = tick_branches(schedule, branch_of_chunk)
-  branch = by_lanes(schedule, branch)
+  of each model chunk; with ``overlap``, ``pair`` is 0, or on the first lane of a pair 1 + its
+  position in that lane's :func:`pair_switches`), and ``arrival``, ``[T, S, 3]``."""
+  every, v = tick_branches(schedule, branch_of_chunk)
+  branch = by_lanes(schedule, _lone_branches(schedule, branch_of_chunk, overlap))
   for lane, numbers in enumerate(_switches(branch)):  # Each lane's position in its switch.
     branch[:, lane] = np.searchsorted(numbers, branch[:, lane])
   lanes = {
@@ -151,4 +216,13 @@ def tick_rows(schedule: schedules.FusedSchedule, branch_of_chunk) -> dict:
   }
   lanes = {key: by_lanes(schedule, value) for key, value in lanes.items()}
   lanes["branch"] = branch
+  if overlap:
+    pair = np.zeros(branch.shape, np.int32)
+    first = by_lanes(schedule, paired(schedule), fill=False)
+    every = by_lanes(schedule, every)
+    for lane, pairs in enumerate(pair_switches(schedule, branch_of_chunk)):
+      for position, (a, b) in enumerate(pairs):
+        here = first[:, lane] & (every[:, lane] == a) & (every[:, lane + 1] == b)
+        pair[:, lane][here] = 1 + position
+    lanes["pair"] = pair
   return {"lanes": lanes, "arrival": schedule.arrival_slots()[schedule.first_rows()]}

@@ -179,7 +179,11 @@ class _Pieces:
     parts = []
     if whole:
       grouped = jax.tree.map(lambda a: a[:whole * k].reshape((whole, k) + a.shape[1:]), xs)
-      h, out = lax.scan(self.piece(self.scanned(fn, k), in_scan=True), h, grouped, length=whole)
+      # unroll=True unrolls the loop over pieces too: then no loop keeps XLA from merging a
+      # piece's recomputation with its forward, and the pieces keep prevent_cse's barriers.
+      whole_unrolled = self.unroll is True
+      h, out = lax.scan(self.piece(self.scanned(fn, k), in_scan=not whole_unrolled), h, grouped,
+                        length=whole, unroll=whole_unrolled)
       parts.append(jax.tree.map(lambda a: a.reshape((whole * k,) + a.shape[2:]), out))
     if rest:
       tail = jax.tree.map(lambda a: a[whole * k:], xs)

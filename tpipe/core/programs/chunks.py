@@ -28,6 +28,7 @@ the backward by units (:mod:`tpipe.core.programs.unit_backward`).
 
 from __future__ import annotations
 
+import copy
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,14 @@ class ChunkSet:
   @property
   def num_branches(self) -> int:
     return len(self.signatures)
+
+  def unrolled(self) -> "ChunkSet":
+    """These chunk programs with every repeated layer's loop unrolled whole (``unroll=True``):
+    the same computation as straight-line code, which the compiler can interleave with other
+    work in the same conditional (the paired actions of :mod:`tpipe.core.loops.fused`)."""
+    clone = copy.copy(self)
+    clone.spec = self.spec.replace(unroll=True)
+    return clone
 
   # ------------------------------------------------------------------------------------------
   # Traced lookups: a Python value when the branch serves one chunk (or R is 1).
@@ -419,6 +428,10 @@ class ChunkSet:
 
     def step(h, xs):
       params, stats, unit, taps = xs
+      if self.spec.unroll is True:
+        # Unrolled, no loop orders the units: the unit's weights (their gathers and casts)
+        # wait for its input, so they are not all prepared, and held, at once.
+        params, h = lax.optimization_barrier((params, h))
       (h, statistics), records = apply(params, stats, h, unit, taps)
       return h, (statistics, records)
 

@@ -113,13 +113,15 @@ class _Units:
     self.casts: dict[int, list] = {}
     self.reread: dict[int, tuple] = {}
 
-  def unit_vjp(self, k, h_in, copy):
+  def unit_vjp(self, k, h_in, copy, after=None):
     """``(h_out, vjp, floats)``: segment ``k``'s unit ``copy`` read and applied to ``h_in``, and
     the VJP from its output's float leaves to ``floats`` (the unit's float leaves, those it
     only casts as cast: :mod:`tpipe.core.programs.weight_casts`), ``h_in``'s and the side
-    inputs'."""
+    inputs'. ``after``: a value the unit's reading and running wait for (None: none)."""
     _, read, apply = self.steps[k]
     unit, side, args = read(self.staged, self.chunk, copy), self.side, self.args
+    if after is not None:
+      unit, h_in, _ = lax.optimization_barrier((unit, h_in, after))
 
     def f(unit_floats, h_floats, side_floats):
       h_out = apply(floats_lib.with_float_leaves(unit, unit_floats),
@@ -200,6 +202,11 @@ class _Units:
     _, read, _ = self.steps[k]
     if self.keep_residuals:
       vjp = self.kept_vjp(k, record, copy)
+    elif self.unroll is True:
+      # Unrolled, no loop orders the units: the unit's recomputation (its weights read and
+      # cast) waits for the gradient from the unit after it, so XLA neither merges it with the
+      # forward's nor runs every unit's at once, holding their activations.
+      vjp = self.unit_vjp(k, record, copy, after=carry[0])[1]
     else:
       vjp = self.unit_vjp(k, record, copy)[1]
     g_h, sums, g_side = carry

@@ -323,8 +323,9 @@ def predict(compiled, exp, schedule, chip) -> Prediction:
   # slowest branch on every tick (F's tick then also pays for B's branch); the table runs one.
   if isinstance(schedule, schedules.FusedSchedule):
     try:
-      piped = pipeline_time.pipeline_step_time(module, schedule, chip, mesh=exp.mesh,
-                                               programs=exp.pipeline.programs())
+      piped = pipeline_time.pipeline_step_time(
+          module, schedule, chip, mesh=exp.mesh, programs=exp.pipeline.programs(),
+          overlap=exp.pipeline.spec.overlap_microbatches)
       seconds, bubble, tick_by_tick = piped.seconds, max(0.0, piped.bubble), True
       exposed_by = piped.exposed_by
     except ValueError:  # No tick loop matching the table (XLA rewrote it): priced whole.

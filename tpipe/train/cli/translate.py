@@ -47,7 +47,8 @@ def spec_from_config(config: ml_collections.ConfigDict, mesh=None) -> tpipe.Pipe
       transfer_delay=startup.parse_transfer_delay(config.get("transfer_delay", "auto")),
       stream_inputs=config.get("stream_inputs", True),
       tick_costs=startup.parse_tick_costs(config.get("tick_costs", "")),
-      weight_recompute=config.get("weight_recompute", False))
+      weight_recompute=config.get("weight_recompute", False),
+      overlap_microbatches=config.get("overlap_microbatches", False))
   sweeps = config.get("tick_search", 0)
   if isinstance(sweeps, bool) or sweeps != 0:
     try:
