@@ -244,6 +244,18 @@ class RowStore:
       self.path.write_text(json.dumps(self.results, indent=1) + "\n")
 
 
+def measure_rows(run: "Run", rows: Sequence, smoke_rows: Sequence, key, measure) -> dict:
+  """Each stored row's figures by ``key(row)`` (:class:`RowStore`), after measuring the rows
+  ``--rows`` names (:func:`rows_to_compile`) with ``measure(row)``, each stored (and printed)
+  as soon as it is measured, so that an interrupted run keeps the rows it finished."""
+  store = RowStore(run)
+  for row in rows_to_compile(run, rows, smoke_rows):
+    store.results[key(row)] = measure(row)
+    print(key(row), store.results[key(row)], flush=True)
+    store.save()
+  return store.results
+
+
 def gib(n: float) -> str:
   """Bytes in GiB, two decimals (no unit)."""
   return f"{n / 2**30:.2f}"

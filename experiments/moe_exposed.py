@@ -105,12 +105,8 @@ def _key(row: moe_memory.Row) -> str:
 def main():
   run = _common.start("moe_exposed", __doc__, smoke="the first row",
                       arguments=_common.add_rows_argument)
-  store = _common.RowStore(run)
-  results = store.results
-  for row in _common.rows_to_compile(run, ROWS, ROWS[:1]):
-    results[_key(row)] = dict(measure(row), row=dataclasses.asdict(row))
-    print(_key(row), results[_key(row)], flush=True)
-    store.save()
+  results = _common.measure_rows(run, ROWS, ROWS[:1], _key,
+                                 lambda row: dict(measure(row), row=dataclasses.asdict(row)))
   table = ["| dispatch | schedule | micro-batches | peak GiB | async all-to-all pairs (work "
            "between) | predicted step s | MFU | bubble s | exposed collectives s | of which "
            "all-to-all over expert s | the actions' largest waits, s per step | compile s |",

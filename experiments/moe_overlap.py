@@ -23,10 +23,16 @@ asynchronous collective with the work the compiler put between its start and don
 table followed tick by tick, a pair of overlapped actions priced as one; not a measurement):
 the predicted time, the collective time left exposed and the expert all-to-all's part of it.
 
+Rows compile one at a time (2-5 minutes each on a 2-core machine): ``--rows=2,3`` compiles those
+rows and keeps every row's figures in ``experiments/results/moe_overlap.json``; the table shows
+every stored row beside its row without overlap (``--rows=none`` writes it from the store).
+
 Needs the TPU compiler: ``pip install -e '.[tpu]'``. ``--smoke`` compiles the first two rows.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from experiments import _common
 from experiments import moe_dispatch
@@ -36,18 +42,23 @@ ROWS = [moe_dispatch.Row(shape, (2, 4, 1), "all_to_all", schedule, overlap=overl
         for overlap in (False, True)]
 
 
+def _key(row: moe_dispatch.Row) -> str:
+  return f"{row.shape} | {row.schedule} | overlap={row.overlap}"
+
+
 def main():
-  run = _common.start("moe_overlap", __doc__, smoke="the first two rows")
-  rows = ROWS[:2] if run.smoke else ROWS
+  run = _common.start("moe_overlap", __doc__, smoke="the first two rows",
+                      arguments=_common.add_rows_argument)
+  results = _common.measure_rows(run, ROWS, ROWS[:2], _key, moe_dispatch.measure)
   table = ["| shape | schedule | micro-batches overlapped | peak MiB | async all-to-all pairs "
            "(work between) | predicted step ms | exposed collectives ms | of which all-to-all "
            "over expert ms | step vs lanes apart | peak vs lanes apart | compile s |",
            "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-  apart = {}
-  for row in rows:
-    got = moe_dispatch.measure(row)
-    print(row, got, flush=True)
-    base = apart.setdefault((row.shape, row.schedule), got)
+  for row in ROWS:
+    got = results.get(_key(row))
+    base = results.get(_key(dataclasses.replace(row, overlap=False)))
+    if got is None or base is None:
+      continue
     table.append(
         f"| {row.shape} | {row.schedule} | {'yes' if row.overlap else 'no'} | "
         f"{got['peak'] / 2 ** 20:.0f} | {got['pairs']} ({got['busy']}) | "

@@ -74,6 +74,7 @@ pass alone (:func:`forward_outputs`, also what a fused schedule's model returns 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, NamedTuple
 
@@ -163,6 +164,15 @@ def _pair_runner(pairs: list[tuple[Callable, Callable]]) -> Callable:
   return run
 
 
+def _unrolled(chunkset: chunks_lib.ChunkSet) -> chunks_lib.ChunkSet:
+  """``chunkset``'s programs with every layer loop unrolled (its spec's ``unroll=True``): the
+  same computation as straight-line code, which the compiler can interleave with other work in
+  the same conditional."""
+  unrolled = copy.copy(chunkset)
+  unrolled.spec = chunkset.spec.replace(unroll=True)
+  return unrolled
+
+
 def _one_slot(contents: dict) -> dict:
   """Slot buffers of one slot holding ``contents`` (what a branch reads at :func:`_slot_zero`)."""
   return {k: jax.tree.map(lambda a: a[None], value) for k, value in contents.items()}
@@ -223,7 +233,7 @@ class _Run:
     # included, has one layout).
     overlap = chunkset.spec.overlap_microbatches and not schedule.forward_only
     if overlap:
-      chunkset = chunkset.unrolled()
+      chunkset = _unrolled(chunkset)
     self.chunkset, self.schedule, self.axes, self.plan = chunkset, schedule, axes, plan
     self.rows_table = tick_rows.tick_rows(schedule, chunkset.branch_of_chunk, overlap)
     self.switches = tick_rows.lane_switches(schedule, chunkset.branch_of_chunk, overlap)

@@ -28,8 +28,6 @@ the backward by units (:mod:`tpipe.core.programs.unit_backward`).
 
 from __future__ import annotations
 
-import copy
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,14 +135,6 @@ class ChunkSet:
   @property
   def num_branches(self) -> int:
     return len(self.signatures)
-
-  def unrolled(self) -> "ChunkSet":
-    """These chunk programs with every repeated layer's loop unrolled whole (``unroll=True``):
-    the same computation as straight-line code, which the compiler can interleave with other
-    work in the same conditional (the paired actions of :mod:`tpipe.core.loops.fused`)."""
-    clone = copy.copy(self)
-    clone.spec = self.spec.replace(unroll=True)
-    return clone
 
   # ------------------------------------------------------------------------------------------
   # Traced lookups: a Python value when the branch serves one chunk (or R is 1).
