@@ -144,11 +144,9 @@ def row_seconds(schedule, priced: ActionSeconds) -> np.ndarray:
       schedule.action.shape)
   if not priced.pairs:
     return seconds
-  seconds = np.array(seconds, np.float64)
-  for r, s in zip(*np.nonzero(tick_rows.paired(schedule))):
-    seconds[r, s] = priced.pairs[_kind_pair(schedule, r, s)]
-    seconds[r + 1, s] = 0.0
-  return seconds
+  by_actions = {tuple(int(Action[name]) for name in kinds.split("+")): pair_seconds
+                for kinds, pair_seconds in priced.pairs.items()}
+  return conditionals_lib.pair_row_costs(schedule, schedule.action, seconds, by_actions)
 
 
 def _kind_pair(schedule, r: int, s: int) -> str:
@@ -161,10 +159,8 @@ def _runs_per_stage(schedule, overlapped: bool) -> dict[str, float]:
   in_pair = np.zeros(schedule.action.shape, bool)
   runs: dict[str, float] = {}
   if overlapped:
-    first = tick_rows.paired(schedule)
-    in_pair[:-1] |= first[:-1]
-    in_pair[1:] |= first[:-1]
-    for r, s in zip(*np.nonzero(first)):
+    in_pair = tick_rows.in_pairs(schedule)
+    for r, s in zip(*np.nonzero(tick_rows.paired(schedule))):
       kind = _kind_pair(schedule, r, s)
       runs[kind] = runs.get(kind, 0.0) + 1.0 / schedule.num_stages
   for action in Action:

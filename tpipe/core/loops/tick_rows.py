@@ -85,7 +85,7 @@ def paired(schedule: schedules.FusedSchedule) -> np.ndarray:
   return out
 
 
-def _in_pairs(schedule: schedules.FusedSchedule) -> np.ndarray:
+def in_pairs(schedule: schedules.FusedSchedule) -> np.ndarray:
   """``[R, S]`` bool: the rows of :func:`paired` pairs, first and second."""
   first = paired(schedule)
   second = np.zeros_like(first)
@@ -158,7 +158,7 @@ def _lone_branches(schedule, programs, overlap: bool) -> np.ndarray:
   """``[R, S]``: the :func:`tick_branches` numbers each lane's switch runs: :data:`IDLE` for the
   rows of pairs where ``overlap``."""
   branch, _ = tick_branches(schedule, programs)
-  return np.where(_in_pairs(schedule), IDLE, branch).astype(np.int32) if overlap else branch
+  return np.where(in_pairs(schedule), IDLE, branch).astype(np.int32) if overlap else branch
 
 
 def lane_groups(writes_sums) -> tuple[list[int], list[int]]:
