@@ -79,7 +79,7 @@ def test_a_granularity_that_fits_ends_its_group(monkeypatch):
   assert result.config.remat_granularity == "layer"
   dominated = [c.remat_granularity for c, r in result.rejected if r.startswith("dominated")]
   assert dominated == [2]
-  assert "| gpipe | 1 | full | layer | none **(chosen)** |" in autotune.format_result(result)
+  assert "| gpipe | 1 | full | layer | none | no **(chosen)** |" in autotune.format_result(result)
 
 
 @pytest.mark.unit  # No JAX computation.
@@ -201,6 +201,76 @@ def test_a_split_backward_is_tried_with_what_w_recomputes(monkeypatch):
 
 
 @pytest.mark.unit  # No JAX computation.
+def test_micro_batches_overlap_where_a_stage_spans_several_devices():
+  """overlap_microbatches is tried (lanes apart first) with the fused schedules in compound ticks
+  where config.mesh spreads a stage's replica over several devices, so there are collectives
+  inside a stage for the other micro-batch to hide; nowhere else unless asked."""
+  config = _config()
+  config.num_layers = 4
+  space = lambda **kw: autotune.candidates(config, 2, stages=[2], microbatches=[2],
+                                           remats=["none"], **kw)[0]
+  overlapped = lambda valid: {c.schedule for c in valid if c.overlap_microbatches}
+  assert overlapped(space()) == set()  # stage x data alone: nothing inside a stage to hide.
+  config.mesh.expert = 2
+  assert overlapped(space()) == {"1f1b", "interleaved_1f1b", "zb_h1", "zbv"}  # Not forward ones.
+  valid = space(schedules=["1f1b"])
+  assert [c.overlap_microbatches for c in valid] == [False, True]
+  assert valid[1].lanes_apart == valid[0] and valid[1].group != valid[0].group
+  assert valid[1].overrides() == valid[0].overrides() + " --config.overlap_microbatches=true"
+  assert autotune._apply(config, valid[1]).overlap_microbatches is True
+  assert autotune._apply(config, valid[0]).overlap_microbatches is False
+  assert overlapped(space(overlaps=[False])) == set()
+  config.mesh.expert = 1
+  every_fused = {"1f1b", "interleaved_1f1b", "zb_h1", "zbv"}
+  assert overlapped(space(overlaps=[False, True])) == every_fused
+  config.tick_costs = "plain"  # One action per tick: no two micro-batches share a tick.
+  assert overlapped(space(overlaps=[True])) == set()
+  for bad in (True, "true", [], [1], 5):
+    with pytest.raises(ValueError, match="overlaps must be None .* or a non-empty list"):
+      space(overlaps=bad)
+
+
+@pytest.mark.unit  # No JAX computation.
+def test_overlapped_micro_batches_compile_beside_lanes_apart_and_the_faster_wins(monkeypatch):
+  """The analytic step cannot see the collectives overlap hides: an overlapped candidate is
+  compiled once its point with lanes apart fits (here with remat none, so overlapped remat full
+  is compiled too when overlapped remat none is over), never where the same setting with lanes
+  apart is over budget, and the compiled steps choose. Memory and steps are made up here, to
+  test the search."""
+  config = _config()
+  config.num_layers, config.mesh.expert = 4, 2
+  compiled = []
+
+  def fake_measure(config, cand, budget_bytes, chip, topology=None):
+    compiled.append(cand)
+    memory = (6 if cand.overlap_microbatches else 4) + (cand.remat == "none")
+    step = 0.8 if cand.overlap_microbatches else 1.0
+    return autotune.Trial(cand, memory, 1.0, 1.0, 0, step, 0.0, memory <= budget_bytes)
+
+  monkeypatch.setattr(autotune, "measure", fake_measure)
+  search = dict(num_devices=2, stages=[2], microbatches=[2], remats=["none", "full"],
+                granularities=["chunk"], schedules=["1f1b"])
+  result = autotune.autotune(config, 6, **search)
+  settings = [(c.remat, c.overlap_microbatches) for c in compiled]
+  assert settings == [("none", False), ("none", True), ("full", True)]
+  assert result.best.candidate == compiled[2]
+  assert result.config.overlap_microbatches is True
+  text = autotune.format_result(result)
+  assert "| 1f1b | 1 | full | chunk | none | yes **(chosen)** |" in text
+  assert "--config.overlap_microbatches=true" in text.splitlines()[-1]
+  compiled.clear()  # Only lanes apart with remat full fits: overlapped remat none, whose
+  result = autotune.autotune(config, 4, **search)  # lanes apart is over, is not compiled.
+  assert [(c.remat, c.overlap_microbatches) for c in compiled] == [
+      ("none", False), ("full", False), ("full", True)]
+  assert not result.best.candidate.overlap_microbatches and not result.trials[2].fits
+  reasons = [r for c, r in result.rejected if c.overlap_microbatches]
+  assert any(r.startswith("pruned: the same setting with lanes apart is over budget")
+             for r in reasons), reasons
+  assert any("overlap_microbatches=true: pruned" in line
+             for line in autotune.format_result(result).splitlines())
+
+
+@pytest.mark.unit  # No JAX computation.
 def test_the_analytic_step_of_a_fused_schedule_is_its_compound_tables():
   """The trainer lays a fused schedule out in compound ticks for its per-action costs; priced by
   the one-action table's neighbour-synchronised step instead, 1F1B looked slower than GPipe and
@@ -307,10 +377,18 @@ def test_the_cli_searches_stages_x_data_and_compiles_for_its_topology(monkeypatc
   config.mesh.fsdp, config.mesh.tensor = 2, 2
   f = types.SimpleNamespace(budget_gib=None, chip=None, topology="v5p:2x2x2", stages=None,
                             microbatches=None, remats=["full"], remat_granularities=["chunk"],
-                            schedules=None, weight_recomputes=["none", "backward"])
+                            schedules=None, weight_recomputes=["none", "backward"],
+                            overlaps=None)
   autotune._search_from_flags(f, config, 8, "configs/lm.py")
   assert (seen["num_devices"], seen["topology"], seen["chip"]) == (2, "v5p:2x2x2", "v5p")
-  assert seen["weight_recomputes"] == ["none", "backward"]
+  assert seen["weight_recomputes"] == ["none", "backward"] and seen["overlaps"] is None
+  f.overlaps = ["False", "true"]
+  autotune._search_from_flags(f, config, 8, "configs/lm.py")
+  assert seen["overlaps"] == [False, True]
+  f.overlaps = ["yes"]
+  with pytest.raises(autotune.app.UsageError, match="--overlaps takes true and false, got 'yes'"):
+    autotune._search_from_flags(f, config, 8, "configs/lm.py")
+  f.overlaps = None
   with pytest.raises(autotune.app.UsageError, match="not divisible by .* = 4 devices"):
     autotune._search_from_flags(f, config, 6, "configs/lm.py")
   cand = autotune.Candidate(1, 2, 2, "full")

@@ -1,6 +1,6 @@
-r"""Searches stages, micro-batches, schedule, remat and its granularity (and what a split
-backward's ``W`` recomputes) for the fastest configuration that fits in memory: the least step
-time predicted on a chip, under its HBM.
+r"""Searches stages, micro-batches, schedule, remat and its granularity (what a split backward's
+``W`` recomputes, and whether micro-batches overlap) for the fastest configuration that fits in
+memory: the least step time predicted on a chip, under its HBM.
 
 Usage::
 
@@ -25,7 +25,10 @@ circular and interleaved 1F1B every divisor >= 2 of the layers per stage), ``rem
 none/dots/full, ``remat_granularity`` in chunk/layer or ints for ``remat`` dots and full; with
 ``"none"`` nothing is recomputed, so only ``"chunk"`` is tried; for ZB-H1 and ZB-V
 ``weight_recompute`` in none/forward/backward, which trades the weight slots' memory for
-FLOPs; the space and the analytic costs are :mod:`tpipe.train.cli.search_space`) the real
+FLOPs; for a fused schedule in compound ticks where a stage's replica spans several devices
+(``config.mesh``'s fsdp x expert x tensor), ``overlap_microbatches`` off and on, which trades
+memory for collectives hidden behind the other micro-batch's compute (the experts' all-to-all);
+the space and the analytic costs are :mod:`tpipe.train.cli.search_space`) the real
 training step can be compiled ahead of time (never run) and measured with
 :mod:`tpipe.tools.analysis`. A candidate fits when its peak per-device memory (largest device)
 is at most the budget. Among those that fit, the one with
@@ -64,7 +67,12 @@ result with its reason):
   :data:`PRUNE_RATIO` of the fitting trial's;
 * analytic memory: once the parameter count is known, a candidate whose lower bound
   (:func:`~tpipe.train.cli.search_space.analytic_memory`: a stage's parameters, gradients and
-  optimizer state, and its stashed inputs) exceeds the budget is not compiled.
+  optimizer state, and its stashed inputs) exceeds the budget is not compiled;
+* micro-batches overlapped: what they save is collective time the analytic step does not
+  price, and they hold more memory than lanes apart, so an overlapped candidate is compiled
+  once its point (stages, micro-batches, schedule, repeats) with lanes apart has a fitting
+  trial, unless the same setting with lanes apart was over budget (the analytic bubble prunes
+  neither), and the compiled steps decide.
 """
 
 from __future__ import annotations
@@ -177,6 +185,8 @@ def _apply(config, candidate: Candidate):
     new.remat_granularity = str(candidate.remat_granularity)
     new.schedule = candidate.schedule
     new.weight_recompute = candidate.weight_recompute  # "none" wherever the backward is whole.
+    if candidate.overlap_microbatches or "overlap_microbatches" in new:
+      new.overlap_microbatches = candidate.overlap_microbatches
     if not schedules.is_fused(candidate.schedule) and new.get("tick_costs"):
       new.tick_costs = ""  # Compound ticks lay out fused tables; forward tables have none.
       if new.get("tick_search"):
@@ -252,6 +262,15 @@ class _Search:
       if memory > self.budget_bytes:
         return (f"pruned: analytic memory {analysis.format_bytes(memory)} (parameters, "
                 f"gradients, optimizer state and stashed inputs alone) > budget (not compiled)")
+    if cand.overlap_microbatches:
+      apart = next((t for t in self.trials if t.candidate == cand.lanes_apart), None)
+      if apart is not None and not apart.fits:
+        return ("pruned: the same setting with lanes apart is over budget, and overlapped "
+                "micro-batches hold more (not compiled)")
+      if cand.lanes_apart.group not in self.fitted:
+        return ("pruned: micro-batches overlapped are compiled only once the same point with "
+                "lanes apart fits (not compiled)")
+      return None  # The collectives it hides are not in the analytic step: compile both.
     fitting = [t.candidate for t in self.trials if t.fits]
     mesh = (cand.num_stages, cand.num_data)
     alike = min((self.steps[c] for c in fitting if (c.num_stages, c.num_data) == mesh),
@@ -334,8 +353,8 @@ def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None
              granularities: Sequence[str | int] = GRANULARITY_ORDER,
              schedules: Sequence[str] | None = None,
              weight_recomputes: Sequence[str] = WEIGHT_RECOMPUTE_ORDER,
-             chip: str = DEFAULT_CHIP, topology: str | None = None,
-             verbose: bool = False, out: Callable[[str], None] = print,
+             overlaps: Sequence[bool] | None = None, chip: str = DEFAULT_CHIP,
+             topology: str | None = None, verbose: bool = False, out: Callable[[str], None] = print,
              config_path: str = "CONFIG") -> TuneResult:
   """Finds the configuration with the least predicted step time that fits ``budget_bytes``.
 
@@ -346,8 +365,8 @@ def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None
     budget_bytes: per-device memory budget in bytes (peak of the fullest device); None: the
       chip's HBM.
     num_devices: devices to use (default ``config.num_stages * config.num_data``).
-    stages, microbatches, remats, granularities, schedules, weight_recomputes: restrict the
-      search (see :func:`candidates`).
+    stages, microbatches, remats, granularities, schedules, weight_recomputes, overlaps:
+      restrict the search (see :func:`candidates`).
     chip: the chip the step time is predicted on (:data:`tpipe.tools.chips.CHIPS`).
     topology: compile every candidate for this TPU topology (``"v5p:4x4x4"``) with the TPU
       compiler instead of for this machine's devices (:func:`measure`); None: this machine's
@@ -372,7 +391,7 @@ def autotune(config, budget_bytes: int | None = None, *, num_devices: int | None
   num_devices = num_devices or int(config.num_stages) * int(config.num_data)
   valid, invalid = candidates(config, num_devices, stages=stages, microbatches=microbatches,
                               remats=remats, granularities=granularities, schedules=schedules,
-                              weight_recomputes=weight_recomputes)
+                              weight_recomputes=weight_recomputes, overlaps=overlaps)
   search = _Search(config, int(budget_bytes), chip, out if verbose else (lambda _: None),
                    config_path=config_path, topology=topology)
   search.rejected.extend(invalid)
@@ -431,16 +450,17 @@ def format_result(result: TuneResult, config_path: str = "CONFIG") -> str:
   lines = [f"budget per device: {fb(result.budget_bytes)}; step times predicted on {result.chip}",
            "",
            "| stages | data | micro-batches | schedule | repeats | remat | granularity | "
-           "weight recompute | peak memory | fits | lockstep FLOPs | useful | "
+           "weight recompute | overlapped | peak memory | fits | lockstep FLOPs | useful | "
            "neighbour-synchronised bubble | collective bytes | predicted step | predicted MFU | "
            "compile s |",
-           "|---:|---:|---:|---|---:|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---:|---:|---:|---|---:|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
   for t in result.trials:
     c = t.candidate
     mark = " **(chosen)**" if t is result.best else ""
     lines.append(
         f"| {c.num_stages} | {c.num_data} | {c.num_microbatches} | {c.schedule} | "
-        f"{c.num_repeats} | {c.remat} | {c.remat_granularity} | {c.weight_recompute}{mark} | "
+        f"{c.num_repeats} | {c.remat} | {c.remat_granularity} | {c.weight_recompute} | "
+        f"{'yes' if c.overlap_microbatches else 'no'}{mark} | "
         f"{fb(t.memory_bytes)} | "
         f"{'yes' if t.fits else 'no'} | "
         f"{t.executed_flops:.3g} | {t.useful_fraction:.1%} | {t.simulated_bubble:.1%} | "
@@ -459,7 +479,8 @@ def format_result(result: TuneResult, config_path: str = "CONFIG") -> str:
                  f"M={cand.num_microbatches} schedule={cand.schedule} "
                  f"repeats={cand.num_repeats} remat={cand.remat} "
                  f"remat_granularity={cand.remat_granularity} "
-                 f"weight_recompute={cand.weight_recompute}: {reason}")
+                 f"weight_recompute={cand.weight_recompute}"
+                 f"{' overlap_microbatches=true' if cand.overlap_microbatches else ''}: {reason}")
   lines.append("")
   if result.best is None:
     lines.append("Nothing fits the budget: raise it, shrink the model or the batch, or allow "
@@ -491,6 +512,9 @@ def define_flags() -> None:
   flags.DEFINE_list("weight_recomputes", list(WEIGHT_RECOMPUTE_ORDER), "weight_recompute values "
                     "to try with the split-backward schedules (zb_h1, zbv): none, forward, "
                     "backward.")
+  flags.DEFINE_list("overlaps", None, "overlap_microbatches values to try with the fused "
+                    "schedules in compound ticks: false, true (default: both where config.mesh "
+                    "spans a stage's replica over several devices, else false).")
   flags.DEFINE_integer("dcn_slices", None, "Instead of the search: compare the stage, data and "
                        "fsdp axes over this many slices (DCN) and recommend one "
                        "(tpipe.train.cli.multislice).")
@@ -558,7 +582,9 @@ def _search_from_flags(f, config, num_devices: int, config_path: str) -> TuneRes
       microbatches=[int(m) for m in f.microbatches] if f.microbatches else None,
       remats=f.remats,
       granularities=[int(g) if g.isdigit() else g for g in f.remat_granularities],
-      schedules=f.schedules, weight_recomputes=f.weight_recomputes, verbose=True,
+      schedules=f.schedules, weight_recomputes=f.weight_recomputes,
+      overlaps=None if f.overlaps is None else startup.parse_bools("overlaps", f.overlaps),
+      verbose=True,
       config_path=config_path)
 
 

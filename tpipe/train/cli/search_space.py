@@ -2,8 +2,9 @@
 candidate costs analytically before anything compiles.
 
 :func:`candidates` lists every point (stages x replicas x micro-batches x schedule with each of
-its ``num_repeats`` x remat x granularity, and for a split backward x ``weight_recompute``) with
-the invalid ones and their reasons;
+its ``num_repeats`` x remat x granularity, for a split backward x ``weight_recompute``, and for a
+fused schedule in compound ticks whose stages span several devices x ``overlap_microbatches``)
+with the invalid ones and their reasons;
 :func:`analytic_step` and :func:`analytic_memory` are what :mod:`tpipe.train.cli.autotune` orders
 and prunes them by. Pure NumPy: nothing here compiles.
 """
@@ -11,6 +12,7 @@ and prunes them by. Pure NumPy: nothing here compiles.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Sequence
 
 from tpipe import schedules
@@ -66,30 +68,45 @@ class Candidate:
   remat_granularity: str | int = "chunk"
   num_repeats: int = 1
   weight_recompute: str = "none"
+  overlap_microbatches: bool = False
 
   def overrides(self) -> str:
-    """The ``--config.*`` flags that select this candidate."""
+    """The ``--config.*`` flags that select this candidate (``overlap_microbatches`` only where
+    set: configs without micro-batches overlapped have no such field)."""
     return (f"--config.num_stages={self.num_stages} --config.num_data={self.num_data} "
             f"--config.num_microbatches={self.num_microbatches} --config.remat={self.remat} "
             f"--config.schedule={self.schedule} --config.num_repeats={self.num_repeats} "
             f"--config.remat_granularity={self.remat_granularity} "
-            f"--config.weight_recompute={self.weight_recompute}")
+            f"--config.weight_recompute={self.weight_recompute}"
+            + (" --config.overlap_microbatches=true" if self.overlap_microbatches else ""))
 
   @property
   def group(self) -> tuple:
     """What its recomputation settings are tried over: all but remat, its granularity and
     ``weight_recompute``."""
     return (self.num_stages, self.num_data, self.num_microbatches, self.schedule,
-            self.num_repeats)
+            self.num_repeats, self.overlap_microbatches)
+
+  @property
+  def lanes_apart(self) -> Candidate:
+    """The same candidate with its micro-batches not overlapped (itself where they are not)."""
+    return dataclasses.replace(self, overlap_microbatches=False)
 
 
 def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_options(remats, granularities, names, weight_recomputes
-                   ) -> tuple[list, list, list, list]:
+def _check_options(remats, granularities, names, weight_recomputes, overlaps
+                   ) -> tuple[list, list, list, list, list | None]:
   """The search options, checked and deduplicated (remats cheapest in FLOPs first)."""
+  if overlaps is not None:
+    bools = isinstance(overlaps, (list, tuple)) and all(isinstance(o, bool) for o in overlaps)
+    if not bools or not overlaps:
+      raise ValueError(f"overlaps must be None (tried where stages span several devices) or a "
+                       f"non-empty list of overlap_microbatches values (True, False), got "
+                       f"{overlaps!r}.")
+    overlaps = list(dict.fromkeys(overlaps))
   if isinstance(weight_recomputes, str) or not weight_recomputes:
     raise ValueError(f"weight_recomputes must be a non-empty list of weight_recompute values "
                      f"{WEIGHT_RECOMPUTE_ORDER}, got {weight_recomputes!r}.")
@@ -112,7 +129,25 @@ def _check_options(remats, granularities, names, weight_recomputes
     if name not in known:
       raise ValueError(f"Unknown schedule {name!r} in schedules; choose from {known}.")
   return (remats, list(dict.fromkeys(granularities)), names,
-          list(dict.fromkeys(weight_recomputes)))
+          list(dict.fromkeys(weight_recomputes)), overlaps)
+
+
+def overlap_options(config, schedule: str, overlaps: Sequence[bool] | None) -> list[bool]:
+  """The ``overlap_microbatches`` values ``schedule`` is tried with: lanes apart (False) alone
+  for a forward schedule or one tick per action (``config.tick_costs="plain"``), where no two
+  micro-batches share a tick; else ``overlaps``, or where None both, lanes apart first, when a
+  stage's replica spans several devices (``config.mesh``'s fsdp x expert x tensor > 1: collectives
+  inside a stage, such as the experts' all-to-all, for the other micro-batch's compute to hide),
+  lanes apart alone when it does not (nothing to hide, more memory)."""
+  plain = startup.parse_tick_costs(config.get("tick_costs", "")) == "plain"
+  if not schedules.is_fused(schedule) or plain:
+    return [False]
+  if overlaps is None:
+    spans = 1
+    for size in startup.mesh_sizes(config).values():
+      spans *= size
+    return [False, True] if spans > 1 else [False]
+  return list(overlaps)
 
 
 def recompute_options(schedule: str, remats: Sequence[str], granularities: Sequence[str | int],
@@ -140,7 +175,8 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
                remats: Sequence[str] = REMAT_ORDER,
                granularities: Sequence[str | int] = GRANULARITY_ORDER,
                schedules: Sequence[str] | None = None,
-               weight_recomputes: Sequence[str] = WEIGHT_RECOMPUTE_ORDER
+               weight_recomputes: Sequence[str] = WEIGHT_RECOMPUTE_ORDER,
+               overlaps: Sequence[bool] | None = None
                ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
   """The search space for ``config`` on ``num_devices`` devices, and the invalid points.
 
@@ -158,6 +194,8 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
       candidate's sizes is invalid.
     weight_recomputes: ``weight_recompute`` values to try with the split-backward schedules
       (ZB-H1, ZB-V).
+    overlaps: ``overlap_microbatches`` values to try with the fused schedules in compound ticks
+      (:func:`overlap_options`; None: both where a stage's replica spans several devices).
 
   Each point's recomputation settings (remat, granularity, ``weight_recompute``) go least FLOPs
   first, ties in the order given (:func:`recompute_options`).
@@ -165,8 +203,8 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
   Returns:
     ``(valid candidates, [(invalid candidate, reason)])``.
   """
-  remats, granularities, names, wrs = _check_options(remats, granularities, schedules,
-                                                     weight_recomputes)
+  remats, granularities, names, wrs, overlaps = _check_options(
+      remats, granularities, schedules, weight_recomputes, overlaps)
   stage_options = list(stages) if stages is not None else _divisors(num_devices)
   valid, invalid = [], []
   for s in stage_options:
@@ -193,9 +231,9 @@ def candidates(config, num_devices: int, *, stages: Sequence[int] | None = None,
         continue
       for name in names:
         points = _schedule_points(config, s, data, m, name, invalid)
-        for r in points:
+        for r, overlap in itertools.product(points, overlap_options(config, name, overlaps)):
           for remat, g, w in recompute_options(name, remats, granularities, wrs):
-            valid.append(Candidate(s, data, m, remat, name, g, r, w))
+            valid.append(Candidate(s, data, m, remat, name, g, r, w, overlap))
   return valid, invalid
 
 

@@ -151,6 +151,17 @@ def parse_tick_costs(value):
                      "from measured FLOPs, or 'plain' for one action per tick.") from None
 
 
+def parse_bools(name: str, texts) -> list[bool]:
+  """A list flag's ``true`` / ``false`` values (any case) as bools; a usage error naming the flag
+  for anything else."""
+  out = []
+  for text in texts:
+    if text.lower() not in ("true", "false"):
+      raise app.UsageError(f"--{name} takes true and false, got {text!r}.")
+    out.append(text.lower() == "true")
+  return out
+
+
 def define_network_flags() -> None:
   """The flags that price communication (the report's and autotune's): the chip and overrides
   of its link figures (:func:`tpipe.experimental.links.interconnect`)."""
