@@ -250,7 +250,9 @@ def test_overlapped_micro_batches_compile_beside_lanes_apart_and_the_faster_wins
   monkeypatch.setattr(autotune, "measure", fake_measure)
   search = dict(num_devices=2, stages=[2], microbatches=[2], remats=["none", "full"],
                 granularities=["chunk"], schedules=["1f1b"])
-  result = autotune.autotune(config, 6, **search)
+  lines = []
+  result = autotune.autotune(config, 6, verbose=True, out=lines.append, **search)
+  assert "about 2 compiles" in lines[0]  # The mesh's first fitting trial, and it overlapped.
   settings = [(c.remat, c.overlap_microbatches) for c in compiled]
   assert settings == [("none", False), ("none", True), ("full", True)]
   assert result.best.candidate == compiled[2]

@@ -313,9 +313,12 @@ def ordered(config, valid: Sequence[Candidate]) -> tuple[list[Candidate], dict]:
 
 def _expected_compiles(search: _Search, queue: Sequence[Candidate]) -> int:
   """How many compiles the search still expects: one per mesh (stages x replicas) with no
-  fitting trial yet, where the first candidate tried fits and prunes the rest of its mesh."""
+  fitting trial yet, where the first candidate tried fits and prunes the rest of its mesh, and
+  one more where that mesh tries micro-batches overlapped (compiled beside a fitting trial)."""
   fitted = {(t.candidate.num_stages, t.candidate.num_data) for t in search.trials if t.fits}
-  return len({(c.num_stages, c.num_data) for c in queue} - fitted)
+  meshes = {(c.num_stages, c.num_data) for c in queue} - fitted
+  overlapped = {(c.num_stages, c.num_data) for c in queue if c.overlap_microbatches}
+  return len(meshes) + len(meshes & overlapped)
 
 
 def _progress(search: _Search, done: int, queue: Sequence[Candidate], cand: Candidate,
