@@ -296,6 +296,34 @@ def test_settled_weights_never_lengthen_the_step_nor_raise_memory():
   assert _bubble_ratio(settled, ZB_H1_FULL) < 1.12
 
 
+def test_placed_weights_find_what_moving_one_w_at_a_time_cannot(monkeypatch):
+  """ZB-H1, S = 4, M = 4, B / F 2, W / F 1.5: emptying the last tick takes a W moved on every
+  stage at once, which settling (one W at a time, each into slack) never finds; the program
+  places them all and shortens the step, only W moving and no stage holding more."""
+  compound = importlib.import_module("tpipe.schedules.compound")
+  weight_settling = importlib.import_module("tpipe.schedules.weight_settling")
+  costs = {"F": 1.0, "BI": 0.5, "W": 1.5}
+  others = lambda f: [a for a in f.actions() if a[2] != "W"]
+  weights = lambda f: sorted(a[1:] for a in f.actions() if a[2] == "W")
+  cases = [(compound.pack("zb_h1", 4, 4, 1, costs, **settings), None)
+           for settings in compound.candidates("zb_h1", 4)[::7]]
+  cases.append((compound.pack("zb_h1", 4, 8, 1, costs, delays=1), 1))
+  for table, delays in cases:
+    settled = weight_settling.settle_weights(table, costs)
+    placed = weight_settling.place_weights(settled, costs)
+    assert placed.simulate(costs).neighbour <= settled.simulate(costs).neighbour + 1e-9
+    assert others(placed) == others(settled) and weights(placed) == weights(settled)
+    assert placed.awaiting_weight().max() <= settled.awaiting_weight().max()
+    assert placed.peak_in_flight().max() <= settled.peak_in_flight().max()
+    assert placed.delays == settled.delays
+  with monkeypatch.context() as patch:  # The builder's table before placing: settled.
+    patch.setattr(weight_settling, "place_weights", lambda table, costs: table)
+    table = compound.build("zb_h1", 4, 4, costs)
+  assert weight_settling.settle_weights(table, costs).simulate(costs).neighbour == 16.5
+  assert weight_settling.place_weights(table, costs).simulate(costs).neighbour == 15.5
+  assert compound.build("zb_h1", 4, 4, costs).simulate(costs).neighbour == 15.5
+
+
 def test_zb_h1_under_measured_costs_keeps_its_natural_bubble_within_15_percent():
   # Issue 19's rule at S = 8 for ZB-H1 (fused_schedules' measured costs, remat full): the
   # builder's table (W held or settled) within 1.15x the schedule's natural bubble; before

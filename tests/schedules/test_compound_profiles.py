@@ -6,8 +6,8 @@ table ``schedules.build(name, S, M, costs=)`` gives has a neighbour-synchronised
 dependency-driven step, ``simulate(costs).natural_bubble``), and ZB-V's step at most 0.90x
 GPipe's. Seeded profiles here, at S = 4 and small M to keep within the suite's budget; the
 whole sweep (S = 4 and 8, M = S .. 4 S, the measured costs) is ``experiments/compound_profiles.py``
-(results/compound_profiles.md). 1F1B and interleaved 1F1B keep it; the zero-bubble schedules do
-not yet (the xfail below, strict: it fails the day the builder meets the contract, so the marker
+(results/compound_profiles.md). 1F1B, interleaved 1F1B and here ZB-H1 keep it; ZB-V does not
+yet (the xfail below, strict: it fails the day the builder meets the contract, so the marker
 comes off then).
 """
 
@@ -70,14 +70,19 @@ def test_one_f_one_b_tables_keep_the_natural_bubble_under_every_profile():
   assert all(abs(r - 1.0) < 1e-9 for r, _, case in results if case[0] == "1f1b")
 
 
+def test_zb_h1_tables_keep_within_1_15x_of_the_natural_bubble_under_every_profile():
+  # The W of a table still longer than the natural step are placed by a mixed-integer program
+  # (weight_settling.place_weights): at S = 4, M = 4, B / F 2, W / F 1.5, 1.36x -> 1.13x.
+  results = _worst([("zb_h1", 1, 4, micro, profile) for micro in (4, 8)
+                    for profile in _profiles(4)])
+  assert results[0][0] <= BUBBLE_BOUND + 1e-9, results[0]
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 61: the zero-bubble compound tables are not yet robust to the cost profile: at "
-    "W / F = 1.5, ZB-H1 at S = 4, M = 4 reaches 1.36x its natural bubble "
-    "(experiments/results/compound_profiles.md: ZB-V up to about 2x at M = 4 S)"))
-def test_zero_bubble_tables_keep_within_1_15x_of_the_natural_bubble_under_every_profile():
+    "issue 61: ZB-V's compound tables are not yet robust to the cost profile: at W / F = 1.5, "
+    "S = 4, M = 4 it reaches 1.27x its natural bubble (experiments/results/compound_profiles.md: "
+    "up to about 2x at M = 4 S)"))
+def test_zbv_tables_keep_within_1_15x_of_the_natural_bubble_under_every_profile():
   for profile in _profiles(4):  # One case at a time: it stops at the first outside the bound.
-    ratio, _, case = _worst([("zb_h1", 1, 4, 4, profile)])[0]
-    assert ratio <= BUBBLE_BOUND + 1e-9, (ratio, case)
-  for profile in _profiles(4):
     ratio, step, case = _worst([("zbv", 2, 4, 4, profile)])[0]
     assert ratio <= BUBBLE_BOUND + 1e-9 and step <= ZBV_STEP_BOUND + 1e-9, (ratio, step, case)
