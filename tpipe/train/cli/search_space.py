@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Sequence
 
 from tpipe import schedules
@@ -143,10 +144,7 @@ def overlap_options(config, schedule: str, overlaps: Sequence[bool] | None) -> l
   if not schedules.is_fused(schedule) or plain:
     return [False]
   if overlaps is None:
-    spans = 1
-    for size in startup.mesh_sizes(config).values():
-      spans *= size
-    return [False, True] if spans > 1 else [False]
+    return [False, True] if math.prod(startup.mesh_sizes(config).values()) > 1 else [False]
   return list(overlaps)
 
 
